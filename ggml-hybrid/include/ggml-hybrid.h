@@ -1,0 +1,191 @@
+/* ggml-hybrid: the native runtime of powerinfer-cpp.
+ *
+ * This is the ONE public header: everything a user (or the Python binding) may call.
+ * The Python binding feeds the text between the CFFI-BEGIN and CFFI-END markers to
+ * cffi's cdef, so that region holds plain C declarations only (no macros, no
+ * preprocessor lines, no inline functions).
+ *
+ * Conventions: opaque handles; every fallible call returns gh_status and, on failure,
+ * leaves a human-readable message in gh_last_error() (thread-local). Untrusted input
+ * (files, token ids, sizes) never aborts the process.
+ */
+#ifndef GGML_HYBRID_H
+#define GGML_HYBRID_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* CFFI-BEGIN */
+
+typedef enum {
+    GH_OK              = 0,
+    GH_ERR_IO          = 1,  /* cannot open / read / map a file */
+    GH_ERR_FORMAT      = 2,  /* malformed or inconsistent file */
+    GH_ERR_UNSUPPORTED = 3,  /* valid but not supported (architecture, type, ...) */
+    GH_ERR_INVALID_ARG = 4,  /* bad argument from the caller */
+    GH_ERR_OOM         = 5,  /* allocation failed */
+    GH_ERR_RANGE       = 6   /* out of range: token id, context full, ... */
+} gh_status;
+
+/* Tensor types; the numeric values are the GGML type ids used in GGUF files. */
+typedef enum {
+    GH_TYPE_F32  = 0,
+    GH_TYPE_F16  = 1,
+    GH_TYPE_Q4_0 = 2,
+    GH_TYPE_Q8_0 = 8,
+    GH_TYPE_BF16 = 30
+} gh_type;
+
+/* FFN activation kinds (how gate and up combine). */
+typedef enum {
+    GH_ACT_SILU  = 0,  /* SwiGLU: silu(gate) * up            (Llama-2/3, Mistral) */
+    GH_ACT_RELU  = 1,  /* ReGLU:  relu(gate) * up            (ReluLLaMA, ProSparse) */
+    GH_ACT_DRELU = 2,  /* dReLU:  relu(gate) * relu(up)      (Bamboo, TurboSparse) */
+    GH_ACT_GELU  = 3   /* GeGLU:  gelu_tanh(gate) * up */
+} gh_act;
+
+/* SIMD levels for the CPU kernels; GH_SIMD_AUTO picks the best the CPU has. */
+typedef enum {
+    GH_SIMD_AUTO   = -1,
+    GH_SIMD_SCALAR = 0,
+    GH_SIMD_AVX2   = 1,
+    GH_SIMD_AVX512 = 2
+} gh_simd;
+
+const char * gh_last_error(void);
+const char * gh_version(void);
+/* Best SIMD level this CPU supports. */
+int gh_simd_supported(void);
+/* Force a SIMD level for all later kernel calls (tests); returns the previous level,
+ * or -2 if the CPU cannot run the requested level. */
+int gh_simd_set(int level);
+int gh_simd_get(void);
+
+/* ---- tensor types and ops on raw buffers (used by tests and tools) ---- */
+
+/* Bytes of one row of n elements; 0 if n is not a multiple of the block size. */
+size_t gh_type_row_size(int type, int64_t n);
+int64_t gh_type_block_size(int type);
+const char * gh_type_name(int type);
+gh_status gh_quantize_row(int type, const float * src, void * dst, int64_t n);
+gh_status gh_dequantize_row(int type, const void * src, float * dst, int64_t n);
+
+/* y[t, r] = sum_c W[r, c] * x[t, c] for t < n_tokens, r < rows; W is rows x cols of
+ * `type` (row-major, rows contiguous as in GGUF), x and y are f32. */
+gh_status gh_op_matmul(int type, const void * w, int64_t rows, int64_t cols,
+                       const float * x, int64_t n_tokens, float * y, int n_threads);
+/* y = x / rms(x) * w over rows of length n (n_rows rows). */
+gh_status gh_op_rmsnorm(const float * x, const float * w, int64_t n, int64_t n_rows,
+                        float eps, float * y);
+/* In-place rotary embedding of x [n_tokens][n_head][head_dim] at positions pos[];
+ * neox = 0 rotates adjacent pairs (GGUF llama layout), 1 rotates halves. */
+gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
+                     const int32_t * pos, float theta, int neox);
+/* out[t][i] = act(gate[t][i]) * up[t][i] (see gh_act). */
+gh_status gh_op_glu(int act, const float * gate, const float * up, float * out, int64_t n);
+/* Causal attention of n_tokens queries at positions n_past.. over a cache of
+ * n_past + n_tokens keys/values. q: [n_tokens][n_head][head_dim];
+ * k, v: [n_kv_total][n_head_kv][head_dim]; out: [n_tokens][n_head][head_dim]. */
+gh_status gh_op_attention(const float * q, const float * k, const float * v, float * out,
+                          int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
+                          int head_dim, int n_threads);
+
+/* ---- GGUF files (the same reader the model loader uses) ---- */
+
+typedef struct gh_gguf gh_gguf;
+gh_status gh_gguf_open(const char * path, gh_gguf ** out);
+/* Parses a GGUF image in memory; the buffer must outlive the handle. */
+gh_status gh_gguf_open_memory(const void * data, size_t size, gh_gguf ** out);
+void gh_gguf_close(gh_gguf * g);
+int64_t gh_gguf_n_kv(const gh_gguf * g);
+int64_t gh_gguf_n_tensors(const gh_gguf * g);
+const char * gh_gguf_tensor_name(const gh_gguf * g, int64_t i);
+
+/* ---- models and contexts ---- */
+
+typedef struct gh_model gh_model;
+typedef struct gh_context gh_context;
+
+typedef struct {
+    char    arch[32];
+    int32_t n_vocab;
+    int32_t n_ctx_train;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_ff;
+    int32_t ffn_act;       /* gh_act */
+    int32_t act_from_file; /* 1 if the file names its activation, 0 if SwiGLU was assumed */
+    int32_t tied_output;
+    int32_t bos_id;        /* -1 if none */
+    int32_t eos_id;        /* -1 if none */
+    int32_t weight_type;   /* gh_type of the FFN weights of layer 0 */
+    float   rms_eps;
+    float   rope_theta;
+    int64_t n_params;
+    int64_t n_bytes;       /* bytes of tensor data */
+} gh_model_info;
+
+gh_status gh_model_load(const char * path, gh_model ** out);
+void gh_model_free(gh_model * m);
+gh_status gh_model_info_get(const gh_model * m, gh_model_info * out);
+
+typedef struct {
+    int32_t n_ctx;      /* max tokens in the KV cache; 0 = model's training context */
+    int32_t n_batch;    /* max tokens per gh_eval call; 0 = n_ctx */
+    int32_t n_threads;  /* 0 = number of online CPUs */
+} gh_context_params;
+
+gh_context_params gh_context_default_params(void);
+gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context ** out);
+void gh_context_free(gh_context * c);
+int32_t gh_context_n_ctx(const gh_context * c);
+int32_t gh_context_n_past(const gh_context * c);
+gh_status gh_context_set_threads(gh_context * c, int32_t n_threads);
+/* Forget the cache after position n_past (0 clears it). */
+gh_status gh_context_truncate(gh_context * c, int32_t n_past);
+
+/* Run tokens at the current position and append them to the cache. With
+ * logits_all = 0 only the last token's logits are kept, else one row per token. */
+gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all);
+/* Logits of the last gh_eval: row i of the rows it kept (n_vocab floats each);
+ * i = -1 means the last row. The pointer stays valid until the next gh_eval. */
+const float * gh_get_logits(const gh_context * c, int32_t i);
+int32_t gh_n_logit_rows(const gh_context * c);
+
+/* ---- sampling ---- */
+
+typedef struct gh_sampler gh_sampler;
+
+typedef struct {
+    float    temperature;     /* <= 0: greedy */
+    int32_t  top_k;           /* <= 0: off */
+    float    top_p;           /* >= 1: off */
+    float    min_p;           /* <= 0: off */
+    float    repeat_penalty;  /* 1: off */
+    int32_t  repeat_last_n;   /* tokens of history the penalty looks at */
+    uint64_t seed;
+} gh_sampler_params;
+
+gh_sampler_params gh_sampler_default_params(void);
+gh_status gh_sampler_new(const gh_sampler_params * p, int32_t n_vocab, gh_sampler ** out);
+void gh_sampler_free(gh_sampler * s);
+/* Add a token to the history the repetition penalty sees. */
+void gh_sampler_accept(gh_sampler * s, int32_t token);
+void gh_sampler_reset(gh_sampler * s);
+/* Sample from one row of logits (n_vocab floats). Does not accept the token. */
+gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_token);
+
+/* CFFI-END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GGML_HYBRID_H */

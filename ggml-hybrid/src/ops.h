@@ -1,0 +1,33 @@
+/* CPU ops used by the forward pass. Weight tensors are rows x cols, rows contiguous. */
+#ifndef GH_OPS_H
+#define GH_OPS_H
+
+#include "common.h"
+#include "threadpool.h"
+
+typedef struct {
+    int         type;     /* gh_type */
+    int64_t     rows;     /* ne[1]: output features */
+    int64_t     cols;     /* ne[0]: input features (contiguous) */
+    const void* data;
+    size_t      row_bytes;
+} gh_weight;
+
+/* Scratch the matmul needs to convert activations to the weight's vec_dot_type:
+ * at least gh_matmul_scratch_size(w, n_tokens) bytes, 64-byte aligned. */
+size_t gh_matmul_scratch_size(const gh_weight * w, int64_t n_tokens);
+
+/* y[t][r] = W[r] . x[t]; x is [n_tokens][cols], y is [n_tokens][rows] (row stride
+ * ldy floats, so a caller can write into a wider buffer). Threads split rows. */
+void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t n_tokens,
+               float * y, int64_t ldy, void * scratch);
+
+void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
+void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox);
+void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);
+/* Causal attention over a KV cache; see gh_op_attention. Threads split (token, head). */
+void gh_attention(gh_threadpool * tp, const float * q, const float * k, const float * v,
+                  float * out, int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
+                  int head_dim, float * scratch /* n_threads * (n_past + n_tokens) floats */);
+
+#endif

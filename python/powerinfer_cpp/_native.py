@@ -21,6 +21,18 @@ class NativeError(RuntimeError):
         self.status = status
 
 
+class NativeIOError(NativeError, OSError):
+    """The runtime could not open, read or map a file."""
+
+
+class NativeValueError(NativeError, ValueError):
+    """A bad argument or an out-of-range value (token id, context overflow, ...)."""
+
+
+# gh_status -> exception class; statuses not listed raise NativeError.
+_STATUS_ERRORS = {1: NativeIOError, 4: NativeValueError, 6: NativeValueError}
+
+
 def _find(candidates: list[Path], what: str) -> Path:
     for path in candidates:
         if path.is_file():
@@ -67,4 +79,5 @@ def last_error() -> str:
 def check(status: int) -> None:
     """Raise NativeError with the native message if a gh_* call failed."""
     if status != 0:
-        raise NativeError(status, last_error() or f"native call failed with status {status}")
+        cls = _STATUS_ERRORS.get(status, NativeError)
+        raise cls(status, last_error() or f"native call failed with status {status}")

@@ -1,0 +1,535 @@
+/* Loading a LLaMA-family model from GGUF and running its forward pass on the CPU. */
+#include "model.h"
+#include "types.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------- loading -- */
+
+static gh_status get_u32_req(const gh_gguf * g, const char * key, uint32_t * out) {
+    bool err = false;
+    if (gh_gguf_get_u32(g, key, out, &err)) return GH_OK;
+    if (err) return GH_ERR_FORMAT;
+    return gh_fail(GH_ERR_FORMAT, "missing required key '%s'", key);
+}
+
+static gh_status get_u32_opt(const gh_gguf * g, const char * key, uint32_t * out, uint32_t def) {
+    bool err = false;
+    if (gh_gguf_get_u32(g, key, out, &err)) return GH_OK;
+    if (err) return GH_ERR_FORMAT;
+    *out = def;
+    return GH_OK;
+}
+
+static gh_status get_f32_opt(const gh_gguf * g, const char * key, float * out, float def) {
+    bool err = false;
+    if (gh_gguf_get_f32(g, key, out, &err)) return GH_OK;
+    if (err) return GH_ERR_FORMAT;
+    *out = def;
+    return GH_OK;
+}
+
+/* Finds a tensor and checks its shape: ne0 x ne1 (ne1 = 0 for a vector). */
+static gh_status find_tensor(const gh_gguf * g, const char * name, int64_t ne0, int64_t ne1,
+                             bool required, const gh_gguf_tensor ** out) {
+    const gh_gguf_tensor * t = gh_gguf_find_tensor(g, name);
+    *out = t;
+    if (!t) {
+        return required ? gh_fail(GH_ERR_FORMAT, "missing tensor '%s'", name) : GH_OK;
+    }
+    int want_dims = ne1 ? 2 : 1;
+    bool ok = t->ne[0] == ne0 && (ne1 ? t->ne[1] == ne1 : t->ne[1] == 1) &&
+              t->ne[2] == 1 && t->ne[3] == 1;
+    if (!ok) {
+        return gh_fail(GH_ERR_FORMAT,
+                       "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld%s%lld] "
+                       "from the model's hyper-parameters",
+                       name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
+                       (long long) t->ne[3], (long long) ne0, want_dims == 2 ? ", " : "",
+                       want_dims == 2 ? (long long) ne1 : 0LL);
+    }
+    return GH_OK;
+}
+
+static gh_status load_weight(const gh_gguf * g, const char * name, int64_t cols, int64_t rows,
+                             gh_weight * w) {
+    const gh_gguf_tensor * t;
+    gh_status st = find_tensor(g, name, cols, rows, true, &t);
+    if (st) return st;
+    w->type = t->type;
+    w->rows = rows;
+    w->cols = cols;
+    w->data = t->data;
+    w->row_bytes = gh_row_size(t->type, cols);
+    return GH_OK;
+}
+
+/* Norm vectors are tiny: keep an f32 copy whatever their stored type. */
+static gh_status load_vector(const gh_gguf * g, const char * name, int64_t n, float ** out) {
+    const gh_gguf_tensor * t;
+    gh_status st = find_tensor(g, name, n, 0, true, &t);
+    if (st) return st;
+    const gh_type_traits * tr = gh_type_traits_get(t->type);
+    if (!tr || n % tr->block_size) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "tensor '%s': type %d unsupported for a vector", name,
+                       t->type);
+    }
+    float * v = malloc((size_t) n * sizeof(float));
+    if (!v) return gh_fail(GH_ERR_OOM, "out of memory loading '%s'", name);
+    tr->to_float(t->data, v, n);
+    *out = v;
+    return GH_OK;
+}
+
+static int parse_act(const char * s) {
+    if (!strcmp(s, "silu") || !strcmp(s, "swiglu")) return GH_ACT_SILU;
+    if (!strcmp(s, "relu") || !strcmp(s, "reglu")) return GH_ACT_RELU;
+    if (!strcmp(s, "drelu")) return GH_ACT_DRELU;
+    if (!strcmp(s, "gelu") || !strcmp(s, "geglu")) return GH_ACT_GELU;
+    return -1;
+}
+
+static gh_status load_hparams(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    gh_model_info * hp = &m->info;
+    const char * arch = gh_gguf_get_str(g, "general.architecture");
+    if (!arch) return gh_fail(GH_ERR_FORMAT, "missing key 'general.architecture'");
+    /* Mistral and Qwen2-without-bias are llama-shaped; only llama is written by our
+     * converter and by llama.cpp's for these families. */
+    if (strcmp(arch, "llama") != 0) {
+        return gh_fail(GH_ERR_UNSUPPORTED,
+                       "unsupported architecture '%.64s' (supported: llama — LLaMA, Mistral and "
+                       "other llama-shaped models converted with powerinfer_cpp.convert)", arch);
+    }
+    snprintf(hp->arch, sizeof hp->arch, "%s", arch);
+
+    uint32_t n_embd, n_layer, n_ff, n_head, n_head_kv, n_ctx_train, head_dim, rope_dim;
+    gh_status st;
+    if ((st = get_u32_req(g, "llama.embedding_length", &n_embd))) return st;
+    if ((st = get_u32_req(g, "llama.block_count", &n_layer))) return st;
+    if ((st = get_u32_req(g, "llama.feed_forward_length", &n_ff))) return st;
+    if ((st = get_u32_req(g, "llama.attention.head_count", &n_head))) return st;
+    if ((st = get_u32_opt(g, "llama.attention.head_count_kv", &n_head_kv, n_head))) return st;
+    if ((st = get_u32_opt(g, "llama.context_length", &n_ctx_train, 2048))) return st;
+    if (n_embd == 0 || n_embd > (1u << 20) || n_layer == 0 || n_layer > 4096 || n_ff == 0 ||
+        n_ff > (1u << 24) || n_head == 0 || n_head > 4096 || n_head_kv == 0 ||
+        n_head % n_head_kv != 0 || n_ctx_train == 0) {
+        return gh_fail(GH_ERR_FORMAT,
+                       "inconsistent hyper-parameters: n_embd=%u n_layer=%u n_ff=%u n_head=%u "
+                       "n_head_kv=%u n_ctx=%u",
+                       n_embd, n_layer, n_ff, n_head, n_head_kv, n_ctx_train);
+    }
+    if ((st = get_u32_opt(g, "llama.attention.key_length", &head_dim, n_embd / n_head))) return st;
+    uint32_t v_dim;
+    if ((st = get_u32_opt(g, "llama.attention.value_length", &v_dim, head_dim))) return st;
+    if ((st = get_u32_opt(g, "llama.rope.dimension_count", &rope_dim, head_dim))) return st;
+    if (head_dim == 0 || head_dim % 2 || head_dim > 1024 || v_dim != head_dim) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "unsupported head size %u (value size %u)", head_dim,
+                       v_dim);
+    }
+    if (rope_dim != head_dim) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "partial rotary embeddings (%u of %u dims) unsupported",
+                       rope_dim, head_dim);
+    }
+    const char * scaling = gh_gguf_get_str(g, "llama.rope.scaling.type");
+    if (scaling && strcmp(scaling, "none") != 0) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "RoPE scaling '%.32s' is not supported yet", scaling);
+    }
+    float eps, theta;
+    if ((st = get_f32_opt(g, "llama.attention.layer_norm_rms_epsilon", &eps, 1e-5f))) return st;
+    if ((st = get_f32_opt(g, "llama.rope.freq_base", &theta, 10000.0f))) return st;
+    if (!(eps > 0 && eps < 1) || !(theta > 1)) {
+        return gh_fail(GH_ERR_FORMAT, "bad rms epsilon %g or rope base %g", eps, theta);
+    }
+
+    const char * act = gh_gguf_get_str(g, "powerinfer.ffn_activation");
+    if (act) {
+        int a = parse_act(act);
+        if (a < 0) {
+            return gh_fail(GH_ERR_UNSUPPORTED,
+                           "unknown FFN activation '%.32s' in powerinfer.ffn_activation "
+                           "(known: silu, relu, drelu, gelu)", act);
+        }
+        hp->ffn_act = a;
+        hp->act_from_file = 1;
+    } else {
+        hp->ffn_act = GH_ACT_SILU; /* what llama.cpp assumes for the llama architecture */
+        hp->act_from_file = 0;
+    }
+
+    uint32_t tok;
+    bool err = false;
+    hp->bos_id = gh_gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &tok, &err) ? (int32_t) tok : -1;
+    hp->eos_id = gh_gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &tok, &err) ? (int32_t) tok : -1;
+
+    hp->n_embd = (int32_t) n_embd;
+    hp->n_layer = (int32_t) n_layer;
+    hp->n_ff = (int32_t) n_ff;
+    hp->n_head = (int32_t) n_head;
+    hp->n_head_kv = (int32_t) n_head_kv;
+    hp->head_dim = (int32_t) head_dim;
+    hp->n_ctx_train = (int32_t) n_ctx_train;
+    hp->rms_eps = eps;
+    hp->rope_theta = theta;
+    return GH_OK;
+}
+
+static gh_status load_tensors(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    gh_model_info * hp = &m->info;
+    const int64_t d = hp->n_embd, dq = (int64_t) hp->n_head * hp->head_dim,
+                  dkv = (int64_t) hp->n_head_kv * hp->head_dim, ff = hp->n_ff;
+    gh_status st;
+
+    const gh_gguf_tensor * te = gh_gguf_find_tensor(g, "token_embd.weight");
+    if (!te) return gh_fail(GH_ERR_FORMAT, "missing tensor 'token_embd.weight'");
+    if (te->ne[1] < 1 || te->ne[1] > (1 << 24)) {
+        return gh_fail(GH_ERR_FORMAT, "token_embd.weight: bad vocabulary size %lld",
+                       (long long) te->ne[1]);
+    }
+    hp->n_vocab = (int32_t) te->ne[1];
+    if ((st = find_tensor(g, "token_embd.weight", d, hp->n_vocab, true, &te))) return st;
+    m->embd_type = te->type;
+    m->embd = te->data;
+    m->embd_row_bytes = gh_row_size(te->type, d);
+    if (m->embd_row_bytes == 0) {
+        return gh_fail(GH_ERR_FORMAT, "token_embd.weight: row of %lld elements does not fit type %s",
+                       (long long) d, gh_type_name(te->type));
+    }
+
+    if ((st = load_vector(g, "output_norm.weight", d, &m->output_norm))) return st;
+    const gh_gguf_tensor * out;
+    if ((st = find_tensor(g, "output.weight", d, hp->n_vocab, false, &out))) return st;
+    hp->tied_output = out == NULL;
+    if ((st = load_weight(g, out ? "output.weight" : "token_embd.weight", d, hp->n_vocab,
+                          &m->output))) return st;
+
+    m->layers = calloc((size_t) hp->n_layer, sizeof *m->layers);
+    if (!m->layers) return gh_fail(GH_ERR_OOM, "out of memory");
+    char name[96];
+#define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
+    for (int il = 0; il < hp->n_layer; il++) {
+        gh_layer * L = &m->layers[il];
+        if ((st = load_vector(g, BLK("attn_norm.weight"), d, &L->attn_norm))) return st;
+        if ((st = load_weight(g, BLK("attn_q.weight"), d, dq, &L->wq))) return st;
+        if ((st = load_weight(g, BLK("attn_k.weight"), d, dkv, &L->wk))) return st;
+        if ((st = load_weight(g, BLK("attn_v.weight"), d, dkv, &L->wv))) return st;
+        if ((st = load_weight(g, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
+        if ((st = load_vector(g, BLK("ffn_norm.weight"), d, &L->ffn_norm))) return st;
+        if ((st = load_weight(g, BLK("ffn_gate.weight"), d, ff, &L->gate))) return st;
+        if ((st = load_weight(g, BLK("ffn_up.weight"), d, ff, &L->up))) return st;
+        if ((st = load_weight(g, BLK("ffn_down.weight"), ff, d, &L->down))) return st;
+    }
+#undef BLK
+    hp->weight_type = m->layers[0].gate.type;
+
+    int64_t n_params = 0, n_bytes = 0;
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        const gh_gguf_tensor * t = &g->tensors[i];
+        n_params += t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
+        n_bytes += (int64_t) t->nbytes;
+    }
+    hp->n_params = n_params;
+    hp->n_bytes = n_bytes;
+    return GH_OK;
+}
+
+void gh_model_free(gh_model * m) {
+    if (!m) return;
+    if (m->layers) {
+        for (int il = 0; il < m->info.n_layer; il++) {
+            free(m->layers[il].attn_norm);
+            free(m->layers[il].ffn_norm);
+        }
+        free(m->layers);
+    }
+    free(m->output_norm);
+    gh_gguf_close(m->gguf);
+    free(m);
+}
+
+gh_status gh_model_load(const char * path, gh_model ** out) {
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: out is NULL");
+    *out = NULL;
+    if (!path) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: path is NULL");
+    gh_model * m = calloc(1, sizeof *m);
+    if (!m) return gh_fail(GH_ERR_OOM, "out of memory");
+    gh_status st = gh_gguf_open(path, &m->gguf);
+    if (!st) st = load_hparams(m);
+    if (!st) st = load_tensors(m);
+    if (st) {
+        if (m->gguf) {
+            /* Prefix the file name so the user knows which file is bad. */
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", gh_last_error());
+            gh_fail(st, "%s: %s", path, msg);
+        }
+        gh_model_free(m);
+        return st;
+    }
+    *out = m;
+    return GH_OK;
+}
+
+gh_status gh_model_info_get(const gh_model * m, gh_model_info * out) {
+    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_info_get: NULL argument");
+    *out = m->info;
+    return GH_OK;
+}
+
+/* --------------------------------------------------------------- contexts -- */
+
+gh_context_params gh_context_default_params(void) {
+    gh_context_params p = { .n_ctx = 0, .n_batch = 512, .n_threads = 0 };
+    return p;
+}
+
+static int default_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (int) GH_MIN(n, 64);
+}
+
+#define GH_MAX_THREADS 512
+
+void gh_context_free(gh_context * c) {
+    if (!c) return;
+    gh_threadpool_free(c->tp);
+    if (c->k_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->k_cache[il]);
+    if (c->v_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->v_cache[il]);
+    free(c->k_cache);
+    free(c->v_cache);
+    gh_aligned_free(c->x);
+    gh_aligned_free(c->xb);
+    gh_aligned_free(c->xb2);
+    gh_aligned_free(c->q);
+    gh_aligned_free(c->att);
+    gh_aligned_free(c->hb);
+    gh_aligned_free(c->hb2);
+    gh_aligned_free(c->att_scratch);
+    gh_aligned_free(c->mm_scratch);
+    gh_aligned_free(c->logits);
+    free(c);
+}
+
+static gh_status check_threads(int32_t n) {
+    if (n < 0 || n > GH_MAX_THREADS) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_threads must be between 1 and %d (0 = all cores), got %d",
+                       GH_MAX_THREADS, n);
+    }
+    return GH_OK;
+}
+
+static size_t max_scratch(const gh_model * m, int64_t n_tokens) {
+    size_t s = gh_matmul_scratch_size(&m->output, n_tokens);
+    for (int il = 0; il < m->info.n_layer; il++) {
+        const gh_layer * L = &m->layers[il];
+        const gh_weight * ws[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down };
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+            s = GH_MAX(s, gh_matmul_scratch_size(ws[i], n_tokens));
+        }
+    }
+    return s;
+}
+
+gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context ** out) {
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_new: out is NULL");
+    *out = NULL;
+    if (!m) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_new: model is NULL");
+    gh_context_params dp = gh_context_default_params();
+    if (!p) p = &dp;
+    const gh_model_info * hp = &m->info;
+    int32_t n_ctx = p->n_ctx > 0 ? p->n_ctx : hp->n_ctx_train;
+    if (p->n_ctx < 0 || n_ctx > (1 << 20)) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_ctx must be between 1 and %d, got %d", 1 << 20, p->n_ctx);
+    }
+    if (p->n_batch < 0) return gh_fail(GH_ERR_INVALID_ARG, "n_batch must be >= 0, got %d", p->n_batch);
+    gh_status st = check_threads(p->n_threads);
+    if (st) return st;
+    int32_t n_batch = p->n_batch > 0 ? GH_MIN(p->n_batch, n_ctx) : n_ctx;
+    int n_threads = p->n_threads > 0 ? p->n_threads : default_threads();
+
+    gh_context * c = calloc(1, sizeof *c);
+    if (!c) return gh_fail(GH_ERR_OOM, "out of memory");
+    c->model = m;
+    c->n_ctx = n_ctx;
+    c->n_batch = n_batch;
+    c->tp = gh_threadpool_new(n_threads);
+    if (!c->tp) { gh_context_free(c); return GH_ERR_OOM; }
+
+    const size_t d = hp->n_embd, dq = (size_t) hp->n_head * hp->head_dim,
+                 dkv = (size_t) hp->n_head_kv * hp->head_dim, ff = hp->n_ff, nb = n_batch;
+    bool ok = true;
+    c->k_cache = calloc((size_t) hp->n_layer, sizeof(float *));
+    c->v_cache = calloc((size_t) hp->n_layer, sizeof(float *));
+    ok = c->k_cache && c->v_cache;
+    for (int il = 0; ok && il < hp->n_layer; il++) {
+        c->k_cache[il] = gh_aligned_alloc((size_t) n_ctx * dkv * sizeof(float));
+        c->v_cache[il] = gh_aligned_alloc((size_t) n_ctx * dkv * sizeof(float));
+        ok = c->k_cache[il] && c->v_cache[il];
+    }
+    if (ok) {
+        c->x = gh_aligned_alloc(nb * d * sizeof(float));
+        c->xb = gh_aligned_alloc(nb * d * sizeof(float));
+        c->xb2 = gh_aligned_alloc(nb * d * sizeof(float));
+        c->q = gh_aligned_alloc(nb * dq * sizeof(float));
+        c->att = gh_aligned_alloc(nb * dq * sizeof(float));
+        c->hb = gh_aligned_alloc(nb * ff * sizeof(float));
+        c->hb2 = gh_aligned_alloc(nb * ff * sizeof(float));
+        c->att_scratch = gh_aligned_alloc((size_t) n_threads * n_ctx * sizeof(float));
+        c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
+        c->logits_cap = 1;
+        c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
+        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->hb && c->hb2 && c->att_scratch &&
+             c->mm_scratch && c->logits;
+    }
+    if (!ok) {
+        gh_context_free(c);
+        return gh_fail(GH_ERR_OOM, "out of memory allocating a context of %d tokens", n_ctx);
+    }
+    *out = c;
+    return GH_OK;
+}
+
+int32_t gh_context_n_ctx(const gh_context * c) { return c ? c->n_ctx : 0; }
+int32_t gh_context_n_past(const gh_context * c) { return c ? c->n_past : 0; }
+
+gh_status gh_context_set_threads(gh_context * c, int32_t n_threads) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = check_threads(n_threads);
+    if (st) return st;
+    int n = n_threads > 0 ? n_threads : default_threads();
+    if (n == gh_threadpool_n_threads(c->tp)) return GH_OK;
+    float * scratch = gh_aligned_alloc((size_t) n * c->n_ctx * sizeof(float));
+    gh_threadpool * tp = gh_threadpool_new(n);
+    if (!scratch || !tp) {
+        gh_aligned_free(scratch);
+        gh_threadpool_free(tp);
+        return gh_fail(GH_ERR_OOM, "out of memory changing the thread count");
+    }
+    gh_threadpool_free(c->tp);
+    gh_aligned_free(c->att_scratch);
+    c->tp = tp;
+    c->att_scratch = scratch;
+    return GH_OK;
+}
+
+gh_status gh_context_truncate(gh_context * c, int32_t n_past) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (n_past < 0 || n_past > c->n_past) {
+        return gh_fail(GH_ERR_RANGE, "cannot truncate to %d: the cache holds %d tokens", n_past,
+                       c->n_past);
+    }
+    c->n_past = n_past;
+    return GH_OK;
+}
+
+/* ---------------------------------------------------------- forward pass -- */
+
+static void embed(const gh_model * m, const int32_t * tokens, int64_t n, float * x) {
+    const gh_type_traits * tr = gh_type_traits_get(m->embd_type);
+    const int64_t d = m->info.n_embd;
+    for (int64_t t = 0; t < n; t++) {
+        tr->to_float(m->embd + (size_t) tokens[t] * m->embd_row_bytes, x + t * d, d);
+    }
+}
+
+static void add_inplace(float * restrict a, const float * restrict b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) a[i] += b[i];
+}
+
+enum { LOGITS_NONE, LOGITS_LAST, LOGITS_ALL };
+
+/* Runs n tokens (n <= n_batch) at positions n_past..; writes logits for no token, the
+ * last token (to row 0) or every token (to rows row0..row0+n-1). */
+static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
+                          int32_t row0) {
+    const gh_model * m = c->model;
+    const gh_model_info * hp = &m->info;
+    const int64_t d = hp->n_embd, hd = hp->head_dim, dq = (int64_t) hp->n_head * hd,
+                  dkv = (int64_t) hp->n_head_kv * hd, ff = hp->n_ff;
+    const int32_t p0 = c->n_past;
+
+    embed(m, tokens, n, c->x);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const gh_layer * L = &m->layers[il];
+        float * kc = c->k_cache[il];
+        float * vc = c->v_cache[il];
+
+        /* attention */
+        for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->attn_norm, d, hp->rms_eps, c->xb + t * d);
+        gh_matmul(c->tp, &L->wq, c->xb, n, c->q, dq, c->mm_scratch);
+        gh_matmul(c->tp, &L->wk, c->xb, n, kc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
+        gh_matmul(c->tp, &L->wv, c->xb, n, vc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
+        for (int32_t t = 0; t < n; t++) {
+            gh_rope(c->q + t * dq, hp->n_head, (int) hd, p0 + t, hp->rope_theta, 0);
+            gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, p0 + t, hp->rope_theta, 0);
+        }
+        gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd,
+                     c->att_scratch);
+        gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
+        add_inplace(c->x, c->xb2, (int64_t) n * d);
+
+        /* feed-forward */
+        for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->ffn_norm, d, hp->rms_eps, c->xb + t * d);
+        gh_matmul(c->tp, &L->gate, c->xb, n, c->hb, ff, c->mm_scratch);
+        gh_matmul(c->tp, &L->up, c->xb, n, c->hb2, ff, c->mm_scratch);
+        gh_glu(hp->ffn_act, c->hb, c->hb2, c->hb, (int64_t) n * ff);
+        gh_matmul(c->tp, &L->down, c->hb, n, c->xb2, d, c->mm_scratch);
+        add_inplace(c->x, c->xb2, (int64_t) n * d);
+    }
+
+    c->n_past += n;
+    if (which == LOGITS_NONE) return;
+    /* head: only the rows whose logits are kept */
+    const int32_t t0 = which == LOGITS_ALL ? 0 : n - 1;
+    const int32_t nt = n - t0;
+    for (int32_t t = t0; t < n; t++) gh_rmsnorm(c->x + t * d, m->output_norm, d, hp->rms_eps, c->xb + (t - t0) * d);
+    gh_matmul(c->tp, &m->output, c->xb, nt, c->logits + (size_t) row0 * hp->n_vocab, hp->n_vocab,
+              c->mm_scratch);
+}
+
+gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (!tokens || n_tokens <= 0) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval: no tokens given");
+    const int32_t n_vocab = c->model->info.n_vocab;
+    for (int32_t i = 0; i < n_tokens; i++) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            return gh_fail(GH_ERR_RANGE, "token id %d at index %d is outside the vocabulary [0, %d)",
+                           tokens[i], i, n_vocab);
+        }
+    }
+    if ((int64_t) c->n_past + n_tokens > c->n_ctx) {
+        return gh_fail(GH_ERR_RANGE,
+                       "context full: %d tokens cached + %d new > n_ctx = %d; create the context "
+                       "with a larger n_ctx or truncate it",
+                       c->n_past, n_tokens, c->n_ctx);
+    }
+    const int32_t rows = logits_all ? n_tokens : 1;
+    if (rows > c->logits_cap) {
+        float * l = gh_aligned_alloc((size_t) rows * n_vocab * sizeof(float));
+        if (!l) return gh_fail(GH_ERR_OOM, "out of memory for %d rows of logits", rows);
+        gh_aligned_free(c->logits);
+        c->logits = l;
+        c->logits_cap = rows;
+    }
+    for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
+        const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
+        const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
+        forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
+    }
+    c->n_logit_rows = rows;
+    return GH_OK;
+}
+
+const float * gh_get_logits(const gh_context * c, int32_t i) {
+    if (!c || c->n_logit_rows == 0) return NULL;
+    if (i < 0) i = c->n_logit_rows - 1;
+    if (i >= c->n_logit_rows) return NULL;
+    return c->logits + (size_t) i * c->model->info.n_vocab;
+}
+
+int32_t gh_n_logit_rows(const gh_context * c) { return c ? c->n_logit_rows : 0; }

@@ -1,0 +1,54 @@
+/* LLaMA-family model: weights loaded from a GGUF file (mmap'd, never copied except
+ * small norm vectors), and the context (KV cache + activation buffers) a forward pass
+ * runs in. */
+#ifndef GH_MODEL_H
+#define GH_MODEL_H
+
+#include "common.h"
+#include "gguf.h"
+#include "ops.h"
+#include "threadpool.h"
+
+typedef struct {
+    float *   attn_norm;   /* [n_embd], owned f32 copy */
+    gh_weight wq, wk, wv, wo;
+    float *   ffn_norm;    /* [n_embd] */
+    gh_weight gate, up, down;
+} gh_layer;
+
+struct gh_model {
+    gh_gguf *       gguf;
+    gh_model_info   info;
+    int             embd_type;
+    const uint8_t * embd;        /* token_embd rows, embd_row_bytes each */
+    size_t          embd_row_bytes;
+    float *         output_norm; /* [n_embd] */
+    gh_weight       output;      /* the head: output.weight or token_embd when tied */
+    gh_layer *      layers;
+};
+
+struct gh_context {
+    gh_model *      model;
+    gh_threadpool * tp;
+    int32_t         n_ctx;
+    int32_t         n_batch;
+    int32_t         n_past;
+    /* KV cache, per layer [n_ctx][n_head_kv * head_dim] */
+    float **        k_cache;
+    float **        v_cache;
+    /* activations for up to n_batch tokens, named after what they hold */
+    float *         x;      /* residual stream [n_batch][n_embd] */
+    float *         xb;     /* normed input [n_batch][n_embd] */
+    float *         xb2;    /* sublayer output [n_batch][n_embd] */
+    float *         q;      /* [n_batch][n_head * head_dim] */
+    float *         att;    /* attention output [n_batch][n_head * head_dim] */
+    float *         hb;     /* gate / activated [n_batch][n_ff] */
+    float *         hb2;    /* up [n_batch][n_ff] */
+    float *         att_scratch;
+    void *          mm_scratch;
+    float *         logits;         /* [logits_cap][n_vocab] */
+    int32_t         logits_cap;
+    int32_t         n_logit_rows;
+};
+
+#endif

@@ -1,0 +1,412 @@
+"""Model and Context: load a GGUF, tokenize, evaluate, generate and stream text."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from ._native import NativeValueError, check, ffi, lib
+from .tokenizer import Tokenizer, load_tokenizer
+
+_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu"}
+_TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Hyper-parameters and sizes of a loaded model."""
+
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    ffn_act: str
+    act_from_file: bool
+    tied_output: bool
+    bos_id: int
+    eos_id: int
+    weight_type: str
+    rms_eps: float
+    rope_theta: float
+    n_params: int
+    n_bytes: int
+
+
+@dataclass
+class Completion:
+    """The result of Context.generate."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string), "length" (max_tokens or context full)
+    n_prompt_tokens: int
+    timings: dict = field(default_factory=dict)
+
+
+class Model:
+    """A model loaded from a GGUF file (mmap'd; shared by all its contexts).
+
+    `Model(path, n_ctx=..., n_threads=...)` also sets up a default context, so
+    `model.generate(...)`, `model.stream(...)`, `model.eval(...)` and
+    `model.perplexity(...)` work directly; `create_context()` makes more.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
+                 n_batch: int = 512):
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model file not found: '{path}'")
+        if os.path.isdir(path):
+            raise IsADirectoryError(
+                f"'{path}' is a directory; pass a .gguf file (convert a Hugging Face folder with "
+                "`python -m powerinfer_cpp.convert DIR -o MODEL.gguf`)")
+        self.path = path
+        t0 = time.perf_counter()
+        out = ffi.new("gh_model **")
+        check(lib.gh_model_load(path.encode(), out))
+        self._ptr = out[0]
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        try:
+            info = ffi.new("gh_model_info *")
+            check(lib.gh_model_info_get(self._ptr, info))
+            self.info = _info_from_c(info)
+            self.tokenizer: Tokenizer = load_tokenizer(path)
+            if self.tokenizer.n_vocab > self.info.n_vocab:
+                raise ValueError(
+                    f"{path}: the tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
+                    f"embedding only {self.info.n_vocab}")
+            self._ctx_defaults = dict(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+            self._default_ctx: Context | None = None
+        except BaseException:
+            self.close()
+            raise
+        self.load_time = time.perf_counter() - t0
+
+    # -- lifetime ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the model and every context made from it; later use raises."""
+        for ctx in list(self._contexts):
+            ctx.close()
+        if getattr(self, "_ptr", None) is not None:
+            lib.gh_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _handle(self):
+        if self._ptr is None:
+            raise RuntimeError("this Model has been closed")
+        return self._ptr
+
+    # -- tokens -----------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return self.info.n_vocab
+
+    @property
+    def eos_id(self) -> int:
+        eos = self.tokenizer.eos_id
+        return self.info.eos_id if eos is None else eos
+
+    def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text` (BOS added as the file says unless add_bos is given)."""
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(list(ids), skip_special=skip_special)
+
+    # -- contexts ---------------------------------------------------------------
+
+    def create_context(self, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512) -> Context:
+        """A new context (own KV cache) over this model; n_ctx 0 = training context."""
+        ctx = Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+        self._contexts.add(ctx)
+        return ctx
+
+    @property
+    def context(self) -> Context:
+        """The default context, created on first use with the constructor's settings."""
+        if self._default_ctx is None or self._default_ctx._ptr is None:
+            self._default_ctx = self.create_context(**self._ctx_defaults)
+        return self._default_ctx
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
+        """Context.generate on the default context (the cache is reset first)."""
+        return self.context.generate(prompt, **kw)
+
+    def stream(self, prompt: str | Sequence[int], **kw) -> Iterator[str]:
+        """Context.stream on the default context (the cache is reset first)."""
+        return self.context.stream(prompt, **kw)
+
+    def eval(self, tokens: Sequence[int], logits_all: bool = False) -> np.ndarray:
+        """Context.eval on the default context (appends to its cache)."""
+        return self.context.eval(tokens, logits_all=logits_all)
+
+    def perplexity(self, text: str) -> float:
+        """Context.perplexity on the default context."""
+        return self.context.perplexity(text)
+
+
+def _info_from_c(c) -> ModelInfo:
+    return ModelInfo(
+        arch=ffi.string(c.arch).decode(), n_vocab=c.n_vocab, n_ctx_train=c.n_ctx_train,
+        n_embd=c.n_embd, n_layer=c.n_layer, n_head=c.n_head, n_head_kv=c.n_head_kv,
+        head_dim=c.head_dim, n_ff=c.n_ff, ffn_act=_ACT_NAMES.get(c.ffn_act, str(c.ffn_act)),
+        act_from_file=bool(c.act_from_file), tied_output=bool(c.tied_output), bos_id=c.bos_id,
+        eos_id=c.eos_id, weight_type=_TYPE_NAMES.get(c.weight_type, str(c.weight_type)),
+        rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes)
+
+
+class _Detokenizer:
+    """Turns a growing token list into text pieces, holding back incomplete UTF-8."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.prefix = 0   # ids[prefix:read] decode to the text already emitted (a window)
+        self.read = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        if full.endswith("\ufffd") or len(full) <= len(done):
+            return ""  # a multi-byte character is still incomplete (or a special token)
+        # Keep a short window so decode cost stays constant per token.
+        self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
+        return full[len(done):]
+
+
+class Context:
+    """A KV cache and scratch buffers over a Model; use from one thread at a time."""
+
+    def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512):
+        self.model = model
+        p = lib.gh_context_default_params()
+        p.n_ctx, p.n_threads, p.n_batch = int(n_ctx), int(n_threads), int(n_batch)
+        out = ffi.new("gh_context **")
+        check(lib.gh_context_new(model._handle(), ffi.new("gh_context_params *", p), out))
+        self._ptr = out[0]
+        self._tok = ffi.new("int32_t[1]")
+        self._out = ffi.new("int32_t *")
+
+    def close(self) -> None:
+        """Free the KV cache; later use raises."""
+        if getattr(self, "_ptr", None) is not None:
+            lib.gh_context_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _handle(self):
+        if self._ptr is None:
+            raise RuntimeError("this Context has been closed (or its Model was closed)")
+        return self._ptr
+
+    @property
+    def n_ctx(self) -> int:
+        return lib.gh_context_n_ctx(self._handle())
+
+    @property
+    def n_past(self) -> int:
+        return lib.gh_context_n_past(self._handle())
+
+    def set_threads(self, n_threads: int) -> None:
+        """Change the number of threads the forward pass uses (0 = all cores)."""
+        check(lib.gh_context_set_threads(self._handle(), int(n_threads)))
+
+    def reset(self, n_past: int = 0) -> None:
+        """Forget cached tokens after position n_past (default: all)."""
+        check(lib.gh_context_truncate(self._handle(), int(n_past)))
+
+    # -- evaluation ------------------------------------------------------------
+
+    def _eval(self, tokens: Sequence[int], logits_all: bool) -> None:
+        arr = np.ascontiguousarray(tokens, dtype=np.int64)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError("tokens must be a non-empty 1-D sequence of ids")
+        if arr.min() < 0 or arr.max() >= self.model.n_vocab:
+            bad = int(arr[(arr < 0) | (arr >= self.model.n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.model.n_vocab})")
+        arr32 = arr.astype(np.int32)
+        check(lib.gh_eval(self._handle(), ffi.from_buffer("int32_t[]", arr32), arr32.size,
+                          1 if logits_all else 0))
+
+    def eval(self, tokens: Sequence[int], logits_all: bool = False) -> np.ndarray:
+        """Run tokens after the cached ones; logits of the last token [n_vocab], or of
+        every token [n_tokens, n_vocab] with logits_all (a copy)."""
+        self._eval(tokens, logits_all)
+        rows = lib.gh_n_logit_rows(self._ptr)
+        nv = self.model.n_vocab
+        buf = ffi.buffer(lib.gh_get_logits(self._ptr, 0), rows * nv * 4)
+        out = np.frombuffer(buf, dtype=np.float32).reshape(rows, nv).copy()
+        return out if logits_all else out[0]
+
+    def perplexity(self, text: str) -> float:
+        """exp(mean negative log-likelihood) of `text`, in windows of n_ctx tokens."""
+        ids = self.model.tokenize(text)
+        if len(ids) < 2:
+            raise ValueError("perplexity needs a text of at least 2 tokens")
+        n_ctx = self.n_ctx
+        nll, count = 0.0, 0
+        for start in range(0, len(ids) - 1, n_ctx):
+            window = ids[start:start + n_ctx]
+            if len(window) < 2:
+                break
+            self.reset()
+            logits = self.eval(window, logits_all=True).astype(np.float64)
+            logits -= logits.max(axis=1, keepdims=True)
+            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+            tgt = np.asarray(window[1:])
+            nll -= float(logp[np.arange(len(tgt)), tgt].sum())
+            count += len(tgt)
+        self.reset()
+        return math.exp(nll / count)
+
+    # -- generation ------------------------------------------------------------
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+               temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+               min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+               seed: int | None = None, stop: str | Sequence[str] | None = None,
+               ignore_eos: bool = False, stats: Completion | None = None) -> Iterator[str]:
+        """Yield text pieces as they are generated (the cache is reset first).
+
+        temperature <= 0 is greedy. Generation ends at EOS, a stop string (not
+        included in the text), max_tokens, or when the context is full. Pass a
+        Completion as `stats` to receive tokens, finish reason and timings.
+        """
+        model = self.model
+        prompt_ids = model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        if len(prompt_ids) >= self.n_ctx:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds only {self.n_ctx}; "
+                f"use a shorter prompt or a larger n_ctx (the model was trained with "
+                f"{model.info.n_ctx_train})")
+        if max_tokens < 0:
+            raise ValueError("max_tokens must be >= 0")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        hold = max((len(s) for s in stops), default=1) - 1
+
+        sp = lib.gh_sampler_default_params()
+        sp.temperature, sp.top_k, sp.top_p, sp.min_p = temperature, top_k, top_p, min_p
+        sp.repeat_penalty, sp.repeat_last_n = repeat_penalty, repeat_last_n
+        sp.seed = (int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)) % 2**64
+        sampler_out = ffi.new("gh_sampler **")
+        check(lib.gh_sampler_new(ffi.new("gh_sampler_params *", sp), model.n_vocab, sampler_out))
+        sampler = ffi.gc(sampler_out[0], lib.gh_sampler_free)
+
+        result = stats if stats is not None else Completion("", [], "length", 0)
+        result.n_prompt_tokens = len(prompt_ids)
+        result.tokens, result.text = [], ""
+        self.reset()
+        for t in prompt_ids[-repeat_last_n:] if repeat_last_n > 0 else []:
+            lib.gh_sampler_accept(sampler, t)
+
+        t0 = time.perf_counter()
+        self._eval(prompt_ids, False)
+        t1 = time.perf_counter()
+        ctx, tok, out = self._ptr, self._tok, self._out
+        eos = model.eos_id
+        detok = _Detokenizer(model.tokenizer)
+        pending = ""   # text held back because it may be the start of a stop string
+        finish = "length"
+        n_gen = 0
+        try:
+            while n_gen < max_tokens:
+                check(lib.gh_sampler_sample(sampler, lib.gh_get_logits(ctx, -1), out))
+                token = out[0]
+                if token == eos and not ignore_eos:
+                    finish = "stop"
+                    break
+                n_gen += 1
+                result.tokens.append(token)
+                lib.gh_sampler_accept(sampler, token)
+                pending += detok.push(token)
+                cut = _find_stop(pending, stops)
+                if cut is not None:
+                    piece, finish = pending[:cut], "stop"
+                    result.text += piece
+                    if piece:
+                        yield piece
+                    pending = ""
+                    break
+                emit = len(pending) - hold if stops else len(pending)
+                if emit > 0:
+                    piece, pending = pending[:emit], pending[emit:]
+                    result.text += piece
+                    yield piece
+                if n_gen >= max_tokens or lib.gh_context_n_past(ctx) >= lib.gh_context_n_ctx(ctx):
+                    break
+                tok[0] = token
+                check(lib.gh_eval(ctx, tok, 1, 0))
+            if pending:  # held-back text that turned out not to start a stop string
+                result.text += pending
+                yield pending
+        finally:
+            t2 = time.perf_counter()
+            result.finish_reason = finish
+            result.timings = {
+                "load_s": model.load_time,
+                "prompt_s": t1 - t0,
+                "prompt_tokens": len(prompt_ids),
+                "prompt_tok_per_s": len(prompt_ids) / max(t1 - t0, 1e-9),
+                "decode_s": t2 - t1,
+                "decode_tokens": n_gen,
+                "decode_tok_per_s": max(n_gen - 1, 0) / max(t2 - t1, 1e-9) if n_gen > 1 else 0.0,
+            }
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
+        """Generate a completion; same arguments as stream()."""
+        result = Completion("", [], "length", 0)
+        for _ in self.stream(prompt, stats=result, **kw):
+            pass
+        return result
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    """Index of the earliest stop string in text, or None."""
+    best = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

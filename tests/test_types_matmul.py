@@ -1,0 +1,311 @@
+"""Tensor types (quantize / dequantize) and the matmul kernels against numpy.
+
+* Block layouts: our reference quantizers must be byte-identical to gguf-py's
+  (`gguf.quants`, itself bit-exact with ggml's reference code) for Q8_0, Q4_0 and BF16,
+  and to numpy's float16 for F16; dequantization must match exactly.
+* Matmul: every type x every SIMD level this CPU has x odd sizes x 1 and 2 threads,
+  against numpy (float64) on the *dequantized* weights and the f32 activations. The
+  error measure is the normalized squared error
+
+      err = ||y - y_ref||^2 / max(||y_ref||^2, sum_{t,r} ||W_r||^2 ||x_t||^2 / cols)
+
+  (the second term is the expected ||y_ref||^2 of random data; it keeps one-output cases
+  from dividing by a near-zero result). Bounds per type (NMSE_BOUND): f32/f16 1e-10
+  (float accumulation only); bf16 1e-4 (activations rounded to bf16: ~1e-6 expected);
+  q8_0/q4_0 1e-3 (activations quantized to 8 bits per 32-block: ~3e-5 expected).
+* SIMD levels against the scalar level (same activation conversion, so 1e-8), and
+  1 thread against 2 threads (bit-identical: threads split rows on tile boundaries).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from powerinfer_cpp._native import NativeError, check, ffi, lib
+
+F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
+TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0}
+GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0}
+BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32}
+TYPE_SIZE = {F32: 4, F16: 2, BF16: 2, Q8_0: 34, Q4_0: 18}
+NMSE_BOUND = {F32: 1e-10, F16: 1e-10, BF16: 1e-4, Q8_0: 1e-3, Q4_0: 1e-3}
+SIMD_VS_SCALAR_BOUND = 1e-8
+GH_ERR_INVALID_ARG = 4
+
+COLS = [32, 96, 4096 + 32]
+ROWS = [1, 3, 17, 257]
+TOKENS = [1, 3, 8, 33]
+
+
+def fptr(a: np.ndarray):
+    assert a.dtype == np.float32 and a.flags.c_contiguous
+    return ffi.cast("float *", a.ctypes.data)
+
+
+def vptr(a: np.ndarray):
+    assert a.flags.c_contiguous
+    return ffi.cast("void *", a.ctypes.data)
+
+
+def simd_levels() -> list[int]:
+    return list(range(int(lib.gh_simd_supported()) + 1))
+
+
+@pytest.fixture
+def simd_level(request):
+    """Run a test at one SIMD level and restore the previous one afterwards."""
+    prev = lib.gh_simd_set(request.param)
+    assert prev != -2
+    yield request.param
+    lib.gh_simd_set(prev)
+
+
+def quantize(t: int, a: np.ndarray) -> np.ndarray:
+    """Our quantizer, row by row (uint8 bytes, rows x row_size)."""
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1])
+    rs = lib.gh_type_row_size(t, a.shape[1])
+    out = np.zeros((a.shape[0], rs), dtype=np.uint8)
+    for r in range(a.shape[0]):
+        check(lib.gh_quantize_row(t, fptr(a[r]), vptr(out[r]), a.shape[1]))
+    return out
+
+
+def dequantize(t: int, q: np.ndarray, n: int) -> np.ndarray:
+    out = np.zeros((q.shape[0], n), dtype=np.float32)
+    for r in range(q.shape[0]):
+        check(lib.gh_dequantize_row(t, vptr(q[r]), fptr(out[r]), n))
+    return out
+
+
+def gguf_bytes(t: int, a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(quants.quantize(a, GGUF_QT[t])).view(np.uint8).reshape(a.shape[0], -1)
+
+
+def matmul(t: int, wq: np.ndarray, rows: int, cols: int, x: np.ndarray, n_threads: int) -> np.ndarray:
+    y = np.full((x.shape[0], rows), np.nan, dtype=np.float32)
+    check(lib.gh_op_matmul(t, vptr(wq), rows, cols, fptr(x), x.shape[0], fptr(y), n_threads))
+    return y
+
+
+def nmse(y: np.ndarray, ref: np.ndarray, w: np.ndarray, x: np.ndarray) -> float:
+    y = y.astype(np.float64)
+    ref = ref.astype(np.float64)
+    expected = float(np.sum(w.astype(np.float64) ** 2, axis=1).sum()
+                     * np.sum(x.astype(np.float64) ** 2, axis=1).sum()) / w.shape[1]
+    return float(np.sum((y - ref) ** 2)) / max(float(np.sum(ref ** 2)), expected, 1e-300)
+
+
+# ------------------------------------------------------------------- type table
+
+def test_type_table():
+    for name, t in TYPES.items():
+        assert ffi.string(lib.gh_type_name(t)).decode() == name
+        assert lib.gh_type_block_size(t) == BLOCK[t]
+        assert lib.gh_type_row_size(t, 64 * BLOCK[t]) == 64 * TYPE_SIZE[t]
+    assert lib.gh_type_row_size(Q4_0, 33) == 0
+    assert lib.gh_type_row_size(12345, 32) == 0
+    assert lib.gh_type_block_size(12345) == 0
+    assert lib.gh_type_row_size(1000, 128) == 0  # the internal activation type is not public
+
+
+def test_simd_levels():
+    sup = lib.gh_simd_supported()
+    assert 0 <= sup <= 2
+    cur = lib.gh_simd_get()
+    assert 0 <= cur <= sup
+    assert lib.gh_simd_set(sup + 1) == -2 if sup < 2 else True
+    assert lib.gh_simd_set(7) == -2
+    prev = lib.gh_simd_set(0)
+    assert prev == cur and lib.gh_simd_get() == 0
+    assert lib.gh_simd_set(-1) == 0 and lib.gh_simd_get() == sup
+    lib.gh_simd_set(cur)
+
+
+# ------------------------------------------------------------ block layouts
+
+def special_values(n: int, rng) -> np.ndarray:
+    """Rows that exercise rounding ties, zero blocks, sign of the max, subnormals."""
+    a = rng.standard_normal((6, n)).astype(np.float32)
+    a[1, :32] = 0.0                                             # all-zero block
+    a[2, :32] = np.linspace(-1, 0.5, 32, dtype=np.float32)      # max |x| is negative
+    a[3, :32] = np.float32([127.0] + [k + 0.5 for k in range(-15, 16)])  # q8_0 ties
+    a[4] *= 1e-3
+    a[5, :32] = np.float32(3.0)                                 # constant block
+    return a
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "bf16"])
+def test_quantize_matches_gguf(name):
+    t = TYPES[name]
+    rng = np.random.default_rng(1)
+    for n in (32, 96, 4096 + 32):
+        a = np.concatenate([special_values(n, rng), rng.standard_normal((8, n)).astype(np.float32) * 10])
+        ours = quantize(t, a)
+        ref = gguf_bytes(t, a)
+        assert ours.shape == ref.shape
+        assert np.array_equal(ours, ref), f"{name} n={n}: rows {np.nonzero((ours != ref).any(1))[0]}"
+        # dequantize: identical to gguf's
+        deq = dequantize(t, ours, n)
+        ref_deq = quants.dequantize(ref.reshape(-1), GGUF_QT[t]).reshape(a.shape[0], n)
+        assert np.array_equal(deq, ref_deq)
+
+
+def test_f16_matches_numpy():
+    rng = np.random.default_rng(2)
+    special = np.float32([0.0, -0.0, 1.0, -2.5, 65504.0, 65519.0, 65520.0, 1e6, -1e6, np.inf, -np.inf,
+                          6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8, 8.9e-8, 1e-10, -3e-6,
+                          1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2049.0, 2051.0])
+    # every float16 value, and values exactly half-way between neighbouring float16 values
+    all_h = np.arange(0, 1 << 16, dtype=np.uint16).view(np.float16)
+    all_h = all_h[np.isfinite(all_h)].astype(np.float32)
+    finite = np.sort(all_h[all_h >= 0])
+    mids = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    vals = np.concatenate([special, all_h, mids, -mids, rng.standard_normal(4096).astype(np.float32) * 100])
+    ours = quantize(F16, vals[None, :]).view(np.uint16)[0]
+    with np.errstate(over="ignore"):
+        ref = vals.astype(np.float16).view(np.uint16)
+    bad = np.nonzero(ours != ref)[0]
+    assert bad.size == 0, f"f16 mismatch at {vals[bad[:5]]}: {ours[bad[:5]]} vs {ref[bad[:5]]}"
+    back = dequantize(F16, ours.view(np.uint8)[None, :], len(vals))[0]
+    assert np.array_equal(back, ref.view(np.float16).astype(np.float32))
+    # NaN stays NaN
+    nan = quantize(F16, np.float32([np.nan, -np.nan])[None, :]).view(np.uint16)[0]
+    assert np.isnan(nan.view(np.float16)).all()
+
+
+def test_dequantize_round_trip():
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((4, 4096)).astype(np.float32)
+    for name, bound in [("f32", 0.0), ("f16", 1e-7), ("bf16", 1e-5), ("q8_0", 1e-4), ("q4_0", 2e-2)]:
+        t = TYPES[name]
+        back = dequantize(t, quantize(t, a), a.shape[1])
+        err = float(np.sum((back - a) ** 2) / np.sum(a ** 2))
+        assert err <= bound, f"{name}: round-trip nmse {err}"
+
+
+def test_quantize_invalid_args():
+    x = np.zeros(64, dtype=np.float32)
+    buf = np.zeros(1024, dtype=np.uint8)
+    for call in (lambda: lib.gh_quantize_row(Q4_0, fptr(x), vptr(buf), 33),
+                 lambda: lib.gh_quantize_row(99, fptr(x), vptr(buf), 32),
+                 lambda: lib.gh_quantize_row(Q8_0, fptr(x), vptr(buf), -32),
+                 lambda: lib.gh_quantize_row(Q8_0, ffi.NULL, vptr(buf), 32),
+                 lambda: lib.gh_dequantize_row(Q4_0, vptr(buf), ffi.NULL, 32),
+                 lambda: lib.gh_dequantize_row(Q8_0, vptr(buf), fptr(x), 31)):
+        with pytest.raises(NativeError) as e:
+            check(call())
+        assert e.value.status == GH_ERR_INVALID_ARG and str(e.value)
+
+
+# ---------------------------------------------------------------------- matmul
+
+_weights: dict = {}
+
+
+def weights(t: int, rows: int, cols: int):
+    """(quantized bytes, dequantized f32) of a random rows x cols matrix, cached."""
+    key = (t, rows, cols)
+    if key not in _weights:
+        rng = np.random.default_rng(rows * 7919 + cols)
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        wq = quantize(t, w)
+        _weights[key] = (wq, dequantize(t, wq, cols))
+    return _weights[key]
+
+
+def activations(n_tokens: int, cols: int) -> np.ndarray:
+    rng = np.random.default_rng(n_tokens * 131 + cols)
+    return rng.standard_normal((n_tokens, cols)).astype(np.float32)
+
+
+SHAPES = list(itertools.product(COLS, ROWS, TOKENS))
+
+
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_vs_numpy(name, simd_level):
+    t = TYPES[name]
+    worst = 0.0
+    for cols, rows, n_tokens in SHAPES:
+        wq, wd = weights(t, rows, cols)
+        x = activations(n_tokens, cols)
+        ref = x.astype(np.float64) @ wd.astype(np.float64).T
+        y1 = matmul(t, wq, rows, cols, x, 1)
+        y2 = matmul(t, wq, rows, cols, x, 2)
+        assert np.isfinite(y1).all(), (cols, rows, n_tokens)
+        assert np.array_equal(y1, y2), f"1 vs 2 threads differ at {(cols, rows, n_tokens)}"
+        err = nmse(y1, ref, wd, x)
+        worst = max(worst, err)
+        assert err < NMSE_BOUND[t], f"{name} level {simd_level} {(cols, rows, n_tokens)}: nmse {err}"
+    print(f"{name} level {simd_level}: worst nmse {worst:.2e}")
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_simd_vs_scalar(name):
+    t = TYPES[name]
+    levels = simd_levels()
+    if len(levels) == 1:
+        pytest.skip("this CPU has no SIMD level")
+    prev = lib.gh_simd_get()
+    try:
+        for cols, rows, n_tokens in [(4096 + 32, 17, 3), (96, 257, 33), (32, 3, 8), (4096 + 32, 5, 1)]:
+            wq, wd = weights(t, rows, cols)
+            x = activations(n_tokens, cols)
+            lib.gh_simd_set(0)
+            ys = matmul(t, wq, rows, cols, x, 1)
+            for level in levels[1:]:
+                lib.gh_simd_set(level)
+                y = matmul(t, wq, rows, cols, x, 2)
+                err = nmse(y, ys, wd, x)
+                assert err < SIMD_VS_SCALAR_BOUND, f"{name} level {level} {(cols, rows, n_tokens)}: {err}"
+    finally:
+        lib.gh_simd_set(prev)
+
+
+def test_matmul_extreme_values():
+    """Large and tiny magnitudes stay finite and accurate (no int16 overflow in the
+    quantized kernels: activations quantized to +-127, weights to full range)."""
+    prev = lib.gh_simd_get()
+    try:
+        rng = np.random.default_rng(5)
+        cols, rows = 256, 8
+        x = np.full((2, cols), 1e4, dtype=np.float32)
+        x[1] = -1e-4
+        for name, t in TYPES.items():
+            w = np.where(rng.random((rows, cols)) < 0.5, -1.0, 1.0).astype(np.float32) * 30
+            wq = quantize(t, w)
+            wd = dequantize(t, wq, cols)
+            ref = x.astype(np.float64) @ wd.astype(np.float64).T
+            for level in simd_levels():
+                lib.gh_simd_set(level)
+                y = matmul(t, wq, rows, cols, x, 1)
+                assert np.allclose(y, ref, rtol=1e-2, atol=0), (name, level)
+    finally:
+        lib.gh_simd_set(prev)
+
+
+def test_matmul_invalid_args():
+    w = np.zeros(4096, dtype=np.uint8)
+    x = np.zeros(256, dtype=np.float32)
+    y = np.zeros(256, dtype=np.float32)
+    bad = [
+        (99, vptr(w), 2, 32, fptr(x), 1, fptr(y), 1),          # unknown type
+        (Q4_0, vptr(w), 2, 48, fptr(x), 1, fptr(y), 1),        # cols not a block multiple
+        (F32, vptr(w), 0, 32, fptr(x), 1, fptr(y), 1),         # no rows
+        (F32, vptr(w), 2, 32, fptr(x), 0, fptr(y), 1),         # no tokens
+        (F32, vptr(w), 2, -32, fptr(x), 1, fptr(y), 1),        # negative cols
+        (F32, ffi.NULL, 2, 32, fptr(x), 1, fptr(y), 1),        # NULL weights
+        (F32, vptr(w), 2, 32, ffi.NULL, 1, fptr(y), 1),        # NULL x
+        (F32, vptr(w), 2, 32, fptr(x), 1, ffi.NULL, 1),        # NULL y
+        (F32, vptr(w), 2, 32, fptr(x), 1, fptr(y), 0),         # no threads
+        (F32, vptr(w), 1 << 62, 1 << 62, fptr(x), 1, fptr(y), 1),  # size overflow
+    ]
+    for args in bad:
+        with pytest.raises(NativeError) as e:
+            check(lib.gh_op_matmul(*args))
+        assert e.value.status == GH_ERR_INVALID_ARG and str(e.value)

@@ -1,0 +1,87 @@
+"""`python -m powerinfer_cpp.generate`: stream a completion to stdout, timings to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import default_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (flags follow llama.cpp's where they overlap)."""
+    p = argparse.ArgumentParser(
+        prog="python -m powerinfer_cpp.generate",
+        description="Generate text with a GGUF model. Without -m, runs the model shipped in "
+                    "models/ (converted to GGUF on first use).")
+    p.add_argument("-m", "--model", help="GGUF model file (default: the shipped tiny model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", help="read the prompt from this file ('-' = stdin)")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("-c", "--ctx", type=int, default=0,
+                   help="context size in tokens (default: the model's training context)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p, 1 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p, 0 = off (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="penalty window (default 64)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="RNG seed (default: random)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    p.add_argument("--no-prompt", action="store_true", help="do not echo the prompt")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    from .model import Model  # after argument parsing, so --help is instant
+
+    if args.file:
+        with (sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")) as fh:
+            prompt = fh.read()
+    else:
+        prompt = args.prompt if args.prompt is not None else default_model.DEFAULT_PROMPT
+    try:
+        path = args.model or default_model.default_model_path()
+        model = Model(path, n_ctx=args.ctx, n_threads=args.threads)
+        if not model.info.act_from_file:
+            print("note: the file does not name its FFN activation; assuming SwiGLU (SiLU), "
+                  "as llama.cpp does", file=sys.stderr)
+        from .model import Completion
+
+        stats = Completion("", [], "length", 0)
+        if not args.no_prompt:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+        for piece in model.stream(prompt, max_tokens=args.n_predict, temperature=args.temp,
+                                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                  repeat_penalty=args.repeat_penalty,
+                                  repeat_last_n=args.repeat_last_n, seed=args.seed,
+                                  stop=args.stop, ignore_eos=args.ignore_eos, stats=stats):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    t = stats.timings
+    print(f"\nmodel: {path} ({model.info.n_params / 1e6:.1f}M params, {model.info.weight_type}, "
+          f"ffn {model.info.ffn_act})\n"
+          f"load time   = {t['load_s'] * 1e3:10.2f} ms\n"
+          f"prompt eval = {t['prompt_s'] * 1e3:10.2f} ms / {t['prompt_tokens']:5d} tokens "
+          f"({t['prompt_tok_per_s']:8.2f} tokens/s)\n"
+          f"decode      = {t['decode_s'] * 1e3:10.2f} ms / {t['decode_tokens']:5d} tokens "
+          f"({t['decode_tok_per_s']:8.2f} tokens/s)\n"
+          f"finish      = {stats.finish_reason}", file=sys.stderr)
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Shared fixtures: small GGUF models made once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_DIR = TESTS_DIR.parent
+sys.path.insert(0, str(TESTS_DIR))  # tests import their helpers (hf_models) by name
+
+SHIPPED_DIR = REPO_DIR / "models" / "tiny-relu-kjv"
+
+
+@pytest.fixture(scope="session")
+def random_gguf(tmp_path_factory) -> Path:
+    """A small random-init ReLU LLaMA (GQA, tied) converted to f32 GGUF."""
+    pytest.importorskip("torch")
+    from hf_models import make_hf_model
+
+    from powerinfer_cpp.convert import convert
+
+    d = tmp_path_factory.mktemp("random-model")
+    hf_dir = make_hf_model(d / "hf", act="relu", tied=True, seed=1)
+    return Path(convert(hf_dir, d / "model.gguf", outtype="f32", progress=False))
+
+
+@pytest.fixture(scope="session")
+def shipped_gguf(tmp_path_factory) -> Path:
+    """The trained model the project ships, converted to f16 GGUF."""
+    from powerinfer_cpp.convert import convert
+
+    d = tmp_path_factory.mktemp("shipped")
+    return Path(convert(SHIPPED_DIR, d / "tiny-f16.gguf", outtype="f16", progress=False))

@@ -1,0 +1,122 @@
+"""Whole-model tests: the native runtime against Hugging Face transformers (CPU torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_models import make_hf_model, patch_drelu  # noqa: E402
+
+from powerinfer_cpp import Model  # noqa: E402
+from powerinfer_cpp.convert import convert  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _sharpen(hf_dir, seed: int) -> None:
+    """Re-draw the weights with a larger scale so logits are peaked: greedy paths of
+    random models otherwise hinge on near-ties that float rounding may flip."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / p.shape[1]) ** 0.5 * 1.5)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(hf_dir, safe_serialization=True)
+
+
+def _hf_reference(hf_dir, act: str):
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    model.eval()
+    if act == "drelu":
+        patch_drelu(model)  # transformers has no dReLU
+    return model
+
+
+def _hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+CASES = [
+    # act, tied, n_head, n_head_kv
+    ("relu", True, 4, 2),
+    ("silu", False, 4, 4),
+    ("drelu", True, 4, 1),
+    ("gelu", False, 4, 2),
+]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}-gqa{c[2]}x{c[3]}")
+def f32_pair(request, tmp_path_factory):
+    act, tied, n_head, n_head_kv = request.param
+    d = tmp_path_factory.mktemp(f"hf-{act}")
+    hf_dir = make_hf_model(d / "hf", act=act, tied=tied, n_head=n_head, n_head_kv=n_head_kv, seed=3)
+    _sharpen(hf_dir, seed=11)
+    gguf = convert(hf_dir, d / "model-f32.gguf", outtype="f32", progress=False)
+    return act, _hf_reference(hf_dir, act), Model(gguf, n_ctx=128, n_threads=2)
+
+
+def test_logits_match_transformers_f32(f32_pair):
+    act, ref, model = f32_pair
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(0, model.n_vocab, size=40)]
+    want = _hf_logits(ref, ids)
+    ctx = model.create_context(n_ctx=128)
+    got = ctx.eval(ids, logits_all=True).astype(np.float64)
+    assert got.shape == want.shape
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, f"{act}: max relative logit error {err:.2e}"
+
+
+def test_greedy_32_tokens_identical(f32_pair):
+    act, ref, model = f32_pair
+    prompt = [1, 5, 9, 17, 33]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(32):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    out = model.create_context(n_ctx=128).generate(prompt, max_tokens=32, temperature=0,
+                                                   ignore_eos=True)
+    assert out.tokens == ids[len(prompt):]
+
+
+def test_batched_prompt_equals_token_by_token(f32_pair):
+    _, _, model = f32_pair
+    ids = list(range(3, 40))
+    whole = model.create_context(n_ctx=64).eval(ids, logits_all=True)
+    # a small n_batch splits the prompt into several forward passes
+    chunked = model.create_context(n_ctx=64, n_batch=5).eval(ids, logits_all=True)
+    step = model.create_context(n_ctx=64, n_threads=1)
+    rows = [step.eval([t]) for t in ids]
+    np.testing.assert_allclose(chunked, whole, rtol=0, atol=1e-4 * np.abs(whole).max())
+    np.testing.assert_allclose(np.stack(rows), whole, rtol=0, atol=1e-4 * np.abs(whole).max())
+
+
+def test_last_logits_equal_last_row(f32_pair):
+    _, _, model = f32_pair
+    ids = [2, 4, 6, 8, 10]
+    all_rows = model.create_context(n_ctx=32).eval(ids, logits_all=True)
+    last = model.create_context(n_ctx=32).eval(ids)
+    np.testing.assert_allclose(last, all_rows[-1], rtol=0, atol=1e-5 * np.abs(last).max())
+
+
+@pytest.mark.parametrize("outtype,bound", [("f16", 2e-2), ("bf16", 6e-2), ("q8_0", 4e-2), ("q4_0", 0.25)])
+def test_quantized_logits_within_bounds(tmp_path, outtype, bound):
+    """Normalized RMS error of quantized models' logits against transformers (f32)."""
+    hf_dir = make_hf_model(tmp_path / "hf", act="relu", tied=False, n_head=4, n_head_kv=2,
+                           seed=5)
+    _sharpen(hf_dir, seed=7)
+    ref = _hf_reference(hf_dir, "relu")
+    gguf = convert(hf_dir, tmp_path / f"m-{outtype}.gguf", outtype=outtype, progress=False)
+    ids = list(range(1, 33))
+    want = _hf_logits(ref, ids)
+    with Model(gguf, n_ctx=64, n_threads=2) as model:
+        got = model.eval(ids, logits_all=True).astype(np.float64)
+    nrmse = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
+    assert nrmse < bound, f"{outtype}: normalized RMS logit error {nrmse:.3g} >= {bound}"

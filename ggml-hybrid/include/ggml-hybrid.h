@@ -104,6 +104,24 @@ void gh_gguf_close(gh_gguf * g);
 int64_t gh_gguf_n_kv(const gh_gguf * g);
 int64_t gh_gguf_n_tensors(const gh_gguf * g);
 const char * gh_gguf_tensor_name(const gh_gguf * g, int64_t i);
+/* Inspection by index (tests, tools). Value types are the GGUF ids: 0 uint8, 1 int8,
+ * 2 uint16, 3 int16, 4 uint32, 5 int32, 6 float32, 7 bool, 8 string, 9 array,
+ * 10 uint64, 11 int64, 12 float64. */
+const char * gh_gguf_kv_key(const gh_gguf * g, int64_t i);     /* NULL if out of range */
+int32_t gh_gguf_kv_type(const gh_gguf * g, int64_t i);         /* -1 if out of range */
+int64_t gh_gguf_find_key(const gh_gguf * g, const char * key); /* index; -1 if absent */
+/* Integer or bool value of key i (fails for other types and uint64 > INT64_MAX). */
+gh_status gh_gguf_kv_int(const gh_gguf * g, int64_t i, int64_t * out);
+/* Any numeric value of key i as a double. */
+gh_status gh_gguf_kv_float(const gh_gguf * g, int64_t i, double * out);
+const char * gh_gguf_kv_str(const gh_gguf * g, int64_t i);     /* NULL if not a string */
+/* Element count of array key i (element type in *elem_type); -1 if not an array. */
+int64_t gh_gguf_kv_arr(const gh_gguf * g, int64_t i, int32_t * elem_type);
+/* Tensor i: gh_type, n_dims, ne[4] (unused dims 1), offset within the data section,
+ * byte size, and a pointer to its data in the image. Any out pointer may be NULL. */
+gh_status gh_gguf_tensor_info(const gh_gguf * g, int64_t i, int32_t * type, int32_t * n_dims,
+                              int64_t * ne, uint64_t * offset, uint64_t * nbytes,
+                              const void ** data);
 
 /* ---- models and contexts ---- */
 

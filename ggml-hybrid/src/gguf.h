@@ -52,6 +52,11 @@ struct gh_gguf {
     gh_gguf_kv *    kv;
     uint64_t        n_tensors;
     gh_gguf_tensor * tensors;
+    /* open-addressing name -> index+1 tables (0 = empty slot), capacity a power of 2 */
+    uint64_t *      kv_hash;
+    uint64_t        kv_hash_cap;
+    uint64_t *      tensor_hash;
+    uint64_t        tensor_hash_cap;
 };
 
 const gh_gguf_kv * gh_gguf_find_kv(const gh_gguf * g, const char * key);
@@ -67,5 +72,8 @@ bool gh_gguf_get_bool(const gh_gguf * g, const char * key, bool * out, bool * er
 const char * gh_gguf_get_str(const gh_gguf * g, const char * key);
 /* Element count of an array key; -1 if absent or not an array. */
 int64_t gh_gguf_get_arr_n(const gh_gguf * g, const char * key);
+
+/* Name of a GGUF value type ("uint32", "string", ...); "unknown" for a bad id. */
+const char * gh_gguf_vtype_name(int type);
 
 #endif

@@ -281,10 +281,12 @@ def test_matmul_extreme_values():
             wq = quantize(t, w)
             wd = dequantize(t, wq, cols)
             ref = x.astype(np.float64) @ wd.astype(np.float64).T
+            scale = np.abs(x.astype(np.float64)) @ np.abs(wd.astype(np.float64)).T
             for level in simd_levels():
                 lib.gh_simd_set(level)
                 y = matmul(t, wq, rows, cols, x, 1)
-                assert np.allclose(y, ref, rtol=1e-2, atol=0), (name, level)
+                assert np.isfinite(y).all(), (name, level)
+                assert (np.abs(y - ref) <= 1e-2 * scale).all(), (name, level)
     finally:
         lib.gh_simd_set(prev)
 

@@ -1,8 +1,341 @@
-/* avx512 kernels (placeholder until the SIMD kernels land). */
+/* AVX-512 kernels (F, BW, VL, DQ, VNNI, VBMI, BF16; simd.c checks the CPU has them).
+ *
+ * Every type is a register tile of MR weight rows x NT tokens: the rows' data is loaded
+ * (and unpacked) once per step and used for every token of the tile, the activations
+ * once and used for every row. One tile function per type is written with MR and NT
+ * as parameters and instantiated for fixed sizes (always_inline + constant arguments),
+ * so the accumulators live in registers.
+ *
+ *   F32   x F32 : FMA
+ *   F16   x F32 : vcvtph2ps + FMA
+ *   BF16  x BF16: vdpbf16ps (32 products per instruction)
+ *   Q8_0  x Q8_X4, Q4_0 x Q8_X4: vpdpbusd on four blocks per register (one block per
+ *         128-bit lane). The weight bytes of four blocks are gathered from their 18- or
+ *         34-byte blocks with vpermt2b; VNNI wants unsigned x signed, so Q4_0 uses the
+ *         raw nibbles (0..15) and Q8_0 the bytes + 128, and the accumulator starts at
+ *         -8 (-128) times the activation block sum, which Q8_X4 carries. */
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma,f16c")
+
 #include "kernels.h"
 
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#define GH_INLINE static inline __attribute__((always_inline))
+#define MAXR 4
+#define MAXT 8
+
+/* Loads `avail` bytes (clamped to 0..64) at p, zero-filling the rest, without reading
+ * past them. */
+GH_INLINE __m512i load_part(const uint8_t * p, int64_t avail) {
+    if (avail >= 64) return _mm512_loadu_si512(p);
+    if (avail <= 0) return _mm512_setzero_si512();
+    return _mm512_maskz_loadu_epi8(((__mmask64) 1 << avail) - 1, p);
+}
+
+/* ------------------------------------------------------------------ F32, F16 */
+
+GH_INLINE __m512 load_f32(const float * p, __mmask16 m, bool full) {
+    return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+}
+
+GH_INLINE __m512 load_f16(const uint16_t * p, __mmask16 m, bool full) {
+    __m256i h = full ? _mm256_loadu_si256((const __m256i *) p) : _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_cvtph_ps(h);
+}
+
+/* is_f16: weights are fp16 (else f32); activations are f32. */
+GH_INLINE void tile_f(const int MR, const int NT, const bool is_f16, int64_t n, const void * w,
+                      size_t ws, const void * x, size_t xs, float * y, int64_t ldy) {
+    __m512 acc[MAXR][MAXT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+
+    const char * wb = w;
+    const char * xb = x;
+    for (int64_t i = 0; i < n; i += 16) {
+        const bool full = i + 16 <= n;
+        const __mmask16 m = full ? 0xffff : (__mmask16) ((1u << (n - i)) - 1);
+        __m512 wv[MAXR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            wv[r] = is_f16 ? load_f16((const uint16_t *) (wb + r * ws) + i, m, full)
+                           : load_f32((const float *) (wb + r * ws) + i, m, full);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const __m512 xv = load_f32((const float *) (xb + t * xs) + i, m, full);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* ------------------------------------------------------------------ BF16 */
+
+GH_INLINE void tile_bf16(const int MR, const int NT, int64_t n, const void * w, size_t ws,
+                         const void * x, size_t xs, float * y, int64_t ldy) {
+    __m512 acc[MAXR][MAXT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+
+    const char * wb = w;
+    const char * xb = x;
+    for (int64_t i = 0; i < n; i += 32) {
+        const bool full = i + 32 <= n;
+        const __mmask32 m = full ? 0xffffffffu : (__mmask32) ((1ull << (n - i)) - 1);
+        __m512bh wv[MAXR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const uint16_t * p = (const uint16_t *) (wb + r * ws) + i;
+            wv[r] = (__m512bh) (full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const uint16_t * p = (const uint16_t *) (xb + t * xs) + i;
+            const __m512bh xv = (__m512bh) (full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+static void bf16_from_float_x(const float * src, void * dst, int64_t n) {
+    uint16_t * d = dst;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+        _mm512_storeu_si512(d + i, (__m512i) v);
+    }
+    for (; i < n; i++) d[i] = gh_fp32_to_bf16(src[i]);
+}
+
+/* ------------------------------------------------------------------ Q8_X4 activations */
+
+/* roundf (half away from zero) of 16 floats, as the scalar reference does. */
+GH_INLINE __m512i round_away(__m512 v) {
+    const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_abs_ps(_mm512_sub_ps(v, t));
+    const __mmask16 up = _mm512_cmp_ps_mask(f, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f),
+                                    _mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32((int) 0x80000000u))));
+    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
+}
+
+static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
+    const int64_t nb = n / QK8_0;
+    const int64_t ng = (nb + 3) / 4;
+    block_q8_x4 * g = dst;
+    if (nb % 4) memset(&g[ng - 1], 0, sizeof *g);
+    for (int64_t b = 0; b < nb; b++) {
+        block_q8_x4 * yg = &g[b / 4];
+        const int i = (int) (b % 4);
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK8_0);
+        const __m512 v1 = _mm512_loadu_ps(x + b * QK8_0 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i q0 = round_away(_mm512_mul_ps(v0, vid));
+        const __m512i q1 = round_away(_mm512_mul_ps(v1, vid));
+        _mm_storeu_si128((__m128i *) &yg->qa[16 * i], _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *) &yg->qb[16 * i], _mm512_cvtepi32_epi8(q1));
+        const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        yg->nsum[4 * i] = -sum;
+        yg->nsum[4 * i + 1] = yg->nsum[4 * i + 2] = yg->nsum[4 * i + 3] = 0;
+        yg->d[4 * i] = yg->d[4 * i + 1] = yg->d[4 * i + 2] = yg->d[4 * i + 3] = d;
+    }
+}
+
+/* ------------------------------------------------------------------ Q4_0, Q8_0 */
+
+/* One weight row's group of four blocks, unpacked: unsigned bytes of values 0..15 of
+ * each block (lane i = block i), of values 16..31, and the block scales (4 per lane). */
+typedef struct {
+    __m512i lo, hi;
+    __m512  d;
+} wgroup;
+
+static const uint8_t Q4_QS_IDX[64] __attribute__((aligned(64))) = {
+#define R(i) 18 * i + 2, 18 * i + 3, 18 * i + 4, 18 * i + 5, 18 * i + 6, 18 * i + 7, 18 * i + 8, 18 * i + 9, \
+             18 * i + 10, 18 * i + 11, 18 * i + 12, 18 * i + 13, 18 * i + 14, 18 * i + 15, 18 * i + 16, 18 * i + 17
+    R(0), R(1), R(2), R(3)
+#undef R
+};
+static const uint16_t Q4_D_IDX[32] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27,
+};
+/* Q8_0: values 0..15 of block i at byte 34i + 2 of [a0 a1] (bytes 0..127 of the
+ * group); values 16..31 at byte 34i + 18, read from [c0 c1] = bytes 8..135. */
+static const uint8_t Q8_LO_IDX[64] __attribute__((aligned(64))) = {
+#define R(i) 34 * i + 2, 34 * i + 3, 34 * i + 4, 34 * i + 5, 34 * i + 6, 34 * i + 7, 34 * i + 8, 34 * i + 9, \
+             34 * i + 10, 34 * i + 11, 34 * i + 12, 34 * i + 13, 34 * i + 14, 34 * i + 15, 34 * i + 16, 34 * i + 17
+    R(0), R(1), R(2), R(3)
+#undef R
+};
+static const uint8_t Q8_HI_IDX[64] __attribute__((aligned(64))) = {
+#define R(i) 34 * i + 10, 34 * i + 11, 34 * i + 12, 34 * i + 13, 34 * i + 14, 34 * i + 15, 34 * i + 16, 34 * i + 17, \
+             34 * i + 18, 34 * i + 19, 34 * i + 20, 34 * i + 21, 34 * i + 22, 34 * i + 23, 34 * i + 24, 34 * i + 25
+    R(0), R(1), R(2), R(3)
+#undef R
+};
+static const uint16_t Q8_D_IDX[32] __attribute__((aligned(64))) = {
+    0, 0, 0, 0, 17, 17, 17, 17, 34, 34, 34, 34, 51, 51, 51, 51,
+};
+
+/* p: the group's first block; avail: bytes of the row left from p (>= one block). */
+GH_INLINE wgroup unpack_q4_0(const uint8_t * p, int64_t avail) {
+    __m512i a, b;
+    if (avail >= 4 * (int64_t) sizeof(block_q4_0)) {
+        a = _mm512_loadu_si512(p);
+        b = _mm512_maskz_loadu_epi8(0xff, p + 64);
+    } else {
+        a = load_part(p, avail);
+        b = _mm512_setzero_si512();
+    }
+    const __m512i q = _mm512_permutex2var_epi8(a, _mm512_load_si512(Q4_QS_IDX), b);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    wgroup g;
+    g.lo = _mm512_and_si512(q, m4);
+    g.hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    g.d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(Q4_D_IDX), a)));
+    return g;
+}
+
+GH_INLINE wgroup unpack_q8_0(const uint8_t * p, int64_t avail) {
+    __m512i a0, a1, c0, c1;
+    if (avail >= 4 * (int64_t) sizeof(block_q8_0)) {
+        a0 = _mm512_loadu_si512(p);
+        a1 = _mm512_loadu_si512(p + 64);
+        c0 = _mm512_loadu_si512(p + 8);
+        c1 = _mm512_loadu_si512(p + 72);
+    } else {
+        a0 = load_part(p, avail);
+        a1 = load_part(p + 64, avail - 64);
+        c0 = load_part(p + 8, avail - 8);
+        c1 = load_part(p + 72, avail - 72);
+    }
+    const __m512i bias = _mm512_set1_epi8((char) 0x80);
+    wgroup g;
+    g.lo = _mm512_xor_si512(_mm512_permutex2var_epi8(a0, _mm512_load_si512(Q8_LO_IDX), a1), bias);
+    g.hi = _mm512_xor_si512(_mm512_permutex2var_epi8(c0, _mm512_load_si512(Q8_HI_IDX), c1), bias);
+    g.d = _mm512_cvtph_ps(_mm512_castsi512_si256(
+        _mm512_permutex2var_epi16(a0, _mm512_load_si512(Q8_D_IDX), a1)));
+    return g;
+}
+
+/* is_q4: Q4_0 weights (else Q8_0); the zero point is 8 (128) times the block sum. */
+GH_INLINE void tile_q(const int MR, const int NT, const bool is_q4, int64_t n, const void * w,
+                      size_t ws, const void * x, size_t xs, float * y, int64_t ldy) {
+    __m512 acc[MAXR][MAXT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
+
+    const int64_t nb = n / 32;
+    const int64_t ng = (nb + 3) / 4;
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * wb = w;
+    const char * xb = x;
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t avail = (nb - 4 * g) * (int64_t) bs;
+        wgroup u[MAXR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const uint8_t * p = wb + r * ws + 4 * g * bs;
+            u[r] = is_q4 ? unpack_q4_0(p, avail) : unpack_q8_0(p, avail);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const block_q8_x4 * xg = (const block_q8_x4 *) (xb + t * xs) + g;
+            const __m512i nsum = _mm512_loadu_si512(xg->nsum);
+            const __m512i corr = is_q4 ? _mm512_slli_epi32(nsum, 3) : _mm512_slli_epi32(nsum, 7);
+            const __m512i xa = _mm512_loadu_si512(xg->qa);
+            const __m512i xc = _mm512_loadu_si512(xg->qb);
+            const __m512 dx = _mm512_loadu_ps(xg->d);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) {
+                __m512i s = _mm512_dpbusd_epi32(corr, u[r].lo, xa);
+                s = _mm512_dpbusd_epi32(s, u[r].hi, xc);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u[r].d, dx), acc[r][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* ------------------------------------------------------------------ dispatch */
+
+/* A full MR x NT tile, or edge tiles: nt == 1 with up to MR rows (decode), else one
+ * row at a time with up to NT tokens. */
+#define DEFINE_GEMM(name, MR, NT, TILE, ...)                                                   \
+    static void name(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, \
+                     int nt, float * y, int64_t ldy) {                                        \
+        if (nr == MR && nt == NT) { TILE(MR, NT, __VA_ARGS__ n, w, ws, x, xs, y, ldy); return; } \
+        if (nt == 1) {                                                                        \
+            switch (nr) {                                                                     \
+                case 4: TILE(4, 1, __VA_ARGS__ n, w, ws, x, xs, y, ldy); return;              \
+                case 3: TILE(3, 1, __VA_ARGS__ n, w, ws, x, xs, y, ldy); return;              \
+                case 2: TILE(2, 1, __VA_ARGS__ n, w, ws, x, xs, y, ldy); return;              \
+                default: TILE(1, 1, __VA_ARGS__ n, w, ws, x, xs, y, ldy); return;             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < nr; r++) {                                                        \
+            const char * wr = (const char *) w + r * ws;                                      \
+            for (int t = 0; t < nt; t += 4) {                                                 \
+                const char * xt = (const char *) x + t * xs;                                  \
+                float * yt = y + t * ldy + r;                                                 \
+                switch (nt - t) {                                                             \
+                    case 1: TILE(1, 1, __VA_ARGS__ n, wr, ws, xt, xs, yt, ldy); break;        \
+                    case 2: TILE(1, 2, __VA_ARGS__ n, wr, ws, xt, xs, yt, ldy); break;        \
+                    case 3: TILE(1, 3, __VA_ARGS__ n, wr, ws, xt, xs, yt, ldy); break;        \
+                    default: TILE(1, 4, __VA_ARGS__ n, wr, ws, xt, xs, yt, ldy); break;       \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+DEFINE_GEMM(gemm_f32, 4, 6, tile_f, false,)
+DEFINE_GEMM(gemm_f16, 4, 6, tile_f, true,)
+DEFINE_GEMM(gemm_bf16, 4, 6, tile_bf16,)
+DEFINE_GEMM(gemm_q8_0, 4, 3, tile_q, false,)
+DEFINE_GEMM(gemm_q4_0, 4, 3, tile_q, true,)
+
+#define DEFINE_DOT(name, gemm)                                                  \
+    static void name(int64_t n, float * s, const void * w, const void * x) {    \
+        gemm(n, w, 0, 1, x, 0, 1, s, 1);                                        \
+    }
+
+DEFINE_DOT(vec_dot_f32, gemm_f32)
+DEFINE_DOT(vec_dot_f16, gemm_f16)
+DEFINE_DOT(vec_dot_bf16, gemm_bf16)
+DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
+DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
+
 bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
-    (void) type;
-    (void) ks;
-    return false;
+    switch (type) {
+        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6 }; return true;
+        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6 }; return true;
+        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6 }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 3 }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 3 }; return true;
+        default: return false;
+    }
 }

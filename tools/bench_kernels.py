@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Micro-benchmark of the matmul kernels (not a test).
+
+For each weight type, at 1 and 2 threads:
+  * decode: matvec (one token) of a 2048x5632 and a 5632x2048 matrix; weight GB/s and
+    the decode tokens/s a 542M-parameter model of that type would reach at that rate
+    (the 542M LLaMA of docs/REFERENCE: bytes per token = 542M x bytes per weight);
+  * prompt: a 128-token matmul of the same matrices; GFLOP/s and the pp128 tokens/s of
+    the 542M model at that rate (~1.08 GFLOP per token).
+Several copies of each matrix (> L3) are cycled so decode reads from DRAM.
+
+    PYTHONPATH=python python tools/bench_kernels.py [--types f16,q4_0] [--simd 2] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from powerinfer_cpp._native import check, ffi, lib
+
+TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
+SHAPES = [(2048, 5632), (5632, 2048)]  # rows x cols
+MODEL_PARAMS = 542e6
+MODEL_FLOP_PER_TOKEN = 2 * MODEL_PARAMS
+L3_BYTES = 32 << 20
+
+
+def quantize(t: int, w: np.ndarray) -> np.ndarray:
+    rs = lib.gh_type_row_size(t, w.shape[1])
+    out = np.empty((w.shape[0], rs), dtype=np.uint8)
+    for r in range(w.shape[0]):
+        check(lib.gh_quantize_row(t, ffi.cast("float *", w[r].ctypes.data),
+                                  ffi.cast("void *", out[r].ctypes.data), w.shape[1]))
+    return out
+
+
+def run(t, wq, rows, cols, x, y, n_threads):
+    check(lib.gh_op_matmul(t, ffi.cast("void *", wq.ctypes.data), rows, cols,
+                           ffi.cast("float *", x.ctypes.data), x.shape[0],
+                           ffi.cast("float *", y.ctypes.data), n_threads))
+
+
+def bench(t, copies, rows, cols, n_tokens, n_threads, reps, min_time):
+    """Best-of-reps seconds per call, cycling through the weight copies."""
+    x = np.random.default_rng(0).standard_normal((n_tokens, cols)).astype(np.float32)
+    y = np.empty((n_tokens, rows), dtype=np.float32)
+    run(t, copies[0], rows, cols, x, y, n_threads)  # warm up (threads, page faults)
+    best = float("inf")
+    for _ in range(reps):
+        n = 0
+        t0 = time.perf_counter()
+        while True:
+            run(t, copies[n % len(copies)], rows, cols, x, y, n_threads)
+            n += 1
+            el = time.perf_counter() - t0
+            if el >= min_time and n >= len(copies):
+                break
+        best = min(best, el / n)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--simd", type=int, default=-1, help="SIMD level (0 scalar, 1 avx2, 2 avx512; -1 best)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--min-time", type=float, default=0.2)
+    ap.add_argument("--pp-tokens", type=int, default=128)
+    ap.add_argument("--no-pp", action="store_true")
+    args = ap.parse_args()
+
+    if lib.gh_simd_set(args.simd) == -2:
+        raise SystemExit(f"SIMD level {args.simd} not supported here")
+    level = ["scalar", "avx2", "avx512"][lib.gh_simd_get()]
+    threads = [int(s) for s in args.threads.split(",")]
+    print(f"SIMD level: {level}; best of {args.reps}; decode GB/s = weight bytes / time")
+    print(f"{'type':6} {'shape':>10} {'thr':>3} | {'decode us':>9} {'GB/s':>6} {'542M tok/s':>10} |"
+          f" {'pp GFLOP/s':>10} {'542M pp tok/s':>13}")
+    rng = np.random.default_rng(1)
+    for name in args.types.split(","):
+        t = TYPES[name]
+        for rows, cols in SHAPES:
+            w = rng.standard_normal((rows, cols)).astype(np.float32)
+            wq = quantize(t, w)
+            n_copies = max(1, -(-4 * L3_BYTES // wq.nbytes))
+            copies = [wq] + [wq.copy() for _ in range(n_copies - 1)]
+            bytes_per_param = wq.nbytes / (rows * cols)
+            for nth in threads:
+                dt = bench(t, copies, rows, cols, 1, nth, args.reps, args.min_time)
+                gbs = wq.nbytes / dt / 1e9
+                tok = gbs * 1e9 / (MODEL_PARAMS * bytes_per_param)
+                pp = ""
+                if not args.no_pp:
+                    dtp = bench(t, copies[:1], rows, cols, args.pp_tokens, nth, max(1, args.reps // 2),
+                                args.min_time)
+                    gflops = 2 * rows * cols * args.pp_tokens / dtp / 1e9
+                    pp = f" {gflops:10.1f} {gflops * 1e9 / MODEL_FLOP_PER_TOKEN:13.0f}"
+                print(f"{name:6} {f'{rows}x{cols}':>10} {nth:3d} | {dt * 1e6:9.0f} {gbs:6.1f} {tok:10.1f} |{pp}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,9 +25,12 @@ void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox);
 void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);
-/* Causal attention over a KV cache; see gh_op_attention. Threads split (token, head). */
+/* Causal attention over a KV cache; see gh_op_attention. Threads split tiles of the
+ * query heads that share a kv head (times a few tokens), so each K/V row is read once per
+ * GQA group. scratch is not used any more (the kernel keeps its scores on the stack): it
+ * may be NULL; callers that still pass n_threads * (n_past + n_tokens) floats are fine. */
 void gh_attention(gh_threadpool * tp, const float * q, const float * k, const float * v,
                   float * out, int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
-                  int head_dim, float * scratch /* n_threads * (n_past + n_tokens) floats */);
+                  int head_dim, float * scratch /* unused; may be NULL */);
 
 #endif

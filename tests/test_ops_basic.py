@@ -1,0 +1,471 @@
+"""Dense CPU ops (RMSNorm, RoPE, GLU activations, attention) against numpy references.
+
+References are computed in float64; errors are bounded by the normalized MSE
+(sum((out - ref)^2) / sum(ref^2)) and, where it is meaningful, elementwise. Every op runs
+at every SIMD level this CPU has (the scalar path is the reference implementation)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from powerinfer_cpp._native import NativeError, check, ffi, lib
+
+GH_ACT_SILU, GH_ACT_RELU, GH_ACT_DRELU, GH_ACT_GELU = 0, 1, 2, 3
+GH_ERR_INVALID_ARG = 4
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def fptr(a: np.ndarray):
+    assert a.dtype == np.float32 and a.flags.c_contiguous
+    return ffi.cast("float *", a.ctypes.data)
+
+
+def iptr(a: np.ndarray):
+    assert a.dtype == np.int32 and a.flags.c_contiguous
+    return ffi.cast("int32_t *", a.ctypes.data)
+
+
+def nmse(out: np.ndarray, ref: np.ndarray) -> float:
+    out = out.astype(np.float64)
+    ref = ref.astype(np.float64)
+    den = float(np.sum(ref * ref))
+    return float(np.sum((out - ref) ** 2)) / max(den, 1e-300)
+
+
+def simd_levels() -> list[int]:
+    return list(range(int(lib.gh_simd_supported()) + 1))
+
+
+@pytest.fixture(params=simd_levels(), ids=lambda l: ["scalar", "avx2", "avx512"][l])
+def simd(request):
+    prev = lib.gh_simd_set(request.param)
+    assert prev != -2
+    yield request.param
+    lib.gh_simd_set(prev)
+
+
+# ---------------------------------------------------------------------------- rmsnorm
+
+def ref_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    ms = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(ms + eps) * w.astype(np.float64)
+
+
+def run_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, y: np.ndarray | None = None):
+    n_rows, n = x.shape
+    if y is None:
+        y = np.empty_like(x)
+    check(lib.gh_op_rmsnorm(fptr(x), fptr(w), n, n_rows, eps, fptr(y)))
+    return y
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 4097])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_rmsnorm(n, scale):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((3, n)) * scale).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    for eps in (1e-6, 1e-5):
+        y = run_rmsnorm(x, w, eps)
+        ref = ref_rmsnorm(x, w, eps)
+        assert nmse(y, ref) < 1e-13
+        np.testing.assert_allclose(y, ref, rtol=5e-7, atol=0)
+
+
+def test_rmsnorm_in_place_and_zero_row():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    x[1] = 0.0
+    w = rng.standard_normal(64).astype(np.float32)
+    ref = ref_rmsnorm(x, w, 1e-5)
+    run_rmsnorm(x, w, 1e-5, y=x)  # y aliases x
+    np.testing.assert_allclose(x, ref, rtol=5e-7, atol=0)
+    assert np.all(x[1] == 0.0)
+
+
+# ---------------------------------------------------------------------------- rope
+
+def run_rope(x: np.ndarray, pos: np.ndarray, theta: float, neox: int) -> np.ndarray:
+    n_tokens, n_head, head_dim = x.shape
+    y = x.copy()
+    check(lib.gh_op_rope(fptr(y), n_tokens, n_head, head_dim, iptr(pos), theta, neox))
+    return y
+
+
+def rope_pairs(head_dim: int, neox: int):
+    half = head_dim // 2
+    i = np.arange(half)
+    return (i, i + half) if neox else (2 * i, 2 * i + 1)
+
+
+def ref_rope(x, pos, theta, neox, hf_angles: bool):
+    """Float64 rotation. hf_angles: angles rounded as HF computes them in float32
+    (inv_freq = 1 / base^(2i/d) and pos * inv_freq in float32); else exact angles."""
+    head_dim = x.shape[-1]
+    if hf_angles:
+        inv = inv_freq_f32(theta, head_dim)
+        ang = (pos.astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    else:
+        inv = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        ang = pos.astype(np.float64)[:, None] * inv[None, :]
+    c, s = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b = rope_pairs(head_dim, neox)
+    xd = x.astype(np.float64)
+    y = xd.copy()
+    y[..., a] = xd[..., a] * c - xd[..., b] * s
+    y[..., b] = xd[..., b] * c + xd[..., a] * s
+    return y
+
+
+def inv_freq_f32(theta, head_dim):
+    """HF's float32 inv_freq = 1 / base^(arange(0, d, 2) / d), with the power correctly
+    rounded to float32 (numpy's own float32 power is often 1 ulp off)."""
+    exps = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+    return np.float32(1.0) / (np.float64(theta) ** exps.astype(np.float64)).astype(np.float32)
+
+
+def hf_rope_f32(x, pos, theta):
+    """transformers' Llama rotary embedding (rotate_half) in numpy float32."""
+    head_dim = x.shape[-1]
+    inv_freq = inv_freq_f32(theta, head_dim)
+    freqs = pos.astype(np.float32)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb)[:, None, :], np.sin(emb)[:, None, :]
+    half = head_dim // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rot * sin).astype(np.float32)
+
+
+POSITIONS = np.array([0, 1, 1000, 4095], dtype=np.int32)
+
+
+@pytest.mark.parametrize("neox", [0, 1])
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rope(neox, head_dim, theta):
+    rng = np.random.default_rng(head_dim + neox)
+    n_head = 3
+    x = rng.standard_normal((len(POSITIONS), n_head, head_dim)).astype(np.float32)
+    y = run_rope(x, POSITIONS, theta, neox)
+    # Against HF's float32 angles, rotated in double: only cos/sin/rotation rounding left.
+    ref = ref_rope(x, POSITIONS, theta, neox, hf_angles=True)
+    assert nmse(y, ref) < 1e-13
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-6 * np.abs(x).max())
+    # Against exact angles: the float32 angle at position 4095 is off by up to ~2.4e-4
+    # rad (HF has the same error); a looser bound.
+    exact = ref_rope(x, POSITIONS, theta, neox, hf_angles=False)
+    assert nmse(y, exact) < 1e-7
+    # Position 0 is the identity.
+    assert np.array_equal(y[0], x[0])
+
+
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
+def test_rope_neox_matches_hf_rotate_half(head_dim):
+    rng = np.random.default_rng(7)
+    pos = np.array([0, 1, 17, 1000, 4095, 8191], dtype=np.int32)
+    x = rng.standard_normal((len(pos), 4, head_dim)).astype(np.float32)
+    y = run_rope(x, pos, 10000.0, 1)
+    hf = hf_rope_f32(x, pos, 10000.0)
+    np.testing.assert_allclose(y, hf, rtol=0, atol=2e-6 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("theta", [10000.0, 500000.0])
+def test_rope_neox_matches_torch(head_dim, theta):
+    """The rotary code of transformers' Llama, run with torch (float32 on the CPU)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    pos = np.array([0, 1, 17, 1000, 4095, 8191], dtype=np.int32)
+    x = rng.standard_normal((len(pos), 4, head_dim)).astype(np.float32)
+    y = run_rope(x, pos, theta, 1)
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    position_ids = torch.from_numpy(pos.astype(np.int64))[None, :]
+    freqs = (inv_freq[None, :, None].float() @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[0][:, None, :], emb.sin()[0][:, None, :]
+    xt = torch.from_numpy(x)
+    rot = torch.cat((-xt[..., head_dim // 2:], xt[..., : head_dim // 2]), dim=-1)
+    hf = (xt * cos + rot * sin).numpy()
+    # torch's pow is occasionally 1 ulp off the correctly rounded value we compute, which
+    # moves an angle at position 8191 by up to ~1e-5 rad.
+    np.testing.assert_allclose(y, hf, rtol=0, atol=2e-5 * np.abs(x).max())
+    assert nmse(y, hf) < 1e-12
+
+
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
+def test_rope_layouts_are_a_permutation(head_dim):
+    """neox=0 on (x[i], x[i+half]) interleaved as adjacent pairs == neox=1 on x: the
+    converter's q/k row permutation makes the two layouts the same model."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((len(POSITIONS), 2, head_dim)).astype(np.float32)
+    half = head_dim // 2
+    perm = np.empty(head_dim, dtype=np.int64)
+    perm[0::2] = np.arange(half)
+    perm[1::2] = np.arange(half) + half
+    y_neox = run_rope(x, POSITIONS, 10000.0, 1)
+    y_norm = run_rope(np.ascontiguousarray(x[..., perm]), POSITIONS, 10000.0, 0)
+    assert np.array_equal(y_norm, y_neox[..., perm])
+
+
+# ---------------------------------------------------------------------------- glu
+
+def ref_glu(act, g, u):
+    g = g.astype(np.float64)
+    u = u.astype(np.float64)
+    with np.errstate(over="ignore"):
+        if act == GH_ACT_SILU:
+            return g / (1.0 + np.exp(-g)) * u
+        if act == GH_ACT_GELU:
+            # 0.5 * (1 + tanh(z)) written as sigmoid(2z): no cancellation for z << 0.
+            z = math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)
+            return g / (1.0 + np.exp(-2.0 * z)) * u
+    if act == GH_ACT_RELU:
+        return np.maximum(g, 0.0) * u
+    if act == GH_ACT_DRELU:
+        return np.maximum(g, 0.0) * np.maximum(u, 0.0)
+    raise ValueError(act)
+
+
+def glu_inputs(n, seed):
+    rng = np.random.default_rng(seed)
+    g = (rng.standard_normal(n) * 3).astype(np.float32)
+    u = rng.standard_normal(n).astype(np.float32)
+    special = np.array([0.0, -0.0, 1e-3, -1e-3, 20.0, -20.0, 87.5, -87.5, 100.0, -100.0, 1e4, -1e4],
+                       dtype=np.float32)
+    k = min(n, len(special))
+    g[:k] = special[:k]
+    return g, u
+
+
+def run_glu(act, g, u, out=None):
+    if out is None:
+        out = np.empty_like(g)
+    check(lib.gh_op_glu(act, fptr(g), fptr(u), fptr(out), len(g)))
+    return out
+
+
+ACTS = {"silu": GH_ACT_SILU, "relu": GH_ACT_RELU, "drelu": GH_ACT_DRELU, "gelu": GH_ACT_GELU}
+
+
+@pytest.mark.parametrize("act", list(ACTS), ids=list(ACTS))
+@pytest.mark.parametrize("n", [1, 7, 33, 4097])
+def test_glu(simd, act, n):
+    a = ACTS[act]
+    g, u = glu_inputs(n, n)
+    out = run_glu(a, g, u)
+    ref = ref_glu(a, g, u)
+    assert np.all(np.isfinite(out))
+    if a in (GH_ACT_RELU, GH_ACT_DRELU):
+        # Exact: one float multiply.
+        exp32 = ref_glu(a, g, u).astype(np.float32)
+        assert np.array_equal(out, exp32)
+    else:
+        assert nmse(out, ref) < 1e-12
+        err = np.abs(out - ref)
+        if a == GH_ACT_SILU:
+            # exp(-g) overflows float for g < -88.7: the result is then 0, not the
+            # subnormal it should be (torch does the same).
+            bound = 1e-6 * np.abs(ref) + 1e-37 * np.abs(u)
+        else:
+            # GELU's argument g*(a + b*g^2) is rounded to float first (as in HF): an
+            # absolute error of ~1e-7 in it moves gelu by ~1e-7 * |g| relative to |g*u|.
+            bound = 1e-6 * np.abs(ref) + 1e-7 * np.abs(g.astype(np.float64) * u)
+        assert np.all(err <= bound), (err / np.maximum(bound, 1e-300)).max()
+
+
+@pytest.mark.parametrize("act", list(ACTS), ids=list(ACTS))
+def test_glu_in_place(act):
+    a = ACTS[act]
+    g, u = glu_inputs(1000, 5)
+    expected = run_glu(a, g, u)
+    g2 = g.copy()
+    run_glu(a, g2, u, out=g2)  # out aliases gate
+    assert np.array_equal(g2, expected)
+
+
+def test_glu_simd_levels_agree():
+    g, u = glu_inputs(4097, 11)
+    outs = {}
+    for level in simd_levels():
+        prev = lib.gh_simd_set(level)
+        try:
+            outs[level] = [run_glu(a, g, u) for a in ACTS.values()]
+        finally:
+            lib.gh_simd_set(prev)
+    for level, res in outs.items():
+        for o, o0 in zip(res, outs[0]):
+            np.testing.assert_allclose(o, o0, rtol=2e-6, atol=1e-7 * np.abs(g * u).max())
+
+
+# ---------------------------------------------------------------------------- attention
+
+def ref_attention(q, k, v, n_past):
+    n_tokens, n_head, d = q.shape
+    n_head_kv = k.shape[1]
+    group = n_head // n_head_kv
+    qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape, dtype=np.float64)
+    for t in range(n_tokens):
+        n_kv = n_past + t + 1
+        for h in range(n_head):
+            kh = h // group
+            s = kd[:n_kv, kh, :] @ qd[t, h] / math.sqrt(d)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vd[:n_kv, kh, :] / p.sum()
+    return out
+
+
+def run_attention(q, k, v, n_past, n_threads):
+    n_tokens, n_head, d = q.shape
+    n_head_kv = k.shape[1]
+    assert k.shape[0] == n_past + n_tokens
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    check(lib.gh_op_attention(fptr(q), fptr(k), fptr(v), fptr(out), n_tokens, n_past,
+                              n_head, n_head_kv, d, n_threads))
+    return out
+
+
+def attn_inputs(n_tokens, n_past, n_head, n_head_kv, d, seed, q_scale=1.0):
+    rng = np.random.default_rng(seed)
+    n_kv = n_past + n_tokens
+    q = (rng.standard_normal((n_tokens, n_head, d)) * q_scale).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
+    return q, k, v
+
+
+HEADS = [(4, 4), (8, 2), (8, 1)]
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}/{h[1]}")
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
+@pytest.mark.parametrize("n_tokens,n_past", [(1, 0), (1, 37), (5, 0), (13, 20)])
+def test_attention(simd, heads, head_dim, n_tokens, n_past):
+    n_head, n_head_kv = heads
+    q, k, v = attn_inputs(n_tokens, n_past, n_head, n_head_kv, head_dim,
+                          seed=head_dim * 100 + n_tokens + n_past)
+    ref = ref_attention(q, k, v, n_past)
+    out1 = run_attention(q, k, v, n_past, 1)
+    out2 = run_attention(q, k, v, n_past, 2)
+    assert nmse(out1, ref) < 1e-12
+    np.testing.assert_allclose(out1, ref, rtol=0, atol=1e-5)
+    # Each (token, head) is computed the same way whichever thread takes it.
+    assert np.array_equal(out1, out2)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_attention_long_context_large_scores(simd, n_threads):
+    """Long cache and large logits (|score| up to ~100): the softmax must stay stable."""
+    q, k, v = attn_inputs(3, 600, 8, 2, 64, seed=1, q_scale=12.0)
+    ref = ref_attention(q, k, v, 600)
+    out = run_attention(q, k, v, 600, n_threads)
+    assert np.all(np.isfinite(out))
+    assert nmse(out, ref) < 1e-10
+
+
+def test_attention_is_causal():
+    """Query t must not read keys/values after position n_past + t."""
+    n_past, n_tokens = 4, 3
+    q, k, v = attn_inputs(n_tokens, n_past, 4, 2, 16, seed=2)
+    k[n_past + 1:] = np.nan
+    v[n_past + 1:] = np.nan
+    out = run_attention(q, k, v, n_past, 2)
+    ref = ref_attention(q[:1], k[:n_past + 1], v[:n_past + 1], n_past)
+    np.testing.assert_allclose(out[0], ref[0], rtol=0, atol=1e-5)
+    assert np.all(np.isnan(out[1:]))
+
+
+def test_attention_single_key_returns_value():
+    q, k, v = attn_inputs(1, 0, 4, 1, 8, seed=4)
+    out = run_attention(q, k, v, 0, 1)
+    np.testing.assert_allclose(out[0], np.broadcast_to(v[0, 0], (4, 8)), rtol=1e-6, atol=0)
+
+
+def test_attention_simd_levels_agree():
+    q, k, v = attn_inputs(7, 50, 8, 2, 128, seed=9)
+    outs = []
+    for level in simd_levels():
+        prev = lib.gh_simd_set(level)
+        try:
+            outs.append(run_attention(q, k, v, 50, 2))
+        finally:
+            lib.gh_simd_set(prev)
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], rtol=0, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------- bad arguments
+
+def expect_invalid(status, *words):
+    with pytest.raises(NativeError) as ei:
+        check(status)
+    assert ei.value.status == GH_ERR_INVALID_ARG
+    msg = str(ei.value)
+    for w in words:
+        assert w in msg, msg
+
+
+def test_rmsnorm_invalid_args():
+    x = np.ones((2, 8), np.float32)
+    w = np.ones(8, np.float32)
+    y = np.empty_like(x)
+    expect_invalid(lib.gh_op_rmsnorm(ffi.NULL, fptr(w), 8, 2, 1e-5, fptr(y)), "rmsnorm", "NULL")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), ffi.NULL, 8, 2, 1e-5, fptr(y)), "NULL")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), fptr(w), 8, 2, 1e-5, ffi.NULL), "NULL")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), fptr(w), 0, 2, 1e-5, fptr(y)), "positive")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), fptr(w), 8, -1, 1e-5, fptr(y)), "positive")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), fptr(w), 8, 2, -1.0, fptr(y)), "eps")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), fptr(w), 8, 2, float("nan"), fptr(y)), "eps")
+    expect_invalid(lib.gh_op_rmsnorm(fptr(x), fptr(w), 2**62, 2**62, 1e-5, fptr(y)), "overflow")
+
+
+def test_rope_invalid_args():
+    x = np.ones((2, 2, 8), np.float32)
+    pos = np.array([0, 1], np.int32)
+    expect_invalid(lib.gh_op_rope(ffi.NULL, 2, 2, 8, iptr(pos), 1e4, 0), "rope", "NULL")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, ffi.NULL, 1e4, 0), "NULL")
+    expect_invalid(lib.gh_op_rope(fptr(x), 0, 2, 8, iptr(pos), 1e4, 0), "positive")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 0, 8, iptr(pos), 1e4, 0), "positive")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 0, iptr(pos), 1e4, 0), "positive")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 7, iptr(pos), 1e4, 0), "head_dim (7)", "even")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 0.0, 0), "theta")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 1e4, 2), "neox")
+    bad = np.array([0, -5], np.int32)
+    before = x.copy()
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(bad), 1e4, 0), "pos[1]", "negative")
+    assert np.array_equal(x, before)  # rejected before touching x
+
+
+def test_glu_invalid_args():
+    g = np.ones(4, np.float32)
+    expect_invalid(lib.gh_op_glu(99, fptr(g), fptr(g), fptr(g), 4), "unknown activation 99")
+    expect_invalid(lib.gh_op_glu(-1, fptr(g), fptr(g), fptr(g), 4), "unknown activation")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, ffi.NULL, fptr(g), fptr(g), 4), "NULL")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, fptr(g), ffi.NULL, fptr(g), 4), "NULL")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, fptr(g), fptr(g), ffi.NULL, 4), "NULL")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, fptr(g), fptr(g), fptr(g), 0), "positive")
+
+
+def test_attention_invalid_args():
+    q, k, v = attn_inputs(2, 1, 4, 2, 8, seed=0)
+    o = np.empty_like(q)
+    P = fptr
+    expect_invalid(lib.gh_op_attention(ffi.NULL, P(k), P(v), P(o), 2, 1, 4, 2, 8, 1), "attention", "NULL")
+    expect_invalid(lib.gh_op_attention(P(q), ffi.NULL, P(v), P(o), 2, 1, 4, 2, 8, 1), "NULL")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), ffi.NULL, P(o), 2, 1, 4, 2, 8, 1), "NULL")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), ffi.NULL, 2, 1, 4, 2, 8, 1), "NULL")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 0, 1, 4, 2, 8, 1), "positive")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, -1, 4, 2, 8, 1), "n_past")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, 1, 0, 2, 8, 1), "positive")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, 1, 4, 0, 8, 1), "positive")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, 1, 4, 2, 0, 1), "positive")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, 1, 4, 3, 8, 1),
+                   "n_head (4)", "n_head_kv (3)")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, 1, 4, 2, 8, 0), "n_threads")
+    expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2**40, 2**62, 4, 2, 8, 1), "overflow")

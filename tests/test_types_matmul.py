@@ -311,3 +311,18 @@ def test_matmul_invalid_args():
         with pytest.raises(NativeError) as e:
             check(lib.gh_op_matmul(*args))
         assert e.value.status == GH_ERR_INVALID_ARG and str(e.value)
+
+
+def test_simd_env_override():
+    """GH_SIMD caps the level chosen at start-up."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from powerinfer_cpp._native import lib; print(lib.gh_simd_get(), lib.gh_simd_supported())"
+    for want, level in (("scalar", 0), ("avx2", 1), ("avx512", 2)):
+        env = dict(os.environ, GH_SIMD=want)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        got, sup = int(out[0]), int(out[1])
+        assert got == min(level, sup), (want, out)

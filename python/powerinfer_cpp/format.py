@@ -1,0 +1,218 @@
+"""The one place that names what goes into our GGUF files.
+
+Every other module (converter, runtime binding, profiler, tests) imports key
+names, tensor names, architecture strings and activation kinds from here.
+The meaning of each name is documented in docs/FORMAT.md, which must be kept
+in sync with this module.
+
+The dense part uses llama.cpp's standard key and tensor names, so that files
+we write stay readable by every GGUF tool.  Our own additions live under the
+``powerinfer.`` key prefix.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------
+# Architectures
+# --------------------------------------------------------------------------
+
+#: ``general.architecture`` value written for LLaMA-family models (LLaMA,
+#: Mistral, ReluLLaMA, ...). Per-architecture keys are prefixed with it.
+ARCH_LLAMA = "llama"
+
+#: GGUF architectures this project writes / reads.
+ARCHITECTURES = (ARCH_LLAMA,)
+
+#: Hugging Face ``config.json`` ``architectures[0]`` values the converter
+#: accepts, mapped to the GGUF architecture written.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": ARCH_LLAMA,
+    "MistralForCausalLM": ARCH_LLAMA,
+}
+
+# --------------------------------------------------------------------------
+# Our own keys (powerinfer.*)
+# --------------------------------------------------------------------------
+
+#: Version of the powerinfer additions to GGUF (uint32).
+FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = "powerinfer.format_version"
+
+#: FFN activation kind (string, one of ACTIVATIONS). llama.cpp's "llama"
+#: architecture has no such key and always assumes SiLU; so does our runtime
+#: when the key is absent (and it says so).
+KEY_FFN_ACTIVATION = "powerinfer.ffn_activation"
+
+#: The original Hugging Face ``hidden_act`` string (informational only).
+KEY_HF_HIDDEN_ACT = "powerinfer.hf_hidden_act"
+
+# Activation kinds (values of KEY_FFN_ACTIVATION). All are gated FFNs:
+#   out = down( act_gate(gate(x)) * act_up(up(x)) )
+ACT_SILU = "silu"    # SwiGLU: silu(gate) * up
+ACT_RELU = "relu"    # ReGLU:  relu(gate) * up
+ACT_DRELU = "drelu"  # dReLU:  relu(gate) * relu(up)
+ACT_GELU = "gelu"    # GeGLU:  gelu(gate) * up  (tanh approximation)
+ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU)
+DEFAULT_ACTIVATION = ACT_SILU
+
+#: Activation kinds whose FFN outputs are exactly sparse (zero for a neuron
+#: whenever relu(gate) is zero), i.e. the ones the sparse runtime can exploit.
+SPARSE_ACTIVATIONS = (ACT_RELU, ACT_DRELU)
+
+# --------------------------------------------------------------------------
+# Standard (llama.cpp) keys
+# --------------------------------------------------------------------------
+
+KEY_GENERAL_ARCHITECTURE = "general.architecture"
+KEY_GENERAL_NAME = "general.name"
+KEY_GENERAL_FILE_TYPE = "general.file_type"
+KEY_GENERAL_QUANTIZATION_VERSION = "general.quantization_version"
+KEY_GENERAL_ALIGNMENT = "general.alignment"
+
+# Per-architecture keys: templates, resolve with arch_key(KEY_..., arch).
+KEY_CONTEXT_LENGTH = "{arch}.context_length"
+KEY_EMBEDDING_LENGTH = "{arch}.embedding_length"
+KEY_BLOCK_COUNT = "{arch}.block_count"
+KEY_FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+KEY_VOCAB_SIZE = "{arch}.vocab_size"
+KEY_HEAD_COUNT = "{arch}.attention.head_count"
+KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+KEY_KEY_LENGTH = "{arch}.attention.key_length"
+KEY_VALUE_LENGTH = "{arch}.attention.value_length"
+KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+KEY_SLIDING_WINDOW = "{arch}.attention.sliding_window"
+KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
+KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+
+ROPE_SCALING_NONE = "none"
+ROPE_SCALING_LINEAR = "linear"
+
+# Tokenizer keys
+KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"
+KEY_TOKENIZER_PRE = "tokenizer.ggml.pre"
+KEY_TOKENIZER_TOKENS = "tokenizer.ggml.tokens"
+KEY_TOKENIZER_TOKEN_TYPE = "tokenizer.ggml.token_type"
+KEY_TOKENIZER_SCORES = "tokenizer.ggml.scores"
+KEY_TOKENIZER_MERGES = "tokenizer.ggml.merges"
+KEY_TOKENIZER_BOS_ID = "tokenizer.ggml.bos_token_id"
+KEY_TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
+KEY_TOKENIZER_UNK_ID = "tokenizer.ggml.unknown_token_id"
+KEY_TOKENIZER_PAD_ID = "tokenizer.ggml.padding_token_id"
+KEY_TOKENIZER_ADD_BOS = "tokenizer.ggml.add_bos_token"
+KEY_TOKENIZER_ADD_EOS = "tokenizer.ggml.add_eos_token"
+KEY_TOKENIZER_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+KEY_TOKENIZER_HF_JSON = "tokenizer.huggingface.json"
+KEY_TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
+
+# Values of KEY_TOKENIZER_MODEL
+TOKENIZER_GPT2 = "gpt2"    # byte-level BPE (tokens + merges)
+TOKENIZER_LLAMA = "llama"  # SentencePiece-style BPE with byte fallback (tokens + scores)
+TOKENIZER_PRE_DEFAULT = "default"
+
+# Values of KEY_TOKENIZER_TOKEN_TYPE (llama.cpp's enum)
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5
+TOKEN_TYPE_BYTE = 6
+
+# --------------------------------------------------------------------------
+# general.file_type values (llama.cpp's LlamaFileType) per converter outtype
+# --------------------------------------------------------------------------
+
+FILE_TYPE_ALL_F32 = 0
+FILE_TYPE_MOSTLY_F16 = 1
+FILE_TYPE_MOSTLY_Q4_0 = 2
+FILE_TYPE_MOSTLY_Q8_0 = 7
+FILE_TYPE_MOSTLY_BF16 = 32
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+OUTTYPE_FILE_TYPE = {
+    "f32": FILE_TYPE_ALL_F32,
+    "f16": FILE_TYPE_MOSTLY_F16,
+    "bf16": FILE_TYPE_MOSTLY_BF16,
+    "q8_0": FILE_TYPE_MOSTLY_Q8_0,
+    "q4_0": FILE_TYPE_MOSTLY_Q4_0,
+}
+
+#: Block size of the quantized types we write (elements per block); rows whose
+#: length is not a multiple of it are stored as F16 instead.
+QUANT_BLOCK = 32
+
+# --------------------------------------------------------------------------
+# Tensor names
+# --------------------------------------------------------------------------
+
+# Global tensors
+T_TOKEN_EMBD = "token_embd"
+T_OUTPUT_NORM = "output_norm"
+T_OUTPUT = "output"
+
+# Per-layer tensors (blk.N.<kind>)
+T_ATTN_NORM = "attn_norm"
+T_ATTN_Q = "attn_q"
+T_ATTN_K = "attn_k"
+T_ATTN_V = "attn_v"
+T_ATTN_OUTPUT = "attn_output"
+T_FFN_NORM = "ffn_norm"
+T_FFN_GATE = "ffn_gate"
+T_FFN_UP = "ffn_up"
+T_FFN_DOWN = "ffn_down"
+
+GLOBAL_TENSORS = (T_TOKEN_EMBD, T_OUTPUT_NORM, T_OUTPUT)
+LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_Q, T_ATTN_K, T_ATTN_V, T_ATTN_OUTPUT,
+                 T_FFN_NORM, T_FFN_GATE, T_FFN_UP, T_FFN_DOWN)
+
+#: Layer-tensor prefix: blk.{layer}.
+LAYER_PREFIX = "blk"
+
+
+def arch_key(template: str, arch: str = ARCH_LLAMA) -> str:
+    """Resolve a per-architecture key template, e.g.
+    ``arch_key(KEY_CONTEXT_LENGTH) == "llama.context_length"``."""
+    return template.format(arch=arch)
+
+
+def tensor_name(kind: str, layer: int | None = None, suffix: str | None = "weight") -> str:
+    """GGUF tensor name: ``tensor_name("attn_q", 3) == "blk.3.attn_q.weight"``,
+    ``tensor_name("token_embd") == "token_embd.weight"``.
+    ``suffix=None`` gives a name without the ``.weight`` suffix."""
+    if layer is None:
+        if kind in LAYER_TENSORS:
+            raise ValueError(f"tensor kind {kind!r} needs a layer index")
+        base = kind
+    else:
+        if kind in GLOBAL_TENSORS:
+            raise ValueError(f"tensor kind {kind!r} is global, not per-layer")
+        if int(layer) < 0:
+            raise ValueError(f"negative layer index {layer}")
+        base = f"{LAYER_PREFIX}.{int(layer)}.{kind}"
+    return base if not suffix else f"{base}.{suffix}"
+
+
+def parse_tensor_name(name: str) -> tuple[str, int | None, str | None]:
+    """Inverse of tensor_name: ``"blk.3.attn_q.weight" -> ("attn_q", 3, "weight")``."""
+    parts = name.split(".")
+    layer = None
+    if len(parts) >= 3 and parts[0] == LAYER_PREFIX and parts[1].isdigit():
+        layer = int(parts[1])
+        parts = parts[2:]
+    suffix = None
+    if len(parts) >= 2 and parts[-1] in ("weight", "bias"):
+        suffix = parts[-1]
+        parts = parts[:-1]
+    return ".".join(parts), layer, suffix
+
+
+def dense_tensor_names(n_layer: int, tied: bool) -> list[str]:
+    """All dense tensor names of a llama-architecture file, in file order."""
+    names = [tensor_name(T_TOKEN_EMBD)]
+    for il in range(n_layer):
+        names += [tensor_name(k, il) for k in LAYER_TENSORS]
+    names.append(tensor_name(T_OUTPUT_NORM))
+    if not tied:
+        names.append(tensor_name(T_OUTPUT))
+    return names

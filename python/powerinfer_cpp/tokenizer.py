@@ -1,0 +1,340 @@
+"""Tokenizer for the runtime, loaded from a GGUF file's metadata.
+
+    tok = load_tokenizer("model.gguf")
+    ids = tok.encode("Hello")          # BOS prepended if the file says so
+    text = tok.decode(ids)
+
+If the file carries the original Hugging Face ``tokenizer.huggingface.json``
+(our converter always writes it) that exact tokenizer is used. Otherwise an
+equivalent ``tokenizers.Tokenizer`` is rebuilt from llama.cpp's standard
+``tokenizer.ggml.*`` keys:
+
+* ``gpt2``: byte-level BPE from tokens + merges (GPT-2 pre-tokenizer regex;
+  pre-tokenizers other than "default" are not reproduced);
+* ``llama``: SentencePiece-style BPE with byte fallback ("▁" prefix and
+  space replacement done by the normalizer, as SentencePiece does). The merges are
+  reconstructed from the scores: every split of a normal token into two
+  normal tokens is a merge, ranked by the merged token's score (higher
+  first), which is how SentencePiece BPE chooses merges.
+
+Control / unknown tokens become special added tokens and user-defined
+tokens become (non-special) added tokens, so they encode as single ids.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Iterable, Sequence
+
+from . import format as F
+
+__all__ = ["TokenizerError", "Tokenizer", "load_tokenizer", "read_tokenizer_metadata",
+           "tokenizer_from_metadata", "build_tokenizer_from_ggml"]
+
+
+class TokenizerError(ValueError):
+    """The tokenizer cannot be loaded, or was given bad input."""
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2 byte-level alphabet: printable Latin-1 bytes map to themselves,
+    the other bytes to code points 256, 257, ... in byte order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAC + 1)) | set(range(0xAE, 0xFF + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_B2U = _byte_to_unicode()
+_U2B = {u: b for b, u in _B2U.items()}
+
+_META_KEYS = (
+    F.KEY_TOKENIZER_MODEL, F.KEY_TOKENIZER_PRE, F.KEY_TOKENIZER_TOKENS, F.KEY_TOKENIZER_TOKEN_TYPE,
+    F.KEY_TOKENIZER_SCORES, F.KEY_TOKENIZER_MERGES, F.KEY_TOKENIZER_BOS_ID, F.KEY_TOKENIZER_EOS_ID,
+    F.KEY_TOKENIZER_UNK_ID, F.KEY_TOKENIZER_PAD_ID, F.KEY_TOKENIZER_ADD_BOS, F.KEY_TOKENIZER_ADD_EOS,
+    F.KEY_TOKENIZER_ADD_SPACE_PREFIX, F.KEY_TOKENIZER_HF_JSON, F.KEY_TOKENIZER_CHAT_TEMPLATE,
+)
+
+
+def read_tokenizer_metadata(gguf_path: str | os.PathLike) -> dict[str, Any]:
+    """The tokenizer.* key/values of a GGUF file as plain Python values."""
+    try:
+        from gguf import GGUFReader
+        r = GGUFReader(os.fspath(gguf_path), "r")
+    except FileNotFoundError:
+        raise TokenizerError(f"no such file: {os.fspath(gguf_path)}") from None
+    except Exception as e:  # gguf raises ValueError/struct errors on corrupt files
+        raise TokenizerError(f"cannot read GGUF metadata of {os.fspath(gguf_path)}: {e}") from None
+    meta: dict[str, Any] = {}
+    for key in _META_KEYS:
+        f = r.fields.get(key)
+        if f is not None:
+            try:
+                meta[key] = f.contents()
+            except Exception as e:
+                raise TokenizerError(f"{os.fspath(gguf_path)}: malformed key {key}: {e}") from None
+    return meta
+
+
+def build_tokenizer_from_ggml(meta: dict[str, Any]):
+    """A ``tokenizers.Tokenizer`` equivalent to the ``tokenizer.ggml.*`` keys."""
+    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, normalizers, pre_tokenizers
+
+    kind = meta.get(F.KEY_TOKENIZER_MODEL)
+    tokens = meta.get(F.KEY_TOKENIZER_TOKENS)
+    if not tokens:
+        raise TokenizerError("the file has no tokenizer (neither tokenizer.huggingface.json nor tokenizer.ggml.tokens)")
+    tokens = [str(t) for t in tokens]
+    types = list(meta.get(F.KEY_TOKENIZER_TOKEN_TYPE) or [F.TOKEN_TYPE_NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries, tokens has {len(tokens)}")
+
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    if kind == F.TOKENIZER_GPT2:
+        merges = []
+        for m in meta.get(F.KEY_TOKENIZER_MERGES) or []:
+            a, sep, b = str(m).partition(" ")
+            if not sep:
+                raise TokenizerError(f"malformed merge {m!r}")
+            merges.append((a, b))
+        try:
+            tok = HFTok(models.BPE(vocab=vocab, merges=merges))
+        except Exception as e:
+            raise TokenizerError(f"invalid gpt2 vocabulary: {e}") from None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+    elif kind == F.TOKENIZER_LLAMA:
+        scores = list(meta.get(F.KEY_TOKENIZER_SCORES) or [])
+        if len(scores) != len(tokens):
+            raise TokenizerError(f"tokenizer.ggml.scores has {len(scores)} entries, tokens has {len(tokens)}")
+        normal = {}
+        for i, t in enumerate(tokens):
+            if types[i] == F.TOKEN_TYPE_NORMAL:
+                normal.setdefault(t, i)
+        cands = []
+        for t, i in normal.items():
+            for k in range(1, len(t)):
+                li, ri = normal.get(t[:k]), normal.get(t[k:])
+                if li is not None and ri is not None:
+                    cands.append((-float(scores[i]), li, ri))
+        cands.sort()
+        merges = [(tokens[li], tokens[ri]) for _, li, ri in cands]
+        unk_id = meta.get(F.KEY_TOKENIZER_UNK_ID)
+        unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+        try:
+            tok = HFTok(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+        except Exception as e:
+            raise TokenizerError(f"invalid llama vocabulary: {e}") from None
+        # SentencePiece semantics (also llama.cpp's): spaces become "▁" and,
+        # with add_space_prefix, every text segment (the start, and the text
+        # after each special token) gets a "▁" prefix, even if it already
+        # starts with a space.
+        prefix = meta.get(F.KEY_TOKENIZER_ADD_SPACE_PREFIX, True)
+        norms = [normalizers.Prepend("▁")] if prefix else []
+        tok.normalizer = normalizers.Sequence(norms + [normalizers.Replace(" ", "▁")])
+        parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            parts.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(parts)
+    else:
+        raise TokenizerError(f"unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama)")
+
+    special = [AddedToken(tokens[i], special=True, normalized=False)
+               for i, ty in enumerate(types) if ty in (F.TOKEN_TYPE_CONTROL, F.TOKEN_TYPE_UNKNOWN)]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i, ty in enumerate(types) if ty == F.TOKEN_TYPE_USER_DEFINED]
+    if special:
+        tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+class Tokenizer:
+    """Encode/decode text for a model. Wraps a ``tokenizers.Tokenizer``."""
+
+    def __init__(self, hf_tokenizer, *, bos_id: int | None = None, eos_id: int | None = None,
+                 add_bos: bool = False, add_eos: bool = False, n_vocab: int | None = None,
+                 kind: str | None = None, tokens: Sequence[str] | None = None,
+                 token_types: Sequence[int] | None = None, chat_template: str | None = None,
+                 pad_id: int | None = None, unk_id: int | None = None):
+        self._tok = hf_tokenizer
+        self._lock = threading.Lock()
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.unk_id = unk_id
+        self.add_bos = bool(add_bos)
+        self.add_eos = bool(add_eos)
+        self.chat_template = chat_template
+        n_tok = hf_tokenizer.get_vocab_size(with_added_tokens=True)
+        self.n_vocab = max(n_vocab or 0, n_tok, len(tokens or ()))
+        if tokens is None:
+            tokens = [hf_tokenizer.id_to_token(i) or "" for i in range(self.n_vocab)]
+        self._tokens = list(tokens)
+        special_ids = {int(i) for i in _added_ids(hf_tokenizer, special=True)}
+        if token_types is None:
+            token_types = [F.TOKEN_TYPE_CONTROL if i in special_ids else F.TOKEN_TYPE_NORMAL
+                           for i in range(len(self._tokens))]
+        self._types = list(token_types)
+        self._special_ids = special_ids | {i for i, t in enumerate(self._types)
+                                           if t in (F.TOKEN_TYPE_CONTROL, F.TOKEN_TYPE_UNKNOWN)}
+        self.kind = kind or _guess_kind(hf_tokenizer)
+
+    @property
+    def hf_tokenizer(self):
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True,
+               add_eos: bool | None = False) -> list[int]:
+        """Token ids of ``text``. ``add_bos``/``add_eos``: None = what the
+        file says (tokenizer.ggml.add_bos_token / add_eos_token); ``add_eos``
+        defaults to False. ``special``: special-token text inside ``text``
+        (e.g. "<|im_end|>") becomes the special token; if False it is
+        tokenized as plain text."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, not {type(text).__name__}")
+        if add_bos is None:
+            add_bos = self.add_bos
+        if add_eos is None:
+            add_eos = self.add_eos
+        with self._lock:
+            self._tok.encode_special_tokens = not special
+            try:
+                ids = self._tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self._tok.encode_special_tokens = False
+        if add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("add_bos requested but the tokenizer has no BOS token")
+            ids = [self.bos_id] + ids
+        if add_eos:
+            if self.eos_id is None:
+                raise TokenizerError("add_eos requested but the tokenizer has no EOS token")
+            ids = ids + [self.eos_id]
+        return ids
+
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.n_vocab:
+                raise TokenizerError(f"token id {i} out of range [0, {self.n_vocab})")
+            out.append(i)
+        return out
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of ``ids``; special/control tokens are dropped when
+        ``skip_special``."""
+        return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special)
+
+    def token_to_bytes(self, token_id: int, special: bool = True) -> bytes:
+        """The exact bytes one token stands for (may be a partial UTF-8
+        sequence; concatenate the bytes of consecutive tokens to stream
+        text). Control tokens give their text, or b"" when not ``special``.
+        SentencePiece-style tokens keep their leading space ("▁" -> " ")."""
+        (i,) = self._check_ids([token_id])
+        piece = self._tokens[i] if i < len(self._tokens) else ""
+        ty = self._types[i] if i < len(self._types) else F.TOKEN_TYPE_NORMAL
+        if i in self._special_ids:
+            return piece.encode("utf-8") if special else b""
+        if ty == F.TOKEN_TYPE_USER_DEFINED or ty == F.TOKEN_TYPE_UNUSED:
+            return piece.encode("utf-8")
+        if self.kind == F.TOKENIZER_GPT2:
+            return b"".join(bytes([_U2B[c]]) if c in _U2B else c.encode("utf-8") for c in piece)
+        if self.kind == F.TOKENIZER_LLAMA:
+            if ty == F.TOKEN_TYPE_BYTE or (len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            return piece.replace("▁", " ").encode("utf-8")
+        return self._tok.decode([i], skip_special_tokens=False).encode("utf-8")
+
+    def token_to_piece(self, token_id: int, special: bool = True) -> str:
+        """The text of one token (token_to_bytes decoded as UTF-8, invalid
+        partial sequences replaced by U+FFFD)."""
+        return self.token_to_bytes(token_id, special).decode("utf-8", errors="replace")
+
+    def is_special(self, token_id: int) -> bool:
+        return int(token_id) in self._special_ids
+
+    def __len__(self) -> int:
+        return self.n_vocab
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, n_vocab={self.n_vocab}, bos_id={self.bos_id}, eos_id={self.eos_id})"
+
+
+def _added_ids(tok, special: bool) -> list[int]:
+    try:
+        dec = tok.get_added_tokens_decoder()
+    except AttributeError:
+        return []
+    return [i for i, a in dec.items() if bool(a.special) == special]
+
+
+def _guess_kind(tok) -> str | None:
+    import json
+    try:
+        j = json.loads(tok.to_str())
+    except Exception:
+        return None
+    if (j.get("model") or {}).get("byte_fallback"):
+        return F.TOKENIZER_LLAMA
+    s = json.dumps([j.get("pre_tokenizer"), j.get("decoder")])
+    return F.TOKENIZER_GPT2 if '"ByteLevel"' in s else None
+
+
+def tokenizer_from_metadata(meta: dict[str, Any], use_hf_json: bool = True) -> Tokenizer:
+    """Build a Tokenizer from tokenizer.* key/values (see
+    read_tokenizer_metadata). ``use_hf_json=False`` ignores a stored
+    tokenizer.huggingface.json and rebuilds from tokenizer.ggml.*."""
+    from tokenizers import Tokenizer as HFTok
+
+    hf_json = meta.get(F.KEY_TOKENIZER_HF_JSON) if use_hf_json else None
+    if hf_json:
+        try:
+            tok = HFTok.from_str(hf_json)
+        except Exception as e:
+            raise TokenizerError(f"invalid tokenizer.huggingface.json: {e}") from None
+    else:
+        tok = build_tokenizer_from_ggml(meta)
+    kind = meta.get(F.KEY_TOKENIZER_MODEL)
+    tokens = meta.get(F.KEY_TOKENIZER_TOKENS)
+    types = meta.get(F.KEY_TOKENIZER_TOKEN_TYPE)
+    if tokens is not None and types is not None and len(types) != len(tokens):
+        types = None
+    if tokens is not None and not hf_json:
+        tokens = [str(t) for t in tokens]
+
+    def tid(key):
+        v = meta.get(key)
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    add_bos = meta.get(F.KEY_TOKENIZER_ADD_BOS)
+    if add_bos is None:
+        add_bos = kind == F.TOKENIZER_LLAMA and tid(F.KEY_TOKENIZER_BOS_ID) is not None
+    return Tokenizer(
+        tok, bos_id=tid(F.KEY_TOKENIZER_BOS_ID), eos_id=tid(F.KEY_TOKENIZER_EOS_ID),
+        pad_id=tid(F.KEY_TOKENIZER_PAD_ID), unk_id=tid(F.KEY_TOKENIZER_UNK_ID),
+        add_bos=bool(add_bos), add_eos=bool(meta.get(F.KEY_TOKENIZER_ADD_EOS, False)),
+        n_vocab=len(tokens) if tokens is not None else None,
+        kind=kind if kind in (F.TOKENIZER_GPT2, F.TOKENIZER_LLAMA) else None,
+        tokens=[str(t) for t in tokens] if tokens is not None else None,
+        token_types=[int(t) for t in types] if types is not None else None,
+        chat_template=meta.get(F.KEY_TOKENIZER_CHAT_TEMPLATE))
+
+
+def load_tokenizer(gguf_path: str | os.PathLike, use_hf_json: bool = True) -> Tokenizer:
+    """Load the tokenizer stored in a GGUF file."""
+    return tokenizer_from_metadata(read_tokenizer_metadata(gguf_path), use_hf_json=use_hf_json)

@@ -1,0 +1,434 @@
+"""Tests of powerinfer_cpp.convert (HF folder -> GGUF)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_models import make_hf_model, patch_drelu  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from powerinfer_cpp import format as F  # noqa: E402
+from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
+
+Q = gguf.GGMLQuantizationType
+REPO = Path(__file__).resolve().parents[1]
+
+# Normalized squared error bounds ||deq - ref||^2 / ||ref||^2 per storage type.
+# (f16 ~ 2^-11 relative rounding, bf16 ~ 2^-8; q8_0 step = absmax/127 and
+# q4_0 step = absmax/8 per 32-block of Gaussian-ish weights.)
+NMSE_BOUND = {Q.F32: 0.0, Q.F16: 1e-6, Q.BF16: 3e-5, Q.Q8_0: 1e-4, Q.Q4_0: 1.5e-2}
+
+# name -> make_hf_model kwargs
+MODELS = {
+    "relu_tied": dict(act="relu", tied=True),
+    "silu_untied": dict(act="silu", tied=False, n_ff=80, seed=1),              # n_ff % 32 != 0
+    "gelu_mistral": dict(act="gelu", tied=False, arch="MistralForCausalLM", head_dim=32, n_head_kv=1,
+                         dtype="bfloat16", max_shard_size="30KB", seed=2),     # sharded, bf16, head_dim
+    "drelu_spm": dict(act="drelu", tied=True, tokenizer="spm", dtype="float16", n_head_kv=4, seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make_hf_model(root / name, **kw) for name, kw in MODELS.items()}
+
+
+def hf_weights(d) -> dict[str, np.ndarray]:
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(Path(d).glob("*.safetensors")):
+        out.update({k: v.float().numpy() for k, v in load_file(str(f)).items()})
+    return out
+
+
+def fields(reader) -> dict:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def tensors(reader) -> dict:
+    """name -> (type, numpy shape (rows, cols), float32 data)"""
+    out = {}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        data = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+        out[t.name] = (t.tensor_type, shape, data)
+    return out
+
+
+def expected_type(kind: str, shape, outtype: str):
+    if len(shape) == 1:
+        return Q.F32
+    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[outtype]
+    if t == Q.Q4_0 and kind in (F.T_TOKEN_EMBD, F.T_OUTPUT):
+        t = Q.Q8_0
+    if t in (Q.Q8_0, Q.Q4_0) and shape[-1] % 32:
+        t = Q.F16
+    return t
+
+
+HF_NAME = {
+    F.T_TOKEN_EMBD: "model.embed_tokens.weight", F.T_OUTPUT_NORM: "model.norm.weight",
+    F.T_OUTPUT: "lm_head.weight", F.T_ATTN_NORM: "model.layers.{}.input_layernorm.weight",
+    F.T_ATTN_Q: "model.layers.{}.self_attn.q_proj.weight", F.T_ATTN_K: "model.layers.{}.self_attn.k_proj.weight",
+    F.T_ATTN_V: "model.layers.{}.self_attn.v_proj.weight", F.T_ATTN_OUTPUT: "model.layers.{}.self_attn.o_proj.weight",
+    F.T_FFN_NORM: "model.layers.{}.post_attention_layernorm.weight",
+    F.T_FFN_GATE: "model.layers.{}.mlp.gate_proj.weight", F.T_FFN_UP: "model.layers.{}.mlp.up_proj.weight",
+    F.T_FFN_DOWN: "model.layers.{}.mlp.down_proj.weight",
+}
+
+
+def assert_no_leftovers(d: Path, allowed=()):
+    left = [p.name for p in Path(d).iterdir() if p.name not in allowed]
+    assert left == [], left
+
+
+# --------------------------------------------------------------------------
+# successful conversions
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("outtype", F.OUTTYPES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_convert_outtypes(hf_dirs, tmp_path, name, outtype):
+    if outtype in ("bf16", "q8_0") and name in ("gelu_mistral", "drelu_spm"):
+        pytest.skip("covered by the other models; keeps the suite fast")
+    kw = MODELS[name]
+    d = hf_dirs[name]
+    cfg = json.loads((d / "config.json").read_text())
+    out = tmp_path / "out.gguf"
+    assert convert(d, out, outtype, progress=False) == str(out)
+    assert_no_leftovers(tmp_path, {"out.gguf"})
+    r = gguf.GGUFReader(str(out))
+    kv = fields(r)
+    n_layer, n_embd, n_ff, n_head = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    n_kv, hd = cfg["num_key_value_heads"], cfg["head_dim"]
+    A = lambda k: F.arch_key(k, F.ARCH_LLAMA)  # noqa: E731
+    assert kv[F.KEY_GENERAL_ARCHITECTURE] == "llama"
+    assert kv[F.KEY_GENERAL_NAME] == name
+    assert kv[F.KEY_GENERAL_FILE_TYPE] == F.OUTTYPE_FILE_TYPE[outtype]
+    assert kv[A(F.KEY_CONTEXT_LENGTH)] == cfg["max_position_embeddings"]
+    assert kv[A(F.KEY_EMBEDDING_LENGTH)] == n_embd
+    assert kv[A(F.KEY_BLOCK_COUNT)] == n_layer
+    assert kv[A(F.KEY_FEED_FORWARD_LENGTH)] == n_ff
+    assert kv[A(F.KEY_HEAD_COUNT)] == n_head
+    assert kv[A(F.KEY_HEAD_COUNT_KV)] == n_kv
+    assert kv[A(F.KEY_RMS_EPS)] == pytest.approx(cfg["rms_norm_eps"])
+    assert kv[A(F.KEY_ROPE_FREQ_BASE)] == pytest.approx(10000.0)
+    assert kv[A(F.KEY_ROPE_DIMENSION_COUNT)] == hd
+    assert kv[A(F.KEY_VOCAB_SIZE)] == cfg["vocab_size"]
+    if hd * n_head != n_embd:
+        assert kv[A(F.KEY_KEY_LENGTH)] == hd and kv[A(F.KEY_VALUE_LENGTH)] == hd
+    else:
+        assert A(F.KEY_KEY_LENGTH) not in kv and A(F.KEY_VALUE_LENGTH) not in kv
+    assert A(F.KEY_ROPE_SCALING_TYPE) not in kv
+    assert kv[F.KEY_FORMAT_VERSION] == F.FORMAT_VERSION
+    assert kv[F.KEY_FFN_ACTIVATION] == kw["act"]
+    # tokenizer
+    assert len(kv[F.KEY_TOKENIZER_TOKENS]) == cfg["vocab_size"] == len(kv[F.KEY_TOKENIZER_TOKEN_TYPE])
+    assert kv[F.KEY_TOKENIZER_HF_JSON] == (d / "tokenizer.json").read_text(encoding="utf-8")
+    assert kv[F.KEY_TOKENIZER_ADD_BOS] is True and kv[F.KEY_TOKENIZER_ADD_EOS] is False
+    assert kv[F.KEY_TOKENIZER_CHAT_TEMPLATE].startswith("{% for m in messages %}")
+    spm = kw.get("tokenizer") == "spm"
+    assert kv[F.KEY_TOKENIZER_MODEL] == ("llama" if spm else "gpt2")
+    assert kv[F.KEY_TOKENIZER_BOS_ID] == (1 if spm else 0)
+    assert kv[F.KEY_TOKENIZER_EOS_ID] == (2 if spm else 1)
+    if spm:
+        assert len(kv[F.KEY_TOKENIZER_SCORES]) == cfg["vocab_size"]
+        assert kv[F.KEY_TOKENIZER_UNK_ID] == 0 and kv[F.KEY_TOKENIZER_ADD_SPACE_PREFIX] is True
+        types = kv[F.KEY_TOKENIZER_TOKEN_TYPE]
+        assert types[0] == F.TOKEN_TYPE_UNKNOWN and types[1] == types[2] == F.TOKEN_TYPE_CONTROL
+        assert all(t == F.TOKEN_TYPE_BYTE for t in types[3:259])
+    else:
+        assert len(kv[F.KEY_TOKENIZER_MERGES]) > 50
+        assert kv[F.KEY_TOKENIZER_PAD_ID] == 2
+        toks, types = kv[F.KEY_TOKENIZER_TOKENS], kv[F.KEY_TOKENIZER_TOKEN_TYPE]
+        assert types[toks.index("<|im_start|>")] == F.TOKEN_TYPE_CONTROL
+        assert types[toks.index("<custom_tok>")] == F.TOKEN_TYPE_USER_DEFINED
+        assert toks[-1] == f"[PAD{cfg['vocab_size'] - 1}]" and types[-1] == F.TOKEN_TYPE_UNUSED
+
+    # tensors
+    tied = kw["tied"]
+    ts = tensors(r)
+    assert list(ts) == F.dense_tensor_names(n_layer, tied)
+    ref = hf_weights(d)
+    for tname, (ttype, shape, data) in ts.items():
+        kind, layer, _ = F.parse_tensor_name(tname)
+        w = ref[HF_NAME[kind].format(layer)]
+        assert shape == w.shape, tname
+        assert ttype == expected_type(kind, shape, outtype), tname
+        if kind == F.T_ATTN_Q:
+            data = unpermute_qk(data, n_head)
+        elif kind == F.T_ATTN_K:
+            data = unpermute_qk(data, n_kv)
+        if ttype == Q.F32:
+            np.testing.assert_array_equal(data, w, err_msg=tname)
+        else:
+            nmse = float(np.sum((data - w) ** 2) / np.sum(w ** 2))
+            assert nmse <= NMSE_BOUND[ttype], (tname, ttype.name, nmse)
+
+
+def np_forward(path, ids):
+    """Reference LLaMA forward pass over a GGUF file, applying RoPE to
+    adjacent pairs (2i, 2i+1) ("normal" RoPE, as the runtime does)."""
+    r = gguf.GGUFReader(str(path))
+    kv = fields(r)
+    ts = {n: d for n, (_, _, d) in tensors(r).items()}
+    A = lambda k: kv[F.arch_key(k, F.ARCH_LLAMA)]  # noqa: E731
+    n_head, n_kv, n_layer = A(F.KEY_HEAD_COUNT), A(F.KEY_HEAD_COUNT_KV), A(F.KEY_BLOCK_COUNT)
+    hd, eps, base = A(F.KEY_ROPE_DIMENSION_COUNT), A(F.KEY_RMS_EPS), A(F.KEY_ROPE_FREQ_BASE)
+    act = kv[F.KEY_FFN_ACTIVATION]
+    T = len(ids)
+    x = ts["token_embd.weight"][ids].astype(np.float64)
+
+    def norm(v, w):
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * w
+
+    pos = np.arange(T)[:, None]
+    ang = pos * base ** (-np.arange(0, hd, 2) / hd)[None, :]  # [T, hd/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(v):  # v [T, H, hd]
+        a, b = v[..., 0::2], v[..., 1::2]
+        out = np.empty_like(v)
+        out[..., 0::2] = a * cos - b * sin
+        out[..., 1::2] = a * sin + b * cos
+        return out
+
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    for il in range(n_layer):
+        W = lambda k: ts[F.tensor_name(k, il)]  # noqa: E731
+        h = norm(x, W(F.T_ATTN_NORM))
+        q = rope((h @ W(F.T_ATTN_Q).T).reshape(T, n_head, hd))
+        k = rope((h @ W(F.T_ATTN_K).T).reshape(T, n_kv, hd))
+        v = (h @ W(F.T_ATTN_V).T).reshape(T, n_kv, hd)
+        rep = n_head // n_kv
+        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(hd) + mask
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", p, v).reshape(T, n_head * hd)
+        x = x + o @ W(F.T_ATTN_OUTPUT).T
+        h = norm(x, W(F.T_FFN_NORM))
+        g, u = h @ W(F.T_FFN_GATE).T, h @ W(F.T_FFN_UP).T
+        if act == "relu":
+            a = np.maximum(g, 0) * u
+        elif act == "drelu":
+            a = np.maximum(g, 0) * np.maximum(u, 0)
+        else:
+            a = g / (1 + np.exp(-g)) * u
+        x = x + a @ W(F.T_FFN_DOWN).T
+    x = norm(x, ts["output_norm.weight"])
+    out = ts.get("output.weight", ts["token_embd.weight"])
+    return x @ out.T
+
+
+@pytest.mark.parametrize("name", ["relu_tied", "silu_untied", "drelu_spm"])
+def test_permuted_qk_normal_rope_matches_hf_logits(hf_dirs, tmp_path, name):
+    """The q/k row permutation makes adjacent-pair RoPE equal HF's rotate_half."""
+    from transformers import AutoModelForCausalLM
+    d = hf_dirs[name]
+    out = convert(d, tmp_path / "m.gguf", "f32", progress=False)
+    ids = [1, 5, 77, 200, 3, 9, 120, 42, 300, 7, 11]
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    if MODELS[name]["act"] == "drelu":
+        patch_drelu(model)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].double().numpy()
+    got = np_forward(out, ids)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+
+
+def test_rope_linear_scaling_keys(hf_dirs, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs["relu_tied"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    kv = fields(gguf.GGUFReader(convert(d, tmp_path / "o.gguf", "f16", progress=False)))
+    assert kv["llama.rope.scaling.type"] == "linear"
+    assert kv["llama.rope.scaling.factor"] == pytest.approx(4.0)
+    assert kv["llama.rope.freq_base"] == pytest.approx(50000.0)
+
+
+@pytest.mark.parametrize("cfg_patch,act", [
+    ({"hidden_act": "drelu"}, "drelu"),
+    ({"hidden_act": "relu", "use_drelu": True}, "drelu"),
+    ({"hidden_act": "swish"}, "silu"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "gelu"),
+])
+def test_activation_key(hf_dirs, tmp_path, cfg_patch, act):
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs["relu_tied"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(cfg_patch)
+    (d / "config.json").write_text(json.dumps(cfg))
+    kv = fields(gguf.GGUFReader(convert(d, tmp_path / "o.gguf", "f32", progress=False)))
+    assert kv[F.KEY_FFN_ACTIVATION] == act
+    assert kv[F.KEY_HF_HIDDEN_ACT] == cfg["hidden_act"]
+
+
+def test_pytorch_bin_weights(hf_dirs, tmp_path):
+    from safetensors.torch import load_file
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs["silu_untied"], d)
+    sd = load_file(str(d / "model.safetensors"))
+    torch.save(sd, d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+    a = convert(d, tmp_path / "bin.gguf", "f32", progress=False)
+    b = convert(hf_dirs["silu_untied"], tmp_path / "st.gguf", "f32", progress=False)
+    ta, tb = tensors(gguf.GGUFReader(a)), tensors(gguf.GGUFReader(b))
+    assert list(ta) == list(tb)
+    for k in ta:
+        np.testing.assert_array_equal(ta[k][2], tb[k][2])
+
+
+def test_pytorch_bin_without_torch(hf_dirs, tmp_path, monkeypatch):
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs["relu_tied"], d)
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    monkeypatch.setitem(sys.modules, "torch", None)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(ConvertError, match="torch is not installed.*safetensors"):
+        convert(d, out_dir / "o.gguf", "f16", progress=False)
+    assert_no_leftovers(out_dir)
+
+
+def test_streaming_peak_memory(tmp_path):
+    """Tensors are converted one at a time: traced peak allocation stays well
+    below the model size."""
+    import tracemalloc
+    d = make_hf_model(tmp_path / "big", act="relu", tied=False, n_layer=4, d=256, n_head=4,
+                      n_head_kv=4, n_ff=1024, vocab=1024)
+    size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+    tracemalloc.start()
+    try:
+        convert(d, tmp_path / "o.gguf", "q8_0", progress=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size > 15e6
+    assert peak < 0.35 * size, (peak, size)
+
+
+# --------------------------------------------------------------------------
+# bad input
+# --------------------------------------------------------------------------
+
+def _copy(hf_dirs, tmp_path, name="relu_tied") -> Path:
+    d = tmp_path / "m"
+    shutil.copytree(hf_dirs[name], d)
+    return d
+
+
+def _patch_cfg(d, **upd):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in upd.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _rewrite_weights(d, fn):
+    from safetensors.numpy import save_file
+    w = {k: np.ascontiguousarray(v) for k, v in hf_weights(d).items()}
+    fn(w)
+    save_file(w, str(d / "model.safetensors"))
+
+
+BAD_CASES = {
+    "missing_dir": (lambda d: shutil.rmtree(d), "model folder not found"),
+    "missing_config": (lambda d: (d / "config.json").unlink(), "no config.json"),
+    "bad_json": (lambda d: (d / "config.json").write_text("{not json"), "cannot read"),
+    "unsupported_arch": (lambda d: _patch_cfg(d, architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
+    "shape_mismatch": (lambda d: _patch_cfg(d, intermediate_size=64), "shape mismatch: model.layers.0.mlp.gate_proj.weight"),
+    "vocab_mismatch": (lambda d: _patch_cfg(d, vocab_size=500), "shape mismatch: model.embed_tokens.weight"),
+    "attention_bias": (lambda d: _patch_cfg(d, attention_bias=True), "attention_bias"),
+    "mlp_bias": (lambda d: _patch_cfg(d, mlp_bias=True), "mlp_bias"),
+    "rope_yarn": (lambda d: _patch_cfg(d, rope_parameters={"rope_type": "yarn", "factor": 2.0}), "unsupported rope scaling 'yarn'"),
+    "bad_act": (lambda d: _patch_cfg(d, hidden_act="tanh"), "unsupported hidden_act"),
+    "drelu_with_silu": (lambda d: _patch_cfg(d, hidden_act="silu", use_drelu=True), "use_drelu"),
+    "bad_heads": (lambda d: _patch_cfg(d, num_key_value_heads=3), "num_key_value_heads"),
+    "untied_no_lm_head": (lambda d: _patch_cfg(d, tie_word_embeddings=False), "no lm_head"),
+    "missing_tensor": (lambda d: _rewrite_weights(d, lambda w: w.pop("model.layers.1.mlp.up_proj.weight")),
+                       "missing tensors: model.layers.1.mlp.up_proj.weight"),
+    "unexpected_tensor": (lambda d: _rewrite_weights(d, lambda w: w.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})),
+                          "unexpected tensors"),
+    "truncated": (lambda d: os.truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 100), "truncated"),
+    "tiny_file": (lambda d: (d / "model.safetensors").write_bytes(b"\x01\x02"), "truncated"),
+    "huge_header": (lambda d: (d / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}"), "header length"),
+    "no_weights": (lambda d: (d / "model.safetensors").unlink(), "no weights"),
+    "no_tokenizer": (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input(hf_dirs, tmp_path, case):
+    d = _copy(hf_dirs, tmp_path)
+    mutate, msg = BAD_CASES[case]
+    mutate(d)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(ConvertError) as ei:
+        convert(d, out_dir / "o.gguf", "q4_0", progress=False)
+    assert msg in str(ei.value)
+    assert_no_leftovers(out_dir)
+
+
+def test_unknown_outtype(hf_dirs, tmp_path):
+    with pytest.raises(ConvertError, match="unknown outtype 'q5_0'"):
+        convert(hf_dirs["relu_tied"], tmp_path / "o.gguf", "q5_0", progress=False)
+    assert_no_leftovers(tmp_path)
+
+
+def test_missing_output_folder(hf_dirs, tmp_path):
+    with pytest.raises(ConvertError, match="does not exist"):
+        convert(hf_dirs["relu_tied"], tmp_path / "nope" / "o.gguf", "f16", progress=False)
+
+
+def test_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch):
+    import powerinfer_cpp.convert as C
+    real, calls = C._encode, []
+
+    def flaky(job):
+        calls.append(job.name)
+        if len(calls) == 5:
+            raise RuntimeError("simulated failure")
+        return real(job)
+
+    monkeypatch.setattr(C, "_encode", flaky)
+    out = tmp_path / "o.gguf"
+    out.write_bytes(b"old")  # an existing output is left untouched on failure
+    with pytest.raises(RuntimeError, match="simulated"):
+        convert(hf_dirs["relu_tied"], out, "f16", progress=False)
+    assert out.read_bytes() == b"old"
+    assert_no_leftovers(tmp_path, {"o.gguf"})
+
+
+def test_cli(hf_dirs, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    out = tmp_path / "cli.gguf"
+    p = subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", str(hf_dirs["relu_tied"]), "-o", str(out),
+                        "--outtype", "q8_0", "-q"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert fields(gguf.GGUFReader(str(out)))[F.KEY_GENERAL_FILE_TYPE] == F.FILE_TYPE_MOSTLY_Q8_0
+    p = subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x.gguf")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1
+    assert p.stderr.startswith("error: model folder not found")
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "x.gguf").exists()

@@ -45,7 +45,8 @@ typedef enum {
     GH_ACT_SILU  = 0,  /* SwiGLU: silu(gate) * up            (Llama-2/3, Mistral) */
     GH_ACT_RELU  = 1,  /* ReGLU:  relu(gate) * up            (ReluLLaMA, ProSparse) */
     GH_ACT_DRELU = 2,  /* dReLU:  relu(gate) * relu(up)      (Bamboo, TurboSparse) */
-    GH_ACT_GELU  = 3   /* GeGLU:  gelu_tanh(gate) * up */
+    GH_ACT_GELU  = 3,  /* GeGLU:  gelu_tanh(gate) * up      (HF gelu_new / gelu_pytorch_tanh) */
+    GH_ACT_GELU_ERF = 4 /* GeGLU with exact erf GELU        (HF "gelu") */
 } gh_act;
 
 /* SIMD levels for the CPU kernels; GH_SIMD_AUTO picks the best the CPU has. */

@@ -90,6 +90,7 @@ static int parse_act(const char * s) {
     if (!strcmp(s, "relu") || !strcmp(s, "reglu")) return GH_ACT_RELU;
     if (!strcmp(s, "drelu")) return GH_ACT_DRELU;
     if (!strcmp(s, "gelu") || !strcmp(s, "geglu")) return GH_ACT_GELU;
+    if (!strcmp(s, "gelu_erf")) return GH_ACT_GELU_ERF;
     return -1;
 }
 
@@ -152,7 +153,7 @@ static gh_status load_hparams(gh_model * m) {
         if (a < 0) {
             return gh_fail(GH_ERR_UNSUPPORTED,
                            "unknown FFN activation '%.32s' in powerinfer.ffn_activation "
-                           "(known: silu, relu, drelu, gelu)", act);
+                           "(known: silu, relu, drelu, gelu, gelu_erf)", act);
         }
         hp->ffn_act = a;
         hp->act_from_file = 1;

@@ -377,6 +377,11 @@ void gh_glu(int act, const float * gate, const float * up, float * out, int64_t 
         for (int64_t i = 0; i < n; i++)
             out[i] = (gate[i] > 0.0f ? gate[i] : 0.0f) * (up[i] > 0.0f ? up[i] : 0.0f);
         break;
+    case GH_ACT_GELU_ERF:
+        /* exact GELU (Hugging Face's "gelu"); erff is slow-ish but this is n_ff per token */
+        for (int64_t i = 0; i < n; i++)
+            out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.70710678118654752f)) * up[i];
+        break;
     default:
         break; /* validated by callers */
     }
@@ -585,7 +590,8 @@ gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
 }
 
 gh_status gh_op_glu(int act, const float * gate, const float * up, float * out, int64_t n) {
-    if (act != GH_ACT_SILU && act != GH_ACT_RELU && act != GH_ACT_DRELU && act != GH_ACT_GELU)
+    if (act != GH_ACT_SILU && act != GH_ACT_RELU && act != GH_ACT_DRELU && act != GH_ACT_GELU &&
+        act != GH_ACT_GELU_ERF)
         return gh_fail(GH_ERR_INVALID_ARG, "glu: unknown activation %d", act);
     if (!gate || !up || !out) return gh_fail(GH_ERR_INVALID_ARG, "glu: gate, up and out must not be NULL");
     if (n <= 0) return gh_fail(GH_ERR_INVALID_ARG, "glu: n (%lld) must be positive", (long long) n);

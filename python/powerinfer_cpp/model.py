@@ -14,7 +14,7 @@ import numpy as np
 from ._native import NativeValueError, check, ffi, lib
 from .tokenizer import Tokenizer, load_tokenizer
 
-_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu"}
+_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
 
 

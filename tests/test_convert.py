@@ -134,7 +134,7 @@ def test_convert_outtypes(hf_dirs, tmp_path, name, outtype):
         assert A(F.KEY_KEY_LENGTH) not in kv and A(F.KEY_VALUE_LENGTH) not in kv
     assert A(F.KEY_ROPE_SCALING_TYPE) not in kv
     assert kv[F.KEY_FORMAT_VERSION] == F.FORMAT_VERSION
-    assert kv[F.KEY_FFN_ACTIVATION] == kw["act"]
+    assert kv[F.KEY_FFN_ACTIVATION] == {"gelu": "gelu_erf"}.get(kw["act"], kw["act"])
     # tokenizer
     assert len(kv[F.KEY_TOKENIZER_TOKENS]) == cfg["vocab_size"] == len(kv[F.KEY_TOKENIZER_TOKEN_TYPE])
     assert kv[F.KEY_TOKENIZER_HF_JSON] == (d / "tokenizer.json").read_text(encoding="utf-8")
@@ -267,6 +267,8 @@ def test_rope_linear_scaling_keys(hf_dirs, tmp_path):
     ({"hidden_act": "relu", "use_drelu": True}, "drelu"),
     ({"hidden_act": "swish"}, "silu"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "gelu"),
+    ({"hidden_act": "gelu_new"}, "gelu"),
+    ({"hidden_act": "gelu"}, "gelu_erf"),
 ])
 def test_activation_key(hf_dirs, tmp_path, cfg_patch, act):
     d = tmp_path / "m"

@@ -79,7 +79,12 @@ def _act_kind(hidden_act: Any, use_drelu: Any) -> str:
         kind = F.ACT_RELU
     elif act in ("silu", "swish"):
         kind = F.ACT_SILU
+    elif act in ("gelu", "gelu_python"):
+        kind = F.ACT_GELU_ERF
+    elif act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_accurate", "gelu_tanh"):
+        kind = F.ACT_GELU
     elif act.startswith("gelu"):
+        log.warning("hidden_act %r: stored as %r (tanh-approximated GELU)", hidden_act, F.ACT_GELU)
         kind = F.ACT_GELU
     else:
         raise ConvertError(f"unsupported hidden_act {hidden_act!r} (supported: relu, drelu, silu/swish, gelu*)")

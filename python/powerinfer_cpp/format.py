@@ -51,8 +51,9 @@ KEY_HF_HIDDEN_ACT = "powerinfer.hf_hidden_act"
 ACT_SILU = "silu"    # SwiGLU: silu(gate) * up
 ACT_RELU = "relu"    # ReGLU:  relu(gate) * up
 ACT_DRELU = "drelu"  # dReLU:  relu(gate) * relu(up)
-ACT_GELU = "gelu"    # GeGLU:  gelu(gate) * up  (tanh approximation)
-ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU)
+ACT_GELU = "gelu"    # GeGLU:  gelu_tanh(gate) * up (tanh approximation; HF gelu_new, gelu_pytorch_tanh)
+ACT_GELU_ERF = "gelu_erf"  # GeGLU with the exact erf GELU (HF "gelu")
+ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU, ACT_GELU_ERF)
 DEFAULT_ACTIVATION = ACT_SILU
 
 #: Activation kinds whose FFN outputs are exactly sparse (zero for a neuron

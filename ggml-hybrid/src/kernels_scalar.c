@@ -35,8 +35,10 @@ void gh_quantize_row_q8_x4_ref(const float * x, void * dst, int64_t n) {
             y->qb[16 * i + j] = q1;
             sum += q0 + q1;
         }
-        y->nsum[4 * i] = -sum;
-        for (int j = 0; j < 4; j++) y->d[4 * i + j] = d;
+        for (int j = 0; j < 4; j++) {
+            y->nsum[4 * i + j] = -sum;
+            y->d[4 * i + j] = d;
+        }
     }
 }
 

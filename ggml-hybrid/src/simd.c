@@ -1,7 +1,7 @@
 /* CPU feature detection and the SIMD level the kernels run at.
  *
  * Levels: scalar (always), AVX2 (AVX2 + FMA + F16C, OS saves YMM state), AVX-512
- * (F, BW, VL, DQ, VNNI, VBMI, BF16, OS saves ZMM state). The environment variable
+ * (F, BW, VL, DQ, VNNI, VBMI, BF16, GFNI, OS saves ZMM state). The environment variable
  * GH_SIMD=scalar|avx2|avx512 caps the level chosen at start-up; gh_simd_set changes
  * it later (tests). */
 #include "common.h"
@@ -39,13 +39,14 @@ static int detect_level(void) {
     const bool zmm_state = (xcr0 & 0xe0) == 0xe0;              /* opmask + ZMM state */
     const bool f = b7 & (1u << 16), dq = b7 & (1u << 17), bw = b7 & (1u << 30);
     const bool vl = b7 & (1u << 31), vbmi = c7 & (1u << 1), vnni = c7 & (1u << 11);
+    const bool gfni = c7 & (1u << 8);
     bool bf16 = false;
     if (a7 >= 1) {
         unsigned a71, b71, c71, d71;
         __cpuid_count(7, 1, a71, b71, c71, d71);
         bf16 = a71 & (1u << 5);
     }
-    if (zmm_state && f && dq && bw && vl && vbmi && vnni && bf16) level = GH_SIMD_AVX512;
+    if (zmm_state && f && dq && bw && vl && vbmi && vnni && bf16 && gfni) level = GH_SIMD_AVX512;
     return level;
 }
 #else

@@ -23,7 +23,7 @@
 typedef struct {
     int8_t  qa[64];    /* bytes 16i..16i+15: block i, values 0..15 */
     int8_t  qb[64];    /* bytes 16i..16i+15: block i, values 16..31 */
-    int32_t nsum[16];  /* lane 4i: -sum(q) of block i; the other lanes 0 */
+    int32_t nsum[16];  /* lanes 4i..4i+3: -sum(q) of block i */
     float   d[16];     /* lanes 4i..4i+3: scale of block i */
 } block_q8_x4;
 

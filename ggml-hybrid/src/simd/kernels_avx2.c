@@ -177,7 +177,9 @@ GH_INLINE void tile_q(const int MR, const int NT, const bool is_q4, int64_t n, c
             const __m256i xa = _mm256_loadu_si256((const __m256i *) (xg->qa + 32 * h));
             const __m256i xc = _mm256_loadu_si256((const __m256i *) (xg->qb + 32 * h));
             const __m256 dx = _mm256_loadu_ps(xg->d + 8 * h);
-            const __m256i corr = is_q4 ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *) (xg->nsum + 8 * h)), 3)
+            /* -8 * block sum, in one lane per block */
+            const __m256i corr = is_q4 ? _mm256_blend_epi32(_mm256_setzero_si256(),
+                _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *) (xg->nsum + 8 * h)), 3), 0x11)
                                        : _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int r = 0; r < MR; r++) {

@@ -1,4 +1,4 @@
-/* AVX-512 kernels (F, BW, VL, DQ, VNNI, VBMI, BF16; simd.c checks the CPU has them).
+/* AVX-512 kernels (F, BW, VL, DQ, VNNI, VBMI, BF16, GFNI; simd.c checks the CPU has them).
  *
  * Every type is a register tile of MR weight rows x NT tokens: the rows' data is loaded
  * (and unpacked) once per step and used for every token of the tile, the activations
@@ -14,7 +14,7 @@
  *         34-byte blocks with vpermt2b; VNNI wants unsigned x signed, so Q4_0 uses the
  *         raw nibbles (0..15) and Q8_0 the bytes + 128, and the accumulator starts at
  *         -8 (-128) times the activation block sum, which Q8_X4 carries. */
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")
 
 #include "kernels.h"
 
@@ -154,8 +154,7 @@ static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
         _mm_storeu_si128((__m128i *) &yg->qa[16 * i], _mm512_cvtepi32_epi8(q0));
         _mm_storeu_si128((__m128i *) &yg->qb[16 * i], _mm512_cvtepi32_epi8(q1));
         const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        yg->nsum[4 * i] = -sum;
-        yg->nsum[4 * i + 1] = yg->nsum[4 * i + 2] = yg->nsum[4 * i + 3] = 0;
+        yg->nsum[4 * i] = yg->nsum[4 * i + 1] = yg->nsum[4 * i + 2] = yg->nsum[4 * i + 3] = -sum;
         yg->d[4 * i] = yg->d[4 * i + 1] = yg->d[4 * i + 2] = yg->d[4 * i + 3] = d;
     }
 }
@@ -166,14 +165,17 @@ static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
  * each block (lane i = block i), of values 16..31, and the block scales (4 per lane). */
 typedef struct {
     __m512i lo, hi;
-    __m512  d;
+    __m256i d;   /* fp16 */
 } wgroup;
 
+/* Q4_0: block i's 16 bytes at 18i + 2 of the group; blocks 0..2 are read from the
+ * group's first 64 bytes (a), block 3 from a 16-byte load at byte 56 (b). */
 static const uint8_t Q4_QS_IDX[64] __attribute__((aligned(64))) = {
 #define R(i) 18 * i + 2, 18 * i + 3, 18 * i + 4, 18 * i + 5, 18 * i + 6, 18 * i + 7, 18 * i + 8, 18 * i + 9, \
              18 * i + 10, 18 * i + 11, 18 * i + 12, 18 * i + 13, 18 * i + 14, 18 * i + 15, 18 * i + 16, 18 * i + 17
-    R(0), R(1), R(2), R(3)
+    R(0), R(1), R(2),
 #undef R
+    64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79,
 };
 static const uint16_t Q4_D_IDX[32] __attribute__((aligned(64))) = {
     0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27,
@@ -201,7 +203,7 @@ GH_INLINE wgroup unpack_q4_0(const uint8_t * p, int64_t avail) {
     __m512i a, b;
     if (avail >= 4 * (int64_t) sizeof(block_q4_0)) {
         a = _mm512_loadu_si512(p);
-        b = _mm512_maskz_loadu_epi8(0xff, p + 64);
+        b = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *) (p + 56)));
     } else {
         a = load_part(p, avail);
         b = _mm512_setzero_si512();
@@ -210,8 +212,10 @@ GH_INLINE wgroup unpack_q4_0(const uint8_t * p, int64_t avail) {
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     wgroup g;
     g.lo = _mm512_and_si512(q, m4);
-    g.hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-    g.d = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(Q4_D_IDX), a)));
+    /* bytes >> 4 in one instruction: a GF(2) affine map whose matrix moves bit i + 4
+     * to bit i */
+    g.hi = _mm512_gf2p8affine_epi64_epi8(q, _mm512_set1_epi64(0x1020408000000000ll), 0);
+    g.d = _mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(Q4_D_IDX), a));
     return g;
 }
 
@@ -232,14 +236,95 @@ GH_INLINE wgroup unpack_q8_0(const uint8_t * p, int64_t avail) {
     wgroup g;
     g.lo = _mm512_xor_si512(_mm512_permutex2var_epi8(a0, _mm512_load_si512(Q8_LO_IDX), a1), bias);
     g.hi = _mm512_xor_si512(_mm512_permutex2var_epi8(c0, _mm512_load_si512(Q8_HI_IDX), c1), bias);
-    g.d = _mm512_cvtph_ps(_mm512_castsi512_si256(
-        _mm512_permutex2var_epi16(a0, _mm512_load_si512(Q8_D_IDX), a1)));
+    g.d = _mm512_castsi512_si256(_mm512_permutex2var_epi16(a0, _mm512_load_si512(Q8_D_IDX), a1));
     return g;
+}
+
+/* acc[r][t] += W[r] . X[t] over group g, the weights already unpacked. */
+GH_INLINE void q_step(const int MR, const int NT, const bool is_q4, const wgroup * u,
+                      const char * xb, size_t xs, int64_t g, __m512 acc[MAXR][MAXT]) {
+    __m512 dw[MAXR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) dw[r] = _mm512_cvtph_ps(u[r].d);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        const block_q8_x4 * xg = (const block_q8_x4 *) (xb + t * xs) + g;
+        /* -8 (-128) * block sum, in one lane per block */
+        const __m512i nsum = _mm512_loadu_si512(xg->nsum);
+        const __m512i corr = _mm512_maskz_slli_epi32(0x1111, nsum, is_q4 ? 3 : 7);
+        const __m512i xa = _mm512_loadu_si512(xg->qa);
+        const __m512i xc = _mm512_loadu_si512(xg->qb);
+        const __m512 dx = _mm512_loadu_ps(xg->d);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            __m512i s = _mm512_dpbusd_epi32(corr, u[r].lo, xa);
+            s = _mm512_dpbusd_epi32(s, u[r].hi, xc);
+            acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw[r], dx), acc[r][t]);
+        }
+    }
+}
+
+/* Four rows, one token (decode): the per-block integer sums of the four rows are
+ * transposed into one register (lane 4i + r: block i, row r) before they are scaled,
+ * so the float work and the activation terms are done once for the four rows. */
+GH_INLINE void q_step_r4(const bool is_q4, const wgroup * u, const block_q8_x4 * xg, __m512 * acc) {
+    const __m512i s0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0].lo, _mm512_loadu_si512(xg->qa)), u[0].hi, _mm512_loadu_si512(xg->qb));
+    const __m512i s1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1].lo, _mm512_loadu_si512(xg->qa)), u[1].hi, _mm512_loadu_si512(xg->qb));
+    const __m512i s2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[2].lo, _mm512_loadu_si512(xg->qa)), u[2].hi, _mm512_loadu_si512(xg->qb));
+    const __m512i s3 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[3].lo, _mm512_loadu_si512(xg->qa)), u[3].hi, _mm512_loadu_si512(xg->qb));
+    const __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(s0, s1), _mm512_unpackhi_epi32(s0, s1));
+    const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(s2, s3), _mm512_unpackhi_epi32(s2, s3));
+    __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    s = _mm512_add_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(xg->nsum), is_q4 ? 3 : 7));
+    /* fp16 scales: word 4i + r of row r's vector */
+    __m256i d = _mm256_mask_blend_epi16(0x2222, u[0].d, u[1].d);
+    d = _mm256_mask_blend_epi16(0x4444, d, u[2].d);
+    d = _mm256_mask_blend_epi16(0x8888, d, u[3].d);
+    const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(d), _mm512_loadu_ps(xg->d));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *acc);
+}
+
+GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws, const void * x,
+                         float * y) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t nb = n / 32;
+    const int64_t ng_full = nb / 4;
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * wb = w;
+    const block_q8_x4 * xg = x;
+    for (int64_t g = 0; g < ng_full; g++) {
+        wgroup u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const uint8_t * p = wb + r * ws + 4 * g * bs;
+            u[r] = is_q4 ? unpack_q4_0(p, 4 * sizeof(block_q4_0)) : unpack_q8_0(p, 4 * sizeof(block_q8_0));
+        }
+        q_step_r4(is_q4, u, xg + g, &acc);
+    }
+    if (nb % 4) {
+        const int64_t g = ng_full;
+        const int64_t avail = (nb % 4) * (int64_t) bs;
+        wgroup u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const uint8_t * p = wb + r * ws + 4 * g * bs;
+            u[r] = is_q4 ? unpack_q4_0(p, avail) : unpack_q8_0(p, avail);
+        }
+        q_step_r4(is_q4, u, xg + g, &acc);
+    }
+    /* lanes 4i + r -> y[r] */
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(y, q);
 }
 
 /* is_q4: Q4_0 weights (else Q8_0); the zero point is 8 (128) times the block sum. */
 GH_INLINE void tile_q(const int MR, const int NT, const bool is_q4, int64_t n, const void * w,
                       size_t ws, const void * x, size_t xs, float * y, int64_t ldy) {
+    if (MR == 4 && NT == 1) {
+        tile_q_r4(is_q4, n, w, ws, x, y);
+        return;
+    }
     __m512 acc[MAXR][MAXT];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
@@ -247,33 +332,29 @@ GH_INLINE void tile_q(const int MR, const int NT, const bool is_q4, int64_t n, c
         for (int t = 0; t < NT; t++) acc[r][t] = _mm512_setzero_ps();
 
     const int64_t nb = n / 32;
-    const int64_t ng = (nb + 3) / 4;
+    const int64_t ng_full = nb / 4;
     const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
     const uint8_t * wb = w;
     const char * xb = x;
-    for (int64_t g = 0; g < ng; g++) {
-        const int64_t avail = (nb - 4 * g) * (int64_t) bs;
+    for (int64_t g = 0; g < ng_full; g++) {
+        wgroup u[MAXR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const uint8_t * p = wb + r * ws + 4 * g * bs;
+            u[r] = is_q4 ? unpack_q4_0(p, 4 * sizeof(block_q4_0)) : unpack_q8_0(p, 4 * sizeof(block_q8_0));
+        }
+        q_step(MR, NT, is_q4, u, xb, xs, g, acc);
+    }
+    if (nb % 4) { /* a last group of 1..3 blocks; the activations are zero-padded */
+        const int64_t g = ng_full;
+        const int64_t avail = (nb % 4) * (int64_t) bs;
         wgroup u[MAXR];
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             const uint8_t * p = wb + r * ws + 4 * g * bs;
             u[r] = is_q4 ? unpack_q4_0(p, avail) : unpack_q8_0(p, avail);
         }
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            const block_q8_x4 * xg = (const block_q8_x4 *) (xb + t * xs) + g;
-            const __m512i nsum = _mm512_loadu_si512(xg->nsum);
-            const __m512i corr = is_q4 ? _mm512_slli_epi32(nsum, 3) : _mm512_slli_epi32(nsum, 7);
-            const __m512i xa = _mm512_loadu_si512(xg->qa);
-            const __m512i xc = _mm512_loadu_si512(xg->qb);
-            const __m512 dx = _mm512_loadu_ps(xg->d);
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) {
-                __m512i s = _mm512_dpbusd_epi32(corr, u[r].lo, xa);
-                s = _mm512_dpbusd_epi32(s, u[r].hi, xc);
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(u[r].d, dx), acc[r][t]);
-            }
-        }
+        q_step(MR, NT, is_q4, u, xb, xs, g, acc);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++)

@@ -25,6 +25,9 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define MAXR 4
 #define MAXT 8
+#ifndef GH_PF_TILES
+#define GH_PF_TILES 2
+#endif
 
 /* Loads `avail` bytes (clamped to 0..64) at p, zero-filling the rest, without reading
  * past them. */
@@ -292,7 +295,13 @@ GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws,
     const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
     const uint8_t * wb = w;
     const block_q8_x4 * xg = x;
+    /* The four rows are short streams; prefetch the rows of the tile GH_PF_TILES
+     * ahead as one linear stream, a group's worth of bytes per group. */
+    const uint8_t * pf = wb + GH_PF_TILES * 4 * ws;
     for (int64_t g = 0; g < ng_full; g++) {
+#pragma GCC unroll 8
+        for (size_t k = 0; k < 4 * 4 * bs; k += 64) _mm_prefetch((const char *) pf + k, _MM_HINT_T0);
+        pf += 4 * 4 * bs;
         wgroup u[4];
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {

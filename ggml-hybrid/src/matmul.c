@@ -14,6 +14,7 @@
 #include <string.h>
 
 #define GH_MATMUL_L2_BLOCK (192 * 1024) /* bytes of weight rows a row block aims for */
+#define GH_MATMUL_CONVERT_INLINE 16384  /* activation values converted by the caller alone */
 
 static size_t xq_stride(int vec_dot_type, int64_t cols) {
     size_t bytes = gh_row_size(vec_dot_type, cols);
@@ -90,7 +91,9 @@ void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t
     } else {
         job.xq = scratch;
         job.xq_stride = xq_stride(tt->vec_dot_type, w->cols);
-        gh_threadpool_run(tp, convert_task, &job);
+        /* A few tokens convert in less time than waking the pool costs. */
+        if (n_tokens * w->cols <= GH_MATMUL_CONVERT_INLINE) convert_task(&job, 0, 1);
+        else gh_threadpool_run(tp, convert_task, &job);
     }
     gh_threadpool_run(tp, matmul_task, &job);
 }

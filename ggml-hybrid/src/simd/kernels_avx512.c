@@ -405,8 +405,8 @@ GH_INLINE void tile_q(const int MR, const int NT, const bool is_q4, int64_t n, c
 DEFINE_GEMM(gemm_f32, 4, 6, tile_f, false,)
 DEFINE_GEMM(gemm_f16, 4, 6, tile_f, true,)
 DEFINE_GEMM(gemm_bf16, 4, 6, tile_bf16,)
-DEFINE_GEMM(gemm_q8_0, 4, 3, tile_q, false,)
-DEFINE_GEMM(gemm_q4_0, 4, 3, tile_q, true,)
+DEFINE_GEMM(gemm_q8_0, 4, 4, tile_q, false,)
+DEFINE_GEMM(gemm_q4_0, 4, 4, tile_q, true,)
 
 #define DEFINE_DOT(name, gemm)                                                  \
     static void name(int64_t n, float * s, const void * w, const void * x) {    \
@@ -424,8 +424,8 @@ bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
         case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6 }; return true;
         case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6 }; return true;
         case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6 }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 3 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 3 }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4 }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4 }; return true;
         default: return false;
     }
 }

@@ -217,3 +217,84 @@ def dense_tensor_names(n_layer: int, tied: bool) -> list[str]:
     if not tied:
         names.append(tensor_name(T_OUTPUT))
     return names
+
+
+# --------------------------------------------------------------------------
+# Sparse extension (predictors, neuron frequencies, GPU index)
+# --------------------------------------------------------------------------
+#
+# A *sparse* file is a dense file of the same format version (1) plus the
+# keys and tensors below; it is recognised by the presence of
+# KEY_SPARSE_THRESHOLD. In a sparse file every layer stores ffn_down_t
+# (the down projection transposed: one contiguous row per neuron) INSTEAD of
+# ffn_down, plus its predictor (fc1, fc2), neuron frequencies and GPU index.
+# The format version stays 1: every sparse addition is detected by name, so a
+# reader that knows version 1 knows what to look for.
+
+#: Predictor threshold (f32): neuron j is predicted active iff
+#: (fc2 · relu(fc1 · x))_j >= threshold. One global value per file.
+KEY_SPARSE_THRESHOLD = "powerinfer.sparse.threshold"
+#: Calibration text the profile was taken over (string, informational).
+KEY_SPARSE_CALIB_SOURCE = "powerinfer.sparse.calib_source"
+#: Number of calibration tokens profiled (u32).
+KEY_SPARSE_CALIB_TOKENS = "powerinfer.sparse.calib_tokens"
+#: Recall target the predictors were trained for (f32, fraction of the truly
+#: active neurons that must be predicted active on held-out tokens).
+KEY_SPARSE_RECALL_TARGET = "powerinfer.sparse.recall_target"
+
+#: VRAM budget (u64 bytes) the GPU index was solved for; 0 = CPU only.
+KEY_GPU_VRAM_BUDGET = "powerinfer.gpu.vram_budget"
+#: Neurons per placement group (u32).
+KEY_GPU_GROUP_SIZE = "powerinfer.gpu.group_size"
+#: Context length (u32) whose KV cache was reserved in the budget.
+KEY_GPU_CTX = "powerinfer.gpu.ctx"
+#: Bytes (u64) of the budget reserved for dense parts (attention, predictors,
+#: norms, output head, KV cache), in that priority.
+KEY_GPU_DENSE_BYTES = "powerinfer.gpu.dense_bytes"
+#: Bytes (u64) of the FFN neurons placed on the GPU (gate/up/down_t rows).
+KEY_GPU_NEURON_BYTES = "powerinfer.gpu.neuron_bytes"
+#: Share (f32, 0..1) of the profiled activation mass served by GPU neurons.
+KEY_GPU_SERVED_SHARE = "powerinfer.gpu.served_share"
+#: Which solver produced the index (string, one of GPU_SOLVERS).
+KEY_GPU_SOLVER = "powerinfer.gpu.solver"
+GPU_SOLVER_ILP = "ilp"
+GPU_SOLVER_GREEDY = "greedy"
+GPU_SOLVER_NONE = "none"  # budget left nothing for neurons
+GPU_SOLVERS = (GPU_SOLVER_ILP, GPU_SOLVER_GREEDY, GPU_SOLVER_NONE)
+
+SPARSE_KEYS = (KEY_SPARSE_THRESHOLD, KEY_SPARSE_CALIB_SOURCE, KEY_SPARSE_CALIB_TOKENS,
+               KEY_SPARSE_RECALL_TARGET)
+#: Keys of the GPU index; `python -m powerinfer_cpp.place` rewrites exactly these
+#: (and the GPU_INDEX_TENSORS).
+GPU_KEYS = (KEY_GPU_VRAM_BUDGET, KEY_GPU_GROUP_SIZE, KEY_GPU_CTX, KEY_GPU_DENSE_BYTES,
+            KEY_GPU_NEURON_BYTES, KEY_GPU_SERVED_SHARE, KEY_GPU_SOLVER)
+
+# Per-layer sparse tensors (blk.N.<kind>). Shapes numpy-style [rows, cols]
+# (GGUF ne = reversed): ffn_down_t [n_ff, d]; fc1 [h, d]; fc2 [n_ff, h];
+# ffn_freq F32 [n_ff]; gpu_idx I32 [n_ff] (0/1); gpu_bucket I32 [n_hot]
+# (sorted hot neuron ids; omitted when n_hot == 0).
+T_FFN_DOWN_T = "ffn_down_t"
+T_FC1 = "fc1"
+T_FC2 = "fc2"
+T_FFN_FREQ = "ffn_freq"      # written without a suffix: blk.N.ffn_freq
+T_GPU_IDX = "gpu_idx"        # blk.N.gpu_idx
+T_GPU_BUCKET = "gpu_bucket"  # blk.N.gpu_bucket
+SPARSE_LAYER_TENSORS = (T_FFN_DOWN_T, T_FC1, T_FC2, T_FFN_FREQ, T_GPU_IDX, T_GPU_BUCKET)
+GPU_INDEX_TENSORS = (T_GPU_IDX, T_GPU_BUCKET)
+#: Sparse tensors stored without the ".weight" suffix.
+SPARSE_NO_SUFFIX = (T_FFN_FREQ, T_GPU_IDX, T_GPU_BUCKET)
+
+
+def sparse_tensor_name(kind: str, layer: int) -> str:
+    """Name of a per-layer sparse tensor: ``blk.N.fc1.weight``,
+    ``blk.N.ffn_freq`` (frequencies and GPU index carry no suffix)."""
+    if kind not in SPARSE_LAYER_TENSORS:
+        raise ValueError(f"{kind!r} is not a sparse tensor kind")
+    return tensor_name(kind, layer, None if kind in SPARSE_NO_SUFFIX else "weight")
+
+
+def sparse_layer_tensor_names(layer: int, n_hot: int) -> list[str]:
+    """The tensors that follow ffn_up in a sparse file's layer, in file order
+    (ffn_down_t replaces ffn_down; gpu_bucket only when n_hot > 0)."""
+    kinds = [T_FFN_DOWN_T, T_FC1, T_FC2, T_FFN_FREQ, T_GPU_IDX] + ([T_GPU_BUCKET] if n_hot else [])
+    return [sparse_tensor_name(k, layer) for k in kinds]

@@ -169,6 +169,7 @@ static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
 typedef struct {
     __m512i lo, hi;
     __m256i d;   /* fp16 */
+    __m512i a;   /* Q4_0: the group's first 64 bytes (for q_step_r4) */
 } wgroup;
 
 /* Q4_0: block i's 16 bytes at 18i + 2 of the group; blocks 0..2 are read from the
@@ -182,6 +183,10 @@ static const uint8_t Q4_QS_IDX[64] __attribute__((aligned(64))) = {
 };
 static const uint16_t Q4_D_IDX[32] __attribute__((aligned(64))) = {
     0, 0, 0, 0, 9, 9, 9, 9, 18, 18, 18, 18, 27, 27, 27, 27,
+};
+/* word 4i + r: block i's scale from row r's first 64 bytes (rows 0, 2: table a, 1, 3: b) */
+static const uint16_t Q4_D4_IDX[32] __attribute__((aligned(64))) = {
+    0, 32, 0, 32, 9, 41, 9, 41, 18, 50, 18, 50, 27, 59, 27, 59,
 };
 /* Q8_0: values 0..15 of block i at byte 34i + 2 of [a0 a1] (bytes 0..127 of the
  * group); values 16..31 at byte 34i + 18, read from [c0 c1] = bytes 8..135. */
@@ -219,6 +224,7 @@ GH_INLINE wgroup unpack_q4_0(const uint8_t * p, int64_t avail) {
      * to bit i */
     g.hi = _mm512_gf2p8affine_epi64_epi8(q, _mm512_set1_epi64(0x1020408000000000ll), 0);
     g.d = _mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(Q4_D_IDX), a));
+    g.a = a;
     return g;
 }
 
@@ -279,10 +285,18 @@ GH_INLINE void q_step_r4(const bool is_q4, const wgroup * u, const block_q8_x4 *
     const __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(s2, s3), _mm512_unpackhi_epi32(s2, s3));
     __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
     s = _mm512_add_epi32(s, _mm512_slli_epi32(_mm512_loadu_si512(xg->nsum), is_q4 ? 3 : 7));
-    /* fp16 scales: word 4i + r of row r's vector */
-    __m256i d = _mm256_mask_blend_epi16(0x2222, u[0].d, u[1].d);
-    d = _mm256_mask_blend_epi16(0x4444, d, u[2].d);
-    d = _mm256_mask_blend_epi16(0x8888, d, u[3].d);
+    /* fp16 scales, word 4i + r = row r's block i */
+    __m256i d;
+    if (is_q4) { /* straight from the rows' first 64 bytes, two rows per permute */
+        const __m512i idx = _mm512_load_si512(Q4_D4_IDX);
+        const __m512i d01 = _mm512_permutex2var_epi16(u[0].a, idx, u[1].a);
+        const __m512i d23 = _mm512_permutex2var_epi16(u[2].a, idx, u[3].a);
+        d = _mm512_castsi512_si256(_mm512_mask_blend_epi16(0xcccccccc, d01, d23));
+    } else {
+        d = _mm256_mask_blend_epi16(0x2222, u[0].d, u[1].d);
+        d = _mm256_mask_blend_epi16(0x4444, d, u[2].d);
+        d = _mm256_mask_blend_epi16(0x8888, d, u[3].d);
+    }
     const __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(d), _mm512_loadu_ps(xg->d));
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *acc);
 }

@@ -52,7 +52,7 @@ static void matmul_task(void * arg, int ith, int nth) {
     const matmul_job * job = arg;
     const gh_weight * w = job->w;
     const gh_kernel_set * ks = job->ks;
-    const int64_t mr = ks->mr, nt = ks->nt;
+    const int64_t mr = job->n_tokens == 1 ? ks->mr1 : ks->mr, nt = ks->nt;
 
     /* Contiguous chunk of rows, a multiple of the tile height. */
     int64_t per = (w->rows + nth - 1) / nth;

@@ -4,8 +4,8 @@
  * Every weight type has one kernel shape, a register tile ("gemm"): it computes
  *     y[t * ldy + r] = W[r] . X[t]      for r < nr, t < nt
  * with W rows `w_stride` bytes apart (in the weight's type) and X rows `x_stride`
- * bytes apart (already converted to the type's vec_dot_type). nr <= mr, nt <= nt_max
- * of the kernel set. A 1 x 1 tile is the vec_dot of the type table. */
+ * bytes apart (already converted to the type's vec_dot_type). nr <= mr and nt <= nt
+ * of the kernel set, or nt == 1 and nr <= mr1. A 1 x 1 tile is the vec_dot of the type table. */
 #ifndef GH_KERNELS_H
 #define GH_KERNELS_H
 
@@ -36,6 +36,7 @@ typedef struct {
     gh_gemm_fn       gemm;
     int              mr;            /* max rows of a tile */
     int              nt;            /* max tokens of a tile */
+    int              mr1;           /* max rows of a one-token tile (decode) */
 } gh_kernel_set;
 
 /* The kernels for `type` at the current SIMD level (initialises SIMD on first use);

@@ -13,7 +13,12 @@
  *         128-bit lane). The weight bytes of four blocks are gathered from their 18- or
  *         34-byte blocks with vpermt2b; VNNI wants unsigned x signed, so Q4_0 uses the
  *         raw nibbles (0..15) and Q8_0 the bytes + 128, and the accumulator starts at
- *         -8 (-128) times the activation block sum, which Q8_X4 carries. */
+ *         -8 (-128) times the activation block sum, which Q8_X4 carries.
+ *
+ * Tiles: 4 rows x 6 tokens for the float types, 4 x 4 for the quantized ones. Decode
+ * (one token) runs 4-row tiles; the quantized ones transpose the four rows' block sums
+ * into one register before scaling (q_step_r4) and prefetch the rows GH_PF_TILES tiles
+ * ahead (short rows are short streams the hardware prefetcher catches late). */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")
 
 #include "kernels.h"
@@ -435,11 +440,11 @@ DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
 bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
     switch (type) {
-        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6 }; return true;
-        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6 }; return true;
-        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6 }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4 }; return true;
+        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6, 4 }; return true;
+        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6, 4 }; return true;
+        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4 }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4 }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4 }; return true;
         default: return false;
     }
 }

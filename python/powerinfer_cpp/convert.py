@@ -325,8 +325,9 @@ class TensorJob:
     name: str                       # GGUF tensor name
     shape: tuple[int, ...]          # numpy (row-major) shape of the logical tensor
     qtype: Any                      # gguf.GGMLQuantizationType
-    load: Callable[[], np.ndarray]  # returns float32 data of `shape`
+    load: Callable[[], np.ndarray]  # returns float32 data of `shape` (int32 for I32)
     note: str = ""
+    raw: bool = False               # load() returns the already encoded bytes (copied as is)
 
     def nbytes(self) -> int:
         from gguf import GGML_QUANT_SIZES
@@ -406,12 +407,16 @@ def _encode(job: TensorJob) -> np.ndarray:
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
     a = job.load()
+    if job.raw:
+        return np.asarray(a)
     if a.shape != job.shape:
         raise ConvertError(f"{job.name}: loaded shape {a.shape} != planned {job.shape}")
     if job.qtype == Q.F32:
         return a
     if job.qtype == Q.F16:
         return a.astype(np.float16)
+    if job.qtype == Q.I32:
+        return np.ascontiguousarray(a, dtype=np.int32)
     return quantize(a, job.qtype)
 
 
@@ -699,6 +704,8 @@ def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob
                 w.add_tensor_info(j.name, j.shape, np.dtype(np.float32), j.nbytes())
             elif j.qtype == Q.F16:
                 w.add_tensor_info(j.name, j.shape, np.dtype(np.float16), j.nbytes())
+            elif j.qtype == Q.I32:
+                w.add_tensor_info(j.name, j.shape, np.dtype(np.int32), j.nbytes())
             else:
                 byte_shape = gguf.quants.quant_shape_to_byte_shape(j.shape, j.qtype)
                 w.add_tensor_info(j.name, byte_shape, np.dtype(np.uint8), j.nbytes(), raw_dtype=j.qtype)
@@ -731,10 +738,17 @@ def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob
 
 
 def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
-            progress: bool = True) -> str:
+            progress: bool = True, sparse: bool = False, sparse_options=None,
+            report: list | None = None) -> str:
     """Convert the Hugging Face model folder ``hf_dir`` to a GGUF file at
     ``out_path`` with 2-D weights stored as ``outtype`` (one of
-    format.OUTTYPES). Returns the absolute output path. Raises ConvertError."""
+    format.OUTTYPES). Returns the absolute output path. Raises ConvertError.
+
+    ``sparse=True`` runs the sparse pipeline (profile, predictors, placement;
+    ReLU-family models only) with ``sparse_options``
+    (sparse_convert.SparseOptions) and writes one extended GGUF; its
+    SparseReport is appended to ``report`` when a list is given. (The CLI makes
+    sparse the default for ReLU-family models; this function does not.)"""
     if outtype not in F.OUTTYPES:
         raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
     out_path = os.path.abspath(os.fspath(out_path))
@@ -755,6 +769,13 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
                  params.hf_arch, params.n_layer, params.n_embd, params.n_ff, params.activation,
                  len(jobs), out_path, outtype)
         try:
+            if sparse:
+                from .sparse_convert import SparseOptions, convert_sparse
+                path, rep = convert_sparse(os.fspath(hf_dir), out_path, outtype, params, tok, src, jobs,
+                                           sparse_options or SparseOptions(), progress)
+                if report is not None:
+                    report.append(rep)
+                return path
             return write_gguf(out_path, lambda w: _add_metadata(w, params, tok, outtype), jobs, progress)
         except SafetensorsError as e:
             raise ConvertError(str(e)) from None
@@ -769,11 +790,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--outfile", help="output GGUF path (default: HF_DIR/model-OUTTYPE.gguf)")
     ap.add_argument("--outtype", default="f16", help="f32 | f16 | bf16 | q8_0 | q4_0 (default f16)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info messages")
+    sp = ap.add_argument_group("sparse conversion (default for ReLU-family models: relu, drelu)")
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument("--sparse", dest="sparse", action="store_true", default=None,
+                      help="profile, train predictors, place neurons and write one extended GGUF "
+                           "(default for relu/drelu models; an error for others)")
+    mode.add_argument("--dense", dest="sparse", action="store_false", help="plain dense GGUF (no profiling)")
+    sp.add_argument("--calib", metavar="FILE",
+                    help="calibration text (default: HF_DIR/heldout.txt when the folder ships one; "
+                         "required otherwise)")
+    sp.add_argument("--calib-tokens", type=int, default=4096, metavar="N",
+                    help="tokens of calibration text to profile (default 4096; capped by the text)")
+    sp.add_argument("--predictor-recall", type=float, default=0.99, metavar="R",
+                    help="predictor recall target on held-out tokens (default 0.99)")
+    sp.add_argument("--vram-budget", default="0", metavar="SIZE",
+                    help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
+                         "re-solve later with python -m powerinfer_cpp.place)")
+    sp.add_argument("--ctx", type=int, default=None, metavar="N",
+                    help="context length whose KV cache the budget reserves (default: the model's)")
+    sp.add_argument("--group-size", type=int, default=64, metavar="N", help="neurons per placement group (default 64)")
+    sp.add_argument("--placement", choices=("ilp", "greedy"), default="ilp", help="placement solver (default ilp)")
+    sp.add_argument("--threads", type=int, default=0, help="threads for profiling (default: all cores)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     out = args.outfile or os.path.join(args.hf_dir, f"model-{args.outtype}.gguf")
     try:
-        path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet)
+        sparse = args.sparse
+        sopts = None
+        if sparse is not False:
+            params = read_hf_config(args.hf_dir)
+            if sparse is None:
+                sparse = params.activation in F.SPARSE_ACTIVATIONS
+            if sparse:
+                from .placement import parse_size
+                from .sparse_convert import SparseOptions
+                try:
+                    budget = parse_size(args.vram_budget)
+                except ValueError as e:
+                    raise ConvertError(f"--vram-budget: {e}") from None
+                sopts = SparseOptions(calib=args.calib, calib_tokens=args.calib_tokens,
+                                      predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
+                                      group_size=args.group_size, placement=args.placement,
+                                      n_threads=args.threads)
+        path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
+                       sparse_options=sopts)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

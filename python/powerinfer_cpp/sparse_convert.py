@@ -1,0 +1,324 @@
+"""The sparse conversion pipeline (``python -m powerinfer_cpp.convert --sparse``).
+
+    1. write the dense GGUF to a temporary file (next to the output),
+    2. profile it with the native runtime over calibration text (profile.py),
+    3. train a predictor per layer (predictor.py),
+    4. solve the GPU placement for the VRAM budget (placement.py),
+    5. write ONE extended GGUF: the dense tensors (copied byte for byte from the
+       profiled file) with ffn_down replaced by ffn_down_t, plus per layer the
+       predictor, the neuron frequencies and the GPU index, plus the
+       powerinfer.sparse.* / powerinfer.gpu.* keys (docs/FORMAT.md).
+
+The output is written atomically (temp file + rename); the temporary dense
+file is removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from . import format as F
+from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
+                        tensor_nbytes)
+from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
+
+log = logging.getLogger("powerinfer_cpp.convert")
+
+#: File name of the held-out text that a model folder may ship (the default
+#: calibration text when --calib is not given).
+HELDOUT_FILE = "heldout.txt"
+
+
+@dataclass
+class SparseOptions:
+    calib: str | None = None          # calibration text file; None: HF_DIR/heldout.txt
+    calib_tokens: int = 4096          # tokens profiled (the first ones of the text)
+    predictor_recall: float = 0.99    # recall target on held-out tokens
+    threshold: float = 0.0            # global predictor threshold
+    vram_budget: int = 0              # bytes; 0 = CPU only
+    ctx: int | None = None            # KV cache reserved in the budget; None: the model's context length
+    group_size: int = 64
+    min_layer_share: float = 0.05
+    ilp_time_limit: float = 30.0
+    placement: str = "ilp"            # "ilp" | "greedy"
+    profile_ctx: int = 512            # window length of the profiling runs
+    n_threads: int = 0
+    predictor: PredictorConfig | None = None
+
+
+@dataclass
+class SparseReport:
+    """What the pipeline did (also printed stage by stage)."""
+    n_calib_tokens: int = 0
+    calib_source: str = ""
+    density: list = field(default_factory=list)
+    predictors: list = field(default_factory=list)   # LayerPredictor (weights dropped)
+    stored_recall: list = field(default_factory=list)  # recall/precision with the stored (encoded) weights
+    pred_bytes: list = field(default_factory=list)
+    ffn_bytes: list = field(default_factory=list)
+    placement: Placement | None = None
+    seconds: dict = field(default_factory=dict)
+
+
+def predictor_qtype(outtype: str, row_len: int):
+    """Storage type of a predictor matrix: F32 for f32 models, F16 for f16/bf16
+    (bf16's 8-bit mantissa flips more scores near the threshold), Q8_0 for
+    q8_0/q4_0 models (Q4_0 costs recall; Q8_0 keeps it within ~0.1%);
+    F16 when a row cannot be block-quantized."""
+    from gguf import GGMLQuantizationType as Q
+    if outtype == "f32":
+        return Q.F32
+    if outtype in ("f16", "bf16"):
+        return Q.F16
+    return Q.Q8_0 if row_len % F.QUANT_BLOCK == 0 else Q.F16
+
+
+def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    if qtype == Q.F32:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if qtype == Q.F16:
+        return a.astype(np.float16)
+    return quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
+
+
+def decode_matrix(data: np.ndarray, qtype, shape) -> np.ndarray:
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+    if qtype in (Q.F32, Q.F16):
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    return dequantize(np.asarray(data), qtype).reshape(shape).astype(np.float32)
+
+
+def calib_source_string(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return f"{os.path.basename(path)} sha256:{h.hexdigest()[:16]}"
+
+
+def resolve_calib(hf_dir: str, calib: str | None) -> str:
+    from .convert import ConvertError
+    if calib is None:
+        cand = os.path.join(hf_dir, HELDOUT_FILE)
+        if not os.path.isfile(cand):
+            raise ConvertError(
+                f"sparse conversion needs calibration text: pass --calib FILE (plain text in the model's "
+                f"language and domain, a few thousand tokens or more); {hf_dir} ships no {HELDOUT_FILE}. "
+                "Or convert densely with --dense")
+        return cand
+    if not os.path.isfile(calib):
+        raise ConvertError(f"calibration text not found: {calib}")
+    return calib
+
+
+def gpu_index_kv(pl: Placement, group_size: int, ctx: int) -> list[tuple[str, Any, Any]]:
+    """(key, value, GGUFValueType) of the GPU index keys (format.GPU_KEYS)."""
+    from gguf import GGUFValueType as V
+    return [
+        (F.KEY_GPU_VRAM_BUDGET, int(pl.budget), V.UINT64),
+        (F.KEY_GPU_GROUP_SIZE, int(group_size), V.UINT32),
+        (F.KEY_GPU_CTX, int(ctx), V.UINT32),
+        (F.KEY_GPU_DENSE_BYTES, int(pl.dense_bytes), V.UINT64),
+        (F.KEY_GPU_NEURON_BYTES, int(pl.neuron_bytes), V.UINT64),
+        (F.KEY_GPU_SERVED_SHARE, float(pl.served_share), V.FLOAT32),
+        (F.KEY_GPU_SOLVER, pl.solver, V.STRING),
+    ]
+
+
+def solve_from_tensors(tensors: dict, freq: list[np.ndarray], n_layer: int, n_embd_kv: int, ctx: int,
+                       budget: int, group_size: int = 64, min_layer_share: float = 0.05,
+                       method: str = "ilp", time_limit: float = 30.0) -> Placement:
+    """Placement for a sparse model described by ``{name: (qtype, numpy shape)}``."""
+    dense, per_neuron = model_costs(tensors, n_layer, n_embd_kv, ctx)
+    prob = make_problem(freq, per_neuron, dense, budget, group_size, min_layer_share)
+    return solve_placement(prob, method, time_limit)
+
+
+def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, jobs: list,
+                   opts: SparseOptions, progress: bool = True,
+                   say: Callable[[str], None] | None = None) -> tuple[str, SparseReport]:
+    """Run the whole pipeline; returns (output path, report)."""
+    import gguf
+
+    from .convert import ConvertError, TensorJob, _add_metadata, _storage_type, write_gguf
+
+    say = say or (lambda s: log.info("%s", s))
+    if params.activation not in F.SPARSE_ACTIVATIONS:
+        raise ConvertError(
+            f"--sparse needs a ReLU-family model (activation relu or drelu); this model's FFN uses "
+            f"{params.activation!r}, whose outputs are almost never exactly zero, so there is no activation "
+            "sparsity to exploit. Convert it densely (without --sparse)")
+    if not 0.0 < opts.predictor_recall <= 1.0:
+        raise ConvertError(f"--predictor-recall must be in (0, 1], got {opts.predictor_recall}")
+    if opts.calib_tokens < 16:
+        raise ConvertError(f"--calib-tokens must be at least 16, got {opts.calib_tokens}")
+    if opts.group_size < 1:
+        raise ConvertError("--group-size must be >= 1")
+    calib = resolve_calib(hf_dir, opts.calib)
+    try:
+        with open(calib, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"cannot read calibration text {calib}: {e}") from None
+    if not text.strip():
+        raise ConvertError(f"calibration text {calib} is empty")
+    ctx = int(opts.ctx if opts.ctx is not None else params.n_ctx)
+    rep = SparseReport(calib_source=calib_source_string(calib))
+    n_layer, n_ff, d = params.n_layer, params.n_ff, params.n_embd
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    tmpdir = tempfile.mkdtemp(dir=out_dir, prefix="." + os.path.basename(out_path) + ".sparse-")
+    try:
+        # 1. dense file
+        t0 = time.perf_counter()
+        dense_path = os.path.join(tmpdir, "dense.gguf")
+        write_gguf(dense_path, lambda w: _add_metadata(w, params, tok, outtype), jobs, progress)
+        rep.seconds["dense"] = time.perf_counter() - t0
+        say(f"[1/5] dense GGUF written ({outtype}, {len(jobs)} tensors, {rep.seconds['dense']:.1f} s)")
+
+        # 2. profile
+        t0 = time.perf_counter()
+        from .profile import profile_model
+        prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
+                             max_tokens=opts.calib_tokens, progress=progress)
+        rep.n_calib_tokens = prof.n_tokens
+        rep.density = [float(v) for v in prof.density]
+        rep.seconds["profile"] = time.perf_counter() - t0
+        if prof.n_tokens < 16:
+            raise ConvertError(f"calibration text {calib} gave only {prof.n_tokens} tokens; need at least 16")
+        say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
+
+        # 3. predictors
+        t0 = time.perf_counter()
+        pcfg = opts.predictor or PredictorConfig()
+        pcfg.recall_target = opts.predictor_recall
+        pcfg.threshold = opts.threshold
+        preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg, progress,
+                                 log=lambda s: log.debug("%s", s))
+        rep.seconds["predictors"] = time.perf_counter() - t0
+
+        # storage types and what the stored (encoded) predictors actually achieve
+        reader = gguf.GGUFReader(dense_path)
+        dense_t = {t.name: t for t in reader.tensors}
+        down_q, _ = _storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
+        pred_enc: list[tuple] = []
+        for l, p in enumerate(preds):
+            q1, q2 = predictor_qtype(outtype, d), predictor_qtype(outtype, p.h)
+            e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
+            r1, r2 = decode_matrix(e1, q1, p.w1.shape), decode_matrix(e2, q2, p.w2.shape)
+            n_tr = p.n_train
+            rec, prec, dens = evaluate(r1, r2, prof.x[l][n_tr:], prof.mask[l][n_tr:], opts.threshold)
+            rep.stored_recall.append((rec, prec, dens))
+            pred_enc.append((q1, e1, q2, e2))
+            rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
+            ffn = sum(int(dense_t[F.tensor_name(k, l)].n_bytes) for k in (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN))
+            rep.ffn_bytes.append(ffn)
+        say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
+            f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
+            + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],
+                            rep.ffn_bytes, rep.pred_bytes, opts.predictor_recall))
+        rep.predictors = [_strip(p) for p in preds]
+
+        # 4. placement
+        t0 = time.perf_counter()
+        tensors: dict[str, tuple] = {}
+        for t in reader.tensors:
+            tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+        for l, (q1, e1, q2, e2) in enumerate(pred_enc):
+            tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q, (n_ff, d))
+            tensors[F.sparse_tensor_name(F.T_FC1, l)] = (q1, preds[l].w1.shape)
+            tensors[F.sparse_tensor_name(F.T_FC2, l)] = (q2, preds[l].w2.shape)
+        freq = [np.asarray(prof.freq[l], dtype=np.float64) for l in range(n_layer)]
+        pl = solve_from_tensors(tensors, freq, n_layer, params.n_head_kv * params.head_dim, ctx,
+                                opts.vram_budget, opts.group_size, opts.min_layer_share,
+                                opts.placement, opts.ilp_time_limit)
+        rep.placement = pl
+        rep.seconds["placement"] = time.perf_counter() - t0
+        say(f"[4/5] {pl.summary()}")
+
+        # 5. the extended file
+        t0 = time.perf_counter()
+        new_jobs: list = []
+        src_names = {j.name: j for j in jobs}
+        for j in jobs:
+            kind, il, _ = F.parse_tensor_name(j.name)
+            if kind == F.T_FFN_DOWN and il is not None:
+                src_job = src_names[j.name]
+
+                def load_t(src_job=src_job):
+                    return np.ascontiguousarray(src_job.load().T)
+
+                new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d), down_q, load_t))
+                q1, e1, q2, e2 = pred_enc[il]
+                new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
+                new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
+                new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
+            else:
+                rt = dense_t[j.name]
+                new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+
+        def setup(w):
+            from gguf import GGUFValueType as V
+            _add_metadata(w, params, tok, outtype)
+            w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
+            w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
+            w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
+            w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
+            for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
+                w.add_key_value(k, v, ty)
+
+        out = write_gguf(out_path, setup, new_jobs, progress)
+        del reader, dense_t
+        rep.seconds["write"] = time.perf_counter() - t0
+        size = os.path.getsize(out)
+        say(f"[5/5] wrote {out} ({format_size(size)}, {len(new_jobs)} tensors, {rep.seconds['write']:.1f} s)")
+        return out, rep
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def index_jobs(layer: int, freq: np.ndarray, hot: np.ndarray, n_ff: int) -> list:
+    """TensorJobs of ffn_freq, gpu_idx and (when n_hot > 0) gpu_bucket."""
+    from gguf import GGMLQuantizationType as Q
+
+    from .convert import TensorJob
+    idx = np.zeros(n_ff, np.int32)
+    idx[hot] = 1
+    out = [TensorJob(F.sparse_tensor_name(F.T_FFN_FREQ, layer), (n_ff,), Q.F32,
+                     lambda f=freq: np.ascontiguousarray(f, dtype=np.float32)),
+           TensorJob(F.sparse_tensor_name(F.T_GPU_IDX, layer), (n_ff,), Q.I32, lambda a=idx: a)]
+    if len(hot):
+        b = np.sort(np.asarray(hot, dtype=np.int32))
+        out.append(TensorJob(F.sparse_tensor_name(F.T_GPU_BUCKET, layer), (len(b),), Q.I32, lambda a=b: a))
+    return out
+
+
+def _raw_job(name, shape, qtype, data):
+    from .convert import TensorJob
+    return TensorJob(name, tuple(int(s) for s in shape), qtype, lambda a=data: a, raw=True)
+
+
+def _with_stored(p: LayerPredictor, stored) -> LayerPredictor:
+    import copy
+    q = copy.copy(p)
+    q.recall, q.precision, q.pred_density = stored
+    return q
+
+
+def _strip(p: LayerPredictor) -> LayerPredictor:
+    import copy
+    q = copy.copy(p)
+    q.w1 = np.zeros((p.h, 0), np.float32)
+    q.w2 = np.zeros((0, p.h), np.float32)
+    return q

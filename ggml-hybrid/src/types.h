@@ -33,8 +33,13 @@ typedef struct {
     bool             is_quantized;
     gh_to_float_fn   to_float;     /* dequantize a row */
     gh_from_float_fn from_float;   /* quantize a row (reference) */
-    int              vec_dot_type; /* type activations are converted to before dot */
-    gh_from_float_fn from_float_x; /* fast conversion of activations to vec_dot_type */
+    int              vec_dot_type; /* type activations are converted to before dot: F32
+                                    * for F32/F16, BF16 for BF16, and for Q4_0/Q8_0 the
+                                    * internal GH_TYPE_Q8_X4 (simd/kernels.h), which
+                                    * gh_type_traits_get does not know: size buffers
+                                    * with gh_row_size(vec_dot_type, n) */
+    gh_from_float_fn from_float_x; /* fast conversion of activations to vec_dot_type;
+                                    * NULL when vec_dot_type is F32 (use x as it is) */
     gh_vec_dot_fn    vec_dot;      /* best kernel for the current SIMD level */
 } gh_type_traits;
 

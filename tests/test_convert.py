@@ -425,7 +425,7 @@ def test_cli(hf_dirs, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     out = tmp_path / "cli.gguf"
     p = subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", str(hf_dirs["relu_tied"]), "-o", str(out),
-                        "--outtype", "q8_0", "-q"], env=env, capture_output=True, text=True, timeout=120)
+                        "--outtype", "q8_0", "-q", "--dense"], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert fields(gguf.GGUFReader(str(out)))[F.KEY_GENERAL_FILE_TYPE] == F.FILE_TYPE_MOSTLY_Q8_0
     p = subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x.gguf")],

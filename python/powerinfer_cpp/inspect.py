@@ -1,0 +1,117 @@
+"""Print what a GGUF file holds.
+
+    python -m powerinfer_cpp.inspect MODEL.gguf [--tensors]
+
+Architecture and hyper-parameters, tensor types and sizes, and for sparse
+files (convert --sparse) the sparse metadata, per-layer predictor sizes and
+GPU neuron counts. Pure Python (the ``gguf`` package): no native library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+import numpy as np
+
+from . import format as F
+from .placement import format_size
+
+__all__ = ["describe", "main"]
+
+
+def describe(path: str | os.PathLike, tensors: bool = False) -> str:
+    """The report as text (raises ValueError / OSError on unreadable files)."""
+    import gguf
+
+    from .place import read_fields
+
+    path = os.fspath(path)
+    r = gguf.GGUFReader(path)
+    fields = read_fields(r)
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, "?")
+    out = [f"file: {path} ({format_size(os.path.getsize(path))}), GGUF v{int(r.fields['GGUF.version'].contents())}, "
+           f"{len(r.tensors)} tensors, {len(fields)} keys"]
+
+    def ak(t):
+        return fields.get(F.arch_key(t, arch))
+
+    out.append(f"architecture: {arch}  name: {fields.get(F.KEY_GENERAL_NAME, '?')}  "
+               f"file type: {fields.get(F.KEY_GENERAL_FILE_TYPE, '?')}")
+    out.append(f"  layers {ak(F.KEY_BLOCK_COUNT)}, d {ak(F.KEY_EMBEDDING_LENGTH)}, n_ff {ak(F.KEY_FEED_FORWARD_LENGTH)}, "
+               f"heads {ak(F.KEY_HEAD_COUNT)}/{ak(F.KEY_HEAD_COUNT_KV)} (kv), vocab {ak(F.KEY_VOCAB_SIZE)}, "
+               f"context {ak(F.KEY_CONTEXT_LENGTH)}, activation {fields.get(F.KEY_FFN_ACTIVATION, 'silu (absent)')}")
+    out.append(f"  powerinfer.format_version {fields.get(F.KEY_FORMAT_VERSION, '(absent)')}, "
+               f"tokenizer {fields.get(F.KEY_TOKENIZER_MODEL, '(none)')}")
+    types = Counter()
+    tbytes = Counter()
+    for t in r.tensors:
+        n = gguf.GGMLQuantizationType(t.tensor_type).name
+        types[n] += 1
+        tbytes[n] += int(t.n_bytes)
+    total = sum(tbytes.values())
+    out.append("tensor types: " + ", ".join(f"{k} x{types[k]} ({format_size(tbytes[k])})" for k in sorted(types))
+               + f"; total {format_size(total)}")
+
+    sparse = F.KEY_SPARSE_THRESHOLD in fields
+    if not sparse:
+        out.append("sparse: no (dense file)")
+    else:
+        out.append(f"sparse: yes  threshold {fields[F.KEY_SPARSE_THRESHOLD]:g}, recall target "
+                   f"{float(fields.get(F.KEY_SPARSE_RECALL_TARGET, 'nan')):.4g}, calibration "
+                   f"{fields.get(F.KEY_SPARSE_CALIB_TOKENS, '?')} tokens of {fields.get(F.KEY_SPARSE_CALIB_SOURCE, '?')}")
+        b = fields.get(F.KEY_GPU_VRAM_BUDGET)
+        if b is not None:
+            out.append(f"gpu index: budget {format_size(int(b))} (solver {fields.get(F.KEY_GPU_SOLVER, '?')}, "
+                       f"groups of {fields.get(F.KEY_GPU_GROUP_SIZE, '?')}, ctx {fields.get(F.KEY_GPU_CTX, '?')}): "
+                       f"dense parts {format_size(int(fields.get(F.KEY_GPU_DENSE_BYTES, 0)))}, "
+                       f"neurons {format_size(int(fields.get(F.KEY_GPU_NEURON_BYTES, 0)))}, "
+                       f"served activation mass {float(fields.get(F.KEY_GPU_SERVED_SHARE, 0)):.1%}")
+    by_name = {t.name: t for t in r.tensors}
+    n_layer = int(ak(F.KEY_BLOCK_COUNT) or 0)
+    if sparse and n_layer:
+        out.append("layer  predictor h  pred bytes  pred/FFN  types(fc1,fc2)  mean freq  GPU neurons")
+        for l in range(n_layer):
+            fc1 = by_name.get(F.sparse_tensor_name(F.T_FC1, l))
+            fc2 = by_name.get(F.sparse_tensor_name(F.T_FC2, l))
+            ffn = sum(int(by_name[n].n_bytes) for n in (F.tensor_name(F.T_FFN_GATE, l), F.tensor_name(F.T_FFN_UP, l),
+                                                        F.sparse_tensor_name(F.T_FFN_DOWN_T, l),
+                                                        F.tensor_name(F.T_FFN_DOWN, l)) if n in by_name)
+            if fc1 is not None and fc2 is not None:
+                h = int(fc1.shape[1])
+                pb = int(fc1.n_bytes + fc2.n_bytes)
+                ty = f"{gguf.GGMLQuantizationType(fc1.tensor_type).name},{gguf.GGMLQuantizationType(fc2.tensor_type).name}"
+                share = f"{pb / ffn:.1%}" if ffn else "-"
+            else:
+                h, pb, ty, share = "-", 0, "-", "-"
+            fr = by_name.get(F.sparse_tensor_name(F.T_FFN_FREQ, l))
+            mf = f"{float(np.asarray(fr.data).mean()):.3f}" if fr is not None else "-"
+            gi = by_name.get(F.sparse_tensor_name(F.T_GPU_IDX, l))
+            ng = int(np.asarray(gi.data).sum()) if gi is not None else "-"
+            out.append(f"{l:5d}  {h!s:>11}  {format_size(pb):>10}  {share:>8}  {ty:>14}  {mf:>9}  {ng!s:>11}")
+    if tensors:
+        out.append("tensors:")
+        for t in r.tensors:
+            shape = [int(v) for v in reversed(t.shape)]
+            out.append(f"  {t.name:32s} {gguf.GGMLQuantizationType(t.tensor_type).name:6s} {str(shape):16s} "
+                       f"{format_size(int(t.n_bytes))}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.inspect", description="Describe a GGUF file.")
+    ap.add_argument("model")
+    ap.add_argument("--tensors", action="store_true", help="also list every tensor")
+    args = ap.parse_args(argv)
+    try:
+        print(describe(args.model, args.tensors))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: cannot read {args.model}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

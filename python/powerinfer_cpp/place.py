@@ -1,0 +1,158 @@
+"""Re-solve the GPU neuron placement of a sparse GGUF for another VRAM budget.
+
+    python -m powerinfer_cpp.place MODEL.gguf --vram-budget 8G [-o OUT.gguf]
+
+Uses the neuron frequencies stored in the file (``blk.N.ffn_freq``), so no
+profiling is needed. Only the GPU index changes: the ``blk.N.gpu_idx`` /
+``blk.N.gpu_bucket`` tensors and the ``powerinfer.gpu.*`` keys; every other
+key and tensor is copied unchanged. Without ``-o`` the file is rewritten in
+place, atomically (a temporary file renamed over it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import numpy as np
+
+from . import format as F
+from .placement import Placement, format_size, parse_size
+
+__all__ = ["PlaceError", "replace_index", "read_fields", "main"]
+
+
+class PlaceError(Exception):
+    """The file cannot be re-placed (message says why)."""
+
+
+def read_fields(reader) -> dict:
+    """{key: python value} of a GGUFReader's metadata (GGUF.* pseudo-keys left out)."""
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _copy_fields(reader, w, skip: set[str]) -> None:
+    from gguf import GGUFValueType as V
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name in skip or name == F.KEY_GENERAL_ARCHITECTURE:
+            continue
+        if name == F.KEY_GENERAL_ALIGNMENT:
+            w.add_custom_alignment(int(f.contents()))
+            continue
+        main = V(f.types[0])
+        if main == V.ARRAY:
+            w.add_key_value(name, f.contents(), V.ARRAY, V(f.types[-1]))
+        else:
+            w.add_key_value(name, f.contents(), main)
+
+
+def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathLike | None = None, *,
+                  ctx: int | None = None, group_size: int | None = None, min_layer_share: float = 0.05,
+                  method: str = "ilp", time_limit: float = 30.0, progress: bool = False) -> Placement:
+    """Solve the placement of the sparse GGUF ``path`` for ``budget`` bytes and
+    write the file with the new GPU index to ``out_path`` (default: ``path``,
+    replaced atomically). ``ctx`` / ``group_size`` default to the values stored
+    in the file. Returns the Placement."""
+    import gguf
+
+    from .convert import ConvertError, TensorJob, write_gguf
+    from .sparse_convert import gpu_index_kv, index_jobs, solve_from_tensors
+
+    path = os.fspath(path)
+    out_path = os.fspath(out_path) if out_path is not None else path
+    if not os.path.isfile(path):
+        raise PlaceError(f"model file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError / struct errors on bad files
+        raise PlaceError(f"cannot read {path}: {e}") from None
+    fields = read_fields(reader)
+    if F.KEY_SPARSE_THRESHOLD not in fields:
+        raise PlaceError(f"{path} is not a sparse file (no {F.KEY_SPARSE_THRESHOLD}); convert the model with "
+                         "`python -m powerinfer_cpp.convert HF_DIR --sparse`")
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    try:
+        n_layer = int(fields[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
+        n_ff = int(fields[F.arch_key(F.KEY_FEED_FORWARD_LENGTH, arch)])
+        n_embd = int(fields[F.arch_key(F.KEY_EMBEDDING_LENGTH, arch)])
+        n_head = int(fields[F.arch_key(F.KEY_HEAD_COUNT, arch)])
+        n_head_kv = int(fields.get(F.arch_key(F.KEY_HEAD_COUNT_KV, arch), n_head))
+        head_dim = int(fields.get(F.arch_key(F.KEY_KEY_LENGTH, arch), n_embd // n_head))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise PlaceError(f"{path}: missing or bad hyper-parameter ({e})") from None
+    if ctx is None:
+        ctx = int(fields.get(F.KEY_GPU_CTX, fields.get(F.arch_key(F.KEY_CONTEXT_LENGTH, arch), 2048)))
+    if group_size is None:
+        group_size = int(fields.get(F.KEY_GPU_GROUP_SIZE, 64))
+    tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
+    by_name = {t.name: t for t in reader.tensors}
+    freq = []
+    for l in range(n_layer):
+        name = F.sparse_tensor_name(F.T_FFN_FREQ, l)
+        t = by_name.get(name)
+        if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(t.n_elements) != n_ff:
+            raise PlaceError(f"{path}: {name} missing or not F32[{n_ff}]")
+        freq.append(np.asarray(t.data, dtype=np.float64).reshape(n_ff))
+    try:
+        pl = solve_from_tensors(tensors, freq, n_layer, n_head_kv * head_dim, ctx, budget, group_size,
+                                min_layer_share, method, time_limit)
+    except KeyError as e:
+        raise PlaceError(f"{path}: tensor {e} missing") from None
+
+    idx_kinds = set(F.GPU_INDEX_TENSORS)
+    jobs = []
+    for t in reader.tensors:
+        kind, il, _ = F.parse_tensor_name(t.name)
+        if il is not None and kind in idx_kinds:
+            if kind == F.T_GPU_IDX:
+                jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)[1:]  # gpu_idx (+ gpu_bucket)
+            continue
+        shape = tuple(int(v) for v in reversed(t.shape))
+        jobs.append(TensorJob(t.name, shape, t.tensor_type, lambda a=t.data: a, raw=True))
+
+    def setup(w):
+        _copy_fields(reader, w, set(F.GPU_KEYS))
+        for k, v, ty in gpu_index_kv(pl, group_size, ctx):
+            w.add_key_value(k, v, ty)
+
+    try:
+        write_gguf(out_path, setup, jobs, progress)
+    except ConvertError as e:
+        raise PlaceError(str(e)) from None
+    return pl
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.place",
+                                 description="Re-solve the GPU neuron placement of a sparse GGUF "
+                                             "from its stored neuron frequencies (no re-profiling).")
+    ap.add_argument("model", help="sparse GGUF (written by convert --sparse)")
+    ap.add_argument("--vram-budget", required=True, metavar="SIZE", help="GPU memory, e.g. 8G, 512M, 0")
+    ap.add_argument("-o", "--outfile", help="write here instead of rewriting MODEL in place")
+    ap.add_argument("--ctx", type=int, default=None, help="KV cache context to reserve (default: as stored)")
+    ap.add_argument("--group-size", type=int, default=None, help="neurons per group (default: as stored)")
+    ap.add_argument("--min-layer-share", type=float, default=0.05,
+                    help="a layer gets no GPU neurons or at least this share of them (default 0.05)")
+    ap.add_argument("--placement", choices=("ilp", "greedy"), default="ilp")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds (default 30)")
+    ap.add_argument("-q", "--quiet", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        budget = parse_size(args.vram_budget)
+        pl = replace_index(args.model, budget, args.outfile, ctx=args.ctx, group_size=args.group_size,
+                           min_layer_share=args.min_layer_share, method=args.placement,
+                           time_limit=args.time_limit, progress=False)
+    except (PlaceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(pl.summary())
+        print(f"wrote {os.path.abspath(args.outfile or args.model)} (budget {format_size(budget)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

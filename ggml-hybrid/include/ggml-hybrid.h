@@ -37,6 +37,7 @@ typedef enum {
     GH_TYPE_F16  = 1,
     GH_TYPE_Q4_0 = 2,
     GH_TYPE_Q8_0 = 8,
+    GH_TYPE_I32  = 26, /* index tensors only (blk.N.gpu_idx, blk.N.gpu_bucket); no matmul */
     GH_TYPE_BF16 = 30
 } gh_type;
 
@@ -79,6 +80,12 @@ gh_status gh_dequantize_row(int type, const void * src, float * dst, int64_t n);
  * `type` (row-major, rows contiguous as in GGUF), x and y are f32. */
 gh_status gh_op_matmul(int type, const void * w, int64_t rows, int64_t cols,
                        const float * x, int64_t n_tokens, float * y, int n_threads);
+/* Transposed matmul (the down projection through ffn_down_t):
+ * y[t, c] = sum_r h[t, r] * W[r, c] for t < n_tokens, c < cols; W is rows x cols of
+ * `type` (row r = neuron r's output vector), h is [n_tokens][rows], y [n_tokens][cols].
+ * Rows whose h is zero are skipped (ReLU FFNs: most of them). */
+gh_status gh_op_matmul_t(int type, const void * w, int64_t rows, int64_t cols,
+                         const float * h, int64_t n_tokens, float * y, int n_threads);
 /* y = x / rms(x) * w over rows of length n (n_rows rows). */
 gh_status gh_op_rmsnorm(const float * x, const float * w, int64_t n, int64_t n_rows,
                         float eps, float * y);
@@ -149,6 +156,10 @@ typedef struct {
     float   rope_theta;
     int64_t n_params;
     int64_t n_bytes;       /* bytes of tensor data */
+    /* sparse extension (powerinfer.* keys, blk.N.fc1/fc2/ffn_down_t/... tensors) */
+    int32_t has_predictor; /* number of layers with a predictor (fc1 + fc2); 0 = none */
+    int32_t has_down_t;    /* number of layers whose down projection is ffn_down_t */
+    float   sparse_threshold; /* powerinfer.sparse.threshold (0 when absent) */
 } gh_model_info;
 
 gh_status gh_model_load(const char * path, gh_model ** out);
@@ -177,6 +188,20 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
  * i = -1 means the last row. The pointer stays valid until the next gh_eval. */
 const float * gh_get_logits(const gh_context * c, int32_t i);
 int32_t gh_n_logit_rows(const gh_context * c);
+
+/* Profiling (offline predictor training): gh_eval (logits of the last token only) that
+ * also hands back, for every layer l and token t of this call,
+ *   ffn_in[l * ffn_in_stride + t * n_embd + j]  the FFN input: the RMS-normed x that
+ *                                               feeds gate and up (n_embd floats);
+ *   mask[l * mask_stride + t * n_ff + i]        1 if neuron i is active, else 0.
+ * A neuron is active iff its activation output is nonzero: ReGLU gate > 0; dReLU
+ * gate > 0 and up > 0; SwiGLU/GeGLU act(gate) * up != 0 (almost always: those models
+ * are not sparse). Strides are in elements; 0 means packed (n_tokens * n_embd,
+ * n_tokens * n_ff), so a caller can also write into a slice of a larger per-layer
+ * array. Either output may be NULL. Results do not depend on the thread count. */
+gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                          float * ffn_in, int64_t ffn_in_stride,
+                          uint8_t * mask, int64_t mask_stride);
 
 /* ---- sampling ---- */
 

@@ -37,7 +37,8 @@
 
 /* Tensor types the runtime supports, with their block geometry. Kept here (rather
  * than asking types.c) so the reader, and the fuzz driver built from it, depend on
- * nothing but common.c. Must agree with types.c's table. */
+ * nothing but common.c. Must agree with types.c's table, except for I32, which only
+ * index tensors use: the model loader reads those itself and never as a weight. */
 static const struct {
     int          type;
     const char * name;
@@ -49,6 +50,7 @@ static const struct {
     { GH_TYPE_Q4_0, "q4_0", 32, 18 },
     { GH_TYPE_Q8_0, "q8_0", 32, 34 },
     { GH_TYPE_BF16, "bf16", 1,  2 },
+    { GH_TYPE_I32,  "i32",  1,  4 },  /* index tensors (gpu_idx, gpu_bucket); no matmul */
 };
 
 static const char * const k_vtype_names[] = {

@@ -60,6 +60,10 @@ static gh_status load_weight(const gh_gguf * g, const char * name, int64_t cols,
     const gh_gguf_tensor * t;
     gh_status st = find_tensor(g, name, cols, rows, true, &t);
     if (st) return st;
+    if (!gh_type_valid(t->type)) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s': type id %d cannot hold a weight matrix", name,
+                       t->type);
+    }
     w->type = t->type;
     w->rows = rows;
     w->cols = cols;
@@ -179,6 +183,177 @@ static gh_status load_hparams(gh_model * m) {
     return GH_OK;
 }
 
+/* ---- sparse extension: powerinfer.* keys and the optional per-layer tensors ----
+ * Names and meanings: python/powerinfer_cpp/format.py and docs/FORMAT.md. */
+
+#define GH_FORMAT_VERSION 1 /* newest powerinfer.format_version this runtime reads */
+
+static gh_status load_sparse_keys(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    uint32_t ver;
+    float thr;
+    gh_status st;
+    if ((st = get_u32_opt(g, "powerinfer.format_version", &ver, 0))) return st;
+    if (ver > GH_FORMAT_VERSION) {
+        return gh_fail(GH_ERR_UNSUPPORTED,
+                       "powerinfer.format_version is %u but this runtime reads versions up to %d: "
+                       "upgrade powerinfer-cpp to load this file", ver, GH_FORMAT_VERSION);
+    }
+    if ((st = get_f32_opt(g, "powerinfer.sparse.threshold", &thr, 0.0f))) return st;
+    if (!isfinite(thr)) {
+        return gh_fail(GH_ERR_FORMAT, "powerinfer.sparse.threshold is %g (must be finite)", thr);
+    }
+    m->info.sparse_threshold = thr;
+    return GH_OK;
+}
+
+static int32_t rd_i32(const void * base, int64_t i) {
+    int32_t v;
+    memcpy(&v, (const uint8_t *) base + i * 4, 4); /* the data need not be 4-aligned */
+    return v;
+}
+
+/* A 1-D tensor of `type` (i32 or f32) and n elements (n < 0: any length). */
+static gh_status check_1d(const gh_gguf_tensor * t, int type, int64_t n, const char * what) {
+    if (t->type != type) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' must be %s (type id %d), not type id %d",
+                       t->name, type == GH_TYPE_I32 ? "i32" : "f32", type, t->type);
+    }
+    if (t->ne[1] != 1 || t->ne[2] != 1 || t->ne[3] != 1 || (n >= 0 && t->ne[0] != n)) {
+        return gh_fail(GH_ERR_FORMAT,
+                       "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected a vector of %lld "
+                       "(%s)", t->name, (long long) t->ne[0], (long long) t->ne[1],
+                       (long long) t->ne[2], (long long) t->ne[3], (long long) n, what);
+    }
+    return GH_OK;
+}
+
+/* The down projection (ffn_down or ffn_down_t, exactly one), the predictor (fc1 and
+ * fc2, both or neither), neuron frequencies and the GPU index of layer il, checked for
+ * consistency: a bad file fails here with the tensor named, never later. */
+static gh_status load_ffn_down_and_sparse(gh_model * m, int il, gh_layer * L) {
+    const gh_gguf * g = m->gguf;
+    const int64_t d = m->info.n_embd, ff = m->info.n_ff;
+    char down[96], down_t[96], n1[96], n2[96];
+    gh_status st;
+
+    snprintf(down, sizeof down, "blk.%d.ffn_down.weight", il);
+    snprintf(down_t, sizeof down_t, "blk.%d.ffn_down_t.weight", il);
+    const bool has_down = gh_gguf_find_tensor(g, down) != NULL;
+    L->has_down_t = gh_gguf_find_tensor(g, down_t) != NULL;
+    if (has_down && L->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "layer %d has both '%s' and '%s' (a layer has exactly one "
+                       "down projection)", il, down, down_t);
+    }
+    if (!has_down && !L->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "missing tensor '%s' (or its transposed form '%s')", down,
+                       down_t);
+    }
+    if (L->has_down_t) {
+        /* [ne0 = n_embd, ne1 = n_ff]: row i is neuron i's output vector */
+        if ((st = load_weight(g, down_t, d, ff, &L->down_t))) return st;
+        m->info.has_down_t++;
+    } else if ((st = load_weight(g, down, ff, d, &L->down))) {
+        return st;
+    }
+
+    /* predictor: score = fc2 . relu(fc1 . x), fc1 [ne0 = n_embd, ne1 = h], fc2 [h, n_ff] */
+    snprintf(n1, sizeof n1, "blk.%d.fc1.weight", il);
+    snprintf(n2, sizeof n2, "blk.%d.fc2.weight", il);
+    const gh_gguf_tensor * fc1 = gh_gguf_find_tensor(g, n1), * fc2 = gh_gguf_find_tensor(g, n2);
+    if (!fc1 != !fc2) {
+        return gh_fail(GH_ERR_FORMAT, "predictor of layer %d: tensor '%s' without '%s'", il,
+                       fc1 ? n1 : n2, fc1 ? n2 : n1);
+    }
+    if (fc1) {
+        const int64_t h = fc1->ne[1];
+        if (fc1->ne[0] != d || h < 1 || h > (1 << 24) || fc1->ne[2] != 1 || fc1->ne[3] != 1) {
+            return gh_fail(GH_ERR_FORMAT, "predictor tensor '%s' has shape [%lld, %lld, %lld, %lld], "
+                           "expected [n_embd = %lld, h] with h >= 1", n1, (long long) fc1->ne[0],
+                           (long long) fc1->ne[1], (long long) fc1->ne[2], (long long) fc1->ne[3],
+                           (long long) d);
+        }
+        if (fc2->ne[0] != h || fc2->ne[1] != ff || fc2->ne[2] != 1 || fc2->ne[3] != 1) {
+            return gh_fail(GH_ERR_FORMAT, "predictor tensor '%s' has shape [%lld, %lld, %lld, %lld], "
+                           "expected [h = %lld (rows of '%s'), n_ff = %lld]", n2,
+                           (long long) fc2->ne[0], (long long) fc2->ne[1], (long long) fc2->ne[2],
+                           (long long) fc2->ne[3], (long long) h, n1, (long long) ff);
+        }
+        if ((st = load_weight(g, n1, d, h, &L->fc1))) return st;
+        if ((st = load_weight(g, n2, h, ff, &L->fc2))) return st;
+        L->has_pred = true;
+        m->info.has_predictor++;
+    }
+
+    /* neuron activation frequencies: f32 [n_ff], fractions of profiled tokens in [0, 1] */
+    snprintf(n1, sizeof n1, "blk.%d.ffn_freq", il);
+    const gh_gguf_tensor * fq = gh_gguf_find_tensor(g, n1);
+    if (fq) {
+        if ((st = check_1d(fq, GH_TYPE_F32, ff, "n_ff activation frequencies"))) return st;
+        for (int64_t i = 0; i < ff; i++) {
+            float v;
+            memcpy(&v, (const uint8_t *) fq->data + i * 4, 4);
+            if (!(v >= 0.0f && v <= 1.0f)) {
+                return gh_fail(GH_ERR_FORMAT, "tensor '%s': frequency of neuron %lld is %g (must "
+                               "be in [0, 1])", n1, (long long) i, v);
+            }
+        }
+    }
+
+    /* GPU index: gpu_idx i32 [n_ff] 0/1; gpu_bucket i32 [n_hot] = the sorted ids of the
+     * neurons gpu_idx marks (absent when there are none) */
+    snprintf(n1, sizeof n1, "blk.%d.gpu_idx", il);
+    snprintf(n2, sizeof n2, "blk.%d.gpu_bucket", il);
+    const gh_gguf_tensor * gi = gh_gguf_find_tensor(g, n1), * gb = gh_gguf_find_tensor(g, n2);
+    if (gb && !gi) return gh_fail(GH_ERR_FORMAT, "tensor '%s' without '%s'", n2, n1);
+    if (!gi) return GH_OK;
+    if ((st = check_1d(gi, GH_TYPE_I32, ff, "a 0/1 flag per FFN neuron"))) return st;
+    L->gpu_idx = malloc((size_t) ff);
+    if (!L->gpu_idx) return gh_fail(GH_ERR_OOM, "out of memory loading '%s'", n1);
+    int64_t n_hot = 0;
+    for (int64_t i = 0; i < ff; i++) {
+        const int32_t v = rd_i32(gi->data, i);
+        if (v != 0 && v != 1) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': entry %lld is %d (must be 0 or 1)", n1,
+                           (long long) i, v);
+        }
+        L->gpu_idx[i] = (uint8_t) v;
+        n_hot += v;
+    }
+    if (!gb) {
+        if (n_hot) {
+            return gh_fail(GH_ERR_FORMAT, "'%s' marks %lld neurons for the GPU but tensor '%s' is "
+                           "missing", n1, (long long) n_hot, n2);
+        }
+        return GH_OK;
+    }
+    if ((st = check_1d(gb, GH_TYPE_I32, gb->ne[0], "sorted hot neuron ids"))) return st;
+    if (gb->ne[0] != n_hot) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' holds %lld ids but '%s' marks %lld neurons",
+                       n2, (long long) gb->ne[0], n1, (long long) n_hot);
+    }
+    L->gpu_bucket = malloc((size_t) GH_MAX(n_hot, 1) * sizeof(int32_t));
+    if (!L->gpu_bucket) return gh_fail(GH_ERR_OOM, "out of memory loading '%s'", n2);
+    for (int64_t k = 0; k < n_hot; k++) {
+        const int32_t id = rd_i32(gb->data, k);
+        if (id < 0 || id >= ff) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': entry %lld is neuron %d, outside [0, %lld)",
+                           n2, (long long) k, id, (long long) ff);
+        }
+        if (k > 0 && id <= L->gpu_bucket[k - 1]) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is not sorted and unique: entry %lld (%d) "
+                           "follows %d", n2, (long long) k, id, L->gpu_bucket[k - 1]);
+        }
+        if (!L->gpu_idx[id]) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' lists neuron %d, which '%s' does not mark",
+                           n2, id, n1);
+        }
+        L->gpu_bucket[k] = id;
+    }
+    L->n_hot = (int32_t) n_hot;
+    return GH_OK;
+}
+
 static gh_status load_tensors(gh_model * m) {
     const gh_gguf * g = m->gguf;
     gh_model_info * hp = &m->info;
@@ -209,6 +384,7 @@ static gh_status load_tensors(gh_model * m) {
     if ((st = load_weight(g, out ? "output.weight" : "token_embd.weight", d, hp->n_vocab,
                           &m->output))) return st;
 
+    if ((st = load_sparse_keys(m))) return st;
     m->layers = calloc((size_t) hp->n_layer, sizeof *m->layers);
     if (!m->layers) return gh_fail(GH_ERR_OOM, "out of memory");
     char name[96];
@@ -223,7 +399,7 @@ static gh_status load_tensors(gh_model * m) {
         if ((st = load_vector(g, BLK("ffn_norm.weight"), d, &L->ffn_norm))) return st;
         if ((st = load_weight(g, BLK("ffn_gate.weight"), d, ff, &L->gate))) return st;
         if ((st = load_weight(g, BLK("ffn_up.weight"), d, ff, &L->up))) return st;
-        if ((st = load_weight(g, BLK("ffn_down.weight"), ff, d, &L->down))) return st;
+        if ((st = load_ffn_down_and_sparse(m, il, L))) return st;
     }
 #undef BLK
     hp->weight_type = m->layers[0].gate.type;
@@ -245,6 +421,8 @@ void gh_model_free(gh_model * m) {
         for (int il = 0; il < m->info.n_layer; il++) {
             free(m->layers[il].attn_norm);
             free(m->layers[il].ffn_norm);
+            free(m->layers[il].gpu_idx);
+            free(m->layers[il].gpu_bucket);
         }
         free(m->layers);
     }
@@ -444,6 +622,25 @@ static void add_inplace(float * restrict a, const float * restrict b, int64_t n)
 
 enum { LOGITS_NONE, LOGITS_LAST, LOGITS_ALL };
 
+/* Profiling (gh_eval_profile): which neurons of n tokens are active. ReGLU/dReLU read
+ * the pre-activation gate (and up) before the GLU; the others read its output. */
+static void profile_mask(gh_context * c, int il, int32_t n, const float * gate, const float * up,
+                         bool post_glu) {
+    const int64_t ff = c->model->info.n_ff;
+    const int act = c->model->info.ffn_act;
+    for (int32_t t = 0; t < n; t++) {
+        uint8_t * mk = c->prof_mask + il * c->prof_mask_stride + (int64_t) (c->prof_t0 + t) * ff;
+        const float * g = gate + t * ff, * u = up + t * ff;
+        if (post_glu) {
+            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] != 0.0f;
+        } else if (act == GH_ACT_DRELU) {
+            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] > 0.0f && u[i] > 0.0f;
+        } else {
+            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] > 0.0f;
+        }
+    }
+}
+
 /* Runs n tokens (n <= n_batch) at positions n_past..; writes logits for no token, the
  * last token (to row 0) or every token (to rows row0..row0+n-1). */
 static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
@@ -476,10 +673,18 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
 
         /* feed-forward */
         for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->ffn_norm, d, hp->rms_eps, c->xb + t * d);
+        if (c->prof_x) {
+            memcpy(c->prof_x + il * c->prof_x_stride + (int64_t) c->prof_t0 * d, c->xb,
+                   (size_t) n * d * sizeof(float));
+        }
         gh_matmul(c->tp, &L->gate, c->xb, n, c->hb, ff, c->mm_scratch);
         gh_matmul(c->tp, &L->up, c->xb, n, c->hb2, ff, c->mm_scratch);
+        const bool relu_family = hp->ffn_act == GH_ACT_RELU || hp->ffn_act == GH_ACT_DRELU;
+        if (c->prof_mask && relu_family) profile_mask(c, il, n, c->hb, c->hb2, false);
         gh_glu(hp->ffn_act, c->hb, c->hb2, c->hb, (int64_t) n * ff);
-        gh_matmul(c->tp, &L->down, c->hb, n, c->xb2, d, c->mm_scratch);
+        if (c->prof_mask && !relu_family) profile_mask(c, il, n, c->hb, NULL, true);
+        if (L->has_down_t) gh_matmul_t(c->tp, &L->down_t, c->hb, n, ff, c->xb2, d);
+        else gh_matmul(c->tp, &L->down, c->hb, n, c->xb2, d, c->mm_scratch);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
     }
 
@@ -520,6 +725,7 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
     for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
         const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
+        c->prof_t0 = i;
         forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
     }
     c->n_logit_rows = rows;
@@ -534,3 +740,28 @@ const float * gh_get_logits(const gh_context * c, int32_t i) {
 }
 
 int32_t gh_n_logit_rows(const gh_context * c) { return c ? c->n_logit_rows : 0; }
+
+gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                          float * ffn_in, int64_t ffn_in_stride,
+                          uint8_t * mask, int64_t mask_stride) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    const int64_t d = c->model->info.n_embd, ff = c->model->info.n_ff;
+    const int64_t nt = GH_MAX(n_tokens, 0);
+    if (ffn_in_stride == 0) ffn_in_stride = nt * d;
+    if (mask_stride == 0) mask_stride = nt * ff;
+    if (ffn_in_stride < nt * d || mask_stride < nt * ff) {
+        return gh_fail(GH_ERR_INVALID_ARG,
+                       "gh_eval_profile: layer strides (%lld, %lld) are smaller than one layer's "
+                       "data (%lld inputs, %lld mask bytes)", (long long) ffn_in_stride,
+                       (long long) mask_stride, (long long) (nt * d), (long long) (nt * ff));
+    }
+    c->prof_x = ffn_in;
+    c->prof_x_stride = ffn_in_stride;
+    c->prof_mask = mask;
+    c->prof_mask_stride = mask_stride;
+    gh_status st = gh_eval(c, tokens, n_tokens, 0);
+    c->prof_x = NULL;
+    c->prof_mask = NULL;
+    c->prof_t0 = 0;
+    return st;
+}

@@ -14,6 +14,14 @@ typedef struct {
     gh_weight wq, wk, wv, wo;
     float *   ffn_norm;    /* [n_embd] */
     gh_weight gate, up, down;
+    /* sparse extension (all optional; see load_ffn_down_and_sparse in model.c) */
+    bool      has_down_t;  /* down_t replaces down: row i = neuron i's output vector */
+    gh_weight down_t;      /* [n_ff rows][n_embd cols] */
+    bool      has_pred;
+    gh_weight fc1, fc2;    /* predictor: score = fc2 . relu(fc1 . x); [h][n_embd], [n_ff][h] */
+    uint8_t * gpu_idx;     /* [n_ff] 0/1 (owned copy), NULL when the file has none */
+    int32_t * gpu_bucket;  /* [n_hot] sorted hot neuron ids (owned copy), NULL if none */
+    int32_t   n_hot;
 } gh_layer;
 
 struct gh_model {
@@ -49,6 +57,13 @@ struct gh_context {
     float *         logits;         /* [logits_cap][n_vocab] */
     int32_t         logits_cap;
     int32_t         n_logit_rows;
+    /* profiling outputs of gh_eval_profile (NULL otherwise); token 0 = first token of
+     * the call, prof_t0 = index of the current batch's first token within it */
+    float *         prof_x;
+    int64_t         prof_x_stride;
+    uint8_t *       prof_mask;
+    int64_t         prof_mask_stride;
+    int32_t         prof_t0;
 };
 
 #endif

@@ -22,6 +22,15 @@ size_t gh_matmul_scratch_size(const gh_weight * w, int64_t n_tokens);
 void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t n_tokens,
                float * y, int64_t ldy, void * scratch);
 
+/* Transposed matmul (axpy.c): y[t][c] = sum_r h[t][r] * W[r][c] for c < w->cols, the
+ * down projection through ffn_down_t (W row r = neuron r's output vector). h is
+ * [n_tokens] rows of ldh floats (>= w->rows), y [n_tokens] rows of ldy floats
+ * (overwritten). Threads split y's columns in block-aligned chunks and each sweeps
+ * every row for its columns (no reduction, so results do not depend on the thread
+ * count); rows whose h is zero are skipped. */
+void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64_t n_tokens,
+                 int64_t ldh, float * y, int64_t ldy);
+
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox);
 void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);

@@ -41,6 +41,10 @@ class ModelInfo:
     rope_theta: float
     n_params: int
     n_bytes: int
+    # sparse extension (format.py "Sparse extension"); 0 for a plain dense file
+    has_predictor: int = 0       # number of layers with a predictor (fc1 + fc2)
+    has_down_t: int = 0          # number of layers whose down projection is ffn_down_t
+    sparse_threshold: float = 0.0  # powerinfer.sparse.threshold
 
 
 @dataclass
@@ -178,7 +182,9 @@ def _info_from_c(c) -> ModelInfo:
         head_dim=c.head_dim, n_ff=c.n_ff, ffn_act=_ACT_NAMES.get(c.ffn_act, str(c.ffn_act)),
         act_from_file=bool(c.act_from_file), tied_output=bool(c.tied_output), bos_id=c.bos_id,
         eos_id=c.eos_id, weight_type=_TYPE_NAMES.get(c.weight_type, str(c.weight_type)),
-        rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes)
+        rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes,
+        has_predictor=c.has_predictor, has_down_t=c.has_down_t,
+        sparse_threshold=c.sparse_threshold)
 
 
 class _Detokenizer:

@@ -1,0 +1,149 @@
+"""Activation profiling: run the native runtime densely over calibration text and record,
+for every layer, the FFN input vectors and which FFN neurons were truly active.
+
+    from powerinfer_cpp.profile import profile_model
+    prof = profile_model("model.gguf", text, n_ctx=512, max_tokens=20000)
+    prof.x[l]     # [N, n_embd] float32: the RMS-normed input of layer l's gate/up
+    prof.mask[l]  # [N, n_ff] bool: neuron i of layer l active for token t
+    prof.freq[l]  # [n_ff] float64: fraction of the N tokens each neuron fired for
+
+"Active" (the runtime's gh_eval_profile decides): ReGLU gate > 0; dReLU gate > 0 and
+up > 0; SwiGLU/GeGLU act(gate) * up != 0 (nearly every neuron: those FFNs are not
+sparse). This is what a predictor learns to guess from x.
+
+The text runs in independent windows of n_ctx tokens (the cache is cleared between
+windows, as Context.perplexity does), so the result is a pure function of the text, the
+model and n_ctx: the same whatever the thread count or batch size.
+
+Memory: N x n_layer x (4 n_embd + n_ff) bytes (x in float32, one byte per mask entry);
+e.g. 20,000 tokens of a 22-layer d=2048, n_ff=5632 model take 6.0 GB. `max_tokens`
+caps N; a profile that would not fit in the available memory is refused up front.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ._native import check, ffi, lib
+from .model import Model
+
+
+@dataclass
+class Profile:
+    """Per-layer FFN inputs and activation masks of N profiled tokens."""
+
+    tokens: np.ndarray          # [N] int32: the profiled token ids
+    x: np.ndarray               # [n_layer, N, n_embd] float32; x[l] is layer l's [N, n_embd]
+    mask: np.ndarray            # [n_layer, N, n_ff] bool; mask[l] is layer l's [N, n_ff]
+    freq: np.ndarray            # [n_layer, n_ff] float64: mask[l].mean(axis=0)
+    ffn_act: str                # the model's activation kind (format.ACTIVATIONS)
+    n_ctx: int                  # window length the text ran in
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def density(self) -> np.ndarray:
+        """[n_layer] mean fraction of neurons active per token."""
+        return self.freq.mean(axis=1)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.x.nbytes + self.mask.nbytes)
+
+    def summary(self) -> str:
+        d = self.density
+        return (f"{self.n_tokens} tokens x {self.n_layer} layers profiled (windows of "
+                f"{self.n_ctx}); active neurons per token: mean {d.mean():.1%}, per layer "
+                f"{', '.join(f'{v:.1%}' for v in d)}; {self.nbytes / 2**20:.1f} MiB")
+
+
+def profile_bytes(n_tokens: int, n_layer: int, n_embd: int, n_ff: int) -> int:
+    """Bytes a profile of n_tokens takes (x float32 + one byte per mask entry)."""
+    return int(n_tokens) * int(n_layer) * (4 * int(n_embd) + int(n_ff))
+
+
+def _available_memory() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int], *,
+                  n_ctx: int = 512, n_threads: int = 0, n_batch: int = 512,
+                  max_tokens: int | None = None, progress: bool = True) -> Profile:
+    """Profile `model` (a GGUF path or a loaded Model) over `tokens` (token ids, or a text
+    that is tokenized with the model's tokenizer, BOS included as the file says).
+
+    Runs windows of n_ctx tokens (at most the model's training context); max_tokens caps the number profiled (the first ones).
+    progress shows a tqdm bar over tokens. Raises MemoryError when the profile would not
+    fit in the available memory (lower max_tokens)."""
+    own = not isinstance(model, Model)
+    m = Model(model, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch) if own else model
+    try:
+        if n_ctx < 1:
+            raise ValueError("n_ctx must be >= 1")
+        n_ctx = min(n_ctx, m.info.n_ctx_train)  # no windows longer than the model was trained for
+        ids = m.tokenize(tokens) if isinstance(tokens, str) else list(tokens)
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError("max_tokens must be >= 1")
+            ids = ids[:max_tokens]
+        if not ids:
+            raise ValueError("nothing to profile: no tokens")
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.min() < 0 or arr.max() >= m.n_vocab:
+            bad = int(arr[(arr < 0) | (arr >= m.n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {m.n_vocab})")
+        toks = arr.astype(np.int32)
+        info = m.info
+        n = toks.size
+        need = profile_bytes(n, info.n_layer, info.n_embd, info.n_ff)
+        avail = _available_memory()
+        if avail is not None and need > 0.9 * avail:
+            raise MemoryError(
+                f"a profile of {n} tokens needs {need / 2**30:.2f} GiB ({info.n_layer} layers x "
+                f"(4 x {info.n_embd} + {info.n_ff}) bytes per token) but only "
+                f"{avail / 2**30:.2f} GiB are available; pass a smaller max_tokens")
+
+        x = np.empty((info.n_layer, n, info.n_embd), dtype=np.float32)
+        mask = np.empty((info.n_layer, n, info.n_ff), dtype=np.uint8)
+        ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+        window = ctx.n_ctx
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=n, desc="profiling", unit="tok", dynamic_ncols=True)
+        try:
+            x_stride, m_stride = n * info.n_embd, n * info.n_ff
+            for start in range(0, n, window):
+                w = toks[start:start + window]
+                ctx.reset()
+                check(lib.gh_eval_profile(
+                    ctx._handle(), ffi.from_buffer("int32_t[]", w), int(w.size),
+                    ffi.cast("float *", x[0, start:].ctypes.data), x_stride,
+                    ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride))
+                if bar is not None:
+                    bar.update(int(w.size))
+        finally:
+            if bar is not None:
+                bar.close()
+            ctx.close()
+        maskb = mask.view(np.bool_)  # entries are 0/1
+        freq = maskb.mean(axis=1, dtype=np.float64)
+        return Profile(tokens=toks, x=x, mask=maskb, freq=freq, ffn_act=info.ffn_act,
+                       n_ctx=window, meta={"model": getattr(m, "path", None)})
+    finally:
+        if own:
+            m.close()

@@ -234,39 +234,11 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_missing_tensor_and_wrong_shape(random_gguf, tmp_path):
-    gguf = pytest.importorskip("gguf")
-    r = gguf.GGUFReader(str(random_gguf))
-
-    def rewrite(dst, drop=None, reshape=None):
-        arch = "llama"
-        w = gguf.GGUFWriter(str(dst), arch)
-        for f in r.fields.values():
-            if f.name.startswith("GGUF.") or f.name == "general.architecture":
-                continue
-            vtype = f.types[0]
-            if vtype == gguf.GGUFValueType.ARRAY:
-                sub = f.types[-1]
-                vals = [bytes(f.parts[i]).decode() if sub == gguf.GGUFValueType.STRING
-                        else f.parts[i].tolist()[0] for i in f.data]
-                w.add_array(f.name, vals)
-            elif vtype == gguf.GGUFValueType.STRING:
-                w.add_string(f.name, bytes(f.parts[f.data[0]]).decode())
-            else:
-                w.add_key_value(f.name, f.parts[f.data[0]].tolist()[0], vtype)
-        for t in r.tensors:
-            if t.name == drop:
-                continue
-            arr = np.array(t.data)
-            if t.name == reshape:
-                arr = arr[:-1]
-            w.add_tensor(t.name, arr, raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        return dst
+    pytest.importorskip("gguf")
+    from gguf_rewrite import rewrite_gguf
 
     with pytest.raises(NativeError, match="missing tensor 'blk.1.ffn_up.weight'"):
-        Model(rewrite(tmp_path / "drop.gguf", drop="blk.1.ffn_up.weight"))
+        Model(rewrite_gguf(random_gguf, tmp_path / "drop.gguf", drop=["blk.1.ffn_up.weight"]))
     with pytest.raises(NativeError, match="blk.0.attn_k.weight.*expected"):
-        Model(rewrite(tmp_path / "shape.gguf", reshape="blk.0.attn_k.weight"))
+        Model(rewrite_gguf(random_gguf, tmp_path / "shape.gguf",
+                           tensors={"blk.0.attn_k.weight": lambda a: a[:-1]}))

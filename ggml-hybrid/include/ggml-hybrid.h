@@ -165,6 +165,14 @@ typedef struct {
 gh_status gh_model_load(const char * path, gh_model ** out);
 void gh_model_free(gh_model * m);
 gh_status gh_model_info_get(const gh_model * m, gh_model_info * out);
+/* Non-fatal findings of the loader, one per line ("" if none): e.g. NaN/Inf in the
+ * norm weights, which every load checks (they are copied to f32 anyway). Valid until
+ * the model is freed or gh_model_check_weights adds to it. */
+const char * gh_model_warnings(const gh_model * m);
+/* Opt-in full scan: reads every tensor of the file (the whole model: slow for big
+ * files) and adds a warning per tensor holding NaN/Inf; *n_bad (may be NULL) = the
+ * number of such tensors. Call before sharing the model across threads. */
+gh_status gh_model_check_weights(gh_model * m, int64_t * n_bad);
 
 typedef struct {
     int32_t n_ctx;      /* max tokens in the KV cache; 0 = model's training context */

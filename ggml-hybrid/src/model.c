@@ -3,6 +3,7 @@
 #include "types.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,16 +42,17 @@ static gh_status find_tensor(const gh_gguf * g, const char * name, int64_t ne0, 
     if (!t) {
         return required ? gh_fail(GH_ERR_FORMAT, "missing tensor '%s'", name) : GH_OK;
     }
-    int want_dims = ne1 ? 2 : 1;
     bool ok = t->ne[0] == ne0 && (ne1 ? t->ne[1] == ne1 : t->ne[1] == 1) &&
               t->ne[2] == 1 && t->ne[3] == 1;
     if (!ok) {
+        char want[48];
+        if (ne1) snprintf(want, sizeof want, "%lld, %lld", (long long) ne0, (long long) ne1);
+        else snprintf(want, sizeof want, "%lld", (long long) ne0);
         return gh_fail(GH_ERR_FORMAT,
-                       "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld%s%lld] "
+                       "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%s] "
                        "from the model's hyper-parameters",
                        name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
-                       (long long) t->ne[3], (long long) ne0, want_dims == 2 ? ", " : "",
-                       want_dims == 2 ? (long long) ne1 : 0LL);
+                       (long long) t->ne[3], want);
     }
     return GH_OK;
 }
@@ -72,8 +74,43 @@ static gh_status load_weight(const gh_gguf * g, const char * name, int64_t cols,
     return GH_OK;
 }
 
-/* Norm vectors are tiny: keep an f32 copy whatever their stored type. */
-static gh_status load_vector(const gh_gguf * g, const char * name, int64_t n, float ** out) {
+/* ---- warnings: non-fatal findings of the loader (gh_model_warnings) ---- */
+
+#define GH_MAX_WARNINGS_BYTES 16384  /* a file full of bad tensors gets a bounded report */
+
+static void add_warning(gh_model * m, const char * fmt, ...) {
+    char line[320];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    const size_t old = m->warnings ? strlen(m->warnings) : 0, add = strlen(line);
+    if (old + add + 2 > GH_MAX_WARNINGS_BYTES) return;
+    char * w = realloc(m->warnings, old + add + 2);
+    if (!w) return;
+    memcpy(w + old, line, add);
+    w[old + add] = '\n';
+    w[old + add + 1] = '\0';
+    m->warnings = w;
+}
+
+static int64_t count_nonfinite(const float * v, int64_t n) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad += !isfinite(v[i]);
+    return bad;
+}
+
+static void warn_nonfinite(gh_model * m, const char * name, int64_t bad, int64_t n) {
+    if (bad) {
+        add_warning(m, "tensor '%.96s': %lld of %lld values are NaN or Inf", name, (long long) bad,
+                    (long long) n);
+    }
+}
+
+/* Norm vectors are tiny: keep an f32 copy whatever their stored type, and check it for
+ * NaN/Inf (free: the values are converted anyway). */
+static gh_status load_vector(gh_model * m, const char * name, int64_t n, float ** out) {
+    const gh_gguf * g = m->gguf;
     const gh_gguf_tensor * t;
     gh_status st = find_tensor(g, name, n, 0, true, &t);
     if (st) return st;
@@ -86,6 +123,7 @@ static gh_status load_vector(const gh_gguf * g, const char * name, int64_t n, fl
     if (!v) return gh_fail(GH_ERR_OOM, "out of memory loading '%s'", name);
     tr->to_float(t->data, v, n);
     *out = v;
+    warn_nonfinite(m, name, count_nonfinite(v, n), n);
     return GH_OK;
 }
 
@@ -128,6 +166,11 @@ static gh_status load_hparams(gh_model * m) {
                        "n_head_kv=%u n_ctx=%u",
                        n_embd, n_layer, n_ff, n_head, n_head_kv, n_ctx_train);
     }
+    if (n_embd % n_head != 0 && !gh_gguf_find_kv(g, "llama.attention.key_length")) {
+        return gh_fail(GH_ERR_FORMAT,
+                       "n_embd=%u is not divisible by n_head=%u (and the file has no "
+                       "llama.attention.key_length giving the head size)", n_embd, n_head);
+    }
     if ((st = get_u32_opt(g, "llama.attention.key_length", &head_dim, n_embd / n_head))) return st;
     uint32_t v_dim;
     if ((st = get_u32_opt(g, "llama.attention.value_length", &v_dim, head_dim))) return st;
@@ -147,7 +190,7 @@ static gh_status load_hparams(gh_model * m) {
     float eps, theta;
     if ((st = get_f32_opt(g, "llama.attention.layer_norm_rms_epsilon", &eps, 1e-5f))) return st;
     if ((st = get_f32_opt(g, "llama.rope.freq_base", &theta, 10000.0f))) return st;
-    if (!(eps > 0 && eps < 1) || !(theta > 1)) {
+    if (!(eps > 0 && eps < 1) || !(theta > 1) || isinf(theta)) {
         return gh_fail(GH_ERR_FORMAT, "bad rms epsilon %g or rope base %g", eps, theta);
     }
 
@@ -377,7 +420,7 @@ static gh_status load_tensors(gh_model * m) {
                        (long long) d, gh_type_name(te->type));
     }
 
-    if ((st = load_vector(g, "output_norm.weight", d, &m->output_norm))) return st;
+    if ((st = load_vector(m, "output_norm.weight", d, &m->output_norm))) return st;
     const gh_gguf_tensor * out;
     if ((st = find_tensor(g, "output.weight", d, hp->n_vocab, false, &out))) return st;
     hp->tied_output = out == NULL;
@@ -391,12 +434,12 @@ static gh_status load_tensors(gh_model * m) {
 #define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
     for (int il = 0; il < hp->n_layer; il++) {
         gh_layer * L = &m->layers[il];
-        if ((st = load_vector(g, BLK("attn_norm.weight"), d, &L->attn_norm))) return st;
+        if ((st = load_vector(m, BLK("attn_norm.weight"), d, &L->attn_norm))) return st;
         if ((st = load_weight(g, BLK("attn_q.weight"), d, dq, &L->wq))) return st;
         if ((st = load_weight(g, BLK("attn_k.weight"), d, dkv, &L->wk))) return st;
         if ((st = load_weight(g, BLK("attn_v.weight"), d, dkv, &L->wv))) return st;
         if ((st = load_weight(g, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
-        if ((st = load_vector(g, BLK("ffn_norm.weight"), d, &L->ffn_norm))) return st;
+        if ((st = load_vector(m, BLK("ffn_norm.weight"), d, &L->ffn_norm))) return st;
         if ((st = load_weight(g, BLK("ffn_gate.weight"), d, ff, &L->gate))) return st;
         if ((st = load_weight(g, BLK("ffn_up.weight"), d, ff, &L->up))) return st;
         if ((st = load_ffn_down_and_sparse(m, il, L))) return st;
@@ -427,8 +470,41 @@ void gh_model_free(gh_model * m) {
         free(m->layers);
     }
     free(m->output_norm);
+    free(m->warnings);
     gh_gguf_close(m->gguf);
     free(m);
+}
+
+const char * gh_model_warnings(const gh_model * m) {
+    return m && m->warnings ? m->warnings : "";
+}
+
+gh_status gh_model_check_weights(gh_model * m, int64_t * n_bad) {
+    if (!m) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_check_weights: model is NULL");
+    const gh_gguf * g = m->gguf;
+    int64_t bad_tensors = 0;
+    enum { CHUNK = 4096 };  /* elements; a multiple of every block size */
+    float buf[CHUNK];
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        const gh_gguf_tensor * t = &g->tensors[i];
+        const gh_type_traits * tr = gh_type_traits_get(t->type);
+        if (!tr || t->ne[0] % tr->block_size) continue;  /* not a type the model reads */
+        /* rows are contiguous without padding: the tensor is one run of blocks */
+        const int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
+        const uint8_t * data = t->data;
+        int64_t bad = 0;
+        for (int64_t e = 0; e < n; e += CHUNK) {
+            const int64_t k = GH_MIN((int64_t) CHUNK, n - e);
+            tr->to_float(data + gh_row_size(t->type, e), buf, k);
+            bad += count_nonfinite(buf, k);
+        }
+        if (bad) {
+            warn_nonfinite(m, t->name, bad, n);
+            bad_tensors++;
+        }
+    }
+    if (n_bad) *n_bad = bad_tensors;
+    return GH_OK;
 }
 
 gh_status gh_model_load(const char * path, gh_model ** out) {

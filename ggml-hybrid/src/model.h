@@ -33,6 +33,7 @@ struct gh_model {
     float *         output_norm; /* [n_embd] */
     gh_weight       output;      /* the head: output.weight or token_embd when tied */
     gh_layer *      layers;
+    char *          warnings;    /* non-fatal findings, one per line (gh_model_warnings) */
 };
 
 struct gh_context {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -64,10 +65,14 @@ class Model:
     `Model(path, n_ctx=..., n_threads=...)` also sets up a default context, so
     `model.generate(...)`, `model.stream(...)`, `model.eval(...)` and
     `model.perplexity(...)` work directly; `create_context()` makes more.
+
+    Loading checks the norm weights for NaN/Inf; `check_weights=True` scans every
+    tensor (reads the whole file). Findings are in `model.warnings` and are also
+    emitted as RuntimeWarning.
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
-                 n_batch: int = 512):
+                 n_batch: int = 512, check_weights: bool = False):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"model file not found: '{path}'")
@@ -85,6 +90,12 @@ class Model:
             info = ffi.new("gh_model_info *")
             check(lib.gh_model_info_get(self._ptr, info))
             self.info = _info_from_c(info)
+            if check_weights:
+                check(lib.gh_model_check_weights(self._ptr, ffi.NULL))
+            text = ffi.string(lib.gh_model_warnings(self._ptr)).decode("utf-8", "replace")
+            self.warnings: list[str] = text.splitlines()
+            for w in self.warnings:
+                warnings.warn(f"{path}: {w}", RuntimeWarning, stacklevel=2)
             self.tokenizer: Tokenizer = load_tokenizer(path)
             if self.tokenizer.n_vocab > self.info.n_vocab:
                 raise ValueError(
@@ -147,9 +158,7 @@ class Model:
 
     def create_context(self, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512) -> Context:
         """A new context (own KV cache) over this model; n_ctx 0 = training context."""
-        ctx = Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
-        self._contexts.add(ctx)
-        return ctx
+        return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
 
     @property
     def context(self) -> Context:
@@ -213,10 +222,12 @@ class Context:
     def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512):
         self.model = model
         p = lib.gh_context_default_params()
-        p.n_ctx, p.n_threads, p.n_batch = int(n_ctx), int(n_threads), int(n_batch)
+        p.n_ctx, p.n_threads, p.n_batch = (_int32("n_ctx", n_ctx), _int32("n_threads", n_threads),
+                                           _int32("n_batch", n_batch))
         out = ffi.new("gh_context **")
         check(lib.gh_context_new(model._handle(), ffi.new("gh_context_params *", p), out))
         self._ptr = out[0]
+        model._contexts.add(self)  # closed with the model, however it was made
         self._tok = ffi.new("int32_t[1]")
         self._out = ffi.new("int32_t *")
 
@@ -253,11 +264,11 @@ class Context:
 
     def set_threads(self, n_threads: int) -> None:
         """Change the number of threads the forward pass uses (0 = all cores)."""
-        check(lib.gh_context_set_threads(self._handle(), int(n_threads)))
+        check(lib.gh_context_set_threads(self._handle(), _int32("n_threads", n_threads)))
 
     def reset(self, n_past: int = 0) -> None:
         """Forget cached tokens after position n_past (default: all)."""
-        check(lib.gh_context_truncate(self._handle(), int(n_past)))
+        check(lib.gh_context_truncate(self._handle(), _int32("n_past", n_past)))
 
     # -- evaluation ------------------------------------------------------------
 
@@ -380,6 +391,7 @@ class Context:
                     piece, pending = pending[:emit], pending[emit:]
                     result.text += piece
                     yield piece
+                ctx = self._handle()  # the caller may have closed us (or the model) meanwhile
                 if n_gen >= max_tokens or lib.gh_context_n_past(ctx) >= lib.gh_context_n_ctx(ctx):
                     break
                 tok[0] = token
@@ -406,6 +418,14 @@ class Context:
         for _ in self.stream(prompt, stats=result, **kw):
             pass
         return result
+
+
+def _int32(name: str, value) -> int:
+    """value as a C int32 argument; ValueError (not cffi's OverflowError) if it cannot be."""
+    v = int(value)
+    if not -2**31 <= v < 2**31:
+        raise ValueError(f"{name} = {v} is out of range")
+    return v
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

@@ -1,0 +1,314 @@
+"""Model-level bad input through the Python API: files whose tensors or keys do not fit
+the declared hyper-parameters, NaN/Inf weights (a warning, not an error), context and
+batch limits, token ids, thread counts, and contexts used after their model was closed.
+Every case must give a clear Python exception (or warning), never a crash.
+
+Complements tests/test_api.py (truncated files, bad magic, absurd dimensions, unknown
+architecture, one missing tensor and one wrong shape, out-of-range tokens in eval,
+context overflow, bad n_threads for create_context)."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import numpy as np
+import pytest
+
+from powerinfer_cpp import Context, Model, NativeError
+
+gguf = pytest.importorskip("gguf")
+from gguf_rewrite import rewrite_gguf  # noqa: E402
+
+VT = gguf.GGUFValueType
+# The random_gguf fixture (conftest): relu LLaMA, n_layer=2, n_embd=64, n_head=4,
+# n_head_kv=2, n_ff=128, vocab 384, tied head, f32.
+D, N_FF, N_VOCAB = 64, 128, 384
+
+
+@pytest.fixture(scope="module")
+def model(random_gguf):
+    with Model(random_gguf, n_ctx=64, n_threads=2) as m:
+        yield m
+
+
+def _load(src, dst, **changes) -> Model:
+    return Model(rewrite_gguf(src, dst, **changes))
+
+
+# ---- tensors that do not fit the hyper-parameters ------------------------------
+
+
+@pytest.mark.parametrize("name, change, match", [
+    ("token_embd.weight", lambda a: a[:, :-1], r"token_embd\.weight.*expected \[64, 384\]"),
+    ("blk.1.ffn_gate.weight", lambda a: a[:-1], r"blk\.1\.ffn_gate\.weight.*expected \[64, 128\]"),
+    ("blk.0.ffn_down.weight", lambda a: a[:, :-1], r"blk\.0\.ffn_down\.weight.*expected \[128, 64\]"),
+    ("blk.0.attn_q.weight", lambda a: a.reshape(2, 32, 64), r"blk\.0\.attn_q\.weight.*\[64, 32, 2, 1\]"),
+    ("blk.0.attn_output.weight", lambda a: a.T[:, :32].copy(), r"blk\.0\.attn_output\.weight"),
+    ("blk.0.attn_norm.weight", lambda a: a[:-1], r"blk\.0\.attn_norm\.weight.*expected \[64\]"),
+    ("output_norm.weight", lambda a: np.stack([a, a]), r"output_norm\.weight.*expected \[64\]"),
+])
+def test_tensor_shape_does_not_fit(random_gguf, tmp_path, name, change, match):
+    with pytest.raises(NativeError, match=match) as e:
+        _load(random_gguf, tmp_path / "bad.gguf", tensors={name: change})
+    assert "bad.gguf" in str(e.value)  # the message names the file
+
+
+def test_vocabulary_smaller_than_tokenizer(random_gguf, tmp_path):
+    # One embedding row fewer is a consistent model of 383 tokens, but the file's
+    # tokenizer has 384: token 383 would index past the embedding.
+    with pytest.raises(ValueError, match="384 tokens but the model's embedding only 383"):
+        _load(random_gguf, tmp_path / "vocab.gguf", tensors={"token_embd.weight": lambda a: a[:-1]})
+
+
+@pytest.mark.parametrize("name", ["token_embd.weight", "output_norm.weight",
+                                  "blk.0.attn_norm.weight", "blk.1.ffn_down.weight",
+                                  "blk.1.attn_v.weight"])
+def test_missing_tensor(random_gguf, tmp_path, name):
+    with pytest.raises(NativeError, match=f"missing tensor '{name}'"):
+        _load(random_gguf, tmp_path / "drop.gguf", drop=[name])
+
+
+# ---- keys: wrong types, missing, values that contradict the tensors --------------
+
+
+@pytest.mark.parametrize("kv, match", [
+    ({"llama.block_count": ("2", VT.STRING)},
+     "key 'llama.block_count': expected an unsigned integer, found string"),
+    ({"llama.embedding_length": (64.0, VT.FLOAT32)},
+     "key 'llama.embedding_length': expected an unsigned integer, found float32"),
+    ({"llama.attention.head_count": (-4, VT.INT32)},
+     "key 'llama.attention.head_count': value out of range"),
+    ({"llama.attention.layer_norm_rms_epsilon": ("small", VT.STRING)},
+     "layer_norm_rms_epsilon': expected a number"),
+    ({"llama.block_count": (0, VT.UINT32)}, "inconsistent hyper-parameters.*n_layer=0"),
+    ({"llama.embedding_length": (1 << 31, VT.UINT32)}, "inconsistent hyper-parameters"),
+    ({"llama.context_length": (0, VT.UINT32)}, "inconsistent hyper-parameters"),
+    ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), VT.FLOAT32)}, "bad rms epsilon"),
+    ({"llama.rope.freq_base": (float("inf"), VT.FLOAT32)}, "rope base"),
+    # more layers than the file holds
+    ({"llama.block_count": (3, VT.UINT32)}, "missing tensor 'blk.2.attn_norm.weight'"),
+    # a different n_ff than the FFN tensors have
+    ({"llama.feed_forward_length": (129, VT.UINT32)}, r"blk\.0\.ffn_gate\.weight.*expected"),
+    # n_head that divides n_embd but gives another head size: the rotary size, then the
+    # Q/K shapes disagree
+    ({"llama.attention.head_count": (8, VT.UINT32)},
+     r"partial rotary embeddings \(16 of 8 dims\) unsupported"),
+    ({"llama.attention.head_count": (8, VT.UINT32), "llama.rope.dimension_count": (8, VT.UINT32)},
+     r"blk\.0\.attn_[qk]\.weight.*expected"),
+    # n_head not dividing n_embd, no explicit head size
+    ({"llama.attention.head_count": (5, VT.UINT32), "llama.attention.head_count_kv": (5, VT.UINT32)},
+     "n_embd=64 is not divisible by n_head=5"),
+    # n_head_kv not dividing n_head
+    ({"llama.attention.head_count_kv": (3, VT.UINT32)},
+     "inconsistent hyper-parameters.*n_head=4 n_head_kv=3"),
+    ({"llama.attention.key_length": (15, VT.UINT32)}, "unsupported head size 15"),
+    ({"powerinfer.ffn_activation": ("swish2", VT.STRING)}, "unknown FFN activation 'swish2'"),
+])
+def test_bad_key(random_gguf, tmp_path, kv, match):
+    with pytest.raises(NativeError, match=match):
+        _load(random_gguf, tmp_path / "key.gguf", kv=kv)
+
+
+@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count",
+                                 "llama.feed_forward_length", "llama.attention.head_count"])
+def test_missing_required_key(random_gguf, tmp_path, key):
+    with pytest.raises(NativeError, match=f"missing required key '{key}'"):
+        _load(random_gguf, tmp_path / "nokey.gguf", drop_kv=[key])
+
+
+# ---- NaN / Inf in the weights: a warning ------------------------------------------
+
+
+def _poison(value, where=(0,)):
+    def f(a):
+        a = a.copy()
+        a[where] = value
+        return a
+    return f
+
+
+def test_clean_model_has_no_warnings(random_gguf):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Model(random_gguf, check_weights=True) as m:
+            assert m.warnings == []
+
+
+@pytest.mark.parametrize("name, value", [("blk.0.attn_norm.weight", np.nan),
+                                         ("output_norm.weight", np.inf),
+                                         ("blk.1.ffn_norm.weight", -np.inf)])
+def test_nonfinite_norm_warns_at_load(random_gguf, tmp_path, name, value):
+    path = rewrite_gguf(random_gguf, tmp_path / "nan.gguf", tensors={name: _poison(value)})
+    with pytest.warns(RuntimeWarning, match=rf"nan\.gguf: tensor '{name}': 1 of 64 values are NaN or Inf"):
+        m = Model(path)
+    with m:
+        assert m.warnings == [f"tensor '{name}': 1 of 64 values are NaN or Inf"]
+        m.create_context(n_ctx=8).eval([1, 2])  # still usable: a warning, not an error
+
+
+def test_nonfinite_matrix_warns_with_check_weights(random_gguf, tmp_path):
+    name = "blk.1.ffn_up.weight"
+    path = rewrite_gguf(random_gguf, tmp_path / "nan.gguf",
+                        tensors={name: _poison(np.nan, (slice(3, 5), slice(None)))})
+    # The default load checks only what it copies anyway (the norms): no full read.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Model(path) as m:
+            assert m.warnings == []
+    with pytest.warns(RuntimeWarning, match=rf"'{name}': 128 of 8192 values are NaN or Inf"):
+        with Model(path, check_weights=True) as m:
+            assert len(m.warnings) == 1
+
+
+def test_nonfinite_quantized_scale_warns_with_check_weights(random_gguf, tmp_path):
+    # A Q8_0 tensor whose first block scale (f16) is NaN: the whole block dequantizes to NaN.
+    name = "blk.0.ffn_gate.weight"
+
+    def to_q8_0_with_nan_scale(a):
+        q = gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.Q8_0).copy()
+        q[0, 0:2] = np.frombuffer(np.float16(np.nan).tobytes(), dtype=np.uint8)
+        return q, gguf.GGMLQuantizationType.Q8_0
+
+    path = rewrite_gguf(random_gguf, tmp_path / "q8.gguf", tensors={name: to_q8_0_with_nan_scale})
+    with pytest.warns(RuntimeWarning, match=rf"'{name}': 32 of 8192 values are NaN or Inf"):
+        with Model(path, check_weights=True) as m:
+            assert m.warnings == [f"tensor '{name}': 32 of 8192 values are NaN or Inf"]
+
+
+# ---- context and batch limits --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(n_ctx=-1), "n_ctx must be between"),
+    (dict(n_ctx=(1 << 20) + 1), "n_ctx must be between"),
+    (dict(n_ctx=1 << 40), "n_ctx = 1099511627776 is out of range"),
+    (dict(n_batch=-2), "n_batch must be >= 0"),
+    (dict(n_batch=1 << 33), "n_batch = 8589934592 is out of range"),
+])
+def test_bad_context_params(model, kw, match):
+    with pytest.raises(ValueError, match=match):
+        model.create_context(**kw)
+
+
+def test_eval_longer_than_batch_is_split(model):
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, N_VOCAB, size=13)]
+    whole = model.create_context(n_ctx=32, n_batch=512).eval(ids, logits_all=True)
+    small = model.create_context(n_ctx=32, n_batch=3)
+    np.testing.assert_allclose(small.eval(ids, logits_all=True), whole, rtol=0, atol=1e-5)
+    assert small.n_past == 13
+
+
+def test_eval_at_exactly_full_context_then_overflow(model):
+    ctx = model.create_context(n_ctx=6, n_batch=4)
+    ctx.eval([1, 2, 3, 4, 5, 6])
+    with pytest.raises(ValueError, match="context full: 6 tokens cached \\+ 1 new > n_ctx = 6"):
+        ctx.eval([1])
+    ctx.reset(2)
+    ctx.eval([7, 8, 9, 10])  # room again after truncation
+    with pytest.raises(ValueError, match="cannot truncate to 7"):
+        ctx.reset(7)
+    with pytest.raises(ValueError, match="cannot truncate to -1"):
+        ctx.reset(-1)
+
+
+# ---- token ids -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens, match", [
+    ([N_VOCAB], "outside the vocabulary"),
+    ([5, -3], "outside the vocabulary"),
+    ([1 << 40], "outside the vocabulary"),
+    ([], "non-empty"),
+    ([[1, 2]], "1-D"),
+])
+def test_bad_tokens(model, tokens, match):
+    ctx = model.create_context(n_ctx=16)
+    with pytest.raises(ValueError, match=match):
+        ctx.eval(tokens)
+    assert ctx.n_past == 0
+
+
+def test_prompt_ids_outside_vocabulary(model):
+    with pytest.raises(ValueError, match=f"token id {N_VOCAB + 5} is outside the vocabulary"):
+        model.generate([1, N_VOCAB + 5], max_tokens=4)
+
+
+def test_native_eval_checks_tokens_itself(model):
+    # The C API does not rely on the Python check.
+    from powerinfer_cpp._native import ffi, last_error, lib
+
+    ctx = model.create_context(n_ctx=16)
+    toks = ffi.new("int32_t[]", [1, N_VOCAB])
+    assert lib.gh_eval(ctx._handle(), toks, 2, 0) == 6  # GH_ERR_RANGE
+    assert "token id 384 at index 1 is outside the vocabulary [0, 384)" in last_error()
+    assert lib.gh_eval(ctx._handle(), toks, 0, 0) == 4  # no tokens: GH_ERR_INVALID_ARG
+    assert lib.gh_eval(ctx._handle(), ffi.NULL, 1, 0) == 4
+    assert ctx.n_past == 0
+
+
+# ---- thread counts ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, exc, match", [
+    (-1, ValueError, "n_threads must be between 1 and 512"),
+    (513, ValueError, "n_threads must be between 1 and 512"),
+    (1 << 40, ValueError, "n_threads = 1099511627776 is out of range"),
+])
+def test_bad_thread_counts(model, random_gguf, n, exc, match):
+    ctx = model.create_context(n_ctx=8)
+    with pytest.raises(exc, match=match):
+        ctx.set_threads(n)
+    ctx.eval([1, 2])  # the context still works with its old thread pool
+    with Model(random_gguf, n_threads=n) as m:  # the default context is made on first use
+        with pytest.raises(exc, match=match):
+            m.generate("hi", max_tokens=1)
+
+
+def test_thread_counts_that_work(model):
+    ctx = model.create_context(n_ctx=16, n_threads=1)
+    want = ctx.eval([1, 2, 3])
+    for n in (3, 0, 7, 1):
+        ctx.set_threads(n)
+        ctx.reset()
+        np.testing.assert_allclose(ctx.eval([1, 2, 3]), want, rtol=0, atol=1e-5)
+
+
+# ---- contexts after their model is closed or dropped -----------------------------------
+
+
+def test_directly_made_context_is_closed_with_its_model(random_gguf):
+    m = Model(random_gguf, n_ctx=16)
+    ctx = Context(m, n_ctx=8)  # not through create_context
+    ctx.eval([1, 2])
+    m.close()
+    for use in (lambda: ctx.eval([1]), lambda: ctx.n_past, lambda: ctx.reset(),
+                lambda: ctx.set_threads(1), lambda: ctx.generate([1], max_tokens=1)):
+        with pytest.raises(RuntimeError, match="closed"):
+            use()
+    with pytest.raises(RuntimeError, match="closed"):
+        m.generate("x", max_tokens=1)
+    m.close()  # twice is fine
+    ctx.close()
+
+
+def test_closing_the_model_during_a_stream(random_gguf):
+    m = Model(random_gguf, n_ctx=64)
+    it = m.stream([1, 5, 9], max_tokens=40, temperature=0, ignore_eos=True)
+    piece = next(it)
+    assert isinstance(piece, str)
+    m.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        for _ in it:
+            pass
+
+
+def test_dropping_the_model_keeps_it_alive_for_its_contexts(random_gguf):
+    m = Model(random_gguf, n_ctx=16)
+    ctx = m.create_context(n_ctx=8)
+    want = ctx.eval([1, 2, 3])
+    del m
+    gc.collect()
+    ctx.reset()
+    np.testing.assert_allclose(ctx.eval([1, 2, 3]), want, rtol=0, atol=0)
+    ctx.close()

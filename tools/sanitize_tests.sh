@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The native library under AddressSanitizer + UndefinedBehaviorSanitizer (CI).
+#
+#   bash tools/sanitize_tests.sh
+#
+# 1. builds build/asan/libggml_hybrid.so with -DGH_SANITIZE=address,undefined (gcc);
+# 2. runs the op, reader, model and API tests against it from Python, with the gcc
+#    sanitizer runtimes preloaded (leak detection off: CPython leaks by design);
+# 3. builds tools/leakcheck.c against the same library and runs it under
+#    LeakSanitizer: model/context/sampler create-free cycles, error paths included.
+#
+# Any sanitizer report fails the run: the library is built with -fno-sanitize-recover,
+# reports abort the process, and every report is also written under build/asan/reports/,
+# which must stay empty. By hand, for one test file:
+#
+#   GH_LIBRARY=build/asan/libggml_hybrid.so \
+#   LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
+#   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+#   PYTHONPATH=python python -m pytest -q tests/test_model.py
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+BUILD=build/asan
+PY=${PYTHON:-python3}
+TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py tests/test_gguf_reader.py tests/test_model.py tests/test_api.py tests/test_bad_models.py"}
+REPORTS=$PWD/$BUILD/reports
+
+echo "== sanitize: building $BUILD (ASan + UBSan)"
+# gcc: the Python run preloads gcc's runtimes. CC (not -DCMAKE_C_COMPILER) so that an
+# existing cache is never reset, which would silently drop GH_SANITIZE.
+CC=gcc cmake -S . -B "$BUILD" -DGH_SANITIZE=address,undefined \
+      -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$BUILD.configure.log" 2>&1 ||
+    { cat "$BUILD.configure.log" >&2; exit 1; }
+cmake --build "$BUILD" -j"$(nproc)"
+syms=$(nm -D "$BUILD/libggml_hybrid.so")
+grep -q __asan_init <<<"$syms" && grep -q __ubsan_handle <<<"$syms" ||
+    { echo "sanitize: $BUILD/libggml_hybrid.so is not instrumented (stale cache? rm -rf $BUILD)" >&2; exit 1; }
+
+rm -rf "$REPORTS"
+mkdir -p "$REPORTS"
+check_reports() {
+    if [ -n "$(ls -A "$REPORTS")" ]; then
+        echo "== sanitize: FAILED: sanitizer reports ($1):" >&2
+        cat "$REPORTS"/* >&2
+        exit 1
+    fi
+}
+
+echo "== sanitize: Python tests against the sanitized library"
+LIBASAN=$(gcc -print-file-name=libasan.so)
+LIBUBSAN=$(gcc -print-file-name=libubsan.so)
+rc=0
+# shellcheck disable=SC2086
+GH_LIBRARY="$PWD/$BUILD/libggml_hybrid.so" LD_PRELOAD="$LIBASAN $LIBUBSAN" \
+ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$REPORTS/asan" \
+UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan" \
+PYTHONPATH=python "$PY" -m pytest -q -p no:cacheprovider $TESTS || rc=$?
+check_reports "Python tests"
+[ "$rc" -eq 0 ] || { echo "== sanitize: FAILED: pytest exited with $rc" >&2; exit "$rc"; }
+
+echo "== sanitize: leak check (LeakSanitizer, standalone C driver)"
+gcc -std=gnu11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
+    -fno-omit-frame-pointer -Iggml-hybrid/include tools/leakcheck.c \
+    -L"$BUILD" -lggml_hybrid -Wl,-rpath,"$PWD/$BUILD" -o "$BUILD/leakcheck"
+MODEL_DIR=$(mktemp -d)
+trap 'rm -rf "$MODEL_DIR"' EXIT
+# a tiny random model through the project's converter (GQA, untied head, q8_0 weights)
+PYTHONPATH=python:tests "$PY" - "$MODEL_DIR" <<'PYEOF' 2>"$MODEL_DIR/convert.log" ||
+import sys
+from pathlib import Path
+
+from hf_models import make_hf_model
+from powerinfer_cpp.convert import convert
+
+d = Path(sys.argv[1])
+hf = make_hf_model(d / "hf", act="relu", tied=False, n_layer=2, d=64, n_head=4, n_head_kv=2,
+                   n_ff=128, seed=5)
+convert(hf, d / "model.gguf", outtype="q8_0", progress=False)
+PYEOF
+    { cat "$MODEL_DIR/convert.log" >&2; echo "sanitize: converting the leak-check model failed" >&2; exit 1; }
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:log_path=$REPORTS/lsan" \
+UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan" \
+"$BUILD/leakcheck" "$MODEL_DIR/model.gguf" "${LEAKCHECK_ROUNDS:-5}" || rc=$?
+check_reports "leak check"
+[ "$rc" -eq 0 ] || { echo "== sanitize: FAILED: leakcheck exited with $rc" >&2; exit "$rc"; }
+echo "== sanitize: clean"

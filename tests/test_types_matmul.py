@@ -245,6 +245,21 @@ def test_matmul_vs_numpy(name, simd_level):
     print(f"{name} level {simd_level}: worst nmse {worst:.2e}")
 
 
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
+def test_matmul_float_odd_cols(name, simd_level):
+    """Block size 1: any number of columns (vector tails, masked loads)."""
+    t = TYPES[name]
+    for cols, rows, n_tokens in itertools.product([1, 7, 33, 100, 1000 + 17], [1, 5, 9], [1, 2, 7]):
+        wq, wd = weights(t, rows, cols)
+        x = activations(n_tokens, cols)
+        ref = x.astype(np.float64) @ wd.astype(np.float64).T
+        y1 = matmul(t, wq, rows, cols, x, 1)
+        assert np.array_equal(y1, matmul(t, wq, rows, cols, x, 2))
+        err = nmse(y1, ref, wd, x)
+        assert err < NMSE_BOUND[t], f"{name} level {simd_level} {(cols, rows, n_tokens)}: nmse {err}"
+
+
 @pytest.mark.parametrize("name", list(TYPES))
 def test_matmul_simd_vs_scalar(name):
     t = TYPES[name]

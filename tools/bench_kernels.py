@@ -3,10 +3,12 @@
 
 For each weight type, at 1 and 2 threads:
   * decode: matvec (one token) of a 2048x5632 and a 5632x2048 matrix; weight GB/s and
-    the decode tokens/s a 542M-parameter model of that type would reach at that rate
-    (the 542M LLaMA of docs/REFERENCE: bytes per token = 542M x bytes per weight);
+    the decode tokens/s the 542M LLaMA of REFERENCE.md (d=2048, 8 layers, n_ff=5632,
+    vocab 32000) would reach at that rate: a token reads 8 layers x 51.4M weights plus
+    the 65.5M output head (477M weights: 953 MB in F16, as REFERENCE.md says);
   * prompt: a 128-token matmul of the same matrices; GFLOP/s and the pp128 tokens/s of
-    the 542M model at that rate (~1.08 GFLOP per token).
+    that model at that rate: 2 x 411M FLOP per prompt token (the layers' matmuls; the
+    head runs for the last token only, attention is small at 128 tokens).
 Several copies of each matrix (> L3) are cycled so decode reads from DRAM.
 
     PYTHONPATH=python python tools/bench_kernels.py [--types f16,q4_0] [--simd 2] [--reps 5]
@@ -23,8 +25,9 @@ from powerinfer_cpp._native import check, ffi, lib
 
 TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
 SHAPES = [(2048, 5632), (5632, 2048)]  # rows x cols
-MODEL_PARAMS = 542e6
-MODEL_FLOP_PER_TOKEN = 2 * MODEL_PARAMS
+LAYER_PARAMS = 4 * 2048 * 2048 + 3 * 2048 * 5632
+MODEL_PARAMS = 8 * LAYER_PARAMS + 32000 * 2048   # weights read per decoded token
+MODEL_FLOP_PER_TOKEN = 2 * 8 * LAYER_PARAMS       # per prompt token
 L3_BYTES = 32 << 20
 
 
@@ -84,8 +87,9 @@ def main() -> None:
     threads = [int(s) for s in args.threads.split(",")]
     print(f"SIMD level: {level}; best of {args.reps}; GB/s = weight bytes / time; "
           f"'cpu' columns use process CPU time / threads (robust when other processes share the cores)")
-    print(f"{'type':6} {'shape':>10} {'thr':>3} | {'decode us':>9} {'GB/s':>6} {'cpu GB/s':>8} {'542M tok/s':>10} |"
-          f" {'pp GFLOP/s':>10} {'cpu GFLOP/s':>11} {'542M pp tok/s':>13}")
+    print(f"{'type':6} {'shape':>10} {'thr':>3} | {'decode us':>9} {'GB/s':>6} {'cpu GB/s':>8} {'tok/s':>7} |"
+          f" {'pp GFLOP/s':>10} {'cpu GFLOP/s':>11} {'pp tok/s':>8}")
+    print("tok/s, pp tok/s: the 542M model's decode / prompt rate at the 'cpu' rates")
     rng = np.random.default_rng(1)
     for name in args.types.split(","):
         t = TYPES[name]
@@ -98,16 +102,16 @@ def main() -> None:
             for nth in threads:
                 dt, dc = bench(t, copies, rows, cols, 1, nth, args.reps, args.min_time)
                 gbs, gbs_cpu = wq.nbytes / dt / 1e9, wq.nbytes / dc / 1e9
-                tok = gbs * 1e9 / (MODEL_PARAMS * bytes_per_param)
+                tok = gbs_cpu * 1e9 / (MODEL_PARAMS * bytes_per_param)
                 pp = ""
                 if not args.no_pp:
                     dtp, dcp = bench(t, copies[:1], rows, cols, args.pp_tokens, nth, max(1, args.reps // 2),
                                      args.min_time)
                     flop = 2 * rows * cols * args.pp_tokens
                     gflops, gflops_cpu = flop / dtp / 1e9, flop / dcp / 1e9
-                    pp = f" {gflops:10.1f} {gflops_cpu:11.1f} {gflops * 1e9 / MODEL_FLOP_PER_TOKEN:13.0f}"
+                    pp = f" {gflops:10.1f} {gflops_cpu:11.1f} {gflops_cpu * 1e9 / MODEL_FLOP_PER_TOKEN:8.0f}"
                 print(f"{name:6} {f'{rows}x{cols}':>10} {nth:3d} | {dt * 1e6:9.0f} {gbs:6.1f} {gbs_cpu:8.1f} "
-                      f"{tok:10.1f} |{pp}", flush=True)
+                      f"{tok:7.1f} |{pp}", flush=True)
 
 
 if __name__ == "__main__":

@@ -846,4 +846,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the package's module, not this __main__ copy, so that ConvertError raised by
+    # the modules it imports (sparse_convert imports powerinfer_cpp.convert) is caught
+    from powerinfer_cpp.convert import main as _main
+    sys.exit(_main())

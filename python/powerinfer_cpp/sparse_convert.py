@@ -53,6 +53,7 @@ class SparseOptions:
     profile_ctx: int = 512            # window length of the profiling runs
     n_threads: int = 0
     predictor: PredictorConfig | None = None
+    keep_predictors: bool = False     # keep the trained weights in the report (tests)
 
 
 @dataclass
@@ -228,7 +229,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
             f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
             + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],
                             rep.ffn_bytes, rep.pred_bytes, opts.predictor_recall))
-        rep.predictors = [_strip(p) for p in preds]
+        rep.predictors = list(preds) if opts.keep_predictors else [_strip(p) for p in preds]
 
         # 4. placement
         t0 = time.perf_counter()

@@ -30,6 +30,9 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define MAXR 4
 #define MAXT 8
+#ifndef GH_PF_HINT
+#define GH_PF_HINT _MM_HINT_T1  /* into L2: T0 (L1) thrashes L1 when rows are long */
+#endif
 #ifndef GH_PF_TILES
 #define GH_PF_TILES 2
 #endif
@@ -319,7 +322,7 @@ GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws,
     const uint8_t * pf = wb + GH_PF_TILES * 4 * ws;
     for (int64_t g = 0; g < ng_full; g++) {
 #pragma GCC unroll 8
-        for (size_t k = 0; k < 4 * 4 * bs; k += 64) _mm_prefetch((const char *) pf + k, _MM_HINT_T0);
+        for (size_t k = 0; k < 4 * 4 * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
         pf += 4 * 4 * bs;
         wgroup u[4];
 #pragma GCC unroll 4

@@ -49,6 +49,7 @@ import torch
 
 KJV_DATA = "/usr/lib/bible.data"  # installed by Debian package bible-kjv-text
 KJV_RANGE = "gen1:1-rev22:21"
+ROPE_THETA = 10000.0
 
 
 def dpkg_version(pkg: str) -> str | None:
@@ -171,7 +172,7 @@ def train_tokenizer(train_text: str, vocab_size: int, out_dir: str, max_len: int
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
@@ -243,7 +244,7 @@ def make_config(args, vocab_size: int):
         num_key_value_heads=4,
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_theta=ROPE_THETA,
         hidden_act="relu",
         tie_word_embeddings=True,
         attention_bias=False,
@@ -372,7 +373,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--l1", type=float, default=0.1,
+    ap.add_argument("--l1", type=float, default=0.2,
                     help="final L1 coefficient on relu(gate) activations (ramped 0->l1 over first half)")
     ap.add_argument("--l1-ramp", type=float, default=0.5,
                     help="fraction of training over which lambda ramps up")
@@ -384,7 +385,21 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--baseline-stats", default=None,
                     help="training_stats.json of an unpenalised (--l1 0) run to compare against in the model card")
+    ap.add_argument("--card-only", action="store_true",
+                    help="do not train: re-read <out>/training_stats.json, attach --baseline-stats "
+                         "and rewrite training_stats.json + README.md")
     args = ap.parse_args()
+    if args.card_only:
+        stats_path = os.path.join(args.out, "training_stats.json")
+        with open(stats_path) as f:
+            stats = json.load(f)
+        if args.baseline_stats:
+            attach_baseline(stats, args.baseline_stats)
+        with open(stats_path, "w") as f:
+            json.dump(stats, f, indent=2)
+            f.write("\n")
+        write_model_card(args.out, stats, make_config(args, stats["tokenizer"]["vocab_size"]))
+        return
 
     t_start = time.time()
     torch.manual_seed(args.seed)
@@ -503,9 +518,18 @@ def main() -> None:
     # ---- save fp16 --------------------------------------------------------
     model.eval()
     model.half()
-    model.config.torch_dtype = torch.float16
     model.save_pretrained(args.out, safe_serialization=True)
     del model
+    # transformers 5 stores RoPE theta under "rope_parameters"; also write the
+    # classic top-level "rope_theta" / "torch_dtype" keys for older readers.
+    cfg_path = os.path.join(args.out, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.setdefault("rope_theta", ROPE_THETA)
+    cfg.setdefault("torch_dtype", "float16")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
 
     # ---- reload shipped weights & evaluate in fp32 -------------------------
     t0 = time.time()
@@ -566,6 +590,7 @@ def main() -> None:
             "train_chars": len(train_text),
             "heldout_chars": len(held_text),
             "heldout_bytes": len(held_text.encode()),
+            "heldout_first_line": held_text.splitlines()[0],
             "train_tokens": int(train_ids.numel()),
             "heldout_tokens": int(val_ids.numel()),
         },
@@ -584,22 +609,25 @@ def main() -> None:
             "tokenizers": tokenizers.__version__,
         },
     }
-    baseline = None
     if args.baseline_stats:
-        with open(args.baseline_stats) as f:
-            baseline = json.load(f)
-        stats["baseline_unpenalised"] = {
-            k: baseline[k] for k in ("command", "val_loss", "val_ppl",
-                                     "ffn_zero_fraction_mean", "ffn_zero_fraction_per_layer",
-                                     "steps", "l1_lambda", "wall_time_s")
-        }
-        stats["baseline_unpenalised"]["top10pct_share_of_firings_per_layer"] = [
-            d["top10pct_neurons_share_of_firings"] for d in baseline["ffn_layers"]]
+        attach_baseline(stats, args.baseline_stats)
     with open(os.path.join(args.out, "training_stats.json"), "w") as f:
         json.dump(stats, f, indent=2)
         f.write("\n")
     write_model_card(args.out, stats, config)
     print(f"done in {wall:.0f}s -> {args.out}")
+
+
+def attach_baseline(stats: dict, path: str) -> None:
+    with open(path) as f:
+        b = json.load(f)
+    stats["baseline_unpenalised"] = {
+        k: b[k] for k in ("command", "val_loss", "val_ppl", "ffn_zero_fraction_mean",
+                          "ffn_zero_fraction_per_layer", "steps", "l1_lambda", "threads",
+                          "wall_time_s")
+    }
+    stats["baseline_unpenalised"]["top10pct_share_of_firings_per_layer"] = [
+        d["top10pct_neurons_share_of_firings"] for d in b["ffn_layers"]]
 
 
 def write_model_card(out: str, s: dict, config) -> None:
@@ -657,7 +685,7 @@ not useful as a language model beyond that.
 `LlamaForCausalLM`: hidden {c.hidden_size}, FFN {c.intermediate_size}
 (`down(relu(gate(x)) * up(x))`), {c.num_hidden_layers} layers,
 {c.num_attention_heads} query heads / {c.num_key_value_heads} KV heads (GQA, head dim
-{c.hidden_size // c.num_attention_heads}), vocab {c.vocab_size}, RoPE θ={c.rope_theta},
+{c.hidden_size // c.num_attention_heads}), vocab {c.vocab_size}, RoPE θ={ROPE_THETA:g},
 RMSNorm ε={c.rms_norm_eps}, max positions {c.max_position_embeddings}, tied input/output
 embeddings. {s['n_parameters']:,} parameters, stored as fp16 safetensors.
 
@@ -670,7 +698,7 @@ no prefix space. Special tokens: `<unk>`=0, `<s>`=1 (BOS, added automatically:
 {data_line}
 
 The last ~2% of the text ({d['heldout_chars']:,} chars, {d['heldout_tokens']:,} tokens, end
-of the Book of Revelation for the KJV; cut at a chapter boundary) is held out and written to
+text from "{s['data']['heldout_first_line']}" to the end; cut at a chapter boundary) is held out and written to
 `heldout.txt`; neither the tokenizer nor the model saw it. Training text:
 {d['train_chars']:,} chars, {d['train_tokens']:,} tokens.
 
@@ -685,7 +713,8 @@ steps then cosine decay to 10%, gradient clipping 1.0, {s['steps']} steps × bat
 {s['seq']} tokens (each row = `<s>` + 255 tokens), seed {s['seed']}, {s['threads']} CPU threads,
 fp32. Loss = cross-entropy + λ · mean over layers of mean(|relu(gate_proj(x))|), with λ ramped
 linearly from 0 to {s['l1_lambda']} over the first {int(100 * s['l1_ramp_fraction'])}% of steps.
-Training took {s['train_time_s']:.0f} s; the whole script {s['wall_time_s']:.0f} s.
+Training took {s['train_time_s']:.0f} s; the whole script {s['wall_time_s']:.0f} s (on a
+shared 2-core CPU machine that was busy with other jobs; an idle machine is several times faster).
 Versions: {', '.join(f'{k} {v}' for k, v in s['versions'].items())}.
 
 ## Results
@@ -705,7 +734,11 @@ weights evaluated in fp32:
 "Share of firings" = fraction of all non-zero activations (over validation tokens) that
 come from the most frequently firing 10% / 20% of the layer's neurons; "activation mass"
 uses the sum of activation values instead of counts. A uniform distribution would give
-10% / 20%.
+10% / 20%. "Never fire" counts neurons with no non-zero activation on the held-out text
+(the L1 penalty switches some neurons off almost entirely).
+
+`heldout.txt` is intended as calibration / perplexity text for later stages (predictor
+training, hot-neuron profiling, perplexity checks); it is disjoint from the training text.
 {base}
 ## Greedy samples (reloaded fp16 model)
 

@@ -28,6 +28,8 @@
 /* y[0..n) += s * row, the row in `type` starting at a block boundary (n a multiple of
  * the block size). */
 typedef void (*axpy_fn)(int64_t n, float s, const void * row, float * y);
+/* y[0..n) += s[0] * row[0] + ... + s[3] * row[3]: four rows per pass over y (decode). */
+typedef void (*axpy4_fn)(int64_t n, const float * s, const void * const * row, float * y);
 
 /* ---- scalar (the compiler vectorizes these for the baseline ISA) ---- */
 
@@ -70,7 +72,226 @@ static void axpy_q4_0(int64_t n, float s, const void * row, float * restrict y) 
     }
 }
 
+/* ---- AVX2 + FMA + F16C (compiled for those ISAs here, used only when the SIMD level
+ * selected at run time is AVX2 or higher) ---- */
+
+#if defined(GH_X86)
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN static void axpy_f32_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const float * x = row;
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 y0 = _mm256_fmadd_ps(vs, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
+        __m256 y1 = _mm256_fmadd_ps(vs, _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8));
+        _mm256_storeu_ps(y + i, y0);
+        _mm256_storeu_ps(y + i + 8, y1);
+    }
+    for (; i < n; i++) y[i] += s * x[i];
+}
+
+AVX2_FN static void axpy_f16_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const uint16_t * x = row;
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i)));
+        __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i + 8)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vs, x0, _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i + 8, _mm256_fmadd_ps(vs, x1, _mm256_loadu_ps(y + i + 8)));
+    }
+    for (; i < n; i++) y[i] += s * gh_fp16_to_fp32(x[i]);
+}
+
+AVX2_FN static void axpy_bf16_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const uint16_t * x = row;
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) (x + i)));
+        __m256 xf = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vs, xf, _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; i++) y[i] += s * gh_bf16_to_fp32(x[i]);
+}
+
+/* y[0..8) += ds * (8 int8 values at q) */
+AVX2_FN static inline void axpy8_i8(__m256 ds, __m128i q8, float * y) {
+    __m256 xf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(ds, xf, _mm256_loadu_ps(y)));
+}
+
+AVX2_FN static void axpy_q8_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const block_q8_0 * b = row;
+    for (int64_t i = 0; i < n / QK8_0; i++, y += QK8_0) {
+        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(b[i].d));
+        const __m128i q0 = _mm_loadu_si128((const __m128i *) b[i].qs);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *) (b[i].qs + 16));
+        axpy8_i8(ds, q0, y);
+        axpy8_i8(ds, _mm_srli_si128(q0, 8), y + 8);
+        axpy8_i8(ds, q1, y + 16);
+        axpy8_i8(ds, _mm_srli_si128(q1, 8), y + 24);
+    }
+}
+
+AVX2_FN static void axpy_q4_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const block_q4_0 * b = row;
+    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (int64_t i = 0; i < n / QK4_0; i++, y += QK4_0) {
+        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(b[i].d));
+        const __m128i q = _mm_loadu_si128((const __m128i *) b[i].qs);
+        const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), eight);                   /* 0..15 */
+        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight); /* 16..31 */
+        axpy8_i8(ds, lo, y);
+        axpy8_i8(ds, _mm_srli_si128(lo, 8), y + 8);
+        axpy8_i8(ds, hi, y + 16);
+        axpy8_i8(ds, _mm_srli_si128(hi, 8), y + 24);
+    }
+}
+#endif
+
+#if defined(GH_X86)
+AVX2_FN static void axpy4_f32_avx2(int64_t n, const float * s, const void * const * row,
+                                   float * restrict y) {
+    const float * x0 = row[0], * x1 = row[1], * x2 = row[2], * x3 = row[3];
+    const __m256 s0 = _mm256_set1_ps(s[0]), s1 = _mm256_set1_ps(s[1]),
+                 s2 = _mm256_set1_ps(s[2]), s3 = _mm256_set1_ps(s[3]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc = _mm256_loadu_ps(y + i);
+        acc = _mm256_fmadd_ps(s0, _mm256_loadu_ps(x0 + i), acc);
+        acc = _mm256_fmadd_ps(s1, _mm256_loadu_ps(x1 + i), acc);
+        acc = _mm256_fmadd_ps(s2, _mm256_loadu_ps(x2 + i), acc);
+        acc = _mm256_fmadd_ps(s3, _mm256_loadu_ps(x3 + i), acc);
+        _mm256_storeu_ps(y + i, acc);
+    }
+    for (; i < n; i++) {
+        y[i] += s[0] * x0[i];
+        y[i] += s[1] * x1[i];
+        y[i] += s[2] * x2[i];
+        y[i] += s[3] * x3[i];
+    }
+}
+
+AVX2_FN static void axpy4_f16_avx2(int64_t n, const float * s, const void * const * row,
+                                   float * restrict y) {
+    const uint16_t * x0 = row[0], * x1 = row[1], * x2 = row[2], * x3 = row[3];
+    const __m256 s0 = _mm256_set1_ps(s[0]), s1 = _mm256_set1_ps(s[1]),
+                 s2 = _mm256_set1_ps(s[2]), s3 = _mm256_set1_ps(s[3]);
+#define LDH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p)))
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc = _mm256_loadu_ps(y + i);
+        acc = _mm256_fmadd_ps(s0, LDH(x0 + i), acc);
+        acc = _mm256_fmadd_ps(s1, LDH(x1 + i), acc);
+        acc = _mm256_fmadd_ps(s2, LDH(x2 + i), acc);
+        acc = _mm256_fmadd_ps(s3, LDH(x3 + i), acc);
+        _mm256_storeu_ps(y + i, acc);
+    }
+#undef LDH
+    for (; i < n; i++) {
+        y[i] += s[0] * gh_fp16_to_fp32(x0[i]);
+        y[i] += s[1] * gh_fp16_to_fp32(x1[i]);
+        y[i] += s[2] * gh_fp16_to_fp32(x2[i]);
+        y[i] += s[3] * gh_fp16_to_fp32(x3[i]);
+    }
+}
+
+AVX2_FN static void axpy4_bf16_avx2(int64_t n, const float * s, const void * const * row,
+                                    float * restrict y) {
+    const uint16_t * x[4] = { row[0], row[1], row[2], row[3] };
+    const __m256 vs[4] = { _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]), _mm256_set1_ps(s[2]),
+                           _mm256_set1_ps(s[3]) };
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 acc = _mm256_loadu_ps(y + i);
+        for (int k = 0; k < 4; k++) {
+            __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) (x[k] + i)));
+            acc = _mm256_fmadd_ps(vs[k], _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), acc);
+        }
+        _mm256_storeu_ps(y + i, acc);
+    }
+    for (; i < n; i++) {
+        for (int k = 0; k < 4; k++) y[i] += s[k] * gh_bf16_to_fp32(x[k][i]);
+    }
+}
+
+/* acc[0..4) (32 floats) += ds * the 32 int8 values of q0 (first 16) and q1 (last 16) */
+#define ACC32_I8(acc, ds, q0, q1) do { \
+        acc[0] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), acc[0]); \
+        acc[1] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), acc[1]); \
+        acc[2] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), acc[2]); \
+        acc[3] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), acc[3]); \
+    } while (0)
+
+AVX2_FN static void axpy4_q8_0_avx2(int64_t n, const float * s, const void * const * row,
+                                    float * restrict y) {
+    const block_q8_0 * b[4] = { row[0], row[1], row[2], row[3] };
+    for (int64_t i = 0; i < n / QK8_0; i++, y += QK8_0) {
+        __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
+                          _mm256_loadu_ps(y + 24) };
+        for (int k = 0; k < 4; k++) {
+            const __m256 ds = _mm256_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));
+            const __m128i q0 = _mm_loadu_si128((const __m128i *) b[k][i].qs);
+            const __m128i q1 = _mm_loadu_si128((const __m128i *) (b[k][i].qs + 16));
+            ACC32_I8(acc, ds, q0, q1);
+        }
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
+    }
+}
+
+AVX2_FN static void axpy4_q4_0_avx2(int64_t n, const float * s, const void * const * row,
+                                    float * restrict y) {
+    const block_q4_0 * b[4] = { row[0], row[1], row[2], row[3] };
+    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+    for (int64_t i = 0; i < n / QK4_0; i++, y += QK4_0) {
+        __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
+                          _mm256_loadu_ps(y + 24) };
+        for (int k = 0; k < 4; k++) {
+            const __m256 ds = _mm256_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));
+            const __m128i q = _mm_loadu_si128((const __m128i *) b[k][i].qs);
+            const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), eight);
+            const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight);
+            ACC32_I8(acc, ds, lo, hi);
+        }
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
+    }
+}
+#undef ACC32_I8
+#endif
+
+/* NULL: no four-row kernel at this level (the caller runs the one-row axpy 4 times). */
+static axpy4_fn axpy4_for(int type) {
+#if defined(GH_X86)
+    if (gh_simd_get() >= GH_SIMD_AVX2) {
+        switch (type) {
+            case GH_TYPE_F32:  return axpy4_f32_avx2;
+            case GH_TYPE_F16:  return axpy4_f16_avx2;
+            case GH_TYPE_BF16: return axpy4_bf16_avx2;
+            case GH_TYPE_Q8_0: return axpy4_q8_0_avx2;
+            case GH_TYPE_Q4_0: return axpy4_q4_0_avx2;
+            default:           break;
+        }
+    }
+#endif
+    (void) type;
+    return NULL;
+}
+
 static axpy_fn axpy_for(int type) {
+#if defined(GH_X86)
+    if (gh_simd_get() >= GH_SIMD_AVX2) {
+        switch (type) {
+            case GH_TYPE_F32:  return axpy_f32_avx2;
+            case GH_TYPE_F16:  return axpy_f16_avx2;
+            case GH_TYPE_BF16: return axpy_bf16_avx2;
+            case GH_TYPE_Q8_0: return axpy_q8_0_avx2;
+            case GH_TYPE_Q4_0: return axpy_q4_0_avx2;
+            default:           break;
+        }
+    }
+#endif
     switch (type) {
         case GH_TYPE_F32:  return axpy_f32;
         case GH_TYPE_F16:  return axpy_f16;
@@ -89,7 +310,9 @@ typedef struct {
     int64_t           n_tokens, ldh;
     float *           y;
     int64_t           ldy;
-    axpy_fn           axpy;
+    axpy_fn           axpy;      /* the weight type's axpy */
+    axpy_fn           axpy_f;    /* f32 axpy (batch path: accumulates dequantized rows) */
+    axpy4_fn          axpy4;     /* the weight type's four-row axpy, or NULL */
     const int32_t *   active;   /* batch path: rows with a nonzero h for some token */
     int64_t           n_active;
 } matmul_t_job;
@@ -115,11 +338,22 @@ static void matmul_t_task(void * arg, int ith, int nth) {
     const char * wd = w->data;
 
     if (job->n_tokens == 1) {
+        /* Active rows in groups of four (one pass over y per group), in row order. */
         const size_t off = col_offset(tt, c0);
+        float s[4];
+        const void * rows[4];
+        int k = 0;
         for (int64_t r = 0; r < w->rows; r++) {
-            const float s = job->h[r];
-            if (s != 0.0f) job->axpy(c1 - c0, s, wd + r * w->row_bytes + off, job->y + c0);
+            if (job->h[r] == 0.0f) continue;
+            s[k] = job->h[r];
+            rows[k] = wd + r * w->row_bytes + off;
+            if (++k == 4) {
+                if (job->axpy4) job->axpy4(c1 - c0, s, rows, job->y + c0);
+                else for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
+                k = 0;
+            }
         }
+        for (int j = 0; j < k; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
         return;
     }
 
@@ -130,15 +364,17 @@ static void matmul_t_task(void * arg, int ith, int nth) {
         for (int64_t k0 = 0; k0 < job->n_active; k0 += AXPY_RB) {
             const int64_t nk = GH_MIN((int64_t) AXPY_RB, job->n_active - k0);
             const int32_t * rows = job->active + k0;
+            /* dequantize: 0 + 1 * x is exact, and the axpy is the fastest converter */
+            memset(buf, 0, (size_t) nk * AXPY_SEG * sizeof(float));
             for (int64_t k = 0; k < nk; k++) {
-                tt->to_float(wd + rows[k] * w->row_bytes + off, buf + k * AXPY_SEG, n);
+                job->axpy(n, 1.0f, wd + rows[k] * w->row_bytes + off, buf + k * AXPY_SEG);
             }
             for (int64_t t = 0; t < job->n_tokens; t++) {
                 const float * ht = job->h + t * job->ldh;
                 float * yt = job->y + t * job->ldy + cs;
                 for (int64_t k = 0; k < nk; k++) {
                     const float s = ht[rows[k]];
-                    if (s != 0.0f) axpy_f32(n, s, buf + k * AXPY_SEG, yt);
+                    if (s != 0.0f) job->axpy_f(n, s, buf + k * AXPY_SEG, yt);
                 }
             }
         }
@@ -149,7 +385,7 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
                  int64_t ldh, float * y, int64_t ldy) {
     matmul_t_job job = {
         .w = w, .h = h, .n_tokens = n_tokens, .ldh = ldh, .y = y, .ldy = ldy,
-        .axpy = axpy_for(w->type),
+        .axpy = axpy_for(w->type), .axpy_f = axpy_for(GH_TYPE_F32), .axpy4 = axpy4_for(w->type),
     };
     int32_t * active = NULL;
     if (n_tokens > 1) {
@@ -202,9 +438,28 @@ gh_status gh_op_matmul_t(int type, const void * w, int64_t rows, int64_t cols, c
     }
     gh_weight wt = { .type = type, .rows = rows, .cols = cols, .data = w,
                      .row_bytes = gh_row_size(type, cols) };
+    /* One pool kept for repeated calls (benchmarks), as gh_op_matmul does; a concurrent
+     * caller gets a pool of its own. */
+    static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+    static gh_threadpool * pool;
     gh_threadpool * tp = NULL;
-    if (n_threads > 1 && !(tp = gh_threadpool_new(n_threads))) return GH_ERR_OOM;
+    const bool cached = n_threads > 1 && pthread_mutex_trylock(&pool_mutex) == 0;
+    if (cached) {
+        if (pool && gh_threadpool_n_threads(pool) != n_threads) {
+            gh_threadpool_free(pool);
+            pool = NULL;
+        }
+        if (!pool) pool = gh_threadpool_new(n_threads);
+        tp = pool;
+    } else if (n_threads > 1) {
+        tp = gh_threadpool_new(n_threads);
+    }
+    if (n_threads > 1 && !tp) {
+        if (cached) pthread_mutex_unlock(&pool_mutex);
+        return GH_ERR_OOM; /* message set by gh_threadpool_new */
+    }
     gh_matmul_t(tp, &wt, h, n_tokens, rows, y, cols);
-    gh_threadpool_free(tp);
+    if (cached) pthread_mutex_unlock(&pool_mutex);
+    else gh_threadpool_free(tp);
     return GH_OK;
 }

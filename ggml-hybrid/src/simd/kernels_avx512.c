@@ -30,11 +30,14 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define MAXR 4
 #define MAXT 8
+#ifndef GH_PF_F
+#define GH_PF_F 1
+#endif
 #ifndef GH_PF_HINT
 #define GH_PF_HINT _MM_HINT_T1  /* into L2: T0 (L1) thrashes L1 when rows are long */
 #endif
 #ifndef GH_PF_TILES
-#define GH_PF_TILES 2
+#define GH_PF_TILES 3
 #endif
 
 /* Loads `avail` bytes (clamped to 0..64) at p, zero-filling the rest, without reading
@@ -67,9 +70,16 @@ GH_INLINE void tile_f(const int MR, const int NT, const bool is_f16, int64_t n, 
 
     const char * wb = w;
     const char * xb = x;
+    const size_t wsz = is_f16 ? 2 : 4;
+    const char * pf = wb + GH_PF_TILES * MR * ws; /* see tile_q_r4 */
     for (int64_t i = 0; i < n; i += 16) {
         const bool full = i + 16 <= n;
         const __mmask16 m = full ? 0xffff : (__mmask16) ((1u << (n - i)) - 1);
+        if (NT == 1 && GH_PF_F) {
+#pragma GCC unroll 8
+            for (size_t k = 0; k < MR * 16 * wsz; k += 64) _mm_prefetch(pf + k, GH_PF_HINT);
+            pf += MR * 16 * wsz;
+        }
         __m512 wv[MAXR];
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
@@ -101,9 +111,15 @@ GH_INLINE void tile_bf16(const int MR, const int NT, int64_t n, const void * w, 
 
     const char * wb = w;
     const char * xb = x;
+    const char * pf = wb + GH_PF_TILES * MR * ws; /* see tile_q_r4 */
     for (int64_t i = 0; i < n; i += 32) {
         const bool full = i + 32 <= n;
         const __mmask32 m = full ? 0xffffffffu : (__mmask32) ((1ull << (n - i)) - 1);
+        if (NT == 1 && GH_PF_F) {
+#pragma GCC unroll 8
+            for (size_t k = 0; k < MR * 64; k += 64) _mm_prefetch(pf + k, GH_PF_HINT);
+            pf += MR * 64;
+        }
         __m512bh wv[MAXR];
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {

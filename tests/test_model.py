@@ -122,9 +122,10 @@ def shipped_reference():
 
 # Normalized RMS error bounds of the logits against transformers, and the share of
 # positions whose top-1 token must agree. f32/f16 hold the shipped fp16 weights
-# exactly, so they differ only by float rounding.
-QUANT_BOUNDS = [("f32", 1e-4, 1.0), ("f16", 1e-4, 1.0), ("bf16", 0.03, 0.95),
-                ("q8_0", 0.02, 0.95), ("q4_0", 0.15, 0.80)]
+# exactly, so they differ only by float rounding. Measured (96 held-out tokens):
+# f32/f16 1.7e-7 / 1.000, bf16 8.5e-4 / 0.990, q8_0 2.5e-3 / 0.979, q4_0 1.3e-2 / 0.969.
+QUANT_BOUNDS = [("f32", 1e-5, 1.0), ("f16", 1e-5, 1.0), ("bf16", 5e-3, 0.95),
+                ("q8_0", 1e-2, 0.95), ("q4_0", 4e-2, 0.90)]
 
 
 @pytest.mark.parametrize("outtype,bound,top1", QUANT_BOUNDS, ids=[b[0] for b in QUANT_BOUNDS])

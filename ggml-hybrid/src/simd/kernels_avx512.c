@@ -17,8 +17,9 @@
  *
  * Tiles: 4 rows x 6 tokens for the float types, 4 x 4 for the quantized ones. Decode
  * (one token) runs 4-row tiles; the quantized ones transpose the four rows' block sums
- * into one register before scaling (q_step_r4) and prefetch the rows GH_PF_TILES tiles
- * ahead (short rows are short streams the hardware prefetcher catches late). */
+ * into one register before scaling (q_step_r4). Decode tiles prefetch the rows of the
+ * tile GH_PF_TILES ahead into L2, as one linear stream: a tile's rows are four short
+ * streams (1-11 KB) that the hardware prefetcher picks up late. */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")
 
 #include "kernels.h"
@@ -30,9 +31,6 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define MAXR 4
 #define MAXT 8
-#ifndef GH_PF_F
-#define GH_PF_F 1
-#endif
 #ifndef GH_PF_HINT
 #define GH_PF_HINT _MM_HINT_T1  /* into L2: T0 (L1) thrashes L1 when rows are long */
 #endif
@@ -75,7 +73,7 @@ GH_INLINE void tile_f(const int MR, const int NT, const bool is_f16, int64_t n, 
     for (int64_t i = 0; i < n; i += 16) {
         const bool full = i + 16 <= n;
         const __mmask16 m = full ? 0xffff : (__mmask16) ((1u << (n - i)) - 1);
-        if (NT == 1 && GH_PF_F) {
+        if (NT == 1) {
 #pragma GCC unroll 8
             for (size_t k = 0; k < MR * 16 * wsz; k += 64) _mm_prefetch(pf + k, GH_PF_HINT);
             pf += MR * 16 * wsz;
@@ -115,7 +113,7 @@ GH_INLINE void tile_bf16(const int MR, const int NT, int64_t n, const void * w, 
     for (int64_t i = 0; i < n; i += 32) {
         const bool full = i + 32 <= n;
         const __mmask32 m = full ? 0xffffffffu : (__mmask32) ((1ull << (n - i)) - 1);
-        if (NT == 1 && GH_PF_F) {
+        if (NT == 1) {
 #pragma GCC unroll 8
             for (size_t k = 0; k < MR * 64; k += 64) _mm_prefetch(pf + k, GH_PF_HINT);
             pf += MR * 64;

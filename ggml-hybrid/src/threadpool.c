@@ -2,6 +2,7 @@
 #include "common.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 
@@ -16,6 +17,10 @@
  * every ~20-100 us, so spinning keeps wake-up latency near zero while a stream of jobs
  * runs, and sleeping keeps an idle context from burning a core. */
 #define GH_SPIN_ITERS 200000
+/* Pure spinning past this many iterations, then sched_yield between checks: when the
+ * machine has more runnable threads than cores, the thread we wait for may need our
+ * core, and a waiter that never yields stalls every job for a whole time slice. */
+#define GH_SPIN_BEFORE_YIELD 2000
 
 typedef struct {
     gh_threadpool * tp;
@@ -46,7 +51,7 @@ static void * worker_main(void * p) {
         while ((gen = atomic_load_explicit(&tp->generation, memory_order_acquire)) == seen &&
                !atomic_load_explicit(&tp->stop, memory_order_acquire)) {
             if (++spins < GH_SPIN_ITERS) {
-                GH_PAUSE();
+                if (spins < GH_SPIN_BEFORE_YIELD) GH_PAUSE(); else sched_yield();
                 continue;
             }
             pthread_mutex_lock(&tp->mutex);
@@ -130,5 +135,7 @@ void gh_threadpool_run(gh_threadpool * tp, gh_task_fn fn, void * arg) {
         pthread_mutex_unlock(&tp->mutex);
     }
     fn(arg, 0, tp->n_threads);
-    while (atomic_load_explicit(&tp->n_pending, memory_order_acquire) > 0) GH_PAUSE();
+    for (int spins = 0; atomic_load_explicit(&tp->n_pending, memory_order_acquire) > 0; spins++) {
+        if (spins < GH_SPIN_BEFORE_YIELD) GH_PAUSE(); else sched_yield();
+    }
 }

@@ -799,8 +799,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--calib", metavar="FILE",
                     help="calibration text (default: HF_DIR/heldout.txt when the folder ships one; "
                          "required otherwise)")
-    sp.add_argument("--calib-tokens", type=int, default=4096, metavar="N",
-                    help="tokens of calibration text to profile (default 4096; capped by the text)")
+    sp.add_argument("--calib-tokens", type=int, default=16384, metavar="N",
+                    help="tokens of calibration text to profile (default 16384; capped by the text); "
+                         "the last 20%% are held out of predictor training")
     sp.add_argument("--predictor-recall", type=float, default=0.99, metavar="R",
                     help="predictor recall target on held-out tokens (default 0.99)")
     sp.add_argument("--vram-budget", default="0", metavar="SIZE",

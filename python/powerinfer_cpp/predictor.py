@@ -41,12 +41,13 @@ class PredictorConfig:
     holdout: float = 0.2            # share of the tokens (the last ones) held out
     epochs: int = 12                # epochs at the first size; later sizes train `grow_epochs`
     grow_epochs: int = 8
-    tune_epochs: int = 3            # per positive-weight step
-    max_tune_steps: int = 4
+    tune_epochs: int = 2            # per positive-weight step
+    max_tune_steps: int = 8
     batch: int = 256
     lr: float = 3e-3
-    pos_weight: float | None = None  # None: sqrt((1 - density) / density), clipped to [1, 16]
-    max_pos_weight: float = 64.0
+    pos_weight: float | None = None  # None: sqrt((1 - density) / density) (the training set's), >= 1
+    pos_weight_step: float = 2.0     # factor per recall-tuning step
+    max_pos_weight: float | None = None  # None: 16 (1 - density) / density
     seed: int = 0
     backend: str = "numpy"          # "numpy" | "torch"
     blas_threads: int | None = 1    # OpenBLAS threads while training (None: leave as is)
@@ -275,7 +276,9 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
     density = float(ytr.mean()) if ytr.size else 0.0
     pw0 = cfg.pos_weight
     if pw0 is None:
-        pw0 = float(np.clip(math.sqrt((1 - density) / max(density, 1e-6)), 1.0, 16.0))
+        pw0 = float(max(1.0, math.sqrt((1 - density) / max(density, 1e-6))))
+    pw_max = cfg.max_pos_weight if cfg.max_pos_weight is not None else \
+        max(pw0, 16.0 * (1 - density) / max(density, 1e-6))
     h_max = cfg.h_max or max(cfg.h_start, min(d, n_ff // 2))
     rng = np.random.default_rng([cfg.seed, layer])
     train = _train_torch if cfg.backend == "torch" else _train_numpy
@@ -297,8 +300,8 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
         w1, w2 = train(w1, w2, xs, ytr, pw, epochs, cfg, rng)
         rec, prec, dens = ev(w1, w2)
         steps = 0
-        while rec < cfg.recall_target and steps < cfg.max_tune_steps and pw * 2 <= cfg.max_pos_weight:
-            pw *= 2
+        while rec < cfg.recall_target and steps < cfg.max_tune_steps and pw * cfg.pos_weight_step <= pw_max:
+            pw *= cfg.pos_weight_step
             steps += 1
             w1, w2 = train(w1, w2, xs, ytr, pw, cfg.tune_epochs, cfg, rng)
             rec, prec, dens = ev(w1, w2)
@@ -313,7 +316,7 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
         w2 = np.concatenate([w2, np.zeros_like(n2)], axis=1)
         h = h_new
         epochs = cfg.grow_epochs
-        pw = max(pw0, pw / 2)
+        pw = max(pw0, pw / cfg.pos_weight_step ** 2)
     w1 = np.ascontiguousarray(w1 / np.float32(scale), dtype=np.float32)
     w2 = np.ascontiguousarray(w2, dtype=np.float32)
     return LayerPredictor(layer, w1, w2, rec, prec, dens, float(mho.mean()) if mho.size else 0.0,

@@ -41,7 +41,7 @@ HELDOUT_FILE = "heldout.txt"
 @dataclass
 class SparseOptions:
     calib: str | None = None          # calibration text file; None: HF_DIR/heldout.txt
-    calib_tokens: int = 4096          # tokens profiled (the first ones of the text)
+    calib_tokens: int = 16384         # tokens profiled (the first ones of the text)
     predictor_recall: float = 0.99    # recall target on held-out tokens
     threshold: float = 0.0            # global predictor threshold
     vram_budget: int = 0              # bytes; 0 = CPU only
@@ -191,8 +191,11 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         # 2. profile
         t0 = time.perf_counter()
         from .profile import profile_model
-        prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
-                             max_tokens=opts.calib_tokens, progress=progress)
+        try:
+            prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
+                                 max_tokens=opts.calib_tokens, progress=progress)
+        except MemoryError as e:
+            raise ConvertError(f"profiling: {e} (pass a smaller --calib-tokens)") from None
         rep.n_calib_tokens = prof.n_tokens
         rep.density = [float(v) for v in prof.density]
         rep.seconds["profile"] = time.perf_counter() - t0

@@ -125,6 +125,9 @@ gh_status gh_gguf_kv_float(const gh_gguf * g, int64_t i, double * out);
 const char * gh_gguf_kv_str(const gh_gguf * g, int64_t i);     /* NULL if not a string */
 /* Element count of array key i (element type in *elem_type); -1 if not an array. */
 int64_t gh_gguf_kv_arr(const gh_gguf * g, int64_t i, int32_t * elem_type);
+/* The raw elements of array key i as stored (little-endian numbers; strings as a u64
+ * length followed by the bytes, already checked to lie inside the file). */
+gh_status gh_gguf_kv_arr_data(const gh_gguf * g, int64_t i, const void ** data, uint64_t * nbytes);
 /* Tensor i: gh_type, n_dims, ne[4] (unused dims 1), offset within the data section,
  * byte size, and a pointer to its data in the image. Any out pointer may be NULL. */
 gh_status gh_gguf_tensor_info(const gh_gguf * g, int64_t i, int32_t * type, int32_t * n_dims,

@@ -275,6 +275,7 @@ static gh_status parse_value(cursor * c, gh_gguf_kv * kv) {
                                 key, (unsigned long long) i);
         }
         c->pos += (size_t) total;
+        kv->arr_bytes = total;
         return GH_OK;
     }
     if (et == GH_GGUF_STRING) {
@@ -290,6 +291,7 @@ static gh_status parse_value(cursor * c, gh_gguf_kv * kv) {
             uint64_t len;
             if ((st = rd_str(c, &s, &len, UINT64_MAX, "an array string")) != GH_OK) return st;
         }
+        kv->arr_bytes = (uint64_t) (c->base + c->pos - kv->arr_data);
         return GH_OK;
     }
     return perr(c, GH_ERR_FORMAT, "key '%.200s': unknown array element type %u", key, et);
@@ -722,6 +724,17 @@ int64_t gh_gguf_kv_arr(const gh_gguf * g, int64_t i, int32_t * elem_type) {
     if (!kv || kv->type != GH_GGUF_ARRAY) return -1;
     if (elem_type) *elem_type = kv->arr_type;
     return (int64_t) kv->arr_n;
+}
+
+gh_status gh_gguf_kv_arr_data(const gh_gguf * g, int64_t i, const void ** data, uint64_t * nbytes) {
+    const gh_gguf_kv * kv = kv_at(g, i);
+    if (!kv || !data || !nbytes) return gh_fail(GH_ERR_INVALID_ARG, "gh_gguf_kv_arr_data: bad handle, index or out");
+    if (kv->type != GH_GGUF_ARRAY)
+        return gh_fail(GH_ERR_INVALID_ARG, "key '%.200s' is a %s, not an array", kv->key,
+                       gh_gguf_vtype_name(kv->type));
+    *data = kv->arr_data;
+    *nbytes = kv->arr_bytes;
+    return GH_OK;
 }
 
 gh_status gh_gguf_tensor_info(const gh_gguf * g, int64_t i, int32_t * type, int32_t * n_dims,

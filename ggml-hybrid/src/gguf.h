@@ -28,6 +28,7 @@ typedef struct {
     int      arr_type;
     uint64_t arr_n;
     const uint8_t * arr_data;
+    uint64_t arr_bytes; /* bytes of the elements (string arrays: u64 length + bytes each) */
 } gh_gguf_kv;
 
 typedef struct {

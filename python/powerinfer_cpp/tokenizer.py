@@ -63,23 +63,74 @@ _META_KEYS = (
 
 
 def read_tokenizer_metadata(gguf_path: str | os.PathLike) -> dict[str, Any]:
-    """The tokenizer.* key/values of a GGUF file as plain Python values."""
+    """The tokenizer.* key/values of a GGUF file as plain Python values.
+
+    Uses the runtime's own (hardened, fast) GGUF reader: the gguf package's reader
+    builds a numpy view per vocabulary string and takes seconds on a 32k vocabulary.
+    """
+    from ._native import NativeError, check, ffi, lib
+
+    path = os.fspath(gguf_path)
+    if not os.path.exists(path):
+        raise TokenizerError(f"no such file: {path}")
+    out = ffi.new("gh_gguf **")
     try:
-        from gguf import GGUFReader
-        r = GGUFReader(os.fspath(gguf_path), "r")
-    except FileNotFoundError:
-        raise TokenizerError(f"no such file: {os.fspath(gguf_path)}") from None
-    except Exception as e:  # gguf raises ValueError/struct errors on corrupt files
-        raise TokenizerError(f"cannot read GGUF metadata of {os.fspath(gguf_path)}: {e}") from None
-    meta: dict[str, Any] = {}
-    for key in _META_KEYS:
-        f = r.fields.get(key)
-        if f is not None:
-            try:
-                meta[key] = f.contents()
-            except Exception as e:
-                raise TokenizerError(f"{os.fspath(gguf_path)}: malformed key {key}: {e}") from None
-    return meta
+        check(lib.gh_gguf_open(path.encode(), out))
+    except NativeError as e:
+        raise TokenizerError(f"cannot read GGUF metadata of {path}: {e}") from None
+    g = out[0]
+    try:
+        meta: dict[str, Any] = {}
+        for key in _META_KEYS:
+            i = lib.gh_gguf_find_key(g, key.encode())
+            if i >= 0:
+                meta[key] = _native_value(g, i, key)
+        return meta
+    finally:
+        lib.gh_gguf_close(g)
+
+
+# GGUF value type id -> numpy dtype of array elements
+_GGUF_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
+            10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+def _native_value(g, i: int, key: str) -> Any:
+    import numpy as np
+
+    from ._native import check, ffi, lib
+
+    vtype = lib.gh_gguf_kv_type(g, i)
+    if vtype == 8:
+        return ffi.string(lib.gh_gguf_kv_str(g, i)).decode("utf-8", "replace")
+    if vtype == 9:
+        et = ffi.new("int32_t *")
+        n = lib.gh_gguf_kv_arr(g, i, et)
+        data, nbytes = ffi.new("void **"), ffi.new("uint64_t *")
+        check(lib.gh_gguf_kv_arr_data(g, i, ffi.cast("const void **", data), nbytes))
+        raw = ffi.buffer(data[0], nbytes[0])
+        if et[0] == 8:  # strings: u64 length + bytes each (bounds checked by the reader)
+            mv, pos, items = bytes(raw), 0, []
+            for _ in range(n):
+                ln = int.from_bytes(mv[pos:pos + 8], "little")
+                items.append(mv[pos + 8:pos + 8 + ln].decode("utf-8", "replace"))
+                pos += 8 + ln
+            return items
+        if et[0] not in _GGUF_NP:
+            raise TokenizerError(f"key {key}: unsupported array element type {et[0]}")
+        arr = np.frombuffer(raw, dtype=_GGUF_NP[et[0]], count=n)
+        return [bool(v) for v in arr] if et[0] == 7 else arr.tolist()
+    if vtype == 7:
+        v = ffi.new("int64_t *")
+        check(lib.gh_gguf_kv_int(g, i, v))
+        return bool(v[0])
+    if vtype in (6, 12):
+        v = ffi.new("double *")
+        check(lib.gh_gguf_kv_float(g, i, v))
+        return v[0]
+    v = ffi.new("int64_t *")
+    check(lib.gh_gguf_kv_int(g, i, v))
+    return v[0]
 
 
 def build_tokenizer_from_ggml(meta: dict[str, Any]):

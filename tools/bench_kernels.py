@@ -11,17 +11,27 @@ For each weight type, at 1 and 2 threads:
     head runs for the last token only, attention is small at 128 tokens).
 Several copies of each matrix (> L3) are cycled so decode reads from DRAM.
 
+Run it on an idle machine. When other processes keep the cores busy, the 1-thread
+'cpu' columns stay meaningful, but multi-threaded calls collapse (each call waits until
+the scheduler runs all of its threads at once: ~20 ms per call at a load of 10 on two
+cores), and neither wall nor CPU time says how fast the kernels are.
+
     PYTHONPATH=python python tools/bench_kernels.py [--types f16,q4_0] [--simd 2] [--reps 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-import numpy as np
+# numpy's BLAS threads would share the cores and the process CPU time with the kernels
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from powerinfer_cpp._native import check, ffi, lib
+import numpy as np  # noqa: E402
+
+from powerinfer_cpp._native import check, ffi, lib  # noqa: E402
 
 TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2}
 SHAPES = [(2048, 5632), (5632, 2048)]  # rows x cols

@@ -1,0 +1,601 @@
+#!/usr/bin/env python3
+"""Dense speed of this runtime vs llama.cpp (llama-cpp-python), side by side, in one run.
+
+    GH_LIBRARY=build/libggml_hybrid.so PYTHONPATH=python python tools/bench.py \
+        [--types f16,q4_0] [--threads 1,2] [--passes 3] [--ops] [--write-docs]
+
+What it does, on the SAME GGUF files (made by tools/make_bench_model.py; default the
+542M-parameter synthetic LLaMA: d=2048, 8 layers, 16 heads, n_ff=5632, vocab 32000):
+
+* pp128: one 128-token batch eval into a fresh cache (after one untimed warm-up eval
+  that also faults the weights in), tokens/s.
+* tg128: a short prompt (8 tokens), then 128 single-token decode steps, tokens/s.
+* Engines: ours through the low-level cffi binding (gh_model_load / gh_context_new /
+  gh_eval / gh_context_truncate: no sampling, no Python tokenization in the timed
+  loop); llama.cpp through llama-cpp-python's C-level ctypes functions
+  (llama_model_load_from_file / llama_init_from_model / llama_decode on
+  llama_batch_get_one / llama_memory_clear), not the Python Llama class, so no Python
+  generation overhead counts against llama.cpp. Context: n_ctx=512, n_batch=n_ubatch=512,
+  other llama.cpp context parameters at their defaults.
+* Every measurement runs in its own fresh worker process (load, warm up, pp, tg), so the
+  two engines' thread pools never compete; engines ALTERNATE within every pass (the
+  order flips each pass), and the table shows the median over passes with min-max.
+* Memory read bandwidth of this machine is measured in the same run with tools/membw.c
+  (compiled here with cc -O2 -march=native -pthread; each thread streams its own 512 MB),
+  and the decode limit is bandwidth / bytes of weights read per token (all tensor bytes
+  of the GGUF except token_embd, of which decode reads one row).
+* Load: /proc/loadavg before and after, and for every worker the CPU time other
+  processes used while it ran (from /proc/stat minus the worker's own rusage).
+* --ops: our per-matmul costs, timing gh_op_matmul on the model's own weights in model
+  order (so they stream from DRAM as in decode): GB/s per weight kind for 1 token and
+  GFLOP/s for 128 tokens, and how much of a decode step the matmuls account for.
+
+No test depends on these numbers; docs/BENCHMARKS.md records them (--write-docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = REPO / "tools"
+DOCS = REPO / "docs" / "BENCHMARKS.md"
+sys.path.insert(0, str(TOOLS))
+
+LLAMA_HINT = ('llama-cpp-python is not installed; to compare with llama.cpp install it from source '
+              '(~10 minutes on 2 cores):\n    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python')
+N_TG_PROMPT = 8
+BEGIN, END = "<!-- BENCH-BEGIN (written by tools/bench.py --write-docs) -->", "<!-- BENCH-END -->"
+
+
+# ==========================================================================
+# Workers (each runs in its own process)
+# ==========================================================================
+
+def _tokens(n: int, seed: int) -> list[int]:
+    import random
+    r = random.Random(seed)
+    return [r.randrange(4, 4096) for _ in range(n)]
+
+
+def worker_ours(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
+    from powerinfer_cpp._native import check, ffi, lib
+    t0 = time.perf_counter()
+    mp = ffi.new("gh_model **")
+    check(lib.gh_model_load(model.encode(), mp))
+    m = mp[0]
+    p = lib.gh_context_default_params()
+    p.n_ctx, p.n_batch, p.n_threads = 512, 512, threads
+    cp = ffi.new("gh_context **")
+    check(lib.gh_context_new(m, ffi.new("gh_context_params *", p), cp))
+    c = cp[0]
+    load_s = time.perf_counter() - t0
+    pp = ffi.new("int32_t[]", _tokens(n_pp, 1))
+    tg = ffi.new("int32_t[]", _tokens(N_TG_PROMPT + n_tg, 2))
+    ev, trunc = lib.gh_eval, lib.gh_context_truncate
+
+    check(ev(c, pp, n_pp, 0))                 # warm-up: faults the weights in
+    check(trunc(c, 0))
+    t = time.perf_counter()
+    check(ev(c, pp, n_pp, 0))
+    pp_s = time.perf_counter() - t
+    check(trunc(c, 0))
+
+    check(ev(c, tg, N_TG_PROMPT, 0))
+    t = time.perf_counter()
+    for i in range(N_TG_PROMPT, N_TG_PROMPT + n_tg):
+        st = ev(c, tg + i, 1, 0)
+        if st:
+            check(st)
+    tg_s = time.perf_counter() - t
+    simd = {0: "scalar", 1: "avx2", 2: "avx512"}.get(lib.gh_simd_get(), "?")
+    lib.gh_context_free(c)
+    lib.gh_model_free(m)
+    return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s, "info": f"simd={simd}"}
+
+
+def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
+    import ctypes
+    import llama_cpp as L
+
+    @L.llama_log_callback
+    def _quiet(level, text, user_data):  # noqa: ARG001
+        pass
+    L.llama_log_set(_quiet, ctypes.c_void_p())
+    L.llama_backend_init()
+    t0 = time.perf_counter()
+    mp = L.llama_model_default_params()
+    mp.use_mmap = True
+    m = L.llama_model_load_from_file(model.encode(), mp)
+    if not m:
+        raise RuntimeError(f"llama.cpp cannot load {model}")
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 512, 512
+    cp.n_threads, cp.n_threads_batch = threads, threads
+    cp.no_perf = True
+    c = L.llama_init_from_model(m, cp)
+    if not c:
+        raise RuntimeError("llama.cpp: cannot create a context")
+    mem = L.llama_get_memory(c)
+    load_s = time.perf_counter() - t0
+    pp_arr = (L.llama_token * n_pp)(*_tokens(n_pp, 1))
+    tg_list = _tokens(N_TG_PROMPT + n_tg, 2)
+    tg_arr = (L.llama_token * len(tg_list))(*tg_list)
+    tok_size = ctypes.sizeof(L.llama_token)
+    base = ctypes.addressof(tg_arr)
+    one = [ctypes.cast(base + i * tok_size, ctypes.POINTER(L.llama_token)) for i in range(len(tg_list))]
+    dec, get_one, sync = L.llama_decode, L.llama_batch_get_one, L.llama_synchronize
+
+    def decode(batch):
+        r = dec(c, batch)
+        if r != 0:
+            raise RuntimeError(f"llama_decode returned {r}")
+
+    decode(get_one(pp_arr, n_pp))             # warm-up
+    sync(c)
+    L.llama_memory_clear(mem, True)
+    t = time.perf_counter()
+    decode(get_one(pp_arr, n_pp))
+    sync(c)
+    pp_s = time.perf_counter() - t
+    L.llama_memory_clear(mem, True)
+
+    decode(get_one(tg_arr, N_TG_PROMPT))
+    sync(c)
+    t = time.perf_counter()
+    for i in range(N_TG_PROMPT, N_TG_PROMPT + n_tg):
+        decode(get_one(one[i], 1))
+    sync(c)
+    tg_s = time.perf_counter() - t
+    L.llama_free(c)
+    L.llama_model_free(m)
+    return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s,
+            "info": "llama-cpp-python " + L.__version__}
+
+
+# weight kinds in the GGUF (blk.N.<kind>.weight) and the output head
+def _kind(name: str) -> str:
+    mm = re.match(r"blk\.\d+\.(.+)\.weight$", name)
+    return mm.group(1) if mm else name.replace(".weight", "")
+
+
+def worker_ops(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
+    """Time gh_op_matmul on every 2-D weight except token_embd, in file order."""
+    from powerinfer_cpp._native import check, ffi, lib
+    gp = ffi.new("gh_gguf **")
+    check(lib.gh_gguf_open(model.encode(), gp))
+    g = gp[0]
+    mats = []
+    ty, nd, ne, nb, data = (ffi.new("int32_t *"), ffi.new("int32_t *"), ffi.new("int64_t[4]"),
+                            ffi.new("uint64_t *"), ffi.new("void **"))
+    for i in range(lib.gh_gguf_n_tensors(g)):
+        name = ffi.string(lib.gh_gguf_tensor_name(g, i)).decode()
+        check(lib.gh_gguf_tensor_info(g, i, ty, nd, ne, ffi.NULL, nb, data))
+        if nd[0] == 2 and name != "token_embd.weight":
+            mats.append((_kind(name), ty[0], ne[1], ne[0], data[0], nb[0]))  # rows = ne[1], cols = ne[0]
+    maxr = max(m[2] for m in mats)
+    maxc = max(m[3] for m in mats)
+    import random
+    r = random.Random(3)
+    out = {}
+    for ntok, reps in ((1, 5), (n_pp, 1)):
+        x = ffi.new("float[]", [r.uniform(-1, 1) for _ in range(maxc)] * ntok)
+        y = ffi.new("float[]", maxr * ntok)
+        kinds: dict[str, list[float]] = {}
+        for rep in range(reps + 1):          # rep 0 warms up (page faults)
+            for kind, t_, rows, cols, ptr, nbytes in mats:
+                t = time.perf_counter()   # x holds >= ntok*cols floats; values do not matter
+                check(lib.gh_op_matmul(t_, ptr, rows, cols, x, ntok, y, threads))
+                dt = time.perf_counter() - t
+                if rep:
+                    k = kinds.setdefault(kind, [0.0, 0, 0, 0.0, ""])
+                    k[0] += dt
+                    k[1] += 1
+                    k[2] = nbytes
+                    k[3] = 2.0 * rows * cols * ntok
+                    k[4] = f"{rows} x {cols} {ffi.string(lib.gh_type_name(t_)).decode()}"
+        out[str(ntok)] = {k: {"s_per_call": v[0] / v[1], "bytes": v[2], "flop": v[3], "shape": v[4],
+                              "calls_per_token": v[1] // reps} for k, v in kinds.items()}
+    lib.gh_gguf_close(g)
+    return out
+
+
+WORKERS = {"ours": worker_ours, "llama.cpp": worker_llama, "ops": worker_ops}
+
+
+def run_worker(engine: str, model: str, threads: int, n_pp: int, n_tg: int, timeout: float) -> dict:
+    """Run one measurement in a fresh process; returns its JSON plus the foreign CPU load."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
+           "--worker-threads", str(threads), "--n-pp", str(n_pp), "--n-tg", str(n_tg)]
+    busy0, total0 = _cpu_jiffies()
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    w0 = time.perf_counter()
+    try:
+        pr = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - w0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy1, total1 = _cpu_jiffies()
+    own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    hz = os.sysconf("SC_CLK_TCK")
+    foreign = max(0.0, (busy1 - busy0) / hz - own) / wall if wall > 0 else 0.0
+    lines = [ln for ln in pr.stdout.splitlines() if ln.startswith("{")]
+    if pr.returncode != 0 or not lines:
+        tail = (pr.stderr or pr.stdout).strip().splitlines()[-3:]
+        return {"error": f"worker exit {pr.returncode}: " + " | ".join(tail)}
+    res = json.loads(lines[-1])
+    res["foreign_cores"] = foreign
+    res["wall_s"] = wall
+    return res
+
+
+def busy_cores(seconds: float = 2.0) -> float:
+    """Cores kept busy by all processes over the next `seconds` (we are idle meanwhile)."""
+    b0, _ = _cpu_jiffies()
+    time.sleep(seconds)
+    b1, _ = _cpu_jiffies()
+    return (b1 - b0) / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def wait_idle(max_wait: float, threshold: float = 0.15) -> float:
+    """Wait (up to max_wait seconds) until other processes use < threshold cores;
+    returns the last busy reading."""
+    t_end = time.time() + max_wait
+    b = busy_cores()
+    while b >= threshold and time.time() < t_end:
+        b = busy_cores(5.0)
+    return b
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    total = sum(v[:8])
+    return total - idle, total
+
+
+# ==========================================================================
+# Bandwidth, model sizes, environment
+# ==========================================================================
+
+def membw(threads: list[int], cache: Path) -> dict[int, dict]:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        print("warning: no C compiler; memory bandwidth not measured", file=sys.stderr)
+        return {}
+    exe = cache / "membw"
+    src = TOOLS / "membw.c"
+    if not exe.is_file() or exe.stat().st_mtime < src.stat().st_mtime:
+        subprocess.run([cc, "-O2", "-march=native", "-pthread", str(src), "-o", str(exe)], check=True)
+    out = {}
+    for t in threads:
+        pr = subprocess.run([str(exe), str(t), "512", "5"], capture_output=True, text=True, check=True)
+        kv = dict(x.split("=") for x in pr.stdout.split())
+        out[t] = {"best": float(kv["best_gbps"]), "median": float(kv["median_gbps"])}
+    return out
+
+
+def weight_bytes(path: str) -> tuple[int, int]:
+    """(bytes read per decoded token, total tensor bytes) of a GGUF."""
+    from powerinfer_cpp._native import check, ffi, lib
+    gp = ffi.new("gh_gguf **")
+    check(lib.gh_gguf_open(path.encode(), gp))
+    nb = ffi.new("uint64_t *")
+    total = per_tok = 0
+    for i in range(lib.gh_gguf_n_tensors(gp[0])):
+        check(lib.gh_gguf_tensor_info(gp[0], i, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, nb, ffi.NULL))
+        total += nb[0]
+        if ffi.string(lib.gh_gguf_tensor_name(gp[0], i)) != b"token_embd.weight":
+            per_tok += nb[0]
+    lib.gh_gguf_close(gp[0])
+    return per_tok, total
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        d = dict(ln.split(":", 1) for ln in out.splitlines() if ":" in ln)
+        name = d.get("Model name", "?").strip()
+        cores = d.get("CPU(s)", "?").strip()
+        l3 = d.get("L3 cache", "").strip()
+        flags = d.get("Flags", "")
+        isa = "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
+        return f"{name}, {cores} CPUs, {isa}" + (f", L3 {l3}" if l3 else "")
+    except (OSError, ValueError):
+        return platform.processor() or "?"
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def top_procs(n: int = 5) -> str:
+    try:
+        out = subprocess.run(["top", "-bn1", "-w", "200"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = out.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.lstrip().startswith("PID"):
+            rows = []
+            for row in lines[i + 1:]:
+                f = row.split()
+                if len(f) >= 12 and float(f[8].replace(",", ".")) >= 5.0:
+                    rows.append(f"{f[11]} {f[8]}%")
+            return ", ".join(rows[:n])
+    return ""
+
+
+def llama_version() -> str | None:
+    try:
+        from importlib.metadata import version
+        return version("llama_cpp_python")
+    except Exception:
+        return None
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%h %s"], capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return rev + (" (plus uncommitted changes)" if dirty else "")
+    except OSError:
+        return "?"
+
+
+# ==========================================================================
+# Report
+# ==========================================================================
+
+def _med(v: list[float]) -> str:
+    if not v:
+        return "—"
+    if len(v) == 1:
+        return f"{v[0]:.1f}"
+    return f"{statistics.median(v):.1f} ({min(v):.1f}–{max(v):.1f})"
+
+
+def make_table(results, types, threads, engines, bw, per_tok, n_pp=128, n_tg=128) -> str:
+    rows = [f"| engine | type | threads | pp{n_pp} t/s | tg{n_tg} t/s | tg{n_tg} % of bw limit | "
+            "pp ratio vs llama.cpp | tg ratio vs llama.cpp |",
+            "|---|---|---|---|---|---|---|---|"]
+    for ty in types:
+        for t in threads:
+            ref = results.get(("llama.cpp", ty, t), {})
+            for e in engines:
+                r = results.get((e, ty, t), {})
+                pp, tg = r.get("pp", []), r.get("tg", [])
+                lim = bw.get(t, {}).get("best", 0) * 1e9 / per_tok[ty] if per_tok.get(ty) and bw.get(t) else 0
+                pct = f"{100 * statistics.median(tg) / lim:.0f}%" if tg and lim else "—"
+                if e == "llama.cpp" or not ref.get("pp"):
+                    rp = rt = "—"
+                else:
+                    rp = f"{statistics.median(pp) / statistics.median(ref['pp']):.2f}x" if pp else "—"
+                    rt = f"{statistics.median(tg) / statistics.median(ref['tg']):.2f}x" if tg else "—"
+                err = " (failed)" if r.get("errors") and not tg else ""
+                rows.append(f"| {e}{err} | {ty.upper()} | {t} | {_med(pp)} | {_med(tg)} | {pct} | {rp} | {rt} |")
+    return "\n".join(rows)
+
+
+def ops_table(ops: dict, threads: list[int], bw: dict, tg_ours: dict) -> str:
+    """ops[(type, t)] = worker_ops output."""
+    out = []
+    for (ty, t), o in ops.items():
+        one, many = o.get("1", {}), {k: v for k, v in o.items() if k != "1"}
+        many = next(iter(many.values()), {})
+        out.append(f"\n**{ty.upper()}, {t} thread(s)** (bandwidth {bw.get(t, {}).get('best', 0):.1f} GB/s)\n")
+        out.append("| weight | rows x cols | MB | 1 token: µs | GB/s | 128 tokens: ms | GFLOP/s |")
+        out.append("|---|---|---|---|---|---|---|")
+        total_1 = total_n = 0.0
+        for k, v in one.items():
+            v2 = many.get(k, {})
+            total_1 += v["s_per_call"] * v["calls_per_token"]
+            total_n += v2.get("s_per_call", 0) * v2.get("calls_per_token", 0)
+            out.append(f"| {k} | {v.get('shape', '')} | {v['bytes'] / 1e6:.1f} | {v['s_per_call'] * 1e6:.0f} | "
+                       f"{v['bytes'] / v['s_per_call'] / 1e9:.1f} | "
+                       f"{v2.get('s_per_call', 0) * 1e3:.1f} | "
+                       f"{v2.get('flop', 0) / v2['s_per_call'] / 1e9 if v2.get('s_per_call') else 0:.0f} |")
+        tg = tg_ours.get((ty, t))
+        step = f"; measured decode step {1e3 / tg:.1f} ms" if tg else ""
+        out.append(f"\nAll matmuls of one token: {total_1 * 1e3:.1f} ms (= {1 / total_1:.1f} tokens/s if "
+                   f"nothing else cost time){step}. All matmuls of a 128-token batch: {total_n * 1e3:.0f} ms "
+                   f"(= {128 / total_n:.0f} tokens/s)." if total_1 and total_n else "")
+    return "\n".join(out)
+
+
+def write_docs(block: str) -> None:
+    DOCS.parent.mkdir(parents=True, exist_ok=True)
+    body = f"{BEGIN}\n{block.rstrip()}\n{END}\n"
+    if DOCS.is_file():
+        text = DOCS.read_text()
+        if BEGIN in text and END in text:
+            pre, rest = text.split(BEGIN, 1)
+            post = rest.split(END, 1)[1]
+            DOCS.write_text(pre + body + post.lstrip("\n"))
+            return
+    DOCS.write_text("# Benchmarks\n\nDense speed of powerinfer-cpp vs llama.cpp on the same GGUF files, "
+                    "measured with `tools/bench.py`\n(method in its docstring). Regenerate the block below with "
+                    "`--write-docs`; text outside it is kept.\n\n" + body)
+
+
+# ==========================================================================
+# Main
+# ==========================================================================
+
+def main(argv=None) -> int:
+    from make_bench_model import add_shape_args, ensure_models, finish_shape_args
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="f16,q4_0", help="GGUF types (default f16,q4_0)")
+    ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    ap.add_argument("--passes", type=int, default=3, help="passes, engines alternating (default 3)")
+    ap.add_argument("--n-pp", type=int, default=128, help="prompt batch (default 128)")
+    ap.add_argument("--n-tg", type=int, default=128, help="decode steps (default 128)")
+    ap.add_argument("--engines", default="ours,llama.cpp", help="ours,llama.cpp (default both)")
+    ap.add_argument("--model", action="append", default=[], metavar="TYPE=PATH",
+                    help="use this GGUF for TYPE instead of making the bench model (repeatable)")
+    ap.add_argument("--ops", action="store_true", help="also time our matmuls per weight kind")
+    ap.add_argument("--no-membw", action="store_true", help="skip the bandwidth measurement")
+    ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
+                    help="before each measurement wait up to S seconds for the machine to go idle "
+                         "(other processes < 0.15 cores); default 0 = do not wait")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per worker (default 300)")
+    ap.add_argument("--write-docs", action="store_true", help=f"write the results into {DOCS.relative_to(REPO)}")
+    ap.add_argument("--json", help="also save raw results to this file")
+    add_shape_args(ap)
+    # worker mode (internal)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+
+    if a.worker:
+        res = WORKERS[a.worker](a.model[0], a.worker_threads, a.n_pp, a.n_tg)
+        print(json.dumps(res))
+        return 0
+
+    finish_shape_args(a)
+    types = [t.strip() for t in a.types.split(",") if t.strip()]
+    threads = [int(t) for t in a.threads.split(",")]
+    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    for e in engines:
+        if e not in ("ours", "llama.cpp"):
+            sys.exit(f"error: unknown engine {e!r}")
+    lver = llama_version()
+    if "llama.cpp" in engines and lver is None:
+        print(LLAMA_HINT, file=sys.stderr)
+        print("Running our side only.\n", file=sys.stderr)
+        engines = [e for e in engines if e != "llama.cpp"]
+
+    # models
+    given = dict(m.split("=", 1) for m in a.model)
+    a.types = [t for t in types if t not in given]
+    a.progress = False
+    paths = {t: str(p) for t, p in ensure_models(a).items()} if a.types else {}
+    paths.update(given)
+    per_tok, total_bytes = {}, {}
+    for t in types:
+        per_tok[t], total_bytes[t] = weight_bytes(paths[t])
+
+    cache = Path(a.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    load_before, top_before = loadavg(), top_procs()
+    print(f"load average before: {load_before}" + (f"; busy: {top_before}" if top_before else ""),
+          file=sys.stderr)
+    started = _dt.datetime.now().astimezone()
+    t_start = time.time()
+    bw = {} if a.no_membw else membw(threads, cache)
+    for t, b in bw.items():
+        print(f"memory read bandwidth, {t} thread(s): {b['best']:.1f} GB/s (median {b['median']:.1f})",
+              file=sys.stderr)
+
+    results: dict = {}
+    foreign: list[float] = []
+    for p in range(a.passes):
+        order = engines if p % 2 == 0 else engines[::-1]
+        for ty in types:
+            for t in threads:
+                for e in order:
+                    if a.wait_idle > 0:
+                        wait_idle(a.wait_idle)
+                    r = run_worker(e, paths[ty], t, a.n_pp, a.n_tg, a.timeout)
+                    slot = results.setdefault((e, ty, t), {"pp": [], "tg": [], "errors": [], "foreign": []})
+                    if "error" in r:
+                        slot["errors"].append(r["error"])
+                        print(f"pass {p + 1} {e:9s} {ty:5s} t={t}: ERROR {r['error']}", file=sys.stderr)
+                        continue
+                    slot["pp"].append(r["pp"])
+                    slot["tg"].append(r["tg"])
+                    slot["foreign"].append(r["foreign_cores"])
+                    slot["info"] = r.get("info", "")
+                    foreign.append(r["foreign_cores"])
+                    print(f"pass {p + 1} {e:9s} {ty:5s} t={t}: pp {r['pp']:7.1f}  tg {r['tg']:6.1f} tokens/s"
+                          f"  (load {r['load_s']:.1f} s, other processes {r['foreign_cores']:.2f} cores)",
+                          file=sys.stderr)
+
+    ops = {}
+    if a.ops:
+        for ty in types:
+            for t in threads:
+                r = run_worker("ops", paths[ty], t, a.n_pp, a.n_tg, a.timeout)
+                if "error" in r:
+                    print(f"ops {ty} t={t}: ERROR {r['error']}", file=sys.stderr)
+                    continue
+                r.pop("foreign_cores", None)
+                r.pop("wall_s", None)
+                ops[(ty, t)] = r
+    elapsed = time.time() - t_start
+    load_after = loadavg()
+
+    table = make_table(results, types, threads, engines, bw, per_tok, a.n_pp, a.n_tg)
+    tg_ours = {(ty, t): statistics.median(results[("ours", ty, t)]["tg"])
+               for ty in types for t in threads if results.get(("ours", ty, t), {}).get("tg")}
+    ops_md = ops_table(ops, threads, bw, tg_ours) if ops else ""
+    cmd = "GH_LIBRARY=... PYTHONPATH=python python tools/bench.py " + " ".join(
+        shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:]))
+    fmax = max(foreign) if foreign else 0.0
+    fmean = statistics.mean(foreign) if foreign else 0.0
+    load_note = (f"load average (1/5/15 min) {load_before} before, {load_after} after; other processes used "
+                 f"{fmean:.2f} cores on average (max {fmax:.2f}) while workers ran"
+                 + (f"; busiest before: {top_before}" if top_before else ""))
+    quiet = fmax < 0.15
+    bw_line = ", ".join(f"{t} thread(s) {b['best']:.1f} GB/s" for t, b in bw.items()) or "not measured"
+    sizes = "; ".join(f"{ty.upper()}: {total_bytes[ty] / 1e6:.0f} MB of tensors, {per_tok[ty] / 1e6:.0f} MB read "
+                      f"per token" for ty in types)
+    limits = "; ".join(f"{ty.upper()} {t}t: {bw[t]['best'] * 1e9 / per_tok[ty]:.0f} tokens/s"
+                       for ty in types for t in threads if t in bw)
+    infos = sorted({f"{e}: {r['info']}" for (e, _, _), r in results.items() if r.get("info")})
+    errors = [f"{e} {ty} t={t}: {x}" for (e, ty, t), r in results.items() for x in r["errors"]]
+    lib = os.environ.get("GH_LIBRARY", "(default search)")
+
+    md = [f"## Dense decode and prompt speed, {started:%Y-%m-%d %H:%M %Z}", "",
+          f"- Command: `{cmd}` (library: `{lib}`)",
+          f"- Tree: {git_rev()}",
+          f"- CPU: {cpu_model()}; kernel {platform.release()}",
+          f"- llama-cpp-python: {lver or 'not installed'}; " + "; ".join(infos),
+          f"- Model: {Path(paths[types[0]]).name.rsplit('-', 1)[0]} (synthetic LLaMA, random weights); {sizes}. "
+          f"Q4_0 files keep token_embd and output in Q8_0 (the converter's choice), for both engines.",
+          f"- Memory read bandwidth (tools/membw.c, best of 5): {bw_line}. "
+          f"Decode limit = bandwidth / bytes read per token: {limits or '—'}.",
+          f"- Load: {load_note}." + ("" if quiet else " **The machine was not idle: treat these numbers as "
+                                                    "noisy and re-run on a quiet machine.**"),
+          f"- {a.passes} passes, engines alternating, each measurement in a fresh process; median (min–max) "
+          f"tokens/s; pp{a.n_pp} = one {a.n_pp}-token batch into an empty cache, tg{a.n_tg} = {a.n_tg} "
+          f"single-token steps after an {N_TG_PROMPT}-token prompt. Run time {elapsed / 60:.1f} min.",
+          "", table, ""]
+    if errors:
+        md += ["Errors:", ""] + [f"- {x}" for x in errors] + [""]
+    if ops_md:
+        md += ["### Our matmuls, per weight kind (gh_op_matmul on the model's weights, in model order)", "",
+               ops_md, ""]
+    report = "\n".join(md)
+    print(report)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"results": {"|".join(map(str, k)): v for k, v in results.items()},
+                                            "bw": bw, "per_tok": per_tok,
+                                            "ops": {f"{k[0]}|{k[1]}": v for k, v in ops.items()},
+                                            "load": load_note}, indent=1))
+    if a.write_docs:
+        write_docs(report)
+        print(f"wrote {DOCS}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -341,3 +341,25 @@ def test_simd_env_override():
                              check=True).stdout.split()
         got, sup = int(out[0]), int(out[1])
         assert got == min(level, sup), (want, out)
+
+
+def test_process_exits_cleanly_after_threaded_matmul():
+    """gh_op_matmul keeps a thread pool; it must be joined when the library is unloaded
+    (cffi closes it at interpreter exit), not crash in unmapped code."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from powerinfer_cpp._native import ffi, lib, check\n"
+        "w = np.ones((64, 256), np.float32); x = np.ones((1, 256), np.float32)\n"
+        "y = np.empty((1, 64), np.float32)\n"
+        "for _ in range(20):\n"
+        "    check(lib.gh_op_matmul(0, ffi.cast('void *', w.ctypes.data), 64, 256,\n"
+        "          ffi.cast('float *', x.ctypes.data), 1, ffi.cast('float *', y.ctypes.data), 2))\n"
+        "assert (y == 256).all()\n"
+    )
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

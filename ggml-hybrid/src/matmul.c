@@ -105,6 +105,16 @@ void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t
 static pthread_mutex_t g_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
 static gh_threadpool * g_pool;
 
+/* Join the kept pool's threads when the library is unloaded (Python's cffi closes it at
+ * interpreter exit) or the process exits: a worker still spinning in unmapped code would
+ * crash. */
+__attribute__((destructor)) static void matmul_pool_fini(void) {
+    if (pthread_mutex_trylock(&g_pool_mutex) != 0) return; /* a call is running: leave it */
+    gh_threadpool_free(g_pool);
+    g_pool = NULL;
+    pthread_mutex_unlock(&g_pool_mutex);
+}
+
 gh_status gh_op_matmul(int type, const void * w, int64_t rows, int64_t cols, const float * x,
                        int64_t n_tokens, float * y, int n_threads) {
     if (!gh_type_valid(type)) return gh_fail(GH_ERR_INVALID_ARG, "gh_op_matmul: unknown type %d", type);

@@ -428,3 +428,25 @@ def test_profile_text_and_errors(random_gguf):
         assert st == GH_ERR_INVALID_ARG
         assert "strides" in ffi.string(lib.gh_last_error()).decode()
         assert ctx.n_past == 0
+
+
+def test_process_exits_cleanly_after_threaded_matmul_t():
+    """gh_op_matmul_t keeps a thread pool too: it is joined when the library unloads."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from powerinfer_cpp._native import ffi, lib, check\n"
+        "w = np.ones((64, 256), np.float32); h = np.ones((1, 64), np.float32)\n"
+        "y = np.empty((1, 256), np.float32)\n"
+        "for _ in range(20):\n"
+        "    check(lib.gh_op_matmul_t(0, ffi.cast('void *', w.ctypes.data), 64, 256,\n"
+        "          ffi.cast('float *', h.ctypes.data), 1, ffi.cast('float *', y.ctypes.data), 2))\n"
+        "assert (y == 64).all()\n"
+    )
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True,
+                           text=True)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

@@ -22,6 +22,12 @@ static void walk(const gh_gguf * g) {
         if (s) for (; *s; s++) g_sink += (uint8_t) *s;
         int64_t n = gh_gguf_kv_arr(g, i, &et);
         if (n >= 0) g_sink += (uint64_t) n + (uint64_t) et;
+        const void * ad;
+        uint64_t an;
+        if (gh_gguf_kv_arr_data(g, i, &ad, &an) == GH_OK && an > 0) {
+            /* touch the first and last byte: the reader promises the span is in bounds */
+            g_sink += ((const uint8_t *) ad)[0] + ((const uint8_t *) ad)[an - 1];
+        }
         uint32_t u;
         float f;
         bool b, err = false;

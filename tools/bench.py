@@ -555,6 +555,8 @@ def main(argv=None) -> int:
                  f"{fmean:.2f} cores on average (max {fmax:.2f}) while workers ran"
                  + (f"; busiest before: {top_before}" if top_before else ""))
     quiet = fmax < 0.15
+    if not quiet:
+        print("warning: other processes were busy during the run; the numbers are noisy", file=sys.stderr)
     bw_line = ", ".join(f"{t} thread(s) {b['best']:.1f} GB/s" for t, b in bw.items()) or "not measured"
     sizes = "; ".join(f"{ty.upper()}: {total_bytes[ty] / 1e6:.0f} MB of tensors, {per_tok[ty] / 1e6:.0f} MB read "
                       f"per token" for ty in types)
@@ -564,11 +566,12 @@ def main(argv=None) -> int:
     errors = [f"{e} {ty} t={t}: {x}" for (e, ty, t), r in results.items() for x in r["errors"]]
     lib = os.environ.get("GH_LIBRARY", "(default search)")
 
-    md = [f"## Dense decode and prompt speed, {started:%Y-%m-%d %H:%M %Z}", "",
+    md = [f"### Dense decode and prompt speed, {started:%Y-%m-%d %H:%M %Z}", "",
           f"- Command: `{cmd}` (library: `{lib}`)",
           f"- Tree: {git_rev()}",
           f"- CPU: {cpu_model()}; kernel {platform.release()}",
-          f"- llama-cpp-python: {lver or 'not installed'}; " + "; ".join(infos),
+          f"- llama-cpp-python: {lver or 'not installed'} (llama.cpp bundled with it, driven through its C API); "
+          + "; ".join(i for i in infos if not i.startswith("llama.cpp:")),
           f"- Model: {Path(paths[types[0]]).name.rsplit('-', 1)[0]} (synthetic LLaMA, random weights); {sizes}. "
           f"Q4_0 files keep token_embd and output in Q8_0 (the converter's choice), for both engines.",
           f"- Memory read bandwidth (tools/membw.c, best of 5): {bw_line}. "
@@ -582,7 +585,7 @@ def main(argv=None) -> int:
     if errors:
         md += ["Errors:", ""] + [f"- {x}" for x in errors] + [""]
     if ops_md:
-        md += ["### Our matmuls, per weight kind (gh_op_matmul on the model's weights, in model order)", "",
+        md += ["#### Our matmuls, per weight kind (gh_op_matmul on the model's weights, in model order)", "",
                ops_md, ""]
     report = "\n".join(md)
     print(report)

@@ -6,6 +6,7 @@
  *    in blocks of rows small enough to stay in L2, and for each block runs every
  *    token tile over it, so a weight byte comes from memory once per call however many
  *    tokens there are. Decode (one token) is one long stream of mr-row tiles. */
+#include <stdatomic.h>
 #include "ops.h"
 #include "types.h"
 #include "simd/kernels.h"
@@ -36,6 +37,8 @@ typedef struct {
     int64_t               ldy;
     char *                xq;         /* converted activations (or x itself) */
     size_t                xq_stride;
+    int64_t               chunk;      /* rows per work item, a multiple of the tile height */
+    atomic_llong          next_row;   /* first row of the next unclaimed work item */
 } matmul_job;
 
 static void convert_task(void * arg, int ith, int nth) {
@@ -48,30 +51,30 @@ static void convert_task(void * arg, int ith, int nth) {
     }
 }
 
+/* Threads claim chunks of rows from a shared counter rather than owning a fixed share:
+ * when the machine is busier than the pool (another process, a descheduled worker), the
+ * threads that do run take over the stalled one's rows instead of waiting a time slice
+ * for it. Chunks are long enough to keep the kernels' linear prefetch effective. */
 static void matmul_task(void * arg, int ith, int nth) {
-    const matmul_job * job = arg;
+    matmul_job * job = arg;
     const gh_weight * w = job->w;
     const gh_kernel_set * ks = job->ks;
     const int64_t mr = job->n_tokens == 1 ? ks->mr1 : ks->mr, nt = ks->nt;
-
-    /* Contiguous chunk of rows, a multiple of the tile height. */
-    int64_t per = (w->rows + nth - 1) / nth;
-    per = (per + mr - 1) / mr * mr;
-    const int64_t r_begin = GH_MIN(w->rows, per * ith);
-    const int64_t r_end = GH_MIN(w->rows, r_begin + per);
-
-    int64_t block = job->n_tokens == 1 ? per : (int64_t) (GH_MATMUL_L2_BLOCK / w->row_bytes);
-    block = GH_MAX(mr, block / mr * mr);
-
     const char * wd = w->data;
-    for (int64_t rb = r_begin; rb < r_end; rb += block) {
-        const int64_t rb_end = GH_MIN(r_end, rb + block);
+    (void) ith;
+    (void) nth;
+
+    for (;;) {
+        const int64_t r_begin = atomic_fetch_add_explicit(&job->next_row, job->chunk,
+                                                          memory_order_relaxed);
+        if (r_begin >= w->rows) break;
+        const int64_t r_end = GH_MIN(w->rows, r_begin + job->chunk);
         for (int64_t t = 0; t < job->n_tokens; t += nt) {
             const int tn = (int) GH_MIN(nt, job->n_tokens - t);
             const char * xt = job->xq + t * job->xq_stride;
             float * yt = job->y + t * job->ldy;
-            for (int64_t r = rb; r < rb_end; r += mr) {
-                const int rn = (int) GH_MIN(mr, rb_end - r);
+            for (int64_t r = r_begin; r < r_end; r += mr) {
+                const int rn = (int) GH_MIN(mr, r_end - r);
                 ks->gemm(w->cols, wd + r * w->row_bytes, w->row_bytes, rn, xt, job->xq_stride,
                          tn, yt + r, job->ldy);
             }
@@ -95,6 +98,14 @@ void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t
         if (n_tokens * w->cols <= GH_MATMUL_CONVERT_INLINE) convert_task(&job, 0, 1);
         else gh_threadpool_run(tp, convert_task, &job);
     }
+    /* Decode: a few chunks per thread. Prompts: chunks sized so the rows stay in L2
+     * while every token tile passes over them. */
+    const int nth = gh_threadpool_n_threads(tp);
+    const int64_t mr = n_tokens == 1 ? job.ks->mr1 : job.ks->mr;
+    int64_t chunk = n_tokens == 1 ? (w->rows + 4 * nth - 1) / (4 * nth)
+                                  : (int64_t) (GH_MATMUL_L2_BLOCK / w->row_bytes);
+    job.chunk = GH_MAX(mr, (chunk + mr - 1) / mr * mr);
+    atomic_init(&job.next_row, 0);
     gh_threadpool_run(tp, matmul_task, &job);
 }
 

@@ -183,6 +183,13 @@ def test_predictor_reaches_recall_target():
     assert p.tried[0][0] == 32 and p.h == p.tried[-1][0]
 
 
+def test_predictor_torch_backend():
+    pytest.importorskip("torch")
+    x, m = _synthetic(2000, seed=5)
+    p = train_layer(x, m, PredictorConfig(backend="torch", seed=2))
+    assert p.reached and p.recall >= 0.99 and p.w1.dtype == np.float32
+
+
 def test_predictor_deterministic_and_capped():
     x, m = _synthetic(1200, seed=4)
     cfg = PredictorConfig(recall_target=0.9999, h_max=64, max_tune_steps=1, seed=1)

@@ -50,7 +50,7 @@ def _copy_fields(reader, w, skip: set[str]) -> None:
 
 def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathLike | None = None, *,
                   ctx: int | None = None, group_size: int | None = None, min_layer_share: float = 0.05,
-                  method: str = "ilp", time_limit: float = 30.0, progress: bool = False) -> Placement:
+                  method: str = "ilp", time_limit: float = 10.0, progress: bool = False) -> Placement:
     """Solve the placement of the sparse GGUF ``path`` for ``budget`` bytes and
     write the file with the new GPU index to ``out_path`` (default: ``path``,
     replaced atomically). ``ctx`` / ``group_size`` default to the values stored
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-layer-share", type=float, default=0.05,
                     help="a layer gets no GPU neurons or at least this share of them (default 0.05)")
     ap.add_argument("--placement", choices=("ilp", "greedy"), default="ilp")
-    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds (default 30)")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -114,6 +114,7 @@ class Placement:
     seconds: float = 0.0
     status: str = ""
     greedy_served: float | None = None
+    bound: float | None = None      # LP upper bound on `served` (ILP only)
 
     @property
     def served_share(self) -> float:
@@ -127,6 +128,8 @@ class Placement:
     def summary(self) -> str:
         extra = f", greedy {self.greedy_served / self.total:.2%}" if self.greedy_served is not None \
             and self.total > 0 else ""
+        if self.bound is not None and self.total > 0:
+            extra += f", LP bound {self.bound / self.total:.2%}"
         return (f"placement ({self.solver}, {self.seconds:.2f} s{', ' + self.status if self.status else ''}): "
                 f"budget {format_size(self.budget)}, dense {format_size(self.dense_bytes)}, "
                 f"neurons {format_size(self.neuron_bytes)}, "
@@ -187,35 +190,54 @@ def _feasible(p: PlacementProblem, groups: list[int]) -> bool:
 
 
 def _greedy_groups(p: PlacementProblem) -> list[int]:
-    L = p.n_layer
-    k = [0] * L
+    """Repeatedly take the best value-per-byte step that fits: the next group of a
+    layer already on the GPU, or a layer's first block of min_groups groups. The
+    budget only shrinks, so a step that does not fit never will: a heap suffices."""
+    import heapq
+
+    k = [0] * p.n_layer
     left = p.remaining
+    heap = []
 
-    def fill():
-        nonlocal left
-        # Repeatedly take the best value-per-byte step that fits: the next group of a
-        # layer that already meets its minimum, or a first block of min_groups groups.
-        while True:
-            best, best_l, best_n = -1.0, -1, 0
-            for l in range(L):
-                ng = len(p.gvalue[l])
-                if k[l] >= ng:
-                    continue
-                n = 1 if k[l] > 0 else p.min_groups[l]
-                b = int(p.gbytes[l][k[l]:k[l] + n].sum())
-                if b > left:
-                    continue
-                v = float(p.gvalue[l][k[l]:k[l] + n].sum())
-                dens = v / b if b > 0 else math.inf
-                if dens > best:
-                    best, best_l, best_n = dens, l, n
-            if best_l < 0:
-                return
-            left -= int(p.gbytes[best_l][k[best_l]:k[best_l] + best_n].sum())
-            k[best_l] += best_n
+    def push(l):
+        ng = len(p.gvalue[l])
+        if k[l] >= ng:
+            return
+        n = 1 if k[l] > 0 else p.min_groups[l]
+        b = int(p.gbytes[l][k[l]:k[l] + n].sum())
+        v = float(p.gvalue[l][k[l]:k[l] + n].sum())
+        heapq.heappush(heap, (-(v / b) if b > 0 else -math.inf, l, n, b))
 
-    fill()
+    for l in range(p.n_layer):
+        push(l)
+    while heap:
+        _, l, n, b = heapq.heappop(heap)
+        if b > left:
+            continue  # this layer can never grow again
+        left -= b
+        k[l] += n
+        push(l)
     return k
+
+
+def lp_bound(p: PlacementProblem) -> float:
+    """Upper bound on the served mass: the fractional knapsack over all groups
+    without the per-layer minimum (group densities fall along each layer's
+    frequency order, so taking them by density respects the prefix order)."""
+    vals = np.concatenate([v for v in p.gvalue] or [np.zeros(0)])
+    bts = np.concatenate([b for b in p.gbytes] or [np.zeros(0, np.int64)]).astype(np.float64)
+    if not len(vals):
+        return 0.0
+    dens = np.where(bts > 0, vals / np.maximum(bts, 1e-300), np.inf)
+    order = np.argsort(-dens, kind="stable")
+    cb = np.cumsum(bts[order])
+    n_full = int(np.searchsorted(cb, p.remaining, side="right"))
+    ub = float(vals[order[:n_full]].sum())
+    if n_full < len(order):
+        used = float(cb[n_full - 1]) if n_full else 0.0
+        j = order[n_full]
+        ub += float(vals[j]) * (p.remaining - used) / float(bts[j])
+    return ub
 
 
 def greedy_placement(p: PlacementProblem) -> Placement:
@@ -227,9 +249,11 @@ def greedy_placement(p: PlacementProblem) -> Placement:
     return _result(p, g, solver, time.perf_counter() - t0)
 
 
-def ilp_placement(p: PlacementProblem, time_limit: float = 30.0, verbose: bool = False) -> Placement:
+def ilp_placement(p: PlacementProblem, time_limit: float = 10.0, verbose: bool = False,
+                  rel_gap: float = 1e-6) -> Placement:
     """The placement ILP (python-mip / CBC), warm-started from the greedy
-    solution; the greedy one is returned when the ILP does not beat it."""
+    solution; the greedy one is returned when the ILP does not beat it. CBC stops
+    at ``time_limit`` seconds or when proven within ``rel_gap`` of the optimum."""
     import mip
 
     t0 = time.perf_counter()
@@ -246,12 +270,19 @@ def ilp_placement(p: PlacementProblem, time_limit: float = 30.0, verbose: bool =
         res.greedy_served = gval
         return res
 
+    ub = lp_bound(p)
+    if ub - gval <= rel_gap * ub:  # greedy already within the gap of the LP bound
+        res = _result(p, greedy, "greedy" if any(greedy) else "none", time.perf_counter() - t0,
+                      "greedy within gap of the LP bound")
+        res.greedy_served, res.bound = gval, ub
+        return res
+
     m = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
     m.verbose = 1 if verbose else 0
     m.threads = 1
     m.seed = 0
-    m.max_mip_gap = 1e-9
-    m.max_mip_gap_abs = 1e-9
+    m.max_mip_gap = rel_gap
+    m.max_mip_gap_abs = 1e-12
     # scale values so the objective is O(1..1e6) whatever the token count
     vmax = max((float(v.max()) for v in p.gvalue if len(v)), default=1.0) or 1.0
     x, y = [], []
@@ -297,11 +328,11 @@ def ilp_placement(p: PlacementProblem, time_limit: float = 30.0, verbose: bool =
             res = _result(p, greedy, "greedy", secs, f"ILP ({sname}) worse than greedy; greedy kept")
         else:
             res = _result(p, groups, "ilp" if any(groups) else "none", secs, sname)
-    res.greedy_served = gval
+    res.greedy_served, res.bound = gval, ub
     return res
 
 
-def solve_placement(p: PlacementProblem, method: str = "ilp", time_limit: float = 30.0) -> Placement:
+def solve_placement(p: PlacementProblem, method: str = "ilp", time_limit: float = 10.0) -> Placement:
     if method == "ilp":
         return ilp_placement(p, time_limit)
     if method == "greedy":

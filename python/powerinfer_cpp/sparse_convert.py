@@ -48,7 +48,7 @@ class SparseOptions:
     ctx: int | None = None            # KV cache reserved in the budget; None: the model's context length
     group_size: int = 64
     min_layer_share: float = 0.05
-    ilp_time_limit: float = 30.0
+    ilp_time_limit: float = 10.0
     placement: str = "ilp"            # "ilp" | "greedy"
     profile_ctx: int = 512            # window length of the profiling runs
     n_threads: int = 0
@@ -140,7 +140,7 @@ def gpu_index_kv(pl: Placement, group_size: int, ctx: int) -> list[tuple[str, An
 
 def solve_from_tensors(tensors: dict, freq: list[np.ndarray], n_layer: int, n_embd_kv: int, ctx: int,
                        budget: int, group_size: int = 64, min_layer_share: float = 0.05,
-                       method: str = "ilp", time_limit: float = 30.0) -> Placement:
+                       method: str = "ilp", time_limit: float = 10.0) -> Placement:
     """Placement for a sparse model described by ``{name: (qtype, numpy shape)}``."""
     dense, per_neuron = model_costs(tensors, n_layer, n_embd_kv, ctx)
     prob = make_problem(freq, per_neuron, dense, budget, group_size, min_layer_share)

@@ -254,7 +254,11 @@ def ilp_placement(p: PlacementProblem, time_limit: float = 10.0, verbose: bool =
     """The placement ILP (python-mip / CBC), warm-started from the greedy
     solution; the greedy one is returned when the ILP does not beat it. CBC stops
     at ``time_limit`` seconds or when proven within ``rel_gap`` of the optimum."""
-    import mip
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # mip announces itself on import
+        import mip
 
     t0 = time.perf_counter()
     greedy = _greedy_groups(p)
@@ -305,7 +309,8 @@ def ilp_placement(p: PlacementProblem, time_limit: float = 10.0, verbose: bool =
     for l, k in enumerate(greedy):
         start += [(x[l][g], 1.0 if g < k else 0.0) for g in range(len(x[l]))]
         start.append((y[l], 1.0 if k > 0 else 0.0))
-    m.start = start
+    with contextlib.redirect_stdout(io.StringIO()) if not verbose else contextlib.nullcontext():
+        m.start = start
     status = m.optimize(max_seconds=max(0.1, float(time_limit)))
     groups = None
     if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) and m.num_solutions:

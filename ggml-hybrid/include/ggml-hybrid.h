@@ -214,6 +214,79 @@ gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_toke
                           float * ffn_in, int64_t ffn_in_stride,
                           uint8_t * mask, int64_t mask_stride);
 
+/* ---- sparse FFN (sparse.c) ---- */
+
+/* How a context computes the feed-forward of each layer. */
+typedef enum {
+    GH_FFN_DENSE  = 0, /* every neuron: gate, up and down over all rows */
+    GH_FFN_SPARSE = 1, /* predictor -> active neurons -> gate/up/down over those rows only */
+    GH_FFN_ORACLE = 2  /* gate dense, active = neurons with a nonzero activation, then up and
+                        * down over those: the dense result (for tests) */
+} gh_ffn_mode;
+
+/* Sparse and oracle need ffn_down_t in every layer, sparse also a predictor in every
+ * layer (files converted with --sparse); otherwise GH_ERR_UNSUPPORTED with the reason.
+ * A new context is sparse when the model has both in every layer, else dense. The sparse
+ * modes apply to batches of up to gh_context_get_sparse_batch tokens (decode), run one
+ * token at a time; bigger batches (prompts) use the dense FFN. Profiling is always dense. */
+gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode);
+int32_t gh_context_get_ffn_mode(const gh_context * c);
+/* Largest batch the sparse modes apply to (default 4, measured: README "Sparse FFN");
+ * 0 = never (every batch dense). */
+gh_status gh_context_set_sparse_batch(gh_context * c, int32_t n_max);
+int32_t gh_context_get_sparse_batch(const gh_context * c);
+
+/* What the context did since it was made or gh_context_reset_stats. Bytes are weight
+ * bytes read (a batch reads a weight once for all its tokens); times are wall-clock
+ * seconds inside gh_eval. */
+typedef struct {
+    int32_t n_layer;
+    int32_t ffn_mode;          /* current gh_ffn_mode */
+    int64_t n_tokens;          /* tokens evaluated */
+    int64_t n_sparse_tokens;   /* of them, tokens whose FFN ran sparse or oracle */
+    int64_t n_active;          /* active neurons (predicted, or exact in oracle mode),
+                                * summed over layers and sparse tokens */
+    int64_t n_up_rows;         /* up rows read by sparse tokens (relu family: active with gate > 0) */
+    int64_t n_down_rows;       /* ffn_down_t rows read by sparse tokens (nonzero activation) */
+    double  density;           /* n_active / (n_sparse_tokens * n_layer * n_ff); 0 if none */
+    double  bytes_attention;   /* q, k, v, o projections */
+    double  bytes_predictor;   /* fc1 + fc2 */
+    double  bytes_ffn;         /* gate, up, down rows read (sparse: active rows only) */
+    double  bytes_head;        /* output projection (when logits are computed) */
+    double  bytes_per_token;   /* the four above / n_tokens */
+    double  t_attention;       /* norms, projections, rope, attention, residual */
+    double  t_predictor;
+    double  t_ffn;             /* norm, gate/up, activation, down, residual */
+    double  t_other;           /* embedding, head, bookkeeping: t_total - the three above */
+    double  t_total;
+} gh_context_stats;
+
+/* layer_density (may be NULL): n_layer >= the model's layer count values, each that
+ * layer's active / n_ff averaged over sparse tokens. */
+gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
+                               double * layer_density, int32_t n_layer);
+gh_status gh_context_reset_stats(gh_context * c);
+
+/* Sparse ops on raw buffers (tests, tools). Weights are row-major as in GGUF.
+ * Predictor: score = fc2 . relu(fc1 . x), fc1 h x n_embd, fc2 n_ff x h; writes the ids with
+ * score >= threshold to active (n_ff capacity) in ascending order, their count to
+ * *n_active, and the scores to score (n_ff floats; may be NULL). */
+gh_status gh_op_sparse_predict(int fc1_type, const void * fc1, int fc2_type, const void * fc2,
+                               int64_t n_embd, int64_t h, int64_t n_ff, const float * x,
+                               float threshold, int32_t * active, int64_t * n_active,
+                               float * score, int n_threads);
+/* a[k] = act(gate[ids[k]] . x, up[ids[k]] . x) for k < n (gate, up: rows x cols of type;
+ * ids in any order, each in [0, rows)). */
+gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t rows,
+                           int64_t cols, int act, const float * x, const int32_t * ids,
+                           int64_t n, float * a, int n_threads);
+/* y[c] = sum_k a[k] * W[ids[k]][c] for c < cols (W: rows x cols of type, the transposed
+ * down projection; ids in any order, each in [0, rows); y overwritten). Threads split the
+ * columns: the result does not depend on n_threads. */
+gh_status gh_op_sparse_down(int type, const void * w, int64_t rows, int64_t cols,
+                            const int32_t * ids, const float * a, int64_t n, float * y,
+                            int n_threads);
+
 /* ---- sampling ---- */
 
 typedef struct gh_sampler gh_sampler;

@@ -264,6 +264,7 @@ AVX2_FN static void axpy4_q4_0_avx2(int64_t n, const float * s, const void * con
 /* NULL: no four-row kernel at this level (the caller runs the one-row axpy 4 times). */
 static axpy4_fn axpy4_for(int type) {
 #if defined(GH_X86)
+    if (gh_simd_get() >= GH_SIMD_AVX512 && gh_axpy4_avx512(type)) return gh_axpy4_avx512(type);
     if (gh_simd_get() >= GH_SIMD_AVX2) {
         switch (type) {
             case GH_TYPE_F32:  return axpy4_f32_avx2;
@@ -281,6 +282,7 @@ static axpy4_fn axpy4_for(int type) {
 
 static axpy_fn axpy_for(int type) {
 #if defined(GH_X86)
+    if (gh_simd_get() >= GH_SIMD_AVX512 && gh_axpy_avx512(type)) return gh_axpy_avx512(type);
     if (gh_simd_get() >= GH_SIMD_AVX2) {
         switch (type) {
             case GH_TYPE_F32:  return axpy_f32_avx2;
@@ -314,6 +316,9 @@ typedef struct {
     axpy_fn           axpy_f;    /* f32 axpy (batch path: accumulates dequantized rows) */
     axpy4_fn          axpy4;     /* the weight type's four-row axpy, or NULL */
     const int32_t *   active;   /* batch path: rows with a nonzero h for some token */
+    const int32_t *   ids;      /* list path (gh_matmul_t_list): rows ids[k] scaled by a[k] */
+    const float *     a;
+    int64_t           n_ids;
     int64_t           n_active;
 } matmul_t_job;
 
@@ -338,14 +343,18 @@ static void matmul_t_task(void * arg, int ith, int nth) {
     const char * wd = w->data;
 
     if (job->n_tokens == 1) {
-        /* Active rows in groups of four (one pass over y per group), in row order. */
+        /* Active rows in groups of four (one pass over y per group), in row order (list
+         * path: in list order). */
         const size_t off = col_offset(tt, c0);
         float s[4];
         const void * rows[4];
         int k = 0;
-        for (int64_t r = 0; r < w->rows; r++) {
-            if (job->h[r] == 0.0f) continue;
-            s[k] = job->h[r];
+        const int64_t n_rows = job->ids ? job->n_ids : w->rows;
+        for (int64_t i = 0; i < n_rows; i++) {
+            const int64_t r = job->ids ? job->ids[i] : i;
+            const float hr = job->ids ? job->a[i] : job->h[r];
+            if (hr == 0.0f) continue;
+            s[k] = hr;
             rows[k] = wd + r * w->row_bytes + off;
             if (++k == 4) {
                 if (job->axpy4) job->axpy4(c1 - c0, s, rows, job->y + c0);
@@ -379,6 +388,15 @@ static void matmul_t_task(void * arg, int ith, int nth) {
             }
         }
     }
+}
+
+void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * ids,
+                      const float * a, int64_t n, float * y) {
+    matmul_t_job job = {
+        .w = w, .n_tokens = 1, .y = y, .ldy = w->cols, .axpy = axpy_for(w->type),
+        .axpy4 = axpy4_for(w->type), .ids = ids, .a = a, .n_ids = n,
+    };
+    gh_threadpool_run(tp, matmul_t_task, &job);
 }
 
 void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64_t n_tokens,

@@ -1,5 +1,6 @@
 /* Loading a LLaMA-family model from GGUF and running its forward pass on the CPU. */
 #include "model.h"
+#include "sparse.h"
 #include "types.h"
 
 #include <math.h>
@@ -553,6 +554,7 @@ static int default_threads(void) {
 void gh_context_free(gh_context * c) {
     if (!c) return;
     gh_threadpool_free(c->tp);
+    gh_sparse_state_free(c->sparse);
     if (c->k_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->k_cache[il]);
     if (c->v_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->v_cache[il]);
     free(c->k_cache);
@@ -638,8 +640,9 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
         c->logits_cap = 1;
         c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
+        c->sparse = gh_sparse_state_new(m);
         ok = c->x && c->xb && c->xb2 && c->q && c->att && c->hb && c->hb2 && c->att_scratch &&
-             c->mm_scratch && c->logits;
+             c->mm_scratch && c->logits && c->sparse;
     }
     if (!ok) {
         gh_context_free(c);
@@ -727,6 +730,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
                   dkv = (int64_t) hp->n_head_kv * hd, ff = hp->n_ff;
     const int32_t p0 = c->n_past;
 
+    const bool sparse_ffn = gh_sparse_applies(c, n);
     embed(m, tokens, n, c->x);
     for (int il = 0; il < hp->n_layer; il++) {
         const gh_layer * L = &m->layers[il];
@@ -734,6 +738,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         float * vc = c->v_cache[il];
 
         /* attention */
+        const double t_att = gh_now();
         for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->attn_norm, d, hp->rms_eps, c->xb + t * d);
         gh_matmul(c->tp, &L->wq, c->xb, n, c->q, dq, c->mm_scratch);
         gh_matmul(c->tp, &L->wk, c->xb, n, kc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
@@ -746,9 +751,23 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
                      c->att_scratch);
         gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
+        const double t_ffn = gh_now();
+        gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att,
+                     (double) (L->wq.rows * L->wq.row_bytes + L->wk.rows * L->wk.row_bytes +
+                               L->wv.rows * L->wv.row_bytes + L->wo.rows * L->wo.row_bytes));
 
         /* feed-forward */
         for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->ffn_norm, d, hp->rms_eps, c->xb + t * d);
+        if (sparse_ffn) {
+            /* one token at a time: predictor (or exact mask) -> active rows only; it
+             * counts its own times and bytes (the predictor's apart from the FFN's) */
+            const double t_norm = gh_now();
+            for (int32_t t = 0; t < n; t++) gh_sparse_ffn(c, il, c->xb + t * d, c->xb2 + t * d);
+            const double t_add = gh_now();
+            add_inplace(c->x, c->xb2, (int64_t) n * d);
+            gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
+            continue;
+        }
         if (c->prof_x) {
             memcpy(c->prof_x + il * c->prof_x_stride + (int64_t) c->prof_t0 * d, c->xb,
                    (size_t) n * d * sizeof(float));
@@ -762,6 +781,8 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         if (L->has_down_t) gh_matmul_t(c->tp, &L->down_t, c->hb, n, ff, c->xb2, d);
         else gh_matmul(c->tp, &L->down, c->hb, n, c->xb2, d, c->mm_scratch);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
+        gh_stats_dense_ffn(c, il, n, c->hb);
+        gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
     }
 
     c->n_past += n;
@@ -802,7 +823,9 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
         const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
         c->prof_t0 = i;
+        const double t0 = gh_now();
         forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
+        gh_stats_tokens(c, n, which != LOGITS_NONE, gh_now() - t0);
     }
     c->n_logit_rows = rows;
     return GH_OK;

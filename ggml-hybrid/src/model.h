@@ -65,6 +65,8 @@ struct gh_context {
     uint8_t *       prof_mask;
     int64_t         prof_mask_stride;
     int32_t         prof_t0;
+    /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
+    struct gh_sparse_state * sparse;
 };
 
 #endif

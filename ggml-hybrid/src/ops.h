@@ -31,6 +31,20 @@ void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t
 void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64_t n_tokens,
                  int64_t ldh, float * y, int64_t ldy);
 
+/* The same for one token over a list of rows (the sparse FFN): y[c] = sum_k a[k] *
+ * W[ids[k]][c] for c < w->cols, terms with a[k] == 0 skipped, y overwritten; ids in any
+ * order (sorted reads W in order), each < w->rows. gh_matmul_t of one token equals this
+ * with the ids of its nonzero h, ascending, bit for bit. */
+void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * ids,
+                      const float * a, int64_t n, float * y);
+
+/* AVX-512 axpy kernels (axpy_avx512.c): y[0..n) += s * row, and four rows at once;
+ * NULL for a type without one. */
+typedef void (*gh_axpy_fn)(int64_t n, float s, const void * row, float * y);
+typedef void (*gh_axpy4_fn)(int64_t n, const float * s, const void * const * row, float * y);
+gh_axpy_fn gh_axpy_avx512(int type);
+gh_axpy4_fn gh_axpy4_avx512(int type);
+
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox);
 void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);

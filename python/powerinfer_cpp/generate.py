@@ -32,7 +32,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     p.add_argument("--no-prompt", action="store_true", help="do not echo the prompt")
+    p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle"], default="auto",
+                   help="FFN mode: sparse (predictor; needs a file converted with --sparse), "
+                        "dense, oracle (exact active set; testing), auto = sparse when the file "
+                        "has predictors (default)")
     return p
+
+
+def _stats_summary(st: dict, n_layer: int) -> str:
+    """The runtime's decode statistics as a few lines of the timing block."""
+    bt = st["bytes_per_token_stage"]
+    t = st["time_s"]
+    total = max(t["total"], 1e-12)
+    lines = [f"ffn mode    = {st['ffn_mode']} ({st['n_sparse_tokens']} of {st['n_tokens']} decode "
+             f"tokens sparse)"]
+    if st["n_sparse_tokens"]:
+        per_layer = ", ".join(f"{d:.1%}" for d in st["layer_density"])
+        lines.append(f"density     = {st['density']:10.2%} of FFN neurons active (per layer: "
+                     f"{per_layer})")
+    lines.append(f"weights     = {st['bytes_per_token'] / 1e6:10.2f} MB read per token "
+                 f"(attention {bt['attention'] / 1e6:.2f}, predictor {bt['predictor'] / 1e6:.2f}, "
+                 f"ffn {bt['ffn'] / 1e6:.2f}, head {bt['head'] / 1e6:.2f})")
+    lines.append("stages      = " + ", ".join(
+        f"{k} {t[k] / total:.0%}" for k in ("attention", "predictor", "ffn", "other")))
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = args.prompt if args.prompt is not None else default_model.DEFAULT_PROMPT
     try:
         path = args.model or default_model.default_model_path()
-        model = Model(path, n_ctx=args.ctx, n_threads=args.threads)
+        model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn)
         if not model.info.act_from_file:
             print("note: the file does not name its FFN activation; assuming SwiGLU (SiLU), "
                   "as llama.cpp does", file=sys.stderr)
@@ -57,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_prompt:
             sys.stdout.write(prompt)
             sys.stdout.flush()
+        first = True
         for piece in model.stream(prompt, max_tokens=args.n_predict, temperature=args.temp,
                                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                   repeat_penalty=args.repeat_penalty,
                                   repeat_last_n=args.repeat_last_n, seed=args.seed,
                                   stop=args.stop, ignore_eos=args.ignore_eos, stats=stats):
+            if first:  # the prompt is done: count the decode from here
+                model.context.reset_stats()
+                first = False
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -79,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
           f"decode      = {t['decode_s'] * 1e3:10.2f} ms / {t['decode_tokens']:5d} tokens "
           f"({t['decode_tok_per_s']:8.2f} tokens/s)\n"
           f"finish      = {stats.finish_reason}", file=sys.stderr)
+    print(_stats_summary(model.context.stats(), model.info.n_layer), file=sys.stderr)
     model.close()
     return 0
 

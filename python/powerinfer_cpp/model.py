@@ -17,6 +17,10 @@ from .tokenizer import Tokenizer, load_tokenizer
 
 _ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
+# FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
+# layer has a predictor and ffn_down_t, else dense)
+FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2}
+_FFN_NAMES = {v: k for k, v in FFN_MODES.items()}
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,15 @@ class Model:
     Loading checks the norm weights for NaN/Inf; `check_weights=True` scans every
     tensor (reads the whole file). Findings are in `model.warnings` and are also
     emitted as RuntimeWarning.
+
+    `ffn` chooses how contexts compute the feed-forward: "dense", "sparse" (predictor;
+    needs a file converted with --sparse), "oracle" (exact active set, dense results;
+    for tests) or "auto" (sparse when the file has predictors in every layer, else
+    dense). Contexts made by create_context() default to it too.
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
-                 n_batch: int = 512, check_weights: bool = False):
+                 n_batch: int = 512, check_weights: bool = False, ffn: str = "auto"):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"model file not found: '{path}'")
@@ -101,7 +110,9 @@ class Model:
                 raise ValueError(
                     f"{path}: the tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                     f"embedding only {self.info.n_vocab}")
+            _ffn_mode(ffn)  # a bad name fails here, not at the first use
             self._ctx_defaults = dict(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+            self.ffn = ffn
             self._default_ctx: Context | None = None
         except BaseException:
             self.close()
@@ -156,9 +167,12 @@ class Model:
 
     # -- contexts ---------------------------------------------------------------
 
-    def create_context(self, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512) -> Context:
-        """A new context (own KV cache) over this model; n_ctx 0 = training context."""
-        return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+    def create_context(self, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
+                       ffn: str | None = None) -> Context:
+        """A new context (own KV cache) over this model; n_ctx 0 = training context;
+        ffn None = the model's `ffn` setting."""
+        return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
+                       ffn=self.ffn if ffn is None else ffn)
 
     @property
     def context(self) -> Context:
@@ -219,8 +233,10 @@ class _Detokenizer:
 class Context:
     """A KV cache and scratch buffers over a Model; use from one thread at a time."""
 
-    def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512):
+    def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
+                 ffn: str = "auto"):
         self.model = model
+        mode = _ffn_mode(ffn)
         p = lib.gh_context_default_params()
         p.n_ctx, p.n_threads, p.n_batch = (_int32("n_ctx", n_ctx), _int32("n_threads", n_threads),
                                            _int32("n_batch", n_batch))
@@ -230,6 +246,12 @@ class Context:
         model._contexts.add(self)  # closed with the model, however it was made
         self._tok = ffi.new("int32_t[1]")
         self._out = ffi.new("int32_t *")
+        if mode is not None:
+            try:
+                self.set_ffn_mode(ffn)
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         """Free the KV cache; later use raises."""
@@ -269,6 +291,64 @@ class Context:
     def reset(self, n_past: int = 0) -> None:
         """Forget cached tokens after position n_past (default: all)."""
         check(lib.gh_context_truncate(self._handle(), _int32("n_past", n_past)))
+
+    # -- sparse FFN ------------------------------------------------------------
+
+    @property
+    def ffn_mode(self) -> str:
+        """The FFN mode: "dense", "sparse" or "oracle"."""
+        return _FFN_NAMES[lib.gh_context_get_ffn_mode(self._handle())]
+
+    def set_ffn_mode(self, mode: str) -> None:
+        """Switch the FFN mode ("dense", "sparse", "oracle", or "auto" = the file's
+        default); NativeError if the file lacks what the mode needs (predictors,
+        ffn_down_t). Takes effect at the next eval; the cache stays valid."""
+        m = _ffn_mode(mode)
+        if m is None:
+            info = self.model.info
+            m = 1 if info.has_predictor == info.n_layer and info.has_down_t == info.n_layer else 0
+        check(lib.gh_context_set_ffn_mode(self._handle(), m))
+
+    @property
+    def sparse_batch(self) -> int:
+        """Largest batch (tokens per eval) that runs the sparse FFN; bigger ones run dense."""
+        return lib.gh_context_get_sparse_batch(self._handle())
+
+    @sparse_batch.setter
+    def sparse_batch(self, n_max: int) -> None:
+        check(lib.gh_context_set_sparse_batch(self._handle(), _int32("sparse_batch", n_max)))
+
+    def stats(self) -> dict:
+        """What this context did since it was made or reset_stats(): token counts, the
+        FFN density (per layer too), weight bytes read per stage and per token, and
+        seconds per stage (attention / predictor / ffn / other)."""
+        n_layer = self.model.info.n_layer
+        st = ffi.new("gh_context_stats *")
+        dens = ffi.new("double[]", n_layer)
+        check(lib.gh_context_get_stats(self._handle(), st, dens, n_layer))
+        n = max(st.n_tokens, 1)
+        return {
+            "ffn_mode": _FFN_NAMES.get(st.ffn_mode, str(st.ffn_mode)),
+            "n_tokens": st.n_tokens,
+            "n_sparse_tokens": st.n_sparse_tokens,
+            "n_active": st.n_active,
+            "n_up_rows": st.n_up_rows,
+            "n_down_rows": st.n_down_rows,
+            "density": st.density,
+            "layer_density": [dens[i] for i in range(n_layer)],
+            "bytes": {"attention": st.bytes_attention, "predictor": st.bytes_predictor,
+                      "ffn": st.bytes_ffn, "head": st.bytes_head},
+            "bytes_per_token": st.bytes_per_token,
+            "bytes_per_token_stage": {"attention": st.bytes_attention / n,
+                                      "predictor": st.bytes_predictor / n,
+                                      "ffn": st.bytes_ffn / n, "head": st.bytes_head / n},
+            "time_s": {"attention": st.t_attention, "predictor": st.t_predictor,
+                       "ffn": st.t_ffn, "other": st.t_other, "total": st.t_total},
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the counters stats() reports."""
+        check(lib.gh_context_reset_stats(self._handle()))
 
     # -- evaluation ------------------------------------------------------------
 
@@ -418,6 +498,15 @@ class Context:
         for _ in self.stream(prompt, stats=result, **kw):
             pass
         return result
+
+
+def _ffn_mode(name: str) -> int | None:
+    """gh_ffn_mode of a mode name; None for "auto"."""
+    if name == "auto":
+        return None
+    if name not in FFN_MODES:
+        raise ValueError(f"unknown FFN mode {name!r} (choose from auto, dense, sparse, oracle)")
+    return FFN_MODES[name]
 
 
 def _int32(name: str, value) -> int:

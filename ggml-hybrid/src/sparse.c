@@ -56,6 +56,9 @@ size_t gh_sparse_glu_scratch_size(const gh_weight * gate, const gh_weight * up) 
            gh_matmul_scratch_size(up, 1);
 }
 
+#define GLU_GROUP 16 /* list positions a multi-row dot may span; chunks start at multiples of
+                      * it (also keeps gh_glu's vector/tail split the same per element) */
+
 typedef struct {
     const gh_weight *     w;
     const gh_kernel_set * ks;
@@ -74,8 +77,10 @@ typedef struct {
 } glu_job;
 
 /* out[k] = W[ids[k]] . x for k in [k0, k1) where use == NULL or use[k] > 0 (else
- * out[k] = 0). Runs of consecutive ids go through the type's multi-row tile. Returns
- * the number of rows read. */
+ * out[k] = 0). Runs of consecutive ids go through the type's multi-row tile; a run
+ * never crosses a multiple of GLU_GROUP list positions, and threads start their chunks
+ * at such multiples, so every value is computed the same way for any thread count.
+ * Returns the number of rows read. */
 static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * use,
                         int64_t k0, int64_t k1, float * out) {
     const gh_weight * w = src->w;
@@ -87,8 +92,9 @@ static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * 
             out[k++] = 0.0f;
             continue;
         }
+        const int64_t g_end = GH_MIN(k1, (k / GLU_GROUP + 1) * GLU_GROUP);
         int rn = 1;
-        while (rn < mr && k + rn < k1 && ids[k + rn] == ids[k] + rn &&
+        while (rn < mr && k + rn < g_end && ids[k + rn] == ids[k] + rn &&
                (!use || use[k + rn] > 0.0f)) {
             rn++;
         }
@@ -103,7 +109,10 @@ static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * 
 
 static void glu_task(void * arg, int ith, int nth) {
     glu_job * job = arg;
-    const int64_t k0 = job->n * ith / nth, k1 = job->n * (ith + 1) / nth;
+    /* chunk bounds on multiples of GLU_GROUP (see rows_dot) */
+    const int64_t g = GLU_GROUP;
+    const int64_t k0 = GH_MIN(job->n, job->n * ith / nth / g * g);
+    const int64_t k1 = ith == nth - 1 ? job->n : GH_MIN(job->n, job->n * (ith + 1) / nth / g * g);
     if (k0 >= k1) return;
     if (job->gate_g) {
         for (int64_t k = k0; k < k1; k++) job->gc[k] = job->gate_g[job->ids[k]];

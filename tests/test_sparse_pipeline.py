@@ -387,6 +387,24 @@ def test_inspect(random_sparse, capsys):
     assert "sparse: no" in out and "blk.1.ffn_down.weight" in out
 
 
+def test_failure_leaves_no_output(random_sparse, tmp_path, monkeypatch):
+    import powerinfer_cpp.sparse_convert as SC
+    from powerinfer_cpp.convert import convert
+
+    out = tmp_path / "out.gguf"
+    out.write_bytes(b"old")
+
+    def boom(*a, **k):
+        raise RuntimeError("training failed")
+
+    monkeypatch.setattr(SC, "train_predictors", boom)
+    with pytest.raises(RuntimeError, match="training failed"):
+        convert(random_sparse["hf"], out, "f32", progress=False, sparse=True,
+                sparse_options=SC.SparseOptions(calib_tokens=256, profile_ctx=128))
+    assert out.read_bytes() == b"old"  # untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["out.gguf"]  # no temp dense file, no partial output
+
+
 def test_cli_sparse_errors(tmp_path):
     pytest.importorskip("torch")
     from hf_models import make_hf_model

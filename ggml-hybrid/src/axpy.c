@@ -356,6 +356,12 @@ static void matmul_t_task(void * arg, int ith, int nth) {
             if (hr == 0.0f) continue;
             s[k] = hr;
             rows[k] = wd + r * w->row_bytes + off;
+            if (job->ids && i + 4 < n_rows) {
+                /* list rows are scattered: fetch this column range of a row 4 ahead */
+                const char * next = wd + job->ids[i + 4] * w->row_bytes + off;
+                const size_t seg = col_offset(tt, c1 - c0 + tt->block_size - 1);
+                for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(next + o, 0, 3);
+            }
             if (++k == 4) {
                 if (job->axpy4) job->axpy4(c1 - c0, s, rows, job->y + c0);
                 else for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);

@@ -99,6 +99,12 @@ static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * 
             rn++;
         }
         const char * row = wd + (size_t) ids[k] * w->row_bytes;
+        /* the rows are scattered: the hardware prefetcher cannot guess the next one, so
+         * fetch the next listed row while this run computes */
+        if (k + rn < k1) {
+            const char * next = wd + (size_t) ids[k + rn] * w->row_bytes;
+            for (size_t o = 0; o < w->row_bytes; o += 64) __builtin_prefetch(next + o, 0, 3);
+        }
         if (rn == 1) src->ks->vec_dot(w->cols, out + k, row, src->xq);
         else src->ks->gemm(w->cols, row, w->row_bytes, rn, src->xq, 0, 1, out + k, 1);
         n_read += rn;

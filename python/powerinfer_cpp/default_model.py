@@ -46,11 +46,13 @@ def _fingerprint(hf_dir: Path) -> str:
 def default_model_path(outtype: str = DEFAULT_OUTTYPE) -> Path:
     """Path of the shipped model as GGUF, converting it into the cache if needed."""
     hf_dir = shipped_model_dir()
-    out = cache_dir() / f"{SHIPPED_NAME}-{outtype}-{_fingerprint(hf_dir)}.gguf"
+    out = cache_dir() / f"{SHIPPED_NAME}-{outtype}-sparse-{_fingerprint(hf_dir)}.gguf"
     if not out.is_file():
         from .convert import convert
 
         out.parent.mkdir(parents=True, exist_ok=True)
-        print(f"converting the shipped model to {out} (first use) ...", file=sys.stderr)
-        convert(hf_dir, out, outtype=outtype, progress=False)
+        print(f"converting the shipped model to {out} (first use: profiling and predictor "
+              "training take ~10-30 s) ...", file=sys.stderr)
+        # The full sparse pipeline, calibrated on the model's held-out text.
+        convert(hf_dir, out, outtype=outtype, progress=False, sparse=True)
     return out

@@ -63,7 +63,41 @@ class Completion:
     timings: dict = field(default_factory=dict)
 
 
-class Model:
+class _NativeHandle:
+    """Owns one native object: freed by close(), a with-block or garbage collection;
+    use after close raises instead of touching freed memory."""
+
+    _ptr = None
+    _closed_msg = "this object has been closed"
+
+    def _free(self, ptr) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free the native object; later use raises."""
+        if self._ptr is not None:
+            ptr, self._ptr = self._ptr, None
+            self._free(ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _handle(self):
+        if self._ptr is None:
+            raise RuntimeError(self._closed_msg)
+        return self._ptr
+
+
+class Model(_NativeHandle):
     """A model loaded from a GGUF file (mmap'd; shared by all its contexts).
 
     `Model(path, n_ctx=..., n_threads=...)` also sets up a default context, so
@@ -121,30 +155,16 @@ class Model:
 
     # -- lifetime ---------------------------------------------------------------
 
+    _closed_msg = "this Model has been closed"
+
     def close(self) -> None:
         """Free the model and every context made from it; later use raises."""
-        for ctx in list(self._contexts):
+        for ctx in list(getattr(self, "_contexts", ())):
             ctx.close()
-        if getattr(self, "_ptr", None) is not None:
-            lib.gh_model_free(self._ptr)
-            self._ptr = None
+        super().close()
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _handle(self):
-        if self._ptr is None:
-            raise RuntimeError("this Model has been closed")
-        return self._ptr
+    def _free(self, ptr) -> None:
+        lib.gh_model_free(ptr)
 
     # -- tokens -----------------------------------------------------------------
 
@@ -230,7 +250,7 @@ class _Detokenizer:
         return full[len(done):]
 
 
-class Context:
+class Context(_NativeHandle):
     """A KV cache and scratch buffers over a Model; use from one thread at a time."""
 
     def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
@@ -253,28 +273,10 @@ class Context:
                 self.close()
                 raise
 
-    def close(self) -> None:
-        """Free the KV cache; later use raises."""
-        if getattr(self, "_ptr", None) is not None:
-            lib.gh_context_free(self._ptr)
-            self._ptr = None
+    _closed_msg = "this Context has been closed (or its Model was closed)"
 
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _handle(self):
-        if self._ptr is None:
-            raise RuntimeError("this Context has been closed (or its Model was closed)")
-        return self._ptr
+    def _free(self, ptr) -> None:
+        lib.gh_context_free(ptr)
 
     @property
     def n_ctx(self) -> int:

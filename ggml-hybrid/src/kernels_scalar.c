@@ -126,19 +126,19 @@ DEFINE_GEMM(gemm_q4_0, vec_dot_q4_0_q8_x4)
 bool gh_kernels_scalar(int type, gh_kernel_set * ks) {
     switch (type) {
         case GH_TYPE_F32:
-            *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 1, 1, 1 };
+            *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 1, 1, 1, NULL };
             return true;
         case GH_TYPE_F16:
-            *ks = (gh_kernel_set) { vec_dot_f16_f32, NULL, gemm_f16, 1, 1, 1 };
+            *ks = (gh_kernel_set) { vec_dot_f16_f32, NULL, gemm_f16, 1, 1, 1, NULL };
             return true;
         case GH_TYPE_BF16:
-            *ks = (gh_kernel_set) { vec_dot_bf16_bf16, bf16_from_float_x, gemm_bf16, 1, 1, 1 };
+            *ks = (gh_kernel_set) { vec_dot_bf16_bf16, bf16_from_float_x, gemm_bf16, 1, 1, 1, NULL };
             return true;
         case GH_TYPE_Q8_0:
-            *ks = (gh_kernel_set) { vec_dot_q8_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q8_0, 1, 1, 1 };
+            *ks = (gh_kernel_set) { vec_dot_q8_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q8_0, 1, 1, 1, NULL };
             return true;
         case GH_TYPE_Q4_0:
-            *ks = (gh_kernel_set) { vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0, 1, 1, 1 };
+            *ks = (gh_kernel_set) { vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0, 1, 1, 1, NULL };
             return true;
         default:
             return false;

@@ -14,6 +14,7 @@
 #include "types.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,17 +77,57 @@ typedef struct {
     atomic_llong    up_rows;
 } glu_job;
 
+#ifndef GLU_PF_TILES
+#define GLU_PF_TILES 2 /* dot4: prefetch the rows of the tile this many tiles ahead */
+#endif
+#define GLU_QCAP 32    /* list positions queued ahead (power of two > 4 * (GLU_PF_TILES + 1)) */
+
 /* out[k] = W[ids[k]] . x for k in [k0, k1) where use == NULL or use[k] > 0 (else
- * out[k] = 0). Runs of consecutive ids go through the type's multi-row tile; a run
- * never crosses a multiple of GLU_GROUP list positions, and threads start their chunks
- * at such multiples, so every value is computed the same way for any thread count.
- * Returns the number of rows read. */
+ * out[k] = 0). Returns the number of rows read.
+ *
+ * With the type's gathered four-row tile (dot4): the positions to compute are queued
+ * ahead; each tile takes the next four (a short last tile repeats its last row) and, while
+ * it runs, prefetches the rows of the tile GLU_PF_TILES ahead, a slice per step. Every
+ * value comes from the same kernel whatever its neighbours, so it does not depend on
+ * where a thread's chunk starts. Without dot4: runs of consecutive ids go through the
+ * type's multi-row tile, never crossing a multiple of GLU_GROUP list positions (threads
+ * start their chunks at such multiples), each other row through vec_dot. */
 static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * use,
                         int64_t k0, int64_t k1, float * out) {
     const gh_weight * w = src->w;
     const char * wd = w->data;
-    const int mr = src->ks->mr1;
     int64_t n_read = 0;
+    if (src->ks->dot4) {
+        int64_t q[GLU_QCAP];
+        int64_t head = 0, tail = 0; /* queued positions q[head..tail) (mod GLU_QCAP) */
+        int64_t scan = k0;
+        const int64_t ahead = 4 * (GLU_PF_TILES + 1);
+        for (;;) {
+            while (tail - head < ahead && scan < k1) {
+                if (use && !(use[scan] > 0.0f)) out[scan] = 0.0f;
+                else q[tail++ % GLU_QCAP] = scan;
+                scan++;
+            }
+            if (head == tail) break;
+            const int nr = (int) GH_MIN(4, tail - head);
+            const void * rows[4];
+            const void * pf[4];
+            int64_t pos[4];
+            for (int r = 0; r < 4; r++) {
+                pos[r] = q[(head + GH_MIN(r, nr - 1)) % GLU_QCAP];
+                rows[r] = wd + (size_t) ids[pos[r]] * w->row_bytes;
+                const int64_t j = head + 4 * GLU_PF_TILES + r;
+                pf[r] = j < tail ? wd + (size_t) ids[q[j % GLU_QCAP]] * w->row_bytes : rows[r];
+            }
+            float y[4];
+            src->ks->dot4(w->cols, rows, pf, src->xq, y);
+            for (int r = 0; r < nr; r++) out[pos[r]] = y[r];
+            head += nr;
+            n_read += nr;
+        }
+        return n_read;
+    }
+    const int mr = src->ks->mr1;
     for (int64_t k = k0; k < k1;) {
         if (use && !(use[k] > 0.0f)) {
             out[k++] = 0.0f;
@@ -456,13 +497,47 @@ static gh_status check_ids(const char * fn, const int32_t * ids, int64_t n, int6
     return GH_OK;
 }
 
-static gh_status op_pool(const char * fn, int n_threads, gh_threadpool ** tp) {
+/* One pool kept for repeated calls (benchmarks), as gh_op_matmul does: starting threads
+ * per call costs more than a sparse op. A concurrent caller gets a pool of its own. */
+static pthread_mutex_t g_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static gh_threadpool * g_pool;
+
+__attribute__((destructor)) static void sparse_pool_fini(void) {
+    if (pthread_mutex_trylock(&g_pool_mutex) != 0) return; /* a call is running: leave it */
+    gh_threadpool_free(g_pool);
+    g_pool = NULL;
+    pthread_mutex_unlock(&g_pool_mutex);
+}
+
+/* *tp: NULL for one thread; *cached: whether it is the kept pool (op_pool_release). */
+static gh_status op_pool(const char * fn, int n_threads, gh_threadpool ** tp, bool * cached) {
     *tp = NULL;
+    *cached = false;
     if (n_threads < 1 || n_threads > 512) {
         return gh_fail(GH_ERR_INVALID_ARG, "%s: n_threads %d out of range [1, 512]", fn, n_threads);
     }
-    if (n_threads > 1 && !(*tp = gh_threadpool_new(n_threads))) return GH_ERR_OOM;
+    if (n_threads == 1) return GH_OK;
+    if (pthread_mutex_trylock(&g_pool_mutex) == 0) {
+        if (g_pool && gh_threadpool_n_threads(g_pool) != n_threads) {
+            gh_threadpool_free(g_pool);
+            g_pool = NULL;
+        }
+        if (!g_pool) g_pool = gh_threadpool_new(n_threads);
+        if (!g_pool) {
+            pthread_mutex_unlock(&g_pool_mutex);
+            return GH_ERR_OOM;
+        }
+        *tp = g_pool;
+        *cached = true;
+        return GH_OK;
+    }
+    if (!(*tp = gh_threadpool_new(n_threads))) return GH_ERR_OOM;
     return GH_OK;
+}
+
+static void op_pool_release(gh_threadpool * tp, bool cached) {
+    if (cached) pthread_mutex_unlock(&g_pool_mutex);
+    else gh_threadpool_free(tp);
 }
 
 static gh_weight make_weight(int type, const void * w, int64_t rows, int64_t cols) {
@@ -485,10 +560,11 @@ gh_status gh_op_sparse_predict(int fc1_type, const void * fc1, int fc2_type, con
     float * sc = score ? score : gh_aligned_alloc((size_t) n_ff * sizeof(float));
     void * scratch = gh_aligned_alloc(GH_MAX(gh_sparse_predict_scratch_size(&w1, &w2), 64));
     gh_threadpool * tp = NULL;
+    bool cached = false;
     st = !ph || !sc || !scratch ? gh_fail(GH_ERR_OOM, "%s: out of memory", fn)
-                                : op_pool(fn, n_threads, &tp);
+                                : op_pool(fn, n_threads, &tp, &cached);
     if (!st) *n_active = gh_sparse_predict(tp, &w1, &w2, x, threshold, ph, sc, active, scratch);
-    gh_threadpool_free(tp);
+    if (!st) op_pool_release(tp, cached);
     gh_aligned_free(ph);
     if (sc != score) gh_aligned_free(sc);
     gh_aligned_free(scratch);
@@ -512,10 +588,11 @@ gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t
     float * gc = gh_aligned_alloc(nb), * uc = gh_aligned_alloc(nb);
     void * xq = gh_aligned_alloc(GH_MAX(gh_sparse_glu_scratch_size(&wg, &wu), 64));
     gh_threadpool * tp = NULL;
+    bool cached = false;
     st = !gc || !uc || !xq ? gh_fail(GH_ERR_OOM, "%s: out of memory", fn)
-                           : op_pool(fn, n_threads, &tp);
+                           : op_pool(fn, n_threads, &tp, &cached);
     if (!st) gh_sparse_glu(tp, act, &wg, &wu, x, NULL, ids, n, a, gc, uc, xq, NULL);
-    gh_threadpool_free(tp);
+    if (!st) op_pool_release(tp, cached);
     gh_aligned_free(gc);
     gh_aligned_free(uc);
     gh_aligned_free(xq);
@@ -532,8 +609,9 @@ gh_status gh_op_sparse_down(int type, const void * w, int64_t rows, int64_t cols
     if (!y || (n > 0 && !a)) return gh_fail(GH_ERR_INVALID_ARG, "%s: NULL buffer", fn);
     gh_weight wt = make_weight(type, w, rows, cols);
     gh_threadpool * tp = NULL;
-    if ((st = op_pool(fn, n_threads, &tp))) return st;
+    bool cached;
+    if ((st = op_pool(fn, n_threads, &tp, &cached))) return st;
     gh_matmul_t_list(tp, &wt, ids, a, n, y);
-    gh_threadpool_free(tp);
+    op_pool_release(tp, cached);
     return GH_OK;
 }

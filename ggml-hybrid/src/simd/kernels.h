@@ -30,6 +30,13 @@ typedef struct {
 typedef void (*gh_gemm_fn)(int64_t n, const void * w, size_t w_stride, int nr,
                            const void * x, size_t x_stride, int nt, float * y, int64_t ldy);
 
+/* Four gathered rows, one token (the sparse row-dots): y[r] = rows[r] . x for r < 4, each
+ * row's value computed exactly as the type's four-row decode tile computes it (so it does
+ * not depend on the other three rows: a short list pads with repeats). While it runs it
+ * prefetches the rows pf[0..4) (the tile after next, say) into L2, a slice per step. */
+typedef void (*gh_dot4_fn)(int64_t n, const void * const * rows, const void * const * pf,
+                           const void * x, float * y);
+
 typedef struct {
     gh_vec_dot_fn    vec_dot;
     gh_from_float_fn from_float_x;  /* NULL when vec_dot_type is F32 (no conversion) */
@@ -37,6 +44,7 @@ typedef struct {
     int              mr;            /* max rows of a tile */
     int              nt;            /* max tokens of a tile */
     int              mr1;           /* max rows of a one-token tile (decode) */
+    gh_dot4_fn       dot4;          /* gathered four-row tile, or NULL (vec_dot per row) */
 } gh_kernel_set;
 
 /* The kernels for `type` at the current SIMD level (initialises SIMD on first use);

@@ -251,11 +251,11 @@ DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
 bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
     switch (type) {
-        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 2, 4 }; return true;
-        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 2, 4 }; return true;
-        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 2, 4 }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, gh_quantize_row_q8_x4_ref, gemm_q8_0, 2, 2, 4 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, gh_quantize_row_q8_x4_ref, gemm_q4_0, 2, 2, 4 }; return true;
+        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 2, 4, NULL }; return true;
+        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 2, 4, NULL }; return true;
+        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 2, 4, NULL }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, gh_quantize_row_q8_x4_ref, gemm_q8_0, 2, 2, 4, NULL }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, gh_quantize_row_q8_x4_ref, gemm_q4_0, 2, 2, 4, NULL }; return true;
         default: return false;
     }
 }

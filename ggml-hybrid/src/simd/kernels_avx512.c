@@ -407,6 +407,103 @@ GH_INLINE void tile_q(const int MR, const int NT, const bool is_q4, int64_t n, c
         for (int r = 0; r < MR; r++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+/* ------------------------------------------------------------------ gathered rows */
+
+/* Four rows at arbitrary addresses, one token (kernels.h, gh_dot4_fn). The float form
+ * accumulates like tile_f(4, 1) (16 values per step, one accumulator per row); the
+ * quantized form is tile_q_r4 with a pointer per row. Each step prefetches the same
+ * slice of the rows pf[] into L2, so the next rows of a scattered list stream in while
+ * these are computed. */
+GH_INLINE void dot4_f(const bool is_f16, int64_t n, const void * const * rows,
+                      const void * const * pf, const void * x, float * y) {
+    __m512 acc[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                      _mm512_setzero_ps() };
+    const float * xf = x;
+    const size_t wsz = is_f16 ? 2 : 4;
+    const int64_t step = 64 / wsz; /* one cache line of each row per step */
+    int64_t i = 0;
+    for (; i + step <= n; i += step) {
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) _mm_prefetch((const char *) pf[r] + i * wsz, GH_PF_HINT);
+#pragma GCC unroll 4
+        for (int j = 0; j < step; j += 16) {
+            const __m512 xv = _mm512_loadu_ps(xf + i + j);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const __m512 wv = is_f16 ? load_f16((const uint16_t *) rows[r] + i + j, 0xffff, true)
+                                         : load_f32((const float *) rows[r] + i + j, 0xffff, true);
+                acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+            }
+        }
+    }
+    for (; i < n; i += 16) {
+        const bool full = i + 16 <= n;
+        const __mmask16 m = full ? 0xffff : (__mmask16) ((1u << (n - i)) - 1);
+        const __m512 xv = load_f32(xf + i, m, full);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const __m512 wv = is_f16 ? load_f16((const uint16_t *) rows[r] + i, m, full)
+                                     : load_f32((const float *) rows[r] + i, m, full);
+            acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+GH_INLINE void dot4_q(const bool is_q4, int64_t n, const void * const * rows,
+                      const void * const * pf, const void * x, float * y) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t nb = n / 32;
+    const int64_t ng_full = nb / 4;
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const block_q8_x4 * xg = x;
+    for (int64_t g = 0; g < ng_full; g++) {
+        const size_t off = 4 * g * bs;
+        /* a group is 72 (136) bytes of each row: its first and last byte cover its lines */
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            _mm_prefetch((const char *) pf[r] + off, GH_PF_HINT);
+            _mm_prefetch((const char *) pf[r] + off + 4 * bs - 1, GH_PF_HINT);
+            if (!is_q4) _mm_prefetch((const char *) pf[r] + off + 64, GH_PF_HINT);
+        }
+        wgroup u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const uint8_t * p = (const uint8_t *) rows[r] + off;
+            u[r] = is_q4 ? unpack_q4_0(p, 4 * sizeof(block_q4_0)) : unpack_q8_0(p, 4 * sizeof(block_q8_0));
+        }
+        q_step_r4(is_q4, u, xg + g, &acc);
+    }
+    if (nb % 4) {
+        const int64_t g = ng_full;
+        const int64_t avail = (nb % 4) * (int64_t) bs;
+        wgroup u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const uint8_t * p = (const uint8_t *) rows[r] + 4 * g * bs;
+            u[r] = is_q4 ? unpack_q4_0(p, avail) : unpack_q8_0(p, avail);
+        }
+        q_step_r4(is_q4, u, xg + g, &acc);
+    }
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(y, q);
+}
+
+static void dot4_f32(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_f(false, n, rows, pf, x, y);
+}
+static void dot4_f16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_f(true, n, rows, pf, x, y);
+}
+static void dot4_q8_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_q(false, n, rows, pf, x, y);
+}
+static void dot4_q4_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_q(true, n, rows, pf, x, y);
+}
+
 /* ------------------------------------------------------------------ dispatch */
 
 /* A full MR x NT tile, or edge tiles: nt == 1 with up to MR rows (decode), else one
@@ -457,11 +554,11 @@ DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
 bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
     switch (type) {
-        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6, 4 }; return true;
-        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6, 4 }; return true;
-        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4 }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4 }; return true;
+        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32 }; return true;
+        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6, 4, dot4_f16 }; return true;
+        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, NULL }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0 }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0 }; return true;
         default: return false;
     }
 }

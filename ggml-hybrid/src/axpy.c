@@ -24,6 +24,10 @@
 
 #define AXPY_SEG 256  /* batch path: columns per segment (floats) */
 #define AXPY_RB  32   /* batch path: rows dequantized at once (AXPY_RB * AXPY_SEG floats) */
+#ifndef AXPY_PF_GROUPS
+#define AXPY_PF_GROUPS 2 /* list path, in-kernel prefetch: groups of four rows ahead */
+#endif
+#define AXPY_PF_ROWS 8   /* list path, no in-kernel prefetch: rows ahead */
 
 /* y[0..n) += s * row, the row in `type` starting at a block boundary (n a multiple of
  * the block size). */
@@ -315,6 +319,7 @@ typedef struct {
     axpy_fn           axpy;      /* the weight type's axpy */
     axpy_fn           axpy_f;    /* f32 axpy (batch path: accumulates dequantized rows) */
     axpy4_fn          axpy4;     /* the weight type's four-row axpy, or NULL */
+    gh_axpy4pf_fn     axpy4pf;   /* list path: the four-row axpy with prefetch, or NULL */
     const int32_t *   active;   /* batch path: rows with a nonzero h for some token */
     const int32_t *   ids;      /* list path (gh_matmul_t_list): rows ids[k] scaled by a[k] */
     const float *     a;
@@ -350,21 +355,34 @@ static void matmul_t_task(void * arg, int ith, int nth) {
         const void * rows[4];
         int k = 0;
         const int64_t n_rows = job->ids ? job->n_ids : w->rows;
+        const size_t seg = col_offset(tt, c1 - c0 + tt->block_size - 1);
         for (int64_t i = 0; i < n_rows; i++) {
             const int64_t r = job->ids ? job->ids[i] : i;
             const float hr = job->ids ? job->a[i] : job->h[r];
             if (hr == 0.0f) continue;
             s[k] = hr;
             rows[k] = wd + r * w->row_bytes + off;
-            if (job->ids && i + 4 < n_rows) {
-                /* list rows are scattered: fetch this column range of a row 4 ahead */
-                const char * next = wd + job->ids[i + 4] * w->row_bytes + off;
-                const size_t seg = col_offset(tt, c1 - c0 + tt->block_size - 1);
-                for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(next + o, 0, 3);
+            if (job->ids && !job->axpy4pf && i + AXPY_PF_ROWS < n_rows) {
+                /* list rows are scattered: fetch this column range of a row ahead (into
+                 * L2: into L1 they would evict the rows being added) */
+                const char * next = wd + job->ids[i + AXPY_PF_ROWS] * w->row_bytes + off;
+                for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(next + o, 0, 2);
             }
             if (++k == 4) {
-                if (job->axpy4) job->axpy4(c1 - c0, s, rows, job->y + c0);
-                else for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
+                if (job->axpy4pf) {
+                    /* the kernel prefetches the rows of the group AXPY_PF_GROUPS ahead
+                     * (by list position; past the end: the last row again) */
+                    const void * pf[4];
+                    for (int j = 0; j < 4; j++) {
+                        const int64_t ip = GH_MIN(n_rows - 1, i + 1 + 4 * (AXPY_PF_GROUPS - 1) + j);
+                        pf[j] = wd + job->ids[ip] * w->row_bytes + off;
+                    }
+                    job->axpy4pf(c1 - c0, s, rows, pf, job->y + c0);
+                } else if (job->axpy4) {
+                    job->axpy4(c1 - c0, s, rows, job->y + c0);
+                } else {
+                    for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
+                }
                 k = 0;
             }
         }
@@ -402,6 +420,9 @@ void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * i
         .w = w, .n_tokens = 1, .y = y, .ldy = w->cols, .axpy = axpy_for(w->type),
         .axpy4 = axpy4_for(w->type), .ids = ids, .a = a, .n_ids = n,
     };
+#if defined(GH_X86)
+    if (gh_simd_get() >= GH_SIMD_AVX512) job.axpy4pf = gh_axpy4pf_avx512(w->type);
+#endif
     gh_threadpool_run(tp, matmul_t_task, &job);
 }
 

@@ -44,6 +44,12 @@ typedef void (*gh_axpy_fn)(int64_t n, float s, const void * row, float * y);
 typedef void (*gh_axpy4_fn)(int64_t n, const float * s, const void * const * row, float * y);
 gh_axpy_fn gh_axpy_avx512(int type);
 gh_axpy4_fn gh_axpy4_avx512(int type);
+/* The four-row form that also prefetches the same column range of the rows pf[0..4) into
+ * L2, a slice per step (scattered list rows stream in while these are added); the sums
+ * are those of the gh_axpy4_fn, bit for bit. NULL where the level has none. */
+typedef void (*gh_axpy4pf_fn)(int64_t n, const float * s, const void * const * row,
+                              const void * const * pf, float * y);
+gh_axpy4pf_fn gh_axpy4pf_avx512(int type);
 
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox);

@@ -692,7 +692,22 @@ def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob
 
     out_path = os.path.abspath(os.fspath(out_path))
     out_dir = os.path.dirname(out_path)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix="." + os.path.basename(out_path) + ".", suffix=".tmp")
+    check_output_path(out_path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix="." + os.path.basename(out_path) + ".",
+                                   suffix=".tmp")
+    except OSError as e:
+        raise ConvertError(f"cannot create a file in {out_dir}: {e.strerror or e}") from None
+    try:  # the permissions a plain new file would get (mkstemp makes it private, 0600)
+        if os.path.isfile(out_path):
+            mode = os.stat(out_path).st_mode & 0o7777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
+    except OSError:
+        pass
     os.close(fd)
     w = None
     try:
@@ -737,6 +752,47 @@ def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob
     return out_path
 
 
+def check_output_path(out_path: str, inputs: list[str] | None = None) -> None:
+    """ConvertError unless out_path can be (re)written as a regular file: its folder
+    exists, it is not a folder, device or other special file, and it is none of
+    ``inputs`` (files the conversion reads, which it would destroy)."""
+    out_dir = os.path.dirname(out_path)
+    if os.path.isdir(out_path):
+        raise ConvertError(f"output path {out_path} is a directory; give a file name, "
+                           f"e.g. {os.path.join(out_path, 'model.gguf')}")
+    if not os.path.isdir(out_dir):
+        raise ConvertError(f"output folder {out_dir} does not exist")
+    if os.path.exists(out_path) and not os.path.isfile(out_path):
+        raise ConvertError(f"output path {out_path} exists and is not a regular file "
+                           "(a device, pipe or socket); give a file path")
+    for src in inputs or ():
+        try:
+            same = os.path.exists(out_path) and os.path.samefile(out_path, src)
+        except OSError:
+            same = False
+        if same:
+            raise ConvertError(f"output path {out_path} is one of the input files ({src}); "
+                               "writing it would destroy the model being converted; "
+                               "choose another -o")
+
+
+def _input_files(hf_dir: str, sparse_options=None) -> list[str]:
+    """The files a conversion of hf_dir may read: everything in the folder except GGUF
+    outputs, plus the calibration text."""
+    out = []
+    try:
+        for name in os.listdir(hf_dir):
+            p = os.path.join(hf_dir, name)
+            if os.path.isfile(p) and not name.endswith(".gguf"):
+                out.append(p)
+    except OSError:
+        pass
+    calib = getattr(sparse_options, "calib", None)
+    if calib:
+        out.append(os.fspath(calib))
+    return out
+
+
 def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
             progress: bool = True, sparse: bool = False, sparse_options=None,
             report: list | None = None) -> str:
@@ -752,10 +808,7 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
     if outtype not in F.OUTTYPES:
         raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
     out_path = os.path.abspath(os.fspath(out_path))
-    if os.path.isdir(out_path):
-        raise ConvertError(f"output path {out_path} is a directory")
-    if not os.path.isdir(os.path.dirname(out_path)):
-        raise ConvertError(f"output folder {os.path.dirname(out_path)} does not exist")
+    check_output_path(out_path, _input_files(os.fspath(hf_dir), sparse_options))
 
     params = read_hf_config(hf_dir)
     tok = read_hf_tokenizer(hf_dir, params.n_vocab, params)
@@ -829,6 +882,14 @@ def main(argv: list[str] | None = None) -> int:
                     budget = parse_size(args.vram_budget)
                 except ValueError as e:
                     raise ConvertError(f"--vram-budget: {e}") from None
+                if budget >= 2**63:
+                    raise ConvertError(f"--vram-budget {args.vram_budget} is too large "
+                                       "(at most 8 EiB)")
+                if args.ctx is not None and not 1 <= args.ctx < 2**31:
+                    raise ConvertError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+                if not 0 <= args.threads <= 512:
+                    raise ConvertError(f"--threads must be between 0 (all cores) and 512, "
+                                       f"got {args.threads}")
                 sopts = SparseOptions(calib=args.calib, calib_tokens=args.calib_tokens,
                                       predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
                                       group_size=args.group_size, placement=args.placement,
@@ -836,6 +897,9 @@ def main(argv: list[str] | None = None) -> int:
         path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
                        sparse_options=sopts)
     except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, RuntimeError) as e:  # e.g. the native runtime while profiling
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -48,11 +48,21 @@ def default_model_path(outtype: str = DEFAULT_OUTTYPE) -> Path:
     hf_dir = shipped_model_dir()
     out = cache_dir() / f"{SHIPPED_NAME}-{outtype}-sparse-{_fingerprint(hf_dir)}.gguf"
     if not out.is_file():
-        from .convert import convert
+        from .convert import ConvertError, convert
 
-        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"cannot create the model cache folder {out.parent}: "
+                          f"{e.strerror or e}; set POWERINFER_CACHE to a writable folder, "
+                          "or pass a model with -m MODEL.gguf") from None
         print(f"converting the shipped model to {out} (first use: profiling and predictor "
               "training take ~10-30 s) ...", file=sys.stderr)
         # The full sparse pipeline, calibrated on the model's held-out text.
-        convert(hf_dir, out, outtype=outtype, progress=False, sparse=True)
+        try:
+            convert(hf_dir, out, outtype=outtype, progress=False, sparse=True)
+        except ConvertError as e:
+            raise RuntimeError(f"converting the shipped model into {out.parent} failed: {e}; "
+                               "set POWERINFER_CACHE to a writable folder, or pass a model "
+                               "with -m MODEL.gguf") from None
     return out

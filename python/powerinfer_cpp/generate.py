@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from . import default_model
 
@@ -63,12 +64,38 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .model import Model  # after argument parsing, so --help is instant
 
-    if args.file:
-        with (sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")) as fh:
-            prompt = fh.read()
-    else:
-        prompt = args.prompt if args.prompt is not None else default_model.DEFAULT_PROMPT
     try:
+        with warnings.catch_warnings():
+            # warnings (a context beyond the training length, NaN weights) as one plain line
+            warnings.showwarning = lambda msg, *a, **k: print(f"warning: {msg}", file=sys.stderr)
+            return _run(args, Model)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        return 130
+
+
+def _run(args, Model) -> int:
+    model = None
+    try:
+        if args.file:
+            try:
+                if args.file == "-":
+                    data = sys.stdin.buffer.read()
+                else:
+                    with open(args.file, "rb") as fh:
+                        data = fh.read()
+            except OSError as e:
+                raise OSError(f"cannot read the prompt file {args.file}: "
+                              f"{e.strerror or e}") from None
+            try:
+                prompt = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                src = "standard input" if args.file == "-" else f"the prompt file {args.file}"
+                raise ValueError(f"{src} is not UTF-8 text "
+                                 f"(byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                                 "convert it to UTF-8 first") from None
+        else:
+            prompt = args.prompt if args.prompt is not None else default_model.DEFAULT_PROMPT
         path = args.model or default_model.default_model_path()
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn)
         if not model.info.act_from_file:
@@ -77,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         from .model import Completion
 
         stats = Completion("", [], "length", 0)
+        # stream() checks every argument before returning: a bad one fails before the echo
+        pieces = model.stream(prompt, max_tokens=args.n_predict, temperature=args.temp,
+                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                              repeat_penalty=args.repeat_penalty,
+                              repeat_last_n=args.repeat_last_n, seed=args.seed,
+                              stop=args.stop, ignore_eos=args.ignore_eos, stats=stats)
         if not args.no_prompt:
             sys.stdout.write(prompt)
             sys.stdout.flush()
         first = True
-        for piece in model.stream(prompt, max_tokens=args.n_predict, temperature=args.temp,
-                                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                                  repeat_penalty=args.repeat_penalty,
-                                  repeat_last_n=args.repeat_last_n, seed=args.seed,
-                                  stop=args.stop, ignore_eos=args.ignore_eos, stats=stats):
+        for piece in pieces:
             if first:  # the prompt is done: count the decode from here
                 model.context.reset_stats()
                 first = False
@@ -94,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if model is not None:
+            model.close()
         return 1
-    except KeyboardInterrupt:
-        return 130
     t = stats.timings
     print(f"\nmodel: {path} ({model.info.n_params / 1e6:.1f}M params, {model.info.weight_type}, "
           f"ffn {model.info.ffn_act})\n"

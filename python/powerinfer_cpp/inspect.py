@@ -29,7 +29,14 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     from .place import read_fields
 
     path = os.fspath(path)
-    r = gguf.GGUFReader(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError("it is a directory; pass a .gguf file")
+    try:
+        r = gguf.GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors on bad files
+        raise ValueError(f"not a valid GGUF file (truncated or corrupt: {e})") from None
     fields = read_fields(r)
     arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, "?")
     out = [f"file: {path} ({format_size(os.path.getsize(path))}), GGUF v{int(r.fields['GGUF.version'].contents())}, "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 import time
 import warnings
@@ -264,6 +266,7 @@ class Context(_NativeHandle):
         check(lib.gh_context_new(model._handle(), ffi.new("gh_context_params *", p), out))
         self._ptr = out[0]
         model._contexts.add(self)  # closed with the model, however it was made
+        self._use = 0  # bumped by every eval/reset; a stream stops if it changed under it
         self._tok = ffi.new("int32_t[1]")
         self._out = ffi.new("int32_t *")
         if mode is not None:
@@ -272,6 +275,12 @@ class Context(_NativeHandle):
             except BaseException:
                 self.close()
                 raise
+        n_train = model.info.n_ctx_train
+        if n_train > 0 and self.n_ctx > n_train:
+            warnings.warn(
+                f"n_ctx = {self.n_ctx} is larger than the context the model was trained with "
+                f"({n_train}); output past {n_train} tokens is likely garbage", RuntimeWarning,
+                stacklevel=3)
 
     _closed_msg = "this Context has been closed (or its Model was closed)"
 
@@ -293,6 +302,7 @@ class Context(_NativeHandle):
     def reset(self, n_past: int = 0) -> None:
         """Forget cached tokens after position n_past (default: all)."""
         check(lib.gh_context_truncate(self._handle(), _int32("n_past", n_past)))
+        self._use += 1
 
     # -- sparse FFN ------------------------------------------------------------
 
@@ -355,9 +365,10 @@ class Context(_NativeHandle):
     # -- evaluation ------------------------------------------------------------
 
     def _eval(self, tokens: Sequence[int], logits_all: bool) -> None:
-        arr = np.ascontiguousarray(tokens, dtype=np.int64)
+        arr = _token_array(tokens)
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError("tokens must be a non-empty 1-D sequence of ids")
+        self._use += 1  # an open stream on this context can no longer continue
         if arr.min() < 0 or arr.max() >= self.model.n_vocab:
             bad = int(arr[(arr < 0) | (arr >= self.model.n_vocab)][0])
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.model.n_vocab})")
@@ -408,31 +419,71 @@ class Context(_NativeHandle):
         temperature <= 0 is greedy. Generation ends at EOS, a stop string (not
         included in the text), max_tokens, or when the context is full. Pass a
         Completion as `stats` to receive tokens, finish reason and timings.
+
+        The arguments are checked here, before the first piece is asked for (a bad
+        one raises at once). A stream owns its context while it runs: evaluating,
+        resetting or streaming on the same context meanwhile makes the old stream
+        raise RuntimeError when resumed (use create_context() for concurrent streams).
         """
         model = self.model
-        prompt_ids = model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._handle()
+        if isinstance(prompt, str):
+            prompt_ids = model.tokenize(prompt)
+        elif isinstance(prompt, (bytes, bytearray)) or not _is_sequence(prompt):
+            raise TypeError(f"prompt must be a str or a sequence of token ids, not "
+                            f"{type(prompt).__name__}")
+        else:
+            arr = _token_array(prompt)
+            if arr.ndim != 1 and arr.size:
+                raise ValueError("a prompt of token ids must be a flat sequence of ints")
+            prompt_ids = [int(t) for t in arr.reshape(-1)]
         if not prompt_ids:
             raise ValueError("the prompt is empty (no tokens)")
+        bad = [t for t in prompt_ids if not 0 <= t < model.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {model.n_vocab})")
         if len(prompt_ids) >= self.n_ctx:
             raise ValueError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds only {self.n_ctx}; "
                 f"use a shorter prompt or a larger n_ctx (the model was trained with "
                 f"{model.info.n_ctx_train})")
+        max_tokens = _int_arg("max_tokens", max_tokens)
         if max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if stop is None:
+            stops = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, (bytes, bytearray)) or not _is_sequence(stop):
+            raise TypeError(f"stop must be a str or a list of str, not {type(stop).__name__}")
+        else:
+            stops = list(stop)
+        for s in stops:
+            if not isinstance(s, str):
+                raise TypeError(f"stop strings must be str, not {type(s).__name__} ({s!r})")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
-        hold = max((len(s) for s in stops), default=1) - 1
 
         sp = lib.gh_sampler_default_params()
-        sp.temperature, sp.top_k, sp.top_p, sp.min_p = temperature, top_k, top_p, min_p
-        sp.repeat_penalty, sp.repeat_last_n = repeat_penalty, repeat_last_n
-        sp.seed = (int.from_bytes(os.urandom(8), "little") if seed is None else int(seed)) % 2**64
+        sp.temperature = _float_arg("temperature", temperature)
+        sp.top_k = _int32("top_k", _int_arg("top_k", top_k))
+        sp.top_p = _float_arg("top_p", top_p)
+        sp.min_p = _float_arg("min_p", min_p)
+        sp.repeat_penalty = _float_arg("repeat_penalty", repeat_penalty)
+        repeat_last_n = _int_arg("repeat_last_n", repeat_last_n)
+        sp.repeat_last_n = _int32("repeat_last_n", repeat_last_n)
+        sp.seed = (int.from_bytes(os.urandom(8), "little") if seed is None
+                   else _int_arg("seed", seed)) % 2**64
         sampler_out = ffi.new("gh_sampler **")
         check(lib.gh_sampler_new(ffi.new("gh_sampler_params *", sp), model.n_vocab, sampler_out))
         sampler = ffi.gc(sampler_out[0], lib.gh_sampler_free)
+        return self._stream(prompt_ids, sampler, max_tokens, repeat_last_n, stops,
+                            bool(ignore_eos), stats)
 
+    def _stream(self, prompt_ids: list[int], sampler, max_tokens: int, repeat_last_n: int,
+                stops: list[str], ignore_eos: bool, stats: Completion | None) -> Iterator[str]:
+        model = self.model
+        hold = max((len(s) for s in stops), default=1) - 1
         result = stats if stats is not None else Completion("", [], "length", 0)
         result.n_prompt_tokens = len(prompt_ids)
         result.tokens, result.text = [], ""
@@ -443,6 +494,7 @@ class Context(_NativeHandle):
         t0 = time.perf_counter()
         self._eval(prompt_ids, False)
         t1 = time.perf_counter()
+        mine = self._use
         ctx, tok, out = self._ptr, self._tok, self._out
         eos = model.eos_id
         detok = _Detokenizer(model.tokenizer)
@@ -474,6 +526,12 @@ class Context(_NativeHandle):
                     result.text += piece
                     yield piece
                 ctx = self._handle()  # the caller may have closed us (or the model) meanwhile
+                if self._use != mine:
+                    raise RuntimeError(
+                        "this stream's context was used by another call (eval, reset, "
+                        "perplexity or another stream) while the stream was paused, so it "
+                        "cannot continue; use create_context() for streams that run side "
+                        "by side")
                 if n_gen >= max_tokens or lib.gh_context_n_past(ctx) >= lib.gh_context_n_ctx(ctx):
                     break
                 tok[0] = token
@@ -517,6 +575,54 @@ def _int32(name: str, value) -> int:
     if not -2**31 <= v < 2**31:
         raise ValueError(f"{name} = {v} is out of range")
     return v
+
+
+def _int_arg(name: str, value) -> int:
+    """value as a Python int; TypeError for floats, bools, None, strings (no silent
+    truncation of 2.5 to 2)."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _float_arg(name: str, value) -> float:
+    """value as a float; TypeError for strings, None and the like."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _is_sequence(x) -> bool:
+    return isinstance(x, (Sequence, np.ndarray)) or (hasattr(x, "__len__") and
+                                                     hasattr(x, "__getitem__"))
+
+
+def _token_array(tokens) -> np.ndarray:
+    """Token ids as an int64 array; TypeError for floats, bools, strings; ValueError for
+    ids too large for any vocabulary."""
+    if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
+        raise TypeError(f"tokens must be a sequence of token ids (ints), not "
+                        f"{type(tokens).__name__}; use model.tokenize(text) for text")
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype == object:
+        vals = arr.reshape(-1).tolist()
+        for v in vals:
+            _int_arg("a token id", v)
+        big = [v for v in vals if not -2**63 <= int(v) < 2**63]
+        if big:
+            raise ValueError(f"token id {big[0]} is outside the vocabulary")
+        return np.array([int(v) for v in vals], dtype=np.int64).reshape(arr.shape)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got an array of {arr.dtype} "
+                        "(floats and bools are not token ids)")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) >= 2**63:
+        raise ValueError(f"token id {int(arr.max())} is outside the vocabulary")
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

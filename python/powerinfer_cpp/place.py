@@ -63,11 +63,19 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
     path = os.fspath(path)
     out_path = os.fspath(out_path) if out_path is not None else path
     if not os.path.isfile(path):
-        raise PlaceError(f"model file not found: {path}")
+        raise PlaceError(f"model file not found: {path}" if not os.path.exists(path)
+                         else f"{path} is not a regular file; pass a .gguf file")
+    if not 0 <= int(budget) < 2**63:
+        raise PlaceError(f"VRAM budget {budget} bytes is out of range (0 to 8 EiB)")
+    if ctx is not None and not 1 <= int(ctx) < 2**31:
+        raise PlaceError(f"ctx must be a positive number of tokens, got {ctx}")
+    if not time_limit > 0:
+        raise PlaceError(f"time_limit must be > 0 seconds, got {time_limit}")
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError / struct errors on bad files
-        raise PlaceError(f"cannot read {path}: {e}") from None
+        raise PlaceError(f"cannot read {path}: not a valid GGUF file (truncated or corrupt: "
+                         f"{e})") from None
     fields = read_fields(reader)
     if F.KEY_SPARSE_THRESHOLD not in fields:
         raise PlaceError(f"{path} is not a sparse file (no {F.KEY_SPARSE_THRESHOLD}); convert the model with "
@@ -84,6 +92,12 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
         raise PlaceError(f"{path}: missing or bad hyper-parameter ({e})") from None
     if ctx is None:
         ctx = int(fields.get(F.KEY_GPU_CTX, fields.get(F.arch_key(F.KEY_CONTEXT_LENGTH, arch), 2048)))
+    if out_path != path or os.path.exists(out_path):
+        from .convert import ConvertError, check_output_path
+        try:
+            check_output_path(os.path.abspath(out_path))
+        except ConvertError as e:
+            raise PlaceError(str(e)) from None
     if group_size is None:
         group_size = int(fields.get(F.KEY_GPU_GROUP_SIZE, 64))
     tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
@@ -145,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         pl = replace_index(args.model, budget, args.outfile, ctx=args.ctx, group_size=args.group_size,
                            min_layer_share=args.min_layer_share, method=args.placement,
                            time_limit=args.time_limit, progress=False)
-    except (PlaceError, ValueError) as e:
+    except (PlaceError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not args.quiet:

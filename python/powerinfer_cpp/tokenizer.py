@@ -23,6 +23,7 @@ tokens become (non-special) added tokens, so they encode as single ids.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from typing import Any, Iterable, Sequence
@@ -140,7 +141,9 @@ def build_tokenizer_from_ggml(meta: dict[str, Any]):
     kind = meta.get(F.KEY_TOKENIZER_MODEL)
     tokens = meta.get(F.KEY_TOKENIZER_TOKENS)
     if not tokens:
-        raise TokenizerError("the file has no tokenizer (neither tokenizer.huggingface.json nor tokenizer.ggml.tokens)")
+        raise TokenizerError("the file has no tokenizer (neither tokenizer.huggingface.json nor tokenizer.ggml.tokens); "
+                             "convert the model again from its Hugging Face folder (with tokenizer.json) using "
+                             "`python -m powerinfer_cpp.convert HF_DIR -o MODEL.gguf`")
     tokens = [str(t) for t in tokens]
     types = list(meta.get(F.KEY_TOKENIZER_TOKEN_TYPE) or [F.TOKEN_TYPE_NORMAL] * len(tokens))
     if len(types) != len(tokens):
@@ -277,7 +280,12 @@ class Tokenizer:
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         out = []
         for i in ids:
-            i = int(i)
+            try:
+                if isinstance(i, bool) or type(i).__name__ == "bool_":
+                    raise TypeError
+                i = operator.index(i)
+            except TypeError:
+                raise TypeError(f"token ids must be integers, got {i!r}") from None
             if not 0 <= i < self.n_vocab:
                 raise TokenizerError(f"token id {i} out of range [0, {self.n_vocab})")
             out.append(i)

@@ -299,3 +299,13 @@ def test_inspect_and_place_on_truncated_files(random_gguf, tmp_path, capsys):
         _cli_error(capsys, place.main([str(bad), "--vram-budget", "1M"]))
     _, err = _cli_error(capsys, inspect.main([str(tmp_path)]))
     assert "directory" in err
+
+
+def test_sparse_options_are_checked_up_front():
+    from powerinfer_cpp.convert import ConvertError
+    from powerinfer_cpp.sparse_convert import SparseOptions
+
+    for bad in (dict(ctx=-1), dict(n_threads=-1), dict(vram_budget=-5), dict(predictor_recall=1.5),
+                dict(placement="magic"), dict(calib_tokens=0)):
+        with pytest.raises(ConvertError, match="sparse options"):
+            SparseOptions(**bad)

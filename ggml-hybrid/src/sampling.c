@@ -44,7 +44,7 @@ gh_status gh_sampler_new(const gh_sampler_params * p, int32_t n_vocab, gh_sample
     if (!(p->temperature >= 0) || !isfinite(p->temperature)) {
         return gh_fail(GH_ERR_INVALID_ARG, "temperature must be >= 0, got %g", p->temperature);
     }
-    if (!(p->top_p > 0)) return gh_fail(GH_ERR_INVALID_ARG, "top_p must be in (0, 1], got %g", p->top_p);
+    if (!(p->top_p > 0)) return gh_fail(GH_ERR_INVALID_ARG, "top_p must be > 0 (1 or more turns it off), got %g", p->top_p);
     if (!(p->min_p >= 0) || p->min_p > 1) {
         return gh_fail(GH_ERR_INVALID_ARG, "min_p must be in [0, 1], got %g", p->min_p);
     }

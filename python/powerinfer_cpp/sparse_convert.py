@@ -55,6 +55,25 @@ class SparseOptions:
     predictor: PredictorConfig | None = None
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
 
+    def __post_init__(self):
+        from .convert import ConvertError
+
+        checks = [
+            (self.calib_tokens >= 2, f"calib_tokens must be >= 2, got {self.calib_tokens}"),
+            (0 < self.predictor_recall <= 1, f"predictor_recall must be in (0, 1], got {self.predictor_recall}"),
+            (0 <= self.vram_budget < 2**63, f"vram_budget must be in [0, 2^63) bytes, got {self.vram_budget}"),
+            (self.ctx is None or 1 <= self.ctx < 2**31, f"ctx must be a positive context length, got {self.ctx}"),
+            (self.group_size >= 1, f"group_size must be >= 1, got {self.group_size}"),
+            (0 <= self.min_layer_share <= 1, f"min_layer_share must be in [0, 1], got {self.min_layer_share}"),
+            (self.ilp_time_limit > 0, f"ilp_time_limit must be > 0 seconds, got {self.ilp_time_limit}"),
+            (self.placement in ("ilp", "greedy"), f"placement must be 'ilp' or 'greedy', got {self.placement!r}"),
+            (1 <= self.profile_ctx < 2**31, f"profile_ctx must be >= 1, got {self.profile_ctx}"),
+            (0 <= self.n_threads <= 512, f"n_threads must be in [0, 512] (0 = all cores), got {self.n_threads}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConvertError(f"sparse options: {msg}")
+
 
 @dataclass
 class SparseReport:

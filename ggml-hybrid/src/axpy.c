@@ -456,20 +456,6 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
 
 /* ---- public entry point (tests, benchmarks) ---- */
 
-/* One pool kept for repeated calls (benchmarks), as gh_op_matmul does; a concurrent
- * caller gets a pool of its own. */
-static pthread_mutex_t g_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
-static gh_threadpool * g_pool;
-
-/* Join the kept pool when the library is unloaded (cffi closes it at interpreter exit)
- * or the process exits: a worker still spinning in unmapped code would crash. */
-__attribute__((destructor)) static void matmul_t_pool_fini(void) {
-    if (pthread_mutex_trylock(&g_pool_mutex) != 0) return; /* a call is running: leave it */
-    gh_threadpool_free(g_pool);
-    g_pool = NULL;
-    pthread_mutex_unlock(&g_pool_mutex);
-}
-
 gh_status gh_op_matmul_t(int type, const void * w, int64_t rows, int64_t cols, const float * h,
                          int64_t n_tokens, float * y, int n_threads) {
     if (!axpy_for(type)) return gh_fail(GH_ERR_INVALID_ARG, "gh_op_matmul_t: unknown type %d", type);
@@ -497,24 +483,10 @@ gh_status gh_op_matmul_t(int type, const void * w, int64_t rows, int64_t cols, c
     }
     gh_weight wt = { .type = type, .rows = rows, .cols = cols, .data = w,
                      .row_bytes = gh_row_size(type, cols) };
-    gh_threadpool * tp = NULL;
-    const bool cached = n_threads > 1 && pthread_mutex_trylock(&g_pool_mutex) == 0;
-    if (cached) {
-        if (g_pool && gh_threadpool_n_threads(g_pool) != n_threads) {
-            gh_threadpool_free(g_pool);
-            g_pool = NULL;
-        }
-        if (!g_pool) g_pool = gh_threadpool_new(n_threads);
-        tp = g_pool;
-    } else if (n_threads > 1) {
-        tp = gh_threadpool_new(n_threads);
-    }
-    if (n_threads > 1 && !tp) {
-        if (cached) pthread_mutex_unlock(&g_pool_mutex);
-        return GH_ERR_OOM; /* message set by gh_threadpool_new */
-    }
+    gh_threadpool * tp;
+    bool kept;
+    if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
     gh_matmul_t(tp, &wt, h, n_tokens, rows, y, cols);
-    if (cached) pthread_mutex_unlock(&g_pool_mutex);
-    else gh_threadpool_free(tp);
+    gh_op_pool_release(tp, kept);
     return GH_OK;
 }

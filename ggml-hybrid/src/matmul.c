@@ -111,21 +111,6 @@ void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t
 
 /* ---- public entry point ---- */
 
-/* gh_op_matmul keeps one pool around so that repeated calls (tests, benchmarks) do not
- * pay for starting threads; a concurrent caller gets a pool of its own. */
-static pthread_mutex_t g_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
-static gh_threadpool * g_pool;
-
-/* Join the kept pool's threads when the library is unloaded (Python's cffi closes it at
- * interpreter exit) or the process exits: a worker still spinning in unmapped code would
- * crash. */
-__attribute__((destructor)) static void matmul_pool_fini(void) {
-    if (pthread_mutex_trylock(&g_pool_mutex) != 0) return; /* a call is running: leave it */
-    gh_threadpool_free(g_pool);
-    g_pool = NULL;
-    pthread_mutex_unlock(&g_pool_mutex);
-}
-
 gh_status gh_op_matmul(int type, const void * w, int64_t rows, int64_t cols, const float * x,
                        int64_t n_tokens, float * y, int n_threads) {
     if (!gh_type_valid(type)) return gh_fail(GH_ERR_INVALID_ARG, "gh_op_matmul: unknown type %d", type);
@@ -158,28 +143,14 @@ gh_status gh_op_matmul(int type, const void * w, int64_t rows, int64_t cols, con
         return gh_fail(GH_ERR_OOM, "gh_op_matmul: cannot allocate %zu bytes of scratch", scratch_size);
     }
 
-    gh_threadpool * tp = NULL;
-    bool cached = n_threads > 1 && pthread_mutex_trylock(&g_pool_mutex) == 0;
-    if (cached) {
-        if (g_pool && gh_threadpool_n_threads(g_pool) != n_threads) {
-            gh_threadpool_free(g_pool);
-            g_pool = NULL;
-        }
-        if (!g_pool) g_pool = gh_threadpool_new(n_threads);
-        tp = g_pool;
-    } else if (n_threads > 1) {
-        tp = gh_threadpool_new(n_threads);
-    }
-    if (n_threads > 1 && !tp) {
-        if (cached) pthread_mutex_unlock(&g_pool_mutex);
+    gh_threadpool * tp;
+    bool kept;
+    if (gh_op_pool_acquire(n_threads, &tp, &kept)) {
         gh_aligned_free(scratch);
         return GH_ERR_OOM; /* message set by gh_threadpool_new */
     }
-
     gh_matmul(tp, &wt, x, n_tokens, y, rows, scratch);
-
-    if (cached) pthread_mutex_unlock(&g_pool_mutex);
-    else gh_threadpool_free(tp);
+    gh_op_pool_release(tp, kept);
     gh_aligned_free(scratch);
     return GH_OK;
 }

@@ -622,9 +622,10 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
         q_elems > (uint64_t) INT64_MAX / sizeof(float) || kv_elems > (uint64_t) INT64_MAX / sizeof(float))
         return gh_fail(GH_ERR_INVALID_ARG, "attention: sizes overflow");
 
-    gh_threadpool * tp = gh_threadpool_new(n_threads);
-    if (!tp) return GH_ERR_OOM; /* message set by the pool */
+    gh_threadpool * tp;
+    bool kept;
+    if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
     gh_attention(tp, q, k, v, out, n_tokens, n_past, n_head, n_head_kv, head_dim, NULL);
-    gh_threadpool_free(tp);
+    gh_op_pool_release(tp, kept);
     return GH_OK;
 }

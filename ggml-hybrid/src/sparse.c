@@ -497,48 +497,17 @@ static gh_status check_ids(const char * fn, const int32_t * ids, int64_t n, int6
     return GH_OK;
 }
 
-/* One pool kept for repeated calls (benchmarks), as gh_op_matmul does: starting threads
- * per call costs more than a sparse op. A concurrent caller gets a pool of its own. */
-static pthread_mutex_t g_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
-static gh_threadpool * g_pool;
-
-__attribute__((destructor)) static void sparse_pool_fini(void) {
-    if (pthread_mutex_trylock(&g_pool_mutex) != 0) return; /* a call is running: leave it */
-    gh_threadpool_free(g_pool);
-    g_pool = NULL;
-    pthread_mutex_unlock(&g_pool_mutex);
-}
-
 /* *tp: NULL for one thread; *cached: whether it is the kept pool (op_pool_release). */
 static gh_status op_pool(const char * fn, int n_threads, gh_threadpool ** tp, bool * cached) {
-    *tp = NULL;
-    *cached = false;
     if (n_threads < 1 || n_threads > 512) {
+        *tp = NULL;
+        *cached = false;
         return gh_fail(GH_ERR_INVALID_ARG, "%s: n_threads %d out of range [1, 512]", fn, n_threads);
     }
-    if (n_threads == 1) return GH_OK;
-    if (pthread_mutex_trylock(&g_pool_mutex) == 0) {
-        if (g_pool && gh_threadpool_n_threads(g_pool) != n_threads) {
-            gh_threadpool_free(g_pool);
-            g_pool = NULL;
-        }
-        if (!g_pool) g_pool = gh_threadpool_new(n_threads);
-        if (!g_pool) {
-            pthread_mutex_unlock(&g_pool_mutex);
-            return GH_ERR_OOM;
-        }
-        *tp = g_pool;
-        *cached = true;
-        return GH_OK;
-    }
-    if (!(*tp = gh_threadpool_new(n_threads))) return GH_ERR_OOM;
-    return GH_OK;
+    return (gh_status) gh_op_pool_acquire(n_threads, tp, cached);
 }
 
-static void op_pool_release(gh_threadpool * tp, bool cached) {
-    if (cached) pthread_mutex_unlock(&g_pool_mutex);
-    else gh_threadpool_free(tp);
-}
+static void op_pool_release(gh_threadpool * tp, bool cached) { gh_op_pool_release(tp, cached); }
 
 static gh_weight make_weight(int type, const void * w, int64_t rows, int64_t cols) {
     gh_weight wt = { .type = type, .rows = rows, .cols = cols, .data = w,

@@ -139,3 +139,42 @@ void gh_threadpool_run(gh_threadpool * tp, gh_task_fn fn, void * arg) {
         if (spins < GH_SPIN_BEFORE_YIELD) GH_PAUSE(); else sched_yield();
     }
 }
+
+static pthread_mutex_t g_op_pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static gh_threadpool * g_op_pool;
+
+/* Join the kept pool's threads when the library is unloaded (Python's cffi closes it at
+ * interpreter exit) or the process exits: a worker still spinning in unmapped code would
+ * crash. */
+__attribute__((destructor)) static void op_pool_fini(void) {
+    if (pthread_mutex_trylock(&g_op_pool_mutex) != 0) return; /* a call is running: leave it */
+    gh_threadpool_free(g_op_pool);
+    g_op_pool = NULL;
+    pthread_mutex_unlock(&g_op_pool_mutex);
+}
+
+int gh_op_pool_acquire(int n_threads, gh_threadpool ** tp, bool * kept) {
+    *tp = NULL;
+    *kept = false;
+    if (n_threads <= 1) return GH_OK;
+    if (pthread_mutex_trylock(&g_op_pool_mutex) == 0) {
+        if (g_op_pool && gh_threadpool_n_threads(g_op_pool) != n_threads) {
+            gh_threadpool_free(g_op_pool);
+            g_op_pool = NULL;
+        }
+        if (!g_op_pool) g_op_pool = gh_threadpool_new(n_threads);
+        if (!g_op_pool) {
+            pthread_mutex_unlock(&g_op_pool_mutex);
+            return GH_ERR_OOM;
+        }
+        *tp = g_op_pool;
+        *kept = true;
+        return GH_OK;
+    }
+    return (*tp = gh_threadpool_new(n_threads)) ? GH_OK : GH_ERR_OOM;
+}
+
+void gh_op_pool_release(gh_threadpool * tp, bool kept) {
+    if (kept) pthread_mutex_unlock(&g_op_pool_mutex);
+    else gh_threadpool_free(tp);
+}

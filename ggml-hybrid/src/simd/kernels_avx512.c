@@ -115,7 +115,7 @@ GH_INLINE void tile_bf16(const int MR, const int NT, int64_t n, const void * w, 
         const __mmask32 m = full ? 0xffffffffu : (__mmask32) ((1ull << (n - i)) - 1);
         if (NT == 1) {
 #pragma GCC unroll 8
-            for (size_t k = 0; k < MR * 64; k += 64) _mm_prefetch(pf + k, GH_PF_HINT);
+            for (size_t k = 0; k < (size_t) MR * 64; k += 64) _mm_prefetch(pf + k, GH_PF_HINT);
             pf += MR * 64;
         }
         __m512bh wv[MAXR];

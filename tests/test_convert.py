@@ -99,11 +99,12 @@ def assert_no_leftovers(d: Path, allowed=()):
 # successful conversions
 # --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("outtype", F.OUTTYPES)
-@pytest.mark.parametrize("name", list(MODELS))
+# bf16/q8_0 on the gelu/drelu models are left out: the other models cover those types,
+# and the suite stays fast.
+@pytest.mark.parametrize("name,outtype", [
+    (name, outtype) for name in MODELS for outtype in F.OUTTYPES
+    if not (outtype in ("bf16", "q8_0") and name in ("gelu_mistral", "drelu_spm"))])
 def test_convert_outtypes(hf_dirs, tmp_path, name, outtype):
-    if outtype in ("bf16", "q8_0") and name in ("gelu_mistral", "drelu_spm"):
-        pytest.skip("covered by the other models; keeps the suite fast")
     kw = MODELS[name]
     d = hf_dirs[name]
     cfg = json.loads((d / "config.json").read_text())

@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
-"""Dense speed of this runtime vs llama.cpp (llama-cpp-python), side by side, in one run.
+"""Dense and sparse speed of this runtime vs llama.cpp (llama-cpp-python), side by side, in one run.
 
     GH_LIBRARY=build/libggml_hybrid.so PYTHONPATH=python python tools/bench.py \
-        [--types f16,q4_0] [--threads 1,2] [--passes 3] [--ops] [--write-docs]
+        [--types f16,q4_0] [--threads 1,2] [--passes 3] [--ops] [--write-docs] [--plain | --layers 8 ...]
 
-What it does, on the SAME GGUF files (made by tools/make_bench_model.py; default the
-542M-parameter synthetic LLaMA: d=2048, 8 layers, 16 heads, n_ff=5632, vocab 32000):
+What it does, on GGUF files made by tools/make_bench_model.py (default: the issue-5 model,
+a 1.1B-parameter LLaMA with ReGLU FFN whose weights are constructed to be ~93% sparse on
+real text: d=2048, 22 layers, 32 heads / 4 KV heads, n_ff=5632, vocab 32000; dense GGUF per
+type, and the sparse GGUF of the same weights from `convert --sparse`; --plain: the
+foundation's random 542M dense model, no sparse engine):
 
+* Engines: `llama.cpp` on the dense GGUF; `ours` (dense FFN) on the same dense GGUF;
+  `ours-sparse` on the sparse GGUF in sparse FFN mode (gh_context_set_ffn_mode
+  GH_FFN_SPARSE: predictor -> active neurons -> gate/up/down over those rows only; prompts
+  of more than the context's sparse batch limit run dense, as the runtime decides).
+* Tokens: real text (models/tiny-relu-kjv/heldout.txt through its tokenizer, from token 8192
+  on: text the sparse model's predictors were not trained on), the same for every engine.
 * pp128: one 128-token batch eval into a fresh cache (after one untimed warm-up eval
   that also faults the weights in), tokens/s.
 * tg128: a short prompt (8 tokens), then 128 single-token decode steps, tokens/s.
-* Engines: ours through the low-level cffi binding (gh_model_load / gh_context_new /
+* Ours through the low-level cffi binding (gh_model_load / gh_context_new /
   gh_eval / gh_context_truncate: no sampling, no Python tokenization in the timed
   loop); llama.cpp through llama-cpp-python's C-level ctypes functions
   (llama_model_load_from_file / llama_init_from_model / llama_decode on
@@ -18,12 +27,17 @@ What it does, on the SAME GGUF files (made by tools/make_bench_model.py; default
   generation overhead counts against llama.cpp. Context: n_ctx=512, n_batch=n_ubatch=512,
   other llama.cpp context parameters at their defaults.
 * Every measurement runs in its own fresh worker process (load, warm up, pp, tg), so the
-  two engines' thread pools never compete; engines ALTERNATE within every pass (the
+  engines' thread pools never compete; engines ALTERNATE within every pass (the
   order flips each pass), and the table shows the median over passes with min-max.
 * Memory read bandwidth of this machine is measured in the same run with tools/membw.c
   (compiled here with cc -O2 -march=native -pthread; each thread streams its own 512 MB),
-  and the decode limit is bandwidth / bytes of weights read per token (all tensor bytes
-  of the GGUF except token_embd, of which decode reads one row).
+  and the decode limit is bandwidth / bytes of weights read per token. Dense: all tensor
+  bytes of the GGUF except token_embd (of which decode reads one row). Sparse: measured by
+  the runtime during the tg128 loop (gh_context_get_stats: attention + predictor + FFN rows
+  read + head, per token) when the runtime has the stats API; else computed from the sparse
+  file: attention + predictor + per layer (predicted density x gate + true density x (up +
+  down_t)) + head + norms, with the predicted/true densities of the conversion report
+  (pipeline.json) and the file's ffn_freq.
 * Load: /proc/loadavg before and after, and for every worker the CPU time other
   processes used while it ran (from /proc/stat minus the worker's own rusage).
 * --ops: our per-matmul costs, timing gh_op_matmul on the model's own weights in model
@@ -65,13 +79,56 @@ BEGIN, END = "<!-- BENCH-BEGIN (written by tools/bench.py --write-docs) -->", "<
 # Workers (each runs in its own process)
 # ==========================================================================
 
+TEXT = REPO / "models" / "tiny-relu-kjv" / "heldout.txt"
+TEXT_OFFSET = 8192   # tokens of TEXT from here on: neither profiled (the first 4096) nor construction (the last 2048)
+
+
 def _tokens(n: int, seed: int) -> list[int]:
+    """n tokens of real text (the shipped held-out text through the shipped tokenizer, which
+    the bench models reuse; the sparse model's active sets depend on the text), taken from
+    the middle of the text; random ids when it cannot be read."""
+    try:
+        import tokenizers
+        tok = tokenizers.Tokenizer.from_file(str(TEXT.parent / "tokenizer.json"))
+        ids = tok.encode(TEXT.read_text(encoding="utf-8")).ids
+        start = TEXT_OFFSET + 1024 * seed
+        if len(ids) >= start + n:
+            return [int(i) for i in ids[start:start + n]]
+    except Exception:  # noqa: BLE001 - fall back to random ids
+        pass
     import random
     r = random.Random(seed)
     return [r.randrange(4, 4096) for _ in range(n)]
 
 
-def worker_ours(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
+def _native_fn(lib, name: str):
+    """A runtime function, or None when this build (or its header) lacks it."""
+    try:
+        return getattr(lib, name)
+    except AttributeError:
+        return None
+
+
+FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2}
+
+
+def _read_stats(ffi, lib, c, n_layer: int) -> dict | None:
+    get = _native_fn(lib, "gh_context_get_stats")
+    if get is None:
+        return None
+    from powerinfer_cpp._native import check
+    st = ffi.new("gh_context_stats *")
+    dens = ffi.new("double[]", max(1, n_layer))
+    check(get(c, st, dens, n_layer))
+    out = {k: getattr(st, k) for k in ("n_tokens", "n_sparse_tokens", "n_active", "n_up_rows", "n_down_rows",
+                                       "density", "bytes_attention", "bytes_predictor", "bytes_ffn",
+                                       "bytes_head", "bytes_per_token", "t_attention", "t_predictor", "t_ffn",
+                                       "t_other", "t_total")}
+    out["layer_density"] = [dens[i] for i in range(n_layer)]
+    return out
+
+
+def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = "dense") -> dict:
     from powerinfer_cpp._native import check, ffi, lib
     t0 = time.perf_counter()
     mp = ffi.new("gh_model **")
@@ -82,6 +139,14 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     cp = ffi.new("gh_context **")
     check(lib.gh_context_new(m, ffi.new("gh_context_params *", p), cp))
     c = cp[0]
+    set_mode = _native_fn(lib, "gh_context_set_ffn_mode")
+    if set_mode is not None:
+        check(set_mode(c, FFN_MODES[ffn_mode]))
+    elif ffn_mode != "dense":
+        raise RuntimeError("this runtime has no sparse FFN (gh_context_set_ffn_mode is missing)")
+    info = ffi.new("gh_model_info *")
+    check(lib.gh_model_info_get(m, info))
+    n_layer = info.n_layer
     load_s = time.perf_counter() - t0
     pp = ffi.new("int32_t[]", _tokens(n_pp, 1))
     tg = ffi.new("int32_t[]", _tokens(N_TG_PROMPT + n_tg, 2))
@@ -95,16 +160,28 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     check(trunc(c, 0))
 
     check(ev(c, tg, N_TG_PROMPT, 0))
+    reset = _native_fn(lib, "gh_context_reset_stats")
+    if reset is not None:
+        check(reset(c))
     t = time.perf_counter()
     for i in range(N_TG_PROMPT, N_TG_PROMPT + n_tg):
         st = ev(c, tg + i, 1, 0)
         if st:
             check(st)
     tg_s = time.perf_counter() - t
+    stats = _read_stats(ffi, lib, c, n_layer)   # of the tg loop only
+    get_mode = _native_fn(lib, "gh_context_get_ffn_mode")
+    mode_now = get_mode(c) if get_mode is not None else 0
     simd = {0: "scalar", 1: "avx2", 2: "avx512"}.get(lib.gh_simd_get(), "?")
     lib.gh_context_free(c)
     lib.gh_model_free(m)
-    return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s, "info": f"simd={simd}"}
+    if ffn_mode != "dense" and mode_now != FFN_MODES[ffn_mode]:
+        raise RuntimeError(f"the context is in FFN mode {mode_now}, not {ffn_mode}")
+    return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s, "info": f"simd={simd}", "stats": stats}
+
+
+def worker_ours_sparse(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
+    return worker_ours(model, threads, n_pp, n_tg, "sparse")
 
 
 def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
@@ -213,7 +290,8 @@ def worker_ops(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     return out
 
 
-WORKERS = {"ours": worker_ours, "llama.cpp": worker_llama, "ops": worker_ops}
+WORKERS = {"ours": worker_ours, "ours-sparse": worker_ours_sparse, "llama.cpp": worker_llama, "ops": worker_ops}
+ENGINES = ("llama.cpp", "ours", "ours-sparse")
 
 
 def run_worker(engine: str, model: str, threads: int, n_pp: int, n_tg: int, timeout: float) -> dict:
@@ -306,6 +384,76 @@ def weight_bytes(path: str) -> tuple[int, int]:
     return per_tok, total
 
 
+def tensor_table(path: str) -> dict[str, tuple[int, object]]:
+    """name -> (bytes, float32 numpy array for F32 1-D tensors else None) of a GGUF."""
+    import numpy as np
+    from powerinfer_cpp._native import check, ffi, lib
+    gp = ffi.new("gh_gguf **")
+    check(lib.gh_gguf_open(path.encode(), gp))
+    ty, nd, ne, nb, data = (ffi.new("int32_t *"), ffi.new("int32_t *"), ffi.new("int64_t[4]"),
+                            ffi.new("uint64_t *"), ffi.new("void **"))
+    out = {}
+    try:
+        for i in range(lib.gh_gguf_n_tensors(gp[0])):
+            name = ffi.string(lib.gh_gguf_tensor_name(gp[0], i)).decode()
+            check(lib.gh_gguf_tensor_info(gp[0], i, ty, nd, ne, ffi.NULL, nb, data))
+            arr = None
+            if ty[0] == 0 and nd[0] == 1:   # F32 vector (norms, ffn_freq)
+                arr = np.frombuffer(ffi.buffer(data[0], nb[0]), dtype=np.float32).copy()
+            out[name] = (int(nb[0]), arr)
+    finally:
+        lib.gh_gguf_close(gp[0])
+    return out
+
+
+SPARSE_SIDE_TENSORS = ("ffn_freq", "gpu_idx", "gpu_bucket")   # never read per token
+
+
+def sparse_file_bytes(path: str, pred_density: list[float] | None) -> dict:
+    """Weight bytes one sparse decode step reads, computed from the sparse GGUF: attention,
+    predictor (fc1 + fc2), per layer pd x gate + td x (up + down_t) with pd the predicted
+    density (conversion report; the true one when absent) and td the true density (the
+    file's ffn_freq), the output head and the norms; token_embd: one row (not counted)."""
+    tt = tensor_table(path)
+    out = {"attention": 0.0, "predictor": 0.0, "ffn": 0.0, "ffn_dense": 0.0, "head": 0.0, "other": 0.0}
+    true_d, pred_d = [], []
+    layers: dict[int, dict] = {}
+    for name, (nb, arr) in tt.items():
+        m = re.match(r"blk\.(\d+)\.(.+?)(\.weight)?$", name)
+        if not m:
+            if name.startswith("output.") and name != "output_norm.weight":
+                out["head"] += nb
+            elif name != "token_embd.weight":
+                out["other"] += nb
+            continue
+        il, kind = int(m.group(1)), m.group(2)
+        L = layers.setdefault(il, {})
+        if kind in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            out["attention"] += nb
+        elif kind in ("fc1", "fc2"):
+            out["predictor"] += nb
+        elif kind in ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t"):
+            L[kind] = nb
+            out["ffn_dense"] += nb
+        elif kind == "ffn_freq":
+            L["freq"] = arr
+        elif kind in SPARSE_SIDE_TENSORS:
+            pass
+        else:
+            out["other"] += nb
+    for il in sorted(layers):
+        L = layers[il]
+        td = float(L["freq"].mean()) if L.get("freq") is not None else 1.0
+        pd = pred_density[il] if pred_density and il < len(pred_density) else td
+        true_d.append(td)
+        pred_d.append(pd)
+        out["ffn"] += pd * L.get("ffn_gate", 0) + td * (L.get("ffn_up", 0) + L.get("ffn_down_t", L.get("ffn_down", 0)))
+    out["total"] = out["attention"] + out["predictor"] + out["ffn"] + out["head"] + out["other"]
+    out["true_density"] = true_d
+    out["pred_density"] = pred_d
+    return out
+
+
 def cpu_model() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -373,26 +521,67 @@ def _med(v: list[float]) -> str:
     return f"{statistics.median(v):.1f} ({min(v):.1f}–{max(v):.1f})"
 
 
+def engine_bytes(results, engine: str, ty: str, t: int, per_tok: dict) -> tuple[float, str]:
+    """(bytes read per decoded token, source) for a row: the runtime's measured stats of the
+    tg loop (median over passes) when present, else the file-based figure."""
+    r = results.get((engine, ty, t), {})
+    meas = [x["bytes_per_token"] for x in r.get("stats", []) if x and x.get("bytes_per_token")]
+    if meas:
+        return statistics.median(meas), "measured"
+    b = per_tok.get((engine, ty), 0)
+    return b, "file" if b else ""
+
+
 def make_table(results, types, threads, engines, bw, per_tok, n_pp=128, n_tg=128) -> str:
-    rows = [f"| engine | type | threads | pp{n_pp} t/s | tg{n_tg} t/s | tg{n_tg} % of bw limit | "
-            "pp ratio vs llama.cpp | tg ratio vs llama.cpp |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [f"| engine | type | threads | pp{n_pp} t/s | tg{n_tg} t/s | MB read per token | "
+            f"decode limit t/s | tg{n_tg} % of limit | pp vs llama.cpp | tg vs llama.cpp |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for ty in types:
         for t in threads:
             ref = results.get(("llama.cpp", ty, t), {})
             for e in engines:
                 r = results.get((e, ty, t), {})
                 pp, tg = r.get("pp", []), r.get("tg", [])
-                lim = bw.get(t, {}).get("best", 0) * 1e9 / per_tok[ty] if per_tok.get(ty) and bw.get(t) else 0
+                nb, src = engine_bytes(results, e, ty, t, per_tok)
+                lim = bw.get(t, {}).get("best", 0) * 1e9 / nb if nb and bw.get(t) else 0
                 pct = f"{100 * statistics.median(tg) / lim:.0f}%" if tg and lim else "—"
-                if e == "llama.cpp" or not ref.get("pp"):
+                if e == "llama.cpp" or not ref.get("tg"):
                     rp = rt = "—"
                 else:
                     rp = f"{statistics.median(pp) / statistics.median(ref['pp']):.2f}x" if pp else "—"
                     rt = f"{statistics.median(tg) / statistics.median(ref['tg']):.2f}x" if tg else "—"
                 err = " (failed)" if r.get("errors") and not tg else ""
-                rows.append(f"| {e}{err} | {ty.upper()} | {t} | {_med(pp)} | {_med(tg)} | {pct} | {rp} | {rt} |")
+                mb = f"{nb / 1e6:.0f}" + (" (file)" if src == "file" and e == "ours-sparse" else "") if nb else "—"
+                rows.append(f"| {e}{err} | {ty.upper()} | {t} | {_med(pp)} | {_med(tg)} | {mb} | "
+                            f"{lim:.1f} | {pct} | {rp} | {rt} |" if lim else
+                            f"| {e}{err} | {ty.upper()} | {t} | {_med(pp)} | {_med(tg)} | {mb} | — | {pct} | "
+                            f"{rp} | {rt} |")
     return "\n".join(rows)
+
+
+def sparse_stats_md(results, types, threads) -> str:
+    """Per-row runtime statistics of the sparse engine's tg loop (medians over passes)."""
+    out = []
+    for ty in types:
+        for t in threads:
+            st = [x for x in results.get(("ours-sparse", ty, t), {}).get("stats", []) if x]
+            if not st:
+                continue
+
+            def med(k):
+                return statistics.median(x[k] for x in st)
+            n = med("n_tokens") or 1
+            tt = med("t_total") or 1e-30
+            out.append(f"| {ty.upper()} | {t} | {100 * med('density'):.1f}% | "
+                       f"{med('bytes_attention') / n / 1e6:.0f} | {med('bytes_predictor') / n / 1e6:.0f} | "
+                       f"{med('bytes_ffn') / n / 1e6:.0f} | {med('bytes_head') / n / 1e6:.0f} | "
+                       + " | ".join(f"{100 * med(k) / tt:.0f}%" for k in ("t_attention", "t_predictor", "t_ffn",
+                                                                       "t_other")) + " |")
+    if not out:
+        return ""
+    return "\n".join(["| type | threads | predicted density | MB/token attention | predictor | FFN | head | "
+                      "time: attention | predictor | FFN | other |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"] + out)
 
 
 def ops_table(ops: dict, threads: list[int], bw: dict, tg_ours: dict) -> str:
@@ -441,16 +630,20 @@ def write_docs(block: str) -> None:
 # ==========================================================================
 
 def main(argv=None) -> int:
-    from make_bench_model import add_shape_args, ensure_models, finish_shape_args
+    from make_bench_model import (add_shape_args, ensure_models, ensure_sparse_models, finish_shape_args,
+                                  model_root)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="f16,q4_0", help="GGUF types (default f16,q4_0)")
     ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
     ap.add_argument("--passes", type=int, default=3, help="passes, engines alternating (default 3)")
     ap.add_argument("--n-pp", type=int, default=128, help="prompt batch (default 128)")
     ap.add_argument("--n-tg", type=int, default=128, help="decode steps (default 128)")
-    ap.add_argument("--engines", default="ours,llama.cpp", help="ours,llama.cpp (default both)")
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help="llama.cpp,ours,ours-sparse (default all three; --plain: no ours-sparse)")
     ap.add_argument("--model", action="append", default=[], metavar="TYPE=PATH",
-                    help="use this GGUF for TYPE instead of making the bench model (repeatable)")
+                    help="use this dense GGUF for TYPE instead of making the bench model (repeatable)")
+    ap.add_argument("--sparse-model", action="append", default=[], metavar="TYPE=PATH",
+                    help="use this sparse GGUF for TYPE (ours-sparse) instead of making it (repeatable)")
     ap.add_argument("--ops", action="store_true", help="also time our matmuls per weight kind")
     ap.add_argument("--no-membw", action="store_true", help="skip the bandwidth measurement")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
@@ -475,8 +668,10 @@ def main(argv=None) -> int:
     threads = [int(t) for t in a.threads.split(",")]
     engines = [e.strip() for e in a.engines.split(",") if e.strip()]
     for e in engines:
-        if e not in ("ours", "llama.cpp"):
+        if e not in ENGINES:
             sys.exit(f"error: unknown engine {e!r}")
+    if a.kind == "plain" and "ours-sparse" in engines and not a.sparse_model:
+        engines = [e for e in engines if e != "ours-sparse"]
     lver = llama_version()
     if "llama.cpp" in engines and lver is None:
         print(LLAMA_HINT, file=sys.stderr)
@@ -489,9 +684,26 @@ def main(argv=None) -> int:
     a.progress = False
     paths = {t: str(p) for t, p in ensure_models(a).items()} if a.types else {}
     paths.update(given)
-    per_tok, total_bytes = {}, {}
+    sgiven = dict(m.split("=", 1) for m in a.sparse_model)
+    spaths: dict[str, str] = {}
+    if "ours-sparse" in engines:
+        a.types = [t for t in types if t not in sgiven]
+        spaths = {t: str(p) for t, p in ensure_sparse_models(a).items()} if a.types else {}
+        spaths.update(sgiven)
+    pipeline = {}
+    try:
+        pipeline = json.loads((model_root(a) / "pipeline.json").read_text())
+    except (OSError, ValueError):
+        pass
+    per_tok, total_bytes, sparse_bytes = {}, {}, {}
     for t in types:
         per_tok[t], total_bytes[t] = weight_bytes(paths[t])
+        per_tok[("llama.cpp", t)] = per_tok[("ours", t)] = per_tok[t]
+        if t in spaths:
+            preds = pipeline.get("sparse", {}).get(t, {}).get("predictors") if not sgiven.get(t) else None
+            sparse_bytes[t] = sparse_file_bytes(spaths[t], [x["pred_density"] for x in preds] if preds else None)
+            per_tok[("ours-sparse", t)] = sparse_bytes[t]["total"]
+    model_of = {"llama.cpp": paths, "ours": paths, "ours-sparse": spaths}
 
     cache = Path(a.cache)
     cache.mkdir(parents=True, exist_ok=True)
@@ -514,8 +726,9 @@ def main(argv=None) -> int:
                 for e in order:
                     if a.wait_idle > 0:
                         wait_idle(a.wait_idle)
-                    r = run_worker(e, paths[ty], t, a.n_pp, a.n_tg, a.timeout)
-                    slot = results.setdefault((e, ty, t), {"pp": [], "tg": [], "errors": [], "foreign": []})
+                    r = run_worker(e, model_of[e][ty], t, a.n_pp, a.n_tg, a.timeout)
+                    slot = results.setdefault((e, ty, t), {"pp": [], "tg": [], "errors": [], "foreign": [],
+                                                           "stats": []})
                     if "error" in r:
                         slot["errors"].append(r["error"])
                         print(f"pass {p + 1} {e:9s} {ty:5s} t={t}: ERROR {r['error']}", file=sys.stderr)
@@ -523,6 +736,7 @@ def main(argv=None) -> int:
                     slot["pp"].append(r["pp"])
                     slot["tg"].append(r["tg"])
                     slot["foreign"].append(r["foreign_cores"])
+                    slot["stats"].append(r.get("stats"))
                     slot["info"] = r.get("info", "")
                     foreign.append(r["foreign_cores"])
                     print(f"pass {p + 1} {e:9s} {ty:5s} t={t}: pp {r['pp']:7.1f}  tg {r['tg']:6.1f} tokens/s"
@@ -559,29 +773,50 @@ def main(argv=None) -> int:
         print("warning: other processes were busy during the run; the numbers are noisy", file=sys.stderr)
     bw_line = ", ".join(f"{t} thread(s) {b['best']:.1f} GB/s" for t, b in bw.items()) or "not measured"
     sizes = "; ".join(f"{ty.upper()}: {total_bytes[ty] / 1e6:.0f} MB of tensors, {per_tok[ty] / 1e6:.0f} MB read "
-                      f"per token" for ty in types)
-    limits = "; ".join(f"{ty.upper()} {t}t: {bw[t]['best'] * 1e9 / per_tok[ty]:.0f} tokens/s"
+                      f"per token dense" + (f", {sparse_bytes[ty]['total'] / 1e6:.0f} MB sparse (file-based: "
+                                            f"attention {sparse_bytes[ty]['attention'] / 1e6:.0f}, predictor "
+                                            f"{sparse_bytes[ty]['predictor'] / 1e6:.0f}, FFN "
+                                            f"{sparse_bytes[ty]['ffn'] / 1e6:.0f} of "
+                                            f"{sparse_bytes[ty]['ffn_dense'] / 1e6:.0f}, head "
+                                            f"{sparse_bytes[ty]['head'] / 1e6:.0f})"
+                                            if ty in sparse_bytes else "") for ty in types)
+    limits = "; ".join(f"{ty.upper()} {t}t: {bw[t]['best'] * 1e9 / per_tok[ty]:.0f}"
+                       + (f" / {bw[t]['best'] * 1e9 / engine_bytes(results, 'ours-sparse', ty, t, per_tok)[0]:.0f}"
+                          if engine_bytes(results, 'ours-sparse', ty, t, per_tok)[0] else "")
                        for ty in types for t in threads if t in bw)
     infos = sorted({f"{e}: {r['info']}" for (e, _, _), r in results.items() if r.get("info")})
     errors = [f"{e} {ty} t={t}: {x}" for (e, ty, t), r in results.items() for x in r["errors"]]
     lib = os.environ.get("GH_LIBRARY", "(default search)")
 
-    md = [f"### Dense decode and prompt speed, {started:%Y-%m-%d %H:%M %Z}", "",
+    sparse_eng = "ours-sparse" in engines
+    kind_txt = ("synthetic LLaMA with ReGLU FFN, weights constructed for activation sparsity "
+                "(tools/make_bench_model.py; see \"The sparse benchmark model\")" if a.kind == "sparse" and not given
+                else "synthetic LLaMA, random weights")
+    md = [f"### {'Dense and sparse' if sparse_eng else 'Dense'} decode and prompt speed, "
+          f"{started:%Y-%m-%d %H:%M %Z}", "",
           f"- Command: `{cmd}` (library: `{lib}`)",
           f"- Tree: {git_rev()}",
           f"- CPU: {cpu_model()}; kernel {platform.release()}",
           f"- llama-cpp-python: {lver or 'not installed'} (llama.cpp bundled with it, driven through its C API); "
           + "; ".join(i for i in infos if not i.startswith("llama.cpp:")),
-          f"- Model: {Path(paths[types[0]]).name.rsplit('-', 1)[0]} (synthetic LLaMA, random weights); {sizes}. "
-          f"Q4_0 files keep token_embd and output in Q8_0 (the converter's choice), for both engines.",
+          f"- Model: {Path(paths[types[0]]).name.rsplit('-', 1)[0]} ({kind_txt}); {sizes}. "
+          f"Q4_0 files keep token_embd and output in Q8_0 (the converter's choice), for both engines"
+          + ("; sparse files store the predictors in F16 (F16 model) or Q8_0 (Q4_0 model)." if sparse_eng else "."),
           f"- Memory read bandwidth (tools/membw.c, best of 5): {bw_line}. "
-          f"Decode limit = bandwidth / bytes read per token: {limits or '—'}.",
+          f"Decode limit = bandwidth / bytes read per token"
+          + (" (dense / sparse)" if sparse_eng else "") + f": {limits or '—'} tokens/s."
+          + (" Sparse bytes per token: measured by the runtime (gh_context_get_stats) over the tg loop, "
+             "or, where marked (file), computed from the sparse file and the conversion report."
+             if sparse_eng else ""),
           f"- Load: {load_note}." + ("" if quiet else " **The machine was not idle: treat these numbers as "
                                                     "noisy and re-run on a quiet machine.**"),
           f"- {a.passes} passes, engines alternating, each measurement in a fresh process; median (min–max) "
           f"tokens/s; pp{a.n_pp} = one {a.n_pp}-token batch into an empty cache, tg{a.n_tg} = {a.n_tg} "
           f"single-token steps after an {N_TG_PROMPT}-token prompt. Run time {elapsed / 60:.1f} min.",
           "", table, ""]
+    sst = sparse_stats_md(results, types, threads) if sparse_eng else ""
+    if sst:
+        md += ["Sparse engine, runtime statistics of the tg loop (medians over passes):", "", sst, ""]
     if errors:
         md += ["Errors:", ""] + [f"- {x}" for x in errors] + [""]
     if ops_md:
@@ -591,7 +826,9 @@ def main(argv=None) -> int:
     print(report)
     if a.json:
         Path(a.json).write_text(json.dumps({"results": {"|".join(map(str, k)): v for k, v in results.items()},
-                                            "bw": bw, "per_tok": per_tok,
+                                            "bw": bw, "per_tok": {"|".join(map(str, k)) if isinstance(k, tuple)
+                                                                  else k: v for k, v in per_tok.items()},
+                                            "sparse_bytes": sparse_bytes,
                                             "ops": {f"{k[0]}|{k[1]}": v for k, v in ops.items()},
                                             "load": load_note}, indent=1))
     if a.write_docs:

@@ -1,29 +1,98 @@
 #!/usr/bin/env python3
-"""Make the synthetic LLaMA used by tools/bench.py, and its GGUF files.
+"""Make the benchmark models of tools/bench.py and their GGUF files.
 
-    python tools/make_bench_model.py [--cache /tmp/pi-bench] [--d 2048 --layers 8 ...]
-                                     [--types f16,q4_0] [--force]
+    python tools/make_bench_model.py [--layers 22 ...] [--types f16,q4_0] [--force]
+                                     [--no-sparse] [--verify [N]]        # issue-5 model (default)
+    python tools/make_bench_model.py --plain [--layers 8 ...]            # dense bench model
 
-Writes a Hugging Face-format folder (config.json, model.safetensors in fp16,
-tokenizer.json + tokenizer_config.json) with random weights (normal, std 0.02,
-norms = 1, seeded), then converts it with the project's converter
-(powerinfer_cpp.convert) into GGUF files next to it. The default shape is the
-one of docs/BENCHMARKS.md and /work/shared/REFERENCE.md: d=2048, 8 layers,
-16 heads (16 KV heads), n_ff=5632, vocab 32000, ReLU, untied (~542M params).
+Two kinds of model, both written as a Hugging Face LLaMA folder (config.json,
+model.safetensors in fp16 written tensor by tensor with numpy, tokenizer.json +
+tokenizer_config.json) and converted by the project's converter
+(powerinfer_cpp.convert) into GGUF files next to it:
 
-Speed does not depend on the tokenizer, so the shipped 4096-token byte-level
-tokenizer (models/tiny-relu-kjv) is reused; the converter pads its vocab to the
-model's 32000 rows with unused tokens. Nothing is held in RAM beyond one chunk
-of one tensor: the safetensors file is written tensor by tensor with numpy.
+* ``--sparse-construction`` (the default): the issue-5 model. A ReGLU ("relu")
+  LLaMA at a realistic shape (d=2048, n_ff=5632, 22 layers, 32 heads / 4 KV heads,
+  head_dim 64, vocab 32000, untied: 1.1B parameters) whose weights are CONSTRUCTED
+  so that, on real text, >= 90% of the FFN neurons are zero per token with a
+  skewed per-neuron firing frequency (see "Construction" below). It goes through
+  the real pipeline: dense GGUF per type (for llama.cpp and our dense mode) and
+  ``convert --sparse`` per type (profile -> predictors -> placement -> one extended
+  GGUF), each stage timed into pipeline.json.
+* ``--plain``: the foundation's dense bench model: random weights (normal, std
+  0.02, norms = 1, seeded), default d=2048, 8 layers, 16 heads (16 KV heads),
+  n_ff=5632, vocab 32000, ReLU (~542M params); dense GGUFs only.
 
-Files go to CACHE/<shape-name>/ (hf/ and <name>-<type>.gguf); existing files
-are reused unless --force. Never commit them.
+Construction (``--sparse-construction``)
+----------------------------------------
+Let u be a fixed random unit vector of R^d and S a random orthonormal basis of a
+k-dimensional subspace orthogonal to u (``--subspace``, default k=128) — the
+"token space". The residual stream is kept at h = c*u + s, with s in S:
+
+* embedding row t = c*u + S z_t * std*sqrt(d/k), z_t ~ N(0, I_k): every token shares
+  the constant component c*u, |c*u| = ``--const`` (1.5) x |token part|;
+* norms are 1, so the RMS-normed input of every block keeps the c*u component;
+* attention: q, k random (std 0.02); v reads only the token part (v_proj projected
+  off u); o_proj = S M (M random) writes into S only, scaled so that the attention
+  output's RMS is ``--attn-scale`` (0.2) x the RMS of the embedding's token part (a
+  fixed amount per layer, so the token part grows additively with depth and the
+  constant component stays dominant: u.x ~ 0.6 |x| at layer 21);
+* FFN (ReGLU: relu(gate.x) * (up.x)): gate row i = g_i - b_i*u with g_i random
+  (std 0.02, projected off u: full rank, but only its part in S sees the data), up
+  random (projected off u, so no constant leaks into the activations), down = S D
+  (D random) scaled to ``--ffn-scale`` (0.2) x the embedding token part's RMS. Since the
+  normed input x has u.x > 0, neuron i fires iff g_i.x / u.x > b_i: the offset
+  along u decides how often it fires, the random part g_i decides for WHICH inputs
+  (the active set depends on x, and a predictor has to learn the boundary).
+* the offsets b_i are calibrated layer by layer on real text: the tail of the
+  shipped held-out text (models/tiny-relu-kjv/heldout.txt, its last
+  ``--construct-tokens`` tokens, in windows of 512 like the profiler; the profiler
+  and the predictors use the first tokens of that text, so the two do not overlap)
+  runs through a numpy forward pass of the weights made so far (fp16-rounded, HF
+  rotate-half RoPE, GQA, causal); for each neuron, g_i.x / u.x over those tokens is
+  fitted by a normal distribution N(mu_i, sd_i) and b_i = mu_i + sd_i * Phi^-1(1 - p_i);
+* target firing probabilities p_i: a power law over a random ranking of the
+  neurons, p_(r) = min(``--p-max`` (0.9), a r^-alpha), alpha = ``--alpha`` (1.1), a
+  chosen so that the layer's mean is rho_l; rho_l rises linearly with depth from
+  0.75 rho to 1.25 rho, rho = ``--density`` (0.06). On text other than the
+  calibration tokens the deeper layers come out higher (--verify on the first 512
+  held-out tokens, default 22-layer model, F16: 4.5% in layer 0 ... 9.5% in layer 21,
+  mean 6.9%, i.e. up to ~1.25x the targets; Q4_0 weights add ~10%). With alpha 1.1
+  one to a few hundred neurons per layer fire for most tokens, the top 10% of
+  neurons carry 56-66% of all firings and the top 20% 75-79% (PowerInfer reports
+  26% of OPT-30B's neurons carrying 80%), and a third or more of the neurons fire
+  for < 1% of tokens.
+
+The token part lives in a 128-dimensional subspace, as the hidden states of real
+models are dominated by few directions; every neuron's firing is then a linear
+threshold function of the normed input x, which the predictor's
+W2 relu(W1 x) can represent (the u component of x acts as its bias).
+
+Predictors: real ones are ~11-23% of the FFN's parameters (PowerInfer,
+ReluLLaMA-7B). The converter's adaptive hidden size starts at 32 and doubles while
+held-out recall is short of the target, up to min(d, n_ff/2) = 2048 (45% of the
+FFN); in trials on single synthetic layers of this kind (4096 tokens) recall stayed
+at 0.93-0.95 for h = 512, 1024 and 2048 alike, so growing h buys bytes, not recall.
+The sparse conversion fixes the hidden size through the converter's PredictorConfig
+(h_start = h_max = ``--pred-h``, default 512: fc1 512x2048 + fc2 5632x512 = 11.4%
+of the 3 x 2048 x 5632 FFN weights, the low end of PowerInfer's range;
+``--pred-h-max`` lets it grow).
+
+``--verify [N]`` profiles the dense F16 GGUF with the runtime
+(powerinfer_cpp.profile.profile_model) over the first N (default 512) tokens of
+the held-out text and prints per-layer density, the share of firings carried by
+the top 10% / 20% of neurons, and the density a fixed (input-independent) set of
+neurons would need for 99% recall; written to verify.json.
+
+Files go to CACHE/<shape-name>/ (hf/, <name>-<type>.gguf dense,
+<name>-<type>-sparse.gguf, pipeline.json, verify.json); existing files are
+reused unless --force. Never commit them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import struct
@@ -35,13 +104,26 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "models" / "tiny-relu-kjv"
+HELDOUT = TOKENIZER_DIR / "heldout.txt"
 DEFAULT_CACHE = "/tmp/pi-bench"
 CHUNK_ELEMS = 1 << 24  # 16M elements (64 MB of f32) per generated chunk
+CONSTRUCT_WINDOW = 512
+
+# per-kind shape defaults (None in argparse = take these)
+SHAPE_DEFAULTS = {
+    "sparse": {"layers": 22, "heads": 32, "kv_heads": 4},
+    "plain": {"layers": 8, "heads": 16, "kv_heads": None},
+}
 
 
 def shape_name(a) -> str:
-    return (f"llama-d{a.d}-l{a.layers}-h{a.heads}-kv{a.kv_heads}-ff{a.ff}-v{a.vocab}"
+    base = (f"llama-d{a.d}-l{a.layers}-h{a.heads}-kv{a.kv_heads}-ff{a.ff}-v{a.vocab}"
             f"-{a.act}-s{a.seed}")
+    if a.kind == "plain":
+        return base
+    return (base + f"-sc2-k{a.subspace}-r{a.density:g}-a{a.alpha:g}"   # sc2: construction version 2
+            + (f"-c{a.const:g}" if a.const != 1.5 else "")
+            + (f"-as{a.attn_scale:g}-fs{a.ffn_scale:g}" if (a.attn_scale, a.ffn_scale) != (0.2, 0.2) else ""))
 
 
 def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
@@ -66,41 +148,258 @@ def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def write_safetensors(path: Path, tensors, seed: int, std: float) -> int:
-    """Write fp16 random tensors (1-D ones = norms = 1.0) to a safetensors file,
-    tensor by tensor and chunk by chunk. Returns the parameter count."""
-    header: dict = {"__metadata__": {"format": "pt", "generator": "powerinfer-cpp tools/make_bench_model.py"}}
-    off = 0
-    for name, shape in tensors:
-        n = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    hjson = json.dumps(header, separators=(",", ":")).encode()
-    hjson += b" " * (-len(hjson) % 8)
-    tmp = path.with_suffix(".tmp")
-    n_params = 0
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(hjson)))
-        f.write(hjson)
-        for ti, (name, shape) in enumerate(tensors):
-            n = int(np.prod(shape))
-            n_params += n
-            if len(shape) == 1:
-                f.write(np.ones(n, dtype="<f2").tobytes())
-                continue
-            rng = np.random.default_rng([seed, ti])
-            left = n
-            while left:
-                k = min(left, CHUNK_ELEMS)
-                x = rng.standard_normal(k, dtype=np.float32)
-                x *= std
-                f.write(x.astype("<f2").tobytes())
-                left -= k
-    os.replace(tmp, path)
-    return n_params
+class SafetensorsWriter:
+    """Writes an fp16 safetensors file whose tensors (names, shapes, order) are known
+    up front; data is appended tensor by tensor (chunks allowed) in that order."""
+
+    def __init__(self, path: Path, tensors, generator: str):
+        header: dict = {"__metadata__": {"format": "pt", "generator": generator}}
+        off = 0
+        for name, shape in tensors:
+            n = int(np.prod(shape)) * 2
+            header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+        hjson = json.dumps(header, separators=(",", ":")).encode()
+        hjson += b" " * (-len(hjson) % 8)
+        self.path, self.tmp = path, path.with_suffix(".tmp")
+        self.f = open(self.tmp, "wb")
+        self.f.write(struct.pack("<Q", len(hjson)))
+        self.f.write(hjson)
+        self.expect = [(n, int(np.prod(s))) for n, s in tensors]
+        self.i, self.left = 0, self.expect[0][1] if self.expect else 0
+        self.n_params = sum(n for _, n in self.expect)
+
+    def write(self, name: str, arr: np.ndarray) -> None:
+        exp_name, _ = self.expect[self.i]
+        if name != exp_name or arr.size > self.left:
+            raise RuntimeError(f"safetensors writer: got {name} ({arr.size}), expected {exp_name} ({self.left} left)")
+        self.f.write(np.ascontiguousarray(arr, dtype="<f2").tobytes())
+        self.left -= arr.size
+        if self.left == 0:
+            self.i += 1
+            self.left = self.expect[self.i][1] if self.i < len(self.expect) else 0
+
+    def close(self) -> None:
+        if self.i != len(self.expect):
+            raise RuntimeError("safetensors writer: not every tensor was written")
+        self.f.close()
+        os.replace(self.tmp, self.path)
 
 
-def make_hf(a, hf_dir: Path) -> None:
+def _random_chunks(rng, n: int, std: float):
+    left = n
+    while left:
+        k = min(left, CHUNK_ELEMS)
+        x = rng.standard_normal(k, dtype=np.float32)
+        x *= std
+        yield x
+        left -= k
+
+
+def write_plain_safetensors(path: Path, tensors, seed: int, std: float) -> int:
+    """Random fp16 tensors (1-D ones = norms = 1.0). Returns the parameter count."""
+    w = SafetensorsWriter(path, tensors, "powerinfer-cpp tools/make_bench_model.py --plain")
+    for ti, (name, shape) in enumerate(tensors):
+        n = int(np.prod(shape))
+        if len(shape) == 1:
+            w.write(name, np.ones(n, np.float32))
+            continue
+        for x in _random_chunks(np.random.default_rng([seed, ti]), n, std):
+            w.write(name, x)
+    w.close()
+    return w.n_params
+
+
+# --------------------------------------------------------------------------
+# Sparse construction
+# --------------------------------------------------------------------------
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    """Round to fp16 and back (the forward pass uses the weights as written)."""
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _rmsnorm(h: np.ndarray, eps: float) -> np.ndarray:
+    return h / np.sqrt((h.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps).astype(np.float32)
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    """HF LLaMA rotate-half RoPE on x [n, heads, hd]."""
+    hd = x.shape[-1]
+    inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]
+    cos = np.concatenate([np.cos(ang)] * 2, axis=1).astype(np.float32)[:, None, :]
+    sin = np.concatenate([np.sin(ang)] * 2, axis=1).astype(np.float32)[:, None, :]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + np.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _attention(xa, wq, wk, wv, a, theta, window) -> np.ndarray:
+    """Causal GQA attention over windows of `window` tokens (cache cleared between
+    windows, as the profiler runs); returns [n, heads*hd] before o_proj."""
+    n = xa.shape[0]
+    hd = a.d // a.heads
+    rep = a.heads // a.kv_heads
+    out = np.empty((n, a.heads * hd), np.float32)
+    for s in range(0, n, window):
+        x = xa[s:s + window]
+        m = x.shape[0]
+        pos = np.arange(m)
+        q = _rope((x @ wq.T).reshape(m, a.heads, hd), pos, theta)
+        k = _rope((x @ wk.T).reshape(m, a.kv_heads, hd), pos, theta)
+        v = (x @ wv.T).reshape(m, a.kv_heads, hd)
+        k = np.repeat(k, rep, axis=1)
+        v = np.repeat(v, rep, axis=1)
+        sc = np.einsum("qhd,khd->hqk", q, k) / np.float32(math.sqrt(hd))
+        sc[:, np.triu_indices(m, 1)[0], np.triu_indices(m, 1)[1]] = -np.inf
+        sc -= sc.max(axis=2, keepdims=True)
+        np.exp(sc, out=sc)
+        sc /= sc.sum(axis=2, keepdims=True)
+        out[s:s + m] = np.einsum("hqk,khd->qhd", sc, v).reshape(m, a.heads * hd)
+    return out
+
+
+def firing_targets(n_ff: int, mean: float, alpha: float, p_max: float, rng) -> np.ndarray:
+    """Per-neuron firing probabilities: a power law min(p_max, c r^-alpha) over a random
+    ranking, c chosen (bisection) so that the mean is `mean`."""
+    r = np.arange(1, n_ff + 1, dtype=np.float64)
+    lo, hi = 1e-9, 1e6
+    for _ in range(200):
+        c = math.sqrt(lo * hi)
+        m = np.minimum(p_max, c * r ** -alpha).mean()
+        lo, hi = (c, hi) if m < mean else (lo, c)
+    p = np.minimum(p_max, c * r ** -alpha)
+    return rng.permutation(p)
+
+
+def _inv_norm_cdf(p: np.ndarray) -> np.ndarray:
+    from statistics import NormalDist
+    nd = NormalDist()
+    return np.array([nd.inv_cdf(float(min(max(v, 1e-9), 1 - 1e-9))) for v in p])
+
+
+def construction_tokens(n: int) -> np.ndarray:
+    """The last n tokens of the shipped held-out text (BOS-prefixed tokenization as the
+    runtime does; the profiler uses the FIRST tokens of the same text)."""
+    import tokenizers
+    tok = tokenizers.Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    ids = np.asarray(tok.encode(HELDOUT.read_text(encoding="utf-8")).ids, dtype=np.int64)
+    if len(ids) < 2 * n:
+        sys.exit(f"error: {HELDOUT} has only {len(ids)} tokens; --construct-tokens must be <= {len(ids) // 2}")
+    return ids[-n:]
+
+
+def tok_rms_of(x: np.ndarray, u: np.ndarray) -> float:
+    """RMS (over tokens and d) of the part of x off the unit vector u."""
+    t = x - np.outer(x @ u, u)
+    return float(np.sqrt((t.astype(np.float64) ** 2).mean()))
+
+
+def write_sparse_safetensors(a, path: Path, log=print) -> tuple[int, dict]:
+    """The constructed model (see the module docstring). Returns (params, info)."""
+    tensors = hf_tensors(a)
+    w = SafetensorsWriter(path, tensors, "powerinfer-cpp tools/make_bench_model.py --sparse-construction")
+    d, n_ff, k, std = a.d, a.ff, a.subspace, a.std
+    hd = d // a.heads
+    q_rows, kv_rows = a.heads * hd, a.kv_heads * hd
+    rng = np.random.default_rng([a.seed, 1000])
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    s_basis = rng.standard_normal((d, k))
+    s_basis -= np.outer(u, u @ s_basis)
+    s_basis = np.linalg.qr(s_basis)[0].astype(np.float32)          # [d, k], orthonormal, _|_ u
+    u = u.astype(np.float32)
+
+    def off_u(m: np.ndarray) -> np.ndarray:  # rows projected off u (m [rows, d])
+        return m - np.outer(m @ u, u)
+
+    tok_scale = std * math.sqrt(d / k)                 # token part: |S z| ~ std sqrt(d)
+    c = a.const * std * math.sqrt(d)
+
+    # embedding, in row chunks; the construction tokens' rows are kept
+    ids = construction_tokens(a.construct_tokens)
+    emb_rows = {}
+    need = set(int(t) for t in ids)
+    rows_per = max(1, CHUNK_ELEMS // d)
+    erng = np.random.default_rng([a.seed, 1001])
+    for r0 in range(0, a.vocab, rows_per):
+        r1 = min(a.vocab, r0 + rows_per)
+        z = erng.standard_normal((r1 - r0, k), dtype=np.float32)
+        e = (z @ s_basis.T) * np.float32(tok_scale) + np.float32(c) * u[None, :]
+        e = _f16(e)
+        for t in need:
+            if r0 <= t < r1:
+                emb_rows[t] = e[t - r0]
+        w.write("model.embed_tokens.weight", e)
+    h = np.stack([emb_rows[int(t)] for t in ids]).astype(np.float32)
+    tok0 = tok_rms_of(h, u)      # the embedding's token-part RMS: the unit of every layer's writes
+    info = {"u_norm_of_embedding": float(c), "token_part_rms": float(tok_scale * math.sqrt(k / d)),
+            "layers": []}
+
+    ones = np.ones(d, np.float32)
+    for il in range(a.layers):
+        t0 = time.perf_counter()
+        lrng = np.random.default_rng([a.seed, 2000 + il])
+        p = f"model.layers.{il}."
+        # attention
+        wq = _f16(lrng.standard_normal((q_rows, d), dtype=np.float32) * np.float32(std))
+        wk = _f16(lrng.standard_normal((kv_rows, d), dtype=np.float32) * np.float32(std))
+        wv = _f16(off_u(lrng.standard_normal((kv_rows, d), dtype=np.float32) * np.float32(std)))
+        mo = lrng.standard_normal((k, q_rows), dtype=np.float32)
+        xa = _rmsnorm(h, a.rms_eps)
+        att = _attention(xa, wq, wk, wv, a, a.rope_theta, CONSTRUCT_WINDOW)
+        o_raw = (att @ mo.T) @ s_basis.T
+        scale = a.attn_scale * tok0 / max(float(np.sqrt((o_raw.astype(np.float64) ** 2).mean())), 1e-30)
+        wo = _f16(s_basis @ (mo * np.float32(scale)))                 # [d, q_rows]
+        h = h + att @ wo.T
+        for name, arr in (("input_layernorm", ones), ("self_attn.q_proj", wq), ("self_attn.k_proj", wk),
+                          ("self_attn.v_proj", wv), ("self_attn.o_proj", wo),
+                          ("post_attention_layernorm", ones)):
+            w.write(p + name + ".weight", arr)
+        del wq, wk, wv, wo, mo, att, o_raw
+        # FFN
+        rho = a.density * (0.75 + 0.5 * (il / (a.layers - 1) if a.layers > 1 else 0.5))
+        ptar = firing_targets(n_ff, rho, a.alpha, a.p_max, lrng)
+        g = off_u(lrng.standard_normal((n_ff, d), dtype=np.float32) * np.float32(std))
+        xf = _rmsnorm(h, a.rms_eps)
+        ux = xf @ u
+        if ux.min() <= 0:
+            sys.exit(f"error: layer {il}: the constant component vanished (u.x <= 0); raise --const")
+        z = (xf @ g.T) / ux[:, None]
+        mu, sd = z.mean(axis=0, dtype=np.float64), z.std(axis=0, dtype=np.float64)
+        b = (mu + sd * _inv_norm_cdf(1.0 - ptar)).astype(np.float32)
+        gate = _f16(g - np.outer(b, u))
+        del g, z
+        up = _f16(off_u(lrng.standard_normal((n_ff, d), dtype=np.float32) * np.float32(std)))
+        pre = xf @ gate.T
+        act = np.maximum(pre, 0) * (xf @ up.T)
+        dens = float((pre > 0).mean())
+        md = lrng.standard_normal((k, n_ff), dtype=np.float32)
+        f_raw = (act @ md.T) @ s_basis.T
+        scale = a.ffn_scale * tok0 / max(float(np.sqrt((f_raw.astype(np.float64) ** 2).mean())), 1e-30)
+        down = _f16(s_basis @ (md * np.float32(scale)))               # [d, n_ff]
+        h = h + act @ down.T
+        w.write(p + "mlp.gate_proj.weight", gate)
+        w.write(p + "mlp.up_proj.weight", up)
+        w.write(p + "mlp.down_proj.weight", down)
+        li = {"layer": il, "target_density": rho, "construction_density": dens,
+              "u_share": float(np.mean(ux / np.sqrt(d))), "seconds": time.perf_counter() - t0}
+        info["layers"].append(li)
+        log(f"  layer {il:2d}: density on the construction tokens {dens:.3f} (target {rho:.3f}), "
+            f"u.x/|x| {li['u_share']:.2f}, {li['seconds']:.1f} s")
+        del gate, up, down, md, pre, act, f_raw, xf
+    w.write("model.norm.weight", ones)
+    for x in _random_chunks(np.random.default_rng([a.seed, 3000]), a.vocab * d, std):
+        w.write("lm_head.weight", x)
+    w.close()
+    return w.n_params, info
+
+
+# --------------------------------------------------------------------------
+# HF folder, GGUF files, pipeline
+# --------------------------------------------------------------------------
+
+def make_hf(a, hf_dir: Path) -> dict:
     hf_dir.mkdir(parents=True, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
@@ -113,8 +412,8 @@ def make_hf(a, hf_dir: Path) -> None:
         "vocab_size": a.vocab,
         "hidden_act": a.act,
         "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rms_norm_eps": a.rms_eps,
+        "rope_theta": a.rope_theta,
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -126,37 +425,172 @@ def make_hf(a, hf_dir: Path) -> None:
     for fn in ("tokenizer.json", "tokenizer_config.json"):
         if (TOKENIZER_DIR / fn).is_file():
             shutil.copyfile(TOKENIZER_DIR / fn, hf_dir / fn)
+    (hf_dir / "config.json").unlink(missing_ok=True)   # written last: marks a complete folder
     t0 = time.time()
-    n = write_safetensors(hf_dir / "model.safetensors", hf_tensors(a), a.seed, a.std)
+    info: dict = {}
+    if a.kind == "plain":
+        n = write_plain_safetensors(hf_dir / "model.safetensors", hf_tensors(a), a.seed, a.std)
+    else:
+        print(f"constructing {hf_dir} (sparse construction, {a.layers} layers)", file=sys.stderr)
+        n, info = write_sparse_safetensors(a, hf_dir / "model.safetensors",
+                                           log=lambda s: print(s, file=sys.stderr))
+        info["construction"] = {k: getattr(a, k) for k in ("subspace", "density", "alpha", "p_max", "const",
+                                                            "attn_scale", "ffn_scale", "construct_tokens",
+                                                            "seed", "std")}
+        (hf_dir / "construction.json").write_text(json.dumps(info, indent=1) + "\n")
     (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    print(f"wrote {hf_dir} ({n / 1e6:.1f}M params, {time.time() - t0:.0f} s)", file=sys.stderr)
+    info["n_params"] = n
+    info["seconds"] = time.time() - t0
+    print(f"wrote {hf_dir} ({n / 1e6:.1f}M params, {info['seconds']:.0f} s)", file=sys.stderr)
+    return info
+
+
+def _stale(path: Path, ref: Path) -> bool:
+    return not path.is_file() or path.stat().st_mtime < ref.stat().st_mtime
+
+
+def model_root(a) -> Path:
+    return Path(a.cache) / shape_name(a)
+
+
+def _load_pipeline(root: Path) -> dict:
+    try:
+        return json.loads((root / "pipeline.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_pipeline(root: Path, pl: dict) -> None:
+    (root / "pipeline.json").write_text(json.dumps(pl, indent=1) + "\n")
 
 
 def ensure_models(a) -> dict[str, Path]:
-    """Make (or reuse) the HF folder and one GGUF per type; returns type -> path."""
-    root = Path(a.cache) / shape_name(a)
+    """Make (or reuse) the HF folder and one DENSE GGUF per type; returns type -> path."""
+    root = model_root(a)
     hf_dir = root / "hf"
+    pl = _load_pipeline(root)
     if a.force or not (hf_dir / "config.json").is_file():
-        make_hf(a, hf_dir)
+        pl = {"make_hf": make_hf(a, hf_dir)}
+        _save_pipeline(root, pl)
     sys.path.insert(0, str(REPO / "python"))
     out = {}
     for t in a.types:
         g = root / f"{shape_name(a)}-{t}.gguf"
-        if a.force or not g.is_file() or g.stat().st_mtime < (hf_dir / "config.json").stat().st_mtime:
+        if a.force or _stale(g, hf_dir / "config.json"):
             from powerinfer_cpp.convert import convert  # noqa: E402
             t0 = time.time()
             convert(hf_dir, g, outtype=t, progress=a.progress)
-            print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB, {time.time() - t0:.0f} s)", file=sys.stderr)
+            dt = time.time() - t0
+            pl.setdefault("dense", {})[t] = {"seconds": dt, "bytes": g.stat().st_size}
+            _save_pipeline(root, pl)
+            print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB, {dt:.0f} s)", file=sys.stderr)
         out[t] = g
     return out
 
 
+def ensure_sparse_models(a) -> dict[str, Path]:
+    """Make (or reuse) one SPARSE GGUF per type (convert --sparse: profile, predictors,
+    placement); returns type -> path. Needs the HF folder (ensure_models)."""
+    if a.kind == "plain":
+        return {}
+    root = model_root(a)
+    hf_dir = root / "hf"
+    sys.path.insert(0, str(REPO / "python"))
+    out = {}
+    for t in a.types:
+        g = root / f"{shape_name(a)}-{t}-sparse.gguf"
+        if a.force or _stale(g, hf_dir / "config.json"):
+            import logging
+
+            from powerinfer_cpp.convert import convert  # noqa: E402
+            from powerinfer_cpp.predictor import PredictorConfig
+            from powerinfer_cpp.sparse_convert import SparseOptions
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+            opts = SparseOptions(calib=str(HELDOUT), calib_tokens=a.calib_tokens, predictor_recall=a.recall,
+                                 vram_budget=0, n_threads=a.pipeline_threads,
+                                 predictor=PredictorConfig(h_start=a.pred_h, h_max=a.pred_h_max or a.pred_h))
+            rep: list = []
+            t0 = time.time()
+            convert(hf_dir, g, outtype=t, progress=a.progress, sparse=True, sparse_options=opts, report=rep)
+            dt = time.time() - t0
+            r = rep[0]
+            pl = _load_pipeline(root)
+            pl.setdefault("sparse", {})[t] = {
+                "seconds_total": dt, "seconds": r.seconds, "bytes": g.stat().st_size,
+                "calib_tokens": r.n_calib_tokens, "calib_source": r.calib_source,
+                "density": r.density,
+                "predictors": [{"layer": p.layer, "h": p.h, "recall": s[0], "precision": s[1],
+                                "pred_density": s[2], "true_density": p.true_density,
+                                "pred_bytes": pb, "ffn_bytes": fb, "seconds": p.seconds}
+                               for p, s, pb, fb in zip(r.predictors, r.stored_recall, r.pred_bytes,
+                                                       r.ffn_bytes)],
+            }
+            _save_pipeline(root, pl)
+            print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB, {dt:.0f} s: "
+                  + ", ".join(f"{k} {v:.0f} s" for k, v in r.seconds.items()) + ")", file=sys.stderr)
+        out[t] = g
+    return out
+
+
+def skew_stats(freq: np.ndarray) -> dict:
+    """Firing-frequency skew of one layer: shares of all firings carried by the top 10% /
+    20% of neurons, and the density a fixed neuron set needs for 99% recall."""
+    f = np.sort(np.asarray(freq, dtype=np.float64))[::-1]
+    tot = f.sum()
+    n = f.size
+    if tot <= 0:
+        return {"density": 0.0, "top10": 0.0, "top20": 0.0, "static99": 0.0, "hot50": 0}
+    cum = np.cumsum(f) / tot
+    return {"density": float(f.mean()), "top10": float(cum[max(1, n // 10) - 1]),
+            "top20": float(cum[max(1, n // 5) - 1]),
+            "static99": float((np.searchsorted(cum, 0.99) + 1) / n),
+            "hot50": int((f >= 0.5).sum()), "cold01": float((f < 0.01).mean())}
+
+
+def verify(a, gguf_path: Path, n_tokens: int) -> dict:
+    """Profile the dense GGUF over the first n_tokens of the held-out text (runtime's
+    profiler) and report density and skew per layer (verify.json)."""
+    from powerinfer_cpp.profile import profile_model
+    t0 = time.time()
+    prof = profile_model(str(gguf_path), HELDOUT.read_text(encoding="utf-8"), n_ctx=512,
+                         max_tokens=n_tokens, progress=False, n_threads=a.pipeline_threads)
+    layers = []
+    for il in range(prof.n_layer):
+        s = skew_stats(prof.freq[il])
+        m = prof.mask[il]
+        # how much the active set moves: mean Jaccard overlap of consecutive tokens' sets
+        inter = (m[1:] & m[:-1]).sum(axis=1)
+        union = (m[1:] | m[:-1]).sum(axis=1)
+        s["jaccard_consecutive"] = float(np.mean(inter / np.maximum(union, 1)))
+        s["layer"] = il
+        layers.append(s)
+    res = {"model": str(gguf_path), "tokens": prof.n_tokens, "seconds": time.time() - t0, "layers": layers,
+           "mean_density": float(np.mean([x["density"] for x in layers]))}
+    (gguf_path.parent / "verify.json").write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def format_verify(res: dict) -> str:
+    lines = [f"profile of {Path(res['model']).name} over {res['tokens']} held-out tokens "
+             f"({res['seconds']:.0f} s): mean density {res['mean_density']:.3f}",
+             "layer  density  top10%  top20%  fixed-set@99%  neurons>=50%  <1%   consecutive Jaccard"]
+    for x in res["layers"]:
+        lines.append(f"{x['layer']:5d}  {x['density']:7.3f}  {x['top10']:6.2f}  {x['top20']:6.2f}  "
+                     f"{x['static99']:13.3f}  {x['hot50']:12d}  {x['cold01']:4.2f}  {x['jaccard_consecutive']:.2f}")
+    return "\n".join(lines)
+
+
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("bench model shape")
+    g = ap.add_argument_group("bench model")
+    kind = g.add_mutually_exclusive_group()
+    kind.add_argument("--sparse-construction", dest="kind", action="store_const", const="sparse", default="sparse",
+                      help="the issue-5 model with constructed activation sparsity (default)")
+    kind.add_argument("--plain", dest="kind", action="store_const", const="plain",
+                      help="the foundation's random dense bench model (8 layers, 16 heads by default)")
     g.add_argument("--d", type=int, default=2048, help="hidden size (default 2048)")
-    g.add_argument("--layers", type=int, default=8, help="layers (default 8)")
-    g.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
-    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default = heads)")
+    g.add_argument("--layers", type=int, default=None, help="layers (default 22; --plain: 8)")
+    g.add_argument("--heads", type=int, default=None, help="attention heads (default 32; --plain: 16)")
+    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 4; --plain: = heads)")
     g.add_argument("--ff", type=int, default=5632, help="FFN size n_ff (default 5632)")
     g.add_argument("--vocab", type=int, default=32000, help="vocab rows (default 32000; >= 4096)")
     g.add_argument("--act", default="relu", choices=["relu", "silu"], help="hidden_act (default relu)")
@@ -164,26 +598,69 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--std", type=float, default=0.02, help="weight std (default 0.02)")
     g.add_argument("--cache", default=DEFAULT_CACHE, help=f"output folder (default {DEFAULT_CACHE})")
     g.add_argument("--force", action="store_true", help="rewrite the model and GGUF files")
+    c = ap.add_argument_group("sparse construction (see the module docstring)")
+    c.add_argument("--density", type=float, default=0.06, help="mean target share of active neurons (default 0.06)")
+    c.add_argument("--alpha", type=float, default=1.1, help="power-law exponent of firing frequency (default 1.1)")
+    c.add_argument("--p-max", type=float, default=0.9, help="firing probability of the hottest neurons (default 0.9)")
+    c.add_argument("--subspace", type=int, default=128, help="dimension k of the token space (default 128)")
+    c.add_argument("--const", type=float, default=1.5, help="|constant component| / |token part| (default 1.5)")
+    c.add_argument("--attn-scale", type=float, default=0.2,
+                   help="attention output RMS / the embedding token part's RMS (default 0.2)")
+    c.add_argument("--ffn-scale", type=float, default=0.2,
+                   help="FFN output RMS / the embedding token part's RMS (default 0.2)")
+    c.add_argument("--construct-tokens", type=int, default=2048,
+                   help="tokens (the held-out text's last ones) the offsets are calibrated on (default 2048)")
+    s = ap.add_argument_group("sparse pipeline (convert --sparse)")
+    s.add_argument("--calib-tokens", type=int, default=4096,
+                   help="tokens profiled for the predictors (the held-out text's first ones; default 4096)")
+    s.add_argument("--recall", type=float, default=0.99, help="predictor recall target (default 0.99)")
+    s.add_argument("--pred-h", type=int, default=512,
+                   help="predictor hidden size (minimum; default 512 = 11.4%% of the FFN at d=2048, n_ff=5632)")
+    s.add_argument("--pred-h-max", type=int, default=None,
+                   help="let the converter grow h up to this when recall is short (default: = --pred-h)")
+    s.add_argument("--pipeline-threads", type=int, default=0, help="threads for profiling (default: all)")
 
 
 def finish_shape_args(a) -> None:
+    dflt = SHAPE_DEFAULTS[a.kind]
+    if a.layers is None:
+        a.layers = dflt["layers"]
+    if a.heads is None:
+        a.heads = dflt["heads"]
     if a.kv_heads is None:
-        a.kv_heads = a.heads
+        a.kv_heads = dflt["kv_heads"] or a.heads
+    a.rms_eps, a.rope_theta = 1e-5, 10000.0
     if a.d % a.heads or a.heads % a.kv_heads or a.vocab < 4096:
         sys.exit("error: need d % heads == 0, heads % kv_heads == 0, vocab >= 4096")
+    if a.kind == "sparse":
+        if a.act != "relu":
+            sys.exit("error: the sparse construction needs --act relu")
+        if not 0 < a.density < a.p_max <= 1 or a.subspace < 1 or a.subspace >= a.d:
+            sys.exit("error: need 0 < --density < --p-max <= 1 and 1 <= --subspace < d")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_args(ap)
     ap.add_argument("--types", default="f16,q4_0", help="GGUF types to convert to (default f16,q4_0)")
+    ap.add_argument("--no-sparse", action="store_true", help="dense GGUFs only (skip convert --sparse)")
+    ap.add_argument("--verify", type=int, nargs="?", const=512, default=0, metavar="N",
+                    help="profile the dense F16 GGUF over N held-out tokens (default 512) and print "
+                         "density and skew per layer")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     finish_shape_args(a)
     a.types = [t.strip() for t in a.types.split(",") if t.strip()]
     a.progress = not a.quiet
-    for t, p in ensure_models(a).items():
+    dense = ensure_models(a)
+    for t, p in dense.items():
         print(f"{t}\t{p}")
+    if a.verify:
+        vt = "f16" if "f16" in dense else a.types[0]
+        print(format_verify(verify(a, dense[vt], a.verify)), file=sys.stderr)
+    if not a.no_sparse:
+        for t, p in ensure_sparse_models(a).items():
+            print(f"{t}-sparse\t{p}")
     return 0
 
 

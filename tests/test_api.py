@@ -195,15 +195,20 @@ def test_wrong_magic(random_gguf, tmp_path):
         Model(p)
 
 
-def test_absurd_dimensions_and_data_past_end(tmp_path):
+def _one_tensor_gguf(path, arch: str):
+    """A GGUF of architecture `arch` holding only a 4x8 f32 token_embd.weight."""
     gguf = pytest.importorskip("gguf")
-    path = tmp_path / "absurd.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_absurd_dimensions_and_data_past_end(tmp_path):
+    path = _one_tensor_gguf(tmp_path / "absurd.gguf", "llama")
     data = bytearray(path.read_bytes())
     # token_embd.weight's dims follow its name; make them absurd (2^40 x 2^40)
     name = b"token_embd.weight"
@@ -221,14 +226,7 @@ def test_absurd_dimensions_and_data_past_end(tmp_path):
 
 
 def test_unknown_architecture(tmp_path):
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _one_tensor_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(NativeError, match="unsupported architecture 'gpt2'"):
         Model(path)
 

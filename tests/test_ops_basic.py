@@ -12,22 +12,13 @@ import numpy as np
 import pytest
 
 from powerinfer_cpp._native import NativeError, check, ffi, lib
+from cbuf import fptr, iptr  # noqa: E402
 
 GH_ACT_SILU, GH_ACT_RELU, GH_ACT_DRELU, GH_ACT_GELU = 0, 1, 2, 3
 GH_ERR_INVALID_ARG = 4
 
 
 # ---------------------------------------------------------------------------- helpers
-
-def fptr(a: np.ndarray):
-    assert a.dtype == np.float32 and a.flags.c_contiguous
-    return ffi.cast("float *", a.ctypes.data)
-
-
-def iptr(a: np.ndarray):
-    assert a.dtype == np.int32 and a.flags.c_contiguous
-    return ffi.cast("int32_t *", a.ctypes.data)
-
 
 def nmse(out: np.ndarray, ref: np.ndarray) -> float:
     out = out.astype(np.float64)

@@ -20,6 +20,7 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.profile import profile_model
 
 from conftest import SHIPPED_DIR
+from cbuf import fptr, iptr  # noqa: E402
 
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
 TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0}
@@ -27,16 +28,6 @@ GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0
 SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
 GH_ERR_INVALID_ARG, GH_ERR_UNSUPPORTED, GH_ERR_RANGE = 4, 3, 6
 HELDOUT = SHIPPED_DIR / "heldout.txt"
-
-
-def fptr(a: np.ndarray):
-    assert a.dtype == np.float32 and a.flags.c_contiguous
-    return ffi.cast("float *", a.ctypes.data)
-
-
-def iptr(a: np.ndarray):
-    assert a.dtype == np.int32 and a.flags.c_contiguous
-    return ffi.cast("int32_t *", a.ctypes.data)
 
 
 def vptr(a: np.ndarray):

@@ -20,6 +20,7 @@ from powerinfer_cpp import Model, NativeError
 from powerinfer_cpp import format as F
 from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.profile import profile_model
+from cbuf import fptr  # noqa: E402
 
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
 TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0}
@@ -27,11 +28,6 @@ GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0
 BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32}
 GH_ERR_INVALID_ARG = 4
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 100, 383, 12, 64]
-
-
-def fptr(a: np.ndarray):
-    assert a.dtype == np.float32 and a.flags.c_contiguous
-    return ffi.cast("float *", a.ctypes.data)
 
 
 def encode(t: int, a: np.ndarray):

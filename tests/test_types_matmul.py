@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from powerinfer_cpp._native import NativeError, check, ffi, lib
+from cbuf import fptr  # noqa: E402
 
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
 TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0}
@@ -40,11 +41,6 @@ GH_ERR_INVALID_ARG = 4
 COLS = [32, 96, 4096 + 32]
 ROWS = [1, 3, 17, 257]
 TOKENS = [1, 3, 8, 33]
-
-
-def fptr(a: np.ndarray):
-    assert a.dtype == np.float32 and a.flags.c_contiguous
-    return ffi.cast("float *", a.ctypes.data)
 
 
 def vptr(a: np.ndarray):

@@ -566,7 +566,6 @@ void gh_context_free(gh_context * c) {
     gh_aligned_free(c->att);
     gh_aligned_free(c->hb);
     gh_aligned_free(c->hb2);
-    gh_aligned_free(c->att_scratch);
     gh_aligned_free(c->mm_scratch);
     gh_aligned_free(c->logits);
     free(c);
@@ -636,12 +635,11 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->att = gh_aligned_alloc(nb * dq * sizeof(float));
         c->hb = gh_aligned_alloc(nb * ff * sizeof(float));
         c->hb2 = gh_aligned_alloc(nb * ff * sizeof(float));
-        c->att_scratch = gh_aligned_alloc((size_t) n_threads * n_ctx * sizeof(float));
         c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
         c->logits_cap = 1;
         c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
         c->sparse = gh_sparse_state_new(m);
-        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->hb && c->hb2 && c->att_scratch &&
+        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->hb && c->hb2 &&
              c->mm_scratch && c->logits && c->sparse;
     }
     if (!ok) {
@@ -661,17 +659,10 @@ gh_status gh_context_set_threads(gh_context * c, int32_t n_threads) {
     if (st) return st;
     int n = n_threads > 0 ? n_threads : default_threads();
     if (n == gh_threadpool_n_threads(c->tp)) return GH_OK;
-    float * scratch = gh_aligned_alloc((size_t) n * c->n_ctx * sizeof(float));
     gh_threadpool * tp = gh_threadpool_new(n);
-    if (!scratch || !tp) {
-        gh_aligned_free(scratch);
-        gh_threadpool_free(tp);
-        return gh_fail(GH_ERR_OOM, "out of memory changing the thread count");
-    }
+    if (!tp) return GH_ERR_OOM; /* message set by the pool */
     gh_threadpool_free(c->tp);
-    gh_aligned_free(c->att_scratch);
     c->tp = tp;
-    c->att_scratch = scratch;
     return GH_OK;
 }
 
@@ -747,8 +738,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, p0 + t, hp->rope_theta, 0);
             gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, p0 + t, hp->rope_theta, 0);
         }
-        gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd,
-                     c->att_scratch);
+        gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd);
         gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
         const double t_ffn = gh_now();

@@ -53,7 +53,6 @@ struct gh_context {
     float *         att;    /* attention output [n_batch][n_head * head_dim] */
     float *         hb;     /* gate / activated [n_batch][n_ff] */
     float *         hb2;    /* up [n_batch][n_ff] */
-    float *         att_scratch;
     void *          mm_scratch;
     float *         logits;         /* [logits_cap][n_vocab] */
     int32_t         logits_cap;

@@ -520,8 +520,7 @@ static void attn_task(void * arg, int ith, int nth) {
 
 void gh_attention(gh_threadpool * tp, const float * q, const float * k, const float * v,
                   float * out, int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
-                  int head_dim, float * scratch) {
-    (void) scratch; /* the blocked kernel keeps its scores on the stack */
+                  int head_dim) {
     attn_job j = {
         .q = q, .k = k, .v = v, .out = out,
         .n_tokens = n_tokens, .n_past = n_past,
@@ -625,7 +624,7 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
     gh_threadpool * tp;
     bool kept;
     if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
-    gh_attention(tp, q, k, v, out, n_tokens, n_past, n_head, n_head_kv, head_dim, NULL);
+    gh_attention(tp, q, k, v, out, n_tokens, n_past, n_head, n_head_kv, head_dim);
     gh_op_pool_release(tp, kept);
     return GH_OK;
 }

@@ -56,10 +56,9 @@ void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int 
 void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);
 /* Causal attention over a KV cache; see gh_op_attention. Threads split tiles of the
  * query heads that share a kv head (times a few tokens), so each K/V row is read once per
- * GQA group. scratch is not used any more (the kernel keeps its scores on the stack): it
- * may be NULL; callers that still pass n_threads * (n_past + n_tokens) floats are fine. */
+ * GQA group; scores live on the stack, so no scratch is needed. */
 void gh_attention(gh_threadpool * tp, const float * q, const float * k, const float * v,
                   float * out, int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
-                  int head_dim, float * scratch /* unused; may be NULL */);
+                  int head_dim);
 
 #endif

@@ -74,21 +74,8 @@ def bench(t, copies, rows, cols, n_tokens, n_threads, reps, min_time):
     spin, so on an idle machine the two agree)."""
     x = np.random.default_rng(0).standard_normal((n_tokens, cols)).astype(np.float32)
     y = np.empty((n_tokens, rows), dtype=np.float32)
-    run(t, copies[0], rows, cols, x, y, n_threads)  # warm up (threads, page faults)
-    best_wall = best_cpu = float("inf")
-    for _ in range(reps):
-        n = 0
-        t0 = time.perf_counter()
-        c0 = time.process_time()
-        while True:
-            run(t, copies[n % len(copies)], rows, cols, x, y, n_threads)
-            n += 1
-            el = time.perf_counter() - t0
-            if el >= min_time and n >= len(copies):
-                break
-        best_wall = min(best_wall, el / n)
-        best_cpu = min(best_cpu, (time.process_time() - c0) / n_threads / n)
-    return best_wall, best_cpu
+    return timed(lambda i: run(t, copies[i], rows, cols, x, y, n_threads), len(copies),
+                 n_threads, reps, min_time)
 
 
 def p(a, ctype="void *"):

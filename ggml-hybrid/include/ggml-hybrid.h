@@ -166,6 +166,46 @@ typedef struct {
 } gh_model_info;
 
 gh_status gh_model_load(const char * path, gh_model ** out);
+
+/* Where a model runs (see "devices" below for the names). */
+typedef struct {
+    const char * device;      /* NULL or "cpu": CPU only; "host-device", "cuda", "cuda:N" */
+    int64_t vram_budget;      /* bytes the model may take on the device; -1 = the device's
+                               * free memory minus a margin of 256 MiB; a budget above the
+                               * free memory is lowered to it (the note says so) */
+    int32_t reset_gpu_index;  /* 1: ignore the file's GPU index and place the hot neurons
+                               * at load (greedy, from blk.N.ffn_freq) */
+} gh_model_params;
+
+gh_model_params gh_model_default_params(void);
+/* gh_model_load that also puts the model on a device: the dense parts in priority order
+ * (attention weights of each layer, then predictors, then the output head; each in layer
+ * order, stopping at the first that does not fit), then the hot FFN neurons. The file's
+ * GPU index (blk.N.gpu_bucket) is used when it fits what is left; when it does not, or
+ * the file's index is empty, or reset_gpu_index is set, the neurons are placed at load by
+ * the greedy rule of the offline placement (value per byte over frequency-ordered groups,
+ * each layer either none or at least its minimum); gh_device_info.note says which. */
+gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_model ** out);
+
+typedef struct {
+    char    device[32];         /* "cpu", "host-device", "cuda:0", ... */
+    int64_t budget;             /* bytes the placement could use (0 for cpu) */
+    int64_t file_budget;        /* budget the file's GPU index was solved for (-1: no index) */
+    int64_t used_bytes;         /* bytes the model holds on the device */
+    int64_t dense_bytes;        /* of them: attention, predictors, output head */
+    int64_t hot_bytes;          /* of them: hot neurons (gate + up + down_t rows) */
+    int64_t n_hot;              /* hot neurons, all layers */
+    int64_t n_neurons;          /* n_layer * n_ff */
+    int32_t n_attention_layers; /* layers whose attention weights are on the device */
+    int32_t n_predictor_layers; /* layers whose predictor is on the device */
+    int32_t n_hot_layers;       /* layers with hot neurons */
+    int32_t head_on_device;
+    int32_t index_source;       /* 0 no hot neurons, 1 the file's index, 2 placed at load */
+    char    note[256];          /* what the loader decided and why ("" if nothing to say) */
+} gh_device_info;
+
+gh_status gh_model_device_info(const gh_model * m, gh_device_info * out);
+/* Releases the caller's model; its memory goes when its last context is freed too. */
 void gh_model_free(gh_model * m);
 gh_status gh_model_info_get(const gh_model * m, gh_model_info * out);
 /* Non-fatal findings of the loader, one per line ("" if none): e.g. NaN/Inf in the
@@ -246,8 +286,10 @@ typedef struct {
     int64_t n_sparse_tokens;   /* of them, tokens whose FFN ran sparse or oracle */
     int64_t n_active;          /* active neurons (predicted, or exact in oracle mode),
                                 * summed over layers and sparse tokens */
-    int64_t n_up_rows;         /* up rows read by sparse tokens (relu family: active with gate > 0) */
-    int64_t n_down_rows;       /* ffn_down_t rows read by sparse tokens (nonzero activation) */
+    int64_t n_up_rows;         /* up rows the CPU read for sparse tokens (relu family: active
+                                * with gate > 0) */
+    int64_t n_down_rows;       /* ffn_down_t rows the CPU read for sparse tokens (nonzero
+                                * activation) */
     double  density;           /* n_active / (n_sparse_tokens * n_layer * n_ff); 0 if none */
     double  bytes_attention;   /* q, k, v, o projections */
     double  bytes_predictor;   /* fc1 + fc2 */
@@ -259,6 +301,15 @@ typedef struct {
     double  t_ffn;             /* norm, gate/up, activation, down, residual */
     double  t_other;           /* embedding, head, bookkeeping: t_total - the three above */
     double  t_total;
+    /* hybrid runs (a model on a device; without one, everything is on the CPU) */
+    int64_t n_active_device;   /* active neurons computed on the device (hot), of n_active */
+    int64_t n_active_cpu;      /* ... and on the CPU: n_active_device + n_active_cpu = n_active */
+    double  bytes_device;      /* weight bytes read on the device (all stages) */
+    double  bytes_uploaded;    /* activations sent to the device */
+    double  bytes_downloaded;  /* results copied back */
+    double  t_device;          /* seconds the device worked (its own clock) */
+    double  t_cpu_ffn;         /* seconds of the CPU half of hybrid FFNs (layers with hot neurons) */
+    double  t_wait;            /* seconds the CPU waited for the device */
 } gh_context_stats;
 
 /* layer_density (may be NULL): n_layer >= the model's layer count values, each that
@@ -286,6 +337,34 @@ gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t
 gh_status gh_op_sparse_down(int type, const void * w, int64_t rows, int64_t cols,
                             const int32_t * ids, const float * a, int64_t n, float * y,
                             int n_threads);
+
+/* ---- devices (the backends of the hybrid runtime) ---- */
+
+/* Device names: "cpu" (no device: everything on the CPU), "host-device" (a simulated
+ * device: its memory is host RAM, capacity GH_HOST_DEVICE_MEM bytes, default 4 GiB, and its
+ * ops run the reference kernels on a thread of their own; it exercises the whole hybrid
+ * path on any machine), "cuda" or "cuda:N" (NVIDIA GPU N; needs a build with nvcc).
+ * GH_OK if the device can be used here, else GH_ERR_UNSUPPORTED and the reason. */
+gh_status gh_device_check(const char * device);
+/* Whether this library was built with the CUDA backend. */
+int32_t gh_have_cuda(void);
+
+/* Device ops on raw host buffers (tests of every backend against numpy): each call opens
+ * the device, uploads the weights, runs the op, copies the result back and frees it all.
+ * matmul: y[t][r] = W[r] . x[t] (W rows x cols of type, x n x cols, y n x rows).
+ * predict: score[i] = fc2[i] . relu(fc1 . x) (fc1 h x n_embd, fc2 n_ff x h).
+ * hot_ffn: for k < n_rows, r = rows[k] < n_hot: a_k = act(gate[r] . x, up[r] . x);
+ *   y = sum_k a_k down_t[r] (gate, up: n_hot x n_embd of type; down_t n_hot x n_embd of
+ *   down_type; y n_embd floats). */
+gh_status gh_device_op_matmul(const char * device, int type, const void * w, int64_t rows,
+                              int64_t cols, const float * x, int64_t n, float * y);
+gh_status gh_device_op_predict(const char * device, int fc1_type, const void * fc1,
+                               int fc2_type, const void * fc2, int64_t n_embd, int64_t h,
+                               int64_t n_ff, const float * x, float * score);
+gh_status gh_device_op_hot_ffn(const char * device, int type, const void * gate,
+                               const void * up, int down_type, const void * down_t,
+                               int64_t n_hot, int64_t n_embd, int act, const float * x,
+                               const int32_t * rows, int64_t n_rows, float * y);
 
 /* ---- sampling ---- */
 

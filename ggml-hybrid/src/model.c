@@ -1,5 +1,6 @@
 /* Loading a LLaMA-family model from GGUF and running its forward pass on the CPU. */
 #include "model.h"
+#include "hybrid.h"
 #include "sparse.h"
 #include "types.h"
 
@@ -459,8 +460,11 @@ static gh_status load_tensors(gh_model * m) {
     return GH_OK;
 }
 
+/* Drops one reference; the last one frees. Contexts hold one each, so a model freed
+ * before its contexts (garbage collectors pick any order) lives until the last goes. */
 void gh_model_free(gh_model * m) {
     if (!m) return;
+    if (atomic_fetch_sub(&m->refs, 1) > 1) return;
     if (m->layers) {
         for (int il = 0; il < m->info.n_layer; il++) {
             free(m->layers[il].attn_norm);
@@ -472,6 +476,7 @@ void gh_model_free(gh_model * m) {
     }
     free(m->output_norm);
     free(m->warnings);
+    gh_hybrid_free(m->hy);
     gh_gguf_close(m->gguf);
     free(m);
 }
@@ -508,12 +513,45 @@ gh_status gh_model_check_weights(gh_model * m, int64_t * n_bad) {
     return GH_OK;
 }
 
+gh_model_params gh_model_default_params(void) {
+    gh_model_params p = { .device = NULL, .vram_budget = -1, .reset_gpu_index = 0 };
+    return p;
+}
+
+gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_model ** out) {
+    gh_status st = gh_model_load(path, out);
+    if (st || !p) return st;
+    st = gh_hybrid_place(*out, p);
+    if (st) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", gh_last_error());
+        gh_model_free(*out);
+        *out = NULL;
+        return gh_fail(st, "%s: placing the model on device '%s': %s", path, p->device, msg);
+    }
+    return GH_OK;
+}
+
+gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
+    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_device_info: NULL argument");
+    if (m->hy) {
+        *out = m->hy->info;
+        return GH_OK;
+    }
+    memset(out, 0, sizeof *out);
+    snprintf(out->device, sizeof out->device, "cpu");
+    out->file_budget = -1;
+    out->n_neurons = (int64_t) m->info.n_layer * m->info.n_ff;
+    return GH_OK;
+}
+
 gh_status gh_model_load(const char * path, gh_model ** out) {
     if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: out is NULL");
     *out = NULL;
     if (!path) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: path is NULL");
     gh_model * m = calloc(1, sizeof *m);
     if (!m) return gh_fail(GH_ERR_OOM, "out of memory");
+    atomic_init(&m->refs, 1);
     gh_status st = gh_gguf_open(path, &m->gguf);
     if (!st) st = load_hparams(m);
     if (!st) st = load_tensors(m);
@@ -555,10 +593,12 @@ void gh_context_free(gh_context * c) {
     if (!c) return;
     gh_threadpool_free(c->tp);
     gh_sparse_state_free(c->sparse);
+    if (c->stream) c->model->hy->b->ops->stream_free(c->stream);
     if (c->k_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->k_cache[il]);
     if (c->v_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->v_cache[il]);
     free(c->k_cache);
     free(c->v_cache);
+    gh_model * m = c->model;
     gh_aligned_free(c->x);
     gh_aligned_free(c->xb);
     gh_aligned_free(c->xb2);
@@ -569,6 +609,7 @@ void gh_context_free(gh_context * c) {
     gh_aligned_free(c->mm_scratch);
     gh_aligned_free(c->logits);
     free(c);
+    gh_model_free(m); /* the context's reference */
 }
 
 static gh_status check_threads(int32_t n) {
@@ -611,6 +652,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     gh_context * c = calloc(1, sizeof *c);
     if (!c) return gh_fail(GH_ERR_OOM, "out of memory");
     c->model = m;
+    atomic_fetch_add(&m->refs, 1);
     c->n_ctx = n_ctx;
     c->n_batch = n_batch;
     c->tp = gh_threadpool_new(n_threads);
@@ -645,6 +687,10 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     if (!ok) {
         gh_context_free(c);
         return gh_fail(GH_ERR_OOM, "out of memory allocating a context of %d tokens", n_ctx);
+    }
+    if (m->hy && (st = gh_hybrid_stream_new(m, &c->stream))) {
+        gh_context_free(c);
+        return st;
     }
     *out = c;
     return GH_OK;
@@ -731,15 +777,23 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         /* attention */
         const double t_att = gh_now();
         for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->attn_norm, d, hp->rms_eps, c->xb + t * d);
-        gh_matmul(c->tp, &L->wq, c->xb, n, c->q, dq, c->mm_scratch);
-        gh_matmul(c->tp, &L->wk, c->xb, n, kc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
-        gh_matmul(c->tp, &L->wv, c->xb, n, vc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
+        const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
+        if (D && D->att) {
+            gh_hybrid_matmul(c, &D->wq, c->xb, n, c->q);
+            gh_hybrid_matmul(c, &D->wk, c->xb, n, kc + (int64_t) p0 * dkv);
+            gh_hybrid_matmul(c, &D->wv, c->xb, n, vc + (int64_t) p0 * dkv);
+        } else {
+            gh_matmul(c->tp, &L->wq, c->xb, n, c->q, dq, c->mm_scratch);
+            gh_matmul(c->tp, &L->wk, c->xb, n, kc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
+            gh_matmul(c->tp, &L->wv, c->xb, n, vc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
+        }
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, p0 + t, hp->rope_theta, 0);
             gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, p0 + t, hp->rope_theta, 0);
         }
         gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd);
-        gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
+        if (D && D->att) gh_hybrid_matmul(c, &D->wo, c->att, n, c->xb2);
+        else gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
         const double t_ffn = gh_now();
         gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att,
@@ -781,8 +835,9 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     const int32_t t0 = which == LOGITS_ALL ? 0 : n - 1;
     const int32_t nt = n - t0;
     for (int32_t t = t0; t < n; t++) gh_rmsnorm(c->x + t * d, m->output_norm, d, hp->rms_eps, c->xb + (t - t0) * d);
-    gh_matmul(c->tp, &m->output, c->xb, nt, c->logits + (size_t) row0 * hp->n_vocab, hp->n_vocab,
-              c->mm_scratch);
+    float * logits = c->logits + (size_t) row0 * hp->n_vocab;
+    if (m->hy && m->hy->head) gh_hybrid_matmul(c, &m->hy->output, c->xb, nt, logits);
+    else gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
 }
 
 gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all) {
@@ -809,6 +864,8 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
         c->logits = l;
         c->logits_cap = rows;
     }
+    const int32_t n_past0 = c->n_past;
+    c->dev_status = GH_OK;
     for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
         const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
@@ -816,6 +873,15 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
         const double t0 = gh_now();
         forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
         gh_stats_tokens(c, n, which != LOGITS_NONE, gh_now() - t0);
+        if (c->dev_status) {
+            /* a device op failed: these tokens are not in the cache, and no logits */
+            c->n_past = n_past0;
+            c->n_logit_rows = 0;
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", gh_last_error());
+            return gh_fail(c->dev_status, "device '%s' failed during gh_eval (the context is "
+                           "back at %d tokens): %s", c->model->hy->info.device, n_past0, msg);
+        }
     }
     c->n_logit_rows = rows;
     return GH_OK;

@@ -5,9 +5,12 @@
 #define GH_MODEL_H
 
 #include "common.h"
+
+#include <stdatomic.h>
 #include "gguf.h"
 #include "ops.h"
 #include "threadpool.h"
+#include "backend.h"
 
 typedef struct {
     float *   attn_norm;   /* [n_embd], owned f32 copy */
@@ -34,6 +37,8 @@ struct gh_model {
     gh_weight       output;      /* the head: output.weight or token_embd when tied */
     gh_layer *      layers;
     char *          warnings;    /* non-fatal findings, one per line (gh_model_warnings) */
+    struct gh_hybrid * hy;       /* the model's device placement; NULL: CPU only */
+    _Atomic int     refs;        /* the loader's reference + one per live context */
 };
 
 struct gh_context {
@@ -66,6 +71,10 @@ struct gh_context {
     int32_t         prof_t0;
     /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
     struct gh_sparse_state * sparse;
+    /* hybrid: the context's device stream (NULL on the CPU) and the first device error of
+     * the current gh_eval */
+    gh_stream *     stream;
+    gh_status       dev_status;
 };
 
 #endif

@@ -10,6 +10,7 @@
  * depend on the thread count and nothing needs reducing. */
 #include "sparse.h"
 #include "model.h"
+#include "hybrid.h"
 #include "simd/kernels.h"
 #include "types.h"
 
@@ -218,12 +219,18 @@ struct gh_sparse_state {
     float *   a, * gc, * uc;  /* compact activation, gate, up [n_ff] */
     int32_t * ids;         /* active list [n_ff] */
     void *    scratch;     /* converted activations */
+    /* hybrid: the split of the active list and the device's partial output */
+    int32_t * hot_rows;    /* compacted device rows of the hot active neurons [n_ff] */
+    int32_t * cold;        /* the CPU's active neurons [n_ff] */
+    float *   y_dev;       /* [n_embd] */
     /* statistics since the last reset */
     double    t[GH_STAGE_COUNT];
     double    bytes[GH_STAGE_COUNT];  /* OTHER = the output head */
     double    t_total;
     int64_t   n_tokens, n_sparse_tokens, n_active, n_up_rows, n_down_rows;
     int64_t * layer_active;  /* [n_layer] active neurons summed over sparse tokens */
+    int64_t   n_active_device;
+    double    bytes_device, bytes_up, bytes_down, t_device, t_cpu_ffn, t_wait;
 };
 
 void gh_sparse_state_free(gh_sparse_state * s) {
@@ -236,6 +243,9 @@ void gh_sparse_state_free(gh_sparse_state * s) {
     gh_aligned_free(s->uc);
     gh_aligned_free(s->ids);
     gh_aligned_free(s->scratch);
+    gh_aligned_free(s->hot_rows);
+    gh_aligned_free(s->cold);
+    gh_aligned_free(s->y_dev);
     free(s->layer_active);
     free(s);
 }
@@ -275,8 +285,11 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
     s->ids = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
     s->scratch = gh_aligned_alloc(scratch);
     s->layer_active = calloc((size_t) m->info.n_layer, sizeof(int64_t));
+    s->hot_rows = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
+    s->cold = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
+    s->y_dev = gh_aligned_alloc((size_t) m->info.n_embd * sizeof(float));
     if (!s->ph || !s->score || !s->g_dense || !s->a || !s->gc || !s->uc || !s->ids ||
-        !s->scratch || !s->layer_active) {
+        !s->scratch || !s->layer_active || !s->hot_rows || !s->cold || !s->y_dev) {
         gh_sparse_state_free(s);
         gh_fail(GH_ERR_OOM, "out of memory for the sparse FFN buffers");
         return NULL;
@@ -289,9 +302,47 @@ bool gh_sparse_applies(const gh_context * c, int32_t n) {
     return s && s->mode != GH_FFN_DENSE && n <= s->batch_max && !c->prof_x && !c->prof_mask;
 }
 
+/* The predictor on the device: score comes back, the threshold is applied here. */
+static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float * x, float thr) {
+    gh_sparse_state * s = c->sparse;
+    const gh_backend_ops * ops = c->model->hy->b->ops;
+    gh_status st = ops->predict(c->stream, &D->fc1, &D->fc2, x, s->score);
+    const double tw = gh_now();
+    double dev = 0.0;
+    if (!st) st = ops->sync(c->stream, &dev);
+    gh_stats_device(c, dev, gh_now() - tw, (double) D->fc1.cols * 4, (double) D->fc2.rows * 4,
+                    (double) (D->fc1.rows * D->fc1.row_bytes + D->fc2.rows * D->fc2.row_bytes));
+    if (st) {
+        c->dev_status = st;
+        return 0;
+    }
+    int64_t n = 0;
+    for (int64_t i = 0; i < D->fc2.rows; i++) {
+        if (s->score[i] >= thr) s->ids[n++] = (int32_t) i;
+    }
+    return n;
+}
+
+/* gate/up and down over the neurons ids[0..n) on the CPU (y overwritten); returns the
+ * weight bytes read and counts the rows. */
+static double cpu_part(gh_context * c, const gh_layer * L, const float * x, const float * gate_g,
+                       const int32_t * ids, int64_t n, float * y) {
+    gh_sparse_state * s = c->sparse;
+    int64_t n_up = 0;
+    gh_sparse_glu(c->tp, c->model->info.ffn_act, &L->gate, &L->up, x, gate_g, ids, n, s->a,
+                  s->gc, s->uc, s->scratch, &n_up);
+    gh_matmul_t_list(c->tp, &L->down_t, ids, s->a, n, y);
+    int64_t n_down = 0;
+    for (int64_t k = 0; k < n; k++) n_down += s->a[k] != 0.0f;
+    s->n_up_rows += n_up;
+    s->n_down_rows += n_down;
+    return (double) n_up * (double) L->up.row_bytes + (double) n_down * (double) L->down_t.row_bytes;
+}
+
 void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
+    const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
     gh_sparse_state * s = c->sparse;
     const int64_t ff = m->info.n_ff;
     const int act = m->info.ffn_act;
@@ -301,8 +352,12 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
     double ffn_bytes = 0.0;
     double t1 = t0;
     if (s->mode == GH_FFN_SPARSE) {
-        n = gh_sparse_predict(c->tp, &L->fc1, &L->fc2, x, m->info.sparse_threshold, s->ph,
-                              s->score, s->ids, s->scratch);
+        if (D && D->pred) {
+            n = predict_device(c, D, x, m->info.sparse_threshold);
+        } else {
+            n = gh_sparse_predict(c->tp, &L->fc1, &L->fc2, x, m->info.sparse_threshold, s->ph,
+                                  s->score, s->ids, s->scratch);
+        }
         t1 = gh_now();
         gh_stats_add(c, GH_STAGE_PREDICTOR, t1 - t0,
                      (double) (L->fc1.rows * L->fc1.row_bytes + L->fc2.rows * L->fc2.row_bytes));
@@ -318,18 +373,42 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
         gate_g = s->g_dense;
         ffn_bytes += (double) ff * (double) L->gate.row_bytes;
     }
-    int64_t n_up = 0;
-    gh_sparse_glu(c->tp, act, &L->gate, &L->up, x, gate_g, s->ids, n, s->a, s->gc, s->uc,
-                  s->scratch, &n_up);
-    gh_matmul_t_list(c->tp, &L->down_t, s->ids, s->a, n, y);
-    int64_t n_down = 0;
-    for (int64_t k = 0; k < n; k++) n_down += s->a[k] != 0.0f;
-    ffn_bytes += (double) n_up * (double) L->up.row_bytes +
-                 (double) n_down * (double) L->down_t.row_bytes;
+    int64_t n_hot = 0;
+    if (D && D->hot.n_hot > 0) {
+        /* neuron split: hot rows on the device while the CPU does the cold ones */
+        int64_t n_cold = 0;
+        for (int64_t k = 0; k < n; k++) {
+            const int32_t r = D->row_of[s->ids[k]];
+            if (r >= 0) s->hot_rows[n_hot++] = r;
+            else s->cold[n_cold++] = s->ids[k];
+        }
+        const gh_backend_ops * ops = m->hy->b->ops;
+        gh_status st = GH_OK;
+        if (n_hot) st = ops->hot_ffn(c->stream, &D->hot, act, x, s->hot_rows, n_hot, s->y_dev);
+        const double tc = gh_now();
+        ffn_bytes += cpu_part(c, L, x, gate_g, s->cold, n_cold, y);
+        const double tw = gh_now();
+        s->t_cpu_ffn += tw - tc;
+        if (n_hot) {
+            double dev = 0.0;
+            if (!st) st = ops->sync(c->stream, &dev);
+            const double rows_b = (double) n_hot * (double) (D->hot.gate.row_bytes +
+                                  D->hot.up.row_bytes + D->hot.down_t.row_bytes);
+            gh_stats_device(c, dev, gh_now() - tw, (double) (L->gate.cols * 4 + n_hot * 4),
+                            (double) L->down_t.cols * 4, rows_b);
+            ffn_bytes += rows_b;
+            if (st) {
+                c->dev_status = st;
+            } else {
+                for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += s->y_dev[j];
+            }
+        }
+    } else {
+        ffn_bytes += cpu_part(c, L, x, gate_g, s->ids, n, y);
+    }
     gh_stats_add(c, GH_STAGE_FFN, gh_now() - t1, ffn_bytes);
     s->n_active += n;
-    s->n_up_rows += n_up;
-    s->n_down_rows += n_down;
+    s->n_active_device += n_hot;
     s->layer_active[il] += n;
     if (il == 0) s->n_sparse_tokens++;
 }
@@ -341,6 +420,17 @@ void gh_stats_add(gh_context * c, gh_stage stage, double seconds, double bytes) 
     if (!s) return;
     s->t[stage] += seconds;
     s->bytes[stage] += bytes;
+}
+
+void gh_stats_device(gh_context * c, double device_s, double wait_s, double up_bytes,
+                     double down_bytes, double weight_bytes) {
+    gh_sparse_state * s = c->sparse;
+    if (!s) return;
+    s->t_device += device_s;
+    s->t_wait += wait_s;
+    s->bytes_up += up_bytes;
+    s->bytes_down += down_bytes;
+    s->bytes_device += weight_bytes;
 }
 
 void gh_stats_dense_ffn(gh_context * c, int il, int32_t n, const float * h) {
@@ -419,6 +509,8 @@ gh_status gh_context_reset_stats(gh_context * c) {
     memset(s->bytes, 0, sizeof s->bytes);
     s->t_total = 0.0;
     s->n_tokens = s->n_sparse_tokens = s->n_active = s->n_up_rows = s->n_down_rows = 0;
+    s->n_active_device = 0;
+    s->bytes_device = s->bytes_up = s->bytes_down = s->t_device = s->t_cpu_ffn = s->t_wait = 0.0;
     memset(s->layer_active, 0, (size_t) c->model->info.n_layer * sizeof(int64_t));
     return GH_OK;
 }
@@ -454,6 +546,14 @@ gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
     out->t_ffn = s->t[GH_STAGE_FFN];
     out->t_total = s->t_total;
     out->t_other = GH_MAX(0.0, s->t_total - out->t_attention - out->t_predictor - out->t_ffn);
+    out->n_active_device = s->n_active_device;
+    out->n_active_cpu = s->n_active - s->n_active_device;
+    out->bytes_device = s->bytes_device;
+    out->bytes_uploaded = s->bytes_up;
+    out->bytes_downloaded = s->bytes_down;
+    out->t_device = s->t_device;
+    out->t_cpu_ffn = s->t_cpu_ffn;
+    out->t_wait = s->t_wait;
     if (layer_density) {
         for (int il = 0; il < hp->n_layer; il++) {
             layer_density[il] = s->n_sparse_tokens > 0

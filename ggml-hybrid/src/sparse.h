@@ -62,6 +62,10 @@ typedef enum { GH_STAGE_ATTENTION, GH_STAGE_PREDICTOR, GH_STAGE_FFN, GH_STAGE_OT
                GH_STAGE_COUNT } gh_stage;
 double gh_now(void);  /* monotonic seconds */
 void gh_stats_add(struct gh_context * c, gh_stage stage, double seconds, double bytes);
+/* A device call: its time on the device's clock, the CPU's wait for it, activation bytes
+ * sent and received, and weight bytes the device read. */
+void gh_stats_device(struct gh_context * c, double device_s, double wait_s, double up_bytes,
+                     double down_bytes, double weight_bytes);
 /* A dense FFN pass over n tokens: counts its weight bytes (down_t: only rows that some
  * token's activation needs, found from h = [n][n_ff] activations). */
 void gh_stats_dense_ffn(struct gh_context * c, int il, int32_t n, const float * h);

@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 # native library.
 _LAZY = {
     "Model": "model", "Context": "model", "Completion": "model", "ModelInfo": "model",
+    "device_available": "model", "parse_size": "model",
     "NativeError": "_native", "NativeIOError": "_native", "NativeValueError": "_native",
 }
 

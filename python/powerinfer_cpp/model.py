@@ -114,10 +114,20 @@ class Model(_NativeHandle):
     needs a file converted with --sparse), "oracle" (exact active set, dense results;
     for tests) or "auto" (sparse when the file has predictors in every layer, else
     dense). Contexts made by create_context() default to it too.
+
+    `device` puts the model on a device: "cpu" (default), "cuda" / "cuda:N" (a build
+    with nvcc) or "host-device" (a simulated device in host RAM that runs the whole
+    hybrid path anywhere). `vram_budget` (bytes, or a size like "6G" / "512M"; None =
+    the device's free memory minus 256 MiB) bounds what goes there: attention weights,
+    predictors and the output head first, then the hot FFN neurons of the file's GPU
+    index, or, when that index does not fit or `reset_gpu_index` is set, hot neurons
+    placed at load. `device_info()` says what was placed and why.
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
-                 n_batch: int = 512, check_weights: bool = False, ffn: str = "auto"):
+                 n_batch: int = 512, check_weights: bool = False, ffn: str = "auto",
+                 device: str = "cpu", vram_budget: int | str | None = None,
+                 reset_gpu_index: bool = False):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"model file not found: '{path}'")
@@ -126,9 +136,18 @@ class Model(_NativeHandle):
                 f"'{path}' is a directory; pass a .gguf file (convert a Hugging Face folder with "
                 "`python -m powerinfer_cpp.convert DIR -o MODEL.gguf`)")
         self.path = path
+        if not isinstance(device, str):
+            raise TypeError(f"device must be a string (cpu, host-device, cuda, cuda:N), not "
+                            f"{type(device).__name__}")
+        budget = -1 if vram_budget is None else parse_size(vram_budget, "vram_budget")
         t0 = time.perf_counter()
         out = ffi.new("gh_model **")
-        check(lib.gh_model_load(path.encode(), out))
+        params = ffi.new("gh_model_params *")
+        dev = ffi.new("char[]", device.encode())
+        params.device = dev
+        params.vram_budget = budget
+        params.reset_gpu_index = 1 if reset_gpu_index else 0
+        check(lib.gh_model_load_ex(path.encode(), params, out))
         self._ptr = out[0]
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         try:
@@ -167,6 +186,31 @@ class Model(_NativeHandle):
 
     def _free(self, ptr) -> None:
         lib.gh_model_free(ptr)
+
+    # -- device -----------------------------------------------------------------
+
+    def device_info(self) -> dict:
+        """Where the model runs: device, budget, bytes placed (dense parts, hot neurons),
+        hot neuron count and share, what lies on the device, and the loader's note."""
+        d = ffi.new("gh_device_info *")
+        check(lib.gh_model_device_info(self._handle(), d))
+        return {
+            "device": ffi.string(d.device).decode(),
+            "budget": d.budget,
+            "file_budget": None if d.file_budget < 0 else d.file_budget,
+            "used_bytes": d.used_bytes,
+            "dense_bytes": d.dense_bytes,
+            "hot_bytes": d.hot_bytes,
+            "n_hot": d.n_hot,
+            "hot_share": d.n_hot / d.n_neurons if d.n_neurons else 0.0,
+            "attention_layers": d.n_attention_layers,
+            "predictor_layers": d.n_predictor_layers,
+            "hot_layers": d.n_hot_layers,
+            "head_on_device": bool(d.head_on_device),
+            "index_source": {0: "none", 1: "file", 2: "load"}.get(d.index_source, "?"),
+            "resolved": d.index_source == 2,
+            "note": ffi.string(d.note).decode("utf-8", "replace"),
+        }
 
     # -- tokens -----------------------------------------------------------------
 
@@ -218,6 +262,39 @@ class Model(_NativeHandle):
     def perplexity(self, text: str) -> float:
         """Context.perplexity on the default context."""
         return self.context.perplexity(text)
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """Bytes from an int or a string like "512M", "6G", "1.5GiB", "1048576"."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a number of bytes or a size string like '6G'")
+    if isinstance(value, numbers.Integral):
+        n = int(value)
+    elif isinstance(value, str):
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
+        if not m:
+            raise ValueError(f"{what} '{value}' is not a size: use bytes or a number with "
+                             "K, M, G or T (e.g. 512M, 6G)")
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    else:
+        raise TypeError(f"{what} must be a number of bytes or a size string like '6G', not "
+                        f"{type(value).__name__}")
+    if n < 0 or n >= 2 ** 63:
+        raise ValueError(f"{what} must be between 0 and 2^63 bytes, got {n}")
+    return n
+
+
+def device_available(device: str) -> tuple[bool, str]:
+    """(True, "") if `device` ("cpu", "host-device", "cuda", "cuda:N") can run here, else
+    (False, the reason)."""
+    if lib.gh_device_check(device.encode()) == 0:
+        return True, ""
+    return False, ffi.string(lib.gh_last_error()).decode("utf-8", "replace")
 
 
 def _info_from_c(c) -> ModelInfo:
@@ -356,6 +433,15 @@ class Context(_NativeHandle):
                                       "ffn": st.bytes_ffn / n, "head": st.bytes_head / n},
             "time_s": {"attention": st.t_attention, "predictor": st.t_predictor,
                        "ffn": st.t_ffn, "other": st.t_other, "total": st.t_total},
+            "device": {
+                "neurons_device": st.n_active_device,
+                "neurons_cpu": st.n_active_cpu,
+                "device_share": st.n_active_device / st.n_active if st.n_active else 0.0,
+                "bytes_device": st.bytes_device,
+                "bytes_uploaded": st.bytes_uploaded,
+                "bytes_downloaded": st.bytes_downloaded,
+                "time_s": {"device": st.t_device, "cpu_ffn": st.t_cpu_ffn, "wait": st.t_wait},
+            },
         }
 
     def reset_stats(self) -> None:

@@ -34,3 +34,17 @@ def shipped_gguf(tmp_path_factory) -> Path:
 
     d = tmp_path_factory.mktemp("shipped")
     return Path(convert(SHIPPED_DIR, d / "tiny-f16.gguf", outtype="f16", progress=False))
+
+
+@pytest.fixture(scope="session")
+def shipped_sparse(tmp_path_factory):
+    """The shipped model converted with the sparse pipeline (f16), the dense conversion,
+    and the number of held-out tokens used for calibration (evaluation starts after)."""
+    from powerinfer_cpp.convert import convert
+
+    d = tmp_path_factory.mktemp("shipped-sparse")
+    rep = []
+    sparse = convert(SHIPPED_DIR, d / "tiny-sparse-f16.gguf", "f16", progress=False, sparse=True,
+                     report=rep)
+    dense = convert(SHIPPED_DIR, d / "tiny-dense-f16.gguf", "f16", progress=False)
+    return {"sparse": sparse, "dense": dense, "n_calib": rep[0].n_calib_tokens, "dir": d}

@@ -12,8 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
-from gguf import GGUFReader, quants
+from gguf import GGUFReader
 
 from powerinfer_cpp import Model, NativeError
 from powerinfer_cpp._native import check, ffi, lib
@@ -21,26 +20,11 @@ from powerinfer_cpp.profile import profile_model
 
 from conftest import SHIPPED_DIR
 from cbuf import fptr, iptr  # noqa: E402
+from opref import (BF16, DRELU, F16, F32, GELU, GELU_ERF, Q4_0, Q8_0, RELU, SILU, TYPES,  # noqa: E402
+                   act_ref, encode, id_lists, vptr)
 
-F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
-TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0}
-GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0}
-SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
 GH_ERR_INVALID_ARG, GH_ERR_UNSUPPORTED, GH_ERR_RANGE = 4, 3, 6
 HELDOUT = SHIPPED_DIR / "heldout.txt"
-
-
-def vptr(a: np.ndarray):
-    return ffi.cast("void *", a.ctypes.data)
-
-
-def encode(t: int, a: np.ndarray):
-    """(raw bytes of a stored as type t, its dequantized float32 values)."""
-    a = np.ascontiguousarray(a, dtype=np.float32)
-    if t == F32:
-        return a, a
-    raw = np.ascontiguousarray(quants.quantize(a, GGUF_QT[t]))
-    return raw, quants.dequantize(raw, GGUF_QT[t]).astype(np.float32).reshape(a.shape)
 
 
 def simd_levels():
@@ -57,31 +41,6 @@ class simd_level:
 
     def __exit__(self, *exc):
         lib.gh_simd_set(self.prev)
-
-
-def act_ref(act, g, u):
-    if act == RELU:
-        return np.maximum(g, 0) * u
-    if act == DRELU:
-        return np.maximum(g, 0) * np.maximum(u, 0)
-    if act == SILU:
-        return g / (1 + np.exp(-g)) * u
-    if act == GELU:
-        return 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g ** 3))) * u
-    return 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2))) * u
-
-
-def id_lists(rows, rng):
-    """Empty, one, all, sorted random, unsorted random with repeats, a contiguous run."""
-    perm = rng.permutation(rows)
-    return {
-        "empty": np.zeros(0, dtype=np.int32),
-        "one": np.array([rows // 2], dtype=np.int32),
-        "all": np.arange(rows, dtype=np.int32),
-        "sorted": np.sort(perm[: max(1, rows // 5)]).astype(np.int32),
-        "unsorted": np.concatenate([perm[: max(1, rows // 3)], perm[:2]]).astype(np.int32),
-        "run": np.arange(rows // 4, rows // 4 + min(rows, 9), dtype=np.int32) % rows,
-    }
 
 
 # ---- gh_op_sparse_down: y = sum_k a[k] * W[ids[k]] ----------------------------------------
@@ -269,20 +228,6 @@ def test_sparse_ops_bad_args():
 
 
 # ---- FFN modes on the shipped trained model ---------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def shipped_sparse(tmp_path_factory):
-    """The shipped model converted with the sparse pipeline (f16), the dense conversion,
-    and the number of held-out tokens used for calibration (evaluation starts after)."""
-    from powerinfer_cpp.convert import convert
-
-    d = tmp_path_factory.mktemp("shipped-sparse")
-    rep = []
-    sparse = convert(SHIPPED_DIR, d / "tiny-sparse-f16.gguf", "f16", progress=False, sparse=True,
-                     report=rep)
-    dense = convert(SHIPPED_DIR, d / "tiny-dense-f16.gguf", "f16", progress=False)
-    return {"sparse": sparse, "dense": dense, "n_calib": rep[0].n_calib_tokens, "dir": d}
 
 
 def fresh_tokens(m: Model, n_calib: int) -> list[int]:

@@ -154,6 +154,26 @@ int main(int argc, char ** argv) {
         EXPECT(gh_eval(c, &tok, 1, 0) == GH_OK);
         gh_context_free(c);
         gh_model_free(m);
+
+        /* the same on the host-device backend, with the model released before its
+         * contexts (the last context frees it), and the device's error paths */
+        gh_model_params mp = gh_model_default_params();
+        mp.device = "host-device";
+        mp.vram_budget = r % 2 ? -1 : 300000;
+        EXPECT(gh_model_load_ex(path, &mp, &m) == GH_OK && m);
+        if (!m) break;
+        run_context(m, info.n_vocab, 32, 0, 2);
+        p = gh_context_default_params();
+        p.n_ctx = 8;
+        EXPECT(gh_context_new(m, &p, &c) == GH_OK && c);
+        gh_model_free(m);
+        EXPECT(gh_eval(c, &tok, 1, 0) == GH_OK);
+        gh_context_free(c);
+        mp.device = "no-such-device";
+        EXPECT(gh_model_load_ex(path, &mp, &m) == GH_ERR_INVALID_ARG && m == NULL);
+        mp.device = "host-device";
+        mp.vram_budget = -7;
+        EXPECT(gh_model_load_ex(path, &mp, &m) == GH_ERR_INVALID_ARG && m == NULL);
     }
     free(image);
     remove(bad_path);

@@ -22,13 +22,13 @@ cd "$(dirname "$0")/.."
 
 BUILD=build/asan
 PY=${PYTHON:-python3}
-TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py tests/test_gguf_reader.py tests/test_model.py tests/test_api.py tests/test_bad_models.py tests/test_sparse_runtime.py tests/test_sparse_pipeline.py tests/test_sparse_ffn.py"}
+TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py tests/test_gguf_reader.py tests/test_model.py tests/test_api.py tests/test_bad_models.py tests/test_sparse_runtime.py tests/test_sparse_pipeline.py tests/test_sparse_ffn.py tests/test_device_ops.py tests/test_hybrid.py"}
 REPORTS=$PWD/$BUILD/reports
 
 echo "== sanitize: building $BUILD (ASan + UBSan)"
 # gcc: the Python run preloads gcc's runtimes. CC (not -DCMAKE_C_COMPILER) so that an
 # existing cache is never reset, which would silently drop GH_SANITIZE.
-CC=gcc cmake -S . -B "$BUILD" -DGH_SANITIZE=address,undefined \
+CC=gcc cmake -S . -B "$BUILD" -DGH_SANITIZE=address,undefined -DGH_CUDA=OFF \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$BUILD.configure.log" 2>&1 ||
     { cat "$BUILD.configure.log" >&2; exit 1; }
 cmake --build "$BUILD" -j"$(nproc)"
@@ -64,18 +64,24 @@ gcc -std=gnu11 -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=all \
     -L"$BUILD" -lggml_hybrid -Wl,-rpath,"$PWD/$BUILD" -o "$BUILD/leakcheck"
 MODEL_DIR=$(mktemp -d)
 trap 'rm -rf "$MODEL_DIR"' EXIT
-# a tiny random model through the project's converter (GQA, untied head, q8_0 weights)
+# a tiny random model through the project's sparse converter (GQA, untied head, q8_0
+# weights, predictors, and a GPU index solved for a small budget, so that the hybrid
+# run below splits neurons)
 PYTHONPATH=python:tests "$PY" - "$MODEL_DIR" <<'PYEOF' 2>"$MODEL_DIR/convert.log" ||
 import sys
 from pathlib import Path
 
 from hf_models import make_hf_model
 from powerinfer_cpp.convert import convert
+from powerinfer_cpp.sparse_convert import SparseOptions
 
 d = Path(sys.argv[1])
 hf = make_hf_model(d / "hf", act="relu", tied=False, n_layer=2, d=64, n_head=4, n_head_kv=2,
                    n_ff=128, seed=5)
-convert(hf, d / "model.gguf", outtype="q8_0", progress=False)
+text = (Path("models/tiny-relu-kjv/heldout.txt")).read_text(encoding="utf-8")[:20000]
+(hf / "heldout.txt").write_text(text, encoding="utf-8")
+opts = SparseOptions(calib_tokens=512, vram_budget=120000, profile_ctx=128)
+convert(hf, d / "model.gguf", outtype="q8_0", progress=False, sparse=True, sparse_options=opts)
 PYEOF
     { cat "$MODEL_DIR/convert.log" >&2; echo "sanitize: converting the leak-check model failed" >&2; exit 1; }
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:log_path=$REPORTS/lsan" \

@@ -37,7 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FFN mode: sparse (predictor; needs a file converted with --sparse), "
                         "dense, oracle (exact active set; testing), auto = sparse when the file "
                         "has predictors (default)")
+    p.add_argument("--device", default="cpu",
+                   help="where to run: cpu (default), cuda, cuda:N (a build with nvcc), or "
+                        "host-device (a simulated device in host RAM; runs the hybrid path "
+                        "anywhere, slowly)")
+    p.add_argument("--vram-budget", metavar="SIZE", default=None,
+                   help="device memory the model may use, e.g. 6G or 512M (default: the "
+                        "device's free memory minus 256 MiB)")
+    p.add_argument("--reset-gpu-index", action="store_true",
+                   help="ignore the file's GPU index and place the hot neurons at load")
     return p
+
+
+def _device_summary(info: dict) -> str:
+    """Where the model was placed, as lines of the timing block."""
+    mib = 1 << 20
+    lines = [f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
+             f"{info['budget'] / mib:.1f} MiB budget (dense {info['dense_bytes'] / mib:.1f}, "
+             f"hot neurons {info['hot_bytes'] / mib:.1f} = {info['hot_share']:.1%} of neurons, "
+             f"index from {info['index_source']}); attention {info['attention_layers']} layers, "
+             f"predictors {info['predictor_layers']}, head {'yes' if info['head_on_device'] else 'no'}"]
+    return "\n".join(lines)
 
 
 def _stats_summary(st: dict, n_layer: int) -> str:
@@ -56,6 +76,13 @@ def _stats_summary(st: dict, n_layer: int) -> str:
                  f"ffn {bt['ffn'] / 1e6:.2f}, head {bt['head'] / 1e6:.2f})")
     lines.append("stages      = " + ", ".join(
         f"{k} {t[k] / total:.0%}" for k in ("attention", "predictor", "ffn", "other")))
+    dv = st["device"]
+    if dv["neurons_device"] or dv["bytes_uploaded"]:
+        dt = dv["time_s"]
+        lines.append(f"hybrid      = {dv['device_share']:10.1%} of active neurons on the device; "
+                     f"device {dt['device'] * 1e3:.1f} ms, CPU ffn {dt['cpu_ffn'] * 1e3:.1f} ms, "
+                     f"waited {dt['wait'] * 1e3:.1f} ms; {dv['bytes_uploaded'] / 1e6:.2f} MB up, "
+                     f"{dv['bytes_downloaded'] / 1e6:.2f} MB down")
     return "\n".join(lines)
 
 
@@ -97,7 +124,12 @@ def _run(args, Model) -> int:
         else:
             prompt = args.prompt if args.prompt is not None else default_model.DEFAULT_PROMPT
         path = args.model or default_model.default_model_path()
-        model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn)
+        model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
+                      device=args.device, vram_budget=args.vram_budget,
+                      reset_gpu_index=args.reset_gpu_index)
+        dinfo = model.device_info()
+        if dinfo["note"]:
+            print(f"note: {dinfo['note']}", file=sys.stderr)
         if not model.info.act_from_file:
             print("note: the file does not name its FFN activation; assuming SwiGLU (SiLU), "
                   "as llama.cpp does", file=sys.stderr)
@@ -135,6 +167,8 @@ def _run(args, Model) -> int:
           f"decode      = {t['decode_s'] * 1e3:10.2f} ms / {t['decode_tokens']:5d} tokens "
           f"({t['decode_tok_per_s']:8.2f} tokens/s)\n"
           f"finish      = {stats.finish_reason}", file=sys.stderr)
+    if dinfo["device"] != "cpu":
+        print(_device_summary(dinfo), file=sys.stderr)
     print(_stats_summary(model.context.stats(), model.info.n_layer), file=sys.stderr)
     model.close()
     return 0

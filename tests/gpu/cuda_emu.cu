@@ -1,0 +1,204 @@
+/* The CUDA kernels' row math (ggml-hybrid/src/cuda/rows.cuh) run on the CPU, no GPU
+ * needed: test_cuda_emu.py builds this with nvcc against the runtime library and runs it.
+ *
+ * A warp's work is replayed lane by lane: row_dot for lanes 0..31 gives the 32 partial
+ * sums that the kernels reduce with shuffles, so their total must be the dot product of
+ * the dequantized row (gh_dequantize_row, the runtime's reference) with x. Checked for
+ * every type, the vector and the element paths, 1 and several tokens, odd widths; also
+ * load_elem (the down kernel's element reads) bit for bit, the activations against double
+ * precision formulas, and the down kernel's slicing of row lists.
+ *
+ * Prints one line per failure and a summary; exit status 0 = all passed. */
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <random>
+#include <vector>
+
+extern "C" {
+#include "types.h"
+}
+
+#include "cuda/rows.cuh"
+
+using namespace gh_cuda;
+
+static int n_checks = 0, n_fail = 0;
+
+#define CHECK(cond, ...)                                \
+    do {                                                \
+        n_checks++;                                     \
+        if (!(cond)) {                                  \
+            if (n_fail++ < 40) {                        \
+                printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+                printf(__VA_ARGS__);                    \
+                printf("\n");                           \
+            }                                           \
+        }                                               \
+    } while (0)
+
+static const char * tname(int t) {
+    switch (t) {
+    case GH_TYPE_F32: return "f32";
+    case GH_TYPE_F16: return "f16";
+    case GH_TYPE_BF16: return "bf16";
+    case GH_TYPE_Q8_0: return "q8_0";
+    default: return "q4_0";
+    }
+}
+
+/* 64-byte aligned zeroed buffer */
+struct abuf {
+    void * p;
+    explicit abuf(size_t bytes) {
+        p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        memset(p, 0, (bytes + 63) / 64 * 64);
+    }
+    ~abuf() { free(p); }
+    abuf(const abuf &) = delete;
+    abuf & operator=(const abuf &) = delete;
+};
+
+/* Replays one warp: sum over lanes of row_dot's partials, for tokens t < nt. */
+template <int T, bool VEC, int NT>
+static void warp_dot(const uint8_t * row, int64_t cols, const float * x, int64_t ldx, int nt,
+                     double out[NT]) {
+    for (int t = 0; t < NT; t++) out[t] = 0.0;
+    for (int lane = 0; lane < WARP; lane++) {
+        float acc[NT];
+        for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+        row_dot<T, VEC, NT>(row, cols, x, ldx, nt, lane, acc);
+        for (int t = 0; t < NT; t++) out[t] += acc[t];
+    }
+}
+
+template <int T, bool VEC, int NT>
+static void check_dots(const uint8_t * w, size_t row_bytes, const std::vector<float> & wd,
+                       int64_t rows, int64_t cols, const float * x, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t t0 = 0; t0 < n; t0 += NT) {
+            const int nt = (int) (n - t0 < NT ? n - t0 : NT);
+            double got[NT];
+            warp_dot<T, VEC, NT>(w + r * row_bytes, cols, x + t0 * cols, cols, nt, got);
+            for (int t = 0; t < nt; t++) {
+                double ref = 0.0, mag = 0.0;
+                for (int64_t c = 0; c < cols; c++) {
+                    const double p = (double) wd[r * cols + c] * x[(t0 + t) * cols + c];
+                    ref += p;
+                    mag += fabs(p);
+                }
+                const double err = fabs(got[t] - ref);
+                CHECK(err <= 1e-6 * mag + 1e-30,
+                      "%s %s NT=%d rows=%lld cols=%lld r=%lld t=%lld: got %.9g want %.9g "
+                      "(|err| %.3g, scale %.3g)", tname(T), VEC ? "vec" : "elem", NT,
+                      (long long) rows, (long long) cols, (long long) r, (long long) (t0 + t),
+                      got[t], ref, err, mag);
+            }
+        }
+    }
+}
+
+template <int T>
+static void check_type(std::mt19937 & rng) {
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    const bool quant = !is_float_type(T);
+    std::vector<int64_t> widths = {32, 96, 288, 4096 + 32};
+    if (!quant) {
+        for (int64_t c : {1, 7, 8, 37, 40, 100, 264}) widths.push_back(c);
+    }
+    for (int64_t cols : widths) {
+        const int64_t rows = 5, n = 11;
+        const size_t rb = gh_row_size(T, cols);
+        CHECK(rb > 0, "%s: row size of %lld", tname(T), (long long) cols);
+        if (!rb) continue;
+        abuf wq(rb * rows), xb(sizeof(float) * n * cols);
+        std::vector<float> src(rows * cols), wd(rows * cols);
+        for (auto & v : src) v = nd(rng);
+        uint8_t * w = static_cast<uint8_t *>(wq.p);
+        for (int64_t r = 0; r < rows; r++) {
+            CHECK(gh_quantize_row(T, &src[r * cols], w + r * rb, cols) == GH_OK, "quantize");
+            CHECK(gh_dequantize_row(T, w + r * rb, &wd[r * cols], cols) == GH_OK, "dequantize");
+        }
+        float * x = static_cast<float *>(xb.p);
+        for (int64_t i = 0; i < n * cols; i++) x[i] = nd(rng);
+
+        /* the element reads of the down kernel: exact */
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t c = 0; c < cols; c++) {
+                const float got = load_elem<T>(w + r * rb, c), want = wd[r * cols + c];
+                CHECK(memcmp(&got, &want, sizeof got) == 0, "%s load_elem r=%lld c=%lld: %g vs %g",
+                      tname(T), (long long) r, (long long) c, got, want);
+            }
+        }
+        /* the unit path where the backend takes it (float_vec_ok: 8 | cols, 16-byte rows;
+         * quantized: always), the element path for any float row */
+        const bool vec_ok = quant || (cols % 8 == 0 && rb % 16 == 0);
+        if (vec_ok) {
+            check_dots<T, true, 1>(w, rb, wd, rows, cols, x, n);
+            check_dots<T, true, MM_TOK>(w, rb, wd, rows, cols, x, n);
+        }
+        if constexpr (is_float_type(T)) {
+            check_dots<T, false, 1>(w, rb, wd, rows, cols, x, n);
+            check_dots<T, false, MM_TOK>(w, rb, wd, rows, cols, x, n);
+        }
+    }
+}
+
+static double act_ref(int act, double g, double u) {
+    switch (act) {
+    case GH_ACT_RELU: return g > 0 ? g * u : 0.0;
+    case GH_ACT_DRELU: return g > 0 && u > 0 ? g * u : 0.0;
+    case GH_ACT_GELU:
+        return 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u;
+    case GH_ACT_GELU_ERF: return 0.5 * g * (1.0 + erf(g / sqrt(2.0))) * u;
+    default: return g / (1.0 + exp(-g)) * u;
+    }
+}
+
+static void check_acts() {
+    for (int act = GH_ACT_SILU; act <= GH_ACT_GELU_ERF; act++) {
+        for (float g = -12.0f; g <= 12.0f; g += 0.37f) {
+            for (float u : {-3.5f, -1.0f, -0.0f, 0.25f, 2.0f}) {
+                const double want = act_ref(act, g, u), got = act_glu(act, g, u);
+                CHECK(fabs(got - want) <= 2e-6 * fabs(want) + 1e-6 * fabs(u),
+                      "act %d g=%g u=%g: %.9g vs %.9g", act, g, u, got, want);
+            }
+        }
+    }
+}
+
+static void check_slices() {
+    for (int64_t d_out : {1LL, 96LL, 4096LL, 8192LL, 1LL << 20}) {
+        for (int64_t n_rows = 0; n_rows < 5000; n_rows += n_rows < 300 ? 1 : 97) {
+            int64_t s, chunk;
+            down_slices(n_rows, d_out, &s, &chunk);
+            if (n_rows == 0) {
+                CHECK(s == 0, "no rows, %lld slices", (long long) s);
+                continue;
+            }
+            CHECK(s >= 1 && s <= DOWN_MAX_SLICES && chunk >= 1,
+                  "n_rows %lld d_out %lld: %lld slices of %lld", (long long) n_rows,
+                  (long long) d_out, (long long) s, (long long) chunk);
+            /* the slices [i*chunk, min((i+1)*chunk, n)) cover the list, none empty */
+            CHECK(s * chunk >= n_rows && (s - 1) * chunk < n_rows,
+                  "n_rows %lld: %lld slices of %lld do not tile it", (long long) n_rows,
+                  (long long) s, (long long) chunk);
+        }
+    }
+}
+
+int main() {
+    std::mt19937 rng(1234);
+    check_type<GH_TYPE_F32>(rng);
+    check_type<GH_TYPE_F16>(rng);
+    check_type<GH_TYPE_BF16>(rng);
+    check_type<GH_TYPE_Q8_0>(rng);
+    check_type<GH_TYPE_Q4_0>(rng);
+    check_acts();
+    check_slices();
+    printf("cuda_emu: %d checks, %d failed\n", n_checks, n_fail);
+    return n_fail ? 1 : 0;
+}

@@ -1,0 +1,234 @@
+"""The CUDA kernels against numpy: matmul, predictor and hot FFN for every weight type,
+every activation, odd sizes (both the vector and the element-per-lane paths of the float
+types), token tiles, row lists (empty, one, all, unsorted with repeats, long enough to be
+sliced), determinism and the errors. Skipped without a GPU (see cuda_fixtures.py).
+
+Error measure (as tests/test_types_matmul.py): the normalised squared error
+
+    err = ||y - y_ref||^2 / max(||y_ref||^2, expected ||y_ref||^2 of random data)
+
+with y_ref in float64 on the *dequantized* weights (gguf-py's, independent of the
+runtime) and the f32 activations. The kernels dequantize weights exactly and never
+quantize activations, so the only error is f32 accumulation (~1e-13 here); BOUND leaves
+a wide margin while any indexing mistake gives err ~ 1."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from powerinfer_cpp._native import ffi, lib
+
+from cbuf import fptr, iptr
+from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
+from opref import ACTS, TYPES, act_ref, encode, id_lists, vptr
+
+GH_ERR_UNSUPPORTED, GH_ERR_INVALID_ARG, GH_ERR_RANGE = 3, 4, 6
+BOUND = 1e-9
+QUANT = {"q8_0", "q4_0"}
+
+
+def err() -> str:
+    return ffi.string(lib.gh_last_error()).decode("utf-8", "replace")
+
+
+def nmse(y, ref, expected_sq) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.sum((y - ref) ** 2) / max(np.sum(ref ** 2), expected_sq, 1e-300))
+
+
+def weights(tname, rows, cols, rng):
+    raw, deq = encode(TYPES[tname], rng.standard_normal((rows, cols)).astype(np.float32))
+    return raw, deq.astype(np.float64)
+
+
+# ---- matmul ------------------------------------------------------------------------------
+
+# quantized rows are whole 32-blocks; float rows may be any width: 40 takes the vector
+# path (8-element units, 16-byte rows), 1 / 7 / 37 / 100 the element path
+WIDTHS = [32, 96, 4096 + 32]
+FLOAT_WIDTHS = [1, 7, 37, 40, 100]
+MATMUL_CASES = [(t, c) for t in TYPES for c in WIDTHS + ([] if t in QUANT else FLOAT_WIDTHS)]
+
+
+def run_matmul(device, tname, raw, rows, cols, x):
+    n = x.shape[0]
+    y = np.full((n, rows), np.nan, dtype=np.float32)
+    st = lib.gh_device_op_matmul(device.encode(), TYPES[tname], vptr(raw), rows, cols, fptr(x), n,
+                                 fptr(y))
+    assert st == 0, err()
+    return y
+
+
+@pytest.mark.parametrize("tname, cols", MATMUL_CASES)
+@pytest.mark.parametrize("rows", [1, 33, 97])
+@pytest.mark.parametrize("n", [1, 5, 17])  # one token; a partial tile; 3 tiles of 8
+def test_matmul(cuda_device, tname, cols, rows, n):
+    rng = np.random.default_rng(rows * 7919 + cols * 31 + n)
+    raw, w = weights(tname, rows, cols, rng)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    y = run_matmul(cuda_device, tname, raw, rows, cols, x)
+    ref = x.astype(np.float64) @ w.T
+    expected = np.sum(w ** 2, axis=1).sum() * np.sum(x.astype(np.float64) ** 2) / cols
+    e = nmse(y, ref, expected)
+    assert e < BOUND, (tname, rows, cols, n, e)
+
+
+@pytest.mark.parametrize("tname", list(TYPES))
+def test_matmul_batch_and_repeat(cuda_device, tname):
+    """A prompt-sized batch (9 tiles, the last partial); the same call twice gives the same
+    bits."""
+    rows, cols, n = 257, 4096 + 32, 70
+    rng = np.random.default_rng(5)
+    raw, w = weights(tname, rows, cols, rng)
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    y = run_matmul(cuda_device, tname, raw, rows, cols, x)
+    ref = x.astype(np.float64) @ w.T
+    expected = np.sum(w ** 2) * np.sum(x.astype(np.float64) ** 2) / cols
+    assert nmse(y, ref, expected) < BOUND
+    np.testing.assert_array_equal(run_matmul(cuda_device, tname, raw, rows, cols, x), y)
+    # token t of the batch alone: the same row products (the tile only shares the weights)
+    y1 = run_matmul(cuda_device, tname, raw, rows, cols, x[3:4].copy())
+    assert nmse(y1[0], ref[3], expected / n) < BOUND
+
+
+# ---- predictor ---------------------------------------------------------------------------
+
+PREDICT_CASES = [(t, t, 96, 64, 97) for t in TYPES] + [
+    ("q4_0", "f16", 4096 + 32, 128, 1000),   # a real predictor's shape
+    ("f32", "q8_0", 64, 32, 1),
+    ("bf16", "q4_0", 96, 64, 33),
+    ("f16", "f16", 40, 37, 33),              # hidden layer of odd width (element path)
+    ("f32", "bf16", 7, 5, 3),
+]
+
+
+@pytest.mark.parametrize("t1, t2, d, h, ff", PREDICT_CASES)
+def test_predict(cuda_device, t1, t2, d, h, ff):
+    rng = np.random.default_rng(d * 3 + h * 5 + ff)
+    r1, w1 = weights(t1, h, d, rng)
+    r2, w2 = weights(t2, ff, h, rng)
+    x = rng.standard_normal(d).astype(np.float32)
+    score = np.full(ff, np.nan, dtype=np.float32)
+    st = lib.gh_device_op_predict(cuda_device.encode(), TYPES[t1], vptr(r1), TYPES[t2], vptr(r2),
+                                  d, h, ff, fptr(x), fptr(score))
+    assert st == 0, err()
+    hid = np.maximum(w1 @ x.astype(np.float64), 0.0)
+    ref = w2 @ hid
+    expected = np.sum(w2 ** 2) * np.sum(hid ** 2) / h
+    e = nmse(score, ref, expected)
+    assert e < BOUND, (t1, t2, d, h, ff, e)
+
+
+# ---- hot FFN -----------------------------------------------------------------------------
+
+
+def run_hot_ffn(device, t, rg, ru, down_t, rd, n_hot, d, act, x, rows):
+    y = np.full(d, np.nan, dtype=np.float32)
+    rows = np.ascontiguousarray(rows, dtype=np.int32)
+    st = lib.gh_device_op_hot_ffn(device.encode(), TYPES[t], vptr(rg), vptr(ru), TYPES[down_t],
+                                  vptr(rd), n_hot, d, act, fptr(x),
+                                  iptr(rows) if rows.size else ffi.NULL, rows.size, fptr(y))
+    assert st == 0, err()
+    return y
+
+
+def hot_ffn_check(device, tname, down_name, act, n_hot, d, lists, seed):
+    rng = np.random.default_rng(seed)
+    rg, g = weights(tname, n_hot, d, rng)
+    ru, u = weights(tname, n_hot, d, rng)
+    rd, dn = weights(down_name, n_hot, d, rng)
+    x = rng.standard_normal(d).astype(np.float32)
+    gx, ux = g @ x.astype(np.float64), u @ x.astype(np.float64)
+    for name, rows in lists.items():
+        y = run_hot_ffn(device, tname, rg, ru, down_name, rd, n_hot, d, act, x, rows)
+        if rows.size == 0:
+            assert (y == 0).all(), name  # overwritten with zeros
+            continue
+        a = act_ref(act, gx[rows], ux[rows])
+        ref = a @ dn[rows]
+        # expected ||ref||^2 for random data; a's own rounding scales with |g u|
+        expected = np.sum((np.abs(gx[rows] * ux[rows]) + np.abs(a)) ** 2) * np.sum(dn ** 2) / (
+            n_hot * d)
+        e = nmse(y, ref, expected)
+        assert e < BOUND, (tname, down_name, act, name, e)
+        # fixed summation order: bit-identical when repeated
+        np.testing.assert_array_equal(
+            run_hot_ffn(device, tname, rg, ru, down_name, rd, n_hot, d, act, x, rows), y)
+
+
+HOT_TYPES = [(t, t) for t in TYPES] + [("q4_0", "f16"), ("q8_0", "q4_0"), ("f32", "bf16"),
+                                      ("f16", "q8_0")]
+
+
+@pytest.mark.parametrize("tname, down_name", HOT_TYPES)
+@pytest.mark.parametrize("aname", list(ACTS))
+def test_hot_ffn(cuda_device, tname, down_name, aname):
+    n_hot, d = 97, 96
+    rng = np.random.default_rng(11)
+    hot_ffn_check(cuda_device, tname, down_name, ACTS[aname], n_hot, d, id_lists(n_hot, rng),
+                  seed=TYPES[tname] * 37 + TYPES[down_name] + ACTS[aname])
+
+
+@pytest.mark.parametrize("tname", [t for t in TYPES if t not in QUANT])
+def test_hot_ffn_odd_float_width(cuda_device, tname):
+    """Float rows of 100 columns: gate/up on the element path, down element by element."""
+    n_hot, d = 33, 100
+    rng = np.random.default_rng(3)
+    hot_ffn_check(cuda_device, tname, tname, ACTS["relu"], n_hot, d, id_lists(n_hot, rng), seed=4)
+
+
+@pytest.mark.parametrize("tname", list(TYPES))
+@pytest.mark.parametrize("aname", ["relu", "silu"])
+def test_hot_ffn_long_lists(cuda_device, tname, aname):
+    """A 7B-like width and lists long enough to be cut into many slices (sums of slices
+    added in order) and to need several shared-memory tiles per slice."""
+    n_hot, d = 700, 4096 + 32
+    rng = np.random.default_rng(17)
+    perm = rng.permutation(n_hot).astype(np.int32)
+    lists = {
+        "all": np.arange(n_hot, dtype=np.int32),
+        "unsorted-repeats": np.concatenate([perm[:400], perm[:300]]).astype(np.int32),
+        "65": perm[:65],  # just over one slice of 64
+        "one": perm[:1],
+    }
+    hot_ffn_check(cuda_device, tname, tname, ACTS[aname], n_hot, d, lists, seed=23)
+
+
+def test_hot_ffn_narrow_many_rows(cuda_device):
+    """A narrow output with a very long list: at most 64 slices of many rows each (several
+    shared-memory tiles of 256 rows per slice)."""
+    n_hot, d = 3000, 32
+    rng = np.random.default_rng(29)
+    lists = {"all": np.arange(n_hot, dtype=np.int32),
+             "reversed": np.arange(n_hot, dtype=np.int32)[::-1].copy(),
+             "repeats": rng.integers(0, n_hot, 20000).astype(np.int32)}
+    hot_ffn_check(cuda_device, "f16", "f16", ACTS["drelu"], n_hot, d, lists, seed=31)
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def test_errors(cuda_device):
+    dev = cuda_device.encode()
+    w = np.zeros((4, 32), dtype=np.float32)
+    x = np.zeros(64, dtype=np.float32)
+    y = np.zeros(64, dtype=np.float32)
+    assert lib.gh_device_op_matmul(dev, 99, vptr(w), 4, 32, fptr(x), 1, fptr(y)) == GH_ERR_UNSUPPORTED
+    assert lib.gh_device_op_matmul(dev, TYPES["q4_0"], vptr(w), 4, 48, fptr(x), 1,
+                                   fptr(y)) == GH_ERR_INVALID_ARG
+    rows = np.array([0, 4], dtype=np.int32)
+    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), 0, vptr(w), 4, 32, 1, fptr(x),
+                                    iptr(rows), 2, fptr(y)) == GH_ERR_RANGE
+    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), 0, vptr(w), 4, 32, 17, fptr(x),
+                                    iptr(rows), 1, fptr(y)) == GH_ERR_INVALID_ARG
+
+
+def test_missing_gpu_index_is_a_clear_error(cuda_device):
+    if cuda_device != "cuda" and not cuda_device.startswith("cuda:"):
+        pytest.skip("a CUDA device name is needed")
+    assert lib.gh_device_check(b"cuda:999") == GH_ERR_UNSUPPORTED
+    assert "does not exist" in err() and "cuda:0" in err()
+    w = np.zeros((1, 32), dtype=np.float32)
+    assert lib.gh_device_op_matmul(b"cuda:999", 0, vptr(w), 1, 32, fptr(w[0]), 1,
+                                   fptr(w[0])) == GH_ERR_UNSUPPORTED

@@ -45,10 +45,12 @@ void gh_hybrid_free(gh_hybrid * hy);
 /* The context's stream (NULL message-set on failure); sized for the model. */
 gh_status gh_hybrid_stream_new(const struct gh_model * m, gh_stream ** out);
 
-/* y = W x for n tokens ([n][w->rows]) of a device weight, waiting for the result (chunks
- * of GH_DEVICE_CHUNK tokens). Counts the stats; an error is kept in c->dev_status (y is
- * zeroed) for gh_eval to report. */
-void gh_hybrid_matmul(struct gh_context * c, const gh_dweight * w, const float * x, int64_t n,
-                      float * y);
+/* Enqueues y = W x for n tokens ([n][w->rows]) of a device weight (chunks of
+ * GH_DEVICE_CHUNK tokens); y is ready after gh_hybrid_sync. Counts the stats; an error is
+ * kept in c->dev_status (y is zeroed) for gh_eval to report. */
+void gh_hybrid_matmul_async(struct gh_context * c, const gh_dweight * w, const float * x,
+                            int64_t n, float * y);
+/* Waits for the context's device work (time and errors into the stats / dev_status). */
+void gh_hybrid_sync(struct gh_context * c);
 
 #endif

@@ -779,9 +779,10 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         for (int32_t t = 0; t < n; t++) gh_rmsnorm(c->x + t * d, L->attn_norm, d, hp->rms_eps, c->xb + t * d);
         const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
         if (D && D->att) {
-            gh_hybrid_matmul(c, &D->wq, c->xb, n, c->q);
-            gh_hybrid_matmul(c, &D->wk, c->xb, n, kc + (int64_t) p0 * dkv);
-            gh_hybrid_matmul(c, &D->wv, c->xb, n, vc + (int64_t) p0 * dkv);
+            gh_hybrid_matmul_async(c, &D->wq, c->xb, n, c->q);
+            gh_hybrid_matmul_async(c, &D->wk, c->xb, n, kc + (int64_t) p0 * dkv);
+            gh_hybrid_matmul_async(c, &D->wv, c->xb, n, vc + (int64_t) p0 * dkv);
+            gh_hybrid_sync(c);
         } else {
             gh_matmul(c->tp, &L->wq, c->xb, n, c->q, dq, c->mm_scratch);
             gh_matmul(c->tp, &L->wk, c->xb, n, kc + (int64_t) p0 * dkv, dkv, c->mm_scratch);
@@ -792,8 +793,10 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, p0 + t, hp->rope_theta, 0);
         }
         gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd);
-        if (D && D->att) gh_hybrid_matmul(c, &D->wo, c->att, n, c->xb2);
-        else gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
+        if (D && D->att) {
+            gh_hybrid_matmul_async(c, &D->wo, c->att, n, c->xb2);
+            gh_hybrid_sync(c);
+        } else gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
         const double t_ffn = gh_now();
         gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att,
@@ -836,8 +839,10 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     const int32_t nt = n - t0;
     for (int32_t t = t0; t < n; t++) gh_rmsnorm(c->x + t * d, m->output_norm, d, hp->rms_eps, c->xb + (t - t0) * d);
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
-    if (m->hy && m->hy->head) gh_hybrid_matmul(c, &m->hy->output, c->xb, nt, logits);
-    else gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
+    if (m->hy && m->hy->head) {
+        gh_hybrid_matmul_async(c, &m->hy->output, c->xb, nt, logits);
+        gh_hybrid_sync(c);
+    } else gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
 }
 
 gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all) {

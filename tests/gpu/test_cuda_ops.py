@@ -1,4 +1,6 @@
-"""The CUDA kernels against numpy: matmul, predictor and hot FFN for every weight type,
+"""The device ops against numpy, on every backend: the host-device backend always, the
+CUDA kernels where a GPU is present (skipped elsewhere; see cuda_fixtures.py). Matmul,
+predictor and hot FFN for every weight type,
 every activation, odd sizes (both the vector and the element-per-lane paths of the float
 types), token tiles, row lists (empty, one, all, unsorted with repeats, long enough to be
 sliced), determinism and the errors. Skipped without a GPU (see cuda_fixtures.py).
@@ -22,6 +24,14 @@ from powerinfer_cpp._native import ffi, lib
 from cbuf import fptr, iptr
 from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
 from opref import ACTS, TYPES, act_ref, encode, id_lists, vptr
+
+
+@pytest.fixture(params=["host-device", "cuda"])
+def op_device(request) -> str:
+    """Each test runs on the simulated device and on the GPU (when there is one)."""
+    if request.param == "host-device":
+        return "host-device"
+    return request.getfixturevalue("cuda_device")
 
 GH_ERR_UNSUPPORTED, GH_ERR_INVALID_ARG, GH_ERR_RANGE = 3, 4, 6
 BOUND = 1e-9
@@ -63,11 +73,11 @@ def run_matmul(device, tname, raw, rows, cols, x):
 @pytest.mark.parametrize("tname, cols", MATMUL_CASES)
 @pytest.mark.parametrize("rows", [1, 33, 97])
 @pytest.mark.parametrize("n", [1, 5, 17])  # one token; a partial tile; 3 tiles of 8
-def test_matmul(cuda_device, tname, cols, rows, n):
+def test_matmul(op_device, tname, cols, rows, n):
     rng = np.random.default_rng(rows * 7919 + cols * 31 + n)
     raw, w = weights(tname, rows, cols, rng)
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    y = run_matmul(cuda_device, tname, raw, rows, cols, x)
+    y = run_matmul(op_device, tname, raw, rows, cols, x)
     ref = x.astype(np.float64) @ w.T
     expected = np.sum(w ** 2, axis=1).sum() * np.sum(x.astype(np.float64) ** 2) / cols
     e = nmse(y, ref, expected)
@@ -75,20 +85,20 @@ def test_matmul(cuda_device, tname, cols, rows, n):
 
 
 @pytest.mark.parametrize("tname", list(TYPES))
-def test_matmul_batch_and_repeat(cuda_device, tname):
+def test_matmul_batch_and_repeat(op_device, tname):
     """A prompt-sized batch (9 tiles, the last partial); the same call twice gives the same
     bits."""
     rows, cols, n = 257, 4096 + 32, 70
     rng = np.random.default_rng(5)
     raw, w = weights(tname, rows, cols, rng)
     x = rng.standard_normal((n, cols)).astype(np.float32)
-    y = run_matmul(cuda_device, tname, raw, rows, cols, x)
+    y = run_matmul(op_device, tname, raw, rows, cols, x)
     ref = x.astype(np.float64) @ w.T
     expected = np.sum(w ** 2) * np.sum(x.astype(np.float64) ** 2) / cols
     assert nmse(y, ref, expected) < BOUND
-    np.testing.assert_array_equal(run_matmul(cuda_device, tname, raw, rows, cols, x), y)
+    np.testing.assert_array_equal(run_matmul(op_device, tname, raw, rows, cols, x), y)
     # token t of the batch alone: the same row products (the tile only shares the weights)
-    y1 = run_matmul(cuda_device, tname, raw, rows, cols, x[3:4].copy())
+    y1 = run_matmul(op_device, tname, raw, rows, cols, x[3:4].copy())
     assert nmse(y1[0], ref[3], expected / n) < BOUND
 
 
@@ -104,13 +114,13 @@ PREDICT_CASES = [(t, t, 96, 64, 97) for t in TYPES] + [
 
 
 @pytest.mark.parametrize("t1, t2, d, h, ff", PREDICT_CASES)
-def test_predict(cuda_device, t1, t2, d, h, ff):
+def test_predict(op_device, t1, t2, d, h, ff):
     rng = np.random.default_rng(d * 3 + h * 5 + ff)
     r1, w1 = weights(t1, h, d, rng)
     r2, w2 = weights(t2, ff, h, rng)
     x = rng.standard_normal(d).astype(np.float32)
     score = np.full(ff, np.nan, dtype=np.float32)
-    st = lib.gh_device_op_predict(cuda_device.encode(), TYPES[t1], vptr(r1), TYPES[t2], vptr(r2),
+    st = lib.gh_device_op_predict(op_device.encode(), TYPES[t1], vptr(r1), TYPES[t2], vptr(r2),
                                   d, h, ff, fptr(x), fptr(score))
     assert st == 0, err()
     hid = np.maximum(w1 @ x.astype(np.float64), 0.0)
@@ -163,24 +173,24 @@ HOT_TYPES = [(t, t) for t in TYPES] + [("q4_0", "f16"), ("q8_0", "q4_0"), ("f32"
 
 @pytest.mark.parametrize("tname, down_name", HOT_TYPES)
 @pytest.mark.parametrize("aname", list(ACTS))
-def test_hot_ffn(cuda_device, tname, down_name, aname):
+def test_hot_ffn(op_device, tname, down_name, aname):
     n_hot, d = 97, 96
     rng = np.random.default_rng(11)
-    hot_ffn_check(cuda_device, tname, down_name, ACTS[aname], n_hot, d, id_lists(n_hot, rng),
+    hot_ffn_check(op_device, tname, down_name, ACTS[aname], n_hot, d, id_lists(n_hot, rng),
                   seed=TYPES[tname] * 37 + TYPES[down_name] + ACTS[aname])
 
 
 @pytest.mark.parametrize("tname", [t for t in TYPES if t not in QUANT])
-def test_hot_ffn_odd_float_width(cuda_device, tname):
+def test_hot_ffn_odd_float_width(op_device, tname):
     """Float rows of 100 columns: gate/up on the element path, down element by element."""
     n_hot, d = 33, 100
     rng = np.random.default_rng(3)
-    hot_ffn_check(cuda_device, tname, tname, ACTS["relu"], n_hot, d, id_lists(n_hot, rng), seed=4)
+    hot_ffn_check(op_device, tname, tname, ACTS["relu"], n_hot, d, id_lists(n_hot, rng), seed=4)
 
 
 @pytest.mark.parametrize("tname", list(TYPES))
 @pytest.mark.parametrize("aname", ["relu", "silu"])
-def test_hot_ffn_long_lists(cuda_device, tname, aname):
+def test_hot_ffn_long_lists(op_device, tname, aname):
     """A 7B-like width and lists long enough to be cut into many slices (sums of slices
     added in order) and to need several shared-memory tiles per slice."""
     n_hot, d = 700, 4096 + 32
@@ -192,10 +202,10 @@ def test_hot_ffn_long_lists(cuda_device, tname, aname):
         "65": perm[:65],  # just over one slice of 64
         "one": perm[:1],
     }
-    hot_ffn_check(cuda_device, tname, tname, ACTS[aname], n_hot, d, lists, seed=23)
+    hot_ffn_check(op_device, tname, tname, ACTS[aname], n_hot, d, lists, seed=23)
 
 
-def test_hot_ffn_narrow_many_rows(cuda_device):
+def test_hot_ffn_narrow_many_rows(op_device):
     """A narrow output with a very long list: at most 64 slices of many rows each (several
     shared-memory tiles of 256 rows per slice)."""
     n_hot, d = 3000, 32
@@ -203,14 +213,14 @@ def test_hot_ffn_narrow_many_rows(cuda_device):
     lists = {"all": np.arange(n_hot, dtype=np.int32),
              "reversed": np.arange(n_hot, dtype=np.int32)[::-1].copy(),
              "repeats": rng.integers(0, n_hot, 20000).astype(np.int32)}
-    hot_ffn_check(cuda_device, "f16", "f16", ACTS["drelu"], n_hot, d, lists, seed=31)
+    hot_ffn_check(op_device, "f16", "f16", ACTS["drelu"], n_hot, d, lists, seed=31)
 
 
 # ---- errors ------------------------------------------------------------------------------
 
 
-def test_errors(cuda_device):
-    dev = cuda_device.encode()
+def test_errors(op_device):
+    dev = op_device.encode()
     w = np.zeros((4, 32), dtype=np.float32)
     x = np.zeros(64, dtype=np.float32)
     y = np.zeros(64, dtype=np.float32)

@@ -15,6 +15,8 @@ import pytest
 from powerinfer_cpp import Model, device_available, parse_size
 from powerinfer_cpp._native import ffi, lib
 
+from hybrid_sizes import part_sizes
+
 MiB = 1 << 20
 N_TOK = 40  # decode steps compared per budget
 
@@ -49,16 +51,14 @@ def cpu_ref(sparse_path, tokens):
 
 
 def sizes(m: Model):
-    """Bytes of one layer's attention, predictor, the head and one hot neuron."""
-    import gguf
-    r = gguf.GGUFReader(m.path)
-    nb = {t.name: int(t.n_bytes) for t in r.tensors}
-    att = sum(nb[f"blk.0.attn_{k}.weight"] for k in ("q", "k", "v", "output"))
-    pred = nb["blk.0.fc1.weight"] + nb["blk.0.fc2.weight"]
-    head = nb.get("output.weight", nb["token_embd.weight"])
-    n_ff = m.info.n_ff
-    neuron = sum(nb[f"blk.0.{k}.weight"] for k in ("ffn_gate", "ffn_up", "ffn_down_t")) // n_ff
-    return att, pred, head, neuron
+    """(attention of a layer, largest predictor, head, one neuron) in bytes."""
+    z = part_sizes(m.path, m.info.n_layer, m.info.n_ff)
+    return z["attention"], z["predictor"], z["head"], z["neuron"]
+
+
+def dense_total(m: Model) -> int:
+    """Bytes of every layer's attention and predictor, and the head."""
+    return part_sizes(m.path, m.info.n_layer, m.info.n_ff)["dense"]
 
 
 def close(a, b, tol=2e-4):
@@ -74,7 +74,7 @@ def budget_bytes(m: Model, which: str) -> int | None:
     att, pred, head, neuron = sizes(m)
     nl = m.info.n_layer
     return {"zero": 0, "two-layers": 2 * att + 1000,
-            "dense+some": nl * (att + pred) + head + 700 * neuron, "all": None}[which]
+            "dense+some": dense_total(m) + 700 * neuron, "all": None}[which]
 
 
 @pytest.mark.parametrize("which", BUDGETS)
@@ -133,7 +133,7 @@ def test_budget_sweep_never_exceeds_and_keeps_priority(sparse_path):
     with Model(sparse_path) as probe:
         att, pred, head, neuron = sizes(probe)
         nl = probe.info.n_layer
-    full = nl * (att + pred) + head + nl * probe.info.n_ff * neuron
+        full = dense_total(probe) + nl * probe.info.n_ff * neuron
     last_hot = -1
     for budget in np.linspace(0, full * 1.05, 23).astype(np.int64):
         with Model(sparse_path, device="host-device", vram_budget=int(budget)) as m:
@@ -162,9 +162,9 @@ def test_load_time_greedy_matches_offline_greedy(sparse_path):
     with Model(sparse_path) as probe:
         att, pred, head, neuron = sizes(probe)
         nl = probe.info.n_layer
+        dense = dense_total(probe)
     freq = [np.asarray(t[f"blk.{l}.ffn_freq"].data, dtype=np.float64) for l in range(nl)]
     group = int(r.fields["powerinfer.gpu.group_size"].contents())
-    dense = nl * (att + pred) + head
     for left in (100 * neuron, 1000 * neuron + 5, 2500 * neuron):
         with Model(sparse_path, device="host-device", vram_budget=dense + left) as m:
             info = m.device_info()

@@ -91,14 +91,13 @@ static const float * freq_of(const gh_model * m, int il) {
     return t ? (const float *) t->data : NULL; /* validated at load: f32 [n_ff] in [0, 1] */
 }
 
-static const float * g_sort_freq; /* qsort has no context argument */
+typedef struct { float f; int32_t id; } neuron_freq;
+
+/* Falling frequency; ties by id, as numpy's stable argsort of -freq. */
 static int by_freq(const void * a, const void * b) {
-    const int32_t i = *(const int32_t *) a, j = *(const int32_t *) b;
-    float fi, fj;
-    memcpy(&fi, g_sort_freq + i, 4);
-    memcpy(&fj, g_sort_freq + j, 4);
-    if (fi != fj) return fi > fj ? -1 : 1;
-    return (i > j) - (i < j); /* stable: lower id first, as numpy's stable argsort */
+    const neuron_freq * x = a, * y = b;
+    if (x->f != y->f) return x->f > y->f ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
 }
 
 /* hot[il] (ascending ids, n_hot[il]) for `left` bytes: repeatedly take the step with the
@@ -121,14 +120,18 @@ static gh_status greedy(const gh_model * m, int64_t left, int32_t ** hot, int64_
         lg[il].n_groups = (ff + gs - 1) / gs;
         lg[il].gval = calloc((size_t) lg[il].n_groups, sizeof(double));
         if (!lg[il].order || !lg[il].gval) { st = gh_fail(GH_ERR_OOM, "out of memory"); break; }
-        for (int64_t i = 0; i < ff; i++) lg[il].order[i] = (int32_t) i;
-        g_sort_freq = f;
-        qsort(lg[il].order, (size_t) ff, sizeof(int32_t), by_freq);
+        neuron_freq * nf = malloc((size_t) ff * sizeof *nf);
+        if (!nf) { st = gh_fail(GH_ERR_OOM, "out of memory"); break; }
         for (int64_t i = 0; i < ff; i++) {
-            float fv;
-            memcpy(&fv, f + lg[il].order[i], 4);
-            lg[il].gval[i / gs] += fv;
+            memcpy(&nf[i].f, f + i, 4); /* the file's data need not be 4-aligned */
+            nf[i].id = (int32_t) i;
         }
+        qsort(nf, (size_t) ff, sizeof *nf, by_freq);
+        for (int64_t i = 0; i < ff; i++) {
+            lg[il].order[i] = nf[i].id;
+            lg[il].gval[i / gs] += nf[i].f;
+        }
+        free(nf);
         int64_t mg = (int64_t) ceil(MIN_LAYER_SHARE * (double) ff / (double) gs);
         lg[il].min_groups = GH_MIN(lg[il].n_groups, GH_MAX(1, mg));
     }

@@ -15,6 +15,7 @@ import pytest
 from powerinfer_cpp import Model
 
 from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
+from hybrid_sizes import part_sizes
 
 N_TOK = 40        # decode steps compared per budget
 TOL = 1e-3        # max |logit difference| / max |logit|
@@ -54,27 +55,14 @@ def cpu_ref(sparse_path, tokens):
     return {"sparse": sparse, "dense": dense, "prompt": prompt}
 
 
-def part_sizes(m: Model):
-    """Bytes of one layer's attention, one layer's predictor, the head, one hot neuron."""
-    import gguf
-
-    nb = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(m.path).tensors}
-    att = sum(nb[f"blk.0.attn_{k}.weight"] for k in ("q", "k", "v", "output"))
-    pred = nb["blk.0.fc1.weight"] + nb["blk.0.fc2.weight"]
-    head = nb.get("output.weight", nb["token_embd.weight"])
-    neuron = sum(nb[f"blk.0.{k}.weight"] for k in ("ffn_gate", "ffn_up", "ffn_down_t")) // m.info.n_ff
-    return att, pred, head, neuron
-
-
 def budget_bytes(path, which: str) -> int | None:
     """zero: nothing on the GPU; few-MB: a few MiB (attention and some of the rest);
     dense+some: every dense part and ~700 neurons (a real CPU/GPU neuron split); all:
     the whole model (None = the GPU's free memory less a margin)."""
     with Model(path) as m:
-        att, pred, head, neuron = part_sizes(m)
-        nl = m.info.n_layer
+        z = part_sizes(m.path, m.info.n_layer, m.info.n_ff)
     return {"zero": 0, "few-MB": 3 << 20,
-            "dense+some": nl * (att + pred) + head + 700 * neuron, "all": None}[which]
+            "dense+some": z["dense"] + 700 * z["neuron"], "all": None}[which]
 
 
 def max_rel_diff(a, b) -> float:
@@ -129,9 +117,9 @@ def test_cuda_budget_sweep_stays_within(cuda_device, sparse_path):
     """Budgets from zero to the whole model: never more than the budget on the GPU (real
     cudaMalloc sizes), and the whole model once the budget holds it."""
     with Model(sparse_path) as m:
-        att, pred, head, neuron = part_sizes(m)
         nl, n_ff = m.info.n_layer, m.info.n_ff
-    full = nl * (att + pred) + head + nl * n_ff * neuron
+        z = part_sizes(m.path, nl, n_ff)
+    full = z["dense"] + nl * n_ff * z["neuron"]
     for budget in np.linspace(0, full * 1.05, 8).astype(np.int64):
         with Model(sparse_path, device=cuda_device, vram_budget=int(budget)) as m:
             info = m.device_info()

@@ -201,6 +201,85 @@ def test_predictor_deterministic_and_capped():
         assert a.h == 64 and len(a.tried) == 2
 
 
+def _lowdim(n, d=96, k=12, n_ff=300, seed=6, noise=0.0):
+    """(x, mask, gate): inputs in a k-dimensional subspace plus a large constant direction
+    (as in the bench model), optionally with full-rank noise; mask = gate . x > 0."""
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    basis = np.linalg.qr(rng.standard_normal((d, k)))[0]
+    g = rng.standard_normal((n_ff, d)) * 0.1 - np.outer(np.abs(rng.standard_normal(n_ff)) * 0.4, u)
+    x = 3 * u + rng.standard_normal((n, k)) @ basis.T + noise * rng.standard_normal((n, d))
+    x, g = x.astype(np.float32), g.astype(np.float32)
+    return x, (x @ g.T) > 0, g
+
+
+def test_predictor_gate_lowrank_exact():
+    """Inputs in a (k+1)-dimensional subspace: the rank-(k+1) data-weighted approximation of
+    the gate is exact there, so it is taken without training at the first size that has the
+    rank, and it predicts the mask of fresh tokens."""
+    x, m, g = _lowdim(1500)
+    assert 0.05 < m.mean() < 0.6
+    p = train_layer(x, m, PredictorConfig(recall_target=0.99, h_start=8, h_max=64, train_fallback=False), gate=g)
+    assert p.reached and p.recall >= 0.999 and p.precision >= 0.999
+    assert p.h == 32 and [t[0] for t in p.tried] == [32]   # 8, 16 (rank < 13) fall short
+    assert p.w1.shape == (32, 96) and p.w2.shape == (300, 32)
+    rng = np.random.default_rng(99)
+    # the predictor is the linear map A B on the data: W2 relu(W1 x) == approx G x
+    s = np.maximum(x @ p.w1.T, 0) @ p.w2.T
+    np.testing.assert_allclose(s, x @ g.T, atol=1e-3 * float(np.abs(x @ g.T).max()))
+    # with training as the fallback, every size tries the approximation before training
+    q = train_layer(x, m, PredictorConfig(recall_target=0.99, h_start=8, h_max=64, epochs=2), gate=g)
+    assert q.reached and q.h <= 32
+    # and the +v/-v unit pairs make it exactly linear: scaling x scales the score
+    xs = x[:5] * np.float32(rng.uniform(0.5, 2.0))
+    np.testing.assert_allclose(np.maximum(xs @ p.w1.T, 0) @ p.w2.T, xs @ g.T, rtol=1e-3, atol=1e-3)
+
+
+def test_predictor_gate_lowrank_falls_back():
+    """Full-rank noise the capped rank cannot follow: training runs, and the trained net is
+    kept only if it has the higher recall at no higher predicted density; without the
+    fallback the approximation is returned as it is."""
+    x, m, g = _lowdim(1200, noise=1.0, seed=8)
+    cfg = PredictorConfig(recall_target=0.999, h_start=8, h_max=16, max_tune_steps=1, epochs=2, grow_epochs=1)
+    p = train_layer(x, m, cfg, gate=g)
+    trained = train_layer(x, m, cfg)
+    assert not p.reached and p.h == 16
+    if np.array_equal(p.w1, trained.w1):
+        assert p.recall == trained.recall
+    else:
+        assert p.pred_density < trained.pred_density or p.recall >= trained.recall
+    fixed = train_layer(x, m, PredictorConfig(recall_target=0.999, h_start=16, h_max=16, train_fallback=False),
+                        gate=g)
+    assert not fixed.reached and fixed.h == 16 and len(fixed.tried) == 1 and fixed.pos_weight == 0.0
+    assert (fixed.recall, fixed.pred_density) == evaluate(fixed.w1, fixed.w2, x[960:], m[960:])[::2]
+    with pytest.raises(ValueError, match="gate has shape"):
+        train_layer(x, m, cfg, gate=g[:, :10])
+
+
+def test_predictor_whitening():
+    """Whitened training (PredictorConfig.whiten) folds the transform back into w1: the
+    stored predictor reads raw x and reaches the target on the synthetic gate."""
+    x, m = _synthetic(3000)
+    p = train_layer(x, m, PredictorConfig(recall_target=0.99, seed=3, whiten=1e-2))
+    rec, prec, dens = evaluate(p.w1, p.w2, x[2400:], m[2400:])
+    assert rec == pytest.approx(p.recall) and rec >= 0.98
+    assert p.precision > 1.5 * m.mean()
+
+
+def test_predictor_type_option():
+    from powerinfer_cpp.convert import ConvertError
+    from powerinfer_cpp.sparse_convert import SparseOptions, predictor_qtype
+    Q = gguf.GGMLQuantizationType
+    assert predictor_qtype("f16", 2048) == Q.F16 and predictor_qtype("q4_0", 2048) == Q.Q8_0
+    assert predictor_qtype("f16", 2048, "q8_0") == Q.Q8_0
+    assert predictor_qtype("f16", 33, "q8_0") == Q.F16      # rows that cannot be blocked
+    assert predictor_qtype("q4_0", 2048, "f16") == Q.F16
+    assert predictor_qtype("q8_0", 64, "f32") == Q.F32
+    with pytest.raises(ConvertError, match="predictor_type"):
+        SparseOptions(predictor_type="q4_0")
+
+
 # ---------------------------------------------------------------------------
 # the pipeline on a small random ReLU model
 # ---------------------------------------------------------------------------

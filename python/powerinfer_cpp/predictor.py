@@ -14,6 +14,16 @@ output weights) until held-out recall reaches ``recall_target`` with a
 positive weight of at most ``max_pos_weight``; it is capped at ``h_max``
 (default min(n_embd, n_ff / 2)) and the shortfall reported.
 
+For ReGLU models the converter also passes the layer's gate weights: a neuron fires iff
+its gate row . x > 0, so the best rank-h/2 approximation of the gate on the profiled
+inputs (_gate_lowrank) is itself a predictor of hidden size h. At each size it is tried
+before training and taken when it reaches the recall target (on the benchmark model,
+whose hidden states live in a 129-dimensional subspace, it is exact up to rounding).
+
+Training inputs can be whitened (``whiten``): hidden states with one huge near-constant
+direction and rounding noise in the rest (a Q4_0 model's) otherwise send least squares
+and Adam after the noise, and recall is then bought with density (see _whitener).
+
 Pure numpy (float32, seeded: the same data gives the same predictors);
 torch is used as an accelerator only when ``backend="torch"`` is asked for.
 """
@@ -51,6 +61,8 @@ class PredictorConfig:
     seed: int = 0
     backend: str = "numpy"          # "numpy" | "torch"
     blas_threads: int | None = 1    # OpenBLAS threads while training (None: leave as is)
+    whiten: float | None = None     # train on whitened inputs, floor eps (see _whitener); None: only rescale
+    train_fallback: bool = True     # with a gate: train when its approximation misses the target
 
 
 @dataclass
@@ -222,6 +234,29 @@ def _train_torch(w1, w2, x, y, pos_weight, epochs, cfg: PredictorConfig, rng):
     return tw1.detach().numpy().copy(), tw2.detach().numpy().copy()
 
 
+def _whitener(x: np.ndarray, eps: float | None) -> np.ndarray:
+    """[d, d] input transform for training. eps None: 1/RMS(x) (the same training whatever
+    the input norm). Else ZCA whitening of the second moment C = E[x x^T]:
+    V diag(1 / sqrt(lam + eps * mean(lam))) V^T scaled to unit RMS. Hidden states have a
+    few very large directions (a near-constant one among them); without whitening the
+    decision boundary lives in directions hundreds of times smaller, which the optimizer
+    barely moves in, and least squares overfits the noise directions. The floor
+    eps * mean(lam) keeps directions with next to no variance (rounding noise) from being
+    blown up."""
+    x64 = x.astype(np.float64)
+    d = x64.shape[1]
+    if eps is None:
+        s = float(np.sqrt(np.mean(x64 ** 2))) or 1.0
+        return np.eye(d, dtype=np.float32) / np.float32(s)
+    c = x64.T @ x64 / max(1, len(x64))
+    lam, v = np.linalg.eigh(c)
+    lam = np.maximum(lam, 0.0)
+    floor = eps * float(lam.mean()) + 1e-30
+    w = (v / np.sqrt(lam + floor)) @ v.T
+    s = float(np.sqrt(np.mean((x64 @ w) ** 2))) or 1.0
+    return (w / s).astype(np.float32)
+
+
 def _linear_directions(xs, y, h_max):
     """SVD of the least-squares linear map x -> 2y-1 (ridge-regularised)."""
     x64 = xs.astype(np.float64)
@@ -250,11 +285,51 @@ def _units(u, sv, vt, h0, h1, d, n_ff, rng):
     return w1, w2
 
 
+def _gate_lowrank(x: np.ndarray, gate: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-k approximation A B of the gate matrix G [n_ff, d] that is best on the data:
+    minimises E||G x - A B x||^2 over the rows of x (SVD of G C^1/2, C = E[x x^T]).
+    Returned as predictor weights: w1 = [B; -B], w2 = [A, -A], so that
+    W2 relu(W1 x) = A B x (relu(v) - relu(-v) = v)."""
+    x64 = x.astype(np.float64)
+    c = x64.T @ x64 / max(1, len(x64))
+    lam, q = np.linalg.eigh(c)
+    lam = np.maximum(lam, 0.0)
+    # directions with (next to) no variance are left out of the inverse: their weights
+    # would be huge and, once the predictor is stored in 8 bits, would swamp the rest
+    keep = lam > 1e-6 * float(lam.max())
+    ch = (q * np.sqrt(lam)).astype(np.float32) @ q.T.astype(np.float32)
+    cih = (q[:, keep] / np.sqrt(lam[keep])) @ q[:, keep].T
+    g = np.asarray(gate, dtype=np.float32)
+    gch = g @ ch                                   # [n_ff, d]
+    mu, wv = np.linalg.eigh((gch.T @ gch).astype(np.float64))  # right singular vectors of G C^1/2
+    wk = wv[:, ::-1][:, :k]                        # [d, k], largest first
+    b = wk.T @ cih                                 # [k, d]
+    a = (gch @ wk.astype(np.float32)).astype(np.float64)  # [n_ff, k]
+    # A B is unchanged by a_i -> a_i / s, b_i -> s b_i (relu is positively homogeneous):
+    # give every column of A the same RMS, so 8-bit blocks of fc2 rows quantize evenly
+    s = np.sqrt(np.mean(a * a, axis=0)) + 1e-30
+    a /= s
+    b *= s[:, None]
+    w1 = np.concatenate([b, -b]).astype(np.float32)
+    w2 = np.concatenate([a, -a], axis=1).astype(np.float32)
+    return w1, w2
+
+
 def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = None, layer: int = 0,
-                log: Callable[[str], None] | None = None) -> LayerPredictor:
+                log: Callable[[str], None] | None = None, gate: np.ndarray | None = None) -> LayerPredictor:
     """Train one layer's predictor on FFN inputs x [N, n_embd] and true
     activation masks mask [N, n_ff] (the last ``holdout`` share of the tokens
-    is held out for choosing h and reporting)."""
+    is held out for choosing h and reporting).
+
+    ``gate`` [n_ff, n_embd] (the layer's gate weights as the runtime uses them; optional):
+    at each hidden size (from h_start up) first try the data-weighted low-rank
+    approximation of the gate itself (_gate_lowrank; in a ReLU-gated FFN a neuron fires
+    iff its gate row . x > 0), taken without training when it reaches the recall target,
+    then train at that size as below. When no size reaches the target, the trained net
+    replaces the gate approximation of size h_max only if it has the higher recall at no
+    higher predicted density (training buys recall with density: the positive weight rises
+    until recall is met, so a higher recall alone can mean most neurons predicted active).
+    With ``train_fallback`` off only the approximations are tried."""
     cfg = cfg or PredictorConfig()
     t0 = time.perf_counter()
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -269,10 +344,10 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
         raise ValueError("need at least 2 profiled tokens to train a predictor")
     xtr, ytr = x[:n_tr], mask[:n_tr].astype(np.float32)
     xho, mho = (x[n_tr:], mask[n_tr:]) if n_ho else (x, mask)
-    # scale inputs so that training behaves the same whatever the input norm;
-    # folded back into w1 at the end
-    scale = float(np.sqrt(np.mean(xtr.astype(np.float64) ** 2))) or 1.0
-    xs = xtr / np.float32(scale)
+    # train on transformed inputs xs = x @ wt (wt folded back into w1 at the end, so the
+    # stored predictor reads x as it is)
+    wt = _whitener(xtr, cfg.whiten)
+    xs = xtr @ wt
     density = float(ytr.mean()) if ytr.size else 0.0
     pw0 = cfg.pos_weight
     if pw0 is None:
@@ -284,7 +359,35 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
     train = _train_torch if cfg.backend == "torch" else _train_numpy
 
     def ev(w1, w2):
-        return evaluate(w1 / np.float32(scale), w2, xho, mho, cfg.threshold)
+        return evaluate(w1 @ wt.T, w2, xho, mho, cfg.threshold)
+
+    lowrank = None
+    if gate is not None:
+        gate = np.asarray(gate, dtype=np.float32)
+        if gate.shape != (n_ff, d):
+            raise ValueError(f"gate has shape {gate.shape}, expected {(n_ff, d)}")
+
+    def try_gate(hg):
+        g1, g2 = _gate_lowrank(xtr, gate, max(1, hg // 2))
+        r = evaluate(g1, g2, xho, mho, cfg.threshold)
+        if log:
+            log(f"layer {layer}: gate rank {g1.shape[0] // 2} (h={g1.shape[0]}) recall {r[0]:.4f} "
+                f"precision {r[1]:.3f} density {r[2]:.3f}")
+        return (g1, g2) + r
+
+    def gate_result(lr):
+        g1, g2, rec, prec, dens = lr
+        return LayerPredictor(layer, np.ascontiguousarray(g1), np.ascontiguousarray(g2), rec, prec, dens,
+                              float(mho.mean()) if mho.size else 0.0, rec >= cfg.recall_target, 0.0, n_tr,
+                              n_ho, time.perf_counter() - t0, [(g1.shape[0], rec, prec, 0.0)])
+
+    if gate is not None and not cfg.train_fallback:
+        hg = min(cfg.h_start, h_max)
+        while True:
+            lowrank = try_gate(hg)
+            if lowrank[2] >= cfg.recall_target or hg >= h_max:
+                return gate_result(lowrank)
+            hg = min(2 * hg, h_max)
 
     h = min(cfg.h_start, h_max)
     # Start from the best linear predictor (least squares on +-1 targets), cut to
@@ -297,6 +400,11 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
     tried = []
     pw = pw0
     while True:
+        if gate is not None:
+            # at each size the gate's approximation first: taken when it reaches the target
+            lowrank = try_gate(h)
+            if lowrank[2] >= cfg.recall_target:
+                return gate_result(lowrank)
         w1, w2 = train(w1, w2, xs, ytr, pw, epochs, cfg, rng)
         rec, prec, dens = ev(w1, w2)
         steps = 0
@@ -317,22 +425,31 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
         h = h_new
         epochs = cfg.grow_epochs
         pw = max(pw0, pw / cfg.pos_weight_step ** 2)
-    w1 = np.ascontiguousarray(w1 / np.float32(scale), dtype=np.float32)
+    w1 = np.ascontiguousarray(w1 @ wt.T, dtype=np.float32)
     w2 = np.ascontiguousarray(w2, dtype=np.float32)
+    # no gate approximation reached the target (else it was returned): the trained net
+    # replaces the largest one only if it reaches the target, or has the higher recall at
+    # no higher predicted density
+    if lowrank is not None and not (rec >= cfg.recall_target or (rec > lowrank[2] and dens <= lowrank[4])):
+        w1, w2, rec, prec, dens = lowrank
+        pw = 0.0
+        tried.append((w1.shape[0], rec, prec, pw))
     return LayerPredictor(layer, w1, w2, rec, prec, dens, float(mho.mean()) if mho.size else 0.0,
                           rec >= cfg.recall_target, pw, n_tr, n_ho, time.perf_counter() - t0, tried)
 
 
 def train_predictors(layers, cfg: PredictorConfig | None = None, progress: bool = True,
-                     log: Callable[[str], None] | None = None) -> list[LayerPredictor]:
-    """Train every layer: ``layers`` is a sequence of (x, mask) pairs."""
+                     log: Callable[[str], None] | None = None,
+                     gates: Callable[[int], np.ndarray | None] | None = None) -> list[LayerPredictor]:
+    """Train every layer: ``layers`` is a sequence of (x, mask) pairs; ``gates(il)``, when
+    given, returns layer il's gate weights [n_ff, n_embd] (see train_layer) or None."""
     from tqdm import tqdm
 
     cfg = cfg or PredictorConfig()
     out = []
     with blas_threads(cfg.blas_threads):
         for il, (x, mask) in enumerate(tqdm(layers, desc="predictors", unit="layer", disable=not progress)):
-            out.append(train_layer(x, mask, cfg, il, log))
+            out.append(train_layer(x, mask, cfg, il, log, gate=gates(il) if gates else None))
     return out
 
 

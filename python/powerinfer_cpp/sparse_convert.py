@@ -53,6 +53,8 @@ class SparseOptions:
     profile_ctx: int = 512            # window length of the profiling runs
     n_threads: int = 0
     predictor: PredictorConfig | None = None
+    predictor_type: str | None = None  # storage of fc1/fc2: f32|f16|q8_0; None: predictor_qtype's rule
+    gate_init: bool = True            # ReGLU: try the gate's low-rank approximation first (predictor.train_layer)
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
 
     def __post_init__(self):
@@ -69,6 +71,8 @@ class SparseOptions:
             (self.placement in ("ilp", "greedy"), f"placement must be 'ilp' or 'greedy', got {self.placement!r}"),
             (1 <= self.profile_ctx < 2**31, f"profile_ctx must be >= 1, got {self.profile_ctx}"),
             (0 <= self.n_threads <= 512, f"n_threads must be in [0, 512] (0 = all cores), got {self.n_threads}"),
+            (self.predictor_type in PREDICTOR_TYPES,
+             f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -89,12 +93,18 @@ class SparseReport:
     seconds: dict = field(default_factory=dict)
 
 
-def predictor_qtype(outtype: str, row_len: int):
-    """Storage type of a predictor matrix: F32 for f32 models, F16 for f16/bf16
-    (bf16's 8-bit mantissa flips more scores near the threshold), Q8_0 for
-    q8_0/q4_0 models (Q4_0 costs recall; Q8_0 keeps it within ~0.1%);
-    F16 when a row cannot be block-quantized."""
+#: Storage types a predictor may be asked for (None: follow the model's type).
+PREDICTOR_TYPES = (None, "f32", "f16", "q8_0")
+
+
+def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
+    """Storage type of a predictor matrix. ``want`` (f32, f16, q8_0) overrides the rule:
+    F32 for f32 models, F16 for f16/bf16 (bf16's 8-bit mantissa flips more scores near
+    the threshold), Q8_0 for q8_0/q4_0 models (Q4_0 costs recall; Q8_0 keeps it within
+    ~0.1%); F16 when a row cannot be block-quantized."""
     from gguf import GGMLQuantizationType as Q
+    if want is not None:
+        outtype = "q4_0" if want == "q8_0" else want
     if outtype == "f32":
         return Q.F32
     if outtype in ("f16", "bf16"):
@@ -227,17 +237,26 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         pcfg = opts.predictor or PredictorConfig()
         pcfg.recall_target = opts.predictor_recall
         pcfg.threshold = opts.threshold
+        reader = gguf.GGUFReader(dense_path)
+        dense_t = {t.name: t for t in reader.tensors}
+
+        def gate_of(l):
+            # the gate as the runtime computes it (the stored, possibly quantized weights);
+            # only ReGLU decides activity by the gate's sign alone
+            if params.activation != F.ACT_RELU or not opts.gate_init:
+                return None
+            t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
+            return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+
         preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg, progress,
-                                 log=lambda s: log.debug("%s", s))
+                                 log=lambda s: log.debug("%s", s), gates=gate_of)
         rep.seconds["predictors"] = time.perf_counter() - t0
 
         # storage types and what the stored (encoded) predictors actually achieve
-        reader = gguf.GGUFReader(dense_path)
-        dense_t = {t.name: t for t in reader.tensors}
         down_q, _ = _storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
         pred_enc: list[tuple] = []
         for l, p in enumerate(preds):
-            q1, q2 = predictor_qtype(outtype, d), predictor_qtype(outtype, p.h)
+            q1, q2 = predictor_qtype(outtype, d, opts.predictor_type), predictor_qtype(outtype, p.h, opts.predictor_type)
             e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
             r1, r2 = decode_matrix(e1, q1, p.w1.shape), decode_matrix(e2, q2, p.w2.shape)
             n_tr = p.n_train

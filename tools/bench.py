@@ -406,6 +406,14 @@ def tensor_table(path: str) -> dict[str, tuple[int, object]]:
     return out
 
 
+def predictor_types(path: str) -> str:
+    """Storage type(s) of a sparse GGUF's predictors (fc1/fc2), e.g. 'Q8_0'."""
+    import gguf
+    r = gguf.GGUFReader(path)
+    kinds = sorted({t.tensor_type.name for t in r.tensors if re.match(r"blk\.\d+\.fc[12]\.weight$", t.name)})
+    return "/".join(kinds) or "none"
+
+
 SPARSE_SIDE_TENSORS = ("ffn_freq", "gpu_idx", "gpu_bucket")   # never read per token
 
 
@@ -790,7 +798,8 @@ def main(argv=None) -> int:
 
     sparse_eng = "ours-sparse" in engines
     kind_txt = ("synthetic LLaMA with ReGLU FFN, weights constructed for activation sparsity "
-                "(tools/make_bench_model.py; see \"The sparse benchmark model\")" if a.kind == "sparse" and not given
+                "(tools/make_bench_model.py; see \"The sparse benchmark model\")"
+                if a.kind == "sparse" and (not given or all("-sc" in Path(p).name for p in given.values()))
                 else "synthetic LLaMA, random weights")
     md = [f"### {'Dense and sparse' if sparse_eng else 'Dense'} decode and prompt speed, "
           f"{started:%Y-%m-%d %H:%M %Z}", "",
@@ -801,7 +810,9 @@ def main(argv=None) -> int:
           + "; ".join(i for i in infos if not i.startswith("llama.cpp:")),
           f"- Model: {Path(paths[types[0]]).name.rsplit('-', 1)[0]} ({kind_txt}); {sizes}. "
           f"Q4_0 files keep token_embd and output in Q8_0 (the converter's choice), for both engines"
-          + ("; sparse files store the predictors in F16 (F16 model) or Q8_0 (Q4_0 model)." if sparse_eng else "."),
+          + ("; sparse files store the predictors in " + ", ".join(
+              f"{predictor_types(spaths[t])} ({t.upper()} file)" for t in types if t in spaths) + "."
+             if sparse_eng else "."),
           f"- Memory read bandwidth (tools/membw.c, best of 5): {bw_line}. "
           f"Decode limit = bandwidth / bytes read per token"
           + (" (dense / sparse)" if sparse_eng else "") + f": {limits or '—'} tokens/s."

@@ -67,6 +67,10 @@ trap 'rm -rf "$MODEL_DIR"' EXIT
 # a tiny random model through the project's sparse converter (GQA, untied head, q8_0
 # weights, predictors, and a GPU index solved for a small budget, so that the hybrid
 # run below splits neurons)
+# (the sparse pipeline profiles through the native library: the sanitized one, as above)
+GH_LIBRARY="$PWD/$BUILD/libggml_hybrid.so" LD_PRELOAD="$LIBASAN $LIBUBSAN" \
+ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$REPORTS/asan" \
+UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:log_path=$REPORTS/ubsan" \
 PYTHONPATH=python:tests "$PY" - "$MODEL_DIR" <<'PYEOF' 2>"$MODEL_DIR/convert.log" ||
 import sys
 from pathlib import Path

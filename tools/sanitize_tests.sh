@@ -26,6 +26,7 @@ TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py test
 REPORTS=$PWD/$BUILD/reports
 
 echo "== sanitize: building $BUILD (ASan + UBSan)"
+mkdir -p "$BUILD"
 # gcc: the Python run preloads gcc's runtimes. CC (not -DCMAKE_C_COMPILER) so that an
 # existing cache is never reset, which would silently drop GH_SANITIZE.
 CC=gcc cmake -S . -B "$BUILD" -DGH_SANITIZE=address,undefined -DGH_CUDA=OFF \

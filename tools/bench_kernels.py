@@ -17,6 +17,7 @@ the scheduler runs all of its threads at once: ~20 ms per call at a load of 10 o
 cores), and neither wall nor CPU time says how fast the kernels are.
 
     PYTHONPATH=python python tools/bench_kernels.py [--types f16,q4_0] [--simd 2] [--reps 5]
+        [--shapes 2048x2048,32000x2048] [--no-pp]
 
 --sparse: instead, one layer's sparse FFN at d=2048, n_ff=5632 for each weight type: the
 predictor (fc1 h x d, fc2 n_ff x h; F16 for float models, Q8_0 for quantized ones, as
@@ -167,6 +168,8 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.2)
     ap.add_argument("--pp-tokens", type=int, default=128)
     ap.add_argument("--no-pp", action="store_true")
+    ap.add_argument("--shapes", default=",".join(f"{r}x{c}" for r, c in SHAPES),
+                    help="rows x cols of the matrices, comma-separated (e.g. 2048x2048,32000x2048)")
     ap.add_argument("--sparse", action="store_true", help="the sparse FFN ops instead (see above)")
     ap.add_argument("--density", type=float, default=0.1, help="--sparse: share of active neurons")
     ap.add_argument("--pred-h", type=int, default=768, help="--sparse: predictor hidden size")
@@ -176,6 +179,7 @@ def main() -> None:
         raise SystemExit(f"SIMD level {args.simd} not supported here")
     level = ["scalar", "avx2", "avx512"][lib.gh_simd_get()]
     threads = [int(s) for s in args.threads.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     if args.sparse:
         if args.types == ",".join(TYPES):
             args.types = "f16,q4_0"
@@ -190,7 +194,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     for name in args.types.split(","):
         t = TYPES[name]
-        for rows, cols in SHAPES:
+        for rows, cols in shapes:
             w = rng.standard_normal((rows, cols)).astype(np.float32)
             wq = quantize(t, w)
             n_copies = max(1, -(-4 * L3_BYTES // wq.nbytes))

@@ -101,8 +101,4 @@ gh_status gh_backend_cuda_new(int device, gh_backend ** out);
 gh_status gh_backend_new(const char * name, gh_backend ** out);
 void gh_backend_free(gh_backend * b);
 
-/* The reference math every backend must reproduce (backend_host.c runs exactly this;
- * tests compare the CUDA kernels with numpy). act(g, u) for gh_act values. */
-float gh_act_glu(int act, float g, float u);
-
 #endif

@@ -1,12 +1,12 @@
 /* The host-device backend: a simulated device whose memory is host RAM with a fixed
  * capacity and whose ops run the reference math (rows dequantized to f32, dot products in
- * f32) on a worker thread of each stream. It makes the hybrid path real on any machine:
+ * f32, the CPU runtime's gh_glu for the activation) on a worker thread of each stream. It makes the hybrid path real on any machine:
  * the placement, the neuron split, the CPU and device halves of a layer running at the
  * same time, and the merge. Tests compare it with the CPU-only runtime. */
 #include "backend.h"
+#include "ops.h"
 #include "types.h"
 
-#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,19 +81,6 @@ static gh_status hb_upload(gh_backend * b, void * dst, const void * src, size_t 
 
 /* ------------------------------------------------------------ reference math -- */
 
-float gh_act_glu(int act, float g, float u) {
-    switch (act) {
-    case GH_ACT_RELU: return g > 0.0f ? g * u : 0.0f;
-    case GH_ACT_DRELU: return g > 0.0f && u > 0.0f ? g * u : 0.0f;
-    case GH_ACT_GELU: {
-        const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
-        return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u;
-    }
-    case GH_ACT_GELU_ERF: return 0.5f * g * (1.0f + erff(g * 0.7071067811865476f)) * u;
-    default: return g / (1.0f + expf(-g)) * u; /* GH_ACT_SILU */
-    }
-}
-
 /* w[r] . x with the row dequantized into tmp (cols floats). */
 static float ref_dot(const gh_dweight * w, int64_t r, const float * x, float * tmp) {
     gh_type_traits_get(w->type)->to_float((const uint8_t *) w->data + (size_t) r * w->row_bytes,
@@ -132,7 +119,8 @@ typedef struct {
     int32_t * rows[QUEUE];
     int slot_next;
     float * tmp;          /* one dequantized row */
-    float * hid;          /* predictor hidden / hot activations */
+    float * hid;          /* predictor hidden / hot gates, then activations */
+    float * up;           /* hot ups */
     double busy;          /* seconds of work since the last sync */
 } host_stream;
 
@@ -164,10 +152,10 @@ static void run_op(host_stream * s, const host_op * o) {
         const int32_t * rows = s->rows[o->slot];
         const int64_t d = f->down_t.cols;
         for (int64_t k = 0; k < o->n; k++) {
-            const float g = ref_dot(&f->gate, rows[k], x, s->tmp);
-            const float u = ref_dot(&f->up, rows[k], x, s->tmp);
-            s->hid[k] = gh_act_glu(o->act, g, u);
+            s->hid[k] = ref_dot(&f->gate, rows[k], x, s->tmp);
+            s->up[k] = ref_dot(&f->up, rows[k], x, s->tmp);
         }
+        gh_glu(o->act, s->hid, s->up, s->hid, o->n); /* the CPU runtime's activation */
         for (int64_t c = 0; c < d; c++) o->y[c] = 0.0f;
         for (int64_t k = 0; k < o->n; k++) {
             if (s->hid[k] == 0.0f) continue;
@@ -220,6 +208,7 @@ static void hs_free(gh_stream * st) {
     }
     gh_aligned_free(s->tmp);
     gh_aligned_free(s->hid);
+    gh_aligned_free(s->up);
     free(s);
 }
 
@@ -240,7 +229,8 @@ static gh_status hs_new(gh_backend * b, const gh_stream_params * p, gh_stream **
     const int64_t wide = GH_MAX(GH_MAX(nin, p->max_hidden), GH_MAX(p->max_out, 1));
     s->tmp = ok ? gh_aligned_alloc((size_t) wide * sizeof(float)) : NULL;
     s->hid = ok ? gh_aligned_alloc((size_t) GH_MAX(GH_MAX(p->max_hidden, nrow), 1) * sizeof(float)) : NULL;
-    if (!s->tmp || !s->hid) {
+    s->up = ok ? gh_aligned_alloc((size_t) nrow * sizeof(float)) : NULL;
+    if (!s->tmp || !s->hid || !s->up) {
         hs_free(&s->base);
         return gh_fail(GH_ERR_OOM, "host-device: out of memory for a stream's buffers");
     }

@@ -192,7 +192,8 @@ GH_UNROLL()
     }
 }
 
-/* The reference act(g, u) of backend_host.c's gh_act_glu, same formulas. */
+/* act(g, u) of the gh_act kinds, the formulas of ops.c's gh_glu (the GPU has no SIMD
+ * sigmoid to share, so they are written here once for host and device code). */
 GH_HD float act_glu(int act, float g, float u) {
     switch (act) {
     case GH_ACT_RELU: return g > 0.0f ? g * u : 0.0f;

@@ -285,10 +285,11 @@ def _units(u, sv, vt, h0, h1, d, n_ff, rng):
     return w1, w2
 
 
-def _gate_lowrank(x: np.ndarray, gate: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rank-k approximation A B of the gate matrix G [n_ff, d] that is best on the data:
-    minimises E||G x - A B x||^2 over the rows of x (SVD of G C^1/2, C = E[x x^T]).
-    Returned as predictor weights: w1 = [B; -B], w2 = [A, -A], so that
+def _gate_lowrank(x: np.ndarray, gate: np.ndarray) -> Callable[[int], tuple[np.ndarray, np.ndarray]]:
+    """Rank-k approximations A B of the gate matrix G [n_ff, d] that are best on the data:
+    they minimise E||G x - A B x||^2 over the rows of x (SVD of G C^1/2, C = E[x x^T]).
+    The decompositions do not depend on k, so they are made once here; the returned
+    function gives, for a rank k, predictor weights w1 = [B; -B], w2 = [A, -A], so that
     W2 relu(W1 x) = A B x (relu(v) - relu(-v) = v)."""
     x64 = x.astype(np.float64)
     c = x64.T @ x64 / max(1, len(x64))
@@ -302,17 +303,22 @@ def _gate_lowrank(x: np.ndarray, gate: np.ndarray, k: int) -> tuple[np.ndarray, 
     g = np.asarray(gate, dtype=np.float32)
     gch = g @ ch                                   # [n_ff, d]
     mu, wv = np.linalg.eigh((gch.T @ gch).astype(np.float64))  # right singular vectors of G C^1/2
-    wk = wv[:, ::-1][:, :k]                        # [d, k], largest first
-    b = wk.T @ cih                                 # [k, d]
-    a = (gch @ wk.astype(np.float32)).astype(np.float64)  # [n_ff, k]
-    # A B is unchanged by a_i -> a_i / s, b_i -> s b_i (relu is positively homogeneous):
-    # give every column of A the same RMS, so 8-bit blocks of fc2 rows quantize evenly
-    s = np.sqrt(np.mean(a * a, axis=0)) + 1e-30
-    a /= s
-    b *= s[:, None]
-    w1 = np.concatenate([b, -b]).astype(np.float32)
-    w2 = np.concatenate([a, -a], axis=1).astype(np.float32)
-    return w1, w2
+    wv = wv[:, ::-1]                               # largest first
+
+    def rank(k: int) -> tuple[np.ndarray, np.ndarray]:
+        wk = wv[:, :k]                             # [d, k]
+        b = wk.T @ cih                             # [k, d]
+        a = (gch @ wk.astype(np.float32)).astype(np.float64)  # [n_ff, k]
+        # A B is unchanged by a_i -> a_i / s, b_i -> s b_i (relu is positively homogeneous):
+        # give every column of A the same RMS, so 8-bit blocks of fc2 rows quantize evenly
+        s = np.sqrt(np.mean(a * a, axis=0)) + 1e-30
+        a /= s
+        b *= s[:, None]
+        w1 = np.concatenate([b, -b]).astype(np.float32)
+        w2 = np.concatenate([a, -a], axis=1).astype(np.float32)
+        return w1, w2
+
+    return rank
 
 
 def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = None, layer: int = 0,
@@ -366,9 +372,10 @@ def train_layer(x: np.ndarray, mask: np.ndarray, cfg: PredictorConfig | None = N
         gate = np.asarray(gate, dtype=np.float32)
         if gate.shape != (n_ff, d):
             raise ValueError(f"gate has shape {gate.shape}, expected {(n_ff, d)}")
+        gate_rank = _gate_lowrank(xtr, gate)
 
     def try_gate(hg):
-        g1, g2 = _gate_lowrank(xtr, gate, max(1, hg // 2))
+        g1, g2 = gate_rank(max(1, hg // 2))
         r = evaluate(g1, g2, xho, mho, cfg.threshold)
         if log:
             log(f"layer {layer}: gate rank {g1.shape[0] // 2} (h={g1.shape[0]}) recall {r[0]:.4f} "

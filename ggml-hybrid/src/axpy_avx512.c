@@ -111,6 +111,22 @@ DEFINE_AXPY_FLOAT(axpy_bf16_avx512, ld_bf16, ld_bf16_m)
 
 /* ---- quantized types: one 32-value block = two vectors of 16 ---- */
 
+/* Block i of four quantized rows b[0..4) times s[0..4), added to y[0..32): the step the
+ * four-row forms share, with and without prefetch. */
+#define AXPY_QUANT_BLOCK4(VALS)                                                             \
+    do {                                                                                    \
+        __m512 a0 = _mm512_loadu_ps(y), a1 = _mm512_loadu_ps(y + 16);                       \
+        for (int k = 0; k < 4; k++) {                                                       \
+            const __m512 ds = _mm512_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));                  \
+            __m128i lo, hi;                                                                 \
+            VALS(&b[k][i], &lo, &hi);                                                       \
+            a0 = _mm512_fmadd_ps(ds, i8_to_ps(lo), a0);                                     \
+            a1 = _mm512_fmadd_ps(ds, i8_to_ps(hi), a1);                                     \
+        }                                                                                   \
+        _mm512_storeu_ps(y, a0);                                                            \
+        _mm512_storeu_ps(y + 16, a1);                                                       \
+    } while (0)
+
 /* The 32 int8 values of a block as lo (0..15) and hi (16..31). */
 AVX512_FN static inline void q8_0_vals(const block_q8_0 * b, __m128i * lo, __m128i * hi) {
     *lo = _mm_loadu_si128((const __m128i *) b->qs);
@@ -141,16 +157,7 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
                                    float * restrict y) {                                    \
         const block_t * b[4] = { row[0], row[1], row[2], row[3] };                          \
         for (int64_t i = 0; i < n / 32; i++, y += 32) {                                     \
-            __m512 a0 = _mm512_loadu_ps(y), a1 = _mm512_loadu_ps(y + 16);                   \
-            for (int k = 0; k < 4; k++) {                                                   \
-                const __m512 ds = _mm512_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));              \
-                __m128i lo, hi;                                                             \
-                VALS(&b[k][i], &lo, &hi);                                                   \
-                a0 = _mm512_fmadd_ps(ds, i8_to_ps(lo), a0);                                 \
-                a1 = _mm512_fmadd_ps(ds, i8_to_ps(hi), a1);                                 \
-            }                                                                               \
-            _mm512_storeu_ps(y, a0);                                                        \
-            _mm512_storeu_ps(y + 16, a1);                                                   \
+            AXPY_QUANT_BLOCK4(VALS);                                                        \
         }                                                                                   \
     }
 
@@ -170,16 +177,7 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
                     _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);     \
                 }                                                                           \
             }                                                                               \
-            __m512 a0 = _mm512_loadu_ps(y), a1 = _mm512_loadu_ps(y + 16);                   \
-            for (int k = 0; k < 4; k++) {                                                   \
-                const __m512 ds = _mm512_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));              \
-                __m128i lo, hi;                                                             \
-                VALS(&b[k][i], &lo, &hi);                                                   \
-                a0 = _mm512_fmadd_ps(ds, i8_to_ps(lo), a0);                                 \
-                a1 = _mm512_fmadd_ps(ds, i8_to_ps(hi), a1);                                 \
-            }                                                                               \
-            _mm512_storeu_ps(y, a0);                                                        \
-            _mm512_storeu_ps(y + 16, a1);                                                   \
+            AXPY_QUANT_BLOCK4(VALS);                                                        \
         }                                                                                   \
     }
 

@@ -333,6 +333,17 @@ GH_INLINE void q_step_r4(const bool is_q4, const wgroup * u, const block_q8_x4 *
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, *acc);
 }
 
+/* One step of a four-row quantized tile: a group of four blocks of each row p[r] (avail
+ * bytes of it: a whole group, or what a row's last partial group holds) against the
+ * activations' group xg. */
+GH_INLINE void q_group_r4(const bool is_q4, const uint8_t * const * p, int64_t avail,
+                          const block_q8_x4 * xg, __m512 * acc) {
+    wgroup u[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) u[r] = is_q4 ? unpack_q4_0(p[r], avail) : unpack_q8_0(p[r], avail);
+    q_step_r4(is_q4, u, xg, acc);
+}
+
 GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws, const void * x,
                          float * y) {
     __m512 acc = _mm512_setzero_ps();
@@ -348,24 +359,15 @@ GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws,
 #pragma GCC unroll 8
         for (size_t k = 0; k < 4 * 4 * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
         pf += 4 * 4 * bs;
-        wgroup u[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            const uint8_t * p = wb + r * ws + 4 * g * bs;
-            u[r] = is_q4 ? unpack_q4_0(p, 4 * sizeof(block_q4_0)) : unpack_q8_0(p, 4 * sizeof(block_q8_0));
-        }
-        q_step_r4(is_q4, u, xg + g, &acc);
+        const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
+                                 wb + 3 * ws + 4 * g * bs };
+        q_group_r4(is_q4, p, 4 * (int64_t) bs, xg + g, &acc);
     }
     if (nb % 4) {
         const int64_t g = ng_full;
-        const int64_t avail = (nb % 4) * (int64_t) bs;
-        wgroup u[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            const uint8_t * p = wb + r * ws + 4 * g * bs;
-            u[r] = is_q4 ? unpack_q4_0(p, avail) : unpack_q8_0(p, avail);
-        }
-        q_step_r4(is_q4, u, xg + g, &acc);
+        const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
+                                 wb + 3 * ws + 4 * g * bs };
+        q_group_r4(is_q4, p, (nb % 4) * (int64_t) bs, xg + g, &acc);
     }
     /* lanes 4i + r -> y[r] */
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
@@ -499,24 +501,15 @@ GH_INLINE void dot4_q(const bool is_q4, int64_t n, const void * const * rows,
             _mm_prefetch((const char *) pf[r] + off + 4 * bs - 1, GH_PF_HINT);
             if (!is_q4) _mm_prefetch((const char *) pf[r] + off + 64, GH_PF_HINT);
         }
-        wgroup u[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            const uint8_t * p = (const uint8_t *) rows[r] + off;
-            u[r] = is_q4 ? unpack_q4_0(p, 4 * sizeof(block_q4_0)) : unpack_q8_0(p, 4 * sizeof(block_q8_0));
-        }
-        q_step_r4(is_q4, u, xg + g, &acc);
+        const uint8_t * p[4] = { (const uint8_t *) rows[0] + off, (const uint8_t *) rows[1] + off,
+                                 (const uint8_t *) rows[2] + off, (const uint8_t *) rows[3] + off };
+        q_group_r4(is_q4, p, 4 * (int64_t) bs, xg + g, &acc);
     }
     if (nb % 4) {
-        const int64_t g = ng_full;
-        const int64_t avail = (nb % 4) * (int64_t) bs;
-        wgroup u[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            const uint8_t * p = (const uint8_t *) rows[r] + 4 * g * bs;
-            u[r] = is_q4 ? unpack_q4_0(p, avail) : unpack_q8_0(p, avail);
-        }
-        q_step_r4(is_q4, u, xg + g, &acc);
+        const size_t off = 4 * ng_full * bs;
+        const uint8_t * p[4] = { (const uint8_t *) rows[0] + off, (const uint8_t *) rows[1] + off,
+                                 (const uint8_t *) rows[2] + off, (const uint8_t *) rows[3] + off };
+        q_group_r4(is_q4, p, (nb % 4) * (int64_t) bs, xg + ng_full, &acc);
     }
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
     const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));

@@ -50,15 +50,9 @@ def cpu_ref(sparse_path, tokens):
     return {"sparse": sparse, "oracle": oracle, "dense": dense, "prompt": prompt}
 
 
-def sizes(m: Model):
-    """(attention of a layer, largest predictor, head, one neuron) in bytes."""
-    z = part_sizes(m.path, m.info.n_layer, m.info.n_ff)
-    return z["attention"], z["predictor"], z["head"], z["neuron"]
-
-
-def dense_total(m: Model) -> int:
-    """Bytes of every layer's attention and predictor, and the head."""
-    return part_sizes(m.path, m.info.n_layer, m.info.n_ff)["dense"]
+def sizes(m: Model) -> dict:
+    """Bytes of the model's parts (hybrid_sizes.part_sizes), read once."""
+    return part_sizes(m.path, m.info.n_layer, m.info.n_ff)
 
 
 def close(a, b, tol=2e-4):
@@ -71,10 +65,9 @@ BUDGETS = ["zero", "two-layers", "dense+some", "all"]
 
 
 def budget_bytes(m: Model, which: str) -> int | None:
-    att, pred, head, neuron = sizes(m)
-    nl = m.info.n_layer
-    return {"zero": 0, "two-layers": 2 * att + 1000,
-            "dense+some": dense_total(m) + 700 * neuron, "all": None}[which]
+    z = sizes(m)
+    return {"zero": 0, "two-layers": 2 * z["attention"] + 1000,
+            "dense+some": z["dense"] + 700 * z["neuron"], "all": None}[which]
 
 
 @pytest.mark.parametrize("which", BUDGETS)
@@ -131,9 +124,10 @@ def test_hybrid_oracle_and_dense_modes(sparse_path, tokens, cpu_ref, which):
 
 def test_budget_sweep_never_exceeds_and_keeps_priority(sparse_path):
     with Model(sparse_path) as probe:
-        att, pred, head, neuron = sizes(probe)
+        z = sizes(probe)
+        att, pred, head = z["attention"], z["predictor"], z["head"]
         nl = probe.info.n_layer
-        full = dense_total(probe) + nl * probe.info.n_ff * neuron
+        full = z["dense"] + nl * probe.info.n_ff * z["neuron"]
     last_hot = -1
     for budget in np.linspace(0, full * 1.05, 23).astype(np.int64):
         with Model(sparse_path, device="host-device", vram_budget=int(budget)) as m:
@@ -160,9 +154,8 @@ def test_load_time_greedy_matches_offline_greedy(sparse_path):
     r = gguf.GGUFReader(sparse_path)
     t = {x.name: x for x in r.tensors}
     with Model(sparse_path) as probe:
-        att, pred, head, neuron = sizes(probe)
-        nl = probe.info.n_layer
-        dense = dense_total(probe)
+        z = sizes(probe)
+        nl, neuron, dense = probe.info.n_layer, z["neuron"], z["dense"]
     freq = [np.asarray(t[f"blk.{l}.ffn_freq"].data, dtype=np.float64) for l in range(nl)]
     group = int(r.fields["powerinfer.gpu.group_size"].contents())
     for left in (100 * neuron, 1000 * neuron + 5, 2500 * neuron):

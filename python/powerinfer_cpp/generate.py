@@ -50,14 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device_summary(info: dict) -> str:
-    """Where the model was placed, as lines of the timing block."""
+    """Where the model was placed, as a line of the timing block."""
     mib = 1 << 20
-    lines = [f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
-             f"{info['budget'] / mib:.1f} MiB budget (dense {info['dense_bytes'] / mib:.1f}, "
-             f"hot neurons {info['hot_bytes'] / mib:.1f} = {info['hot_share']:.1%} of neurons, "
-             f"index from {info['index_source']}); attention {info['attention_layers']} layers, "
-             f"predictors {info['predictor_layers']}, head {'yes' if info['head_on_device'] else 'no'}"]
-    return "\n".join(lines)
+    return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
+            f"{info['budget'] / mib:.1f} MiB budget (dense {info['dense_bytes'] / mib:.1f}, "
+            f"hot neurons {info['hot_bytes'] / mib:.1f} = {info['hot_share']:.1%} of neurons, "
+            f"index from {info['index_source']}); attention {info['attention_layers']} layers, "
+            f"predictors {info['predictor_layers']}, head {'yes' if info['head_on_device'] else 'no'}")
 
 
 def _stats_summary(st: dict, n_layer: int) -> str:

@@ -5,7 +5,9 @@
  * 2. Threads split the output rows in contiguous chunks. Each thread walks its chunk
  *    in blocks of rows small enough to stay in L2, and for each block runs every
  *    token tile over it, so a weight byte comes from memory once per call however many
- *    tokens there are. Decode (one token) is one long stream of mr-row tiles. */
+ *    tokens there are. Decode (one token) is one long stream of mr-row tiles.
+ * 3. gh_matmul_multi runs the matmuls of several weights that read the same x (q, k and
+ *    v; gate and up) as one job: x is converted once and the threads wait once. */
 #include <stdatomic.h>
 #include "ops.h"
 #include "types.h"
@@ -28,17 +30,29 @@ size_t gh_matmul_scratch_size(const gh_weight * w, int64_t n_tokens) {
     return xq_stride(tt->vec_dot_type, w->cols) * (size_t) n_tokens;
 }
 
+#define GH_MATMUL_MAX_W 4 /* weights one job may carry (q, k, v; gate, up) */
+
+/* One weight of a job: its rows are split in work items numbered after the previous
+ * weight's. */
 typedef struct {
-    const gh_weight *     w;
+    const gh_weight * w;
+    float *           y;
+    int64_t           ldy;
+    int64_t           chunk;      /* rows per work item, a multiple of the tile height */
+    int64_t           first_item; /* number of the weight's first work item */
+} matmul_part;
+
+typedef struct {
+    matmul_part           part[GH_MATMUL_MAX_W];
+    int                   n_part;
+    int64_t               n_items;
     const gh_kernel_set * ks;
     const float *         x;
     int64_t               n_tokens;
-    float *               y;
-    int64_t               ldy;
+    int64_t               cols;
     char *                xq;         /* converted activations (or x itself) */
     size_t                xq_stride;
-    int64_t               chunk;      /* rows per work item, a multiple of the tile height */
-    atomic_llong          next_row;   /* first row of the next unclaimed work item */
+    atomic_llong          next_item;
 } matmul_job;
 
 static void convert_task(void * arg, int ith, int nth) {
@@ -46,67 +60,90 @@ static void convert_task(void * arg, int ith, int nth) {
     const int64_t per = (job->n_tokens + nth - 1) / nth;
     const int64_t t0 = per * ith, t1 = GH_MIN(job->n_tokens, t0 + per);
     for (int64_t t = t0; t < t1; t++) {
-        job->ks->from_float_x(job->x + t * job->w->cols, job->xq + t * job->xq_stride,
-                              job->w->cols);
+        job->ks->from_float_x(job->x + t * job->cols, job->xq + t * job->xq_stride, job->cols);
     }
 }
 
-/* Threads claim chunks of rows from a shared counter rather than owning a fixed share:
+/* Threads claim work items from a shared counter rather than owning a fixed share:
  * when the machine is busier than the pool (another process, a descheduled worker), the
  * threads that do run take over the stalled one's rows instead of waiting a time slice
- * for it. Chunks are long enough to keep the kernels' linear prefetch effective. */
+ * for it. Items are long enough to keep the kernels' linear prefetch effective.
+ * (Items that shrink towards the end of a job, to even out when the threads finish,
+ * measured no faster in decode.) */
 static void matmul_task(void * arg, int ith, int nth) {
     matmul_job * job = arg;
-    const gh_weight * w = job->w;
     const gh_kernel_set * ks = job->ks;
     const int64_t mr = job->n_tokens == 1 ? ks->mr1 : ks->mr, nt = ks->nt;
-    const char * wd = w->data;
     (void) ith;
     (void) nth;
 
     for (;;) {
-        const int64_t r_begin = atomic_fetch_add_explicit(&job->next_row, job->chunk,
-                                                          memory_order_relaxed);
-        if (r_begin >= w->rows) break;
-        const int64_t r_end = GH_MIN(w->rows, r_begin + job->chunk);
+        const int64_t item = atomic_fetch_add_explicit(&job->next_item, 1, memory_order_relaxed);
+        if (item >= job->n_items) break;
+        int p = 0;
+        while (p + 1 < job->n_part && item >= job->part[p + 1].first_item) p++;
+        const matmul_part * P = &job->part[p];
+        const gh_weight * w = P->w;
+        const char * wd = w->data;
+        const int64_t r_begin = (item - P->first_item) * P->chunk;
+        const int64_t r_end = GH_MIN(w->rows, r_begin + P->chunk);
         for (int64_t t = 0; t < job->n_tokens; t += nt) {
             const int tn = (int) GH_MIN(nt, job->n_tokens - t);
             const char * xt = job->xq + t * job->xq_stride;
-            float * yt = job->y + t * job->ldy;
+            float * yt = P->y + t * P->ldy;
             for (int64_t r = r_begin; r < r_end; r += mr) {
                 const int rn = (int) GH_MIN(mr, r_end - r);
                 ks->gemm(w->cols, wd + r * w->row_bytes, w->row_bytes, rn, xt, job->xq_stride,
-                         tn, yt + r, job->ldy);
+                         tn, yt + r, P->ldy);
             }
         }
     }
 }
 
-void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t n_tokens,
-               float * y, int64_t ldy, void * scratch) {
-    const gh_type_traits * tt = gh_type_traits_get(w->type);
+bool gh_matmul_can_share(const gh_weight * a, const gh_weight * b) {
+    return a->type == b->type && a->cols == b->cols;
+}
+
+void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, const float * x,
+                     int64_t n_tokens, float * const * ys, const int64_t * ldys, void * scratch) {
+    const gh_weight * w0 = ws[0];
+    const gh_type_traits * tt = gh_type_traits_get(w0->type);
     matmul_job job = {
-        .w = w, .ks = gh_kernels_get(w->type), .x = x, .n_tokens = n_tokens, .y = y, .ldy = ldy,
+        .n_part = nw, .ks = gh_kernels_get(w0->type), .x = x, .n_tokens = n_tokens,
+        .cols = w0->cols,
     };
     if (tt->vec_dot_type == GH_TYPE_F32) {
         job.xq = (char *) x;
-        job.xq_stride = (size_t) w->cols * sizeof(float);
+        job.xq_stride = (size_t) w0->cols * sizeof(float);
     } else {
         job.xq = scratch;
-        job.xq_stride = xq_stride(tt->vec_dot_type, w->cols);
+        job.xq_stride = xq_stride(tt->vec_dot_type, w0->cols);
         /* A few tokens convert in less time than waking the pool costs. */
-        if (n_tokens * w->cols <= GH_MATMUL_CONVERT_INLINE) convert_task(&job, 0, 1);
+        if (n_tokens * w0->cols <= GH_MATMUL_CONVERT_INLINE) convert_task(&job, 0, 1);
         else gh_threadpool_run(tp, convert_task, &job);
     }
-    /* Decode: a few chunks per thread. Prompts: chunks sized so the rows stay in L2
-     * while every token tile passes over them. */
+    /* Decode: a few work items per thread and weight. Prompts: items sized so the rows
+     * stay in L2 while every token tile passes over them. */
     const int nth = gh_threadpool_n_threads(tp);
     const int64_t mr = n_tokens == 1 ? job.ks->mr1 : job.ks->mr;
-    int64_t chunk = n_tokens == 1 ? (w->rows + 4 * nth - 1) / (4 * nth)
-                                  : (int64_t) (GH_MATMUL_L2_BLOCK / w->row_bytes);
-    job.chunk = GH_MAX(mr, (chunk + mr - 1) / mr * mr);
-    atomic_init(&job.next_row, 0);
+    int64_t n_items = 0;
+    for (int i = 0; i < nw; i++) {
+        const gh_weight * w = ws[i];
+        int64_t chunk = n_tokens == 1 ? (w->rows + 4 * nth - 1) / (4 * nth)
+                                      : (int64_t) (GH_MATMUL_L2_BLOCK / w->row_bytes);
+        chunk = GH_MAX(mr, (chunk + mr - 1) / mr * mr);
+        job.part[i] = (matmul_part) { .w = w, .y = ys[i], .ldy = ldys[i], .chunk = chunk,
+                                      .first_item = n_items };
+        n_items += (w->rows + chunk - 1) / chunk;
+    }
+    job.n_items = n_items;
+    atomic_init(&job.next_item, 0);
     gh_threadpool_run(tp, matmul_task, &job);
+}
+
+void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t n_tokens,
+               float * y, int64_t ldy, void * scratch) {
+    gh_matmul_multi(tp, &w, 1, x, n_tokens, &y, &ldy, scratch);
 }
 
 /* ---- public entry point ---- */

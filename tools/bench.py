@@ -21,8 +21,9 @@ foundation's random 542M dense model, no sparse engine):
 * tg128: a short prompt (8 tokens), then 128 single-token decode steps, tokens/s.
 * Ours through the low-level cffi binding (gh_model_load / gh_context_new /
   gh_eval / gh_context_truncate: no sampling, no Python tokenization in the timed
-  loop); llama.cpp through llama-cpp-python's C-level ctypes functions
-  (llama_model_load_from_file / llama_init_from_model / llama_decode on
+  loop; gh_model_load's default load mode reads the weights into huge pages where the
+  kernel offers them; llama.cpp maps the file, its default); llama.cpp through
+  llama-cpp-python's C-level ctypes functions (llama_model_load_from_file / llama_init_from_model / llama_decode on
   llama_batch_get_one / llama_memory_clear), not the Python Llama class, so no Python
   generation overhead counts against llama.cpp. Context: n_ctx=512, n_batch=n_ubatch=512,
   other llama.cpp context parameters at their defaults.
@@ -177,7 +178,9 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = 
     lib.gh_model_free(m)
     if ffn_mode != "dense" and mode_now != FFN_MODES[ffn_mode]:
         raise RuntimeError(f"the context is in FFN mode {mode_now}, not {ffn_mode}")
-    return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s, "info": f"simd={simd}", "stats": stats}
+    load = "read (huge pages)" if lib.gh_model_load_mode(m) == lib.GH_LOAD_READ else "mmap"
+    return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s, "info": f"simd={simd}, weights={load}",
+            "stats": stats}
 
 
 def worker_ours_sparse(model: str, threads: int, n_pp: int, n_tg: int) -> dict:

@@ -105,7 +105,23 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
 /* ---- GGUF files (the same reader the model loader uses) ---- */
 
 typedef struct gh_gguf gh_gguf;
+
+/* How a file's bytes reach memory (gh_gguf_open_ex, gh_model_params.load). */
+enum gh_load_mode {
+    GH_LOAD_AUTO = 0, /* READ when the kernel offers transparent huge pages and the file
+                       * fits in the available memory with 1 GiB to spare; else MMAP */
+    GH_LOAD_MMAP = 1, /* map the file: pages come and go with the page cache and are
+                       * shared with other processes using the file */
+    GH_LOAD_READ = 2, /* read the file into private memory in 2 MiB pages: the sparse
+                       * FFN's scattered rows and the matmuls miss the TLB far less
+                       * (docs/BENCHMARKS.md, "Weights in huge pages") */
+};
+
+/* Maps the file (GH_LOAD_MMAP). */
 gh_status gh_gguf_open(const char * path, gh_gguf ** out);
+gh_status gh_gguf_open_ex(const char * path, int load, gh_gguf ** out);
+/* GH_LOAD_MMAP or GH_LOAD_READ: how the handle's image was made (memory images: READ). */
+int32_t gh_gguf_load_mode(const gh_gguf * g);
 /* Parses a GGUF image in memory; the buffer must outlive the handle. */
 gh_status gh_gguf_open_memory(const void * data, size_t size, gh_gguf ** out);
 void gh_gguf_close(gh_gguf * g);
@@ -175,6 +191,7 @@ typedef struct {
                                * free memory is lowered to it (the note says so) */
     int32_t reset_gpu_index;  /* 1: ignore the file's GPU index and place the hot neurons
                                * at load (greedy, from blk.N.ffn_freq) */
+    int32_t load;             /* gh_load_mode of the weights (default GH_LOAD_AUTO) */
 } gh_model_params;
 
 gh_model_params gh_model_default_params(void);
@@ -208,6 +225,8 @@ gh_status gh_model_device_info(const gh_model * m, gh_device_info * out);
 /* Releases the caller's model; its memory goes when its last context is freed too. */
 void gh_model_free(gh_model * m);
 gh_status gh_model_info_get(const gh_model * m, gh_model_info * out);
+/* GH_LOAD_MMAP or GH_LOAD_READ: how the model's weights were loaded. */
+int32_t gh_model_load_mode(const gh_model * m);
 /* Non-fatal findings of the loader, one per line ("" if none): e.g. NaN/Inf in the
  * norm weights, which every load checks (they are copied to f32 anyway). Valid until
  * the model is freed or gh_model_check_weights adds to it. */

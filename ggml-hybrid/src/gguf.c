@@ -496,7 +496,7 @@ static gh_status parse(cursor * c, gh_gguf * g) {
 }
 
 static gh_status open_image(const uint8_t * data, size_t size, const char * label,
-                            void * map, size_t map_size, gh_gguf ** out) {
+                            void * map, size_t map_size, int load, gh_gguf ** out) {
     gh_gguf * g = calloc(1, sizeof *g);
     if (!g) {
         if (map) munmap(map, map_size);
@@ -506,6 +506,7 @@ static gh_status open_image(const uint8_t * data, size_t size, const char * labe
     g->size = size;
     g->map = map;
     g->map_size = map_size;
+    g->load = load;
     cursor c = { data, size, 0, label };
     gh_status st = parse(&c, g);
     if (st != GH_OK) {
@@ -518,10 +519,85 @@ static gh_status open_image(const uint8_t * data, size_t size, const char * labe
 
 /* ---- public API ---- */
 
+/* 1 if the kernel hands out transparent huge pages to a region that asks for them
+ * (/sys/kernel/mm/transparent_hugepage/enabled is [always] or [madvise]). */
+static bool thp_available(void) {
+    FILE * f = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!f) return false;
+    char buf[128] = { 0 };
+    const bool ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    return ok && (strstr(buf, "[always]") || strstr(buf, "[madvise]"));
+}
+
+/* MemAvailable of /proc/meminfo in bytes; 0 if unknown. */
+static uint64_t mem_available(void) {
+    FILE * f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    }
+    fclose(f);
+    return (uint64_t) kb * 1024u;
+}
+
+#define GH_HUGE_PAGE ((size_t) 2 << 20)
+#define GH_READ_MARGIN ((uint64_t) 1 << 30) /* memory auto mode leaves free after reading */
+
+/* Reads the file into private anonymous memory aligned to and advised for 2 MiB pages
+ * (GH_LOAD_READ). On success *raw / *raw_size are the region to unmap and *data the
+ * file's first byte. With soft set, running out of memory returns GH_ERR_OOM without
+ * setting an error message, so the caller can map the file instead. */
+static gh_status read_image(int fd, size_t size, const char * path, bool soft, void ** raw,
+                            size_t * raw_size, uint8_t ** data) {
+    const size_t len = (size + GH_HUGE_PAGE - 1) & ~(GH_HUGE_PAGE - 1);
+    if (len < size || len > SIZE_MAX - GH_HUGE_PAGE) {
+        return gh_fail(GH_ERR_IO, "cannot read '%.200s' into memory: file too large", path);
+    }
+    const size_t total = len + GH_HUGE_PAGE; /* room to align the start */
+    void * r = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) {
+        if (soft) return GH_ERR_OOM;
+        return gh_fail(GH_ERR_OOM, "cannot read '%.200s' into memory: %s (%zu MiB; load it "
+                       "mapped instead: load=mmap)", path, strerror(errno), size >> 20);
+    }
+    uint8_t * d = (uint8_t *) (((uintptr_t) r + GH_HUGE_PAGE - 1) & ~(uintptr_t) (GH_HUGE_PAGE - 1));
+    /* Without huge pages the copy still works, only without the TLB saving. */
+    (void) madvise(d, len, MADV_HUGEPAGE);
+    size_t got = 0;
+    while (got < size) {
+        const ssize_t n = pread(fd, d + got, size - got, (off_t) got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            const int e = n < 0 ? errno : 0;
+            munmap(r, total);
+            return gh_fail(GH_ERR_IO, "cannot read '%.200s': %s", path,
+                           e ? strerror(e) : "the file ended early (was it truncated while loading?)");
+        }
+        got += (size_t) n;
+    }
+    /* read-only like a mapping: a stray write faults instead of corrupting weights */
+    (void) mprotect(r, total, PROT_READ);
+    *raw = r;
+    *raw_size = total;
+    *data = d;
+    return GH_OK;
+}
+
 gh_status gh_gguf_open(const char * path, gh_gguf ** out) {
+    return gh_gguf_open_ex(path, GH_LOAD_MMAP, out);
+}
+
+gh_status gh_gguf_open_ex(const char * path, int load, gh_gguf ** out) {
     if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_gguf_open: out is NULL");
     *out = NULL;
     if (!path) return gh_fail(GH_ERR_INVALID_ARG, "gh_gguf_open: path is NULL");
+    if (load != GH_LOAD_AUTO && load != GH_LOAD_MMAP && load != GH_LOAD_READ) {
+        return gh_fail(GH_ERR_INVALID_ARG, "unknown load mode %d (GH_LOAD_AUTO %d, GH_LOAD_MMAP "
+                       "%d, GH_LOAD_READ %d)", load, GH_LOAD_AUTO, GH_LOAD_MMAP, GH_LOAD_READ);
+    }
     /* O_NONBLOCK: opening a FIFO must not hang; it is then rejected as not regular. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return gh_fail(GH_ERR_IO, "cannot open '%.200s': %s", path, strerror(errno));
@@ -548,13 +624,27 @@ gh_status gh_gguf_open(const char * path, gh_gguf ** out) {
         return gh_fail(GH_ERR_IO, "cannot map '%.200s': file too large", path);
     }
     size_t size = (size_t) sb.st_size;
+    if (load == GH_LOAD_AUTO) {
+        const uint64_t avail = mem_available();
+        load = thp_available() && avail > GH_READ_MARGIN && (uint64_t) size < avail - GH_READ_MARGIN
+                   ? GH_LOAD_READ : GH_LOAD_MMAP;
+    }
+    if (load == GH_LOAD_READ) {
+        void * raw = NULL;
+        size_t raw_size = 0;
+        uint8_t * data = NULL;
+        const gh_status st = read_image(fd, size, path, false, &raw, &raw_size, &data);
+        close(fd);
+        if (st) return st;
+        return open_image(data, size, path, raw, raw_size, GH_LOAD_READ, out);
+    }
     /* A file truncated by another process while mapped would fault on access (SIGBUS);
      * like every mmap-based loader, we assume model files are not rewritten in place. */
     void * map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
     close(fd);
     if (map == MAP_FAILED) return gh_fail(GH_ERR_IO, "cannot map '%.200s': %s", path, strerror(e));
-    return open_image(map, size, path, map, size, out);
+    return open_image(map, size, path, map, size, GH_LOAD_MMAP, out);
 }
 
 gh_status gh_gguf_open_memory(const void * data, size_t size, gh_gguf ** out) {
@@ -562,8 +652,10 @@ gh_status gh_gguf_open_memory(const void * data, size_t size, gh_gguf ** out) {
     *out = NULL;
     if (!data && size != 0) return gh_fail(GH_ERR_INVALID_ARG, "gh_gguf_open_memory: data is NULL");
     static const uint8_t empty[1];
-    return open_image(data ? data : empty, size, "<memory>", NULL, 0, out);
+    return open_image(data ? data : empty, size, "<memory>", NULL, 0, GH_LOAD_READ, out);
 }
+
+int32_t gh_gguf_load_mode(const gh_gguf * g) { return g ? g->load : GH_LOAD_MMAP; }
 
 void gh_gguf_close(gh_gguf * g) {
     if (!g) return;

@@ -44,8 +44,10 @@ typedef struct {
 struct gh_gguf {
     const uint8_t * base;   /* file image */
     size_t          size;
-    void *          map;    /* mmap'd region (NULL for memory images) */
+    void *          map;    /* region to munmap: the file's mapping or its in-memory copy
+                             * (NULL for memory images) */
     size_t          map_size;
+    int             load;   /* GH_LOAD_MMAP or GH_LOAD_READ: how the image was made */
     uint32_t        version;
     uint32_t        alignment;
     uint64_t        data_offset;

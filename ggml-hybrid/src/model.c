@@ -513,13 +513,16 @@ gh_status gh_model_check_weights(gh_model * m, int64_t * n_bad) {
     return GH_OK;
 }
 
+static gh_status model_load(const char * path, int load, gh_model ** out);
+
 gh_model_params gh_model_default_params(void) {
-    gh_model_params p = { .device = NULL, .vram_budget = -1, .reset_gpu_index = 0 };
+    gh_model_params p = { .device = NULL, .vram_budget = -1, .reset_gpu_index = 0,
+                          .load = GH_LOAD_AUTO };
     return p;
 }
 
 gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_model ** out) {
-    gh_status st = gh_model_load(path, out);
+    gh_status st = model_load(path, p ? p->load : GH_LOAD_AUTO, out);
     if (st || !p) return st;
     st = gh_hybrid_place(*out, p);
     if (st) {
@@ -545,14 +548,14 @@ gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
     return GH_OK;
 }
 
-gh_status gh_model_load(const char * path, gh_model ** out) {
+static gh_status model_load(const char * path, int load, gh_model ** out) {
     if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: out is NULL");
     *out = NULL;
     if (!path) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: path is NULL");
     gh_model * m = calloc(1, sizeof *m);
     if (!m) return gh_fail(GH_ERR_OOM, "out of memory");
     atomic_init(&m->refs, 1);
-    gh_status st = gh_gguf_open(path, &m->gguf);
+    gh_status st = gh_gguf_open_ex(path, load, &m->gguf);
     if (!st) st = load_hparams(m);
     if (!st) st = load_tensors(m);
     if (st) {
@@ -567,6 +570,14 @@ gh_status gh_model_load(const char * path, gh_model ** out) {
     }
     *out = m;
     return GH_OK;
+}
+
+gh_status gh_model_load(const char * path, gh_model ** out) {
+    return model_load(path, GH_LOAD_AUTO, out);
+}
+
+int32_t gh_model_load_mode(const gh_model * m) {
+    return m ? gh_gguf_load_mode(m->gguf) : GH_LOAD_MMAP;
 }
 
 gh_status gh_model_info_get(const gh_model * m, gh_model_info * out) {

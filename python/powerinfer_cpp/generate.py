@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "device's free memory minus 256 MiB)")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
+    p.add_argument("--load", choices=("auto", "mmap", "read"), default="auto",
+                   help="how the weights reach memory: read (a private copy in huge pages: "
+                        "faster sparse decode), mmap (map the file: shared, nothing copied), "
+                        "auto (default: read when huge pages are on and it fits in memory)")
     return p
 
 
@@ -125,7 +129,7 @@ def _run(args, Model) -> int:
         path = args.model or default_model.default_model_path()
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
                       device=args.device, vram_budget=args.vram_budget,
-                      reset_gpu_index=args.reset_gpu_index)
+                      reset_gpu_index=args.reset_gpu_index, load=args.load)
         dinfo = model.device_info()
         if dinfo["note"]:
             print(f"note: {dinfo['note']}", file=sys.stderr)

@@ -100,7 +100,7 @@ class _NativeHandle:
 
 
 class Model(_NativeHandle):
-    """A model loaded from a GGUF file (mmap'd; shared by all its contexts).
+    """A model loaded from a GGUF file (shared by all its contexts).
 
     `Model(path, n_ctx=..., n_threads=...)` also sets up a default context, so
     `model.generate(...)`, `model.stream(...)`, `model.eval(...)` and
@@ -122,13 +122,21 @@ class Model(_NativeHandle):
     predictors and the output head first, then the hot FFN neurons of the file's GPU
     index, or, when that index does not fit or `reset_gpu_index` is set, hot neurons
     placed at load. `device_info()` says what was placed and why.
+
+    `load` says how the weights reach memory: "read" copies the file into private
+    memory in 2 MiB (transparent huge) pages, which the scattered rows of the sparse FFN
+    need to avoid TLB misses; "mmap" maps the file (shared page cache, nothing copied);
+    "auto" (default) reads when the kernel offers huge pages and the file fits in the
+    available memory with 1 GiB to spare, else maps. `model.load_mode` says which.
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
                  n_batch: int = 512, check_weights: bool = False, ffn: str = "auto",
                  device: str = "cpu", vram_budget: int | str | None = None,
-                 reset_gpu_index: bool = False):
+                 reset_gpu_index: bool = False, load: str = "auto"):
         path = os.fspath(path)
+        if load not in _LOAD_MODES:
+            raise ValueError(f"load must be one of {', '.join(_LOAD_MODES)}, not {load!r}")
         if not os.path.exists(path):
             raise FileNotFoundError(f"model file not found: '{path}'")
         if os.path.isdir(path):
@@ -147,6 +155,7 @@ class Model(_NativeHandle):
         params.device = dev
         params.vram_budget = budget
         params.reset_gpu_index = 1 if reset_gpu_index else 0
+        params.load = _LOAD_MODES[load]
         check(lib.gh_model_load_ex(path.encode(), params, out))
         self._ptr = out[0]
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
@@ -186,6 +195,11 @@ class Model(_NativeHandle):
 
     def _free(self, ptr) -> None:
         lib.gh_model_free(ptr)
+
+    @property
+    def load_mode(self) -> str:
+        """How the weights were loaded: "read" (private memory, huge pages) or "mmap"."""
+        return "read" if lib.gh_model_load_mode(self._handle()) == lib.GH_LOAD_READ else "mmap"
 
     # -- device -----------------------------------------------------------------
 
@@ -265,6 +279,9 @@ class Model(_NativeHandle):
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+_LOAD_MODES = {"auto": lib.GH_LOAD_AUTO, "mmap": lib.GH_LOAD_MMAP, "read": lib.GH_LOAD_READ}
 
 
 def parse_size(value: int | str, what: str = "size") -> int:

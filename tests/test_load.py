@@ -100,6 +100,7 @@ def test_generate_load_flag(shipped_gguf):
                             "-p", "In the beginning", "-n", "8", "--temp", "0", "--load", load],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
+        assert ("weights read into memory" if load == "read" else "weights mapped from the file") in r.stderr
         outs.append(r.stdout)
     assert outs[0] == outs[1]
     r = subprocess.run([sys.executable, "-m", "powerinfer_cpp.generate", "-m", str(shipped_gguf),

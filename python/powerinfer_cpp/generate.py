@@ -164,7 +164,8 @@ def _run(args, Model) -> int:
     t = stats.timings
     print(f"\nmodel: {path} ({model.info.n_params / 1e6:.1f}M params, {model.info.weight_type}, "
           f"ffn {model.info.ffn_act})\n"
-          f"load time   = {t['load_s'] * 1e3:10.2f} ms\n"
+          f"load time   = {t['load_s'] * 1e3:10.2f} ms ("
+          f"{'weights read into memory' if model.load_mode == 'read' else 'weights mapped from the file'})\n"
           f"prompt eval = {t['prompt_s'] * 1e3:10.2f} ms / {t['prompt_tokens']:5d} tokens "
           f"({t['prompt_tok_per_s']:8.2f} tokens/s)\n"
           f"decode      = {t['decode_s'] * 1e3:10.2f} ms / {t['decode_tokens']:5d} tokens "

@@ -106,3 +106,23 @@ def test_generate_load_flag(shipped_gguf):
     r = subprocess.run([sys.executable, "-m", "powerinfer_cpp.generate", "-m", str(shipped_gguf),
                         "--load", "bogus"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "--load" in r.stderr
+
+
+def test_read_without_memory_says_to_map(shipped_sparse):
+    """Reading needs the file's size in fresh memory: when the address space is capped
+    below that, loading fails with an error that names the way out (load=mmap)."""
+    script = f"""
+import os, resource
+from powerinfer_cpp import Model, NativeError
+path = {str(shipped_sparse["sparse"])!r}
+with open("/proc/self/status") as f:
+    vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 2**20, resource.RLIM_INFINITY))
+try:
+    Model(path, n_ctx=16, load="read")
+except NativeError as e:
+    print("ERR", e)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "cannot read" in r.stdout and "load=mmap" in r.stdout, r.stdout

@@ -624,7 +624,8 @@ gh_status gh_gguf_open_ex(const char * path, int load, gh_gguf ** out) {
         return gh_fail(GH_ERR_IO, "cannot map '%.200s': file too large", path);
     }
     size_t size = (size_t) sb.st_size;
-    if (load == GH_LOAD_AUTO) {
+    const bool automatic = load == GH_LOAD_AUTO;
+    if (automatic) {
         const uint64_t avail = mem_available();
         load = thp_available() && avail > GH_READ_MARGIN && (uint64_t) size < avail - GH_READ_MARGIN
                    ? GH_LOAD_READ : GH_LOAD_MMAP;
@@ -633,10 +634,16 @@ gh_status gh_gguf_open_ex(const char * path, int load, gh_gguf ** out) {
         void * raw = NULL;
         size_t raw_size = 0;
         uint8_t * data = NULL;
-        const gh_status st = read_image(fd, size, path, false, &raw, &raw_size, &data);
-        close(fd);
-        if (st) return st;
-        return open_image(data, size, path, raw, raw_size, GH_LOAD_READ, out);
+        const gh_status st = read_image(fd, size, path, automatic, &raw, &raw_size, &data);
+        if (st == GH_OK) {
+            close(fd);
+            return open_image(data, size, path, raw, raw_size, GH_LOAD_READ, out);
+        }
+        if (!(automatic && st == GH_ERR_OOM)) {
+            close(fd);
+            return st;
+        }
+        /* auto: no memory for a copy after all; map the file as before */
     }
     /* A file truncated by another process while mapped would fault on access (SIGBUS);
      * like every mmap-based loader, we assume model files are not rewritten in place. */

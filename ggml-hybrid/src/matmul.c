@@ -106,6 +106,10 @@ bool gh_matmul_can_share(const gh_weight * a, const gh_weight * b) {
 
 void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, const float * x,
                      int64_t n_tokens, float * const * ys, const int64_t * ldys, void * scratch) {
+    if (nw > GH_MATMUL_MAX_W) {
+        for (int i = 0; i < nw; i++) gh_matmul(tp, ws[i], x, n_tokens, ys[i], ldys[i], scratch);
+        return;
+    }
     const gh_weight * w0 = ws[0];
     const gh_type_traits * tt = gh_type_traits_get(w0->type);
     matmul_job job = {

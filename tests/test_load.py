@@ -22,20 +22,21 @@ def _thp_enabled() -> bool:
     return "[always]" in text or "[madvise]" in text
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
+def _proc_bytes(path: str, key: str) -> int:
+    """A "Key:  N kB" line of a /proc file, in bytes (0 if absent)."""
+    with open(path) as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _mem_available() -> int:
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def _anon_huge_bytes() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_bytes("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def _logits(path, load, mode):

@@ -360,10 +360,11 @@ def test_attention_long_context_large_scores(simd, n_threads):
     assert nmse(out, ref) < 1e-10
 
 
-def test_attention_is_causal():
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64, 128: the per-query block kernels
+def test_attention_is_causal(simd, head_dim):
     """Query t must not read keys/values after position n_past + t."""
     n_past, n_tokens = 4, 3
-    q, k, v = attn_inputs(n_tokens, n_past, 4, 2, 16, seed=2)
+    q, k, v = attn_inputs(n_tokens, n_past, 4, 2, head_dim, seed=2)
     k[n_past + 1:] = np.nan
     v[n_past + 1:] = np.nan
     out = run_attention(q, k, v, n_past, 2)

@@ -286,6 +286,75 @@ AVX512 static void sigmoid_glu_avx512(const float * gate, const float * up, floa
     }
 }
 
+/* Attention rows of head size D (a multiple of 16, at most 128), one query at a time
+ * against keys [j0, j1) of one kv head: the query (or its output row) stays in registers
+ * for the whole block, the key/value rows come from L1/L2 (the tile's other queries read
+ * the same rows). Scores go eight keys at a time, their eight dot products reduced
+ * together; each score's sums run in the same order for every query and thread. */
+AVX512 static inline __m256 hsum8_avx512(const __m512 a[8]) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[i]), 1)));
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(r[4], r[5]), _mm256_hadd_ps(r[6], r[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+__attribute__((always_inline, target("avx512f,avx2,fma")))
+static inline void att_scores_d(const int D, const float * q, const float * kbase, int64_t stride,
+                                int64_t j0, int64_t j1, float scale, float * sc) {
+    __m512 qv[8];
+    for (int c = 0; c < D / 16; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    int64_t jj = j0;
+    for (; jj + 8 <= j1; jj += 8) {
+        __m512 acc[8];
+        for (int r = 0; r < 8; r++) {
+            const float * kr = kbase + (jj + r) * stride;
+            acc[r] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+            for (int c = 1; c < D / 16; c++) acc[r] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc[r]);
+        }
+        _mm256_storeu_ps(sc + (jj - j0), _mm256_mul_ps(hsum8_avx512(acc), _mm256_set1_ps(scale)));
+    }
+    for (; jj < j1; jj++) {
+        const float * kr = kbase + jj * stride;
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int c = 1; c < D / 16; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+        sc[jj - j0] = _mm512_reduce_add_ps(acc) * scale;
+    }
+}
+
+__attribute__((always_inline, target("avx512f,avx2,fma")))
+static inline void att_values_d(const int D, float * o, const float * p, const float * vbase,
+                                int64_t stride, int64_t j0, int64_t j1) {
+    __m512 ov[8];
+    for (int c = 0; c < D / 16; c++) ov[c] = _mm512_loadu_ps(o + 16 * c);
+    for (int64_t jj = j0; jj < j1; jj++) {
+        const float * vr = vbase + jj * stride;
+        const __m512 pv = _mm512_set1_ps(p[jj - j0]);
+        for (int c = 0; c < D / 16; c++) ov[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16 * c), ov[c]);
+    }
+    for (int c = 0; c < D / 16; c++) _mm512_storeu_ps(o + 16 * c, ov[c]);
+}
+
+AVX512 static void att_scores_64(const float * q, const float * k, int64_t stride, int64_t j0,
+                                 int64_t j1, float scale, float * sc) {
+    att_scores_d(64, q, k, stride, j0, j1, scale, sc);
+}
+AVX512 static void att_scores_128(const float * q, const float * k, int64_t stride, int64_t j0,
+                                  int64_t j1, float scale, float * sc) {
+    att_scores_d(128, q, k, stride, j0, j1, scale, sc);
+}
+AVX512 static void att_values_64(float * o, const float * p, const float * v, int64_t stride,
+                                 int64_t j0, int64_t j1) {
+    att_values_d(64, o, p, v, stride, j0, j1);
+}
+AVX512 static void att_values_128(float * o, const float * p, const float * v, int64_t stride,
+                                  int64_t j0, int64_t j1) {
+    att_values_d(128, o, p, v, stride, j0, j1);
+}
+
 #endif /* OPS_X86 */
 
 /* The kernels for one SIMD level. */
@@ -296,6 +365,27 @@ typedef struct {
     void  (*sigmoid_glu)(const float * gate, const float * up, float * out, int64_t n,
                          float a, float b);
 } ops_kernels;
+
+/* A query's scores (sc[jj - j0] = scale * q . k_jj) and value sums (o += sum p[jj - j0] *
+ * v_jj) over keys [j0, j1) of one kv head, rows `stride` floats apart, for one head size;
+ * NULL where the SIMD level has none for it (attn_unit then calls dot / axpy per key). */
+typedef void (*att_scores_fn)(const float * q, const float * k, int64_t stride, int64_t j0,
+                              int64_t j1, float scale, float * sc);
+typedef void (*att_values_fn)(float * o, const float * p, const float * v, int64_t stride,
+                              int64_t j0, int64_t j1);
+
+static void att_kernels_get(int head_dim, att_scores_fn * scores, att_values_fn * values) {
+    *scores = NULL;
+    *values = NULL;
+#if OPS_X86
+    if (ops_simd_level() >= GH_SIMD_AVX512) {
+        if (head_dim == 64) { *scores = att_scores_64; *values = att_values_64; }
+        if (head_dim == 128) { *scores = att_scores_128; *values = att_values_128; }
+    }
+#else
+    (void) head_dim;
+#endif
+}
 
 static ops_kernels ops_kernels_get(void) {
     ops_kernels k = { dot_scalar, axpy_scalar, exp_sum_scalar, sigmoid_glu_scalar };
@@ -424,6 +514,8 @@ typedef struct {
     int64_t       n_tt;       /* token tiles */
     int64_t       n_units;
     ops_kernels   kern;
+    att_scores_fn scores;     /* per-query block kernels for this head size, or NULL */
+    att_values_fn values;
     atomic_llong  next;       /* next unit to take */
 } attn_job;
 
@@ -467,7 +559,16 @@ static void attn_unit(const attn_job * j, int64_t unit) {
     for (int64_t j0 = 0; j0 < n_kv; j0 += ATT_BLOCK) {
         const int64_t j1 = GH_MIN(j0 + ATT_BLOCK, n_kv);
         /* scores */
-        for (int64_t jj = j0; jj < j1; jj++) {
+        if (j->scores) {
+            for (int64_t jj = j0; jj < j1; jj++) {
+                prefetch_row(kbase + jj * kv_stride, d);
+                prefetch_row_l2(vbase + jj * kv_stride, d);
+            }
+            for (int i = 0; i < nq; i++) {
+                const int64_t e = GH_MIN(j1, lim[i]);
+                if (e > j0) j->scores(qr[i], kbase, kv_stride, j0, e, scale, sc[i]);
+            }
+        } else for (int64_t jj = j0; jj < j1; jj++) {
             const float * kr = kbase + jj * kv_stride;
             /* Rows of one kv head are n_head_kv * head_dim floats apart (often a page):
              * the hardware prefetcher does not follow them, so fetch ahead by hand. */
@@ -494,7 +595,12 @@ static void attn_unit(const attn_job * j, int64_t unit) {
             l[i] += j->kern.exp_sum(sc[i], nb, m[i]);
         }
         /* weighted values */
-        for (int64_t jj = j0; jj < j1; jj++) {
+        if (j->values) {
+            for (int i = 0; i < nq; i++) {
+                const int64_t e = GH_MIN(j1, lim[i]);
+                if (e > j0) j->values(orow[i], sc[i], vbase, kv_stride, j0, e);
+            }
+        } else for (int64_t jj = j0; jj < j1; jj++) {
             const float * vr = vbase + jj * kv_stride;
             if (jj + ATT_PREFETCH < j1) prefetch_row(vr + ATT_PREFETCH * kv_stride, d);
             for (int i = 0; i < nq; i++) {
@@ -527,6 +633,7 @@ void gh_attention(gh_threadpool * tp, const float * q, const float * k, const fl
         .n_head = n_head, .n_head_kv = n_head_kv, .head_dim = head_dim,
         .kern = ops_kernels_get(),
     };
+    att_kernels_get(head_dim, &j.scores, &j.values);
     j.group = n_head / n_head_kv;
     /* The largest divisor of the group that fits a tile. */
     j.sub = GH_MIN(j.group, ATT_MAX_Q);

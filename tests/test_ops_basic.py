@@ -136,7 +136,7 @@ POSITIONS = np.array([0, 1, 1000, 4095], dtype=np.int32)
 
 
 @pytest.mark.parametrize("neox", [0, 1])
-@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128, 1026])  # 1026: past the angle cache
 @pytest.mark.parametrize("theta", [10000.0, 500000.0])
 def test_rope(neox, head_dim, theta):
     rng = np.random.default_rng(head_dim + neox)
@@ -153,6 +153,18 @@ def test_rope(neox, head_dim, theta):
     assert nmse(y, exact) < 1e-7
     # Position 0 is the identity.
     assert np.array_equal(y[0], x[0])
+
+
+def test_rope_repeated_and_changing_positions():
+    """The per-thread angle cache: repeated positions, and a new base or head size at the
+    same position, give what fresh angles give."""
+    rng = np.random.default_rng(7)
+    pos = np.array([5, 5, 9, 5, 5], dtype=np.int32)
+    for head_dim, theta in [(64, 10000.0), (64, 500000.0), (32, 500000.0), (64, 10000.0)]:
+        x = rng.standard_normal((len(pos), 2, head_dim)).astype(np.float32)
+        y = run_rope(x, pos, theta, 0)
+        np.testing.assert_allclose(y, ref_rope(x, pos, theta, 0, hf_angles=True), rtol=0,
+                                   atol=2e-6 * np.abs(x).max())
 
 
 @pytest.mark.parametrize("head_dim", [2, 8, 64, 128])

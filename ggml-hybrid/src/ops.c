@@ -406,7 +406,9 @@ static ops_kernels ops_kernels_get(void) {
 
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y) {
     /* Sum of squares in double (four independent chains): exact enough that the
-     * rounding of the result is the only float error left. */
+     * rounding of the result is the only float error left. (An AVX-512 form, eight
+     * doubles at a time, measured 1.8x slower per 2048-float row than this loop as the
+     * compiler builds it.) */
     double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
@@ -426,16 +428,46 @@ void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * 
  * RoPE
  * ---------------------------------------------------------------------------------- */
 
+/* The cosines and sines of one position's angles, kept per thread: a forward pass rotates
+ * q and k of every layer by the same angles, so they are computed once per position, not
+ * 2 * n_layer times. */
+#define ROPE_MAX_HALF 512 /* head sizes up to 1024 (the loader's limit) */
+static _Thread_local struct {
+    int32_t pos;
+    float   theta;
+    int     head_dim;  /* 0: empty */
+    float   c[ROPE_MAX_HALF], s[ROPE_MAX_HALF];
+} rope_cache;
+
+/* As HF computes it in float32: inv_freq = 1 / base^(2i/d), angle = pos * inv_freq. */
+static void rope_cos_sin(float theta, int i, int head_dim, int32_t pos, float * c, float * s) {
+    float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) head_dim);
+    float angle = (float) pos * inv_freq;
+    *c = cosf(angle);
+    *s = sinf(angle);
+}
+
 void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox) {
     const int half = head_dim / 2;
     /* The pair (i, i + half) for NeoX, (2i, 2i + 1) for the GGUF llama layout. */
     const int stride = neox ? 1 : 2;
     const int offset = neox ? half : 1;
+    const bool cached = half <= ROPE_MAX_HALF;
+    if (cached && !(rope_cache.head_dim == head_dim && rope_cache.pos == pos &&
+                    rope_cache.theta == theta)) {
+        for (int i = 0; i < half; i++) rope_cos_sin(theta, i, head_dim, pos, &rope_cache.c[i], &rope_cache.s[i]);
+        rope_cache.head_dim = head_dim;
+        rope_cache.pos = pos;
+        rope_cache.theta = theta;
+    }
     for (int i = 0; i < half; i++) {
-        /* As HF computes it in float32: inv_freq = 1 / base^(2i/d), angle = pos * inv_freq. */
-        float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) head_dim);
-        float angle = (float) pos * inv_freq;
-        float c = cosf(angle), s = sinf(angle);
+        float c, s;
+        if (cached) {
+            c = rope_cache.c[i];
+            s = rope_cache.s[i];
+        } else {
+            rope_cos_sin(theta, i, head_dim, pos, &c, &s);
+        }
         for (int h = 0; h < n_head; h++) {
             float * p = x + (int64_t) h * head_dim + (int64_t) i * stride;
             float x0 = p[0], x1 = p[offset];

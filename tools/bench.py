@@ -174,11 +174,11 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = 
     get_mode = _native_fn(lib, "gh_context_get_ffn_mode")
     mode_now = get_mode(c) if get_mode is not None else 0
     simd = {0: "scalar", 1: "avx2", 2: "avx512"}.get(lib.gh_simd_get(), "?")
+    load = "read (huge pages)" if lib.gh_model_load_mode(m) == lib.GH_LOAD_READ else "mmap"
     lib.gh_context_free(c)
     lib.gh_model_free(m)
     if ffn_mode != "dense" and mode_now != FFN_MODES[ffn_mode]:
         raise RuntimeError(f"the context is in FFN mode {mode_now}, not {ffn_mode}")
-    load = "read (huge pages)" if lib.gh_model_load_mode(m) == lib.GH_LOAD_READ else "mmap"
     return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s, "info": f"simd={simd}, weights={load}",
             "stats": stats}
 

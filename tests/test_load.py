@@ -127,3 +127,16 @@ except NativeError as e:
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "cannot read" in r.stdout and "load=mmap" in r.stdout, r.stdout
+
+
+def test_read_of_a_file_larger_than_memory_is_refused(tmp_path):
+    """A forced read of more than the available memory fails before reading (it would end
+    in the OOM killer); auto maps such a file instead."""
+    p = tmp_path / "huge.gguf"
+    with open(p, "wb") as f:  # sparse: takes no disk space
+        f.truncate(_mem_available() + (64 << 30))
+    with pytest.raises(NativeError, match=r"cannot read .* it needs \d+ MiB and \d+ MiB are available .*load=mmap"):
+        Model(p, load="read")
+    # auto maps it, and the zeros are then rejected as not a GGUF file
+    with pytest.raises(NativeError, match="(?i)magic|not a GGUF"):
+        Model(p, load="auto")

@@ -114,7 +114,8 @@ enum gh_load_mode {
                        * shared with other processes using the file */
     GH_LOAD_READ = 2, /* read the file into private memory in 2 MiB pages: the sparse
                        * FFN's scattered rows and the matmuls miss the TLB far less
-                       * (docs/BENCHMARKS.md, "Weights in huge pages") */
+                       * (docs/BENCHMARKS.md, "Weights in huge pages"); a file larger
+                       * than the available memory is refused (GH_ERR_OOM) */
 };
 
 /* Maps the file (GH_LOAD_MMAP). */

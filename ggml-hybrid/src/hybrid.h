@@ -9,7 +9,8 @@
 
 /* One layer's device-resident parts. The hot neurons are a neuron-split of gate, up and
  * down_t: the device holds their rows compacted (row k = neuron bucket[k]); the CPU keeps
- * the full mmapped matrices and skips the rows whose row_of is >= 0. */
+ * the full matrices (mapped or read, see gh_load_mode) and skips the rows whose row_of
+ * is >= 0. */
 typedef struct {
     bool       att;              /* wq, wk, wv, wo on the device */
     gh_dweight wq, wk, wv, wo;

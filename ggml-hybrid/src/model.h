@@ -1,5 +1,6 @@
-/* LLaMA-family model: weights loaded from a GGUF file (mmap'd, never copied except
- * small norm vectors), and the context (KV cache + activation buffers) a forward pass
+/* LLaMA-family model: weights loaded from a GGUF file (mapped, or read once into huge
+ * pages: gh_load_mode; used in place, never converted except small norm vectors), and
+ * the context (KV cache + activation buffers) a forward pass
  * runs in. */
 #ifndef GH_MODEL_H
 #define GH_MODEL_H

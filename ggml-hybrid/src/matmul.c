@@ -100,14 +100,13 @@ static void matmul_task(void * arg, int ith, int nth) {
     }
 }
 
-bool gh_matmul_can_share(const gh_weight * a, const gh_weight * b) {
-    return a->type == b->type && a->cols == b->cols;
-}
-
 void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, const float * x,
                      int64_t n_tokens, float * const * ys, const int64_t * ldys, void * scratch) {
-    if (nw > GH_MATMUL_MAX_W) {
-        for (int i = 0; i < nw; i++) gh_matmul(tp, ws[i], x, n_tokens, ys[i], ldys[i], scratch);
+    /* one converted x serves the job only if every weight reads it the same way */
+    bool share = nw <= GH_MATMUL_MAX_W;
+    for (int i = 1; i < nw && share; i++) share = ws[i]->type == ws[0]->type && ws[i]->cols == ws[0]->cols;
+    if (!share) {
+        for (int i = 0; i < nw; i++) gh_matmul_multi(tp, &ws[i], 1, x, n_tokens, &ys[i], &ldys[i], scratch);
         return;
     }
     const gh_weight * w0 = ws[0];

@@ -798,11 +798,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             const gh_weight * ws[3] = { &L->wq, &L->wk, &L->wv };
             float * ys[3] = { c->q, kc + (int64_t) p0 * dkv, vc + (int64_t) p0 * dkv };
             const int64_t ld[3] = { dq, dkv, dkv };
-            if (gh_matmul_can_share(&L->wq, &L->wk) && gh_matmul_can_share(&L->wq, &L->wv)) {
-                gh_matmul_multi(c->tp, ws, 3, c->xb, n, ys, ld, c->mm_scratch);
-            } else {
-                for (int i = 0; i < 3; i++) gh_matmul(c->tp, ws[i], c->xb, n, ys[i], ld[i], c->mm_scratch);
-            }
+            gh_matmul_multi(c->tp, ws, 3, c->xb, n, ys, ld, c->mm_scratch);
         }
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, p0 + t, hp->rope_theta, 0);
@@ -835,15 +831,10 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             memcpy(c->prof_x + il * c->prof_x_stride + (int64_t) c->prof_t0 * d, c->xb,
                    (size_t) n * d * sizeof(float));
         }
-        if (gh_matmul_can_share(&L->gate, &L->up)) {
-            const gh_weight * ws[2] = { &L->gate, &L->up };
-            float * ys[2] = { c->hb, c->hb2 };
-            const int64_t ld[2] = { ff, ff };
-            gh_matmul_multi(c->tp, ws, 2, c->xb, n, ys, ld, c->mm_scratch);
-        } else {
-            gh_matmul(c->tp, &L->gate, c->xb, n, c->hb, ff, c->mm_scratch);
-            gh_matmul(c->tp, &L->up, c->xb, n, c->hb2, ff, c->mm_scratch);
-        }
+        const gh_weight * ws[2] = { &L->gate, &L->up };
+        float * ys[2] = { c->hb, c->hb2 };
+        const int64_t ld[2] = { ff, ff };
+        gh_matmul_multi(c->tp, ws, 2, c->xb, n, ys, ld, c->mm_scratch);
         const bool relu_family = hp->ffn_act == GH_ACT_RELU || hp->ffn_act == GH_ACT_DRELU;
         if (c->prof_mask && relu_family) profile_mask(c, il, n, c->hb, c->hb2, false);
         gh_glu(hp->ffn_act, c->hb, c->hb2, c->hb, (int64_t) n * ff);

@@ -22,12 +22,11 @@ size_t gh_matmul_scratch_size(const gh_weight * w, int64_t n_tokens);
 void gh_matmul(gh_threadpool * tp, const gh_weight * w, const float * x, int64_t n_tokens,
                float * y, int64_t ldy, void * scratch);
 
-/* Several matmuls of the same x in one pool job (x converted once, one wait for the
- * threads): ys[i] = ws[i] x, each as gh_matmul would compute it, bit for bit. The nw
- * (<= 4) weights must share type and cols (gh_matmul_can_share). */
+/* Several matmuls of the same x: ys[i] = ws[i] x, each as gh_matmul would compute it,
+ * bit for bit. Weights of one type and width (up to 4) run as one pool job, x converted
+ * once and one wait for the threads; otherwise one after another. */
 void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, const float * x,
                      int64_t n_tokens, float * const * ys, const int64_t * ldys, void * scratch);
-bool gh_matmul_can_share(const gh_weight * a, const gh_weight * b);
 
 /* Transposed matmul (axpy.c): y[t][c] = sum_r h[t][r] * W[r][c] for c < w->cols, the
  * down projection through ffn_down_t (W row r = neuron r's output vector). h is

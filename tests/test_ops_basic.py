@@ -136,7 +136,7 @@ POSITIONS = np.array([0, 1, 1000, 4095], dtype=np.int32)
 
 
 @pytest.mark.parametrize("neox", [0, 1])
-@pytest.mark.parametrize("head_dim", [2, 8, 64, 128, 1026])  # 1026: past the angle cache
+@pytest.mark.parametrize("head_dim", [2, 8, 64, 128, 1026])  # 1026: past the loader's limit
 @pytest.mark.parametrize("theta", [10000.0, 500000.0])
 def test_rope(neox, head_dim, theta):
     rng = np.random.default_rng(head_dim + neox)
@@ -156,8 +156,8 @@ def test_rope(neox, head_dim, theta):
 
 
 def test_rope_repeated_and_changing_positions():
-    """The per-thread angle cache: repeated positions, and a new base or head size at the
-    same position, give what fresh angles give."""
+    """Repeated positions, and a new base or head size at the same position, in one
+    call and from call to call: each token gets its own position's angles."""
     rng = np.random.default_rng(7)
     pos = np.array([5, 5, 9, 5, 5], dtype=np.int32)
     for head_dim, theta in [(64, 10000.0), (64, 500000.0), (32, 500000.0), (64, 10000.0)]:

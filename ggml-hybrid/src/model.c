@@ -615,6 +615,7 @@ void gh_context_free(gh_context * c) {
     gh_aligned_free(c->xb2);
     gh_aligned_free(c->q);
     gh_aligned_free(c->att);
+    gh_aligned_free(c->rope);
     gh_aligned_free(c->hb);
     gh_aligned_free(c->hb2);
     gh_aligned_free(c->mm_scratch);
@@ -686,13 +687,14 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->xb2 = gh_aligned_alloc(nb * d * sizeof(float));
         c->q = gh_aligned_alloc(nb * dq * sizeof(float));
         c->att = gh_aligned_alloc(nb * dq * sizeof(float));
+        c->rope = gh_aligned_alloc(nb * (size_t) hp->head_dim * sizeof(float));
         c->hb = gh_aligned_alloc(nb * ff * sizeof(float));
         c->hb2 = gh_aligned_alloc(nb * ff * sizeof(float));
         c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
         c->logits_cap = 1;
         c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
         c->sparse = gh_sparse_state_new(m);
-        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->hb && c->hb2 &&
+        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->rope && c->hb && c->hb2 &&
              c->mm_scratch && c->logits && c->sparse;
     }
     if (!ok) {
@@ -780,6 +782,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
 
     const bool sparse_ffn = gh_sparse_applies(c, n);
     embed(m, tokens, n, c->x);
+    for (int32_t t = 0; t < n; t++) gh_rope_angles((int) hd, p0 + t, hp->rope_theta, c->rope + t * hd);
     for (int il = 0; il < hp->n_layer; il++) {
         const gh_layer * L = &m->layers[il];
         float * kc = c->k_cache[il];
@@ -801,8 +804,8 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             gh_matmul_multi(c->tp, ws, 3, c->xb, n, ys, ld, c->mm_scratch);
         }
         for (int32_t t = 0; t < n; t++) {
-            gh_rope(c->q + t * dq, hp->n_head, (int) hd, p0 + t, hp->rope_theta, 0);
-            gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, p0 + t, hp->rope_theta, 0);
+            gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, 0);
+            gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, 0);
         }
         gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd);
         if (D && D->att) {

@@ -57,6 +57,7 @@ struct gh_context {
     float *         xb2;    /* sublayer output [n_batch][n_embd] */
     float *         q;      /* [n_batch][n_head * head_dim] */
     float *         att;    /* attention output [n_batch][n_head * head_dim] */
+    float *         rope;   /* RoPE cos/sin of each token's position [n_batch][head_dim] */
     float *         hb;     /* gate / activated [n_batch][n_ff] */
     float *         hb2;    /* up [n_batch][n_ff] */
     void *          mm_scratch;

@@ -428,46 +428,24 @@ void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * 
  * RoPE
  * ---------------------------------------------------------------------------------- */
 
-/* The cosines and sines of one position's angles, kept per thread: a forward pass rotates
- * q and k of every layer by the same angles, so they are computed once per position, not
- * 2 * n_layer times. */
-#define ROPE_MAX_HALF 512 /* head sizes up to 1024 (the loader's limit) */
-static _Thread_local struct {
-    int32_t pos;
-    float   theta;
-    int     head_dim;  /* 0: empty */
-    float   c[ROPE_MAX_HALF], s[ROPE_MAX_HALF];
-} rope_cache;
-
-/* As HF computes it in float32: inv_freq = 1 / base^(2i/d), angle = pos * inv_freq. */
-static void rope_cos_sin(float theta, int i, int head_dim, int32_t pos, float * c, float * s) {
-    float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) head_dim);
-    float angle = (float) pos * inv_freq;
-    *c = cosf(angle);
-    *s = sinf(angle);
+void gh_rope_angles(int head_dim, int32_t pos, float theta, float * cs) {
+    const int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        /* As HF computes it in float32: inv_freq = 1 / base^(2i/d), angle = pos * inv_freq. */
+        float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) head_dim);
+        float angle = (float) pos * inv_freq;
+        cs[i] = cosf(angle);
+        cs[half + i] = sinf(angle);
+    }
 }
 
-void gh_rope(float * x, int n_head, int head_dim, int32_t pos, float theta, int neox) {
+void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox) {
     const int half = head_dim / 2;
     /* The pair (i, i + half) for NeoX, (2i, 2i + 1) for the GGUF llama layout. */
     const int stride = neox ? 1 : 2;
     const int offset = neox ? half : 1;
-    const bool cached = half <= ROPE_MAX_HALF;
-    if (cached && !(rope_cache.head_dim == head_dim && rope_cache.pos == pos &&
-                    rope_cache.theta == theta)) {
-        for (int i = 0; i < half; i++) rope_cos_sin(theta, i, head_dim, pos, &rope_cache.c[i], &rope_cache.s[i]);
-        rope_cache.head_dim = head_dim;
-        rope_cache.pos = pos;
-        rope_cache.theta = theta;
-    }
     for (int i = 0; i < half; i++) {
-        float c, s;
-        if (cached) {
-            c = rope_cache.c[i];
-            s = rope_cache.s[i];
-        } else {
-            rope_cos_sin(theta, i, head_dim, pos, &c, &s);
-        }
+        const float c = cs[i], s = cs[half + i];
         for (int h = 0; h < n_head; h++) {
             float * p = x + (int64_t) h * head_dim + (int64_t) i * stride;
             float x0 = p[0], x1 = p[offset];
@@ -722,8 +700,13 @@ gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
             return gh_fail(GH_ERR_INVALID_ARG, "rope: pos[%lld] = %d is negative",
                            (long long) t, (int) pos[t]);
     }
-    for (int64_t t = 0; t < n_tokens; t++)
-        gh_rope(x + t * (int64_t) row, n_head, head_dim, pos[t], theta, neox);
+    float * cs = malloc((size_t) head_dim * sizeof(float));
+    if (!cs) return gh_fail(GH_ERR_OOM, "rope: out of memory");
+    for (int64_t t = 0; t < n_tokens; t++) {
+        gh_rope_angles(head_dim, pos[t], theta, cs);
+        gh_rope(x + t * (int64_t) row, n_head, head_dim, cs, neox);
+    }
+    free(cs);
     return GH_OK;
 }
 

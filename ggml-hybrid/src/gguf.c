@@ -625,21 +625,17 @@ gh_status gh_gguf_open_ex(const char * path, int load, gh_gguf ** out) {
     }
     size_t size = (size_t) sb.st_size;
     const bool automatic = load == GH_LOAD_AUTO;
+    const uint64_t avail = load == GH_LOAD_MMAP ? 0 : mem_available();
     if (automatic) {
-        const uint64_t avail = mem_available();
         load = thp_available() && avail > GH_READ_MARGIN && (uint64_t) size < avail - GH_READ_MARGIN
                    ? GH_LOAD_READ : GH_LOAD_MMAP;
-    }
-    if (load == GH_LOAD_READ && !automatic) {
+    } else if (load == GH_LOAD_READ && avail > 0 && (uint64_t) size > avail) {
         /* The copy's pages are only taken as the file is read: asking for more than the
          * machine has would end in the OOM killer, not in an error. */
-        const uint64_t avail = mem_available();
-        if (avail > 0 && (uint64_t) size > avail) {
-            close(fd);
-            return gh_fail(GH_ERR_OOM, "cannot read '%.200s' into memory: it needs %llu MiB and "
-                           "%llu MiB are available (load it mapped instead: load=mmap)", path,
-                           (unsigned long long) (size >> 20), (unsigned long long) (avail >> 20));
-        }
+        close(fd);
+        return gh_fail(GH_ERR_OOM, "cannot read '%.200s' into memory: it needs %llu MiB and "
+                       "%llu MiB are available (load it mapped instead: load=mmap)", path,
+                       (unsigned long long) (size >> 20), (unsigned long long) (avail >> 20));
     }
     if (load == GH_LOAD_READ) {
         void * raw = NULL;

@@ -276,8 +276,13 @@ def test_predictor_type_option():
     assert predictor_qtype("f16", 33, "q8_0") == Q.F16      # rows that cannot be blocked
     assert predictor_qtype("q4_0", 2048, "f16") == Q.F16
     assert predictor_qtype("q8_0", 64, "f32") == Q.F32
+    assert predictor_qtype("f16", 2048, "q4_0") == Q.Q4_0
+    assert predictor_qtype("q8_0", 33, "q4_0") == Q.F16     # rows that cannot be blocked
+    SparseOptions(predictor_type="q4_0", threshold=-0.15)
     with pytest.raises(ConvertError, match="predictor_type"):
-        SparseOptions(predictor_type="q4_0")
+        SparseOptions(predictor_type="q5_0")
+    with pytest.raises(ConvertError, match="threshold must be a finite number"):
+        SparseOptions(threshold=float("nan"))
 
 
 # ---------------------------------------------------------------------------
@@ -425,6 +430,37 @@ def test_place_changes_only_index(random_sparse, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inplace.gguf", "placed.gguf"]
     # a dense file is refused
     assert place_main([str(random_sparse["dense-f32"]), "--vram-budget", "1G"]) == 1
+
+
+def test_convert_cli_predictor_type_and_threshold(random_sparse, tmp_path):
+    """--predictor-type q4_0 --predictor-threshold T: Q4_0 predictor tensors, the threshold
+    in the file and in the runtime, and sparse decode on them; a lower threshold predicts
+    more neurons active."""
+    from powerinfer_cpp import Model
+    from powerinfer_cpp.convert import main
+
+    out = tmp_path / "q4pred.gguf"
+    assert main([str(random_sparse["hf"]), "--outtype", "f32", "--outfile", str(out), "--calib-tokens", "512",
+                 "--predictor-type", "q4_0", "--predictor-threshold", "-0.25", "-q"]) == 0
+    assert _fields(out)[F.KEY_SPARSE_THRESHOLD] == pytest.approx(-0.25)
+    t = _tensors(out)
+    for l in range(2):
+        for kind in (F.T_FC1, F.T_FC2):
+            assert t[F.sparse_tensor_name(kind, l)].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    toks = [1, 5, 9, 33, 100, 7, 12, 40]
+    density = {}
+    for key, path in (("default", random_sparse["f32"]), ("low", out)):
+        m = Model(path, n_ctx=64)
+        assert m.info.sparse_threshold == pytest.approx(0.0 if key == "default" else -0.25)
+        c = m.create_context(n_ctx=64)
+        c.set_ffn_mode("sparse")
+        for tok in toks:
+            logits = c.eval([tok])
+        assert np.isfinite(np.asarray(logits)).all()
+        density[key] = c.stats()["density"]
+        c.close()
+        m.close()
+    assert 0 < density["default"] < density["low"] <= 1
 
 
 def test_runtime_loads_sparse_file(random_sparse):

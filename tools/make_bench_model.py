@@ -92,7 +92,10 @@ ends with the approximation anyway (the converter keeps it unless the trained ne
 higher recall at no higher density). ``--pred-type`` (default q8_0) stores the
 predictors in Q8_0 also for the F16 model: half the bytes of F16 (6.0% of the F16
 FFN's bytes, 21.5% of the Q4_0 FFN's; the parameter count is unchanged) for ~0.5% of
-recall; Q4_0 storage would cost ~8% of recall.
+recall. ``--pred-type q4_0`` halves the predictor bytes again; at the default threshold it
+costs ~7% of recall, so pair it with ``--pred-threshold -0.15`` (recall 0.989-0.994 on the
+Q4_0 model, above Q8_0's 0.97-0.99 at 0, at a predicted density 1.4x the true one; measured
+trade-off in docs/BENCHMARKS.md, "Predictor storage and threshold").
 
 ``--verify [N]`` profiles the dense F16 GGUF with the runtime
 (powerinfer_cpp.profile.profile_model) over the first N (default 512) tokens of
@@ -123,6 +126,10 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "models" / "tiny-relu-kjv"
 HELDOUT = TOKENIZER_DIR / "heldout.txt"
 DEFAULT_CACHE = "/tmp/pi-bench"
+# predictor storage and threshold of the sparse files (--pred-type q4_0 --pred-threshold
+# -0.15 is the measured alternative in docs/BENCHMARKS.md)
+PRED_TYPE = "q8_0"
+PRED_THRESHOLD = 0.0
 CHUNK_ELEMS = 1 << 24  # 16M elements (64 MB of f32) per generated chunk
 CONSTRUCT_WINDOW = 512
 
@@ -141,6 +148,14 @@ def shape_name(a) -> str:
     return (base + f"-sc2-k{a.subspace}-r{a.density:g}-a{a.alpha:g}"   # sc2: construction version 2
             + (f"-c{a.const:g}" if a.const != 1.5 else "")
             + (f"-as{a.attn_scale:g}-fs{a.ffn_scale:g}" if (a.attn_scale, a.ffn_scale) != (0.2, 0.2) else ""))
+
+
+def sparse_name(a, t: str) -> str:
+    """File name of the sparse GGUF of type t. Other predictor options than the defaults
+    are part of it, so that a file made with other options is not reused."""
+    opts = "" if (a.pred_type, a.pred_threshold) == (PRED_TYPE, PRED_THRESHOLD) else \
+        f"-p{a.pred_type}-t{a.pred_threshold:g}"
+    return f"{shape_name(a)}-{t}-sparse{opts}.gguf"
 
 
 def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
@@ -515,7 +530,7 @@ def ensure_sparse_models(a) -> dict[str, Path]:
     sys.path.insert(0, str(REPO / "python"))
     out = {}
     for t in a.types:
-        g = root / f"{shape_name(a)}-{t}-sparse.gguf"
+        g = root / sparse_name(a, t)
         if a.force or _stale(g, hf_dir / "config.json"):
             import logging
 
@@ -526,6 +541,7 @@ def ensure_sparse_models(a) -> dict[str, Path]:
             opts = SparseOptions(calib=str(HELDOUT), calib_tokens=a.calib_tokens, predictor_recall=a.recall,
                                  vram_budget=0, n_threads=a.pipeline_threads,
                                  predictor_type=None if a.pred_type == "auto" else a.pred_type,
+                                 threshold=a.pred_threshold,
                                  predictor=PredictorConfig(h_start=a.pred_h, h_max=a.pred_h_max or a.pred_h,
                                                            train_fallback=a.pred_train))
             rep: list = []
@@ -637,9 +653,11 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
                    help="predictor hidden size (minimum; default 512 = 11.4%% of the FFN at d=2048, n_ff=5632)")
     s.add_argument("--pred-h-max", type=int, default=None,
                    help="let the converter grow h up to this when recall is short (default: = --pred-h)")
-    s.add_argument("--pred-type", default="q8_0", choices=("auto", "f16", "q8_0"),
-                   help="storage of the predictors (default q8_0 for every model type; auto: the "
+    s.add_argument("--pred-type", default=PRED_TYPE, choices=("auto", "f16", "q8_0", "q4_0"),
+                   help=f"storage of the predictors (default {PRED_TYPE} for every model type; auto: the "
                         "converter's rule, f16 for F16 models)")
+    s.add_argument("--pred-threshold", type=float, default=PRED_THRESHOLD,
+                   help=f"predictor threshold (default {PRED_THRESHOLD:g}; see the module docstring)")
     s.add_argument("--pred-train", action="store_true",
                    help="train a predictor where the gate's low-rank approximation misses the recall "
                         "target (the converter's default; off here: see the module docstring)")

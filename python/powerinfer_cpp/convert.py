@@ -857,9 +857,13 @@ def main(argv: list[str] | None = None) -> int:
                          "the last 20%% are held out of predictor training")
     sp.add_argument("--predictor-recall", type=float, default=0.99, metavar="R",
                     help="predictor recall target on held-out tokens (default 0.99)")
-    sp.add_argument("--predictor-type", choices=("f32", "f16", "q8_0"), default=None,
+    sp.add_argument("--predictor-type", choices=("f32", "f16", "q8_0", "q4_0"), default=None,
                     help="storage of the predictors (default: f32 for f32 models, f16 for f16/bf16, "
-                         "q8_0 for q8_0/q4_0)")
+                         "q8_0 for q8_0/q4_0; q4_0 halves their bytes, pair it with a lower "
+                         "--predictor-threshold)")
+    sp.add_argument("--predictor-threshold", type=float, default=0.0, metavar="T",
+                    help="a neuron is predicted active when its score is >= T (default 0); a lower "
+                         "T raises recall and the predicted density")
     sp.add_argument("--vram-budget", default="0", metavar="SIZE",
                     help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
                          "re-solve later with python -m powerinfer_cpp.place)")
@@ -896,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
                 sopts = SparseOptions(calib=args.calib, calib_tokens=args.calib_tokens,
                                       predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
                                       group_size=args.group_size, placement=args.placement,
-                                      n_threads=args.threads, predictor_type=args.predictor_type)
+                                      n_threads=args.threads, predictor_type=args.predictor_type,
+                                      threshold=args.predictor_threshold)
         path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
                        sparse_options=sopts)
     except ConvertError as e:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -43,7 +44,7 @@ class SparseOptions:
     calib: str | None = None          # calibration text file; None: HF_DIR/heldout.txt
     calib_tokens: int = 16384         # tokens profiled (the first ones of the text)
     predictor_recall: float = 0.99    # recall target on held-out tokens
-    threshold: float = 0.0            # global predictor threshold
+    threshold: float = 0.0            # global predictor threshold (score >= threshold: active)
     vram_budget: int = 0              # bytes; 0 = CPU only
     ctx: int | None = None            # KV cache reserved in the budget; None: the model's context length
     group_size: int = 64
@@ -53,7 +54,7 @@ class SparseOptions:
     profile_ctx: int = 512            # window length of the profiling runs
     n_threads: int = 0
     predictor: PredictorConfig | None = None
-    predictor_type: str | None = None  # storage of fc1/fc2: f32|f16|q8_0; None: predictor_qtype's rule
+    predictor_type: str | None = None  # storage of fc1/fc2: f32|f16|q8_0|q4_0; None: predictor_qtype's rule
     gate_init: bool = True            # ReGLU: try the gate's low-rank approximation first (predictor.train_layer)
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
 
@@ -71,6 +72,7 @@ class SparseOptions:
             (self.placement in ("ilp", "greedy"), f"placement must be 'ilp' or 'greedy', got {self.placement!r}"),
             (1 <= self.profile_ctx < 2**31, f"profile_ctx must be >= 1, got {self.profile_ctx}"),
             (0 <= self.n_threads <= 512, f"n_threads must be in [0, 512] (0 = all cores), got {self.n_threads}"),
+            (math.isfinite(self.threshold), f"threshold must be a finite number, got {self.threshold!r}"),
             (self.predictor_type in PREDICTOR_TYPES,
              f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
         ]
@@ -94,17 +96,21 @@ class SparseReport:
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
-PREDICTOR_TYPES = (None, "f32", "f16", "q8_0")
+PREDICTOR_TYPES = (None, "f32", "f16", "q8_0", "q4_0")
 
 
 def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
-    """Storage type of a predictor matrix. ``want`` (f32, f16, q8_0) overrides the rule:
-    F32 for f32 models, F16 for f16/bf16 (bf16's 8-bit mantissa flips more scores near
-    the threshold), Q8_0 for q8_0/q4_0 models (Q4_0 costs recall; Q8_0 keeps it within
-    ~0.1%); F16 when a row cannot be block-quantized."""
+    """Storage type of a predictor matrix. ``want`` (f32, f16, q8_0, q4_0) overrides the
+    rule: F32 for f32 models, F16 for f16/bf16 (bf16's 8-bit mantissa flips more scores
+    near the threshold), Q8_0 for q8_0/q4_0 models (Q8_0 keeps recall within ~0.5% at the
+    same threshold; Q4_0 halves the bytes but needs a lower threshold for the same recall,
+    see docs/BENCHMARKS.md); F16 when a row cannot be block-quantized."""
     from gguf import GGMLQuantizationType as Q
     if want is not None:
-        outtype = "q4_0" if want == "q8_0" else want
+        if want in ("q8_0", "q4_0"):
+            blocked = row_len % F.QUANT_BLOCK == 0
+            return (Q.Q8_0 if want == "q8_0" else Q.Q4_0) if blocked else Q.F16
+        outtype = want
     if outtype == "f32":
         return Q.F32
     if outtype in ("f16", "bf16"):

@@ -106,16 +106,11 @@ def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
     same threshold; Q4_0 halves the bytes but needs a lower threshold for the same recall,
     see docs/BENCHMARKS.md); F16 when a row cannot be block-quantized."""
     from gguf import GGMLQuantizationType as Q
-    if want is not None:
-        if want in ("q8_0", "q4_0"):
-            blocked = row_len % F.QUANT_BLOCK == 0
-            return (Q.Q8_0 if want == "q8_0" else Q.Q4_0) if blocked else Q.F16
-        outtype = want
-    if outtype == "f32":
-        return Q.F32
-    if outtype in ("f16", "bf16"):
-        return Q.F16
-    return Q.Q8_0 if row_len % F.QUANT_BLOCK == 0 else Q.F16
+    if want is None:
+        want = {"f32": "f32", "f16": "f16", "bf16": "f16"}.get(outtype, "q8_0")
+    if want in ("f32", "f16"):
+        return Q.F32 if want == "f32" else Q.F16
+    return (Q.Q8_0 if want == "q8_0" else Q.Q4_0) if row_len % F.QUANT_BLOCK == 0 else Q.F16
 
 
 def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:

@@ -1,0 +1,553 @@
+"""`Llama`: the high-level API llama-cpp-python users know, over one Model and Context.
+
+    from powerinfer_cpp import Llama        # instead of: from llama_cpp import Llama
+
+    llm = Llama("model.gguf", n_ctx=512, verbose=False)
+    out = llm("And God said", max_tokens=32, stop=["\\n"])       # OpenAI-shaped dict
+    print(out["choices"][0]["text"], out["usage"])
+    for chunk in llm.create_chat_completion(
+            [{"role": "user", "content": "Who made the light?"}], stream=True):
+        print(chunk["choices"][0]["delta"].get("content", ""), end="")
+
+Arguments llama-cpp-python has and this engine does not support are accepted only at
+llama-cpp-python's default value (so code that spells the defaults out still runs);
+any other value raises `UnsupportedArgumentError` naming them. Names neither library
+knows raise TypeError. docs/API.md has the table.
+
+The response builders and the argument checks here are shared with the server
+(`powerinfer_cpp.server`), so both give the same dicts for the same request.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .chat import ChatTemplate, ChatTemplateError
+
+__all__ = ["Llama", "UnsupportedArgumentError", "LLAMA_DEFAULT_SEED"]
+
+# llama.cpp's "pick a random seed" value, as llama-cpp-python's Llama(seed=...) default
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+
+class UnsupportedArgumentError(ValueError):
+    """A llama-cpp-python argument this engine does not implement was given a value
+    other than its default."""
+
+
+# llama-cpp-python's Llama() arguments we do not implement, with their defaults there.
+_INIT_UNSUPPORTED = {
+    "split_mode": 1, "main_gpu": 0, "tensor_split": None, "rpc_servers": None,
+    "vocab_only": False, "use_mlock": False, "kv_overrides": None, "n_ubatch": 512,
+    "rope_scaling_type": -1, "pooling_type": -1, "rope_freq_base": 0.0,
+    "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0,
+    "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "logits_all": False,
+    "embedding": False, "offload_kqv": True, "flash_attn": False, "no_perf": False,
+    "lora_base": None, "lora_scale": 1.0, "lora_path": None, "numa": False,
+    "chat_handler": None, "draft_model": None, "tokenizer": None, "type_k": None,
+    "type_v": None, "spm_infill": False,
+}
+# create_completion / create_chat_completion arguments we do not implement
+_GEN_UNSUPPORTED = {
+    "suffix": None, "logprobs": None, "top_logprobs": None, "typical_p": 1.0,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "tfs_z": 1.0, "mirostat_mode": 0,
+    "mirostat_tau": 5.0, "mirostat_eta": 0.1, "grammar": None,
+}
+_CHAT_UNSUPPORTED = {
+    **{k: v for k, v in _GEN_UNSUPPORTED.items() if k != "suffix"},
+    "functions": None, "function_call": None, "tools": None, "tool_choice": None,
+}
+
+# chat_format names understood besides None (= the file's tokenizer.chat_template)
+_CHAT_FORMATS = {
+    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+               "{% endif %}"),
+}
+
+
+def check_unsupported(where: str, given: dict, table: dict) -> None:
+    """Raise UnsupportedArgumentError naming the arguments of `given` that are in `table`
+    with a non-default value; TypeError for names not in `table`."""
+    unknown = [k for k in given if k not in table]
+    if unknown:
+        raise TypeError(f"{where} got unexpected keyword argument(s): {', '.join(unknown)}")
+    bad = [f"{k}={v!r}" for k, v in given.items() if not _same(v, table[k])]
+    if bad:
+        raise UnsupportedArgumentError(
+            f"{where}: not supported by powerinfer-cpp: {', '.join(bad)} (leave them at "
+            "llama-cpp-python's defaults; see docs/API.md)")
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b or (isinstance(a, (list, dict)) and not a)
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _stream_has(name: str) -> bool:
+    from .model import Context
+
+    return name in inspect.signature(Context.stream).parameters
+
+
+def make_logits_processor(eos_id: int, processors=None, logit_bias=None,
+                          stopping_criteria=None) -> Callable | None:
+    """One (input_ids, logits) -> logits callable from llama-cpp-python's hooks: a
+    logits_processor (a callable or a list of them, each given an np.intc array of the
+    ids so far and the float32 logits), logit_bias ({token id: bias}) and
+    stopping_criteria (callables (ids, logits) -> bool; true ends the reply, as "stop")."""
+    procs = _callables("logits_processor", processors)
+    crits = _callables("stopping_criteria", stopping_criteria)
+    bias = None
+    if logit_bias:
+        if not isinstance(logit_bias, dict):
+            raise TypeError("logit_bias must be a dict {token_id: bias}")
+        try:
+            bias = {int(k): float(v) for k, v in logit_bias.items()}
+        except (TypeError, ValueError):
+            raise TypeError("logit_bias must map token ids (int or numeric str) to numbers") \
+                from None
+    if not procs and not crits and not bias:
+        return None
+    if not _stream_has("logits_processor"):
+        raise UnsupportedArgumentError(
+            "logits_processor / logit_bias / stopping_criteria need Context.stream("
+            "logits_processor=...), which this build of powerinfer_cpp lacks")
+
+    def process(input_ids, logits):
+        ids = np.asarray(input_ids, dtype=np.intc)
+        for f in procs:
+            logits = f(ids, logits)
+        if bias:
+            logits = np.array(logits, dtype=np.float32, copy=True)
+            for k, v in bias.items():
+                if 0 <= k < logits.shape[-1]:
+                    logits[k] += v
+        if crits and any(bool(c(ids, logits)) for c in crits):
+            # End the reply the way the stream already knows: only EOS can be sampled.
+            logits = np.full_like(np.asarray(logits, dtype=np.float32), -1e30)
+            logits[eos_id] = 0.0
+        return logits
+
+    return process
+
+
+def _callables(name: str, value) -> list:
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    for f in items:
+        if not callable(f):
+            raise TypeError(f"{name} must be a callable or a list of callables")
+    return items
+
+
+def resolve_max_tokens(max_tokens, n_prompt: int, n_ctx: int) -> int:
+    """max_tokens as llama-cpp-python reads it: None or <= 0 = up to the context."""
+    if max_tokens is None:
+        return max(n_ctx - n_prompt, 0)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+        raise TypeError(f"max_tokens must be an integer or None, got {max_tokens!r}")
+    return int(max_tokens) if max_tokens > 0 else max(n_ctx - n_prompt, 0)
+
+
+def stop_list(stop) -> list[str]:
+    """stop as a list of strings (None, a string, or a list of strings)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise TypeError("stop must be a string or a list of strings")
+    return [s for s in stop if s]
+
+
+# -- OpenAI-shaped responses --------------------------------------------------------
+
+
+def usage(result) -> dict:
+    """The usage block of a finished Completion (cached prompt tokens in the details)."""
+    p, c = result.n_prompt_tokens, len(result.tokens)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": getattr(result, "n_cached_tokens", 0)}}
+
+
+def completion_response(cid: str, created: int, model: str, text: str, finish_reason: str,
+                        result) -> dict:
+    """A text_completion dict."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage(result)}
+
+
+def completion_chunk(cid: str, created: int, model: str, text: str,
+                     finish_reason: str | None = None) -> dict:
+    """One streamed text_completion chunk."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"text": text, "index": 0, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def chat_response(cid: str, created: int, model: str, text: str, finish_reason: str,
+                  result) -> dict:
+    """A chat.completion dict."""
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(result)}
+
+
+def chat_chunk(cid: str, created: int, model: str, delta: dict,
+               finish_reason: str | None = None) -> dict:
+    """One streamed chat.completion.chunk."""
+    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def new_id(kind: str) -> str:
+    """A response id ("cmpl-..." / "chatcmpl-...")."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+class _OwnerLock:
+    """A lock held for a whole call or stream. A stream may be finished on another
+    thread than the one that started it, so this is a plain Lock plus the owner's id
+    (which turns a same-thread re-entry into a clear error instead of a deadlock)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+
+    def acquire(self) -> None:
+        if self.owner == threading.get_ident():
+            raise RuntimeError(
+                "this Llama is still busy with an unfinished stream started in this thread; "
+                "read it to the end or call its close() first")
+        self._lock.acquire()
+        self.owner = threading.get_ident()
+
+    def release(self) -> None:
+        self.owner = None
+        self._lock.release()
+
+
+class Llama:
+    """A model and one context behind llama-cpp-python's `Llama` interface.
+
+    Calls are serialised: one Llama used from several threads runs one completion at a
+    time (a stream holds it until it ends or is closed). `n_gpu_layers` != 0 asks for the
+    GPU: with a CUDA build and a visible GPU the model is placed on "cuda" under the VRAM
+    budget placement (all of the device's free memory minus 256 MiB, or `vram_budget`),
+    whatever the number; otherwise a RuntimeWarning says so and it runs on the CPU.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, *, n_gpu_layers: int = 0,
+                 seed: int = LLAMA_DEFAULT_SEED, n_ctx: int = 512, n_batch: int = 512,
+                 n_threads: int | None = None, n_threads_batch: int | None = None,
+                 use_mmap: bool = True, last_n_tokens_size: int = 64,
+                 chat_format: str | None = None, verbose: bool = True,
+                 chat_template: str | None = None, ffn: str = "auto",
+                 device: str | None = None, vram_budget: int | str | None = None,
+                 **kwargs):
+        check_unsupported("Llama()", kwargs, _INIT_UNSUPPORTED)
+        from .model import Model, device_available
+
+        if n_threads_batch is not None and n_threads_batch != n_threads:
+            raise UnsupportedArgumentError(
+                "Llama(): n_threads_batch must equal n_threads (one thread count is used for "
+                "prompts and decoding)")
+        if chat_format is not None and chat_format not in _CHAT_FORMATS:
+            raise UnsupportedArgumentError(
+                f"Llama(): chat_format={chat_format!r} is not supported; use None (the "
+                f"file's tokenizer.chat_template), {', '.join(map(repr, _CHAT_FORMATS))}, or "
+                "chat_template='<jinja>'")
+        self.verbose = bool(verbose)
+        self.model_path = os.fspath(model_path)
+        if device is None:
+            device = "cpu"
+            if n_gpu_layers:
+                ok, why = device_available("cuda")
+                if ok:
+                    device = "cuda"
+                else:
+                    warnings.warn(f"n_gpu_layers={n_gpu_layers}: no CUDA device ({why}); "
+                                  "running on the CPU", RuntimeWarning, stacklevel=2)
+        self._seed_rng = random.Random(None if seed in (None, -1, LLAMA_DEFAULT_SEED)
+                                       else int(seed))
+        self._repeat_last_n = int(last_n_tokens_size)
+        self._lock = _OwnerLock()
+        self._model = Model(self.model_path, n_ctx=n_ctx, n_threads=n_threads or 0,
+                            n_batch=n_batch, ffn=ffn, device=device, vram_budget=vram_budget,
+                            load="auto" if use_mmap else "read")
+        try:
+            self._ctx = self._model.context
+            if chat_format is not None and chat_template is None:
+                chat_template = _CHAT_FORMATS[chat_format]
+            self._chat_template_src = chat_template
+            self._template: ChatTemplate | None = None
+        except BaseException:
+            self._model.close()
+            raise
+        if self.verbose:
+            info = self._model.info
+            print(f"powerinfer_cpp: loaded {self.model_path} ({info.arch}, "
+                  f"{info.n_params / 1e6:.1f}M params, {info.weight_type}, n_ctx "
+                  f"{self._ctx.n_ctx}, device {device}) in {self._model.load_time:.2f} s",
+                  file=sys.stderr)
+
+    # -- lifetime ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the model (after a call in flight on another thread); later use raises."""
+        model = getattr(self, "_model", None)
+        if model is None:
+            return
+        if self._lock.owner == threading.get_ident():
+            # a stream of this thread is paused (not in native code): it raises when resumed
+            self._model = None
+            model.close()
+            return
+        self._lock.acquire()
+        try:
+            self._model = None
+            model.close()
+        finally:
+            self._lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if getattr(self, "_model", None) is not None:
+                self._model.close()
+        except Exception:
+            pass
+
+    # -- the parts users reach for -------------------------------------------------------
+
+    @property
+    def model(self):
+        """The underlying powerinfer_cpp.Model."""
+        return self._live()
+
+    @property
+    def context(self):
+        """The underlying powerinfer_cpp.Context."""
+        self._live()
+        return self._ctx
+
+    def _live(self):
+        if getattr(self, "_model", None) is None:
+            raise RuntimeError("this Llama has been closed")
+        return self._model
+
+    def n_ctx(self) -> int:
+        """The context size in tokens."""
+        self._live()
+        return self._ctx.n_ctx
+
+    def n_vocab(self) -> int:
+        """The vocabulary size."""
+        return self._live().n_vocab
+
+    def token_bos(self) -> int:
+        """The BOS token id (-1 if none)."""
+        b = self._live().tokenizer.bos_id
+        return -1 if b is None else b
+
+    def token_eos(self) -> int:
+        """The EOS token id."""
+        return self._live().eos_id
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Token ids of UTF-8 `text` (bytes, as llama-cpp-python takes it); BOS first when
+        add_bos and the model has one."""
+        if isinstance(text, str):
+            raise TypeError("tokenize() takes bytes (text.encode('utf-8')), as llama-cpp-python "
+                            "does")
+        tok = self._live().tokenizer
+        s = bytes(text).decode("utf-8", errors="replace")
+        return tok.encode(s, add_bos=bool(add_bos) and tok.bos_id is not None,
+                          special=bool(special))
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """The bytes of `tokens` (special tokens' text only when `special`); prev_tokens is
+        accepted for llama-cpp-python's signature and does not change the bytes."""
+        tok = self._live().tokenizer
+        return b"".join(tok.token_to_bytes(int(t), special=bool(special)) for t in tokens)
+
+    def reset(self) -> None:
+        """Forget the cached tokens."""
+        self._call(lambda: self._ctx.reset())
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The chat template in use (the file's unless chat_format/chat_template was given)."""
+        if self._template is None:
+            self._template = ChatTemplate.from_model(self._live(), self._chat_template_src)
+        return self._template
+
+    # -- completions ---------------------------------------------------------------------
+
+    def __call__(self, prompt, *args, **kwargs):
+        """create_completion."""
+        return self.create_completion(prompt, *args, **kwargs)
+
+    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
+                          echo: bool = False, stop: str | list[str] | None = None,
+                          repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
+                          seed: int | None = None, model: str | None = None,
+                          stopping_criteria=None, logits_processor=None, logit_bias=None,
+                          **kwargs) -> dict | Iterator[dict]:
+        """Complete `prompt`: a text_completion dict, or with stream=True an iterator of
+        chunks (the last carries finish_reason)."""
+        check_unsupported("create_completion()", kwargs, _GEN_UNSUPPORTED)
+        m = self._live()
+        if isinstance(prompt, str):
+            ids = m.tokenize(prompt)
+            prompt_text = prompt
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise TypeError("prompt must be a str or a list of token ids, not bytes")
+        else:
+            ids = [int(t) for t in prompt]
+            prompt_text = m.detokenize(ids)
+        gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
+                            stop_list(stop), seed, stopping_criteria, logits_processor,
+                            logit_bias)
+        cid, created, name = new_id("cmpl"), int(time.time()), model or self.model_path
+        head = prompt_text if echo else ""
+        if stream:
+            first = [completion_chunk(cid, created, name, head)] if head else []
+            return self._stream_chunks(gen, lambda text, fin: completion_chunk(
+                cid, created, name, text, fin), first)
+        text, result = self._run(gen)
+        return completion_response(cid, created, name, head + text, result.finish_reason,
+                                   result)
+
+    def create_chat_completion(self, messages: list[dict], temperature: float = 0.2,
+                               top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                               stream: bool = False, stop: str | list[str] | None = None,
+                               seed: int | None = None, response_format: dict | None = None,
+                               max_tokens: int | None = None, repeat_penalty: float = 1.0,
+                               model: str | None = None, logits_processor=None,
+                               logit_bias=None, **kwargs) -> dict | Iterator[dict]:
+        """Reply to OpenAI-style `messages` through the chat template: a chat.completion
+        dict, or with stream=True an iterator of chat.completion.chunk dicts."""
+        check_unsupported("create_chat_completion()", kwargs, _CHAT_UNSUPPORTED)
+        if response_format not in (None, {"type": "text"}):
+            raise UnsupportedArgumentError(
+                f"create_chat_completion(): response_format={response_format!r} is not "
+                "supported (only text)")
+        tmpl = self.chat_template
+        prompt = tmpl.render(messages, add_generation_prompt=True)
+        ids = tmpl.tokenize(self._live(), prompt)
+        stops = stop_list(stop) + [s for s in tmpl.stop_strings() if s not in (stop or ())]
+        gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
+                            stops, seed, None, logits_processor, logit_bias)
+        cid, created, name = new_id("chatcmpl"), int(time.time()), model or self.model_path
+        if stream:
+            first = [chat_chunk(cid, created, name, {"role": "assistant", "content": ""})]
+            return self._stream_chunks(gen, lambda text, fin: chat_chunk(
+                cid, created, name, {"content": text} if fin is None else {}, fin), first)
+        text, result = self._run(gen)
+        return chat_response(cid, created, name, text, result.finish_reason, result)
+
+    # -- the shared machinery ------------------------------------------------------------
+
+    def _prepare(self, ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
+                 stops, seed, stopping_criteria, logits_processor, logit_bias):
+        """Check everything before the lock is taken; returns the arguments of ctx.stream."""
+        n_ctx = self._ctx.n_ctx
+        if len(ids) >= n_ctx:
+            raise ValueError(f"Requested tokens ({len(ids)}) exceed context window of {n_ctx}")
+        n = resolve_max_tokens(max_tokens, len(ids), n_ctx)
+        if seed is None or seed == -1:
+            seed = self._seed_rng.getrandbits(64)
+        kw = dict(max_tokens=n, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
+                  repeat_penalty=repeat_penalty, repeat_last_n=self._repeat_last_n,
+                  stop=stops, seed=seed)
+        proc = make_logits_processor(self._model.eos_id, logits_processor, logit_bias,
+                                     stopping_criteria)
+        if proc is not None:
+            kw["logits_processor"] = proc
+        return ids, kw
+
+    def _call(self, fn):
+        self._lock.acquire()
+        try:
+            self._live()
+            return fn()
+        finally:
+            self._lock.release()
+
+    def _run(self, gen) -> tuple[str, Any]:
+        from .model import Completion
+
+        ids, kw = gen
+
+        def work():
+            result = Completion("", [], "length", 0)
+            for _ in self._ctx.stream(ids, stats=result, **kw):
+                pass
+            return result
+
+        result = self._call(work)
+        self._report(result)
+        return result.text, result
+
+    def _stream_chunks(self, gen, make_chunk, first: list[dict]) -> Iterator[dict]:
+        from .model import Completion
+
+        ids, kw = gen
+        # Arguments are checked now (ctx.stream checks eagerly), the lock taken at the first
+        # next(): llama-cpp-python's streams also do nothing until iterated.
+        self._ctx.stream(ids, **kw).close()
+
+        def chunks():
+            self._lock.acquire()
+            try:
+                self._live()
+                result = Completion("", [], "length", 0)
+                pieces = self._ctx.stream(ids, stats=result, **kw)
+                try:
+                    yield from first
+                    for piece in pieces:
+                        yield make_chunk(piece, None)
+                finally:
+                    pieces.close()
+                yield make_chunk("", result.finish_reason)
+                self._report(result)
+            finally:
+                self._lock.release()
+
+        return chunks()
+
+    def _report(self, result) -> None:
+        if self.verbose:
+            t = result.timings
+            print(f"powerinfer_cpp: prompt {t.get('prompt_tokens', 0)} tokens "
+                  f"({getattr(result, 'n_cached_tokens', 0)} cached) in "
+                  f"{t.get('prompt_s', 0) * 1e3:.1f} ms, decode {t.get('decode_tokens', 0)} "
+                  f"tokens at {t.get('decode_tok_per_s', 0):.1f} tokens/s", file=sys.stderr)

@@ -1,0 +1,92 @@
+"""`python -m powerinfer_cpp.server -m MODEL.gguf` (console script: powerinfer-server)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (names follow llama.cpp's llama-server where they overlap)."""
+    p = argparse.ArgumentParser(
+        prog="python -m powerinfer_cpp.server",
+        description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics) and a web chat page at /.")
+    p.add_argument("-m", "--model", help="GGUF model file (default: the shipped tiny model)")
+    p.add_argument("--alias", help="model name the API reports and accepts (default: the "
+                                   "file name without .gguf)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("-np", "--parallel", type=int, default=1,
+                   help="slots: generations that run at once, each with its own context over "
+                        "the one loaded model (default 1)")
+    p.add_argument("--queue", type=int, default=16,
+                   help="requests that may wait for a slot; more get 503 (default 16)")
+    p.add_argument("-c", "--ctx", type=int, default=0,
+                   help="context size of each slot (default: the model's training context)")
+    p.add_argument("-t", "--threads", type=int, default=0,
+                   help="threads per slot (default: the cores divided among the slots)")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="largest max_tokens a request may ask for (default: the context size)")
+    p.add_argument("--max-body", type=int, default=1 << 20,
+                   help="largest request body in bytes (default 1 MiB; larger: 413)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics "
+                                     "(also read from POWERINFER_API_KEY)")
+    p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle"], default="auto",
+                   help="FFN mode (default auto: sparse when the file has predictors)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, host-device")
+    p.add_argument("--vram-budget", metavar="SIZE", default=None,
+                   help="device memory the model may use, e.g. 6G")
+    p.add_argument("--chat-template-file", help="a jinja chat template to use instead of the "
+                                                "file's tokenizer.chat_template")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    import os
+
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import Settings, create_app
+    except ImportError as e:
+        print(f"error: the server needs FastAPI and uvicorn ({e.name} is missing): "
+              'pip install "powerinfer-cpp[server]"', file=sys.stderr)
+        return 1
+    try:
+        template = None
+        if args.chat_template_file:
+            with open(args.chat_template_file, encoding="utf-8") as f:
+                template = f.read()
+        path = args.model
+        if path is None:
+            from .. import default_model
+
+            path = str(default_model.default_model_path())
+        settings = Settings(
+            model=path, alias=args.alias, host=args.host, port=args.port,
+            parallel=args.parallel, queue=args.queue, n_ctx=args.ctx, threads=args.threads,
+            max_tokens=args.max_tokens, max_body=args.max_body,
+            api_key=args.api_key or os.environ.get("POWERINFER_API_KEY") or None,
+            ffn=args.ffn, device=args.device, vram_budget=args.vram_budget,
+            chat_template=template)
+        app = create_app(settings)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    srv = app.state.server
+    print(f"powerinfer-server: {srv.name} ({settings.parallel} slot(s) x {srv.n_ctx} tokens) "
+          f"on http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Slots: the contexts a server generates with, handed out to requests through a bounded
+queue, and the worker that runs one generation on a slot in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the wait queue is full."""
+
+
+@dataclass
+class Slot:
+    """One Context over the shared Model, and the tokens its cache holds."""
+
+    index: int
+    ctx: object
+    cached: list[int] = field(default_factory=list)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SlotPool:
+    """Hands free slots to requests (the one whose cache shares the longest prefix with
+    the prompt, so a chat's next turn lands where its history is cached); requests that
+    find none wait in a FIFO of at most `max_queue`, beyond which acquire() raises
+    QueueFull. Used from the event loop only; release() is scheduled onto it by workers."""
+
+    def __init__(self, slots: list[Slot], max_queue: int):
+        self.slots = slots
+        self.free = list(slots)
+        self.waiters: collections.deque[asyncio.Future] = collections.deque()
+        self.max_queue = max_queue
+
+    @property
+    def n_busy(self) -> int:
+        return len(self.slots) - len(self.free)
+
+    @property
+    def n_waiting(self) -> int:
+        return sum(1 for w in self.waiters if not w.done())
+
+    async def acquire(self, prompt_ids: list[int]) -> Slot:
+        """A free slot, waiting in the queue if there is none."""
+        if self.free and not self.waiters:
+            best = max(self.free, key=lambda s: _common_prefix(s.cached, prompt_ids))
+            self.free.remove(best)
+            return best
+        if self.n_waiting >= self.max_queue:
+            raise QueueFull
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result())  # handed over just as the waiter gave up
+            else:
+                try:
+                    self.waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back: to the oldest waiter, else to the free list."""
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(slot)
+                return
+        self.free.append(slot)
+
+
+class Job:
+    """One generation on a slot, run in a worker thread. Text pieces go to `queue` on
+    the event loop as they come; `cancel` (set when the client goes away) stops the
+    generation at the next token. The slot is released only when the thread is done
+    with its context."""
+
+    DONE = object()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: SlotPool, slot: Slot,
+                 prompt_ids: list[int], kwargs: dict):
+        self.loop, self.pool, self.slot = loop, pool, slot
+        self.prompt_ids, self.kwargs = prompt_ids, kwargs
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.result = None      # the model's Completion
+        self.stats: dict = {}   # ctx.stats() of this generation
+        self.error: BaseException | None = None
+
+    def start(self, executor) -> "asyncio.Future":
+        """Submit to the executor; the returned future completes when the thread is done."""
+        cf = executor.submit(self._run)
+        cf.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self.pool.release,
+                                                                       self.slot))
+        return asyncio.wrap_future(cf, loop=self.loop)
+
+    def _emit(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        from ..model import Completion
+
+        ctx = self.slot.ctx
+        self.result = Completion("", [], "length", 0)
+        try:
+            if self.cancel.is_set():
+                return
+            ctx.reset_stats()
+            pieces = ctx.stream(self.prompt_ids, stats=self.result, **self.kwargs)
+            cancelled = False
+            try:
+                for piece in pieces:
+                    if self.cancel.is_set():
+                        cancelled = True
+                        break
+                    self._emit(piece)
+            finally:
+                pieces.close()
+            if cancelled:
+                self.result.finish_reason = "cancelled"
+            self.stats = ctx.stats()
+        except BaseException as e:  # reported to the client; the server carries on
+            self.error = e
+        finally:
+            try:
+                self.slot.cached = list(ctx.cached_tokens)
+            except (AttributeError, RuntimeError):  # an older Context, or closed at shutdown
+                self.slot.cached = self.prompt_ids + list(self.result.tokens)
+            self._emit(self.DONE)

@@ -46,6 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "device's free memory minus 256 MiB)")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
+    p.add_argument("-cnv", "--chat", action="store_true",
+                   help="chat: an interactive conversation through the file's chat template "
+                        "(-p, if given, is the first message; /reset clears the history, "
+                        "/exit or Ctrl-D quits)")
+    p.add_argument("-sys", "--system", help="chat: the system message")
+    p.add_argument("--chat-template-file", help="chat: a jinja template to use instead of the "
+                                                "file's tokenizer.chat_template")
     p.add_argument("--load", choices=("auto", "mmap", "read"), default="auto",
                    help="how the weights reach memory: read (a private copy in huge pages: "
                         "faster sparse decode), mmap (map the file: shared, nothing copied), "
@@ -124,6 +131,8 @@ def _run(args, Model) -> int:
                 raise ValueError(f"{src} is not UTF-8 text "
                                  f"(byte {e.start}: {data[e.start:e.start + 1]!r}); "
                                  "convert it to UTF-8 first") from None
+        elif args.chat:
+            prompt = args.prompt
         else:
             prompt = args.prompt if args.prompt is not None else default_model.DEFAULT_PROMPT
         path = args.model or default_model.default_model_path()
@@ -138,6 +147,10 @@ def _run(args, Model) -> int:
                   "as llama.cpp does", file=sys.stderr)
         from .model import Completion
 
+        if args.chat:
+            code = _chat(args, model, prompt)
+            model.close()
+            return code
         stats = Completion("", [], "length", 0)
         # stream() checks every argument before returning: a bad one fails before the echo
         pieces = model.stream(prompt, max_tokens=args.n_predict, temperature=args.temp,
@@ -176,6 +189,85 @@ def _run(args, Model) -> int:
     print(_stats_summary(model.context.stats(), model.info.n_layer), file=sys.stderr)
     model.close()
     return 0
+
+
+def _chat(args, model, first: str | None) -> int:
+    """The interactive chat loop: each turn renders the whole history through the chat
+    template; the context keeps its cache, so only the tokens after the common prefix
+    (the new message) are evaluated."""
+    from .chat import ChatTemplate
+    from .model import Completion
+
+    template = None
+    if args.chat_template_file:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            template = f.read()
+    tmpl = ChatTemplate.from_model(model, template)
+    stops = list(args.stop) + [s for s in tmpl.stop_strings() if s not in args.stop]
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    ctx = model.context
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print("chat: type a message and press Enter; /reset clears the history, /exit or "
+              "Ctrl-D quits, Ctrl-C stops a reply", file=sys.stderr)
+    while True:
+        if first is not None:
+            line, first = first, None
+        else:
+            try:
+                line = input("> " if interactive else "")
+            except EOFError:
+                if interactive:
+                    sys.stdout.write("\n")
+                return 0
+            except KeyboardInterrupt:
+                sys.stdout.write("\n")
+                return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = []
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": text})
+        ids = tmpl.tokenize(model, tmpl.render(system + history))
+        # Forget the oldest turns when the history no longer leaves room for a reply.
+        room = min(max(args.n_predict, 1), ctx.n_ctx // 2)
+        while len(ids) + room > ctx.n_ctx and len(history) > 1:
+            history = history[2:] if len(history) > 2 else history[1:]
+            ids = tmpl.tokenize(model, tmpl.render(system + history))
+        if len(ids) >= ctx.n_ctx:
+            print(f"error: the message is too long for the context ({len(ids)} tokens of "
+                  f"{ctx.n_ctx})", file=sys.stderr)
+            history.pop()
+            continue
+        stats = Completion("", [], "length", 0)
+        max_tokens = args.n_predict if args.n_predict > 0 else ctx.n_ctx - len(ids)
+        try:
+            for piece in ctx.stream(ids, max_tokens=max_tokens, temperature=args.temp,
+                                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                    repeat_penalty=args.repeat_penalty,
+                                    repeat_last_n=args.repeat_last_n, seed=args.seed,
+                                    stop=stops, stats=stats):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass  # stop this reply; keep what was said
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": stats.text})
+        t = stats.timings
+        print(f"[{len(stats.tokens)} tokens, {t.get('decode_tok_per_s', 0.0):.1f} tokens/s; "
+              f"prompt {stats.n_prompt_tokens} tokens, "
+              f"{getattr(stats, 'n_cached_tokens', 0)} cached]", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,63 @@
+"""Start `python -m powerinfer_cpp.server` on 127.0.0.1 and a free port; stop it after."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, *args: str, timeout: float = 60.0):
+    """Yield the base URL of a server for `model` started with extra `args`; the server
+    is terminated (then killed) when the block ends, and its log is shown on failure."""
+    port = free_port()
+    log = open(os.devnull, "w") if os.environ.get("PI_QUIET_SERVER") else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powerinfer_cpp.server", "-m", str(model), "--host", "127.0.0.1",
+         "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n"
+                                   f"{proc.stdout.read()}")
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start in time")
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log is not None:
+            log.close()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled metric in /metrics output."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)

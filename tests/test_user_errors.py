@@ -40,7 +40,6 @@ def _cli_error(capsys, rc):
     (dict(temperature=-1), ValueError, "temperature"),
     (dict(max_tokens=-1), ValueError, "max_tokens"),
     (dict(max_tokens=2.5), TypeError, "max_tokens must be an integer"),
-    (dict(max_tokens=None), TypeError, "max_tokens must be an integer"),
     (dict(top_k=2**40), ValueError, "top_k"),
     (dict(repeat_last_n=10**11), ValueError, "repeat_last_n"),
     (dict(temperature="hot"), TypeError, "temperature must be a number"),

@@ -28,7 +28,8 @@ typedef enum {
     GH_ERR_UNSUPPORTED = 3,  /* valid but not supported (architecture, type, ...) */
     GH_ERR_INVALID_ARG = 4,  /* bad argument from the caller */
     GH_ERR_OOM         = 5,  /* allocation failed */
-    GH_ERR_RANGE       = 6   /* out of range: token id, context full, ... */
+    GH_ERR_RANGE       = 6,  /* out of range: token id, context full, ... */
+    GH_ERR_BUSY        = 7   /* the context is running a call on another thread */
 } gh_status;
 
 /* Tensor types; the numeric values are the GGML type ids used in GGUF files. */
@@ -244,6 +245,11 @@ typedef struct {
 } gh_context_params;
 
 gh_context_params gh_context_default_params(void);
+/* A context serves one call at a time. A call that changes or runs it (gh_eval,
+ * gh_eval_profile, gh_context_truncate, _set_threads, _set_ffn_mode, _set_sparse_batch,
+ * _reset_stats) while another thread is inside one of them on the same context is refused
+ * with GH_ERR_BUSY and changes nothing; give each thread its own context (they may share
+ * one model). gh_context_free must not race a call on the same context. */
 gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context ** out);
 void gh_context_free(gh_context * c);
 int32_t gh_context_n_ctx(const gh_context * c);

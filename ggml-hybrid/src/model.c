@@ -709,11 +709,19 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     return GH_OK;
 }
 
+gh_status gh_ctx_enter(gh_context * c, const char * what) {
+    int idle = 0;
+    if (atomic_compare_exchange_strong(&c->busy, &idle, 1)) return GH_OK;
+    return gh_fail(GH_ERR_BUSY, "%s: this context is running a call on another thread; give each "
+                   "thread its own context (contexts can share one model)", what);
+}
+
+void gh_ctx_leave(gh_context * c) { atomic_store(&c->busy, 0); }
+
 int32_t gh_context_n_ctx(const gh_context * c) { return c ? c->n_ctx : 0; }
 int32_t gh_context_n_past(const gh_context * c) { return c ? c->n_past : 0; }
 
-gh_status gh_context_set_threads(gh_context * c, int32_t n_threads) {
-    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+static gh_status set_threads(gh_context * c, int32_t n_threads) {
     gh_status st = check_threads(n_threads);
     if (st) return st;
     int n = n_threads > 0 ? n_threads : default_threads();
@@ -725,14 +733,25 @@ gh_status gh_context_set_threads(gh_context * c, int32_t n_threads) {
     return GH_OK;
 }
 
+gh_status gh_context_set_threads(gh_context * c, int32_t n_threads) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_set_threads");
+    if (st) return st;
+    st = set_threads(c, n_threads);
+    gh_ctx_leave(c);
+    return st;
+}
+
 gh_status gh_context_truncate(gh_context * c, int32_t n_past) {
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_truncate");
+    if (st) return st;
     if (n_past < 0 || n_past > c->n_past) {
-        return gh_fail(GH_ERR_RANGE, "cannot truncate to %d: the cache holds %d tokens", n_past,
-                       c->n_past);
-    }
-    c->n_past = n_past;
-    return GH_OK;
+        st = gh_fail(GH_ERR_RANGE, "cannot truncate to %d: the cache holds %d tokens", n_past,
+                     c->n_past);
+    } else c->n_past = n_past;
+    gh_ctx_leave(c);
+    return st;
 }
 
 /* ---------------------------------------------------------- forward pass -- */
@@ -862,8 +881,8 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     } else gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
 }
 
-gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all) {
-    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                             int32_t logits_all) {
     if (!tokens || n_tokens <= 0) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval: no tokens given");
     const int32_t n_vocab = c->model->info.n_vocab;
     for (int32_t i = 0; i < n_tokens; i++) {
@@ -909,6 +928,15 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
     return GH_OK;
 }
 
+gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_eval");
+    if (st) return st;
+    st = eval_tokens(c, tokens, n_tokens, logits_all);
+    gh_ctx_leave(c);
+    return st;
+}
+
 const float * gh_get_logits(const gh_context * c, int32_t i) {
     if (!c || c->n_logit_rows == 0) return NULL;
     if (i < 0) i = c->n_logit_rows - 1;
@@ -932,13 +960,16 @@ gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_toke
                        "data (%lld inputs, %lld mask bytes)", (long long) ffn_in_stride,
                        (long long) mask_stride, (long long) (nt * d), (long long) (nt * ff));
     }
+    gh_status st = gh_ctx_enter(c, "gh_eval_profile");
+    if (st) return st;
     c->prof_x = ffn_in;
     c->prof_x_stride = ffn_in_stride;
     c->prof_mask = mask;
     c->prof_mask_stride = mask_stride;
-    gh_status st = gh_eval(c, tokens, n_tokens, 0);
+    st = eval_tokens(c, tokens, n_tokens, 0);
     c->prof_x = NULL;
     c->prof_mask = NULL;
     c->prof_t0 = 0;
+    gh_ctx_leave(c);
     return st;
 }

@@ -77,6 +77,13 @@ struct gh_context {
      * the current gh_eval */
     gh_stream *     stream;
     gh_status       dev_status;
+    /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
+     * refused instead of overwriting the buffers and cache the first one uses */
+    atomic_int      busy;
 };
+
+/* Claims c for one call, or fails with GH_ERR_BUSY naming `what`; ctx_leave releases it. */
+gh_status gh_ctx_enter(gh_context * c, const char * what);
+void gh_ctx_leave(gh_context * c);
 
 #endif

@@ -479,8 +479,7 @@ void gh_stats_tokens(gh_context * c, int32_t n, bool head, double seconds) {
 
 /* ---------------------------------------------------------------- public API -- */
 
-gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode) {
-    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+static gh_status set_ffn_mode(gh_context * c, int32_t mode) {
     if (mode != GH_FFN_DENSE && mode != GH_FFN_SPARSE && mode != GH_FFN_ORACLE) {
         return gh_fail(GH_ERR_INVALID_ARG, "unknown FFN mode %d (0 dense, 1 sparse, 2 oracle)", mode);
     }
@@ -504,6 +503,15 @@ gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode) {
     return GH_OK;
 }
 
+gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_set_ffn_mode");
+    if (st) return st;
+    st = set_ffn_mode(c, mode);
+    gh_ctx_leave(c);
+    return st;
+}
+
 int32_t gh_context_get_ffn_mode(const gh_context * c) {
     return c && c->sparse ? c->sparse->mode : GH_FFN_DENSE;
 }
@@ -511,7 +519,10 @@ int32_t gh_context_get_ffn_mode(const gh_context * c) {
 gh_status gh_context_set_sparse_batch(gh_context * c, int32_t n_max) {
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
     if (n_max < 0) return gh_fail(GH_ERR_INVALID_ARG, "sparse batch limit must be >= 0, got %d", n_max);
+    gh_status st = gh_ctx_enter(c, "gh_context_set_sparse_batch");
+    if (st) return st;
     c->sparse->batch_max = n_max;
+    gh_ctx_leave(c);
     return GH_OK;
 }
 
@@ -521,6 +532,8 @@ int32_t gh_context_get_sparse_batch(const gh_context * c) {
 
 gh_status gh_context_reset_stats(gh_context * c) {
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_reset_stats");
+    if (st) return st;
     gh_sparse_state * s = c->sparse;
     memset(s->t, 0, sizeof s->t);
     memset(s->bytes, 0, sizeof s->bytes);
@@ -529,6 +542,7 @@ gh_status gh_context_reset_stats(gh_context * c) {
     s->n_active_device = 0;
     s->bytes_device = s->bytes_up = s->bytes_down = s->t_device = s->t_cpu_ffn = s->t_wait = 0.0;
     memset(s->layer_active, 0, (size_t) c->model->info.n_layer * sizeof(int64_t));
+    gh_ctx_leave(c);
     return GH_OK;
 }
 

@@ -29,8 +29,13 @@ class NativeValueError(NativeError, ValueError):
     """A bad argument or an out-of-range value (token id, context overflow, ...)."""
 
 
+class NativeBusyError(NativeError):
+    """The context is running a call on another thread (GH_ERR_BUSY)."""
+
+
 # gh_status -> exception class; statuses not listed raise NativeError.
-_STATUS_ERRORS = {1: NativeIOError, 4: NativeValueError, 6: NativeValueError}
+_STATUS_ERRORS = {1: NativeIOError, 4: NativeValueError, 6: NativeValueError,
+                  7: NativeBusyError}
 
 
 def _find(candidates: list[Path], what: str) -> Path:

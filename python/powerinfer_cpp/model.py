@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -63,23 +65,37 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string), "length" (max_tokens or context full)
     n_prompt_tokens: int
     timings: dict = field(default_factory=dict)
+    # prompt tokens whose KV entries were kept from the context's previous use (the longest
+    # common prefix); only the other n_prompt_tokens - n_cached_tokens were evaluated
+    n_cached_tokens: int = 0
 
 
 class _NativeHandle:
     """Owns one native object: freed by close(), a with-block or garbage collection;
-    use after close raises instead of touching freed memory."""
+    use after close raises instead of touching freed memory.
+
+    Every native call on the object runs under its lock (`with self._calling() as ptr`),
+    so calls from several threads are serialised and close() waits for the call in
+    flight instead of freeing memory under it."""
 
     _ptr = None
     _closed_msg = "this object has been closed"
+
+    def __new__(cls, *args, **kw):
+        obj = super().__new__(cls)
+        obj._lock = threading.RLock()
+        return obj
 
     def _free(self, ptr) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Free the native object; later use raises."""
-        if self._ptr is not None:
-            ptr, self._ptr = self._ptr, None
-            self._free(ptr)
+        """Free the native object (after any call in flight on another thread); later use
+        raises."""
+        with self._lock:
+            if self._ptr is not None:
+                ptr, self._ptr = self._ptr, None
+                self._free(ptr)
 
     def __enter__(self):
         return self
@@ -97,6 +113,12 @@ class _NativeHandle:
         if self._ptr is None:
             raise RuntimeError(self._closed_msg)
         return self._ptr
+
+    @contextlib.contextmanager
+    def _calling(self):
+        """The native pointer, held under the lock for the duration of a call."""
+        with self._lock:
+            yield self._handle()
 
 
 class Model(_NativeHandle):
@@ -188,10 +210,12 @@ class Model(_NativeHandle):
     _closed_msg = "this Model has been closed"
 
     def close(self) -> None:
-        """Free the model and every context made from it; later use raises."""
-        for ctx in list(getattr(self, "_contexts", ())):
-            ctx.close()
-        super().close()
+        """Free the model and every context made from it, each after the call it is running
+        on another thread (a paused stream raises when resumed); later use raises."""
+        with self._lock:
+            for ctx in list(getattr(self, "_contexts", ())):
+                ctx.close()
+            super().close()
 
     def _free(self, ptr) -> None:
         lib.gh_model_free(ptr)
@@ -199,7 +223,8 @@ class Model(_NativeHandle):
     @property
     def load_mode(self) -> str:
         """How the weights were loaded: "read" (private memory, huge pages) or "mmap"."""
-        return "read" if lib.gh_model_load_mode(self._handle()) == lib.GH_LOAD_READ else "mmap"
+        with self._calling() as ptr:
+            return "read" if lib.gh_model_load_mode(ptr) == lib.GH_LOAD_READ else "mmap"
 
     # -- device -----------------------------------------------------------------
 
@@ -207,7 +232,8 @@ class Model(_NativeHandle):
         """Where the model runs: device, budget, bytes placed (dense parts, hot neurons),
         hot neuron count and share, what lies on the device, and the loader's note."""
         d = ffi.new("gh_device_info *")
-        check(lib.gh_model_device_info(self._handle(), d))
+        with self._calling() as ptr:
+            check(lib.gh_model_device_info(ptr, d))
         return {
             "device": ffi.string(d.device).decode(),
             "budget": d.budget,
@@ -251,22 +277,24 @@ class Model(_NativeHandle):
                        ffn: str | None = None) -> Context:
         """A new context (own KV cache) over this model; n_ctx 0 = training context;
         ffn None = the model's `ffn` setting."""
-        return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
-                       ffn=self.ffn if ffn is None else ffn)
+        with self._lock:  # not freed by a close() on another thread meanwhile
+            return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
+                           ffn=self.ffn if ffn is None else ffn)
 
     @property
     def context(self) -> Context:
         """The default context, created on first use with the constructor's settings."""
-        if self._default_ctx is None or self._default_ctx._ptr is None:
-            self._default_ctx = self.create_context(**self._ctx_defaults)
-        return self._default_ctx
+        with self._lock:
+            if self._default_ctx is None or self._default_ctx._ptr is None:
+                self._default_ctx = self.create_context(**self._ctx_defaults)
+            return self._default_ctx
 
     def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
-        """Context.generate on the default context (the cache is reset first)."""
+        """Context.generate on the default context (keeps the cached common prefix)."""
         return self.context.generate(prompt, **kw)
 
     def stream(self, prompt: str | Sequence[int], **kw) -> Iterator[str]:
-        """Context.stream on the default context (the cache is reset first)."""
+        """Context.stream on the default context (keeps the cached common prefix)."""
         return self.context.stream(prompt, **kw)
 
     def eval(self, tokens: Sequence[int], logits_all: bool = False) -> np.ndarray:
@@ -347,7 +375,16 @@ class _Detokenizer:
 
 
 class Context(_NativeHandle):
-    """A KV cache and scratch buffers over a Model; use from one thread at a time."""
+    """A KV cache and scratch buffers over a Model.
+
+    Safe from several threads: calls are serialised, and close() waits for the call in
+    flight. The cache is shared state, though: eval() appends to what this thread last
+    left there, so when another thread changed the cache since this thread's last call,
+    eval() raises RuntimeError instead of computing logits of someone else's tokens
+    (call reset() to start over). stream() and generate() manage the cache themselves
+    and work from any thread; give threads that run side by side a context each
+    (Model.create_context).
+    """
 
     def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
                  ffn: str = "auto"):
@@ -361,7 +398,8 @@ class Context(_NativeHandle):
         self._ptr = out[0]
         model._contexts.add(self)  # closed with the model, however it was made
         self._use = 0  # bumped by every eval/reset; a stream stops if it changed under it
-        self._tok = ffi.new("int32_t[1]")
+        self._seen = threading.local()  # .use: self._use after this thread's last call
+        self._cached: list[int] = []    # the tokens in the KV cache, in order
         self._out = ffi.new("int32_t *")
         if mode is not None:
             try:
@@ -383,27 +421,44 @@ class Context(_NativeHandle):
 
     @property
     def n_ctx(self) -> int:
-        return lib.gh_context_n_ctx(self._handle())
+        with self._calling() as ptr:
+            return lib.gh_context_n_ctx(ptr)
 
     @property
     def n_past(self) -> int:
-        return lib.gh_context_n_past(self._handle())
+        with self._calling() as ptr:
+            return lib.gh_context_n_past(ptr)
+
+    @property
+    def cached_tokens(self) -> list[int]:
+        """The token ids whose keys and values are in the cache (a copy)."""
+        with self._lock:
+            return list(self._cached)
 
     def set_threads(self, n_threads: int) -> None:
         """Change the number of threads the forward pass uses (0 = all cores)."""
-        check(lib.gh_context_set_threads(self._handle(), _int32("n_threads", n_threads)))
+        with self._calling() as ptr:
+            check(lib.gh_context_set_threads(ptr, _int32("n_threads", n_threads)))
 
     def reset(self, n_past: int = 0) -> None:
         """Forget cached tokens after position n_past (default: all)."""
-        check(lib.gh_context_truncate(self._handle(), _int32("n_past", n_past)))
+        with self._calling() as ptr:
+            check(lib.gh_context_truncate(ptr, _int32("n_past", n_past)))
+            del self._cached[n_past:]
+            self._changed()
+
+    def _changed(self) -> None:
+        """Record a change of the cache made by this thread."""
         self._use += 1
+        self._seen.use = self._use
 
     # -- sparse FFN ------------------------------------------------------------
 
     @property
     def ffn_mode(self) -> str:
         """The FFN mode: "dense", "sparse" or "oracle"."""
-        return _FFN_NAMES[lib.gh_context_get_ffn_mode(self._handle())]
+        with self._calling() as ptr:
+            return _FFN_NAMES[lib.gh_context_get_ffn_mode(ptr)]
 
     def set_ffn_mode(self, mode: str) -> None:
         """Switch the FFN mode ("dense", "sparse", "oracle", or "auto" = the file's
@@ -413,16 +468,19 @@ class Context(_NativeHandle):
         if m is None:
             info = self.model.info
             m = 1 if info.has_predictor == info.n_layer and info.has_down_t == info.n_layer else 0
-        check(lib.gh_context_set_ffn_mode(self._handle(), m))
+        with self._calling() as ptr:
+            check(lib.gh_context_set_ffn_mode(ptr, m))
 
     @property
     def sparse_batch(self) -> int:
         """Largest batch (tokens per eval) that runs the sparse FFN; bigger ones run dense."""
-        return lib.gh_context_get_sparse_batch(self._handle())
+        with self._calling() as ptr:
+            return lib.gh_context_get_sparse_batch(ptr)
 
     @sparse_batch.setter
     def sparse_batch(self, n_max: int) -> None:
-        check(lib.gh_context_set_sparse_batch(self._handle(), _int32("sparse_batch", n_max)))
+        with self._calling() as ptr:
+            check(lib.gh_context_set_sparse_batch(ptr, _int32("sparse_batch", n_max)))
 
     def stats(self) -> dict:
         """What this context did since it was made or reset_stats(): token counts, the
@@ -431,7 +489,8 @@ class Context(_NativeHandle):
         n_layer = self.model.info.n_layer
         st = ffi.new("gh_context_stats *")
         dens = ffi.new("double[]", n_layer)
-        check(lib.gh_context_get_stats(self._handle(), st, dens, n_layer))
+        with self._calling() as ptr:
+            check(lib.gh_context_get_stats(ptr, st, dens, n_layer))
         n = max(st.n_tokens, 1)
         return {
             "ffn_mode": _FFN_NAMES.get(st.ffn_mode, str(st.ffn_mode)),
@@ -463,30 +522,50 @@ class Context(_NativeHandle):
 
     def reset_stats(self) -> None:
         """Zero the counters stats() reports."""
-        check(lib.gh_context_reset_stats(self._handle()))
+        with self._calling() as ptr:
+            check(lib.gh_context_reset_stats(ptr))
 
     # -- evaluation ------------------------------------------------------------
 
-    def _eval(self, tokens: Sequence[int], logits_all: bool) -> None:
+    def _eval_ids(self, ptr, ids: list[int], logits_all: bool) -> None:
+        """Evaluate checked token ids after the cache (caller holds the lock)."""
+        arr32 = np.asarray(ids, dtype=np.int32)
+        try:
+            check(lib.gh_eval(ptr, ffi.from_buffer("int32_t[]", arr32), arr32.size,
+                              1 if logits_all else 0))
+        finally:
+            # on failure the runtime leaves the cache as it was (or truncated after a device
+            # error): keep the token list equal to it
+            n = lib.gh_context_n_past(ptr)
+            self._cached.extend(ids[:max(n - len(self._cached), 0)])
+            del self._cached[n:]
+            self._changed()
+
+    def _check_ids(self, tokens) -> list[int]:
         arr = _token_array(tokens)
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError("tokens must be a non-empty 1-D sequence of ids")
-        self._use += 1  # an open stream on this context can no longer continue
         if arr.min() < 0 or arr.max() >= self.model.n_vocab:
             bad = int(arr[(arr < 0) | (arr >= self.model.n_vocab)][0])
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.model.n_vocab})")
-        arr32 = arr.astype(np.int32)
-        check(lib.gh_eval(self._handle(), ffi.from_buffer("int32_t[]", arr32), arr32.size,
-                          1 if logits_all else 0))
+        return [int(t) for t in arr]
 
     def eval(self, tokens: Sequence[int], logits_all: bool = False) -> np.ndarray:
         """Run tokens after the cached ones; logits of the last token [n_vocab], or of
         every token [n_tokens, n_vocab] with logits_all (a copy)."""
-        self._eval(tokens, logits_all)
-        rows = lib.gh_n_logit_rows(self._ptr)
-        nv = self.model.n_vocab
-        buf = ffi.buffer(lib.gh_get_logits(self._ptr, 0), rows * nv * 4)
-        out = np.frombuffer(buf, dtype=np.float32).reshape(rows, nv).copy()
+        ids = self._check_ids(tokens)
+        with self._calling() as ptr:
+            seen = getattr(self._seen, "use", None)
+            if seen is not None and seen != self._use:
+                raise RuntimeError(
+                    "another thread changed this context's cache since this thread last used "
+                    "it, so eval() would continue someone else's tokens; call reset() first, "
+                    "or give each thread its own context (Model.create_context)")
+            self._eval_ids(ptr, ids, logits_all)
+            rows = lib.gh_n_logit_rows(ptr)
+            nv = self.model.n_vocab
+            buf = ffi.buffer(lib.gh_get_logits(ptr, 0), rows * nv * 4)
+            out = np.frombuffer(buf, dtype=np.float32).reshape(rows, nv).copy()
         return out if logits_all else out[0]
 
     def perplexity(self, text: str) -> float:
@@ -494,20 +573,21 @@ class Context(_NativeHandle):
         ids = self.model.tokenize(text)
         if len(ids) < 2:
             raise ValueError("perplexity needs a text of at least 2 tokens")
-        n_ctx = self.n_ctx
-        nll, count = 0.0, 0
-        for start in range(0, len(ids) - 1, n_ctx):
-            window = ids[start:start + n_ctx]
-            if len(window) < 2:
-                break
+        with self._lock:  # the windows' reset + eval pairs stay together
+            n_ctx = self.n_ctx
+            nll, count = 0.0, 0
+            for start in range(0, len(ids) - 1, n_ctx):
+                window = ids[start:start + n_ctx]
+                if len(window) < 2:
+                    break
+                self.reset()
+                logits = self.eval(window, logits_all=True).astype(np.float64)
+                logits -= logits.max(axis=1, keepdims=True)
+                logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+                tgt = np.asarray(window[1:])
+                nll -= float(logp[np.arange(len(tgt)), tgt].sum())
+                count += len(tgt)
             self.reset()
-            logits = self.eval(window, logits_all=True).astype(np.float64)
-            logits -= logits.max(axis=1, keepdims=True)
-            logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            tgt = np.asarray(window[1:])
-            nll -= float(logp[np.arange(len(tgt)), tgt].sum())
-            count += len(tgt)
-        self.reset()
         return math.exp(nll / count)
 
     # -- generation ------------------------------------------------------------
@@ -516,12 +596,18 @@ class Context(_NativeHandle):
                temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
                min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                seed: int | None = None, stop: str | Sequence[str] | None = None,
-               ignore_eos: bool = False, stats: Completion | None = None) -> Iterator[str]:
-        """Yield text pieces as they are generated (the cache is reset first).
+               ignore_eos: bool = False, stats: Completion | None = None,
+               logits_processor=None) -> Iterator[str]:
+        """Yield text pieces as they are generated.
 
-        temperature <= 0 is greedy. Generation ends at EOS, a stop string (not
-        included in the text), max_tokens, or when the context is full. Pass a
-        Completion as `stats` to receive tokens, finish reason and timings.
+        The cache keeps the longest common prefix of its tokens and the prompt (a chat
+        turn or a repeated system prompt is not evaluated again); only the rest of the
+        prompt is evaluated. temperature <= 0 is greedy. Generation ends at EOS, a stop
+        string (not included in the text), max_tokens (None: until the context is full),
+        or when the context is full. Pass a Completion as `stats` to receive tokens,
+        finish reason, timings and how many prompt tokens came from the cache.
+        `logits_processor(input_ids, logits) -> logits` (a float32 array of n_vocab) may
+        change each token's logits before sampling.
 
         The arguments are checked here, before the first piece is asked for (a bad
         one raises at once). A stream owns its context while it runs: evaluating,
@@ -550,9 +636,11 @@ class Context(_NativeHandle):
                 f"the prompt has {len(prompt_ids)} tokens but the context holds only {self.n_ctx}; "
                 f"use a shorter prompt or a larger n_ctx (the model was trained with "
                 f"{model.info.n_ctx_train})")
-        max_tokens = _int_arg("max_tokens", max_tokens)
+        max_tokens = self.n_ctx if max_tokens is None else _int_arg("max_tokens", max_tokens)
         if max_tokens < 0:
-            raise ValueError("max_tokens must be >= 0")
+            raise ValueError("max_tokens must be >= 0 (or None: until the context is full)")
+        if logits_processor is not None and not callable(logits_processor):
+            raise TypeError("logits_processor must be a callable (input_ids, logits) -> logits")
         if stop is None:
             stops = []
         elif isinstance(stop, str):
@@ -581,33 +669,63 @@ class Context(_NativeHandle):
         check(lib.gh_sampler_new(ffi.new("gh_sampler_params *", sp), model.n_vocab, sampler_out))
         sampler = ffi.gc(sampler_out[0], lib.gh_sampler_free)
         return self._stream(prompt_ids, sampler, max_tokens, repeat_last_n, stops,
-                            bool(ignore_eos), stats)
+                            bool(ignore_eos), stats, logits_processor)
+
+    def _sample(self, ptr, sampler, ids: list[int], logits_processor) -> int:
+        """The next token from the last logits (caller holds the lock)."""
+        logits = lib.gh_get_logits(ptr, -1)
+        if logits_processor is not None:
+            nv = self.model.n_vocab
+            arr = np.frombuffer(ffi.buffer(logits, nv * 4), dtype=np.float32).copy()
+            arr = np.ascontiguousarray(logits_processor(list(ids), arr), dtype=np.float32)
+            if arr.shape != (nv,):
+                raise ValueError(f"logits_processor returned shape {arr.shape}; it must return "
+                                 f"the logits it was given, shape ({nv},)")
+            logits = ffi.from_buffer("float[]", arr)
+        check(lib.gh_sampler_sample(sampler, logits, self._out))
+        return self._out[0]
 
     def _stream(self, prompt_ids: list[int], sampler, max_tokens: int, repeat_last_n: int,
-                stops: list[str], ignore_eos: bool, stats: Completion | None) -> Iterator[str]:
+                stops: list[str], ignore_eos: bool, stats: Completion | None,
+                logits_processor) -> Iterator[str]:
         model = self.model
         hold = max((len(s) for s in stops), default=1) - 1
         result = stats if stats is not None else Completion("", [], "length", 0)
         result.n_prompt_tokens = len(prompt_ids)
         result.tokens, result.text = [], ""
-        self.reset()
         for t in prompt_ids[-repeat_last_n:] if repeat_last_n > 0 else []:
             lib.gh_sampler_accept(sampler, t)
 
         t0 = time.perf_counter()
-        self._eval(prompt_ids, False)
+        with self._calling() as ptr:
+            # keep the cached prefix; at least the last prompt token is evaluated (its
+            # logits start the generation)
+            keep = 0
+            limit = min(len(self._cached), len(prompt_ids) - 1)
+            while keep < limit and self._cached[keep] == prompt_ids[keep]:
+                keep += 1
+            check(lib.gh_context_truncate(ptr, keep))
+            del self._cached[keep:]
+            result.n_cached_tokens = keep
+            self._eval_ids(ptr, prompt_ids[keep:], False)
+            mine = self._use
         t1 = time.perf_counter()
-        mine = self._use
-        ctx, tok, out = self._ptr, self._tok, self._out
         eos = model.eos_id
         detok = _Detokenizer(model.tokenizer)
         pending = ""   # text held back because it may be the start of a stop string
         finish = "length"
         n_gen = 0
+        interfered = ("this stream's context was used by another call (eval, reset, "
+                      "perplexity or another stream) while the stream was paused, so it "
+                      "cannot continue; use create_context() for streams that run side "
+                      "by side")
         try:
             while n_gen < max_tokens:
-                check(lib.gh_sampler_sample(sampler, lib.gh_get_logits(ctx, -1), out))
-                token = out[0]
+                with self._calling() as ptr:  # the caller may have closed us meanwhile
+                    if self._use != mine:
+                        raise RuntimeError(interfered)
+                    token = self._sample(ptr, sampler, prompt_ids + result.tokens,
+                                         logits_processor)
                 if token == eos and not ignore_eos:
                     finish = "stop"
                     break
@@ -628,17 +746,15 @@ class Context(_NativeHandle):
                     piece, pending = pending[:emit], pending[emit:]
                     result.text += piece
                     yield piece
-                ctx = self._handle()  # the caller may have closed us (or the model) meanwhile
-                if self._use != mine:
-                    raise RuntimeError(
-                        "this stream's context was used by another call (eval, reset, "
-                        "perplexity or another stream) while the stream was paused, so it "
-                        "cannot continue; use create_context() for streams that run side "
-                        "by side")
-                if n_gen >= max_tokens or lib.gh_context_n_past(ctx) >= lib.gh_context_n_ctx(ctx):
+                if n_gen >= max_tokens:
                     break
-                tok[0] = token
-                check(lib.gh_eval(ctx, tok, 1, 0))
+                with self._calling() as ptr:
+                    if self._use != mine:
+                        raise RuntimeError(interfered)
+                    if lib.gh_context_n_past(ptr) >= lib.gh_context_n_ctx(ptr):
+                        break
+                    self._eval_ids(ptr, [token], False)
+                    mine = self._use
             if pending:  # held-back text that turned out not to start a stop string
                 result.text += pending
                 yield pending

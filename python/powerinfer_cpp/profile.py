@@ -130,10 +130,11 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
             for start in range(0, n, window):
                 w = toks[start:start + window]
                 ctx.reset()
-                check(lib.gh_eval_profile(
-                    ctx._handle(), ffi.from_buffer("int32_t[]", w), int(w.size),
-                    ffi.cast("float *", x[0, start:].ctypes.data), x_stride,
-                    ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride))
+                with ctx._calling() as ptr:  # a private context: its token list is not kept
+                    check(lib.gh_eval_profile(
+                        ptr, ffi.from_buffer("int32_t[]", w), int(w.size),
+                        ffi.cast("float *", x[0, start:].ctypes.data), x_stride,
+                        ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride))
                 if bar is not None:
                     bar.update(int(w.size))
         finally:

@@ -435,3 +435,61 @@ def test_cli(hf_dirs, tmp_path):
     assert p.stderr.startswith("error: model folder not found")
     assert "Traceback" not in p.stderr
     assert not (tmp_path / "x.gguf").exists()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_scratch_is_removed_and_others_kept(tmp_path):
+    """Scratch of a killed conversion goes at the next conversion into that folder; scratch
+    of a running one and unrelated hidden files stay."""
+    dead, live = _dead_pid(), os.getpid()
+    stale_dir = tmp_path / f".m.gguf.sparse-{dead}-abcd1234"
+    stale_dir.mkdir()
+    (stale_dir / "dense.gguf").write_bytes(b"x" * 1000)
+    stale_file = tmp_path / f".other.gguf.{dead}-k2j4h6_8.tmp"
+    stale_file.write_bytes(b"GGUF")
+    running = tmp_path / f".m.gguf.sparse-{live}-zzzz9999"
+    running.mkdir()
+    unrelated = [tmp_path / ".config.2024-backup", tmp_path / f".notes.{dead}-abc.tmp"]
+    for u in unrelated:
+        u.write_text("keep")
+    out = convert(REPO / "models" / "tiny-relu-kjv", tmp_path / "m.gguf", outtype="f32",
+                  progress=False)
+    assert Path(out).is_file()
+    assert not stale_dir.exists() and not stale_file.exists()
+    assert running.is_dir() and all(u.exists() for u in unrelated)
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".m.gguf.")]
+    assert left == [running.name]
+
+
+def test_sigkilled_sparse_convert_leaves_nothing_after_the_next_run(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "k.gguf"
+    cmd = [sys.executable, "-m", "powerinfer_cpp.convert", str(REPO / "models" / "tiny-relu-kjv"),
+           "-o", str(out), "--outtype", "f32", "--sparse"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        scratch = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            scratch = [p for p in tmp_path.iterdir() if p.name.startswith(".k.gguf.sparse-")
+                       and (p / "dense.gguf").exists()]
+            if scratch:
+                break
+            time.sleep(0.05)
+        assert scratch, "the sparse convert never made its scratch folder"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert scratch[0].exists()  # SIGKILL cannot clean up
+    res = subprocess.run(cmd[:-1] + ["--dense"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "left by a conversion that was killed" in res.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["k.gguf"]

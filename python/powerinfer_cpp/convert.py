@@ -22,13 +22,13 @@ import logging
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from . import format as F
+from .scratch import remove_stale, scratch_file
 from .safetensors_io import SafetensorsError, open_safetensors_dir
 
 log = logging.getLogger("powerinfer_cpp.convert")
@@ -694,8 +694,8 @@ def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob
     out_dir = os.path.dirname(out_path)
     check_output_path(out_path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix="." + os.path.basename(out_path) + ".",
-                                   suffix=".tmp")
+        remove_stale(out_dir)
+        fd, tmp = scratch_file(out_path)
     except OSError as e:
         raise ConvertError(f"cannot create a file in {out_dir}: {e.strerror or e}") from None
     try:  # the permissions a plain new file would get (mkstemp makes it private, 0600)

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import format as F
+from .scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
@@ -209,7 +209,8 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
     rep = SparseReport(calib_source=calib_source_string(calib))
     n_layer, n_ff, d = params.n_layer, params.n_ff, params.n_embd
     out_dir = os.path.dirname(os.path.abspath(out_path))
-    tmpdir = tempfile.mkdtemp(dir=out_dir, prefix="." + os.path.basename(out_path) + ".sparse-")
+    remove_stale(out_dir)
+    tmpdir = scratch_dir(os.path.join(out_dir, os.path.basename(out_path)))
     try:
         # 1. dense file
         t0 = time.perf_counter()

@@ -96,6 +96,7 @@ class _Body(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: Union[bool, int, None] = None
     user: Optional[str] = None
+    ignore_eos: bool = False  # llama.cpp's server extension: generate past EOS
 
 
 class CompletionBody(_Body):
@@ -195,7 +196,8 @@ class Server:
         n = api.resolve_max_tokens(max_tokens, n_prompt, self.n_ctx)
         kw = dict(max_tokens=min(n, self.max_tokens), temperature=body.temperature,
                   top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                  repeat_penalty=body.repeat_penalty, seed=body.seed)
+                  repeat_penalty=body.repeat_penalty, seed=body.seed,
+                  ignore_eos=body.ignore_eos)
         if body.logit_bias:
             try:
                 proc = api.make_logits_processor(self.model.eos_id, logit_bias=body.logit_bias)

@@ -22,6 +22,7 @@ class Metrics:
         self.decode_seconds = 0.0
         self.prompt_seconds = 0.0
         self.generations = 0
+        self.cancelled = 0      # generations stopped because the client went away
         self.last_tok_per_s = 0.0
         self.last_density: float | None = None
         self.sparse_tokens = 0
@@ -39,6 +40,7 @@ class Metrics:
         t = result.timings or {}
         with self._lock:
             self.generations += 1
+            self.cancelled += result.finish_reason == "cancelled"
             self.prompt_tokens += result.n_prompt_tokens
             self.cached_tokens += getattr(result, "n_cached_tokens", 0)
             self.completion_tokens += len(result.tokens)
@@ -71,6 +73,9 @@ class Metrics:
                    "requests refused with 503 because the slots and the queue were full",
                    [({}, self.rejected)])
             metric("generations_total", "counter", "generations finished", [({}, self.generations)])
+            metric("generations_cancelled_total", "counter",
+                   "generations stopped early because their client disconnected",
+                   [({}, self.cancelled)])
             metric("prompt_tokens_total", "counter", "prompt tokens of finished generations",
                    [({}, self.prompt_tokens)])
             metric("prompt_tokens_cached_total", "counter",

@@ -156,68 +156,48 @@ AVX2_FN static void axpy_q4_0_avx2(int64_t n, float s, const void * row, float *
 #endif
 
 #if defined(GH_X86)
-AVX2_FN static void axpy4_f32_avx2(int64_t n, const float * s, const void * const * row,
-                                   float * restrict y) {
-    const float * x0 = row[0], * x1 = row[1], * x2 = row[2], * x3 = row[3];
-    const __m256 s0 = _mm256_set1_ps(s[0]), s1 = _mm256_set1_ps(s[1]),
-                 s2 = _mm256_set1_ps(s[2]), s3 = _mm256_set1_ps(s[3]);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 acc = _mm256_loadu_ps(y + i);
-        acc = _mm256_fmadd_ps(s0, _mm256_loadu_ps(x0 + i), acc);
-        acc = _mm256_fmadd_ps(s1, _mm256_loadu_ps(x1 + i), acc);
-        acc = _mm256_fmadd_ps(s2, _mm256_loadu_ps(x2 + i), acc);
-        acc = _mm256_fmadd_ps(s3, _mm256_loadu_ps(x3 + i), acc);
-        _mm256_storeu_ps(y + i, acc);
-    }
-    for (; i < n; i++) {
-        y[i] += s[0] * x0[i];
-        y[i] += s[1] * x1[i];
-        y[i] += s[2] * x2[i];
-        y[i] += s[3] * x3[i];
+/* The AVX2 four-row forms: y[0..n) += s[0] * row[0] + ... + s[3] * row[3], rows added in
+ * order 0..3 per vector of y. Each is one inline body with and without prefetch (pf NULL:
+ * none; else the same column range of the rows pf[0..4) into L2, a slice per step), so
+ * the two forms sum bit for bit alike. */
+#define AVX2_INLINE AVX2_FN static inline __attribute__((always_inline))
+
+AVX2_INLINE __m256 ld8_f32(const void * p, int64_t i) { return _mm256_loadu_ps((const float *) p + i); }
+AVX2_INLINE __m256 ld8_f16(const void * p, int64_t i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i)));
+}
+AVX2_INLINE __m256 ld8_bf16(const void * p, int64_t i) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+AVX2_INLINE float ld1(int kind, const void * p, int64_t i) {
+    switch (kind) {
+        case GH_TYPE_F16:  return gh_fp16_to_fp32(((const uint16_t *) p)[i]);
+        case GH_TYPE_BF16: return gh_bf16_to_fp32(((const uint16_t *) p)[i]);
+        default:           return ((const float *) p)[i];
     }
 }
 
-AVX2_FN static void axpy4_f16_avx2(int64_t n, const float * s, const void * const * row,
-                                   float * restrict y) {
-    const uint16_t * x0 = row[0], * x1 = row[1], * x2 = row[2], * x3 = row[3];
-    const __m256 s0 = _mm256_set1_ps(s[0]), s1 = _mm256_set1_ps(s[1]),
-                 s2 = _mm256_set1_ps(s[2]), s3 = _mm256_set1_ps(s[3]);
-#define LDH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p)))
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 acc = _mm256_loadu_ps(y + i);
-        acc = _mm256_fmadd_ps(s0, LDH(x0 + i), acc);
-        acc = _mm256_fmadd_ps(s1, LDH(x1 + i), acc);
-        acc = _mm256_fmadd_ps(s2, LDH(x2 + i), acc);
-        acc = _mm256_fmadd_ps(s3, LDH(x3 + i), acc);
-        _mm256_storeu_ps(y + i, acc);
-    }
-#undef LDH
-    for (; i < n; i++) {
-        y[i] += s[0] * gh_fp16_to_fp32(x0[i]);
-        y[i] += s[1] * gh_fp16_to_fp32(x1[i]);
-        y[i] += s[2] * gh_fp16_to_fp32(x2[i]);
-        y[i] += s[3] * gh_fp16_to_fp32(x3[i]);
-    }
-}
-
-AVX2_FN static void axpy4_bf16_avx2(int64_t n, const float * s, const void * const * row,
-                                    float * restrict y) {
-    const uint16_t * x[4] = { row[0], row[1], row[2], row[3] };
+AVX2_INLINE void axpy4_float_avx2(const int kind, int64_t n, const float * s, const void * const * row,
+                                  const void * const * pf, float * restrict y) {
+    const size_t wsz = kind == GH_TYPE_F32 ? 4 : 2;
     const __m256 vs[4] = { _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]), _mm256_set1_ps(s[2]),
                            _mm256_set1_ps(s[3]) };
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
+        if (pf && ((i * wsz) & 63) == 0) {
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *) pf[k] + i * wsz, _MM_HINT_T1);
+        }
         __m256 acc = _mm256_loadu_ps(y + i);
         for (int k = 0; k < 4; k++) {
-            __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) (x[k] + i)));
-            acc = _mm256_fmadd_ps(vs[k], _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)), acc);
+            const __m256 w = kind == GH_TYPE_F16 ? ld8_f16(row[k], i)
+                           : kind == GH_TYPE_BF16 ? ld8_bf16(row[k], i) : ld8_f32(row[k], i);
+            acc = _mm256_fmadd_ps(vs[k], w, acc);
         }
         _mm256_storeu_ps(y + i, acc);
     }
     for (; i < n; i++) {
-        for (int k = 0; k < 4; k++) y[i] += s[k] * gh_bf16_to_fp32(x[k][i]);
+        for (int k = 0; k < 4; k++) y[i] += s[k] * ld1(kind, row[k], i);
     }
 }
 
@@ -229,40 +209,83 @@ AVX2_FN static void axpy4_bf16_avx2(int64_t n, const float * s, const void * con
         acc[3] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), acc[3]); \
     } while (0)
 
-AVX2_FN static void axpy4_q8_0_avx2(int64_t n, const float * s, const void * const * row,
-                                    float * restrict y) {
-    const block_q8_0 * b[4] = { row[0], row[1], row[2], row[3] };
-    for (int64_t i = 0; i < n / QK8_0; i++, y += QK8_0) {
-        __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
-                          _mm256_loadu_ps(y + 24) };
-        for (int k = 0; k < 4; k++) {
-            const __m256 ds = _mm256_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));
-            const __m128i q0 = _mm_loadu_si128((const __m128i *) b[k][i].qs);
-            const __m128i q1 = _mm_loadu_si128((const __m128i *) (b[k][i].qs + 16));
-            ACC32_I8(acc, ds, q0, q1);
-        }
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
+/* Block i's four scales times s, ds[k] = s[k] * d_k: one conversion for the four rows (the
+ * products are the scalar s[k] * fp16_to_fp32(d) exactly). */
+AVX2_INLINE void block_scales4(const float * s, uint16_t d0, uint16_t d1, uint16_t d2, uint16_t d3,
+                               float * ds) {
+    const __m128i h = _mm_cvtsi64_si128((long long) (d0 | (uint64_t) d1 << 16 | (uint64_t) d2 << 32 |
+                                                     (uint64_t) d3 << 48));
+    _mm_storeu_ps(ds, _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(s)));
+}
+
+/* Every fourth block prefetches those four blocks' bytes of the pf rows (Q4_0: 72 bytes,
+ * their first and last byte cover their lines; Q8_0: 136 bytes, the middle line too). */
+AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs) {
+    for (int k = 0; k < 4; k++) {
+        _mm_prefetch((const char *) pf[k] + i * bs, _MM_HINT_T1);
+        if (bs > 64) _mm_prefetch((const char *) pf[k] + i * bs + 64, _MM_HINT_T1);
+        _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);
     }
 }
 
-AVX2_FN static void axpy4_q4_0_avx2(int64_t n, const float * s, const void * const * row,
-                                    float * restrict y) {
-    const block_q4_0 * b[4] = { row[0], row[1], row[2], row[3] };
+AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, const void * const * row,
+                                  const void * const * pf, float * restrict y) {
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
     const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    for (int64_t i = 0; i < n / QK4_0; i++, y += QK4_0) {
+    for (int64_t i = 0; i < n / 32; i++, y += 32) {
+        if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs);
+        uint16_t d[4];
+        for (int k = 0; k < 4; k++) memcpy(&d[k], b[k] + i * bs, 2);
+        float ds[4];
+        block_scales4(s, d[0], d[1], d[2], d[3], ds);
         __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
                           _mm256_loadu_ps(y + 24) };
         for (int k = 0; k < 4; k++) {
-            const __m256 ds = _mm256_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));
-            const __m128i q = _mm_loadu_si128((const __m128i *) b[k][i].qs);
-            const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), eight);
-            const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight);
-            ACC32_I8(acc, ds, lo, hi);
+            const __m256 vd = _mm256_broadcast_ss(&ds[k]);
+            const uint8_t * qs = b[k] + i * bs + 2;
+            __m128i lo, hi;
+            if (is_q4) {
+                const __m128i q = _mm_loadu_si128((const __m128i *) qs);
+                lo = _mm_sub_epi8(_mm_and_si128(q, m4), eight);
+                hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight);
+            } else {
+                lo = _mm_loadu_si128((const __m128i *) qs);
+                hi = _mm_loadu_si128((const __m128i *) (qs + 16));
+            }
+            ACC32_I8(acc, vd, lo, hi);
         }
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
     }
 }
 #undef ACC32_I8
+
+#define DEFINE_AXPY4_AVX2(name, BODY, ARG)                                                   \
+    AVX2_FN static void name(int64_t n, const float * s, const void * const * row,         \
+                             float * restrict y) {                                         \
+        BODY(ARG, n, s, row, NULL, y);                                                      \
+    }                                                                                       \
+    AVX2_FN static void name##pf(int64_t n, const float * s, const void * const * row,     \
+                                 const void * const * pf, float * restrict y) {             \
+        BODY(ARG, n, s, row, pf, y);                                                        \
+    }
+
+DEFINE_AXPY4_AVX2(axpy4_f32_avx2, axpy4_float_avx2, GH_TYPE_F32)
+DEFINE_AXPY4_AVX2(axpy4_f16_avx2, axpy4_float_avx2, GH_TYPE_F16)
+DEFINE_AXPY4_AVX2(axpy4_bf16_avx2, axpy4_float_avx2, GH_TYPE_BF16)
+DEFINE_AXPY4_AVX2(axpy4_q8_0_avx2, axpy4_quant_avx2, false)
+DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, true)
+
+static gh_axpy4pf_fn axpy4pf_avx2(int type) {
+    switch (type) {
+        case GH_TYPE_F32:  return axpy4_f32_avx2pf;
+        case GH_TYPE_F16:  return axpy4_f16_avx2pf;
+        case GH_TYPE_BF16: return axpy4_bf16_avx2pf;
+        case GH_TYPE_Q8_0: return axpy4_q8_0_avx2pf;
+        case GH_TYPE_Q4_0: return axpy4_q4_0_avx2pf;
+        default:           return NULL;
+    }
+}
 #endif
 
 /* NULL: no four-row kernel at this level (the caller runs the one-row axpy 4 times). */
@@ -422,6 +445,7 @@ void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * i
     };
 #if defined(GH_X86)
     if (gh_simd_get() >= GH_SIMD_AVX512) job.axpy4pf = gh_axpy4pf_avx512(w->type);
+    else if (gh_simd_get() >= GH_SIMD_AVX2) job.axpy4pf = axpy4pf_avx2(w->type);
 #endif
     gh_threadpool_run(tp, matmul_t_task, &job);
 }

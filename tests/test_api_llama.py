@@ -74,7 +74,7 @@ def test_chat_completion_and_stream(llm):
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-")
     msg = out["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["content"]
-    prompt = "system: Be brief.\nuser: Who made the light?\nassistant: "
+    prompt = "system:\nBe brief.\nuser:\nWho made the light?\nassistant:\n"
     assert out["usage"]["prompt_tokens"] == len(llm.model.tokenize(prompt))
     chunks = list(llm.create_chat_completion(msgs, max_tokens=12, temperature=0, stream=True))
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)

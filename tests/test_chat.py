@@ -81,14 +81,14 @@ def test_from_model_tokens_and_bos(shipped_gguf):
         tmpl = ChatTemplate.from_model(m)
         assert tmpl.tokens["bos_token"] == "<s>" and tmpl.tokens["eos_token"] == "</s>"
         text = tmpl.render([{"role": "user", "content": "Hi"}])
-        assert text == "user: Hi\nassistant: "
+        assert text == "user:\nHi\nassistant:\n"
         ids = tmpl.tokenize(m, text)
         assert ids[0] == m.tokenizer.bos_id and ids.count(m.tokenizer.bos_id) == 1
         # a template that writes BOS itself does not get a second one
         own = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] }}", bos_token="<s>")
         ids = own.tokenize(m, own.render([{"role": "user", "content": "Hi"}]))
         assert ids.count(m.tokenizer.bos_id) == 1
-        assert tmpl.stop_strings() == ["\nuser: ", "</s>"]
+        assert tmpl.stop_strings() == ["\nuser:\n", "</s>"]
 
 
 def test_no_template_is_a_clear_error():
@@ -119,4 +119,4 @@ def test_messages_are_checked():
     with pytest.raises(TypeError, match="content"):
         t.render([{"role": "user", "content": 5}])
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert t.render([{"role": "user", "content": parts}], False) == "user: ab\n"
+    assert t.render([{"role": "user", "content": parts}], False) == "user:\nab\n"

@@ -63,7 +63,7 @@ async function send(text) {
       method: "POST", headers: headers(), signal: controller.signal,
       body: JSON.stringify({
         messages, stream: true,
-        max_tokens: parseInt($("max-tokens").value, 10) || 128,
+        max_tokens: parseInt($("max-tokens").value, 10) || 64,
         temperature: parseFloat($("temperature").value) || 0,
       }),
     });
@@ -93,6 +93,7 @@ async function send(text) {
           if (choice && choice.delta && choice.delta.content) {
             reply += choice.delta.content;
             nTokens += 1;
+            div.dataset.chunks = nTokens;   // how many streamed pieces arrived (tests read it)
             out.textContent = reply;
             $("messages").scrollTop = $("messages").scrollHeight;
           }

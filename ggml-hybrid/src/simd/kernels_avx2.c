@@ -28,7 +28,14 @@
 
 #define GH_INLINE static inline __attribute__((always_inline))
 #define MAXR 4
-#define MAXT 4
+#define MAXT 6  /* tokens of a float tile */
+/* Prompt tiles (docs/BENCHMARKS.md, "AVX2 kernels"): float 3 rows x 4 tokens (12
+ * accumulators + 3 weight vectors + x fill the 16 registers; 4 x 2 converts a weight
+ * vector per 2 FMAs), quantized 4 rows x 6 tokens (the weights' unpacking spread over
+ * more tokens; the compiler reloads some of them from L1). */
+#define F_MR 3
+#define F_NT 4
+#define QNT 6
 #ifndef GH_PF_TILES
 #define GH_PF_TILES 3
 #endif
@@ -330,7 +337,7 @@ GH_INLINE void q_tail_r4(const int NT, const bool is_q4, const uint8_t * const *
 GH_INLINE void tile_q_r4(const int NT, const bool is_q4, const int pfm, int64_t n,
                          const uint8_t * const * rows, const void * const * pf, const void * x,
                          size_t xs, float (*y)[4]) {
-    __m256 acc[MAXT];
+    __m256 acc[QNT];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     const int64_t nb = n / 32;
@@ -372,21 +379,23 @@ GH_INLINE void gemm_q(const bool is_q4, int64_t n, const void * w, size_t ws, in
                       const void * x, size_t xs, int nt, float * y, int64_t ldy) {
     const uint8_t * rows[4];
     for (int r = 0; r < 4; r++) rows[r] = (const uint8_t *) w + (size_t) GH_MIN(r, nr - 1) * ws;
-    float out[MAXT][4];
+    float out[QNT][4];
     if (nt == 1) {
         const void * pf[1] = { (const uint8_t *) w + GH_PF_TILES * 4 * ws };
         tile_q_r4(1, is_q4, PF_LINEAR, n, rows, pf, x, xs, out);
         for (int r = 0; r < nr; r++) y[r] = out[0][r];
         return;
     }
-    for (int t = 0; t < nt; t += MAXT) {
+    for (int t = 0; t < nt; t += QNT) {
         const char * xt = (const char *) x + t * xs;
-        const int tn = GH_MIN(MAXT, nt - t);
+        const int tn = GH_MIN(QNT, nt - t);
         switch (tn) {
             case 1: tile_q_r4(1, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 2: tile_q_r4(2, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 3: tile_q_r4(3, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            default: tile_q_r4(4, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 4: tile_q_r4(4, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 5: tile_q_r4(5, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            default: tile_q_r4(6, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
         }
         for (int k = 0; k < tn; k++)
             for (int r = 0; r < nr; r++) y[(t + k) * ldy + r] = out[k][r];
@@ -455,9 +464,9 @@ static void dot4_q4_0(int64_t n, const void * const * rows, const void * const *
         }                                                                                     \
     }
 
-DEFINE_GEMM_F(gemm_f32, 4, 2, W_F32)
-DEFINE_GEMM_F(gemm_f16, 4, 2, W_F16)
-DEFINE_GEMM_F(gemm_bf16, 4, 2, W_BF16)
+DEFINE_GEMM_F(gemm_f32, F_MR, F_NT, W_F32)
+DEFINE_GEMM_F(gemm_f16, F_MR, F_NT, W_F16)
+DEFINE_GEMM_F(gemm_bf16, F_MR, F_NT, W_BF16)
 
 #define DEFINE_DOT(name, gemm)                                                  \
     static void name(int64_t n, float * s, const void * w, const void * x) {    \
@@ -472,11 +481,11 @@ DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
 bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
     switch (type) {
-        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 2, 4, dot4_f32 }; return true;
-        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 2, 4, dot4_f16 }; return true;
-        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 2, 4, NULL }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, MAXT, 4, dot4_q8_0 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, MAXT, 4, dot4_q4_0 }; return true;
+        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32 }; return true;
+        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16 }; return true;
+        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0 }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0 }; return true;
         default: return false;
     }
 }

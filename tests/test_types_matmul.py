@@ -278,6 +278,25 @@ def test_matmul_simd_vs_scalar(name):
         lib.gh_simd_set(prev)
 
 
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_tile_edges(name, simd_level):
+    """Shapes at the edges of the register tiles (4-row decode and quantized tiles, 3-row
+    float prompt tiles, 4- or 6-token tiles; rows of 2, 5 or 9 blocks leave a half or a
+    partial group of four): 1, 2 and 3 threads give the same bits, all within the bound."""
+    t = TYPES[name]
+    for cols, rows, n_tokens in itertools.product([64, 160, 288, 2048 + 96], [2, 5, 7, 13],
+                                                  [1, 2, 5, 7, 13]):
+        wq, wd = weights(t, rows, cols)
+        x = activations(n_tokens, cols)
+        ref = x.astype(np.float64) @ wd.astype(np.float64).T
+        y1 = matmul(t, wq, rows, cols, x, 1)
+        for nth in (2, 3):
+            assert np.array_equal(y1, matmul(t, wq, rows, cols, x, nth)), (cols, rows, n_tokens, nth)
+        err = nmse(y1, ref, wd, x)
+        assert err < NMSE_BOUND[t], f"{name} level {simd_level} {(cols, rows, n_tokens)}: nmse {err}"
+
+
 def test_matmul_extreme_values():
     """Large and tiny magnitudes stay finite and accurate (no int16 overflow in the
     quantized kernels: activations quantized to +-127, weights to full range)."""

@@ -49,7 +49,7 @@ def test_chat_page_streams_a_reply(shipped_sparse, tmp_path):
             stats = reply.find_element(By.CSS_SELECTOR, ".stats").text
             assert driver.find_element(By.CSS_SELECTOR, ".msg.user").text == "Who made the light?"
             assert len(text) > 20, text
-            assert int(reply.get_attribute("data-chunks")) > 5  # it arrived in pieces
+            assert int(reply.get_attribute("data-chunks")) > 1  # it arrived in pieces
             assert "tokens/s" in stats and "FFN density" in stats, stats
             # a second turn goes through the same slot: its history is cached
             box.send_keys("And what of the darkness?")

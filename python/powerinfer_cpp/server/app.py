@@ -243,11 +243,16 @@ class Server:
         try:
             for chunk in fmt.first():
                 yield _sse_line(chunk)
-            while True:
-                item = await job.queue.get()
-                if item is Job.DONE:
-                    break
-                yield _sse_line(fmt.chunk(item))
+            done = False
+            while not done:
+                pieces = [await job.queue.get()]
+                while not job.queue.empty():  # what is already here goes out in one chunk
+                    pieces.append(job.queue.get_nowait())
+                if pieces[-1] is Job.DONE:
+                    pieces.pop()
+                    done = True
+                if pieces:
+                    yield _sse_line(fmt.chunk("".join(pieces)))
             if job.error is not None:
                 yield _sse_line(_as_api_error(job.error).body())
             else:

@@ -93,7 +93,7 @@ async function send(text) {
           if (choice && choice.delta && choice.delta.content) {
             reply += choice.delta.content;
             nTokens += 1;
-            div.dataset.chunks = nTokens;   // how many streamed pieces arrived (tests read it)
+            div.dataset.chunks = nTokens;   // streamed chunks so far (tests read it)
             out.textContent = reply;
             $("messages").scrollTop = $("messages").scrollHeight;
           }

@@ -1,0 +1,202 @@
+"""Load test of the OpenAI-compatible server: requests/s, tokens/s, time to first token
+and per-token latency at several numbers of concurrent clients.
+
+    python tools/load_test.py -m MODEL.gguf --parallel 2 --threads 1 --clients 1,2,4,8
+    python tools/load_test.py --url http://127.0.0.1:8080 --clients 1,4   # a running server
+
+Each client sends its requests one after another (streamed /v1/completions, greedy, the
+same number of tokens each, prompts varied per request), and times every chunk. With -m
+the tool starts the server itself on a free port and also measures the Python API's decode
+speed on the same file and thread count (the reference for the server's one-client decode),
+and a chat turn over a cached history against the same new tokens sent alone.
+Not a test: it prints a Markdown table for docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPTS = ["And God said", "In the beginning", "And Jesus said unto them", "The LORD is my",
+           "Blessed are the", "And the king", "Thus saith the LORD", "For God so loved"]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; nan for no data."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
+                headers: dict) -> dict:
+    """One streamed completion: time to first token, time per later token, tokens."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, last, n_tokens = None, None, 0
+    with client.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                       timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                n_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                if first is None:
+                    first = last
+    # time per output token after the first (the server may send several in one chunk)
+    tpot = (last - first) / (n_tokens - 1) if first is not None and n_tokens > 1 else None
+    return {"ttft": (first or time.perf_counter()) - t0, "tpot": tpot, "tokens": n_tokens,
+            "total": time.perf_counter() - t0}
+
+
+def run_level(url: str, clients: int, requests: int, max_tokens: int, headers: dict) -> dict:
+    """`clients` clients, each sending `requests` requests in a row."""
+    def client_loop(i):
+        out = []
+        with httpx.Client() as c:
+            for k in range(requests):
+                out.append(one_request(c, url, PROMPTS[(i + k) % len(PROMPTS)] + f" {k}",
+                                       max_tokens, headers))
+        return out
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as ex:
+        results = [r for f in [ex.submit(client_loop, i) for i in range(clients)]
+                   for r in f.result()]
+    wall = time.perf_counter() - t0
+    ttft = [r["ttft"] for r in results]
+    gaps = [r["tpot"] for r in results if r["tpot"] is not None]
+    tokens = sum(r["tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "wall_s": wall,
+            "req_per_s": len(results) / wall, "tok_per_s": tokens / wall,
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+            "tpot_p50_ms": percentile(gaps, 50) * 1e3, "tpot_p99_ms": percentile(gaps, 99) * 1e3,
+            "per_client_tok_s": statistics.mean(
+                (r["tokens"] - 1) / max(r["total"] - r["ttft"], 1e-9) for r in results)}
+
+
+def chat_turn_ttft(url: str, headers: dict, repeats: int = 9) -> dict:
+    """Time to first token of a chat turn after a long history (cached in the slot) and of
+    the new message alone (nothing cached, same new text), medians of `repeats`."""
+    history = []
+    for i in range(6):
+        history += [{"role": "user", "content": f"{PROMPTS[i]}, what then?"},
+                    {"role": "assistant", "content": "And the LORD spake unto Moses, saying, "
+                     "Speak unto the children of Israel. " * 2}]
+
+    client = httpx.Client()  # one connection: a new one per request adds its own latency
+
+    def ttft(messages, max_tokens=1):
+        t0 = time.perf_counter()
+        with client.stream("POST", url + "/v1/chat/completions", headers=headers, timeout=120,
+                           json={"messages": messages, "max_tokens": max_tokens,
+                                 "temperature": 0, "stream": True}) as r:
+            first = None
+            for line in r.iter_lines():  # to the end: the slot is free again for the next turn
+                if first is None and line.startswith("data: ") and '"content": "' in line \
+                        and '"content": ""' not in line:
+                    first = time.perf_counter() - t0
+        return first if first is not None else time.perf_counter() - t0
+
+    cached, alone = [], []
+    for k in range(repeats):
+        new = {"role": "user", "content": f"And what of the {['light', 'sea', 'land', 'stars', 'night'][k % 5]}?"}
+        ttft(history)                                  # the history is now in a slot's cache
+        cached.append(ttft(history + [new]))
+        alone.append(ttft([{"role": "user", "content": "x"}, new]))
+    return {"cached_ms": statistics.median(cached) * 1e3,
+            "alone_ms": statistics.median(alone) * 1e3}
+
+
+def python_api_decode(model: str, threads: int, max_tokens: int) -> float:
+    """Decode tokens/s of Model.generate on the same file (best of 3)."""
+    from powerinfer_cpp import Model
+
+    best = 0.0
+    with Model(model, n_threads=threads) as m:
+        for i in range(3):
+            r = m.generate(PROMPTS[i], max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            best = max(best, r.timings["decode_tok_per_s"])
+    return best
+
+
+def main(argv=None) -> int:
+    """Entry point."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("-m", "--model", help="GGUF file: start a server for it")
+    src.add_argument("--url", help="a running server")
+    ap.add_argument("--parallel", type=int, default=2, help="slots of the started server")
+    ap.add_argument("--threads", type=int, default=1, help="threads per slot")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--clients", default="1,2,4,8", help="concurrency levels")
+    ap.add_argument("--requests", type=int, default=4, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--api-key", default=os.environ.get("POWERINFER_API_KEY"))
+    args = ap.parse_args(argv)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    proc = None
+    url = args.url
+    if args.model:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "powerinfer_cpp.server", "-m", args.model, "--port",
+             str(port), "--parallel", str(args.parallel), "-t", str(args.threads), "--ctx",
+             str(args.ctx), "--queue", "64"] + (["--api-key", args.api_key] if args.api_key
+                                                else []))
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+    try:
+        one_request(httpx.Client(), url, "warm up", 8, headers)
+        rows = [run_level(url, int(c), args.requests, args.max_tokens, headers)
+                for c in args.clients.split(",")]
+        chat = chat_turn_ttft(url, headers)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(f"\n{args.requests} streamed requests per client, {args.max_tokens} tokens each "
+          f"(greedy, EOS ignored)\n")
+    print("| clients | requests/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | per-token p50 (ms)"
+          " | per-token p99 (ms) | decode per client (tokens/s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | "
+              f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} | "
+              f"{r['tpot_p99_ms']:.2f} | {r['per_client_tok_s']:.0f} |")
+    print(f"\nchat turn after a cached history: TTFT {chat['cached_ms']:.1f} ms; the same new "
+          f"message alone: {chat['alone_ms']:.1f} ms (medians)")
+    if args.model:
+        api = python_api_decode(args.model, args.threads, args.max_tokens)
+        print(f"Python API decode on the same file, {args.threads} thread(s): {api:.0f} tokens/s"
+              f" (server at 1 client: {rows[0]['per_client_tok_s'] / api:.2f}x)"
+              if rows and rows[0]["clients"] == 1 else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,8 +7,9 @@ and per-token latency at several numbers of concurrent clients.
 Each client sends its requests one after another (streamed /v1/completions, greedy, the
 same number of tokens each, prompts varied per request), and times every chunk. With -m
 the tool starts the server itself on a free port and also measures the Python API's decode
-speed on the same file and thread count (the reference for the server's one-client decode),
-and a chat turn over a cached history against the same new tokens sent alone.
+speed on the same file and thread count, alternated with one-client server requests (the
+reference for the server's decode), and a chat turn over a cached history against the same
+new message sent alone.
 Not a test: it prints a Markdown table for docs/BENCHMARKS.md.
 """
 
@@ -46,7 +47,7 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first, last, n_tokens = None, None, 0
+    first, last, n_tokens, server_tps = None, None, 0, None
     with client.stream("POST", url + "/v1/completions", json=body, headers=headers,
                        timeout=300) as r:
         r.raise_for_status()
@@ -54,6 +55,8 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("timings"):
+                server_tps = chunk["timings"]["predicted_per_second"]
             if chunk.get("usage"):
                 n_tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0]["text"]:
@@ -63,6 +66,7 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
     # time per output token after the first (the server may send several in one chunk)
     tpot = (last - first) / (n_tokens - 1) if first is not None and n_tokens > 1 else None
     return {"ttft": (first or time.perf_counter()) - t0, "tpot": tpot, "tokens": n_tokens,
+            "server_tps": server_tps,
             "total": time.perf_counter() - t0}
 
 
@@ -88,6 +92,7 @@ def run_level(url: str, clients: int, requests: int, max_tokens: int, headers: d
             "req_per_s": len(results) / wall, "tok_per_s": tokens / wall,
             "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
             "tpot_p50_ms": percentile(gaps, 50) * 1e3, "tpot_p99_ms": percentile(gaps, 99) * 1e3,
+            "server_tok_s": statistics.median(r["server_tps"] for r in results),
             "per_client_tok_s": statistics.mean(
                 (r["tokens"] - 1) / max(r["total"] - r["ttft"], 1e-9) for r in results)}
 
@@ -108,33 +113,51 @@ def chat_turn_ttft(url: str, headers: dict, repeats: int = 9) -> dict:
         with client.stream("POST", url + "/v1/chat/completions", headers=headers, timeout=120,
                            json={"messages": messages, "max_tokens": max_tokens,
                                  "temperature": 0, "stream": True}) as r:
-            first = None
+            first, prompt_ms = None, float("nan")
             for line in r.iter_lines():  # to the end: the slot is free again for the next turn
                 if first is None and line.startswith("data: ") and '"content": "' in line \
                         and '"content": ""' not in line:
                     first = time.perf_counter() - t0
-        return first if first is not None else time.perf_counter() - t0
+                if '"timings"' in line:
+                    prompt_ms = json.loads(line[6:])["timings"]["prompt_ms"]
+        return (first if first is not None else time.perf_counter() - t0), prompt_ms
 
-    cached, alone = [], []
+    cached, alone, cached_eval, alone_eval = [], [], [], []
     for k in range(repeats):
         new = {"role": "user", "content": f"And what of the {['light', 'sea', 'land', 'stars', 'night'][k % 5]}?"}
         ttft(history)                                  # the history is now in a slot's cache
-        cached.append(ttft(history + [new]))
-        alone.append(ttft([{"role": "user", "content": "x"}, new]))
+        t, e = ttft(history + [new])
+        cached.append(t)
+        cached_eval.append(e)
+        t, e = ttft([{"role": "user", "content": "x"}, new])
+        alone.append(t)
+        alone_eval.append(e)
     return {"cached_ms": statistics.median(cached) * 1e3,
-            "alone_ms": statistics.median(alone) * 1e3}
+            "alone_ms": statistics.median(alone) * 1e3,
+            "cached_eval_ms": statistics.median(cached_eval),
+            "alone_eval_ms": statistics.median(alone_eval)}
 
 
-def python_api_decode(model: str, threads: int, max_tokens: int) -> float:
-    """Decode tokens/s of Model.generate on the same file (best of 3)."""
+def decode_vs_python_api(url: str, headers: dict, model: str, threads: int,
+                         max_tokens: int, rounds: int = 7) -> tuple[float, float, float]:
+    """Decode tokens/s of Model.generate on the same file and of a one-client, non-streamed
+    server request, alternated so that both see the same machine load (the client waits
+    idle meanwhile); medians, and the median of the per-round ratios."""
     from powerinfer_cpp import Model
 
-    best = 0.0
-    with Model(model, n_threads=threads) as m:
-        for i in range(3):
-            r = m.generate(PROMPTS[i], max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            best = max(best, r.timings["decode_tok_per_s"])
-    return best
+    api, srv, ratio = [], [], []
+    with Model(model, n_threads=threads) as m, httpx.Client() as c:
+        for i in range(rounds):
+            p = PROMPTS[i % len(PROMPTS)]
+            a = m.generate(p, max_tokens=max_tokens, temperature=0,
+                           ignore_eos=True).timings["decode_tok_per_s"]
+            r = c.post(url + "/v1/completions", headers=headers, timeout=300, json={
+                "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}).json()["timings"]["predicted_per_second"]
+            api.append(a)
+            srv.append(r)
+            ratio.append(r / a)
+    return statistics.median(api), statistics.median(srv), statistics.median(ratio)
 
 
 def main(argv=None) -> int:
@@ -175,6 +198,8 @@ def main(argv=None) -> int:
         rows = [run_level(url, int(c), args.requests, args.max_tokens, headers)
                 for c in args.clients.split(",")]
         chat = chat_turn_ttft(url, headers)
+        ref = decode_vs_python_api(url, headers, args.model, args.threads, args.max_tokens) \
+            if args.model else None
     finally:
         if proc is not None:
             proc.terminate()
@@ -182,19 +207,19 @@ def main(argv=None) -> int:
     print(f"\n{args.requests} streamed requests per client, {args.max_tokens} tokens each "
           f"(greedy, EOS ignored)\n")
     print("| clients | requests/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | per-token p50 (ms)"
-          " | per-token p99 (ms) | decode per client (tokens/s) |")
-    print("|---|---|---|---|---|---|---|---|")
+          " | per-token p99 (ms) | decode per client (tokens/s) | decode in the server (tokens/s) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['clients']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | "
               f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} | "
-              f"{r['tpot_p99_ms']:.2f} | {r['per_client_tok_s']:.0f} |")
-    print(f"\nchat turn after a cached history: TTFT {chat['cached_ms']:.1f} ms; the same new "
-          f"message alone: {chat['alone_ms']:.1f} ms (medians)")
-    if args.model:
-        api = python_api_decode(args.model, args.threads, args.max_tokens)
-        print(f"Python API decode on the same file, {args.threads} thread(s): {api:.0f} tokens/s"
-              f" (server at 1 client: {rows[0]['per_client_tok_s'] / api:.2f}x)"
-              if rows and rows[0]["clients"] == 1 else "")
+              f"{r['tpot_p99_ms']:.2f} | {r['per_client_tok_s']:.0f} | {r['server_tok_s']:.0f} |")
+    print(f"\nchat turn after a cached history: TTFT {chat['cached_ms']:.1f} ms (prompt eval "
+          f"{chat['cached_eval_ms']:.1f} ms); the same new message alone: {chat['alone_ms']:.1f} "
+          f"ms (prompt eval {chat['alone_eval_ms']:.1f} ms) (medians)")
+    if ref:
+        print(f"one client, not streamed, alternated with the Python API on the same file and "
+              f"{args.threads} thread(s): server {ref[1]:.0f} tokens/s, Python API {ref[0]:.0f} "
+              f"tokens/s (medians; per-round ratio {ref[2]:.2f}x)")
     return 0
 
 

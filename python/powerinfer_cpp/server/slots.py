@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -99,6 +100,7 @@ class Job:
         self._lock = threading.Lock()
         self._pending: list = []
         self._wake_pending = False
+        self._last_wake = 0.0
         self.result = None      # the model's Completion
         self.stats: dict = {}   # ctx.stats() of this generation
         self.error: BaseException | None = None
@@ -110,15 +112,22 @@ class Job:
                                                                        self.slot))
         return asyncio.wrap_future(cf, loop=self.loop)
 
+    # Wake the event loop at most this often while pieces keep coming (DONE always wakes).
+    # Each wake-up costs the worker the GIL hand-over to the loop thread and back: with the
+    # shipped 5M model (a token every ~0.4 ms) one per token slowed decode by ~15%
+    # (measured: Job vs ctx.generate, alternated). A held piece waits for the next one, so
+    # a reply is late by at most one token's time and never more than this.
+    WAKE_INTERVAL_S = 0.002
+
     def _emit(self, item) -> None:
-        # One wake-up of the event loop carries every piece made since the last one: when
-        # the model outpaces the loop (a small model decodes a token in ~0.3 ms), pieces
-        # are not each paid for with a self-pipe write and a loop iteration.
+        now = time.perf_counter()
         with self._lock:
             self._pending.append(item)
-            if self._wake_pending:
+            if self._wake_pending or (item is not self.DONE and
+                                      now - self._last_wake < self.WAKE_INTERVAL_S):
                 return
             self._wake_pending = True
+            self._last_wake = now
         self.loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:

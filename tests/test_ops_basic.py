@@ -404,6 +404,77 @@ def test_attention_simd_levels_agree():
         np.testing.assert_allclose(o, outs[0], rtol=0, atol=2e-6)
 
 
+# KV cache types (gh_op_attention_kv): the cache rows in F16 / Q8_0, made by numpy and by
+# gguf's reference quantizer (the ggml layouts), read through f32 tiles.
+KV_TYPES = {"f16": 1, "q8_0": 8}
+
+
+def kv_store(kind, a):
+    """(bytes of `a`'s rows in the cache type, their dequantized f32 values)."""
+    import gguf
+
+    if kind == "f16":
+        h = a.astype(np.float16)
+        return h, h.astype(np.float32)
+    qt = gguf.GGMLQuantizationType.Q8_0
+    rows = a.reshape(a.shape[0], -1)
+    with np.errstate(invalid="ignore"):  # the NaN rows of the causality test
+        q = gguf.quants.quantize(rows, qt)
+    return q, gguf.quants.dequantize(q, qt).reshape(a.shape).astype(np.float32)
+
+
+def run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, n_threads):
+    n_tokens, n_head, d = q.shape
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    check(lib.gh_op_attention_kv(KV_TYPES[kind], fptr(q), ffi.from_buffer(kq),
+                                 ffi.from_buffer(vq), fptr(out), n_tokens, n_past, n_head,
+                                 n_head_kv, d, n_threads))
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KV_TYPES))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}/{h[1]}")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("n_tokens,n_past", [(1, 0), (1, 100), (5, 70), (13, 20)])
+def test_attention_kv_cache_types(simd, kind, heads, head_dim, n_tokens, n_past):
+    n_head, n_head_kv = heads
+    q, k, v = attn_inputs(n_tokens, n_past, n_head, n_head_kv, head_dim,
+                          seed=head_dim + 7 * n_tokens + n_past)
+    kq, kd = kv_store(kind, k)
+    vq, vd = kv_store(kind, v)
+    out1 = run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, 1)
+    out3 = run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, 3)
+    ref = ref_attention(q, kd, vd, n_past)
+    np.testing.assert_allclose(out1, ref, rtol=0, atol=1e-5)
+    # the tiles hold exactly the dequantized rows, and the kernels run as over an f32 cache
+    assert np.array_equal(out1, run_attention(q, kd, vd, n_past, 1))
+    assert np.array_equal(out1, out3)
+
+
+@pytest.mark.parametrize("kind", list(KV_TYPES))
+def test_attention_kv_cache_is_causal(simd, kind):
+    n_past, n_tokens = 70, 3   # the hidden rows lie in the second block of 64 keys
+    q, k, v = attn_inputs(n_tokens, n_past, 4, 2, 64, seed=5)
+    k[n_past + 1:] = np.nan
+    v[n_past + 1:] = np.nan
+    kq, kd = kv_store(kind, k)
+    vq, vd = kv_store(kind, v)
+    out = run_attention_kv(kind, q, kq, vq, 2, n_past, 2)
+    ref = ref_attention(q[:1], kd[:n_past + 1], vd[:n_past + 1], n_past)
+    np.testing.assert_allclose(out[0], ref[0], rtol=0, atol=1e-5)
+    assert np.all(np.isnan(out[1:]))
+
+
+def test_attention_kv_refuses_other_types():
+    q, k, v = attn_inputs(1, 0, 4, 2, 16, seed=1)
+    with pytest.raises(NativeError, match="KV cache type q4_0 is not supported"):
+        check(lib.gh_op_attention_kv(2, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
+                                     16, 1))
+    with pytest.raises(NativeError, match="multiple of 32"):
+        check(lib.gh_op_attention_kv(8, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
+                                     16, 1))
+
+
 # ---------------------------------------------------------------------------- bad arguments
 
 def expect_invalid(status, *words):

@@ -278,3 +278,26 @@ def test_max_tokens_none_runs_to_the_context(model):
     assert r.n_prompt_tokens + len(r.tokens) == 48 + 1  # the last token is never evaluated
     assert ctx.n_past == 48
     ctx.close()
+
+
+def test_prefix_reuse_on_a_sparse_model_gives_fresh_context_replies(shipped_sparse):
+    """Tokens decoded by the sparse FFN are not reused: the next turn's reply equals a
+    fresh context's, and only the exact (prompt) prefix comes from the cache."""
+    with Model(shipped_sparse["sparse"], n_ctx=256, n_threads=1) as m:
+        ctx = m.create_context()
+        assert ctx.ffn_mode == "sparse"
+        first = ctx.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+        n_prompt = first.n_prompt_tokens
+        follow = m.tokenize(PROMPT) + first.tokens + m.tokenize(" and he said", add_bos=False)
+        ctx.reset_stats()
+        turn = ctx.generate(follow, max_tokens=12, temperature=0, ignore_eos=True)
+        assert turn.n_cached_tokens == n_prompt  # the prompt, not the sparse-decoded reply
+        st = ctx.stats()
+        assert st["n_sparse_tokens"] == len(turn.tokens) - 1  # the prompt ran dense
+        fresh = m.create_context()
+        assert fresh.generate(follow, max_tokens=12, temperature=0,
+                              ignore_eos=True).tokens == turn.tokens
+        # a short prompt (<= the sparse batch limit) also runs dense
+        fresh.reset_stats()
+        fresh.generate(m.tokenize(PROMPT)[:3], max_tokens=1, temperature=0)
+        assert fresh.stats()["n_sparse_tokens"] == 0

@@ -102,6 +102,11 @@ gh_status gh_op_glu(int act, const float * gate, const float * up, float * out, 
 gh_status gh_op_attention(const float * q, const float * k, const float * v, float * out,
                           int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
                           int head_dim, int n_threads);
+/* The same over a cache stored as kv_type (GH_TYPE_F32, GH_TYPE_F16 or GH_TYPE_Q8_0; each
+ * row of n_head_kv * head_dim values in that type's layout), as a context's KV cache is. */
+gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const void * v,
+                             float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                             int n_head_kv, int head_dim, int n_threads);
 
 /* ---- GGUF files (the same reader the model loader uses) ---- */
 
@@ -242,6 +247,7 @@ typedef struct {
     int32_t n_ctx;      /* max tokens in the KV cache; 0 = model's training context */
     int32_t n_batch;    /* max tokens per gh_eval call; 0 = n_ctx */
     int32_t n_threads;  /* 0 = number of online CPUs */
+    int32_t cache_type; /* KV cache storage: GH_TYPE_F16 (default), GH_TYPE_F32, GH_TYPE_Q8_0 */
 } gh_context_params;
 
 gh_context_params gh_context_default_params(void);
@@ -254,6 +260,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
 void gh_context_free(gh_context * c);
 int32_t gh_context_n_ctx(const gh_context * c);
 int32_t gh_context_n_past(const gh_context * c);
+int32_t gh_context_cache_type(const gh_context * c);
 gh_status gh_context_set_threads(gh_context * c, int32_t n_threads);
 /* Forget the cache after position n_past (0 clears it). */
 gh_status gh_context_truncate(gh_context * c, int32_t n_past);

@@ -589,7 +589,8 @@ gh_status gh_model_info_get(const gh_model * m, gh_model_info * out) {
 /* --------------------------------------------------------------- contexts -- */
 
 gh_context_params gh_context_default_params(void) {
-    gh_context_params p = { .n_ctx = 0, .n_batch = 512, .n_threads = 0 };
+    gh_context_params p = { .n_ctx = 0, .n_batch = 512, .n_threads = 0,
+                            .cache_type = GH_TYPE_F16 };
     return p;
 }
 
@@ -609,6 +610,8 @@ void gh_context_free(gh_context * c) {
     if (c->v_cache) for (int il = 0; il < c->model->info.n_layer; il++) gh_aligned_free(c->v_cache[il]);
     free(c->k_cache);
     free(c->v_cache);
+    gh_aligned_free(c->k_cur);
+    gh_aligned_free(c->v_cur);
     gh_model * m = c->model;
     gh_aligned_free(c->x);
     gh_aligned_free(c->xb);
@@ -658,6 +661,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     if (p->n_batch < 0) return gh_fail(GH_ERR_INVALID_ARG, "n_batch must be >= 0, got %d", p->n_batch);
     gh_status st = check_threads(p->n_threads);
     if (st) return st;
+    if ((st = gh_kv_cache_type_check(p->cache_type, hp->head_dim))) return st;
     int32_t n_batch = p->n_batch > 0 ? GH_MIN(p->n_batch, n_ctx) : n_ctx;
     int n_threads = p->n_threads > 0 ? p->n_threads : default_threads();
 
@@ -673,13 +677,20 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     const size_t d = hp->n_embd, dq = (size_t) hp->n_head * hp->head_dim,
                  dkv = (size_t) hp->n_head_kv * hp->head_dim, ff = hp->n_ff, nb = n_batch;
     bool ok = true;
-    c->k_cache = calloc((size_t) hp->n_layer, sizeof(float *));
-    c->v_cache = calloc((size_t) hp->n_layer, sizeof(float *));
+    c->cache_type = p->cache_type;
+    c->kv_row = gh_row_size(p->cache_type, (int64_t) dkv);
+    c->k_cache = calloc((size_t) hp->n_layer, sizeof(void *));
+    c->v_cache = calloc((size_t) hp->n_layer, sizeof(void *));
     ok = c->k_cache && c->v_cache;
     for (int il = 0; ok && il < hp->n_layer; il++) {
-        c->k_cache[il] = gh_aligned_alloc((size_t) n_ctx * dkv * sizeof(float));
-        c->v_cache[il] = gh_aligned_alloc((size_t) n_ctx * dkv * sizeof(float));
+        c->k_cache[il] = gh_aligned_alloc((size_t) n_ctx * c->kv_row);
+        c->v_cache[il] = gh_aligned_alloc((size_t) n_ctx * c->kv_row);
         ok = c->k_cache[il] && c->v_cache[il];
+    }
+    if (ok && c->cache_type != GH_TYPE_F32) {
+        c->k_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
+        c->v_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
+        ok = c->k_cur && c->v_cur;
     }
     if (ok) {
         c->x = gh_aligned_alloc(nb * d * sizeof(float));
@@ -720,6 +731,7 @@ void gh_ctx_leave(gh_context * c) { atomic_store(&c->busy, 0); }
 
 int32_t gh_context_n_ctx(const gh_context * c) { return c ? c->n_ctx : 0; }
 int32_t gh_context_n_past(const gh_context * c) { return c ? c->n_past : 0; }
+int32_t gh_context_cache_type(const gh_context * c) { return c ? c->cache_type : -1; }
 
 static gh_status set_threads(gh_context * c, int32_t n_threads) {
     gh_status st = check_threads(n_threads);
@@ -804,8 +816,10 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     for (int32_t t = 0; t < n; t++) gh_rope_angles((int) hd, p0 + t, hp->rope_theta, c->rope + t * hd);
     for (int il = 0; il < hp->n_layer; il++) {
         const gh_layer * L = &m->layers[il];
-        float * kc = c->k_cache[il];
-        float * vc = c->v_cache[il];
+        /* this batch's k and v: straight into an F32 cache, else made in f32 and stored */
+        const bool kv_f32 = c->cache_type == GH_TYPE_F32;
+        float * kc = kv_f32 ? (float *) c->k_cache[il] + (int64_t) p0 * dkv : c->k_cur;
+        float * vc = kv_f32 ? (float *) c->v_cache[il] + (int64_t) p0 * dkv : c->v_cur;
 
         /* attention */
         const double t_att = gh_now();
@@ -813,20 +827,30 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
         if (D && D->att) {
             gh_hybrid_matmul_async(c, &D->wq, c->xb, n, c->q);
-            gh_hybrid_matmul_async(c, &D->wk, c->xb, n, kc + (int64_t) p0 * dkv);
-            gh_hybrid_matmul_async(c, &D->wv, c->xb, n, vc + (int64_t) p0 * dkv);
+            gh_hybrid_matmul_async(c, &D->wk, c->xb, n, kc);
+            gh_hybrid_matmul_async(c, &D->wv, c->xb, n, vc);
             gh_hybrid_sync(c);
         } else {
             const gh_weight * ws[3] = { &L->wq, &L->wk, &L->wv };
-            float * ys[3] = { c->q, kc + (int64_t) p0 * dkv, vc + (int64_t) p0 * dkv };
+            float * ys[3] = { c->q, kc, vc };
             const int64_t ld[3] = { dq, dkv, dkv };
             gh_matmul_multi(c->tp, ws, 3, c->xb, n, ys, ld, c->mm_scratch);
         }
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, 0);
-            gh_rope(kc + (int64_t) (p0 + t) * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, 0);
+            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, 0);
         }
-        gh_attention(c->tp, c->q, kc, vc, c->att, n, p0, hp->n_head, hp->n_head_kv, (int) hd);
+        if (!kv_f32) {
+            const gh_from_float_fn store = gh_type_traits_get(c->cache_type)->from_float;
+            uint8_t * kdst = (uint8_t *) c->k_cache[il] + (size_t) p0 * c->kv_row;
+            uint8_t * vdst = (uint8_t *) c->v_cache[il] + (size_t) p0 * c->kv_row;
+            for (int32_t t = 0; t < n; t++) {
+                store(kc + (int64_t) t * dkv, kdst + (size_t) t * c->kv_row, dkv);
+                store(vc + (int64_t) t * dkv, vdst + (size_t) t * c->kv_row, dkv);
+            }
+        }
+        gh_attention(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
+                     hp->n_head, hp->n_head_kv, (int) hd);
         if (D && D->att) {
             gh_hybrid_matmul_async(c, &D->wo, c->att, n, c->xb2);
             gh_hybrid_sync(c);

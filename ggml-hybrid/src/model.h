@@ -48,9 +48,15 @@ struct gh_context {
     int32_t         n_ctx;
     int32_t         n_batch;
     int32_t         n_past;
-    /* KV cache, per layer [n_ctx][n_head_kv * head_dim] */
-    float **        k_cache;
-    float **        v_cache;
+    /* KV cache, per layer [n_ctx] rows of n_head_kv * head_dim values in cache_type
+     * (kv_row bytes each); for a cache type other than F32 the new tokens' k and v are
+     * made in f32 in k_cur / v_cur [n_batch][n_head_kv * head_dim], then stored */
+    void **         k_cache;
+    void **         v_cache;
+    int32_t         cache_type;
+    size_t          kv_row;
+    float *         k_cur;
+    float *         v_cur;
     /* activations for up to n_batch tokens, named after what they hold */
     float *         x;      /* residual stream [n_batch][n_embd] */
     float *         xb;     /* normed input [n_batch][n_embd] */

@@ -10,6 +10,7 @@
  * RoPE frequencies are computed the way HF computes them in float32, RMSNorm sums in
  * double, softmax subtracts the row max. */
 #include "ops.h"
+#include "types.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -88,6 +89,12 @@ static void sigmoid_glu_scalar(const float * gate, const float * up, float * out
         float z = g * (a + b * g * g);
         out[i] = g / (1.0f + expf(-z)) * up[i];
     }
+}
+
+/* A row of F16 to f32 (the F16 KV cache's rows, a block at a time). */
+static void f16_to_f32_scalar(const void * src, float * dst, int64_t n) {
+    const uint16_t * h = src;
+    for (int64_t i = 0; i < n; i++) dst[i] = gh_fp16_to_fp32(h[i]);
 }
 
 /* ------------------------------------------------------------------------------------
@@ -355,6 +362,23 @@ AVX512 static void att_values_128(float * o, const float * p, const float * v, i
     att_values_d(128, o, p, v, stride, j0, j1);
 }
 
+__attribute__((target("avx2,fma,f16c")))
+static void f16_to_f32_avx2(const void * src, float * dst, int64_t n) {
+    const uint16_t * h = src;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (h + i))));
+    for (; i < n; i++) dst[i] = gh_fp16_to_fp32(h[i]);
+}
+
+AVX512 static void f16_to_f32_avx512(const void * src, float * dst, int64_t n) {
+    const uint16_t * h = src;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (h + i))));
+    for (; i < n; i++) dst[i] = gh_fp16_to_fp32(h[i]);
+}
+
 #endif /* OPS_X86 */
 
 /* The kernels for one SIMD level. */
@@ -364,6 +388,7 @@ typedef struct {
     float (*exp_sum)(float * s, int64_t n, float max);
     void  (*sigmoid_glu)(const float * gate, const float * up, float * out, int64_t n,
                          float a, float b);
+    void  (*f16_to_f32)(const void * src, float * dst, int64_t n);
 } ops_kernels;
 
 /* A query's scores (sc[jj - j0] = scale * q . k_jj) and value sums (o += sum p[jj - j0] *
@@ -388,13 +413,16 @@ static void att_kernels_get(int head_dim, att_scores_fn * scores, att_values_fn 
 }
 
 static ops_kernels ops_kernels_get(void) {
-    ops_kernels k = { dot_scalar, axpy_scalar, exp_sum_scalar, sigmoid_glu_scalar };
+    ops_kernels k = { dot_scalar, axpy_scalar, exp_sum_scalar, sigmoid_glu_scalar,
+                      f16_to_f32_scalar };
 #if OPS_X86
     int level = ops_simd_level();
     if (level >= GH_SIMD_AVX512) {
-        k = (ops_kernels) { dot_avx512, axpy_avx512, exp_sum_avx512, sigmoid_glu_avx512 };
+        k = (ops_kernels) { dot_avx512, axpy_avx512, exp_sum_avx512, sigmoid_glu_avx512,
+                            f16_to_f32_avx512 };
     } else if (level >= GH_SIMD_AVX2) {
-        k = (ops_kernels) { dot_avx2, axpy_avx2, exp_sum_avx2, sigmoid_glu_avx2 };
+        k = (ops_kernels) { dot_avx2, axpy_avx2, exp_sum_avx2, sigmoid_glu_avx2,
+                            f16_to_f32_avx2 };
     }
 #endif
     return k;
@@ -500,7 +528,13 @@ void gh_glu(int act, const float * gate, const float * up, float * out, int64_t 
  *
  * Every query row is computed by the same sequence of operations whatever tile or thread
  * it lands in (block boundaries are fixed multiples of ATT_BLOCK), so results do not
- * depend on the thread count. */
+ * depend on the thread count.
+ *
+ * A cache in F16 or Q8_0 is read a block at a time: the block's K and V rows of the kv
+ * head are converted into f32 tiles on the stack, and the same score/value kernels run
+ * over the tiles. The conversion is paid once per tile of queries (the whole GQA group),
+ * and the bytes read from memory -- what bounds decode at long contexts -- halve (F16)
+ * or drop to 34/128 (Q8_0). */
 #define ATT_MAX_Q     16
 #define ATT_BLOCK     64
 #define ATT_PREFETCH  4   /* rows ahead */
@@ -514,7 +548,11 @@ static inline void prefetch_row_l2(const float * p, int n) {
 }
 
 typedef struct {
-    const float * q, * k, * v;
+    const float * q;
+    const uint8_t * k, * v;   /* cache rows of n_head_kv * head_dim values, kv_row bytes apart */
+    size_t        kv_row;     /* bytes per cache row */
+    size_t        kv_head;    /* bytes per kv head within a row */
+    gh_to_float_fn to_float;  /* converts a cache row slice to f32; NULL for an F32 cache */
     float *       out;
     int64_t       n_tokens, n_past;
     int           n_head, n_head_kv, head_dim;
@@ -562,14 +600,44 @@ static void attn_unit(const attn_job * j, int64_t unit) {
             nq++;
         }
     }
-    const float * kbase = j->k + (int64_t) kh * d;
-    const float * vbase = j->v + (int64_t) kh * d;
     const int64_t n_kv = j->n_past + t1; /* the last token of the tile sees the most */
+    const uint8_t * kh_bytes = j->k + (size_t) kh * j->kv_head;
+    const uint8_t * vh_bytes = j->v + (size_t) kh * j->kv_head;
+    /* An F32 cache is read in place; another type through the tiles (rows d floats apart,
+     * key jj at row jj - off). */
+    float ktile[j->to_float ? ATT_BLOCK * d : 1];
+    float vtile[j->to_float ? ATT_BLOCK * d : 1];
+    const float * kbase = (const float *) kh_bytes;
+    const float * vbase = (const float *) vh_bytes;
+    int64_t off = 0;
 
     for (int64_t j0 = 0; j0 < n_kv; j0 += ATT_BLOCK) {
         const int64_t j1 = GH_MIN(j0 + ATT_BLOCK, n_kv);
+        if (j->to_float) {
+            for (int64_t jj = j0; jj < j1; jj++) {
+                const size_t r = (size_t) jj * j->kv_row;
+                if (jj + ATT_BLOCK < n_kv) {  /* the next block's rows, a block ahead */
+                    __builtin_prefetch(kh_bytes + r + ATT_BLOCK * j->kv_row, 0, 1);
+                    __builtin_prefetch(vh_bytes + r + ATT_BLOCK * j->kv_row, 0, 1);
+                }
+                j->to_float(kh_bytes + r, ktile + (jj - j0) * d, d);
+                j->to_float(vh_bytes + r, vtile + (jj - j0) * d, d);
+            }
+            kbase = ktile;
+            vbase = vtile;
+            off = j0;
+        }
+        const int64_t ks = j->to_float ? d : kv_stride;
         /* scores */
-        if (j->scores) {
+        if (j->to_float) {
+            for (int i = 0; i < nq; i++) {
+                const int64_t e = GH_MIN(j1, lim[i]);
+                if (e <= j0) continue;
+                if (j->scores) j->scores(qr[i], kbase, ks, 0, e - off, scale, sc[i]);
+                else for (int64_t jj = j0; jj < e; jj++)
+                    sc[i][jj - j0] = j->kern.dot(qr[i], kbase + (jj - off) * ks, d) * scale;
+            }
+        } else if (j->scores) {
             for (int64_t jj = j0; jj < j1; jj++) {
                 prefetch_row(kbase + jj * kv_stride, d);
                 prefetch_row_l2(vbase + jj * kv_stride, d);
@@ -605,7 +673,15 @@ static void attn_unit(const attn_job * j, int64_t unit) {
             l[i] += j->kern.exp_sum(sc[i], nb, m[i]);
         }
         /* weighted values */
-        if (j->values) {
+        if (j->to_float) {
+            for (int i = 0; i < nq; i++) {
+                const int64_t e = GH_MIN(j1, lim[i]);
+                if (e <= j0) continue;
+                if (j->values) j->values(orow[i], sc[i], vbase, ks, 0, e - off);
+                else for (int64_t jj = j0; jj < e; jj++)
+                    j->kern.axpy(orow[i], sc[i][jj - j0], vbase + (jj - off) * ks, d);
+            }
+        } else if (j->values) {
             for (int i = 0; i < nq; i++) {
                 const int64_t e = GH_MIN(j1, lim[i]);
                 if (e > j0) j->values(orow[i], sc[i], vbase, kv_stride, j0, e);
@@ -634,16 +710,20 @@ static void attn_task(void * arg, int ith, int nth) {
     }
 }
 
-void gh_attention(gh_threadpool * tp, const float * q, const float * k, const float * v,
-                  float * out, int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
-                  int head_dim) {
+void gh_attention(gh_threadpool * tp, const float * q, const void * k, const void * v,
+                  int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                  int n_head_kv, int head_dim) {
     attn_job j = {
         .q = q, .k = k, .v = v, .out = out,
+        .kv_row = gh_row_size(kv_type, (int64_t) n_head_kv * head_dim),
+        .kv_head = gh_row_size(kv_type, head_dim),
         .n_tokens = n_tokens, .n_past = n_past,
         .n_head = n_head, .n_head_kv = n_head_kv, .head_dim = head_dim,
         .kern = ops_kernels_get(),
     };
     att_kernels_get(head_dim, &j.scores, &j.values);
+    if (kv_type == GH_TYPE_F16) j.to_float = j.kern.f16_to_f32;
+    else if (kv_type != GH_TYPE_F32) j.to_float = gh_type_traits_get(kv_type)->to_float;
     j.group = n_head / n_head_kv;
     /* The largest divisor of the group that fits a tile. */
     j.sub = GH_MIN(j.group, ATT_MAX_Q);
@@ -720,9 +800,28 @@ gh_status gh_op_glu(int act, const float * gate, const float * up, float * out, 
     return GH_OK;
 }
 
+gh_status gh_kv_cache_type_check(int kv_type, int head_dim) {
+    if (kv_type != GH_TYPE_F32 && kv_type != GH_TYPE_F16 && kv_type != GH_TYPE_Q8_0) {
+        const gh_type_traits * tt = gh_type_traits_get(kv_type);
+        return gh_fail(GH_ERR_UNSUPPORTED, "KV cache type %s is not supported (use f32, f16 or q8_0)",
+                       tt ? tt->name : "unknown");
+    }
+    if (kv_type == GH_TYPE_Q8_0 && head_dim % QK8_0 != 0)
+        return gh_fail(GH_ERR_UNSUPPORTED, "a q8_0 KV cache needs a head size that is a multiple "
+                       "of %d, not %d; use f16", QK8_0, head_dim);
+    return GH_OK;
+}
+
 gh_status gh_op_attention(const float * q, const float * k, const float * v, float * out,
                           int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
                           int head_dim, int n_threads) {
+    return gh_op_attention_kv(GH_TYPE_F32, q, k, v, out, n_tokens, n_past, n_head, n_head_kv,
+                              head_dim, n_threads);
+}
+
+gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const void * v,
+                             float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                             int n_head_kv, int head_dim, int n_threads) {
     if (!q || !k || !v || !out)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: q, k, v and out must not be NULL");
     if (n_tokens <= 0 || n_head <= 0 || n_head_kv <= 0 || head_dim <= 0)
@@ -742,11 +841,13 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
         !gh_mul_ok(n_kv_total, (uint64_t) n_head_kv * (uint64_t) head_dim, &kv_elems) ||
         q_elems > (uint64_t) INT64_MAX / sizeof(float) || kv_elems > (uint64_t) INT64_MAX / sizeof(float))
         return gh_fail(GH_ERR_INVALID_ARG, "attention: sizes overflow");
+    gh_status st = gh_kv_cache_type_check(kv_type, head_dim);
+    if (st) return st;
 
     gh_threadpool * tp;
     bool kept;
     if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
-    gh_attention(tp, q, k, v, out, n_tokens, n_past, n_head, n_head_kv, head_dim);
+    gh_attention(tp, q, k, v, kv_type, out, n_tokens, n_past, n_head, n_head_kv, head_dim);
     gh_op_pool_release(tp, kept);
     return GH_OK;
 }

@@ -65,9 +65,13 @@ void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox);
 void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);
 /* Causal attention over a KV cache; see gh_op_attention. Threads split tiles of the
  * query heads that share a kv head (times a few tokens), so each K/V row is read once per
- * GQA group; scores live on the stack, so no scratch is needed. */
-void gh_attention(gh_threadpool * tp, const float * q, const float * k, const float * v,
-                  float * out, int64_t n_tokens, int64_t n_past, int n_head, int n_head_kv,
-                  int head_dim);
+ * GQA group; scores (and, for an F16/Q8_0 cache, f32 tiles of a block of its rows) live
+ * on the stack, so no scratch is needed. */
+void gh_attention(gh_threadpool * tp, const float * q, const void * k, const void * v,
+                  int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                  int n_head_kv, int head_dim);
+/* GH_OK if a KV cache of kv_type (f32, f16, q8_0) can hold heads of head_dim values, else
+ * GH_ERR_UNSUPPORTED with the reason. */
+gh_status gh_kv_cache_type_check(int kv_type, int head_dim);
 
 #endif

@@ -10,6 +10,7 @@ _LAZY = {
     "Llama": "api", "UnsupportedArgumentError": "api",
     "ChatTemplate": "chat", "ChatTemplateError": "chat",
     "NativeError": "_native", "NativeIOError": "_native", "NativeValueError": "_native",
+    "NativeBusyError": "_native",
 }
 
 __all__ = [*_LAZY, "__version__"]

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-sys", "--system", help="chat: the system message")
     p.add_argument("--chat-template-file", help="chat: a jinja template to use instead of the "
                                                 "file's tokenizer.chat_template")
+    p.add_argument("--cache-type", choices=("f16", "f32", "q8_0"), default="f16",
+                   help="how the KV cache is stored (default f16, as llama.cpp's; q8_0 halves it "
+                        "again, f32 is exact)")
     p.add_argument("--load", choices=("auto", "mmap", "read"), default="auto",
                    help="how the weights reach memory: read (a private copy in huge pages: "
                         "faster sparse decode), mmap (map the file: shared, nothing copied), "
@@ -138,7 +141,8 @@ def _run(args, Model) -> int:
         path = args.model or default_model.default_model_path()
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
                       device=args.device, vram_budget=args.vram_budget,
-                      reset_gpu_index=args.reset_gpu_index, load=args.load)
+                      reset_gpu_index=args.reset_gpu_index, load=args.load,
+                      cache_type=args.cache_type)
         dinfo = model.device_info()
         if dinfo["note"]:
             print(f"note: {dinfo['note']}", file=sys.stderr)

@@ -24,6 +24,9 @@ _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
 # FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
 # layer has a predictor and ffn_down_t, else dense)
 FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2}
+# KV cache storage types (gh_context_params.cache_type); f16 is the default, as llama.cpp's
+CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+_CACHE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
 _FFN_NAMES = {v: k for k, v in FFN_MODES.items()}
 
 
@@ -155,7 +158,7 @@ class Model(_NativeHandle):
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
                  n_batch: int = 512, check_weights: bool = False, ffn: str = "auto",
                  device: str = "cpu", vram_budget: int | str | None = None,
-                 reset_gpu_index: bool = False, load: str = "auto"):
+                 reset_gpu_index: bool = False, load: str = "auto", cache_type: str = "f16"):
         path = os.fspath(path)
         if load not in _LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(_LOAD_MODES)}, not {load!r}")
@@ -197,7 +200,9 @@ class Model(_NativeHandle):
                     f"{path}: the tokenizer has {self.tokenizer.n_vocab} tokens but the model's "
                     f"embedding only {self.info.n_vocab}")
             _ffn_mode(ffn)  # a bad name fails here, not at the first use
-            self._ctx_defaults = dict(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+            _cache_type(cache_type)  # a bad name fails here, not at the first use
+            self._ctx_defaults = dict(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
+                                      cache_type=cache_type)
             self.ffn = ffn
             self._default_ctx: Context | None = None
         except BaseException:
@@ -274,12 +279,14 @@ class Model(_NativeHandle):
     # -- contexts ---------------------------------------------------------------
 
     def create_context(self, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
-                       ffn: str | None = None) -> Context:
+                       ffn: str | None = None, cache_type: str | None = None) -> Context:
         """A new context (own KV cache) over this model; n_ctx 0 = training context;
-        ffn None = the model's `ffn` setting."""
+        ffn / cache_type None = the model's setting."""
         with self._lock:  # not freed by a close() on another thread meanwhile
             return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
-                           ffn=self.ffn if ffn is None else ffn)
+                           ffn=self.ffn if ffn is None else ffn,
+                           cache_type=(self._ctx_defaults["cache_type"] if cache_type is None
+                                       else cache_type))
 
     @property
     def context(self) -> Context:
@@ -387,12 +394,13 @@ class Context(_NativeHandle):
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
-                 ffn: str = "auto"):
+                 ffn: str = "auto", cache_type: str = "f16"):
         self.model = model
         mode = _ffn_mode(ffn)
         p = lib.gh_context_default_params()
         p.n_ctx, p.n_threads, p.n_batch = (_int32("n_ctx", n_ctx), _int32("n_threads", n_threads),
                                            _int32("n_batch", n_batch))
+        p.cache_type = _cache_type(cache_type)
         out = ffi.new("gh_context **")
         check(lib.gh_context_new(model._handle(), ffi.new("gh_context_params *", p), out))
         self._ptr = out[0]
@@ -400,6 +408,10 @@ class Context(_NativeHandle):
         self._use = 0  # bumped by every eval/reset; a stream stops if it changed under it
         self._seen = threading.local()  # .use: self._use after this thread's last call
         self._cached: list[int] = []    # the tokens in the KV cache, in order
+        # _cached[:_n_exact] were computed with the exact (dense-result) FFN; tokens decoded
+        # by the sparse FFN after them are not reused by the next prompt, so a reply does
+        # not depend on what the context computed before (see _stream)
+        self._n_exact = 0
         self._out = ffi.new("int32_t *")
         if mode is not None:
             try:
@@ -430,6 +442,12 @@ class Context(_NativeHandle):
             return lib.gh_context_n_past(ptr)
 
     @property
+    def cache_type(self) -> str:
+        """How the KV cache is stored: "f16", "f32" or "q8_0"."""
+        with self._calling() as ptr:
+            return _CACHE_NAMES[lib.gh_context_cache_type(ptr)]
+
+    @property
     def cached_tokens(self) -> list[int]:
         """The token ids whose keys and values are in the cache (a copy)."""
         with self._lock:
@@ -445,6 +463,7 @@ class Context(_NativeHandle):
         with self._calling() as ptr:
             check(lib.gh_context_truncate(ptr, _int32("n_past", n_past)))
             del self._cached[n_past:]
+            self._n_exact = min(self._n_exact, n_past)
             self._changed()
 
     def _changed(self) -> None:
@@ -530,6 +549,10 @@ class Context(_NativeHandle):
     def _eval_ids(self, ptr, ids: list[int], logits_all: bool) -> None:
         """Evaluate checked token ids after the cache (caller holds the lock)."""
         arr32 = np.asarray(ids, dtype=np.int32)
+        exact = (lib.gh_context_get_ffn_mode(ptr) != FFN_MODES["sparse"] or
+                 len(ids) > lib.gh_context_get_sparse_batch(ptr))
+        if exact and self._n_exact == len(self._cached):
+            self._n_exact += len(ids)  # lowered below if the runtime keeps fewer
         try:
             check(lib.gh_eval(ptr, ffi.from_buffer("int32_t[]", arr32), arr32.size,
                               1 if logits_all else 0))
@@ -539,6 +562,7 @@ class Context(_NativeHandle):
             n = lib.gh_context_n_past(ptr)
             self._cached.extend(ids[:max(n - len(self._cached), 0)])
             del self._cached[n:]
+            self._n_exact = min(self._n_exact, n)
             self._changed()
 
     def _check_ids(self, tokens) -> list[int]:
@@ -602,7 +626,10 @@ class Context(_NativeHandle):
 
         The cache keeps the longest common prefix of its tokens and the prompt (a chat
         turn or a repeated system prompt is not evaluated again); only the rest of the
-        prompt is evaluated. temperature <= 0 is greedy. Generation ends at EOS, a stop
+        prompt is evaluated. The prompt always runs through the dense FFN and generated
+        tokens through the context's FFN mode; tokens a sparse FFN decoded are not reused
+        (they are evaluated again, densely, as part of the next prompt), so a reply is
+        the same as on a fresh context. temperature <= 0 is greedy. Generation ends at EOS, a stop
         string (not included in the text), max_tokens (None: until the context is full),
         or when the context is full. Pass a Completion as `stats` to receive tokens,
         finish reason, timings and how many prompt tokens came from the cache.
@@ -698,16 +725,24 @@ class Context(_NativeHandle):
 
         t0 = time.perf_counter()
         with self._calling() as ptr:
-            # keep the cached prefix; at least the last prompt token is evaluated (its
-            # logits start the generation)
+            # Keep the cached prefix, as far as it was computed exactly: a prompt (reused or
+            # not) always runs through the dense FFN, so the reply is the one a fresh
+            # context gives, whatever this context did before. At least the last prompt
+            # token is evaluated (its logits start the generation).
             keep = 0
-            limit = min(len(self._cached), len(prompt_ids) - 1)
+            limit = min(self._n_exact, len(prompt_ids) - 1)
             while keep < limit and self._cached[keep] == prompt_ids[keep]:
                 keep += 1
             check(lib.gh_context_truncate(ptr, keep))
             del self._cached[keep:]
+            self._n_exact = min(self._n_exact, keep)
             result.n_cached_tokens = keep
-            self._eval_ids(ptr, prompt_ids[keep:], False)
+            sparse_batch = lib.gh_context_get_sparse_batch(ptr)
+            check(lib.gh_context_set_sparse_batch(ptr, 0))
+            try:
+                self._eval_ids(ptr, prompt_ids[keep:], False)
+            finally:
+                check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
             mine = self._use
         t1 = time.perf_counter()
         eos = model.eos_id
@@ -786,6 +821,13 @@ def _ffn_mode(name: str) -> int | None:
     if name not in FFN_MODES:
         raise ValueError(f"unknown FFN mode {name!r} (choose from auto, dense, sparse, oracle)")
     return FFN_MODES[name]
+
+
+def _cache_type(name: str) -> int:
+    """gh_context_params.cache_type of a KV cache type name."""
+    if name not in CACHE_TYPES:
+        raise ValueError(f"unknown KV cache type {name!r} (choose from {', '.join(CACHE_TYPES)})")
+    return CACHE_TYPES[name]
 
 
 def _int32(name: str, value) -> int:

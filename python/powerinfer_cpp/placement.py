@@ -356,13 +356,13 @@ def tensor_nbytes(qtype, shape) -> int:
 
 
 def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
-                kv_bytes_per_elem: int = 4, tied: bool = False):
+                kv_bytes_per_elem: int = 2, tied: bool = False):
     """From ``{name: (qtype, numpy shape)}`` of a sparse model: (dense items in
     priority order, per-layer bytes of one neuron on the GPU).
 
     A neuron costs its rows of ffn_gate, ffn_up and ffn_down_t plus 4 bytes of
     bucket index. The KV cache costs 2 · n_layer · ctx · n_embd_kv elements
-    (the runtime's cache is f32: ``kv_bytes_per_elem`` = 4).
+    (the runtime's default cache is f16: ``kv_bytes_per_elem`` = 2).
     """
     from . import format as F
 

@@ -254,7 +254,7 @@ def _bad_cases(d, ff):
         "fc2 rows": (dict(replace={name(F.T_FC2, 0): f32(ff - 1, 16)}),
                      r"'blk.0.fc2.weight'.*n_ff = %d" % ff),
         "fc1 i32": (dict(replace={name(F.T_FC1, 0): np.zeros((16, d), dtype=np.int32)}),
-                    r"'blk.0.fc1.weight': type id 26 cannot hold a weight matrix"),
+                    r"'blk.0.fc1.weight': type I32 cannot hold a weight matrix"),
         "freq length": (dict(replace={name(F.T_FFN_FREQ, 1): f32(ff - 1)}),
                         r"'blk.1.ffn_freq' has shape \[%d, 1, 1, 1\], expected a vector of %d"
                         % (ff - 1, ff)),

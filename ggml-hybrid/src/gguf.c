@@ -361,8 +361,9 @@ static gh_status parse_tensors(cursor * c, gh_gguf * g) {
         for (int j = 0; j < (int) (sizeof k_tensor_types / sizeof k_tensor_types[0]); j++)
             if ((uint32_t) k_tensor_types[j].type == type) k = j;
         if (k < 0)
-            return perr(c, GH_ERR_UNSUPPORTED, "tensor '%.200s': unsupported tensor type id %u",
-                        t->name, type);
+            return perr(c, GH_ERR_UNSUPPORTED, "tensor '%.200s' has type %s (id %u), which this "
+                        "runtime does not read (it reads f32, f16, bf16, q8_0, q4_0 and i32)",
+                        t->name, gh_type_name(type > INT32_MAX ? -1 : (int) type), type);
         t->type = (int) type;
         uint64_t bs = k_tensor_types[k].block_size;
         if ((uint64_t) t->ne[0] % bs != 0)

@@ -65,8 +65,8 @@ static gh_status load_weight(const gh_gguf * g, const char * name, int64_t cols,
     gh_status st = find_tensor(g, name, cols, rows, true, &t);
     if (st) return st;
     if (!gh_type_valid(t->type)) {
-        return gh_fail(GH_ERR_FORMAT, "tensor '%s': type id %d cannot hold a weight matrix", name,
-                       t->type);
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s': type %s cannot hold a weight matrix", name,
+                       gh_type_name(t->type));
     }
     w->type = t->type;
     w->rows = rows;
@@ -261,8 +261,8 @@ static int32_t rd_i32(const void * base, int64_t i) {
 /* A 1-D tensor of `type` (i32 or f32) and n elements (n < 0: any length). */
 static gh_status check_1d(const gh_gguf_tensor * t, int type, int64_t n, const char * what) {
     if (t->type != type) {
-        return gh_fail(GH_ERR_FORMAT, "tensor '%s' must be %s (type id %d), not type id %d",
-                       t->name, type == GH_TYPE_I32 ? "i32" : "f32", type, t->type);
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' must be %s, not %s",
+                       t->name, type == GH_TYPE_I32 ? "i32" : "f32", gh_type_name(t->type));
     }
     if (t->ne[1] != 1 || t->ne[2] != 1 || t->ne[3] != 1 || (n >= 0 && t->ne[0] != n)) {
         return gh_fail(GH_ERR_FORMAT,

@@ -29,7 +29,7 @@ def model_file(shipped_sparse):
 @pytest.fixture(scope="module")
 def server(model_file):
     with running_server(model_file, "--parallel", "2", "--queue", "32", "--ctx", str(N_CTX),
-                        "--alias", "tiny") as url:
+                        "--alias", "tiny", "-t", "1") as url:
         yield url
 
 

@@ -463,7 +463,8 @@ class Llama:
         tmpl = self.chat_template
         prompt = tmpl.render(messages, add_generation_prompt=True)
         ids = tmpl.tokenize(self._live(), prompt)
-        stops = stop_list(stop) + [s for s in tmpl.stop_strings() if s not in (stop or ())]
+        stops = stop_list(stop)
+        stops += [s for s in tmpl.stop_strings() if s not in stops]
         gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
                             stops, seed, None, logits_processor, logit_bias)
         cid, created, name = new_id("chatcmpl"), int(time.time()), model or self.model_path

@@ -5,7 +5,8 @@ One decode token (n_tokens = 1) attends over a cache of --depth positions for ea
 of the 1.1B bench model's shape (22 layers, 32 query heads, 4 kv heads, head size 64);
 the layers' caches are distinct arrays, so at depth 2048 the cache read per token is
 92 MB in f32 (more than the L3), as in a real decode. Reports microseconds per token for
-all layers and the cache bytes read per second.
+all layers and the cache bytes read per second, from the process's CPU time divided by the
+thread count (so other work on the machine does not count, as in tools/bench_kernels.py).
 
     PYTHONPATH=python python tools/bench_attention.py [--depth 64,512,2048] [--threads 1,2]
         [--simd 1]   # 0 scalar, 1 avx2, 2 avx512 (default: the machine's best)
@@ -50,11 +51,11 @@ def bench(kind: str, depth: int, n_threads: int, reps: int) -> tuple[float, floa
     ptrs = [(ffi.from_buffer(k), ffi.from_buffer(v)) for k, v in layers]
     best = float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for kp, vp in ptrs:
             check(lib.gh_op_attention_kv(TYPES[kind], qp, kp, vp, op, 1, depth, N_HEAD,
                                          N_HEAD_KV, HEAD_DIM, n_threads))
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, (time.process_time() - t0) / n_threads)
     return best * 1e6, nbytes / best / 1e9
 
 

@@ -362,6 +362,71 @@ AVX512 static void att_values_128(float * o, const float * p, const float * v, i
     att_values_d(128, o, p, v, stride, j0, j1);
 }
 
+/* The AVX2 forms of the per-query block kernels below (att_scores_d / att_values_d):
+ * sixteen ymm registers cannot hold a 128-value query and its accumulators, so scores go
+ * four keys at a time with the query re-read from L1 per chunk (five loads per four FMAs,
+ * where a dot per key does eight), and values go in halves of 64 output values held in
+ * eight registers over the block's keys. */
+__attribute__((always_inline, target("avx2,fma")))
+static inline void att_scores_d_avx2(const int D, const float * q, const float * kbase,
+                                     int64_t stride, int64_t j0, int64_t j1, float scale,
+                                     float * sc) {
+    int64_t jj = j0;
+    for (; jj + 4 <= j1; jj += 4) {
+        const float * k0 = kbase + jj * stride, * k1 = k0 + stride, * k2 = k1 + stride,
+                    * k3 = k2 + stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int c = 0; c < D; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + c);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + c), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + c), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + c), a3);
+        }
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        _mm_storeu_ps(sc + (jj - j0), _mm_mul_ps(r, _mm_set1_ps(scale)));
+    }
+    for (; jj < j1; jj++) {
+        const float * kr = kbase + jj * stride;
+        __m256 a = _mm256_setzero_ps();
+        for (int c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(kr + c), a);
+        sc[jj - j0] = hsum_avx2(a) * scale;
+    }
+}
+
+__attribute__((always_inline, target("avx2,fma")))
+static inline void att_values_d_avx2(const int D, float * o, const float * p, const float * vbase,
+                                     int64_t stride, int64_t j0, int64_t j1) {
+    for (int h = 0; h < D; h += 64) {
+        __m256 ov[8];
+        for (int c = 0; c < 8; c++) ov[c] = _mm256_loadu_ps(o + h + 8 * c);
+        for (int64_t jj = j0; jj < j1; jj++) {
+            const float * vr = vbase + jj * stride + h;
+            const __m256 pv = _mm256_set1_ps(p[jj - j0]);
+            for (int c = 0; c < 8; c++) ov[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), ov[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + h + 8 * c, ov[c]);
+    }
+}
+
+AVX2 static void att_scores_64_avx2(const float * q, const float * k, int64_t stride, int64_t j0,
+                                    int64_t j1, float scale, float * sc) {
+    att_scores_d_avx2(64, q, k, stride, j0, j1, scale, sc);
+}
+AVX2 static void att_scores_128_avx2(const float * q, const float * k, int64_t stride, int64_t j0,
+                                     int64_t j1, float scale, float * sc) {
+    att_scores_d_avx2(128, q, k, stride, j0, j1, scale, sc);
+}
+AVX2 static void att_values_64_avx2(float * o, const float * p, const float * v, int64_t stride,
+                                    int64_t j0, int64_t j1) {
+    att_values_d_avx2(64, o, p, v, stride, j0, j1);
+}
+AVX2 static void att_values_128_avx2(float * o, const float * p, const float * v, int64_t stride,
+                                     int64_t j0, int64_t j1) {
+    att_values_d_avx2(128, o, p, v, stride, j0, j1);
+}
+
 __attribute__((target("avx2,fma,f16c")))
 static void f16_to_f32_avx2(const void * src, float * dst, int64_t n) {
     const uint16_t * h = src;
@@ -403,9 +468,13 @@ static void att_kernels_get(int head_dim, att_scores_fn * scores, att_values_fn 
     *scores = NULL;
     *values = NULL;
 #if OPS_X86
-    if (ops_simd_level() >= GH_SIMD_AVX512) {
+    const int level = ops_simd_level();
+    if (level >= GH_SIMD_AVX512) {
         if (head_dim == 64) { *scores = att_scores_64; *values = att_values_64; }
         if (head_dim == 128) { *scores = att_scores_128; *values = att_values_128; }
+    } else if (level >= GH_SIMD_AVX2) {
+        if (head_dim == 64) { *scores = att_scores_64_avx2; *values = att_values_64_avx2; }
+        if (head_dim == 128) { *scores = att_scores_128_avx2; *values = att_values_128_avx2; }
     }
 #else
     (void) head_dim;

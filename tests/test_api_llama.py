@@ -113,6 +113,8 @@ def test_unsupported_and_unknown_arguments(shipped_gguf, llm):
         llm.create_chat_completion([{"role": "user", "content": "x"}], tools=[{"type": "x"}])
     with pytest.raises(TypeError, match="unexpected"):
         llm("x", banana=1)
+    with pytest.raises(TypeError):  # keywords only after the prompt: nothing misbound
+        llm.create_completion("x", 5)
     # llama-cpp-python's defaults spelled out are fine
     out = llm("x", max_tokens=2, mirostat_mode=0, typical_p=1.0, logprobs=None, suffix=None)
     assert out["usage"]["completion_tokens"] == 2

@@ -410,11 +410,13 @@ class Llama:
 
     # -- completions ---------------------------------------------------------------------
 
-    def __call__(self, prompt, *args, **kwargs):
+    def __call__(self, prompt, **kwargs):
         """create_completion."""
-        return self.create_completion(prompt, *args, **kwargs)
+        return self.create_completion(prompt, **kwargs)
 
-    def create_completion(self, prompt: str | Sequence[int], max_tokens: int | None = 16,
+    # The arguments after prompt/messages are keywords: a positional call raises TypeError
+    # instead of binding a value to the wrong name where our order differs from theirs.
+    def create_completion(self, prompt: str | Sequence[int], *, max_tokens: int | None = 16,
                           temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
                           echo: bool = False, stop: str | list[str] | None = None,
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
@@ -446,7 +448,7 @@ class Llama:
         return completion_response(cid, created, name, head + text, result.finish_reason,
                                    result)
 
-    def create_chat_completion(self, messages: list[dict], temperature: float = 0.2,
+    def create_chat_completion(self, messages: list[dict], *, temperature: float = 0.2,
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stream: bool = False, stop: str | list[str] | None = None,
                                seed: int | None = None, response_format: dict | None = None,

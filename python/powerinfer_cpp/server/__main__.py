@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     srv = app.state.server
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "address can use the model", file=sys.stderr)
     print(f"powerinfer-server: {srv.name} ({settings.parallel} slot(s) x {srv.n_ctx} tokens) "
           f"on http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -201,14 +201,6 @@ AVX2_INLINE void axpy4_float_avx2(const int kind, int64_t n, const float * s, co
     }
 }
 
-/* acc[0..4) (32 floats) += ds * the 32 int8 values of q0 (first 16) and q1 (last 16) */
-#define ACC32_I8(acc, ds, q0, q1) do { \
-        acc[0] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), acc[0]); \
-        acc[1] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), acc[1]); \
-        acc[2] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), acc[2]); \
-        acc[3] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), acc[3]); \
-    } while (0)
-
 /* Block i's four scales times s, ds[k] = s[k] * d_k: one conversion for the four rows (the
  * products are the scalar s[k] * fp16_to_fp32(d) exactly). */
 AVX2_INLINE void block_scales4(const float * s, uint16_t d0, uint16_t d1, uint16_t d2, uint16_t d3,
@@ -228,11 +220,28 @@ AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs)
     }
 }
 
+/* The values of a block widened straight from memory (the loads fold into vpmovzxbd /
+ * vpmovsxbd, two or four per block instead of a load, shifts and four register widenings
+ * on the shuffle port): v[j] = values 8j..8j+7 as int32. Q4_0: bytes 0..7 and 8..15 widened
+ * once each give values 0..15 (low nibbles) and 16..31 (high nibbles). */
+AVX2_INLINE void block_i32(const bool is_q4, const uint8_t * qs, __m256i v[4]) {
+    if (is_q4) {
+        const __m256i m4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8)));
+        v[0] = _mm256_sub_epi32(_mm256_and_si256(b0, m4), eight);
+        v[1] = _mm256_sub_epi32(_mm256_and_si256(b1, m4), eight);
+        v[2] = _mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight);
+        v[3] = _mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight);
+    } else {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8 * j)));
+    }
+}
+
 AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, const void * const * row,
                                   const void * const * pf, float * restrict y) {
     const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
     const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
-    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
         if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs);
         uint16_t d[4];
@@ -243,22 +252,13 @@ AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, 
                           _mm256_loadu_ps(y + 24) };
         for (int k = 0; k < 4; k++) {
             const __m256 vd = _mm256_broadcast_ss(&ds[k]);
-            const uint8_t * qs = b[k] + i * bs + 2;
-            __m128i lo, hi;
-            if (is_q4) {
-                const __m128i q = _mm_loadu_si128((const __m128i *) qs);
-                lo = _mm_sub_epi8(_mm_and_si128(q, m4), eight);
-                hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight);
-            } else {
-                lo = _mm_loadu_si128((const __m128i *) qs);
-                hi = _mm_loadu_si128((const __m128i *) (qs + 16));
-            }
-            ACC32_I8(acc, vd, lo, hi);
+            __m256i v[4];
+            block_i32(is_q4, b[k] + i * bs + 2, v);
+            for (int j = 0; j < 4; j++) acc[j] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(v[j]), acc[j]);
         }
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
     }
 }
-#undef ACC32_I8
 
 #define DEFINE_AXPY4_AVX2(name, BODY, ARG)                                                   \
     AVX2_FN static void name(int64_t n, const float * s, const void * const * row,         \

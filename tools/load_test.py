@@ -93,8 +93,8 @@ def run_level(url: str, clients: int, requests: int, max_tokens: int, headers: d
             "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
             "tpot_p50_ms": percentile(gaps, 50) * 1e3, "tpot_p99_ms": percentile(gaps, 99) * 1e3,
             "server_tok_s": statistics.median(r["server_tps"] for r in results),
-            "per_client_tok_s": statistics.mean(
-                (r["tokens"] - 1) / max(r["total"] - r["ttft"], 1e-9) for r in results)}
+            # median, since a client that is late to read gets a burst of chunks at once
+            "per_client_tok_s": statistics.median(1 / t for t in gaps if t > 0)}
 
 
 def chat_turn_ttft(url: str, headers: dict, repeats: int = 9) -> dict:
@@ -113,29 +113,33 @@ def chat_turn_ttft(url: str, headers: dict, repeats: int = 9) -> dict:
         with client.stream("POST", url + "/v1/chat/completions", headers=headers, timeout=120,
                            json={"messages": messages, "max_tokens": max_tokens,
                                  "temperature": 0, "stream": True}) as r:
-            first, prompt_ms = None, float("nan")
+            first, prompt_ms, counts = None, float("nan"), (0, 0)
             for line in r.iter_lines():  # to the end: the slot is free again for the next turn
                 if first is None and line.startswith("data: ") and '"content": "' in line \
                         and '"content": ""' not in line:
                     first = time.perf_counter() - t0
                 if '"timings"' in line:
-                    prompt_ms = json.loads(line[6:])["timings"]["prompt_ms"]
-        return (first if first is not None else time.perf_counter() - t0), prompt_ms
+                    tm = json.loads(line[6:])["timings"]
+                    prompt_ms, counts = tm["prompt_ms"], (tm["prompt_n"], tm["cached_n"])
+        return (first if first is not None else time.perf_counter() - t0), prompt_ms, counts
 
     cached, alone, cached_eval, alone_eval = [], [], [], []
     for k in range(repeats):
         new = {"role": "user", "content": f"And what of the {['light', 'sea', 'land', 'stars', 'night'][k % 5]}?"}
         ttft(history)                                  # the history is now in a slot's cache
-        t, e = ttft(history + [new])
+        t, e, cached_n = ttft(history + [new])
         cached.append(t)
         cached_eval.append(e)
-        t, e = ttft([{"role": "user", "content": "x"}, new])
+        # a first message of its own each round, so that nothing but BOS and the role
+        # header can come from a cache: the cost of the new message by itself
+        t, e, alone_n = ttft([{"role": "user", "content": "QZJXVK"[k % 6] * (k + 1)}, new])
         alone.append(t)
         alone_eval.append(e)
     return {"cached_ms": statistics.median(cached) * 1e3,
             "alone_ms": statistics.median(alone) * 1e3,
             "cached_eval_ms": statistics.median(cached_eval),
-            "alone_eval_ms": statistics.median(alone_eval)}
+            "alone_eval_ms": statistics.median(alone_eval),
+            "cached_n": cached_n, "alone_n": alone_n}  # (prompt tokens, cached), last round
 
 
 def decode_vs_python_api(url: str, headers: dict, model: str, threads: int,
@@ -197,7 +201,9 @@ def main(argv=None) -> int:
         one_request(httpx.Client(), url, "warm up", 8, headers)
         rows = [run_level(url, int(c), args.requests, args.max_tokens, headers)
                 for c in args.clients.split(",")]
-        chat = chat_turn_ttft(url, headers)
+        has_chat = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}).status_code == 200
+        chat = chat_turn_ttft(url, headers) if has_chat else None  # no chat template: skip
         ref = decode_vs_python_api(url, headers, args.model, args.threads, args.max_tokens) \
             if args.model else None
     finally:
@@ -213,9 +219,12 @@ def main(argv=None) -> int:
         print(f"| {r['clients']} | {r['req_per_s']:.2f} | {r['tok_per_s']:.0f} | "
               f"{r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} | "
               f"{r['tpot_p99_ms']:.2f} | {r['per_client_tok_s']:.0f} | {r['server_tok_s']:.0f} |")
-    print(f"\nchat turn after a cached history: TTFT {chat['cached_ms']:.1f} ms (prompt eval "
-          f"{chat['cached_eval_ms']:.1f} ms); the same new message alone: {chat['alone_ms']:.1f} "
-          f"ms (prompt eval {chat['alone_eval_ms']:.1f} ms) (medians)")
+    if chat:
+        (pc, cc), (pa, ca) = chat["cached_n"], chat["alone_n"]
+        print(f"\nchat turn after a cached history ({pc} prompt tokens, {cc} cached): TTFT "
+              f"{chat['cached_ms']:.1f} ms (prompt eval {chat['cached_eval_ms']:.1f} ms); the "
+              f"same new message alone ({pa} tokens, {ca} cached): {chat['alone_ms']:.1f} ms "
+              f"(prompt eval {chat['alone_eval_ms']:.1f} ms) (medians)")
     if ref:
         print(f"one client, not streamed, alternated with the Python API on the same file and "
               f"{args.threads} thread(s): server {ref[1]:.0f} tokens/s, Python API {ref[0]:.0f} "

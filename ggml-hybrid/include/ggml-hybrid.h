@@ -186,6 +186,8 @@ typedef struct {
     int32_t has_predictor; /* number of layers with a predictor (fc1 + fc2); 0 = none */
     int32_t has_down_t;    /* number of layers whose down projection is ffn_down_t */
     float   sparse_threshold; /* powerinfer.sparse.threshold (0 when absent) */
+    int32_t has_gate_threshold; /* 1: powerinfer.sparse.gate_threshold (gate-magnitude
+                                 * sparsity, GH_FFN_GATE) is present */
 } gh_model_info;
 
 gh_status gh_model_load(const char * path, gh_model ** out);
@@ -293,13 +295,18 @@ gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_toke
 typedef enum {
     GH_FFN_DENSE  = 0, /* every neuron: gate, up and down over all rows */
     GH_FFN_SPARSE = 1, /* predictor -> active neurons -> gate/up/down over those rows only */
-    GH_FFN_ORACLE = 2  /* gate dense, active = neurons with a nonzero activation, then up and
+    GH_FFN_ORACLE = 2, /* gate dense, active = neurons with a nonzero activation, then up and
                         * down over those: the dense result (for tests) */
+    GH_FFN_GATE   = 3  /* gate dense, active = neurons whose |act(gate)| exceeds the layer's
+                        * calibrated threshold (powerinfer.sparse.gate_threshold), then up
+                        * and down over those: training-free sparsity for any gated FFN */
 } gh_ffn_mode;
 
-/* Sparse and oracle need ffn_down_t in every layer, sparse also a predictor in every
- * layer (files converted with --sparse); otherwise GH_ERR_UNSUPPORTED with the reason.
- * A new context is sparse when the model has both in every layer, else dense. The sparse
+/* Sparse, oracle and gate need ffn_down_t in every layer, sparse also a predictor in every
+ * layer (files converted with --sparse), gate the gate thresholds (--sparsity); otherwise
+ * GH_ERR_UNSUPPORTED with the reason. A new context is sparse when the model has
+ * predictors and ffn_down_t in every layer, else gate when it has thresholds and
+ * ffn_down_t, else dense. The sparse
  * modes apply to batches of up to gh_context_get_sparse_batch tokens (decode), run one
  * token at a time; bigger batches (prompts) use the dense FFN. Profiling is always dense. */
 gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode);

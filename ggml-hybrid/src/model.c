@@ -252,6 +252,81 @@ static gh_status load_sparse_keys(gh_model * m) {
     return GH_OK;
 }
 
+/* act(g) of the FFN's activation for one value (the gate alone, up = 1). */
+static float act1(int act, float g) {
+    const float one = 1.0f;
+    float y;
+    gh_glu(act, &g, &one, &y, 1);
+    return y;
+}
+
+/* The cut points of |act(g)| > t (see gh_layer): act is increasing above its minimum g_min
+ * (SiLU -1.28, GELU -0.75; ReLU family: flat at 0 below 0), so one cut above g_min, and
+ * two below it when act(g_min) < -t. Found by bisection in float. */
+static void gate_cuts(int act, float t, gh_layer * L) {
+    float a = -20.0f, b = 0.0f; /* g_min by ternary search (act is unimodal below 0) */
+    for (int k = 0; k < 200; k++) {
+        const float m1 = a + (b - a) / 3.0f, m2 = b - (b - a) / 3.0f;
+        if (act1(act, m1) <= act1(act, m2)) b = m2; else a = m1;
+    }
+    const float g_min = 0.5f * (a + b);
+    float lo = g_min, hi = 1e4f;  /* act(lo) <= t < act(hi) */
+    for (int k = 0; k < 200 && lo < hi; k++) {
+        const float mid = 0.5f * (lo + hi);
+        if (mid == lo || mid == hi) break;
+        if (act1(act, mid) > t) hi = mid; else lo = mid;
+    }
+    L->gate_cut = lo;   /* g > lo  <=>  act(g) > t on the increasing side */
+    L->gate_lo = L->gate_hi = 0.0f;
+    if (act1(act, g_min) < -t) {
+        float l0 = -1e4f, l1 = g_min;  /* decreasing: act(l0) >= -t > act(l1) */
+        for (int k = 0; k < 200; k++) {
+            const float mid = 0.5f * (l0 + l1);
+            if (mid == l0 || mid == l1) break;
+            if (act1(act, mid) < -t) l1 = mid; else l0 = mid;
+        }
+        float h0 = g_min, h1 = 0.0f;   /* increasing: act(h0) < -t <= act(h1) */
+        for (int k = 0; k < 200; k++) {
+            const float mid = 0.5f * (h0 + h1);
+            if (mid == h0 || mid == h1) break;
+            if (act1(act, mid) < -t) h0 = mid; else h1 = mid;
+        }
+        L->gate_lo = l0;
+        L->gate_hi = h1;
+    }
+}
+
+/* powerinfer.sparse.gate_threshold: f32[n_layer], each finite and >= 0. */
+static gh_status load_gate_thresholds(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    const char * key = "powerinfer.sparse.gate_threshold";
+    const int64_t i = gh_gguf_find_key(g, key);
+    if (i < 0) return GH_OK;
+    int32_t et;
+    const int64_t n = gh_gguf_kv_arr(g, i, &et);
+    if (n < 0 || et != 6) return gh_fail(GH_ERR_FORMAT, "%s must be an array of f32", key);
+    if (n != m->info.n_layer) {
+        return gh_fail(GH_ERR_FORMAT, "%s has %lld values but the model has %d layers", key,
+                       (long long) n, m->info.n_layer);
+    }
+    const void * data;
+    uint64_t nbytes;
+    gh_status st = gh_gguf_kv_arr_data(g, i, &data, &nbytes);
+    if (st) return st;
+    for (int il = 0; il < m->info.n_layer; il++) {
+        float t;
+        memcpy(&t, (const uint8_t *) data + (size_t) il * 4, 4);
+        if (!isfinite(t) || t < 0.0f)
+            return gh_fail(GH_ERR_FORMAT, "%s[%d] is %g (must be finite and >= 0)", key, il, t);
+        gh_layer * L = &m->layers[il];
+        L->has_gate_thr = true;
+        L->gate_thr = t;
+        gate_cuts(m->info.ffn_act, t, L);
+    }
+    m->info.has_gate_threshold = 1;
+    return GH_OK;
+}
+
 static int32_t rd_i32(const void * base, int64_t i) {
     int32_t v;
     memcpy(&v, (const uint8_t *) base + i * 4, 4); /* the data need not be 4-aligned */
@@ -447,6 +522,7 @@ static gh_status load_tensors(gh_model * m) {
         if ((st = load_ffn_down_and_sparse(m, il, L))) return st;
     }
 #undef BLK
+    if ((st = load_gate_thresholds(m))) return st;
     hp->weight_type = m->layers[0].gate.type;
 
     int64_t n_params = 0, n_bytes = 0;

@@ -26,6 +26,12 @@ typedef struct {
     uint8_t * gpu_idx;     /* [n_ff] 0/1 (owned copy), NULL when the file has none */
     int32_t * gpu_bucket;  /* [n_hot] sorted hot neuron ids (owned copy), NULL if none */
     int32_t   n_hot;
+    /* gate-magnitude sparsity (powerinfer.sparse.gate_threshold[il] = t): neuron i is
+     * active iff |act(gate_i)| > t, which is gate_i > gate_hi_cut, or (for activations
+     * with a negative lobe deeper than -t: SiLU, GELU) gate_lo < gate_i < gate_hi, the
+     * cut points solved once at load so the per-token test needs no act() */
+    bool      has_gate_thr;
+    float     gate_thr, gate_cut, gate_lo, gate_hi;
 } gh_layer;
 
 struct gh_model {

@@ -280,7 +280,8 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
             scratch = GH_MAX(scratch, gh_sparse_predict_scratch_size(&L->fc1, &L->fc2));
         }
     }
-    s->mode = all_layers(m, true) ? GH_FFN_SPARSE : GH_FFN_DENSE;
+    s->mode = all_layers(m, true) ? GH_FFN_SPARSE
+            : all_layers(m, false) && m->info.has_gate_threshold ? GH_FFN_GATE : GH_FFN_DENSE;
     s->batch_max = GH_SPARSE_BATCH_MAX_DEFAULT;
     const size_t fb = (size_t) ff * sizeof(float);
     s->ph = gh_aligned_alloc((size_t) h * sizeof(float));
@@ -381,11 +382,21 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
         ffn_bytes += (double) n * (double) L->gate.row_bytes;
     } else {
         /* oracle: the exact active set from the dense gate (relu family: g > 0; other
-         * activations are not sparse, so every neuron) */
+         * activations are not sparse, so every neuron); gate: the calibrated threshold */
         gh_matmul(c->tp, &L->gate, x, 1, s->g_dense, ff, s->scratch);
-        const bool relu = act == GH_ACT_RELU || act == GH_ACT_DRELU;
-        for (int64_t i = 0; i < ff; i++) {
-            if (!relu || s->g_dense[i] > 0.0f) s->ids[n++] = (int32_t) i;
+        const float * g = s->g_dense;
+        if (s->mode == GH_FFN_GATE) {
+            /* |act(g)| > t as cut points on g (branch-free: the list is a prefix sum) */
+            const float cut = L->gate_cut, lo = L->gate_lo, hi = L->gate_hi;
+            for (int64_t i = 0; i < ff; i++) {
+                s->ids[n] = (int32_t) i;
+                n += (g[i] > cut) | ((g[i] > lo) & (g[i] < hi));
+            }
+        } else {
+            const bool relu = act == GH_ACT_RELU || act == GH_ACT_DRELU;
+            for (int64_t i = 0; i < ff; i++) {
+                if (!relu || g[i] > 0.0f) s->ids[n++] = (int32_t) i;
+            }
         }
         gate_g = s->g_dense;
         ffn_bytes += (double) ff * (double) L->gate.row_bytes;
@@ -480,17 +491,26 @@ void gh_stats_tokens(gh_context * c, int32_t n, bool head, double seconds) {
 /* ---------------------------------------------------------------- public API -- */
 
 static gh_status set_ffn_mode(gh_context * c, int32_t mode) {
-    if (mode != GH_FFN_DENSE && mode != GH_FFN_SPARSE && mode != GH_FFN_ORACLE) {
-        return gh_fail(GH_ERR_INVALID_ARG, "unknown FFN mode %d (0 dense, 1 sparse, 2 oracle)", mode);
+    if (mode != GH_FFN_DENSE && mode != GH_FFN_SPARSE && mode != GH_FFN_ORACLE &&
+        mode != GH_FFN_GATE) {
+        return gh_fail(GH_ERR_INVALID_ARG, "unknown FFN mode %d (0 dense, 1 sparse, 2 oracle, "
+                       "3 gate)", mode);
     }
+    static const char * const names[] = { "dense", "sparse", "oracle", "gate" };
     const gh_model * m = c->model;
+    if (mode == GH_FFN_GATE && !m->info.has_gate_threshold) {
+        return gh_fail(GH_ERR_UNSUPPORTED,
+                       "the gate FFN needs calibrated gate thresholds "
+                       "(powerinfer.sparse.gate_threshold), but the file has none: convert "
+                       "the model with --sparsity S");
+    }
     for (int il = 0; mode != GH_FFN_DENSE && il < m->info.n_layer; il++) {
         const gh_layer * L = &m->layers[il];
         if (!L->has_down_t) {
             return gh_fail(GH_ERR_UNSUPPORTED,
                            "the %s FFN needs the transposed down projection, but layer %d has none "
                            "(blk.%d.ffn_down_t.weight): convert the model with --sparse",
-                           mode == GH_FFN_SPARSE ? "sparse" : "oracle", il, il);
+                           names[mode], il, il);
         }
         if (mode == GH_FFN_SPARSE && !L->has_pred) {
             return gh_fail(GH_ERR_UNSUPPORTED,

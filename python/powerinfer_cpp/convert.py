@@ -864,6 +864,11 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--predictor-threshold", type=float, default=0.0, metavar="T",
                     help="a neuron is predicted active when its score is >= T (default 0); a lower "
                          "T raises recall and the predicted density")
+    sp.add_argument("--sparsity", type=float, default=None, metavar="S",
+                    help="training-free gate-magnitude sparsity for any gated FFN (SwiGLU, GeGLU, "
+                         "ReGLU): calibrate per layer the |act(gate)| threshold that zeroes the "
+                         "share S of the neurons (e.g. 0.5) instead of training predictors; implies "
+                         "--sparse")
     sp.add_argument("--vram-budget", default="0", metavar="SIZE",
                     help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
                          "re-solve later with python -m powerinfer_cpp.place)")
@@ -878,10 +883,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sparse = args.sparse
         sopts = None
+        if args.sparsity is not None and sparse is False:
+            raise ConvertError("--sparsity calibrates a sparse file; it cannot be combined with --dense")
         if sparse is not False:
             params = read_hf_config(args.hf_dir)
             if sparse is None:
-                sparse = params.activation in F.SPARSE_ACTIVATIONS
+                sparse = params.activation in F.SPARSE_ACTIVATIONS or args.sparsity is not None
             if sparse:
                 from .placement import parse_size
                 from .sparse_convert import SparseOptions
@@ -901,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
                                       predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
                                       group_size=args.group_size, placement=args.placement,
                                       n_threads=args.threads, predictor_type=args.predictor_type,
-                                      threshold=args.predictor_threshold)
+                                      threshold=args.predictor_threshold, sparsity=args.sparsity)
         path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
                        sparse_options=sopts)
     except ConvertError as e:

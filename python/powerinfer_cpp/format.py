@@ -262,8 +262,18 @@ GPU_SOLVER_GREEDY = "greedy"
 GPU_SOLVER_NONE = "none"  # budget left nothing for neurons
 GPU_SOLVERS = (GPU_SOLVER_ILP, GPU_SOLVER_GREEDY, GPU_SOLVER_NONE)
 
+#: Gate-magnitude sparsity (f32[n_layer]): in the "gate" FFN mode neuron j of layer l
+#: is active iff |act(gate_j)| > threshold[l]; calibrated on the profile to the target
+#: below. Its presence marks a gate-sparse file (ffn_down_t, no predictors needed).
+KEY_SPARSE_GATE_THRESHOLD = "powerinfer.sparse.gate_threshold"
+#: The share of FFN neurons the gate thresholds were calibrated to zero (f32, 0..1).
+KEY_SPARSE_TARGET = "powerinfer.sparse.target_sparsity"
+
 SPARSE_KEYS = (KEY_SPARSE_THRESHOLD, KEY_SPARSE_CALIB_SOURCE, KEY_SPARSE_CALIB_TOKENS,
                KEY_SPARSE_RECALL_TARGET)
+#: Keys of a gate-sparse file in place of the predictor's threshold and recall target
+#: (docs/FORMAT.md "Gate-magnitude sparsity").
+GATE_KEYS = (KEY_SPARSE_GATE_THRESHOLD, KEY_SPARSE_TARGET)
 #: Keys of the GPU index; `python -m powerinfer_cpp.place` rewrites exactly these
 #: (and the GPU_INDEX_TENSORS).
 GPU_KEYS = (KEY_GPU_VRAM_BUDGET, KEY_GPU_GROUP_SIZE, KEY_GPU_CTX, KEY_GPU_DENSE_BYTES,

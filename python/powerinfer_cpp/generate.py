@@ -33,10 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     p.add_argument("--no-prompt", action="store_true", help="do not echo the prompt")
-    p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle"], default="auto",
+    p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
                    help="FFN mode: sparse (predictor; needs a file converted with --sparse), "
-                        "dense, oracle (exact active set; testing), auto = sparse when the file "
-                        "has predictors (default)")
+                        "gate (gate-magnitude thresholds; a file converted with --sparsity), "
+                        "dense, oracle (exact active set; testing), auto = the file's sparse mode "
+                        "(default)")
     p.add_argument("--device", default="cpu",
                    help="where to run: cpu (default), cuda, cuda:N (a build with nvcc), or "
                         "host-device (a simulated device in host RAM; runs the hybrid path "

@@ -22,8 +22,8 @@ from .tokenizer import Tokenizer, load_tokenizer
 _ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
 # FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
-# layer has a predictor and ffn_down_t, else dense)
-FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2}
+# layer has a predictor and ffn_down_t, else gate when it has gate thresholds, else dense)
+FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2, "gate": 3}
 # KV cache storage types (gh_context_params.cache_type); f16 is the default, as llama.cpp's
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _CACHE_NAMES = {v: k for k, v in CACHE_TYPES.items()}
@@ -57,6 +57,7 @@ class ModelInfo:
     has_predictor: int = 0       # number of layers with a predictor (fc1 + fc2)
     has_down_t: int = 0          # number of layers whose down projection is ffn_down_t
     sparse_threshold: float = 0.0  # powerinfer.sparse.threshold
+    has_gate_threshold: bool = False  # powerinfer.sparse.gate_threshold (the "gate" mode)
 
 
 @dataclass
@@ -358,7 +359,7 @@ def _info_from_c(c) -> ModelInfo:
         eos_id=c.eos_id, weight_type=_TYPE_NAMES.get(c.weight_type, str(c.weight_type)),
         rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes,
         has_predictor=c.has_predictor, has_down_t=c.has_down_t,
-        sparse_threshold=c.sparse_threshold)
+        sparse_threshold=c.sparse_threshold, has_gate_threshold=bool(c.has_gate_threshold))
 
 
 class _Detokenizer:
@@ -486,7 +487,9 @@ class Context(_NativeHandle):
         m = _ffn_mode(mode)
         if m is None:
             info = self.model.info
-            m = 1 if info.has_predictor == info.n_layer and info.has_down_t == info.n_layer else 0
+            full = info.has_down_t == info.n_layer
+            m = (FFN_MODES["sparse"] if full and info.has_predictor == info.n_layer else
+                 FFN_MODES["gate"] if full and info.has_gate_threshold else FFN_MODES["dense"])
         with self._calling() as ptr:
             check(lib.gh_context_set_ffn_mode(ptr, m))
 
@@ -819,7 +822,8 @@ def _ffn_mode(name: str) -> int | None:
     if name == "auto":
         return None
     if name not in FFN_MODES:
-        raise ValueError(f"unknown FFN mode {name!r} (choose from auto, dense, sparse, oracle)")
+        raise ValueError(f"unknown FFN mode {name!r} (choose from auto, dense, sparse, oracle, "
+                         "gate)")
     return FFN_MODES[name]
 
 

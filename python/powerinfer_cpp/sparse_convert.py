@@ -56,6 +56,8 @@ class SparseOptions:
     predictor: PredictorConfig | None = None
     predictor_type: str | None = None  # storage of fc1/fc2: f32|f16|q8_0|q4_0; None: predictor_qtype's rule
     gate_init: bool = True            # ReGLU: try the gate's low-rank approximation first (predictor.train_layer)
+    sparsity: float | None = None     # gate-magnitude sparsity instead of predictors: the share of
+                                      # neurons the calibrated thresholds zero (thresholds.py)
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
 
     def __post_init__(self):
@@ -73,6 +75,8 @@ class SparseOptions:
             (1 <= self.profile_ctx < 2**31, f"profile_ctx must be >= 1, got {self.profile_ctx}"),
             (0 <= self.n_threads <= 512, f"n_threads must be in [0, 512] (0 = all cores), got {self.n_threads}"),
             (math.isfinite(self.threshold), f"threshold must be a finite number, got {self.threshold!r}"),
+            (self.sparsity is None or 0.0 <= self.sparsity < 1.0,
+             f"sparsity must be in [0, 1), got {self.sparsity}"),
             (self.predictor_type in PREDICTOR_TYPES,
              f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
         ]
@@ -93,6 +97,8 @@ class SparseReport:
     ffn_bytes: list = field(default_factory=list)
     placement: Placement | None = None
     seconds: dict = field(default_factory=dict)
+    gate_thresholds: list = field(default_factory=list)  # gate mode: per layer t
+    gate_density: list = field(default_factory=list)     # and the share of neurons above it
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
@@ -186,11 +192,13 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
     from .convert import ConvertError, TensorJob, _add_metadata, _storage_type, write_gguf
 
     say = say or (lambda s: log.info("%s", s))
-    if params.activation not in F.SPARSE_ACTIVATIONS:
+    gate_mode = opts.sparsity is not None
+    if not gate_mode and params.activation not in F.SPARSE_ACTIVATIONS:
         raise ConvertError(
             f"--sparse needs a ReLU-family model (activation relu or drelu); this model's FFN uses "
             f"{params.activation!r}, whose outputs are almost never exactly zero, so there is no activation "
-            "sparsity to exploit. Convert it densely (without --sparse)")
+            "sparsity for a predictor to exploit. Use --sparsity S for training-free gate-magnitude "
+            "sparsity, or convert it densely (without --sparse)")
     if not 0.0 < opts.predictor_recall <= 1.0:
         raise ConvertError(f"--predictor-recall must be in (0, 1], got {opts.predictor_recall}")
     if opts.calib_tokens < 16:
@@ -234,56 +242,74 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
             raise ConvertError(f"calibration text {calib} gave only {prof.n_tokens} tokens; need at least 16")
         say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
 
-        # 3. predictors
+        # 3. predictors, or (gate mode) the gate thresholds
         t0 = time.perf_counter()
-        pcfg = opts.predictor or PredictorConfig()
-        pcfg.recall_target = opts.predictor_recall
-        pcfg.threshold = opts.threshold
         reader = gguf.GGUFReader(dense_path)
         dense_t = {t.name: t for t in reader.tensors}
-
-        def gate_of(l):
-            # the gate as the runtime computes it (the stored, possibly quantized weights);
-            # only ReGLU decides activity by the gate's sign alone
-            if params.activation != F.ACT_RELU or not opts.gate_init:
-                return None
-            t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
-            return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
-
-        preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg, progress,
-                                 log=lambda s: log.debug("%s", s), gates=gate_of)
-        rep.seconds["predictors"] = time.perf_counter() - t0
-
-        # storage types and what the stored (encoded) predictors actually achieve
+        preds: list = []
+        pred_enc: list = []
         down_q, _ = _storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
-        pred_enc: list[tuple] = []
-        for l, p in enumerate(preds):
-            q1, q2 = predictor_qtype(outtype, d, opts.predictor_type), predictor_qtype(outtype, p.h, opts.predictor_type)
-            e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
-            r1, r2 = decode_matrix(e1, q1, p.w1.shape), decode_matrix(e2, q2, p.w2.shape)
-            n_tr = p.n_train
-            rec, prec, dens = evaluate(r1, r2, prof.x[l][n_tr:], prof.mask[l][n_tr:], opts.threshold)
-            rep.stored_recall.append((rec, prec, dens))
-            pred_enc.append((q1, e1, q2, e2))
-            rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
-            ffn = sum(int(dense_t[F.tensor_name(k, l)].n_bytes) for k in (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN))
-            rep.ffn_bytes.append(ffn)
-        say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
-            f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
-            + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],
-                            rep.ffn_bytes, rep.pred_bytes, opts.predictor_recall))
-        rep.predictors = list(preds) if opts.keep_predictors else [_strip(p) for p in preds]
+        if gate_mode:
+            from .thresholds import calibrate_layer
+            freq = []
+            for l in range(n_layer):
+                t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
+                w = decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+                thr, fr = calibrate_layer(prof.x[l], w, params.activation, opts.sparsity)
+                rep.gate_thresholds.append(thr)
+                rep.gate_density.append(float(fr.mean()))
+                freq.append(fr)
+            rep.seconds["thresholds"] = time.perf_counter() - t0
+            say(f"[3/5] gate thresholds for {opts.sparsity:.0%} sparsity "
+                f"({rep.seconds['thresholds']:.1f} s): " + ", ".join(
+                    f"L{l} t={t:.3g} density {dn:.1%}"
+                    for l, (t, dn) in enumerate(zip(rep.gate_thresholds, rep.gate_density))))
+        else:
+            pcfg = opts.predictor or PredictorConfig()
+            pcfg.recall_target = opts.predictor_recall
+            pcfg.threshold = opts.threshold
+
+            def gate_of(l):
+                # the gate as the runtime computes it (the stored, possibly quantized weights);
+                # only ReGLU decides activity by the gate's sign alone
+                if params.activation != F.ACT_RELU or not opts.gate_init:
+                    return None
+                t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
+                return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+
+            preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg, progress,
+                                     log=lambda s: log.debug("%s", s), gates=gate_of)
+            rep.seconds["predictors"] = time.perf_counter() - t0
+
+            # storage types and what the stored (encoded) predictors actually achieve
+            for l, p in enumerate(preds):
+                q1, q2 = predictor_qtype(outtype, d, opts.predictor_type), predictor_qtype(outtype, p.h, opts.predictor_type)
+                e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
+                r1, r2 = decode_matrix(e1, q1, p.w1.shape), decode_matrix(e2, q2, p.w2.shape)
+                n_tr = p.n_train
+                rec, prec, dens = evaluate(r1, r2, prof.x[l][n_tr:], prof.mask[l][n_tr:], opts.threshold)
+                rep.stored_recall.append((rec, prec, dens))
+                pred_enc.append((q1, e1, q2, e2))
+                rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
+                ffn = sum(int(dense_t[F.tensor_name(k, l)].n_bytes) for k in (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN))
+                rep.ffn_bytes.append(ffn)
+            say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
+                f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
+                + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],
+                                rep.ffn_bytes, rep.pred_bytes, opts.predictor_recall))
+            rep.predictors = list(preds) if opts.keep_predictors else [_strip(p) for p in preds]
+            freq = [np.asarray(prof.freq[l], dtype=np.float64) for l in range(n_layer)]
 
         # 4. placement
         t0 = time.perf_counter()
         tensors: dict[str, tuple] = {}
         for t in reader.tensors:
             tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
-        for l, (q1, e1, q2, e2) in enumerate(pred_enc):
+        for l in range(n_layer):
             tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q, (n_ff, d))
+        for l, (q1, e1, q2, e2) in enumerate(pred_enc):
             tensors[F.sparse_tensor_name(F.T_FC1, l)] = (q1, preds[l].w1.shape)
             tensors[F.sparse_tensor_name(F.T_FC2, l)] = (q2, preds[l].w2.shape)
-        freq = [np.asarray(prof.freq[l], dtype=np.float64) for l in range(n_layer)]
         pl = solve_from_tensors(tensors, freq, n_layer, params.n_head_kv * params.head_dim, ctx,
                                 opts.vram_budget, opts.group_size, opts.min_layer_share,
                                 opts.placement, opts.ilp_time_limit)
@@ -304,9 +330,10 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
                     return np.ascontiguousarray(src_job.load().T)
 
                 new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d), down_q, load_t))
-                q1, e1, q2, e2 = pred_enc[il]
-                new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
-                new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
+                if not gate_mode:
+                    q1, e1, q2, e2 = pred_enc[il]
+                    new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
+                    new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
                 new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
             else:
                 rt = dense_t[j.name]
@@ -315,10 +342,14 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         def setup(w):
             from gguf import GGUFValueType as V
             _add_metadata(w, params, tok, outtype)
-            w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
+            if gate_mode:
+                w.add_array(F.KEY_SPARSE_GATE_THRESHOLD, [float(t) for t in rep.gate_thresholds])
+                w.add_key_value(F.KEY_SPARSE_TARGET, float(opts.sparsity), V.FLOAT32)
+            else:
+                w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
+                w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
             w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
             w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
-            w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
             for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
                 w.add_key_value(k, v, ty)
 

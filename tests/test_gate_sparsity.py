@@ -172,3 +172,24 @@ def test_format_doc_lists_the_gate_keys(swiglu):
     for k in F.GATE_KEYS:
         f = r.fields[k]
         assert gguf.GGUFValueType(f.types[-1]) == gguf.GGUFValueType.FLOAT32 and doc[k] == "f32"
+
+
+def test_inspect_place_and_hybrid(swiglu, tmp_path):
+    """inspect describes a gate file; place re-solves its GPU index; on host-device the
+    hot neurons run on the device and the logits equal the CPU-only ones."""
+    from powerinfer_cpp.inspect import describe
+    from powerinfer_cpp.place import main as place_main
+
+    _, path, _, _ = swiglu
+    assert "gate magnitude, no predictors" in describe(str(path))
+    placed = tmp_path / "placed.gguf"
+    assert place_main([str(path), "--vram-budget", "400K", "-o", str(placed)]) == 0
+    ids = list(range(7, 31))
+    with Model(path, n_ctx=64, n_threads=1) as cpu:
+        want = np.stack([cpu.eval([t]) for t in ids])
+    with Model(placed, n_ctx=64, n_threads=1, device="host-device") as dev:
+        assert dev.context.ffn_mode == "gate"
+        assert dev.device_info()["n_hot"] > 0
+        got = np.stack([dev.eval([t]) for t in ids])
+        assert dev.context.stats()["device"]["neurons_device"] > 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

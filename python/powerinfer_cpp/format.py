@@ -274,6 +274,11 @@ SPARSE_KEYS = (KEY_SPARSE_THRESHOLD, KEY_SPARSE_CALIB_SOURCE, KEY_SPARSE_CALIB_T
 #: Keys of a gate-sparse file in place of the predictor's threshold and recall target
 #: (docs/FORMAT.md "Gate-magnitude sparsity").
 GATE_KEYS = (KEY_SPARSE_GATE_THRESHOLD, KEY_SPARSE_TARGET)
+
+
+def is_sparse(keys) -> bool:
+    """Whether a file with these metadata keys is sparse (predictors or gate thresholds)."""
+    return KEY_SPARSE_THRESHOLD in keys or KEY_SPARSE_GATE_THRESHOLD in keys
 #: Keys of the GPU index; `python -m powerinfer_cpp.place` rewrites exactly these
 #: (and the GPU_INDEX_TENSORS).
 GPU_KEYS = (KEY_GPU_VRAM_BUDGET, KEY_GPU_GROUP_SIZE, KEY_GPU_CTX, KEY_GPU_DENSE_BYTES,

@@ -62,13 +62,21 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     out.append("tensor types: " + ", ".join(f"{k} x{types[k]} ({format_size(tbytes[k])})" for k in sorted(types))
                + f"; total {format_size(total)}")
 
-    sparse = F.KEY_SPARSE_THRESHOLD in fields
+    gate = F.KEY_SPARSE_GATE_THRESHOLD in fields
+    sparse = F.is_sparse(fields)
+    calib = (f"calibration {fields.get(F.KEY_SPARSE_CALIB_TOKENS, '?')} tokens of "
+             f"{fields.get(F.KEY_SPARSE_CALIB_SOURCE, '?')}")
     if not sparse:
         out.append("sparse: no (dense file)")
     else:
-        out.append(f"sparse: yes  threshold {fields[F.KEY_SPARSE_THRESHOLD]:g}, recall target "
-                   f"{float(fields.get(F.KEY_SPARSE_RECALL_TARGET, 'nan')):.4g}, calibration "
-                   f"{fields.get(F.KEY_SPARSE_CALIB_TOKENS, '?')} tokens of {fields.get(F.KEY_SPARSE_CALIB_SOURCE, '?')}")
+        if gate:
+            thr = ", ".join(f"{float(t):.3g}" for t in np.atleast_1d(fields[F.KEY_SPARSE_GATE_THRESHOLD]))
+            out.append(f"sparse: yes (gate magnitude, no predictors)  target sparsity "
+                       f"{float(fields.get(F.KEY_SPARSE_TARGET, 'nan')):.3g}, thresholds per "
+                       f"layer {thr}; {calib}")
+        else:
+            out.append(f"sparse: yes  threshold {fields[F.KEY_SPARSE_THRESHOLD]:g}, recall target "
+                       f"{float(fields.get(F.KEY_SPARSE_RECALL_TARGET, 'nan')):.4g}, {calib}")
         b = fields.get(F.KEY_GPU_VRAM_BUDGET)
         if b is not None:
             out.append(f"gpu index: budget {format_size(int(b))} (solver {fields.get(F.KEY_GPU_SOLVER, '?')}, "

@@ -77,8 +77,9 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
         raise PlaceError(f"cannot read {path}: not a valid GGUF file (truncated or corrupt: "
                          f"{e})") from None
     fields = read_fields(reader)
-    if F.KEY_SPARSE_THRESHOLD not in fields:
-        raise PlaceError(f"{path} is not a sparse file (no {F.KEY_SPARSE_THRESHOLD}); convert the model with "
+    if not F.is_sparse(fields):
+        raise PlaceError(f"{path} is not a sparse file (no {F.KEY_SPARSE_THRESHOLD} or "
+                         f"{F.KEY_SPARSE_GATE_THRESHOLD}); convert the model with "
                          "`python -m powerinfer_cpp.convert HF_DIR --sparse`")
     arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
     try:

@@ -9,9 +9,9 @@
  * The quantized types run four rows at a time for any number of tokens (q_half_r4): the
  * integer sums of the four rows are transposed into one register (lane 4i + r: block i,
  * row r) before they are converted and scaled, so the float work, the activation terms
- * and the scales are handled once for four rows. Per token, a four-row tile of one half
- * group is 8 maddubs and 4 madd against ~20 other instructions; the weights are
- * unpacked once per tile and used for every token. A short tile repeats its last row
+ * and the scales are handled once for four rows. Per token, a four-row Q4_0 tile of one
+ * half group is 8 maddubs and 4 madd against ~20 other instructions (Q8_0: 8 madd and 8
+ * sign); the weights are unpacked once per tile and used for every token. A short tile repeats its last row
  * (rows do not interact), so a row's value is the same in every tile it can land in: at
  * a matrix's edge, in a gathered sparse tile (dot4), at any thread count.
  *
@@ -476,6 +476,8 @@ DEFINE_GEMM_F(gemm_bf16, F_MR, F_NT, W_BF16)
 DEFINE_DOT(vec_dot_f32, gemm_f32)
 DEFINE_DOT(vec_dot_f16, gemm_f16)
 DEFINE_DOT(vec_dot_bf16, gemm_bf16)
+/* a four-row tile of one repeated row: these are off the hot paths (the sparse row-dots
+ * take dot4) */
 DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
 DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 

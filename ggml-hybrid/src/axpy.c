@@ -120,39 +120,6 @@ AVX2_FN static void axpy_bf16_avx2(int64_t n, float s, const void * row, float *
     for (; i < n; i++) y[i] += s * gh_bf16_to_fp32(x[i]);
 }
 
-/* y[0..8) += ds * (8 int8 values at q) */
-AVX2_FN static inline void axpy8_i8(__m256 ds, __m128i q8, float * y) {
-    __m256 xf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8));
-    _mm256_storeu_ps(y, _mm256_fmadd_ps(ds, xf, _mm256_loadu_ps(y)));
-}
-
-AVX2_FN static void axpy_q8_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    const block_q8_0 * b = row;
-    for (int64_t i = 0; i < n / QK8_0; i++, y += QK8_0) {
-        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(b[i].d));
-        const __m128i q0 = _mm_loadu_si128((const __m128i *) b[i].qs);
-        const __m128i q1 = _mm_loadu_si128((const __m128i *) (b[i].qs + 16));
-        axpy8_i8(ds, q0, y);
-        axpy8_i8(ds, _mm_srli_si128(q0, 8), y + 8);
-        axpy8_i8(ds, q1, y + 16);
-        axpy8_i8(ds, _mm_srli_si128(q1, 8), y + 24);
-    }
-}
-
-AVX2_FN static void axpy_q4_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    const block_q4_0 * b = row;
-    const __m128i m4 = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
-    for (int64_t i = 0; i < n / QK4_0; i++, y += QK4_0) {
-        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(b[i].d));
-        const __m128i q = _mm_loadu_si128((const __m128i *) b[i].qs);
-        const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), eight);                   /* 0..15 */
-        const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), eight); /* 16..31 */
-        axpy8_i8(ds, lo, y);
-        axpy8_i8(ds, _mm_srli_si128(lo, 8), y + 8);
-        axpy8_i8(ds, hi, y + 16);
-        axpy8_i8(ds, _mm_srli_si128(hi, 8), y + 24);
-    }
-}
 #endif
 
 #if defined(GH_X86)
@@ -236,6 +203,29 @@ AVX2_INLINE void block_i32(const bool is_q4, const uint8_t * qs, __m256i v[4]) {
     } else {
         for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8 * j)));
     }
+}
+
+/* One row: y[0..32) += s * d * (a block's values), per block. */
+AVX2_INLINE void axpy_quant_avx2(const bool is_q4, int64_t n, float s, const void * row, float * restrict y) {
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * b = row;
+    for (int64_t i = 0; i < n / 32; i++, y += 32) {
+        uint16_t d;
+        memcpy(&d, b + i * bs, 2);
+        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(d));
+        __m256i v[4];
+        block_i32(is_q4, b + i * bs + 2, v);
+        for (int j = 0; j < 4; j++) {
+            _mm256_storeu_ps(y + 8 * j, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(v[j]), _mm256_loadu_ps(y + 8 * j)));
+        }
+    }
+}
+
+AVX2_FN static void axpy_q8_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_quant_avx2(false, n, s, row, y);
+}
+AVX2_FN static void axpy_q4_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_quant_avx2(true, n, s, row, y);
 }
 
 AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, const void * const * row,

@@ -312,3 +312,12 @@ def test_dropping_the_model_keeps_it_alive_for_its_contexts(random_gguf):
     ctx.reset()
     np.testing.assert_allclose(ctx.eval([1, 2, 3]), want, rtol=0, atol=0)
     ctx.close()
+
+
+def test_rope_frequency_factors_are_refused_not_dropped(random_gguf, tmp_path):
+    """A llama.cpp Llama-3.1 file stores its rope scaling as rope_freqs.weight; running
+    without it would be wrong at every position, so the file is refused by name."""
+    hd = D // 4
+    with pytest.raises(NativeError, match="rope_freqs.weight.*not supported"):
+        _load(random_gguf, tmp_path / "freqs.gguf",
+              add={"rope_freqs.weight": np.ones(hd // 2, dtype=np.float32)})

@@ -197,3 +197,59 @@ def test_llama_rebuild_matches_sentencepiece():
         assert t.encode(s, add_bos=False) == ids, s
         assert t.decode(ids) == sp.decode(ids), s
         assert b"".join(t.token_to_bytes(i) for i in ids).decode("utf-8") == (" " + s if s else s), s
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory):
+    """A byte-level BPE (gpt2) model folder and its GGUF: tokenizer.ggml.pre applies to these."""
+    root = tmp_path_factory.mktemp("tok_pre")
+    d = make_hf_model(root / "hf", act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
+                      tokenizer="bpe")
+    return d, convert(d, root / "m.gguf", "f32", progress=False)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+def test_ggml_pre_tokenizers_match_hf(bpe_model, tmp_path, pre):
+    """tokenizer.ggml.pre is honoured: a file from another tool with Llama-3's (llama-bpe) or
+    Qwen2's split tokenizes as transformers does with that tokenizer.json pre-tokenizer."""
+    import json
+    import shutil
+
+    d, out = bpe_model
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(d, ref_dir)
+    tj = json.loads((ref_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": F.TOKENIZER_PRE_SPLITS[pre]},
+         "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    (ref_dir / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+    ref = transformers.AutoTokenizer.from_pretrained(str(ref_dir))
+    meta = read_tokenizer_metadata(out)
+    del meta[F.KEY_TOKENIZER_HF_JSON]
+    meta[F.KEY_TOKENIZER_PRE] = pre
+    p = tmp_path / "pre.gguf"
+    _write_gguf(p, meta)
+    t = load_tokenizer(p)
+    texts = TEXTS + ["I'M HERE, we'LL see 123456789 and 1,234,567", "x  \n\n  y\t\tz"]
+    for s in texts:
+        assert t.encode(s) == ref(s)["input_ids"], s
+    # the splits themselves: digit runs in threes (llama-bpe) or ones (qwen2), where GPT-2's
+    # default keeps the run whole
+    pieces = [p for p, _ in t.hf_tokenizer.pre_tokenizer.pre_tokenize_str("123456789")]
+    assert pieces == (["123", "456", "789"] if pre == "llama-bpe" else list("123456789"))
+    meta[F.KEY_TOKENIZER_PRE] = F.TOKENIZER_PRE_DEFAULT
+    _write_gguf(tmp_path / "default.gguf", meta)
+    default = load_tokenizer(tmp_path / "default.gguf")
+    assert [p for p, _ in default.hf_tokenizer.pre_tokenizer.pre_tokenize_str("123456789")] == ["123456789"]
+
+
+def test_unknown_pre_tokenizer_is_refused(bpe_model, tmp_path):
+    _, out = bpe_model
+    meta = read_tokenizer_metadata(out)
+    del meta[F.KEY_TOKENIZER_HF_JSON]
+    meta[F.KEY_TOKENIZER_PRE] = "deepseek-coder"
+    p = tmp_path / "unknown.gguf"
+    _write_gguf(p, meta)
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'deepseek-coder'.*not supported"):
+        load_tokenizer(p)

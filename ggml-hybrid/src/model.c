@@ -504,6 +504,12 @@ static gh_status load_tensors(gh_model * m) {
     if ((st = load_weight(g, out ? "output.weight" : "token_embd.weight", d, hp->n_vocab,
                           &m->output))) return st;
 
+    /* llama.cpp's Llama-3.1+ files carry the rope scaling as per-dimension frequency
+     * factors; computing without them would be silently wrong at every position */
+    if (gh_gguf_find_tensor(g, "rope_freqs.weight")) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "tensor 'rope_freqs.weight' (RoPE frequency factors, "
+                       "as Llama-3.1 files store their rope scaling) is not supported yet");
+    }
     if ((st = load_sparse_keys(m))) return st;
     m->layers = calloc((size_t) hp->n_layer, sizeof *m->layers);
     if (!m->layers) return gh_fail(GH_ERR_OOM, "out of memory");

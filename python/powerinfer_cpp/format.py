@@ -111,6 +111,17 @@ KEY_TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
 TOKENIZER_GPT2 = "gpt2"    # byte-level BPE (tokens + merges)
 TOKENIZER_LLAMA = "llama"  # SentencePiece-style BPE with byte fallback (tokens + scores)
 TOKENIZER_PRE_DEFAULT = "default"
+# Values of KEY_TOKENIZER_PRE this reader reproduces (llama.cpp's names) and the text-split
+# regex of each (the published pre-tokenizer patterns; "default" is GPT-2's own, applied by
+# the byte-level pre-tokenizer itself). Any other value is refused rather than tokenized
+# with the wrong split.
+TOKENIZER_PRE_SPLITS = {
+    TOKENIZER_PRE_DEFAULT: None,
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
 
 # Values of KEY_TOKENIZER_TOKEN_TYPE (llama.cpp's enum)
 TOKEN_TYPE_NORMAL = 1

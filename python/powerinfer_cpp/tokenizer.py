@@ -9,8 +9,9 @@ If the file carries the original Hugging Face ``tokenizer.huggingface.json``
 equivalent ``tokenizers.Tokenizer`` is rebuilt from llama.cpp's standard
 ``tokenizer.ggml.*`` keys:
 
-* ``gpt2``: byte-level BPE from tokens + merges (GPT-2 pre-tokenizer regex;
-  pre-tokenizers other than "default" are not reproduced);
+* ``gpt2``: byte-level BPE from tokens + merges, split by the pre-tokenizer
+  ``tokenizer.ggml.pre`` names (default = GPT-2's, llama-bpe = Llama-3's, qwen2; any other
+  is refused);
 * ``llama``: SentencePiece-style BPE with byte fallback ("▁" prefix and
   space replacement done by the normalizer, as SentencePiece does). The merges are
   reconstructed from the scores: every split of a normal token into two
@@ -163,7 +164,20 @@ def build_tokenizer_from_ggml(meta: dict[str, Any]):
             tok = HFTok(models.BPE(vocab=vocab, merges=merges))
         except Exception as e:
             raise TokenizerError(f"invalid gpt2 vocabulary: {e}") from None
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        pre = meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT
+        if pre not in F.TOKENIZER_PRE_SPLITS:
+            raise TokenizerError(
+                f"pre-tokenizer '{pre}' ({F.KEY_TOKENIZER_PRE}) is not supported (supported: "
+                f"{', '.join(F.TOKENIZER_PRE_SPLITS)}); its text would be split wrongly. Convert "
+                "the model from its Hugging Face folder, whose tokenizer.json is embedded")
+        split = F.TOKENIZER_PRE_SPLITS[pre]
+        if split is None:
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            from tokenizers import Regex
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tok.decoder = decoders.ByteLevel()
     elif kind == F.TOKENIZER_LLAMA:
         scores = list(meta.get(F.KEY_TOKENIZER_SCORES) or [])

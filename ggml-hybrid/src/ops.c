@@ -91,10 +91,19 @@ static void sigmoid_glu_scalar(const float * gate, const float * up, float * out
     }
 }
 
-/* A row of F16 to f32 (the F16 KV cache's rows, a block at a time). */
+/* A row of F16 / Q8_0 to f32 (the KV cache's rows, a block of keys at a time); the SIMD
+ * forms give the same values (one rounding of d * q). */
 static void f16_to_f32_scalar(const void * src, float * dst, int64_t n) {
     const uint16_t * h = src;
     for (int64_t i = 0; i < n; i++) dst[i] = gh_fp16_to_fp32(h[i]);
+}
+
+static void q8_0_to_f32_scalar(const void * src, float * dst, int64_t n) {
+    const block_q8_0 * b = src;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int k = 0; k < QK8_0; k++) dst[i * QK8_0 + k] = d * (float) b[i].qs[k];
+    }
 }
 
 /* ------------------------------------------------------------------------------------
@@ -436,6 +445,30 @@ static void f16_to_f32_avx2(const void * src, float * dst, int64_t n) {
     for (; i < n; i++) dst[i] = gh_fp16_to_fp32(h[i]);
 }
 
+AVX2 static void q8_0_to_f32_avx2(const void * src, float * dst, int64_t n) {
+    const block_q8_0 * b = src;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        const __m256 d = _mm256_set1_ps(gh_fp16_to_fp32(b[i].d));
+        for (int k = 0; k < QK8_0; k += 8) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *) (b[i].qs + k));
+            _mm256_storeu_ps(dst + i * QK8_0 + k,
+                             _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+        }
+    }
+}
+
+AVX512 static void q8_0_to_f32_avx512(const void * src, float * dst, int64_t n) {
+    const block_q8_0 * b = src;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        const __m512 d = _mm512_set1_ps(gh_fp16_to_fp32(b[i].d));
+        for (int k = 0; k < QK8_0; k += 16) {
+            const __m128i q = _mm_loadu_si128((const __m128i *) (b[i].qs + k));
+            _mm512_storeu_ps(dst + i * QK8_0 + k,
+                             _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+        }
+    }
+}
+
 AVX512 static void f16_to_f32_avx512(const void * src, float * dst, int64_t n) {
     const uint16_t * h = src;
     int64_t i = 0;
@@ -454,6 +487,7 @@ typedef struct {
     void  (*sigmoid_glu)(const float * gate, const float * up, float * out, int64_t n,
                          float a, float b);
     void  (*f16_to_f32)(const void * src, float * dst, int64_t n);
+    void  (*q8_0_to_f32)(const void * src, float * dst, int64_t n);
 } ops_kernels;
 
 /* A query's scores (sc[jj - j0] = scale * q . k_jj) and value sums (o += sum p[jj - j0] *
@@ -483,15 +517,15 @@ static void att_kernels_get(int head_dim, att_scores_fn * scores, att_values_fn 
 
 static ops_kernels ops_kernels_get(void) {
     ops_kernels k = { dot_scalar, axpy_scalar, exp_sum_scalar, sigmoid_glu_scalar,
-                      f16_to_f32_scalar };
+                      f16_to_f32_scalar, q8_0_to_f32_scalar };
 #if OPS_X86
     int level = ops_simd_level();
     if (level >= GH_SIMD_AVX512) {
         k = (ops_kernels) { dot_avx512, axpy_avx512, exp_sum_avx512, sigmoid_glu_avx512,
-                            f16_to_f32_avx512 };
+                            f16_to_f32_avx512, q8_0_to_f32_avx512 };
     } else if (level >= GH_SIMD_AVX2) {
         k = (ops_kernels) { dot_avx2, axpy_avx2, exp_sum_avx2, sigmoid_glu_avx2,
-                            f16_to_f32_avx2 };
+                            f16_to_f32_avx2, q8_0_to_f32_avx2 };
     }
 #endif
     return k;
@@ -792,7 +826,7 @@ void gh_attention(gh_threadpool * tp, const float * q, const void * k, const voi
     };
     att_kernels_get(head_dim, &j.scores, &j.values);
     if (kv_type == GH_TYPE_F16) j.to_float = j.kern.f16_to_f32;
-    else if (kv_type != GH_TYPE_F32) j.to_float = gh_type_traits_get(kv_type)->to_float;
+    else if (kv_type == GH_TYPE_Q8_0) j.to_float = j.kern.q8_0_to_f32;
     j.group = n_head / n_head_kv;
     /* The largest divisor of the group that fits a tile. */
     j.sub = GH_MIN(j.group, ATT_MAX_Q);

@@ -701,13 +701,15 @@ class Context(_NativeHandle):
         return self._stream(prompt_ids, sampler, max_tokens, repeat_last_n, stops,
                             bool(ignore_eos), stats, logits_processor)
 
-    def _sample(self, ptr, sampler, ids: list[int], logits_processor) -> int:
+    def _sample(self, ptr, sampler, prompt_ids: list[int], generated: list[int],
+                logits_processor) -> int:
         """The next token from the last logits (caller holds the lock)."""
         logits = lib.gh_get_logits(ptr, -1)
         if logits_processor is not None:
             nv = self.model.n_vocab
             arr = np.frombuffer(ffi.buffer(logits, nv * 4), dtype=np.float32).copy()
-            arr = np.ascontiguousarray(logits_processor(list(ids), arr), dtype=np.float32)
+            arr = np.ascontiguousarray(logits_processor(prompt_ids + generated, arr),
+                                       dtype=np.float32)
             if arr.shape != (nv,):
                 raise ValueError(f"logits_processor returned shape {arr.shape}; it must return "
                                  f"the logits it was given, shape ({nv},)")
@@ -762,7 +764,7 @@ class Context(_NativeHandle):
                 with self._calling() as ptr:  # the caller may have closed us meanwhile
                     if self._use != mine:
                         raise RuntimeError(interfered)
-                    token = self._sample(ptr, sampler, prompt_ids + result.tokens,
+                    token = self._sample(ptr, sampler, prompt_ids, result.tokens,
                                          logits_processor)
                 if token == eos and not ignore_eos:
                     finish = "stop"

@@ -321,3 +321,13 @@ def test_rope_frequency_factors_are_refused_not_dropped(random_gguf, tmp_path):
     with pytest.raises(NativeError, match="rope_freqs.weight.*not supported"):
         _load(random_gguf, tmp_path / "freqs.gguf",
               add={"rope_freqs.weight": np.ones(hd // 2, dtype=np.float32)})
+
+
+def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
+    from powerinfer_cpp.inspect import describe
+
+    assert "runtime: loads (weights and tokenizer)" in describe(random_gguf)
+    bad = rewrite_gguf(random_gguf, tmp_path / "freqs.gguf",
+                       add={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
+    assert "runtime: cannot load this file: " in describe(bad)
+    assert "rope_freqs.weight" in describe(bad).splitlines()[-1]

@@ -4,7 +4,8 @@
 
 Architecture and hyper-parameters, tensor types and sizes, and for sparse
 files (convert --sparse) the sparse metadata, per-layer predictor sizes and
-GPU neuron counts. Pure Python (the ``gguf`` package): no native library.
+GPU neuron counts (read with the ``gguf`` package), and whether this runtime can load the
+file and its tokenizer, and if not, why (the native loader's and tokenizer's own messages).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
             gi = by_name.get(F.sparse_tensor_name(F.T_GPU_IDX, l))
             ng = int(np.asarray(gi.data).sum()) if gi is not None else "-"
             out.append(f"{l:5d}  {h!s:>11}  {format_size(pb):>10}  {share:>8}  {ty:>14}  {mf:>9}  {ng!s:>11}")
+    out.append(loadable(path))
     if tensors:
         out.append("tensors:")
         for t in r.tensors:
@@ -113,6 +115,28 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
             out.append(f"  {t.name:32s} {gguf.GGMLQuantizationType(t.tensor_type).name:6s} {str(shape):16s} "
                        f"{format_size(int(t.n_bytes))}")
     return "\n".join(out)
+
+
+def loadable(path: str | os.PathLike) -> str:
+    """One line: whether this runtime loads the file (weights mapped, nothing computed) and
+    its tokenizer, or the reason it does not."""
+    from ._native import NativeError, check, ffi, lib
+    from .tokenizer import TokenizerError, load_tokenizer
+
+    out = ffi.new("gh_model **")
+    params = lib.gh_model_default_params()
+    params.load = lib.GH_LOAD_MMAP
+    try:
+        check(lib.gh_model_load_ex(os.fspath(path).encode(), ffi.new("gh_model_params *", params),
+                                   out))
+    except NativeError as e:
+        return f"runtime: cannot load this file: {e}"
+    lib.gh_model_free(out[0])
+    try:
+        load_tokenizer(path)
+    except TokenizerError as e:
+        return f"runtime: the weights load, but the tokenizer does not: {e}"
+    return "runtime: loads (weights and tokenizer)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -243,7 +243,22 @@ def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     L.llama_free(c)
     L.llama_model_free(m)
     return {"pp": n_pp / pp_s, "tg": n_tg / tg_s, "load_s": load_s,
-            "info": "llama-cpp-python " + L.__version__}
+            "info": f"llama-cpp-python {L.__version__}, simd={_llama_isa(L)}"}
+
+
+def _llama_isa(L) -> str:
+    """The widest x86 vector ISA the llama.cpp build uses, from its system info."""
+    try:
+        text = L.llama_print_system_info().decode()
+    except Exception:
+        return "?"
+    feats = {k.strip(): v.strip() for k, _, v in
+             (f.partition("=") for f in re.split(r"[|]", text)) if v.strip() in ("0", "1")}
+    if feats.get("AVX512") == "1":
+        return "avx512"
+    if feats.get("AVX2") == "1":
+        return "avx2"
+    return "scalar/other"
 
 
 # weight kinds in the GGUF (blk.N.<kind>.weight) and the output head
@@ -297,15 +312,25 @@ WORKERS = {"ours": worker_ours, "ours-sparse": worker_ours_sparse, "llama.cpp": 
 ENGINES = ("llama.cpp", "ours", "ours-sparse")
 
 
+# The interpreter of the llama.cpp workers (--llama-python: e.g. a venv whose llama-cpp-python
+# was built for another ISA) and the GH_SIMD level of ours (--simd); set by main().
+LLAMA_PYTHON = sys.executable
+OUR_SIMD: str | None = None
+
+
 def run_worker(engine: str, model: str, threads: int, n_pp: int, n_tg: int, timeout: float) -> dict:
     """Run one measurement in a fresh process; returns its JSON plus the foreign CPU load."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
+    python = LLAMA_PYTHON if engine == "llama.cpp" else sys.executable
+    env = dict(os.environ)
+    if OUR_SIMD and engine != "llama.cpp":
+        env["GH_SIMD"] = OUR_SIMD
+    cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
            "--worker-threads", str(threads), "--n-pp", str(n_pp), "--n-tg", str(n_tg)]
     busy0, total0 = _cpu_jiffies()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     w0 = time.perf_counter()
     try:
-        pr = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        pr = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - w0
@@ -502,11 +527,14 @@ def top_procs(n: int = 5) -> str:
 
 
 def llama_version() -> str | None:
+    """llama-cpp-python's version in the --llama-python interpreter, or None."""
     try:
-        from importlib.metadata import version
-        return version("llama_cpp_python")
-    except Exception:
+        pr = subprocess.run([LLAMA_PYTHON, "-c", "from importlib.metadata import version; "
+                             "print(version('llama_cpp_python'))"], capture_output=True, text=True,
+                            timeout=60)
+    except (OSError, subprocess.SubprocessError):
         return None
+    return pr.stdout.strip() or None if pr.returncode == 0 else None
 
 
 def git_rev() -> str:
@@ -661,6 +689,12 @@ def main(argv=None) -> int:
                     help="before each measurement wait up to S seconds for the machine to go idle "
                          "(other processes < 0.15 cores); default 0 = do not wait")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per worker (default 300)")
+    ap.add_argument("--simd", choices=("auto", "avx2", "avx512"), default="auto",
+                    help="SIMD level of our engine (GH_SIMD); pair avx2 with --llama-python of an "
+                         "AVX2 build of llama.cpp to compare the AVX2 paths on an AVX-512 machine")
+    ap.add_argument("--llama-python", default=sys.executable, metavar="PYTHON",
+                    help="interpreter whose llama-cpp-python runs the llama.cpp workers (default: "
+                         "this one); the table says which ISA each engine ran")
     ap.add_argument("--write-docs", action="store_true", help=f"write the results into {DOCS.relative_to(REPO)}")
     ap.add_argument("--json", help="also save raw results to this file")
     add_shape_args(ap)
@@ -674,6 +708,9 @@ def main(argv=None) -> int:
         print(json.dumps(res))
         return 0
 
+    global LLAMA_PYTHON, OUR_SIMD
+    LLAMA_PYTHON = a.llama_python
+    OUR_SIMD = None if a.simd == "auto" else a.simd
     finish_shape_args(a)
     types = [t.strip() for t in a.types.split(",") if t.strip()]
     threads = [int(t) for t in a.threads.split(",")]

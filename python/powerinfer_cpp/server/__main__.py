@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and /metrics "
                                      "(also read from POWERINFER_API_KEY)")
     p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
-                   help="FFN mode (default auto: the file's sparse mode: sparse with predictors, gate with gate thresholds)")
+                   help="FFN mode (default auto: the file's sparse mode: sparse with "
+                        "predictors, gate with gate thresholds)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, host-device")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
                    help="device memory the model may use, e.g. 6G")

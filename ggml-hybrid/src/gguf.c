@@ -323,6 +323,23 @@ static gh_status parse_kvs(cursor * c, gh_gguf * g) {
 
 /* ---- tensor infos ---- */
 
+/* ggml's names of the tensor type ids this runtime cannot compute with, so that a refusal
+ * names the type a user knows ("Q6_K", not "type 14"); the reader runs without the type
+ * table (types.c), which asks here for the names it lacks. */
+static const char * const k_ggml_names[] = {
+    [3] = "Q4_1", [6] = "Q5_0", [7] = "Q5_1", [9] = "Q8_1", [10] = "Q2_K", [11] = "Q3_K",
+    [12] = "Q4_K", [13] = "Q5_K", [14] = "Q6_K", [15] = "Q8_K", [16] = "IQ2_XXS",
+    [17] = "IQ2_XS", [18] = "IQ3_XXS", [19] = "IQ1_S", [20] = "IQ4_NL", [21] = "IQ3_S",
+    [22] = "IQ2_S", [23] = "IQ4_XS", [24] = "I8", [25] = "I16", [26] = "I32", [27] = "I64",
+    [28] = "F64", [29] = "IQ1_M", [34] = "TQ1_0", [35] = "TQ2_0", [39] = "MXFP4",
+};
+
+const char * gh_ggml_type_name(int type) {
+    if (type >= 0 && type < (int) (sizeof k_ggml_names / sizeof k_ggml_names[0]) && k_ggml_names[type])
+        return k_ggml_names[type];
+    return "unknown";
+}
+
 static gh_status parse_tensors(cursor * c, gh_gguf * g) {
     gh_status st;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -363,7 +380,7 @@ static gh_status parse_tensors(cursor * c, gh_gguf * g) {
         if (k < 0)
             return perr(c, GH_ERR_UNSUPPORTED, "tensor '%.200s' has type %s (id %u), which this "
                         "runtime does not read (it reads f32, f16, bf16, q8_0, q4_0 and i32)",
-                        t->name, gh_type_name(type > INT32_MAX ? -1 : (int) type), type);
+                        t->name, gh_ggml_type_name(type > INT32_MAX ? -1 : (int) type), type);
         t->type = (int) type;
         uint64_t bs = k_tensor_types[k].block_size;
         if ((uint64_t) t->ne[0] % bs != 0)

@@ -2,6 +2,7 @@
  * Quantizers are byte-identical to ggml's reference ones (and to gguf-py's
  * gguf.quants, which the tests check against). */
 #include "types.h"
+#include "gguf.h"
 #include "simd/kernels.h"
 
 #include <math.h>
@@ -228,22 +229,9 @@ int64_t gh_type_block_size(int type) {
     return i < 0 ? 0 : g_traits[i].block_size;
 }
 
-/* ggml's names of the type ids this runtime cannot compute with, so that a refusal names
- * the type a user knows ("Q6_K", not "type 14"). */
-static const char * const k_ggml_names[] = {
-    [3] = "Q4_1", [6] = "Q5_0", [7] = "Q5_1", [9] = "Q8_1", [10] = "Q2_K", [11] = "Q3_K",
-    [12] = "Q4_K", [13] = "Q5_K", [14] = "Q6_K", [15] = "Q8_K", [16] = "IQ2_XXS",
-    [17] = "IQ2_XS", [18] = "IQ3_XXS", [19] = "IQ1_S", [20] = "IQ4_NL", [21] = "IQ3_S",
-    [22] = "IQ2_S", [23] = "IQ4_XS", [24] = "I8", [25] = "I16", [26] = "I32", [27] = "I64",
-    [28] = "F64", [29] = "IQ1_M", [34] = "TQ1_0", [35] = "TQ2_0", [39] = "MXFP4",
-};
-
 const char * gh_type_name(int type) {
     int i = type_index(type);
-    if (i >= 0) return g_traits[i].name;
-    if (type >= 0 && type < (int) (sizeof k_ggml_names / sizeof k_ggml_names[0]) && k_ggml_names[type])
-        return k_ggml_names[type];
-    return "unknown";
+    return i >= 0 ? g_traits[i].name : gh_ggml_type_name(type);
 }
 
 static gh_status check_row_args(const char * fn, int type, const void * src, const void * dst,

@@ -193,3 +193,11 @@ def test_inspect_place_and_hybrid(swiglu, tmp_path):
         got = np.stack([dev.eval([t]) for t in ids])
         assert dev.context.stats()["device"]["neurons_device"] > 0
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_gelu_erf_activation_matches_math_erf():
+    import math
+
+    g = np.linspace(-8, 8, 2001)
+    want = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in g])
+    np.testing.assert_allclose(activation(F.ACT_GELU_ERF, g), want, rtol=0, atol=1e-6)

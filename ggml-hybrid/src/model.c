@@ -761,6 +761,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     bool ok = true;
     c->cache_type = p->cache_type;
     c->kv_row = gh_row_size(p->cache_type, (int64_t) dkv);
+    if (c->cache_type != GH_TYPE_F32) c->kv_store = gh_type_traits_get(c->cache_type)->from_float;
     c->k_cache = calloc((size_t) hp->n_layer, sizeof(void *));
     c->v_cache = calloc((size_t) hp->n_layer, sizeof(void *));
     ok = c->k_cache && c->v_cache;
@@ -923,7 +924,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, 0);
         }
         if (!kv_f32) {
-            const gh_from_float_fn store = gh_type_traits_get(c->cache_type)->from_float;
+            const gh_from_float_fn store = c->kv_store;
             uint8_t * kdst = (uint8_t *) c->k_cache[il] + (size_t) p0 * c->kv_row;
             uint8_t * vdst = (uint8_t *) c->v_cache[il] + (size_t) p0 * c->kv_row;
             for (int32_t t = 0; t < n; t++) {

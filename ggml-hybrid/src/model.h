@@ -12,6 +12,7 @@
 #include "ops.h"
 #include "threadpool.h"
 #include "backend.h"
+#include "types.h"
 
 typedef struct {
     float *   attn_norm;   /* [n_embd], owned f32 copy */
@@ -61,6 +62,7 @@ struct gh_context {
     void **         v_cache;
     int32_t         cache_type;
     size_t          kv_row;
+    gh_from_float_fn kv_store; /* f32 row -> cache_type (NULL for F32: written in place) */
     float *         k_cur;
     float *         v_cur;
     /* activations for up to n_batch tokens, named after what they hold */

@@ -706,16 +706,21 @@ static void attn_unit(const attn_job * j, int64_t unit) {
     const int64_t n_kv = j->n_past + t1; /* the last token of the tile sees the most */
     const uint8_t * kh_bytes = j->k + (size_t) kh * j->kv_head;
     const uint8_t * vh_bytes = j->v + (size_t) kh * j->kv_head;
-    /* An F32 cache is read in place; another type through the tiles (rows d floats apart,
-     * key jj at row jj - off). */
+    /* An F32 cache is read in place (rows kv_stride floats apart, key jj at row jj); another
+     * type through the tiles (rows d floats apart, key jj at row jj - j0). The same score and
+     * value code runs over either. */
     float ktile[j->to_float ? ATT_BLOCK * d : 1];
     float vtile[j->to_float ? ATT_BLOCK * d : 1];
-    const float * kbase = (const float *) kh_bytes;
-    const float * vbase = (const float *) vh_bytes;
-    int64_t off = 0;
+    const float * kbase = j->to_float ? ktile : (const float *) kh_bytes;
+    const float * vbase = j->to_float ? vtile : (const float *) vh_bytes;
+    const int64_t ks = j->to_float ? d : kv_stride;
+    /* the in-place cache's rows of one kv head are n_head_kv * head_dim floats apart (often a
+     * page): the hardware prefetcher does not follow them, so they are fetched by hand */
+    const bool pf = !j->to_float;
 
     for (int64_t j0 = 0; j0 < n_kv; j0 += ATT_BLOCK) {
         const int64_t j1 = GH_MIN(j0 + ATT_BLOCK, n_kv);
+        const int64_t off = j->to_float ? j0 : 0;
         if (j->to_float) {
             for (int64_t jj = j0; jj < j1; jj++) {
                 const size_t r = (size_t) jj * j->kv_row;
@@ -726,35 +731,23 @@ static void attn_unit(const attn_job * j, int64_t unit) {
                 j->to_float(kh_bytes + r, ktile + (jj - j0) * d, d);
                 j->to_float(vh_bytes + r, vtile + (jj - j0) * d, d);
             }
-            kbase = ktile;
-            vbase = vtile;
-            off = j0;
         }
-        const int64_t ks = j->to_float ? d : kv_stride;
         /* scores */
-        if (j->to_float) {
-            for (int i = 0; i < nq; i++) {
-                const int64_t e = GH_MIN(j1, lim[i]);
-                if (e <= j0) continue;
-                if (j->scores) j->scores(qr[i], kbase, ks, 0, e - off, scale, sc[i]);
-                else for (int64_t jj = j0; jj < e; jj++)
-                    sc[i][jj - j0] = j->kern.dot(qr[i], kbase + (jj - off) * ks, d) * scale;
-            }
-        } else if (j->scores) {
-            for (int64_t jj = j0; jj < j1; jj++) {
-                prefetch_row(kbase + jj * kv_stride, d);
-                prefetch_row_l2(vbase + jj * kv_stride, d);
+        if (j->scores) {
+            for (int64_t jj = j0; pf && jj < j1; jj++) {
+                prefetch_row(kbase + jj * ks, d);
+                prefetch_row_l2(vbase + jj * ks, d);
             }
             for (int i = 0; i < nq; i++) {
                 const int64_t e = GH_MIN(j1, lim[i]);
-                if (e > j0) j->scores(qr[i], kbase, kv_stride, j0, e, scale, sc[i]);
+                if (e > j0) j->scores(qr[i], kbase, ks, j0 - off, e - off, scale, sc[i]);
             }
         } else for (int64_t jj = j0; jj < j1; jj++) {
-            const float * kr = kbase + jj * kv_stride;
-            /* Rows of one kv head are n_head_kv * head_dim floats apart (often a page):
-             * the hardware prefetcher does not follow them, so fetch ahead by hand. */
-            if (jj + ATT_PREFETCH < n_kv) prefetch_row(kr + ATT_PREFETCH * kv_stride, d);
-            prefetch_row_l2(vbase + jj * kv_stride, d); /* for this block's value pass */
+            const float * kr = kbase + (jj - off) * ks;
+            if (pf) {
+                if (jj + ATT_PREFETCH < n_kv) prefetch_row(kr + ATT_PREFETCH * ks, d);
+                prefetch_row_l2(vbase + jj * ks, d); /* for this block's value pass */
+            }
             for (int i = 0; i < nq; i++) {
                 if (jj < lim[i]) sc[i][jj - j0] = j->kern.dot(qr[i], kr, d) * scale;
             }
@@ -776,22 +769,14 @@ static void attn_unit(const attn_job * j, int64_t unit) {
             l[i] += j->kern.exp_sum(sc[i], nb, m[i]);
         }
         /* weighted values */
-        if (j->to_float) {
+        if (j->values) {
             for (int i = 0; i < nq; i++) {
                 const int64_t e = GH_MIN(j1, lim[i]);
-                if (e <= j0) continue;
-                if (j->values) j->values(orow[i], sc[i], vbase, ks, 0, e - off);
-                else for (int64_t jj = j0; jj < e; jj++)
-                    j->kern.axpy(orow[i], sc[i][jj - j0], vbase + (jj - off) * ks, d);
-            }
-        } else if (j->values) {
-            for (int i = 0; i < nq; i++) {
-                const int64_t e = GH_MIN(j1, lim[i]);
-                if (e > j0) j->values(orow[i], sc[i], vbase, kv_stride, j0, e);
+                if (e > j0) j->values(orow[i], sc[i], vbase, ks, j0 - off, e - off);
             }
         } else for (int64_t jj = j0; jj < j1; jj++) {
-            const float * vr = vbase + jj * kv_stride;
-            if (jj + ATT_PREFETCH < j1) prefetch_row(vr + ATT_PREFETCH * kv_stride, d);
+            const float * vr = vbase + (jj - off) * ks;
+            if (pf && jj + ATT_PREFETCH < j1) prefetch_row(vr + ATT_PREFETCH * ks, d);
             for (int i = 0; i < nq; i++) {
                 if (jj < lim[i]) j->kern.axpy(orow[i], sc[i][jj - j0], vr, d);
             }

@@ -45,9 +45,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    except OSError:
+    except OSError:  # e.g. PermissionError: it exists, owned by another user
         return True
     return True
 

@@ -1,7 +1,7 @@
 /* Token sampling: repetition penalty, temperature, top-k, top-p, min-p, seeded RNG.
  * Order follows Hugging Face's generate (penalty, temperature, top-k, top-p, min-p),
  * so a given seed reproduces the same tokens run after run. */
-#include "common.h"
+#include "core/common.h"
 
 #include <math.h>
 #include <stdlib.h>

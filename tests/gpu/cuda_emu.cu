@@ -1,4 +1,4 @@
-/* The CUDA kernels' row math (ggml-hybrid/src/cuda/rows.cuh) run on the CPU, no GPU
+/* The CUDA kernels' row math (ggml-hybrid/src/backend/cuda/rows.cuh) run on the CPU, no GPU
  * needed: test_cuda_emu.py builds this with nvcc against the runtime library and runs it.
  *
  * A warp's work is replayed lane by lane: row_dot for lanes 0..31 gives the 32 partial
@@ -19,10 +19,10 @@
 #include <vector>
 
 extern "C" {
-#include "types.h"
+#include "types/types.h"
 }
 
-#include "cuda/rows.cuh"
+#include "backend/cuda/rows.cuh"
 
 using namespace gh_cuda;
 

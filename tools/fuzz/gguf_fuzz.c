@@ -2,7 +2,7 @@
  * if it is accepted, touch everything the handle exposes (every key and value through
  * the typed getters, every tensor's first and last data byte), then close it.
  * Build and run: see tools/fuzz/README.md. */
-#include "gguf.h"
+#include "gguf/gguf.h"
 
 #include <stddef.h>
 #include <stdint.h>

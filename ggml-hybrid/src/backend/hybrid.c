@@ -1,0 +1,399 @@
+/* Placing a model on a device under a VRAM budget (the runtime half of the offline
+ * placement in python/powerinfer_cpp/placement.py: same priority, same greedy rule), the
+ * neuron split of the FFN weights, and the device matmul the forward pass calls. */
+#include "backend/hybrid.h"
+#include "model/model.h"
+#include "ffn/sparse.h"
+#include "types/types.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DEFAULT_MARGIN ((int64_t) 256 << 20) /* left free when the budget is "all" */
+#define DEFAULT_GROUP 64
+#define MIN_LAYER_SHARE 0.05 /* placement.py's default: a layer gets none or >= 5% */
+
+static size_t wbytes(const gh_weight * w) { return (size_t) w->rows * w->row_bytes; }
+
+static void note(gh_hybrid * hy, const char * fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note(gh_hybrid * hy, const char * fmt, ...) {
+    char * s = hy->info.note;
+    const size_t used = strlen(s), cap = sizeof hy->info.note;
+    if (used + 2 >= cap) return;
+    if (used) { s[used] = ' '; s[used + 1] = 0; }
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s + strlen(s), cap - strlen(s), fmt, ap);
+    va_end(ap);
+}
+
+static gh_status dev_alloc(gh_hybrid * hy, size_t bytes, void ** out) {
+    if (hy->n_bufs == hy->cap_bufs) {
+        const int cap = hy->cap_bufs ? 2 * hy->cap_bufs : 64;
+        void ** nb = realloc(hy->bufs, (size_t) cap * sizeof *nb);
+        if (!nb) return gh_fail(GH_ERR_OOM, "out of memory");
+        hy->bufs = nb;
+        hy->cap_bufs = cap;
+    }
+    gh_status st = hy->b->ops->alloc(hy->b, bytes, out);
+    if (st) return st;
+    hy->bufs[hy->n_bufs++] = *out;
+    hy->info.used_bytes += (int64_t) bytes;
+    return GH_OK;
+}
+
+/* A whole weight to the device. */
+static gh_status put(gh_hybrid * hy, const gh_weight * w, gh_dweight * dw) {
+    dw->type = w->type;
+    dw->rows = w->rows;
+    dw->cols = w->cols;
+    dw->row_bytes = w->row_bytes;
+    gh_status st = dev_alloc(hy, wbytes(w), &dw->data);
+    if (st) return st;
+    return hy->b->ops->upload(hy->b, dw->data, w->data, wbytes(w));
+}
+
+/* The rows ids[0..n) of w, compacted, to the device (staged through tmp, >= n rows). */
+static gh_status put_rows(gh_hybrid * hy, const gh_weight * w, const int32_t * ids, int64_t n,
+                          uint8_t * tmp, gh_dweight * dw) {
+    for (int64_t k = 0; k < n; k++) {
+        memcpy(tmp + (size_t) k * w->row_bytes,
+               (const uint8_t *) w->data + (size_t) ids[k] * w->row_bytes, w->row_bytes);
+    }
+    dw->type = w->type;
+    dw->rows = n;
+    dw->cols = w->cols;
+    dw->row_bytes = w->row_bytes;
+    gh_status st = dev_alloc(hy, (size_t) n * w->row_bytes, &dw->data);
+    if (st) return st;
+    return hy->b->ops->upload(hy->b, dw->data, tmp, (size_t) n * w->row_bytes);
+}
+
+static int64_t neuron_bytes(const gh_layer * L) {
+    return (int64_t) (L->gate.row_bytes + L->up.row_bytes + L->down_t.row_bytes);
+}
+
+/* ------------------------------------------------------- greedy placement -- */
+
+typedef struct {
+    int32_t * order;  /* neurons by falling frequency (stable) */
+    double *  gval;   /* frequency mass of each group */
+    int64_t   n_groups, min_groups, k;  /* k: groups taken */
+} layer_groups;
+
+static const float * freq_of(const gh_model * m, int il) {
+    char name[64];
+    snprintf(name, sizeof name, "blk.%d.ffn_freq", il);
+    const gh_gguf_tensor * t = gh_gguf_find_tensor(m->gguf, name);
+    return t ? (const float *) t->data : NULL; /* validated at load: f32 [n_ff] in [0, 1] */
+}
+
+typedef struct { float f; int32_t id; } neuron_freq;
+
+/* Falling frequency; ties by id, as numpy's stable argsort of -freq. */
+static int by_freq(const void * a, const void * b) {
+    const neuron_freq * x = a, * y = b;
+    if (x->f != y->f) return x->f > y->f ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* hot[il] (ascending ids, n_hot[il]) for `left` bytes: repeatedly take the step with the
+ * best frequency per byte that fits (a layer's next group, or its first block of
+ * min_groups groups). Layers without ffn_down_t or frequencies get none. */
+static gh_status greedy(const gh_model * m, int64_t left, int32_t ** hot, int64_t * n_hot) {
+    const int nl = m->info.n_layer;
+    const int64_t ff = m->info.n_ff;
+    layer_groups * lg = calloc((size_t) nl, sizeof *lg);
+    if (!lg) return gh_fail(GH_ERR_OOM, "out of memory");
+    gh_status st = GH_OK;
+    int64_t gs = DEFAULT_GROUP;
+    const int64_t ki = gh_gguf_find_key(m->gguf, "powerinfer.gpu.group_size");
+    int64_t v;
+    if (ki >= 0 && gh_gguf_kv_int(m->gguf, ki, &v) == GH_OK && v >= 1 && v <= ff) gs = v;
+    for (int il = 0; il < nl && !st; il++) {
+        const float * f = freq_of(m, il);
+        if (!f || !m->layers[il].has_down_t) continue;
+        lg[il].order = malloc((size_t) ff * sizeof(int32_t));
+        lg[il].n_groups = (ff + gs - 1) / gs;
+        lg[il].gval = calloc((size_t) lg[il].n_groups, sizeof(double));
+        if (!lg[il].order || !lg[il].gval) { st = gh_fail(GH_ERR_OOM, "out of memory"); break; }
+        neuron_freq * nf = malloc((size_t) ff * sizeof *nf);
+        if (!nf) { st = gh_fail(GH_ERR_OOM, "out of memory"); break; }
+        for (int64_t i = 0; i < ff; i++) {
+            memcpy(&nf[i].f, f + i, 4); /* the file's data need not be 4-aligned */
+            nf[i].id = (int32_t) i;
+        }
+        qsort(nf, (size_t) ff, sizeof *nf, by_freq);
+        for (int64_t i = 0; i < ff; i++) {
+            lg[il].order[i] = nf[i].id;
+            lg[il].gval[i / gs] += nf[i].f;
+        }
+        free(nf);
+        int64_t mg = (int64_t) ceil(MIN_LAYER_SHARE * (double) ff / (double) gs);
+        lg[il].min_groups = GH_MIN(lg[il].n_groups, GH_MAX(1, mg));
+    }
+    while (!st) {
+        int best = -1;
+        double best_d = -1.0;
+        int64_t best_n = 0, best_b = 0;
+        for (int il = 0; il < nl; il++) {
+            layer_groups * g = &lg[il];
+            if (!g->order || g->k >= g->n_groups) continue;
+            const int64_t n = g->k > 0 ? 1 : g->min_groups;
+            const int64_t last = GH_MIN(g->k + n, g->n_groups);
+            const int64_t neurons = GH_MIN(last * gs, ff) - g->k * gs;
+            const int64_t b = neurons * neuron_bytes(&m->layers[il]);
+            if (b > left) continue;
+            double val = 0.0;
+            for (int64_t j = g->k; j < last; j++) val += g->gval[j];
+            const double dens = b > 0 ? val / (double) b : INFINITY;
+            if (dens > best_d) { best_d = dens; best = il; best_n = last - g->k; best_b = b; }
+        }
+        if (best < 0) break;
+        lg[best].k += best_n;
+        left -= best_b;
+    }
+    for (int il = 0; il < nl && !st; il++) {
+        const int64_t n = lg[il].order ? GH_MIN(lg[il].k * gs, ff) : 0;
+        n_hot[il] = n;
+        if (!n) continue;
+        hot[il] = malloc((size_t) n * sizeof(int32_t));
+        if (!hot[il]) { st = gh_fail(GH_ERR_OOM, "out of memory"); break; }
+        /* the first n of the frequency order, ascending: a bitmap pass keeps it O(n_ff) */
+        uint8_t * mark = calloc((size_t) ff, 1);
+        if (!mark) { st = gh_fail(GH_ERR_OOM, "out of memory"); break; }
+        for (int64_t i = 0; i < n; i++) mark[lg[il].order[i]] = 1;
+        int64_t k = 0;
+        for (int64_t i = 0; i < ff; i++) if (mark[i]) hot[il][k++] = (int32_t) i;
+        free(mark);
+    }
+    for (int il = 0; il < nl; il++) { free(lg[il].order); free(lg[il].gval); }
+    free(lg);
+    return st;
+}
+
+/* ------------------------------------------------------------- placement -- */
+
+static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t * ids, int64_t n) {
+    const gh_layer * L = &m->layers[il];
+    gh_dlayer * D = &hy->layers[il];
+    const int64_t ff = m->info.n_ff;
+    D->bucket = malloc((size_t) n * sizeof(int32_t));
+    D->row_of = malloc((size_t) ff * sizeof(int32_t));
+    const size_t rb = GH_MAX(GH_MAX(L->gate.row_bytes, L->up.row_bytes), L->down_t.row_bytes);
+    uint8_t * tmp = malloc((size_t) n * rb);
+    if (!D->bucket || !D->row_of || !tmp) {
+        free(tmp);
+        return gh_fail(GH_ERR_OOM, "out of memory staging layer %d's hot neurons", il);
+    }
+    memcpy(D->bucket, ids, (size_t) n * sizeof(int32_t));
+    for (int64_t i = 0; i < ff; i++) D->row_of[i] = -1;
+    for (int64_t k = 0; k < n; k++) D->row_of[ids[k]] = (int32_t) k;
+    D->hot.n_hot = n;
+    gh_status st;
+    if (!(st = put_rows(hy, &L->gate, ids, n, tmp, &D->hot.gate)) &&
+        !(st = put_rows(hy, &L->up, ids, n, tmp, &D->hot.up))) {
+        st = put_rows(hy, &L->down_t, ids, n, tmp, &D->hot.down_t);
+    }
+    free(tmp);
+    if (!st) {
+        hy->info.hot_bytes += n * neuron_bytes(L);
+        hy->info.n_hot += n;
+        hy->info.n_hot_layers++;
+    }
+    return st;
+}
+
+static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) {
+    const gh_model_info * hp = &m->info;
+    const int nl = hp->n_layer;
+    gh_device_info * in = &hy->info;
+    size_t free_b = 0, total_b = 0;
+    gh_status st = hy->b->ops->mem_info(hy->b, &free_b, &total_b);
+    if (st) return st;
+    const int64_t avail = (int64_t) GH_MIN(free_b, (size_t) INT64_MAX);
+    int64_t budget;
+    if (p->vram_budget < 0) {
+        budget = GH_MAX((int64_t) 0, avail - DEFAULT_MARGIN);
+    } else if (p->vram_budget > avail) {
+        budget = avail;
+        note(hy, "The VRAM budget of %.1f MiB is more than the device's free %.1f MiB: using %.1f MiB.",
+             p->vram_budget / 1048576.0, avail / 1048576.0, avail / 1048576.0);
+    } else {
+        budget = p->vram_budget;
+    }
+    in->budget = budget;
+    int64_t left = budget;
+
+    /* dense parts, strict priority: attention, predictors, head */
+    bool stop = false;
+    for (int il = 0; il < nl && !stop; il++) {
+        const gh_layer * L = &m->layers[il];
+        const int64_t b = (int64_t) (wbytes(&L->wq) + wbytes(&L->wk) + wbytes(&L->wv) + wbytes(&L->wo));
+        if (b > left) { stop = true; break; }
+        gh_dlayer * D = &hy->layers[il];
+        if ((st = put(hy, &L->wq, &D->wq)) || (st = put(hy, &L->wk, &D->wk)) ||
+            (st = put(hy, &L->wv, &D->wv)) || (st = put(hy, &L->wo, &D->wo))) return st;
+        D->att = true;
+        left -= b;
+        in->dense_bytes += b;
+        in->n_attention_layers++;
+    }
+    for (int il = 0; il < nl && !stop; il++) {
+        const gh_layer * L = &m->layers[il];
+        if (!L->has_pred) continue;
+        const int64_t b = (int64_t) (wbytes(&L->fc1) + wbytes(&L->fc2));
+        if (b > left) { stop = true; break; }
+        gh_dlayer * D = &hy->layers[il];
+        if ((st = put(hy, &L->fc1, &D->fc1)) || (st = put(hy, &L->fc2, &D->fc2))) return st;
+        D->pred = true;
+        left -= b;
+        in->dense_bytes += b;
+        in->n_predictor_layers++;
+    }
+    if (!stop && (int64_t) wbytes(&m->output) <= left) {
+        if ((st = put(hy, &m->output, &hy->output))) return st;
+        hy->head = true;
+        left -= (int64_t) wbytes(&m->output);
+        in->dense_bytes += (int64_t) wbytes(&m->output);
+        in->head_on_device = 1;
+    }
+
+    /* hot neurons: the file's index if it fits, else placed here */
+    int64_t file_bytes = 0, file_hot = 0;
+    bool has_index = false, has_freq = false;
+    for (int il = 0; il < nl; il++) {
+        const gh_layer * L = &m->layers[il];
+        has_index |= L->gpu_idx != NULL;
+        has_freq |= freq_of(m, il) != NULL;
+        if (L->n_hot && L->has_down_t) {
+            file_bytes += L->n_hot * neuron_bytes(L);
+            file_hot += L->n_hot;
+        }
+    }
+    in->file_budget = -1;
+    const int64_t ki = gh_gguf_find_key(m->gguf, "powerinfer.gpu.vram_budget");
+    int64_t fb;
+    if (has_index && ki >= 0 && gh_gguf_kv_int(m->gguf, ki, &fb) == GH_OK) in->file_budget = fb;
+
+    if (file_hot > 0 && file_bytes <= left && !p->reset_gpu_index) {
+        for (int il = 0; il < nl; il++) {
+            const gh_layer * L = &m->layers[il];
+            if (L->n_hot && L->has_down_t && (st = upload_hot(m, hy, il, L->gpu_bucket, L->n_hot))) {
+                return st;
+            }
+        }
+        in->index_source = 1;
+        return GH_OK;
+    }
+    if (left <= 0) {
+        if (file_hot > 0) note(hy, "The dense parts took the whole budget: no hot neurons on the device.");
+        return GH_OK;
+    }
+    if (!has_freq) {
+        note(hy, "The file has no neuron frequencies (blk.N.ffn_freq; convert with --sparse): "
+             "the FFN stays on the CPU.");
+        return GH_OK;
+    }
+    if (p->reset_gpu_index) {
+        note(hy, "GPU index reset: hot neurons placed at load (greedy).");
+    } else if (file_hot > 0) {
+        note(hy, "The file's GPU index needs %.1f MiB but %.1f MiB are left after the dense parts: "
+             "hot neurons re-placed at load (greedy; `python -m powerinfer_cpp.place` writes an ILP "
+             "solution for this budget).", file_bytes / 1048576.0, left / 1048576.0);
+    } else {
+        note(hy, "The file's GPU index is empty (solved for %s): hot neurons placed at load (greedy; "
+             "`python -m powerinfer_cpp.place` writes an ILP solution).",
+             in->file_budget >= 0 ? "a 0-byte budget" : "no GPU");
+    }
+    int32_t ** hot = calloc((size_t) nl, sizeof *hot);
+    int64_t * n_hot = calloc((size_t) nl, sizeof *n_hot);
+    if (!hot || !n_hot) { free(hot); free(n_hot); return gh_fail(GH_ERR_OOM, "out of memory"); }
+    st = greedy(m, left, hot, n_hot);
+    for (int il = 0; il < nl && !st; il++) {
+        if (n_hot[il]) st = upload_hot(m, hy, il, hot[il], n_hot[il]);
+    }
+    for (int il = 0; il < nl; il++) free(hot[il]);
+    free(hot);
+    free(n_hot);
+    if (!st) in->index_source = in->n_hot > 0 ? 2 : 0;
+    return st;
+}
+
+void gh_hybrid_free(gh_hybrid * hy) {
+    if (!hy) return;
+    for (int i = 0; i < hy->n_bufs; i++) hy->b->ops->free(hy->b, hy->bufs[i]);
+    free(hy->bufs);
+    for (int il = 0; hy->layers && il < hy->n_layer; il++) {
+        free(hy->layers[il].bucket);
+        free(hy->layers[il].row_of);
+    }
+    free(hy->layers);
+    gh_backend_free(hy->b);
+    free(hy);
+}
+
+gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
+    m->hy = NULL;
+    if (!p || !p->device || strcmp(p->device, "cpu") == 0) return GH_OK;
+    if (p->vram_budget < -1) {
+        return gh_fail(GH_ERR_INVALID_ARG, "vram_budget must be >= 0 bytes (or -1 for the default), "
+                       "got %lld", (long long) p->vram_budget);
+    }
+    gh_hybrid * hy = calloc(1, sizeof *hy);
+    if (!hy) return gh_fail(GH_ERR_OOM, "out of memory");
+    gh_status st = gh_backend_new(p->device, &hy->b);
+    if (st) { free(hy); return st; }
+    hy->layers = calloc((size_t) m->info.n_layer, sizeof *hy->layers);
+    hy->n_layer = m->info.n_layer;
+    if (!hy->layers) st = gh_fail(GH_ERR_OOM, "out of memory");
+    snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
+    hy->info.n_neurons = (int64_t) m->info.n_layer * m->info.n_ff;
+    m->hy = hy; /* so that gh_model_free releases a partial placement */
+    if (!st) st = place(m, hy, p);
+    return st;
+}
+
+/* ------------------------------------------------------ per-context stream -- */
+
+gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
+    const gh_model_info * hp = &m->info;
+    const int64_t d = hp->n_embd, dq = (int64_t) hp->n_head * hp->head_dim;
+    int64_t h = 1;
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (m->layers[il].has_pred) h = GH_MAX(h, m->layers[il].fc1.rows);
+    }
+    gh_stream_params p = {
+        .max_in = GH_DEVICE_CHUNK * GH_MAX(d, dq),
+        .max_out = GH_MAX(GH_DEVICE_CHUNK * GH_MAX(GH_MAX(d, dq), (int64_t) hp->n_vocab),
+                          (int64_t) hp->n_ff),
+        .max_rows = hp->n_ff,
+        .max_hidden = h,
+    };
+    return m->hy->b->ops->stream_new(m->hy->b, &p, out);
+}
+
+void gh_hybrid_matmul_async(gh_context * c, const gh_dweight * w, const float * x, int64_t n,
+                            float * y) {
+    const gh_backend_ops * ops = c->model->hy->b->ops;
+    for (int64_t t0 = 0; t0 < n && !c->dev_status; t0 += GH_DEVICE_CHUNK) {
+        const int64_t nt = GH_MIN((int64_t) GH_DEVICE_CHUNK, n - t0);
+        gh_status st = ops->matmul(c->stream, w, x + t0 * w->cols, nt, y + t0 * w->rows);
+        gh_stats_device(c, 0.0, 0.0, (double) nt * w->cols * 4, (double) nt * w->rows * 4,
+                        (double) w->rows * w->row_bytes);
+        if (st) c->dev_status = st;
+    }
+    /* on an error gh_eval reports it; leave no uninitialised values behind */
+    if (c->dev_status) memset(y, 0, (size_t) (n * w->rows) * sizeof(float));
+}
+
+void gh_hybrid_sync(gh_context * c) {
+    const double tw = gh_now();
+    double dev = 0.0;
+    gh_status st = c->model->hy->b->ops->sync(c->stream, &dev);
+    gh_stats_device(c, dev, gh_now() - tw, 0.0, 0.0, 0.0);
+    if (st && !c->dev_status) c->dev_status = st;
+}

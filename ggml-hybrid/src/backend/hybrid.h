@@ -1,0 +1,57 @@
+/* The hybrid runtime (hybrid.c): a model's weights placed on a device backend under a
+ * VRAM budget, with the FFN neurons of each layer split by the GPU index (neuron-split
+ * tensors), and the per-context device stream. */
+#ifndef GH_HYBRID_H
+#define GH_HYBRID_H
+
+#include "backend/backend.h"
+#include "cpu/ops.h"
+
+/* One layer's device-resident parts. The hot neurons are a neuron-split of gate, up and
+ * down_t: the device holds their rows compacted (row k = neuron bucket[k]); the CPU keeps
+ * the full matrices (mapped or read, see gh_load_mode) and skips the rows whose row_of
+ * is >= 0. */
+typedef struct {
+    bool       att;              /* wq, wk, wv, wo on the device */
+    gh_dweight wq, wk, wv, wo;
+    bool       pred;             /* fc1, fc2 on the device */
+    gh_dweight fc1, fc2;
+    gh_dffn    hot;              /* hot.n_hot == 0: the layer's FFN is CPU only */
+    int32_t *  bucket;           /* [n_hot] neuron ids, ascending (host) */
+    int32_t *  row_of;           /* [n_ff] compacted row of a neuron, -1 if cold (host) */
+} gh_dlayer;
+
+typedef struct gh_hybrid {
+    gh_backend *   b;
+    gh_dlayer *    layers;       /* [n_layer] */
+    int            n_layer;
+    bool           head;
+    gh_dweight     output;
+    gh_device_info info;
+    void **        bufs;         /* every device allocation, freed with the model */
+    int            n_bufs, cap_bufs;
+} gh_hybrid;
+
+struct gh_model;
+struct gh_context;
+
+/* Places the model on p->device (the model is loaded; m->hy stays NULL for cpu). */
+gh_status gh_hybrid_place(struct gh_model * m, const gh_model_params * p);
+void gh_hybrid_free(gh_hybrid * hy);
+
+/* Tokens per device matmul call: a context's staging buffers hold this many rows of
+ * activations, and bigger batches are sent in chunks. */
+#define GH_DEVICE_CHUNK 32
+
+/* The context's stream (NULL message-set on failure); sized for the model. */
+gh_status gh_hybrid_stream_new(const struct gh_model * m, gh_stream ** out);
+
+/* Enqueues y = W x for n tokens ([n][w->rows]) of a device weight (chunks of
+ * GH_DEVICE_CHUNK tokens); y is ready after gh_hybrid_sync. Counts the stats; an error is
+ * kept in c->dev_status (y is zeroed) for gh_eval to report. */
+void gh_hybrid_matmul_async(struct gh_context * c, const gh_dweight * w, const float * x,
+                            int64_t n, float * y);
+/* Waits for the context's device work (time and errors into the stats / dev_status). */
+void gh_hybrid_sync(struct gh_context * c);
+
+#endif

@@ -1,0 +1,493 @@
+/* AVX2 kernels (AVX2, FMA, F16C only: no AVX-VNNI or AVX-512, which Zen 2/3 lack).
+ *
+ *   F32  x F32 : FMA;   F16 x F32: vcvtph2ps + FMA;   BF16 x BF16: shift to f32 + FMA
+ *   Q4_0 x Q8_X4: maddubs of the unsigned nibbles with the activation bytes, minus 8
+ *                 times the activation block sum (carried by Q8_X4)
+ *   Q8_0 x Q8_X4: maddubs of |w| with sign(w) * x
+ * One 256-bit register holds half a Q8_X4 group: two blocks, one per 128-bit lane.
+ *
+ * The quantized types run four rows at a time for any number of tokens (q_half_r4): the
+ * integer sums of the four rows are transposed into one register (lane 4i + r: block i,
+ * row r) before they are converted and scaled, so the float work, the activation terms
+ * and the scales are handled once for four rows. Per token, a four-row Q4_0 tile of one
+ * half group is 8 maddubs and 4 madd against ~20 other instructions (Q8_0: 8 madd and 8
+ * sign); the weights are unpacked once per tile and used for every token. A short tile repeats its last row
+ * (rows do not interact), so a row's value is the same in every tile it can land in: at
+ * a matrix's edge, in a gathered sparse tile (dot4), at any thread count.
+ *
+ * Decode tiles prefetch the rows of the tile GH_PF_TILES ahead into L2 as one linear
+ * stream (the four rows of a tile are four short streams the hardware prefetcher picks
+ * up late); the gathered tiles prefetch the rows they are given, a slice per step. */
+#pragma GCC target("avx2,fma,f16c")
+
+#include "cpu/kernels.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#define GH_INLINE static inline __attribute__((always_inline))
+#define MAXR 4
+#define MAXT 6  /* tokens of a float tile */
+/* Prompt tiles (docs/BENCHMARKS.md, "AVX2 kernels"): float 3 rows x 4 tokens (12
+ * accumulators + 3 weight vectors + x fill the 16 registers; 4 x 2 converts a weight
+ * vector per 2 FMAs), quantized 4 rows x 6 tokens (the weights' unpacking spread over
+ * more tokens; the compiler reloads some of them from L1). */
+#define F_MR 3
+#define F_NT 4
+#define QNT 6
+#ifndef GH_PF_TILES
+#define GH_PF_TILES 3
+#endif
+#define GH_PF_HINT _MM_HINT_T1  /* into L2: into L1 the prefetched lines evict x */
+
+GH_INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* ------------------------------------------------------------------ F32, F16, BF16 */
+
+enum { W_F32, W_F16, W_BF16 };
+
+GH_INLINE __m256 bf16x8(const uint16_t * p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* 8 weights of the kind, as f32. */
+GH_INLINE __m256 load_w(const int kind, const void * p) {
+    switch (kind) {
+        case W_F16:  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+        case W_BF16: return bf16x8(p);
+        default:     return _mm256_loadu_ps(p);
+    }
+}
+
+/* 8 activations: bf16 for BF16 weights, else f32. */
+GH_INLINE __m256 load_x(const int kind, const void * p) {
+    return kind == W_BF16 ? bf16x8(p) : _mm256_loadu_ps(p);
+}
+
+/* Prefetch modes of the float tiles: none (prompt tiles, whose rows stay in L2), one
+ * linear stream starting at pf[0] (decode), or the rows pf[0..MR) (gathered rows). */
+enum { PF_NONE, PF_LINEAR, PF_ROWS };
+
+/* y[t * ldy + r] = W[r] . X[t]: rows at wr[r], one accumulator per row and token, 8
+ * values per step, the last n % 8 through zero-padded copies. */
+GH_INLINE void tile_f(const int MR, const int NT, const int kind, const int pfm, int64_t n,
+                      const char * const * wr, const char * const * pf, const void * x,
+                      size_t xs, float * y, int64_t ldy) {
+    const size_t wsz = kind == W_F32 ? 4 : 2;  /* bytes per weight */
+    const size_t xsz = kind == W_BF16 ? 2 : 4; /* bytes per activation */
+    __m256 acc[MAXR][MAXT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
+
+    const char * xb = x;
+    const char * pl = pfm == PF_LINEAR ? pf[0] : NULL; /* next line to prefetch */
+    const char * pend = pl;                            /* end of the stream's bytes so far */
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        if (pfm == PF_LINEAR) { /* MR * 8 weights' bytes of the stream per step */
+            pend += MR * 8 * wsz;
+            for (; pl < pend; pl += 64) _mm_prefetch(pl, GH_PF_HINT);
+        } else if (pfm == PF_ROWS && ((i * wsz) & 63) == 0) {
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) _mm_prefetch(pf[r] + i * wsz, GH_PF_HINT);
+        }
+        __m256 wv[MAXR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) wv[r] = load_w(kind, wr[r] + i * wsz);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const __m256 xv = load_x(kind, xb + t * xs + i * xsz);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+        }
+    }
+    if (i < n) {
+        const size_t k = (size_t) (n - i);
+        _Alignas(32) char wt[MAXR][32] = { { 0 } };
+        _Alignas(32) char xt[MAXT][32] = { { 0 } };
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) memcpy(wt[r], wr[r] + i * wsz, k * wsz);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) memcpy(xt[t], xb + t * xs + i * xsz, k * xsz);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const __m256 xv = load_x(kind, xt[t]);
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) acc[r][t] = _mm256_fmadd_ps(load_w(kind, wt[r]), xv, acc[r][t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) y[t * ldy + r] = hsum(acc[r][t]);
+}
+
+/* The rows of a dense tile; decode prefetches the tile GH_PF_TILES ahead. */
+GH_INLINE void tile_f_dense(const int MR, const int NT, const int kind, int64_t n, const void * w,
+                            size_t ws, const void * x, size_t xs, float * y, int64_t ldy) {
+    const char * wr[MAXR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) wr[r] = (const char *) w + r * ws;
+    const char * pf[1] = { (const char *) w + GH_PF_TILES * MR * ws };
+    tile_f(MR, NT, kind, NT == 1 ? PF_LINEAR : PF_NONE, n, wr, pf, x, xs, y, ldy);
+}
+
+static void bf16_from_float_x(const float * src, void * dst, int64_t n) {
+    uint16_t * d = dst;
+    int64_t i = 0;
+    const __m256i round = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    for (; i + 8 <= n; i += 8) {
+        __m256i v = _mm256_loadu_si256((const __m256i *) (src + i));
+        /* round to nearest even: v + 0x7fff + ((v >> 16) & 1), then >> 16 */
+        __m256i r = _mm256_add_epi32(v, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(v, 16), one)));
+        r = _mm256_srli_epi32(r, 16);
+        /* NaN: keep the upper half, set the quiet bit */
+        __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(v, absmask), inf);
+        __m256i qn = _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_set1_epi32(64));
+        r = _mm256_blendv_epi8(r, qn, nan);
+        __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128((__m128i *) (d + i), packed);
+    }
+    for (; i < n; i++) d[i] = gh_fp32_to_bf16(src[i]);
+}
+
+/* ------------------------------------------------------------------ Q8_X4 activations */
+
+/* roundf (half away from zero) of 8 floats, as the scalar reference does. */
+GH_INLINE __m256i round_away(__m256 v) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
+    const __m256 up = _mm256_cmp_ps(f, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, sign));
+    return _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, one)));
+}
+
+/* gh_quantize_row_q8_x4_ref, byte for byte. */
+static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
+    const int64_t nb = n / QK8_0;
+    const int64_t ng = (nb + 3) / 4;
+    block_q8_x4 * g = dst;
+    if (nb % 4) memset(&g[ng - 1], 0, sizeof *g);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < nb; b++) {
+        block_q8_x4 * yg = &g[b / 4];
+        const int i = (int) (b % 4);
+        const float * xb = x + b * QK8_0;
+        __m256 v[4];
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(xb + 8 * k);
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) q[k] = round_away(_mm256_mul_ps(v[k], vid));
+        /* dwords of the packed bytes: lane 0 holds values 0-3, 8-11, 16-19, 24-27, lane 1
+         * the others; `order` puts them back in sequence */
+        const __m256i p = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm_storeu_si128((__m128i *) &yg->qa[16 * i], _mm256_castsi256_si128(p));
+        _mm_storeu_si128((__m128i *) &yg->qb[16 * i], _mm256_extracti128_si256(p, 1));
+        const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        const int sum = _mm_cvtsi128_si32(s4);
+        for (int j = 0; j < 4; j++) {
+            yg->nsum[4 * i + j] = -sum;
+            yg->d[4 * i + j] = d;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ Q4_0, Q8_0 */
+
+/* Two consecutive blocks of one weight row, unpacked: the unsigned maddubs operands for
+ * values 0..15 (a) and 16..31 (b) of each block (lane i: block i), and for Q8_0 the signed
+ * bytes whose signs go onto the activations (sa, sb). */
+typedef struct {
+    __m256i a, b, sa, sb;
+} wpair;
+
+GH_INLINE __m256i load2x16(const uint8_t * p0, const uint8_t * p1) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) p0)),
+                                   _mm_loadu_si128((const __m128i *) p1), 1);
+}
+
+/* p: the first block of the pair */
+GH_INLINE wpair unpack_pair(const bool is_q4, const uint8_t * p) {
+    wpair u;
+    if (is_q4) {
+        const __m256i q = load2x16(p + 2, p + sizeof(block_q4_0) + 2);
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        u.a = _mm256_and_si256(q, m4);
+        u.b = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        u.sa = u.sb = _mm256_setzero_si256();
+    } else {
+        u.sa = load2x16(p + 2, p + sizeof(block_q8_0) + 2);
+        u.sb = load2x16(p + 18, p + sizeof(block_q8_0) + 18);
+        u.a = _mm256_abs_epi8(u.sa);
+        u.b = _mm256_abs_epi8(u.sb);
+    }
+    return u;
+}
+
+/* A row's pair against the activations' half group (xa, xc): int32 lanes 0..3 sum to
+ * block 0's dot, lanes 4..7 to block 1's (no overflow: |products| <= 128 * 127 per pair of
+ * values in maddubs, and Q4_0's two maddubs sum to at most 4 * 15 * 127). */
+GH_INLINE __m256i pair_dot(const bool is_q4, const wpair * u, __m256i xa, __m256i xc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (is_q4) {
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u->a, xa),
+                                                  _mm256_maddubs_epi16(u->b, xc)), ones);
+    }
+    const __m256i pa = _mm256_maddubs_epi16(u->a, _mm256_sign_epi8(xa, u->sa));
+    const __m256i pb = _mm256_maddubs_epi16(u->b, _mm256_sign_epi8(xc, u->sb));
+    return _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones));
+}
+
+/* Lanes 4i + r = the sum of lanes 4i..4i+3 of s_r (per 128-bit lane: rows 0..3). */
+GH_INLINE __m256i transpose_sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s0, s1), _mm256_unpackhi_epi32(s0, s1));
+    const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s2, s3), _mm256_unpackhi_epi32(s2, s3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+}
+
+/* The fp16 scales of four blocks bs bytes apart, words 0..3. */
+GH_INLINE __m128i scales4(const uint8_t * p, size_t bs) {
+    uint16_t d[4];
+    for (int k = 0; k < 4; k++) memcpy(&d[k], p + k * bs, 2);
+    const uint64_t v = d[0] | (uint64_t) d[1] << 16 | (uint64_t) d[2] << 32 | (uint64_t) d[3] << 48;
+    return _mm_cvtsi64_si128((long long) v);
+}
+
+/* dw[h], lane 4i + r: row r's scale of block 2h + i of the group at p[r]. */
+GH_INLINE void scales_r4(const uint8_t * const * p, size_t bs, __m256 dw[2]) {
+    const __m128i a = _mm_unpacklo_epi16(scales4(p[0], bs), scales4(p[1], bs));
+    const __m128i b = _mm_unpacklo_epi16(scales4(p[2], bs), scales4(p[3], bs));
+    dw[0] = _mm256_cvtph_ps(_mm_unpacklo_epi32(a, b));
+    dw[1] = _mm256_cvtph_ps(_mm_unpackhi_epi32(a, b));
+}
+
+/* acc (lane 4i + r: row r) += the four rows' pairs u against half h of group xg. */
+GH_INLINE __m256 q_half_r4(const bool is_q4, const wpair * u, const block_q8_x4 * xg, int h,
+                           __m256 dw, __m256 acc) {
+    const __m256i xa = _mm256_loadu_si256((const __m256i *) (xg->qa + 32 * h));
+    const __m256i xc = _mm256_loadu_si256((const __m256i *) (xg->qb + 32 * h));
+    __m256i s = transpose_sum4(pair_dot(is_q4, &u[0], xa, xc), pair_dot(is_q4, &u[1], xa, xc),
+                               pair_dot(is_q4, &u[2], xa, xc), pair_dot(is_q4, &u[3], xa, xc));
+    if (is_q4) { /* the zero point: + 8 * (-block sum) */
+        s = _mm256_add_epi32(s, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *) (xg->nsum + 8 * h)), 3));
+    }
+    const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(xg->d + 8 * h));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+}
+
+/* One group of four blocks of the rows p[0..4) against NT tokens' groups (token t's at
+ * xg + t * xs bytes). */
+GH_INLINE void q_group_r4(const int NT, const bool is_q4, const uint8_t * const * p,
+                          const char * xg, size_t xs, __m256 * acc) {
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    __m256 dw[2];
+    scales_r4(p, bs, dw);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        wpair u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) u[r] = unpack_pair(is_q4, p[r] + 2 * h * bs);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            acc[t] = q_half_r4(is_q4, u, (const block_q8_x4 *) (xg + t * xs), h, dw[h], acc[t]);
+        }
+    }
+}
+
+/* A row's last 1..3 blocks copied into zeroed whole groups: zero blocks add exactly 0 (their
+ * scale is 0), and nothing past the rows is read. */
+GH_INLINE void q_tail_r4(const int NT, const bool is_q4, const uint8_t * const * p,
+                         size_t avail, const char * xg, size_t xs, __m256 * acc) {
+    _Alignas(32) uint8_t tb[4][4 * sizeof(block_q8_0)];
+    memset(tb, 0, sizeof tb);
+    const uint8_t * tp[4];
+    for (int r = 0; r < 4; r++) {
+        memcpy(tb[r], p[r], avail);
+        tp[r] = tb[r];
+    }
+    q_group_r4(NT, is_q4, tp, xg, xs, acc);
+}
+
+/* y[t][r] (4 floats per token) = rows[r] . X[t] for NT tokens (X[t] at x + t * xs). pfm:
+ * PF_LINEAR prefetches bytes from pf[0] on (4 groups' worth per group), PF_ROWS each
+ * group's bytes of the rows pf[0..4). */
+GH_INLINE void tile_q_r4(const int NT, const bool is_q4, const int pfm, int64_t n,
+                         const uint8_t * const * rows, const void * const * pf, const void * x,
+                         size_t xs, float (*y)[4]) {
+    __m256 acc[QNT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    const int64_t nb = n / 32;
+    const int64_t ng_full = nb / 4;
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const size_t gb = 4 * bs; /* bytes of a row's group */
+    const char * xb = x;
+    const char * pl = pfm == PF_LINEAR ? pf[0] : NULL;
+    for (int64_t g = 0; g < ng_full; g++) {
+        if (pfm == PF_LINEAR) {
+#pragma GCC unroll 8
+            for (size_t k = 0; k < 4 * gb; k += 64) _mm_prefetch(pl + k, GH_PF_HINT);
+            pl += 4 * gb;
+        } else if (pfm == PF_ROWS) { /* first and last byte cover a Q4_0 group's lines */
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const char * q = (const char *) pf[r] + g * gb;
+                _mm_prefetch(q, GH_PF_HINT);
+                if (!is_q4) _mm_prefetch(q + 64, GH_PF_HINT);
+                _mm_prefetch(q + gb - 1, GH_PF_HINT);
+            }
+        }
+        const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
+        q_group_r4(NT, is_q4, p, xb + g * sizeof(block_q8_x4), xs, acc);
+    }
+    if (nb % 4) {
+        const int64_t g = ng_full;
+        const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
+        q_tail_r4(NT, is_q4, p, (size_t) (nb % 4) * bs, xb + g * sizeof(block_q8_x4), xs, acc);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        _mm_storeu_ps(y[t], s);
+    }
+}
+
+GH_INLINE void gemm_q(const bool is_q4, int64_t n, const void * w, size_t ws, int nr,
+                      const void * x, size_t xs, int nt, float * y, int64_t ldy) {
+    const uint8_t * rows[4];
+    for (int r = 0; r < 4; r++) rows[r] = (const uint8_t *) w + (size_t) GH_MIN(r, nr - 1) * ws;
+    float out[QNT][4];
+    if (nt == 1) {
+        const void * pf[1] = { (const uint8_t *) w + GH_PF_TILES * 4 * ws };
+        tile_q_r4(1, is_q4, PF_LINEAR, n, rows, pf, x, xs, out);
+        for (int r = 0; r < nr; r++) y[r] = out[0][r];
+        return;
+    }
+    for (int t = 0; t < nt; t += QNT) {
+        const char * xt = (const char *) x + t * xs;
+        const int tn = GH_MIN(QNT, nt - t);
+        switch (tn) {
+            case 1: tile_q_r4(1, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 2: tile_q_r4(2, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 3: tile_q_r4(3, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 4: tile_q_r4(4, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 5: tile_q_r4(5, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            default: tile_q_r4(6, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+        }
+        for (int k = 0; k < tn; k++)
+            for (int r = 0; r < nr; r++) y[(t + k) * ldy + r] = out[k][r];
+    }
+}
+
+static void gemm_q8_0(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs,
+                      int nt, float * y, int64_t ldy) {
+    gemm_q(false, n, w, ws, nr, x, xs, nt, y, ldy);
+}
+static void gemm_q4_0(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs,
+                      int nt, float * y, int64_t ldy) {
+    gemm_q(true, n, w, ws, nr, x, xs, nt, y, ldy);
+}
+
+/* ------------------------------------------------------------------ gathered rows */
+
+/* Four rows at arbitrary addresses, one token (kernels.h, gh_dot4_fn): the decode tiles
+ * with a pointer per row, so each value equals the dense decode tile's. */
+GH_INLINE void dot4_f(const int kind, int64_t n, const void * const * rows,
+                      const void * const * pf, const void * x, float * y) {
+    tile_f(4, 1, kind, PF_ROWS, n, (const char * const *) rows, (const char * const *) pf, x, 0, y, 1);
+}
+
+static void dot4_f32(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_f(W_F32, n, rows, pf, x, y);
+}
+static void dot4_f16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_f(W_F16, n, rows, pf, x, y);
+}
+static void dot4_q8_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    tile_q_r4(1, false, PF_ROWS, n, (const uint8_t * const *) rows, pf, x, 0, (float (*)[4]) y);
+}
+static void dot4_q4_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    tile_q_r4(1, true, PF_ROWS, n, (const uint8_t * const *) rows, pf, x, 0, (float (*)[4]) y);
+}
+
+/* ------------------------------------------------------------------ dispatch */
+
+/* Float types: a full MR x NT tile, or edge tiles: nt == 1 with up to MR rows (decode),
+ * else one row at a time with up to NT tokens. */
+#define DEFINE_GEMM_F(name, MR, NT, KIND)                                                     \
+    static void name(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, \
+                     int nt, float * y, int64_t ldy) {                                        \
+        if (nr == MR && nt == NT) { tile_f_dense(MR, NT, KIND, n, w, ws, x, xs, y, ldy); return; } \
+        if (nt == 1) {                                                                        \
+            switch (nr) {                                                                     \
+                case 4: tile_f_dense(4, 1, KIND, n, w, ws, x, xs, y, ldy); return;            \
+                case 3: tile_f_dense(3, 1, KIND, n, w, ws, x, xs, y, ldy); return;            \
+                case 2: tile_f_dense(2, 1, KIND, n, w, ws, x, xs, y, ldy); return;            \
+                default: tile_f_dense(1, 1, KIND, n, w, ws, x, xs, y, ldy); return;           \
+            }                                                                                 \
+        }                                                                                     \
+        for (int r = 0; r < nr; r++) {                                                        \
+            const char * wr = (const char *) w + r * ws;                                      \
+            for (int t = 0; t < nt; t += 4) {                                                 \
+                const char * xt = (const char *) x + t * xs;                                  \
+                float * yt = y + t * ldy + r;                                                 \
+                switch (nt - t) {                                                             \
+                    case 1: tile_f_dense(1, 1, KIND, n, wr, ws, xt, xs, yt, ldy); break;      \
+                    case 2: tile_f_dense(1, 2, KIND, n, wr, ws, xt, xs, yt, ldy); break;      \
+                    case 3: tile_f_dense(1, 3, KIND, n, wr, ws, xt, xs, yt, ldy); break;      \
+                    default: tile_f_dense(1, 4, KIND, n, wr, ws, xt, xs, yt, ldy); break;     \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+DEFINE_GEMM_F(gemm_f32, F_MR, F_NT, W_F32)
+DEFINE_GEMM_F(gemm_f16, F_MR, F_NT, W_F16)
+DEFINE_GEMM_F(gemm_bf16, F_MR, F_NT, W_BF16)
+
+#define DEFINE_DOT(name, gemm)                                                  \
+    static void name(int64_t n, float * s, const void * w, const void * x) {    \
+        gemm(n, w, 0, 1, x, 0, 1, s, 1);                                        \
+    }
+
+DEFINE_DOT(vec_dot_f32, gemm_f32)
+DEFINE_DOT(vec_dot_f16, gemm_f16)
+DEFINE_DOT(vec_dot_bf16, gemm_bf16)
+/* a four-row tile of one repeated row: these are off the hot paths (the sparse row-dots
+ * take dot4) */
+DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
+DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
+
+bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
+    switch (type) {
+        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32 }; return true;
+        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16 }; return true;
+        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL }; return true;
+        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0 }; return true;
+        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0 }; return true;
+        default: return false;
+    }
+}

@@ -1,0 +1,146 @@
+/* Scalar reference kernels: the ground truth the SIMD kernels are tested against.
+ * Plain loops, double accumulators for the float types, exact integer dots per block
+ * for the quantized types. */
+#include "cpu/kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ---- activation conversions ---- */
+
+static void bf16_from_float_x(const float * src, void * dst, int64_t n) {
+    uint16_t * d = dst;
+    for (int64_t i = 0; i < n; i++) d[i] = gh_fp32_to_bf16(src[i]);
+}
+
+/* Q8_0-style quantization of an activation row into the Q8_X4 layout (see kernels.h). */
+void gh_quantize_row_q8_x4_ref(const float * x, void * dst, int64_t n) {
+    const int64_t nb = n / QK8_0;
+    const int64_t ng = (nb + 3) / 4;
+    block_q8_x4 * g = dst;
+    memset(g, 0, (size_t) ng * sizeof *g);
+    for (int64_t b = 0; b < nb; b++) {
+        block_q8_x4 * y = &g[b / 4];
+        const int i = (int) (b % 4);
+        const float * xb = x + b * QK8_0;
+        float amax = 0.0f;
+        for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 16; j++) {
+            int8_t q0 = (int8_t) roundf(xb[j] * id);
+            int8_t q1 = (int8_t) roundf(xb[j + 16] * id);
+            y->qa[16 * i + j] = q0;
+            y->qb[16 * i + j] = q1;
+            sum += q0 + q1;
+        }
+        for (int j = 0; j < 4; j++) {
+            y->nsum[4 * i + j] = -sum;
+            y->d[4 * i + j] = d;
+        }
+    }
+}
+
+/* Activation value j (< 32) of block i (< 4) of a Q8_X4 group. */
+static inline int q8_x4_at(const block_q8_x4 * g, int i, int j) {
+    return j < 16 ? g->qa[16 * i + j] : g->qb[16 * i + j - 16];
+}
+
+/* ---- dots: one weight row . one activation row ---- */
+
+static void vec_dot_f32(int64_t n, float * s, const void * w, const void * x) {
+    const float * a = w;
+    const float * b = x;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double) a[i] * b[i];
+    *s = (float) sum;
+}
+
+static void vec_dot_f16_f32(int64_t n, float * s, const void * w, const void * x) {
+    const uint16_t * a = w;
+    const float * b = x;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double) gh_fp16_to_fp32(a[i]) * b[i];
+    *s = (float) sum;
+}
+
+static void vec_dot_bf16_bf16(int64_t n, float * s, const void * w, const void * x) {
+    const uint16_t * a = w;
+    const uint16_t * b = x;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double) gh_bf16_to_fp32(a[i]) * gh_bf16_to_fp32(b[i]);
+    *s = (float) sum;
+}
+
+static void vec_dot_q8_0_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    const block_q8_0 * a = w;
+    const block_q8_x4 * g = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK8_0; b++) {
+        const block_q8_x4 * y = &g[b / 4];
+        const int i = (int) (b % 4);
+        int isum = 0;
+        for (int j = 0; j < QK8_0; j++) isum += a[b].qs[j] * q8_x4_at(y, i, j);
+        sum += (double) gh_fp16_to_fp32(a[b].d) * y->d[4 * i] * isum;
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_q4_0_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    const block_q4_0 * a = w;
+    const block_q8_x4 * g = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK4_0; b++) {
+        const block_q8_x4 * y = &g[b / 4];
+        const int i = (int) (b % 4);
+        int isum = 0;
+        for (int j = 0; j < QK4_0 / 2; j++) {
+            isum += ((a[b].qs[j] & 0x0f) - 8) * q8_x4_at(y, i, j);
+            isum += ((a[b].qs[j] >> 4) - 8) * q8_x4_at(y, i, j + 16);
+        }
+        sum += (double) gh_fp16_to_fp32(a[b].d) * y->d[4 * i] * isum;
+    }
+    *s = (float) sum;
+}
+
+/* ---- tiles: loops of dots ---- */
+
+#define DEFINE_GEMM(name, dot)                                                              \
+    static void name(int64_t n, const void * w, size_t w_stride, int nr, const void * x,  \
+                     size_t x_stride, int nt, float * y, int64_t ldy) {                   \
+        for (int t = 0; t < nt; t++) {                                                     \
+            for (int r = 0; r < nr; r++) {                                                 \
+                dot(n, &y[t * ldy + r], (const char *) w + r * w_stride,                   \
+                    (const char *) x + t * x_stride);                                      \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+DEFINE_GEMM(gemm_f32, vec_dot_f32)
+DEFINE_GEMM(gemm_f16, vec_dot_f16_f32)
+DEFINE_GEMM(gemm_bf16, vec_dot_bf16_bf16)
+DEFINE_GEMM(gemm_q8_0, vec_dot_q8_0_q8_x4)
+DEFINE_GEMM(gemm_q4_0, vec_dot_q4_0_q8_x4)
+
+bool gh_kernels_scalar(int type, gh_kernel_set * ks) {
+    switch (type) {
+        case GH_TYPE_F32:
+            *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_F16:
+            *ks = (gh_kernel_set) { vec_dot_f16_f32, NULL, gemm_f16, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_BF16:
+            *ks = (gh_kernel_set) { vec_dot_bf16_bf16, bf16_from_float_x, gemm_bf16, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_Q8_0:
+            *ks = (gh_kernel_set) { vec_dot_q8_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q8_0, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_Q4_0:
+            *ks = (gh_kernel_set) { vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0, 1, 1, 1, NULL };
+            return true;
+        default:
+            return false;
+    }
+}

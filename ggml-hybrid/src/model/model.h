@@ -1,0 +1,103 @@
+/* LLaMA-family model: weights loaded from a GGUF file (mapped, or read once into huge
+ * pages: gh_load_mode; used in place, never converted except small norm vectors), and
+ * the context (KV cache + activation buffers) a forward pass
+ * runs in. */
+#ifndef GH_MODEL_H
+#define GH_MODEL_H
+
+#include "core/common.h"
+
+#include <stdatomic.h>
+#include "gguf/gguf.h"
+#include "cpu/ops.h"
+#include "core/threadpool.h"
+#include "backend/backend.h"
+#include "types/types.h"
+
+typedef struct {
+    float *   attn_norm;   /* [n_embd], owned f32 copy */
+    gh_weight wq, wk, wv, wo;
+    float *   ffn_norm;    /* [n_embd] */
+    gh_weight gate, up, down;
+    /* sparse extension (all optional; see load_ffn_down_and_sparse in model.c) */
+    bool      has_down_t;  /* down_t replaces down: row i = neuron i's output vector */
+    gh_weight down_t;      /* [n_ff rows][n_embd cols] */
+    bool      has_pred;
+    gh_weight fc1, fc2;    /* predictor: score = fc2 . relu(fc1 . x); [h][n_embd], [n_ff][h] */
+    uint8_t * gpu_idx;     /* [n_ff] 0/1 (owned copy), NULL when the file has none */
+    int32_t * gpu_bucket;  /* [n_hot] sorted hot neuron ids (owned copy), NULL if none */
+    int32_t   n_hot;
+    /* gate-magnitude sparsity (powerinfer.sparse.gate_threshold[il] = t): neuron i is
+     * active iff |act(gate_i)| > t, which is gate_i > gate_hi_cut, or (for activations
+     * with a negative lobe deeper than -t: SiLU, GELU) gate_lo < gate_i < gate_hi, the
+     * cut points solved once at load so the per-token test needs no act() */
+    bool      has_gate_thr;
+    float     gate_thr, gate_cut, gate_lo, gate_hi;
+} gh_layer;
+
+struct gh_model {
+    gh_gguf *       gguf;
+    gh_model_info   info;
+    int             embd_type;
+    const uint8_t * embd;        /* token_embd rows, embd_row_bytes each */
+    size_t          embd_row_bytes;
+    float *         output_norm; /* [n_embd] */
+    gh_weight       output;      /* the head: output.weight or token_embd when tied */
+    gh_layer *      layers;
+    char *          warnings;    /* non-fatal findings, one per line (gh_model_warnings) */
+    struct gh_hybrid * hy;       /* the model's device placement; NULL: CPU only */
+    _Atomic int     refs;        /* the loader's reference + one per live context */
+};
+
+struct gh_context {
+    gh_model *      model;
+    gh_threadpool * tp;
+    int32_t         n_ctx;
+    int32_t         n_batch;
+    int32_t         n_past;
+    /* KV cache, per layer [n_ctx] rows of n_head_kv * head_dim values in cache_type
+     * (kv_row bytes each); for a cache type other than F32 the new tokens' k and v are
+     * made in f32 in k_cur / v_cur [n_batch][n_head_kv * head_dim], then stored */
+    void **         k_cache;
+    void **         v_cache;
+    int32_t         cache_type;
+    size_t          kv_row;
+    gh_from_float_fn kv_store; /* f32 row -> cache_type (NULL for F32: written in place) */
+    float *         k_cur;
+    float *         v_cur;
+    /* activations for up to n_batch tokens, named after what they hold */
+    float *         x;      /* residual stream [n_batch][n_embd] */
+    float *         xb;     /* normed input [n_batch][n_embd] */
+    float *         xb2;    /* sublayer output [n_batch][n_embd] */
+    float *         q;      /* [n_batch][n_head * head_dim] */
+    float *         att;    /* attention output [n_batch][n_head * head_dim] */
+    float *         rope;   /* RoPE cos/sin of each token's position [n_batch][head_dim] */
+    float *         hb;     /* gate / activated [n_batch][n_ff] */
+    float *         hb2;    /* up [n_batch][n_ff] */
+    void *          mm_scratch;
+    float *         logits;         /* [logits_cap][n_vocab] */
+    int32_t         logits_cap;
+    int32_t         n_logit_rows;
+    /* profiling outputs of gh_eval_profile (NULL otherwise); token 0 = first token of
+     * the call, prof_t0 = index of the current batch's first token within it */
+    float *         prof_x;
+    int64_t         prof_x_stride;
+    uint8_t *       prof_mask;
+    int64_t         prof_mask_stride;
+    int32_t         prof_t0;
+    /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
+    struct gh_sparse_state * sparse;
+    /* hybrid: the context's device stream (NULL on the CPU) and the first device error of
+     * the current gh_eval */
+    gh_stream *     stream;
+    gh_status       dev_status;
+    /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
+     * refused instead of overwriting the buffers and cache the first one uses */
+    atomic_int      busy;
+};
+
+/* Claims c for one call, or fails with GH_ERR_BUSY naming `what`; ctx_leave releases it. */
+gh_status gh_ctx_enter(gh_context * c, const char * what);
+void gh_ctx_leave(gh_context * c);
+
+#endif

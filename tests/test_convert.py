@@ -404,8 +404,8 @@ def test_missing_output_folder(hf_dirs, tmp_path):
 
 
 def test_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch):
-    import powerinfer_cpp.convert as C
-    real, calls = C._encode, []
+    import powerinfer_cpp.gguf_write as W
+    real, calls = W.encode_job, []
 
     def flaky(job):
         calls.append(job.name)
@@ -413,7 +413,7 @@ def test_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch):
             raise RuntimeError("simulated failure")
         return real(job)
 
-    monkeypatch.setattr(C, "_encode", flaky)
+    monkeypatch.setattr(W, "encode_job", flaky)
     out = tmp_path / "o.gguf"
     out.write_bytes(b"old")  # an existing output is left untouched on failure
     with pytest.raises(RuntimeError, match="simulated"):

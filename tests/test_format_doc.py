@@ -53,8 +53,8 @@ def sparse_file(tmp_path_factory):
     from hf_models import make_hf_model
 
     from powerinfer_cpp.convert import convert
-    from powerinfer_cpp.placement import parse_size
-    from powerinfer_cpp.sparse_convert import SparseOptions
+    from powerinfer_cpp.sparse.placement import parse_size
+    from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     d = tmp_path_factory.mktemp("format-doc")
     hf = make_hf_model(d / "hf", act="drelu", tied=True, seed=2, n_layer=2, d=64, n_ff=192, n_ctx=128)

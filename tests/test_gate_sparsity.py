@@ -19,8 +19,8 @@ transformers = pytest.importorskip("transformers")
 from powerinfer_cpp import Model, NativeError  # noqa: E402
 from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, main  # noqa: E402
-from powerinfer_cpp.sparse_convert import SparseOptions  # noqa: E402
-from powerinfer_cpp.thresholds import activation  # noqa: E402
+from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
+from powerinfer_cpp.sparse.thresholds import activation  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 HELDOUT = REPO / "models" / "tiny-relu-kjv" / "heldout.txt"

@@ -150,7 +150,7 @@ def test_load_time_greedy_matches_offline_greedy(sparse_path):
     """The runtime's placement of the neurons is the offline greedy rule."""
     import gguf
 
-    from powerinfer_cpp.placement import greedy_placement, make_problem
+    from powerinfer_cpp.sparse.placement import greedy_placement, make_problem
     r = gguf.GGUFReader(sparse_path)
     t = {x.name: x for x in r.tensors}
     with Model(sparse_path) as probe:

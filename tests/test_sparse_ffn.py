@@ -16,7 +16,7 @@ from gguf import GGUFReader
 
 from powerinfer_cpp import Model, NativeError
 from powerinfer_cpp._native import check, ffi, lib
-from powerinfer_cpp.profile import profile_model
+from powerinfer_cpp.sparse.profile import profile_model
 
 from conftest import SHIPPED_DIR
 from cbuf import fptr, iptr  # noqa: E402

@@ -15,9 +15,9 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("mip")
 
 from powerinfer_cpp import format as F  # noqa: E402
-from powerinfer_cpp.placement import (DenseItem, format_size, greedy_placement, ilp_placement,  # noqa: E402
+from powerinfer_cpp.sparse.placement import (DenseItem, format_size, greedy_placement, ilp_placement,  # noqa: E402
                                       make_problem, parse_size)
-from powerinfer_cpp.predictor import PredictorConfig, evaluate, train_layer  # noqa: E402
+from powerinfer_cpp.sparse.predictor import PredictorConfig, evaluate, train_layer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "models" / "tiny-relu-kjv"
@@ -269,7 +269,7 @@ def test_predictor_whitening():
 
 def test_predictor_type_option():
     from powerinfer_cpp.convert import ConvertError
-    from powerinfer_cpp.sparse_convert import SparseOptions, predictor_qtype
+    from powerinfer_cpp.sparse.pipeline import SparseOptions, predictor_qtype
     Q = gguf.GGMLQuantizationType
     assert predictor_qtype("f16", 2048) == Q.F16 and predictor_qtype("q4_0", 2048) == Q.Q8_0
     assert predictor_qtype("f16", 2048, "q8_0") == Q.Q8_0
@@ -304,7 +304,7 @@ def random_sparse(tmp_path_factory):
     from hf_models import make_hf_model
 
     from powerinfer_cpp.convert import convert
-    from powerinfer_cpp.sparse_convert import SparseOptions
+    from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     d = tmp_path_factory.mktemp("sparse-random")
     hf = make_hf_model(d / "hf", act="relu", tied=False, seed=11, n_layer=2, d=64, n_ff=256, n_ctx=256)
@@ -482,7 +482,7 @@ def test_runtime_loads_sparse_file(random_sparse):
 
 
 def test_profiling_deterministic(random_sparse):
-    from powerinfer_cpp.profile import profile_model
+    from powerinfer_cpp.sparse.profile import profile_model
 
     text = HELDOUT.read_text(encoding="utf-8")[:3000]
     p1 = profile_model(random_sparse["dense-f32"], text, n_ctx=128, max_tokens=300, progress=False, n_threads=1)
@@ -503,7 +503,7 @@ def test_inspect(random_sparse, capsys):
 
 
 def test_failure_leaves_no_output(random_sparse, tmp_path, monkeypatch):
-    import powerinfer_cpp.sparse_convert as SC
+    import powerinfer_cpp.sparse.pipeline as SC
     from powerinfer_cpp.convert import convert
 
     out = tmp_path / "out.gguf"
@@ -558,8 +558,9 @@ def test_shipped_model_pipeline(tmp_path):
 
     from powerinfer_cpp import Model
     from powerinfer_cpp.convert import convert
-    from powerinfer_cpp.profile import profile_model
-    from powerinfer_cpp.sparse_convert import SparseOptions, decode_matrix
+    from powerinfer_cpp.gguf_write import decode_matrix
+    from powerinfer_cpp.sparse.pipeline import SparseOptions
+    from powerinfer_cpp.sparse.profile import profile_model
 
     rep = []
     t0 = time.perf_counter()

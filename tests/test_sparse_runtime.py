@@ -1,7 +1,7 @@
 """The runtime side of the extended (sparse) GGUF: the transposed down projection
 (gh_op_matmul_t and models whose layers store ffn_down_t), validation of the sparse
 metadata (predictors, neuron frequencies, GPU index, format version) and the profiling
-mode (gh_eval_profile / powerinfer_cpp.profile).
+mode (gh_eval_profile / powerinfer_cpp.sparse.profile).
 
 Sparse files are made here from the converted random model (conftest's random_gguf) by
 rewriting it with tests/gguf_rewrite.py: ffn_down dropped, ffn_down_t (the transpose,
@@ -19,7 +19,7 @@ from gguf import GGUFReader, GGUFValueType, quants
 from powerinfer_cpp import Model, NativeError
 from powerinfer_cpp import format as F
 from powerinfer_cpp._native import check, ffi, lib
-from powerinfer_cpp.profile import profile_model
+from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30

@@ -302,7 +302,7 @@ def test_inspect_and_place_on_truncated_files(random_gguf, tmp_path, capsys):
 
 def test_sparse_options_are_checked_up_front():
     from powerinfer_cpp.convert import ConvertError
-    from powerinfer_cpp.sparse_convert import SparseOptions
+    from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     for bad in (dict(ctx=-1), dict(n_threads=-1), dict(vram_budget=-5), dict(predictor_recall=1.5),
                 dict(placement="magic"), dict(calib_tokens=0)):

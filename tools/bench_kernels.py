@@ -21,7 +21,7 @@ cores), and neither wall nor CPU time says how fast the kernels are.
 
 --sparse: instead, one layer's sparse FFN at d=2048, n_ff=5632 for each weight type: the
 predictor (fc1 h x d, fc2 n_ff x h; F16 for float models, Q8_0 for quantized ones, as
-sparse_convert stores them), the sparse GLU (gate and up rows of the active list) and the
+the sparse pipeline stores them), the sparse GLU (gate and up rows of the active list) and the
 sparse down (active rows of down_t), over a fresh random sorted list of --density of the
 neurons per call (SiLU, so every listed up and down row is read: the bytes touched are
 n x 3 rows). GB/s = bytes touched / CPU-normalised time; 'x dense' = the time the dense
@@ -139,7 +139,7 @@ def sparse_main(args, threads) -> None:
 
             def glu(i):
                 s = sets[i % len(sets)]
-                check(lib.gh_op_sparse_glu(t, p(s[0]), p(s[1]), ff, d, 0, p(xs[i % n_ids], "float *"),
+                check(lib.gh_op_sparse_glu(t, p(s[0]), p(s[1]), ff, d, 0, 0.0, p(xs[i % n_ids], "float *"),
                                            p(ids[i % n_ids], "int32_t *"), n_act, p(a, "float *"), nth))
 
             def dn(i):

@@ -21,7 +21,7 @@ import numpy as np
 
 from powerinfer_cpp import Model
 from powerinfer_cpp.convert import convert
-from powerinfer_cpp.sparse_convert import SparseOptions
+from powerinfer_cpp.sparse.pipeline import SparseOptions
 
 
 def logprobs(ctx, ids: list[int], window: int) -> np.ndarray:

@@ -78,7 +78,7 @@ from pathlib import Path
 
 from hf_models import make_hf_model
 from powerinfer_cpp.convert import convert
-from powerinfer_cpp.sparse_convert import SparseOptions
+from powerinfer_cpp.sparse.pipeline import SparseOptions
 
 d = Path(sys.argv[1])
 hf = make_hf_model(d / "hf", act="relu", tied=False, n_layer=2, d=64, n_head=4, n_head_kv=2,

@@ -16,19 +16,16 @@ from __future__ import annotations
 # Architectures
 # --------------------------------------------------------------------------
 
-#: ``general.architecture`` value written for LLaMA-family models (LLaMA,
-#: Mistral, ReluLLaMA, ...). Per-architecture keys are prefixed with it.
-ARCH_LLAMA = "llama"
+#: ``general.architecture`` values (llama.cpp's strings where llama.cpp has the
+#: architecture; OPT, which llama.cpp lacks, as PowerInfer's converter named it).
+#: Per-architecture keys are prefixed with it. docs/FORMAT.md describes each one.
+ARCH_LLAMA = "llama"    # LLaMA, Mistral, ReluLLaMA, ProSparse, Bamboo/TurboSparse, Llama-3
+ARCH_QWEN2 = "qwen2"    # Qwen2, Qwen2.5
+ARCH_FALCON = "falcon"  # Falcon (7B layout and the 40B/180B new_decoder_architecture)
+ARCH_OPT = "opt"        # OPT (pre-LN: 125m, 1.3b ... 66b)
 
 #: GGUF architectures this project writes / reads.
-ARCHITECTURES = (ARCH_LLAMA,)
-
-#: Hugging Face ``config.json`` ``architectures[0]`` values the converter
-#: accepts, mapped to the GGUF architecture written.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": ARCH_LLAMA,
-    "MistralForCausalLM": ARCH_LLAMA,
-}
+ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -46,19 +43,24 @@ KEY_FFN_ACTIVATION = "powerinfer.ffn_activation"
 #: The original Hugging Face ``hidden_act`` string (informational only).
 KEY_HF_HIDDEN_ACT = "powerinfer.hf_hidden_act"
 
-# Activation kinds (values of KEY_FFN_ACTIVATION). All are gated FFNs:
+#: FATReLU's threshold t (f32; written only with ACT_FATRELU): act(x) = x if x > t else 0.
+KEY_FFN_ACT_THRESHOLD = "powerinfer.ffn_act_threshold"
+
+# Activation kinds (values of KEY_FFN_ACTIVATION). A gated FFN (the file has ffn_gate) is
 #   out = down( act_gate(gate(x)) * act_up(up(x)) )
+# an ungated one (no ffn_gate: OPT, Falcon) is out = down( act(up(x) + b_up) ) + b_down.
 ACT_SILU = "silu"    # SwiGLU: silu(gate) * up
 ACT_RELU = "relu"    # ReGLU:  relu(gate) * up
-ACT_DRELU = "drelu"  # dReLU:  relu(gate) * relu(up)
+ACT_DRELU = "drelu"  # dReLU:  relu(gate) * relu(up) (gated only)
 ACT_GELU = "gelu"    # GeGLU:  gelu_tanh(gate) * up (tanh approximation; HF gelu_new, gelu_pytorch_tanh)
 ACT_GELU_ERF = "gelu_erf"  # GeGLU with the exact erf GELU (HF "gelu")
-ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU, ACT_GELU_ERF)
+ACT_FATRELU = "fatrelu"    # ProSparse: fatrelu(gate) * up, fatrelu(x) = x if x > t else 0
+ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU, ACT_GELU_ERF, ACT_FATRELU)
 DEFAULT_ACTIVATION = ACT_SILU
 
 #: Activation kinds whose FFN outputs are exactly sparse (zero for a neuron
-#: whenever relu(gate) is zero), i.e. the ones the sparse runtime can exploit.
-SPARSE_ACTIVATIONS = (ACT_RELU, ACT_DRELU)
+#: whenever the activation is zero), i.e. the ones the sparse runtime can exploit.
+SPARSE_ACTIVATIONS = (ACT_RELU, ACT_DRELU, ACT_FATRELU)
 
 # --------------------------------------------------------------------------
 # Standard (llama.cpp) keys
@@ -80,7 +82,8 @@ KEY_HEAD_COUNT = "{arch}.attention.head_count"
 KEY_HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
 KEY_KEY_LENGTH = "{arch}.attention.key_length"
 KEY_VALUE_LENGTH = "{arch}.attention.value_length"
-KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"  # RMSNorm (llama, qwen2)
+KEY_LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"  # LayerNorm with bias (falcon, opt)
 KEY_SLIDING_WINDOW = "{arch}.attention.sliding_window"
 KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
 KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
@@ -160,11 +163,15 @@ QUANT_BLOCK = 32
 
 # Global tensors
 T_TOKEN_EMBD = "token_embd"
+T_POSITION_EMBD = "position_embd"  # opt: learned absolute positions (row pos + 2)
+T_ROPE_FREQS = "rope_freqs"        # llama-3 rope scaling: per-dimension frequency divisors
 T_OUTPUT_NORM = "output_norm"
 T_OUTPUT = "output"
 
 # Per-layer tensors (blk.N.<kind>)
 T_ATTN_NORM = "attn_norm"
+T_ATTN_NORM_2 = "attn_norm_2"  # falcon new_decoder_architecture: ln_mlp (the FFN's input norm)
+T_ATTN_QKV = "attn_qkv"        # falcon: fused q, k, v rows (all q heads, all k, all v)
 T_ATTN_Q = "attn_q"
 T_ATTN_K = "attn_k"
 T_ATTN_V = "attn_v"
@@ -174,9 +181,14 @@ T_FFN_GATE = "ffn_gate"
 T_FFN_UP = "ffn_up"
 T_FFN_DOWN = "ffn_down"
 
-GLOBAL_TENSORS = (T_TOKEN_EMBD, T_OUTPUT_NORM, T_OUTPUT)
+GLOBAL_TENSORS = (T_TOKEN_EMBD, T_POSITION_EMBD, T_ROPE_FREQS, T_OUTPUT_NORM, T_OUTPUT)
+#: The per-layer tensors of a llama file, in file order.
 LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_Q, T_ATTN_K, T_ATTN_V, T_ATTN_OUTPUT,
                  T_FFN_NORM, T_FFN_GATE, T_FFN_UP, T_FFN_DOWN)
+#: Every dense per-layer tensor kind of any architecture (biases are the same kinds
+#: with the ".bias" suffix).
+ALL_LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_NORM_2, T_ATTN_QKV, T_ATTN_Q, T_ATTN_K, T_ATTN_V,
+                     T_ATTN_OUTPUT, T_FFN_NORM, T_FFN_GATE, T_FFN_UP, T_FFN_DOWN)
 
 #: Layer-tensor prefix: blk.{layer}.
 LAYER_PREFIX = "blk"
@@ -193,7 +205,7 @@ def tensor_name(kind: str, layer: int | None = None, suffix: str | None = "weigh
     ``tensor_name("token_embd") == "token_embd.weight"``.
     ``suffix=None`` gives a name without the ``.weight`` suffix."""
     if layer is None:
-        if kind in LAYER_TENSORS:
+        if kind in ALL_LAYER_TENSORS:
             raise ValueError(f"tensor kind {kind!r} needs a layer index")
         base = kind
     else:

@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from . import format as F
-from .placement import format_size
+from .sparse.placement import format_size
 
 __all__ = ["describe", "main"]
 

@@ -19,7 +19,9 @@ import sys
 import numpy as np
 
 from . import format as F
-from .placement import Placement, format_size, parse_size
+from .gguf_write import ConvertError, TensorJob, check_output_path, write_gguf
+from .sparse.pipeline import gpu_index_kv, index_jobs, solve_from_tensors
+from .sparse.placement import Placement, format_size, parse_size
 
 __all__ = ["PlaceError", "replace_index", "read_fields", "main"]
 
@@ -57,9 +59,6 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
     in the file. Returns the Placement."""
     import gguf
 
-    from .convert import ConvertError, TensorJob, write_gguf
-    from .sparse_convert import gpu_index_kv, index_jobs, solve_from_tensors
-
     path = os.fspath(path)
     out_path = os.fspath(out_path) if out_path is not None else path
     if not os.path.isfile(path):
@@ -94,7 +93,6 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
     if ctx is None:
         ctx = int(fields.get(F.KEY_GPU_CTX, fields.get(F.arch_key(F.KEY_CONTEXT_LENGTH, arch), 2048)))
     if out_path != path or os.path.exists(out_path):
-        from .convert import ConvertError, check_output_path
         try:
             check_output_path(os.path.abspath(out_path))
         except ConvertError as e:
@@ -133,7 +131,7 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
             w.add_key_value(k, v, ty)
 
     try:
-        write_gguf(out_path, setup, jobs, progress)
+        write_gguf(out_path, setup, jobs, progress, arch=arch)
     except ConvertError as e:
         raise PlaceError(str(e)) from None
     return pl

@@ -1,7 +1,7 @@
 """Activation profiling: run the native runtime densely over calibration text and record,
 for every layer, the FFN input vectors and which FFN neurons were truly active.
 
-    from powerinfer_cpp.profile import profile_model
+    from powerinfer_cpp.sparse.profile import profile_model
     prof = profile_model("model.gguf", text, n_ctx=512, max_tokens=20000)
     prof.x[l]     # [N, n_embd] float32: the RMS-normed input of layer l's gate/up
     prof.mask[l]  # [N, n_ff] bool: neuron i of layer l active for token t
@@ -28,8 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ._native import check, ffi, lib
-from .model import Model
+from .._native import check, ffi, lib
+from ..model import Model
 
 
 @dataclass

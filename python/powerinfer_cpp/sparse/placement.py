@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import format as F
+
 __all__ = ["DenseItem", "PlacementProblem", "Placement", "parse_size", "format_size",
            "make_problem", "greedy_placement", "ilp_placement", "solve_placement"]
 
@@ -360,26 +362,38 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
     """From ``{name: (qtype, numpy shape)}`` of a sparse model: (dense items in
     priority order, per-layer bytes of one neuron on the GPU).
 
-    A neuron costs its rows of ffn_gate, ffn_up and ffn_down_t plus 4 bytes of
-    bucket index. The KV cache costs 2 · n_layer · ctx · n_embd_kv elements
-    (the runtime's default cache is f16: ``kv_bytes_per_elem`` = 2).
+    A neuron costs its rows of ffn_gate (gated FFNs only), ffn_up and ffn_down_t plus
+    4 bytes of bucket index. Attention is every attn_* projection of a layer (separate or
+    fused QKV, biases included); norms are every norm and the FFN biases. The KV cache
+    costs 2 · n_layer · ctx · n_embd_kv elements (the runtime's default cache is f16:
+    ``kv_bytes_per_elem`` = 2).
     """
-    from . import format as F
-
     def nb(name):
         q, s = tensors[name]
         return tensor_nbytes(q, s)
 
+    attn_kinds = {F.T_ATTN_QKV, F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_OUTPUT}
+    norm_kinds = {F.T_ATTN_NORM, F.T_ATTN_NORM_2, F.T_FFN_NORM}
+    layer_att, layer_small = [0] * n_layer, [0] * n_layer
+    for name in tensors:
+        kind, il, suffix = F.parse_tensor_name(name)
+        if il is None or il >= n_layer:
+            continue
+        if kind in attn_kinds:
+            layer_att[il] += nb(name)
+        elif kind in norm_kinds or (kind in (F.T_FFN_UP, F.T_FFN_DOWN) and suffix == "bias"):
+            layer_small[il] += nb(name)
+
     dense: list[DenseItem] = []
     for l in range(n_layer):
-        att = sum(nb(F.tensor_name(k, l)) for k in (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_OUTPUT))
-        dense.append(DenseItem("attention", f"blk.{l}.attention", att))
+        dense.append(DenseItem("attention", f"blk.{l}.attention", layer_att[l]))
     for l in range(n_layer):
         pred = sum(nb(F.sparse_tensor_name(k, l)) for k in (F.T_FC1, F.T_FC2)
                    if F.sparse_tensor_name(k, l) in tensors)
         dense.append(DenseItem("predictor", f"blk.{l}.predictor", pred))
-    norms = sum(nb(F.tensor_name(k, l)) for l in range(n_layer) for k in (F.T_ATTN_NORM, F.T_FFN_NORM))
-    norms += nb(F.tensor_name(F.T_OUTPUT_NORM))
+    norms = sum(layer_small) + sum(nb(n) for n in (F.tensor_name(F.T_OUTPUT_NORM),
+                                                     F.tensor_name(F.T_OUTPUT_NORM, suffix="bias"))
+                                   if n in tensors)
     dense.append(DenseItem("norm", "norms", norms))
     head = F.tensor_name(F.T_OUTPUT)
     dense.append(DenseItem("output", "output head", nb(head if head in tensors else F.tensor_name(F.T_TOKEN_EMBD))))
@@ -390,6 +404,8 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
         b = 4
         for name in (F.tensor_name(F.T_FFN_GATE, l), F.tensor_name(F.T_FFN_UP, l),
                      F.sparse_tensor_name(F.T_FFN_DOWN_T, l)):
+            if name not in tensors and name == F.tensor_name(F.T_FFN_GATE, l):
+                continue  # an ungated FFN
             q, s = tensors[name]
             b += tensor_nbytes(q, s) // s[0]
         per_neuron.append(b)

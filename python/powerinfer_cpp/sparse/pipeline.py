@@ -1,5 +1,9 @@
 """The sparse conversion pipeline (``python -m powerinfer_cpp.convert --sparse``).
 
+It starts from the converter's plan of the dense file (``DenseModel``: metadata and
+tensor jobs) and knows no architecture: an FFN is gated (ffn_gate, ffn_up, ffn_down)
+or ungated (ffn_up, ffn_down, OPT and Falcon), with or without biases.
+
     1. write the dense GGUF to a temporary file (next to the output),
     2. profile it with the native runtime over calibration text (profile.py),
     3. train a predictor per layer (predictor.py),
@@ -26,8 +30,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import format as F
-from .scratch import remove_stale, scratch_dir
+from .. import format as F
+from ..gguf_write import (ConvertError, TensorJob, add_kv, decode_matrix, encode_matrix, storage_type,
+                          write_gguf)
+from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
@@ -37,6 +43,24 @@ log = logging.getLogger("powerinfer_cpp.convert")
 #: File name of the held-out text that a model folder may ship (the default
 #: calibration text when --calib is not given).
 HELDOUT_FILE = "heldout.txt"
+
+
+@dataclass
+class DenseModel:
+    """The dense file the sparse pipeline starts from, as the converter planned it."""
+    arch: str                 # general.architecture
+    kv: list                  # its metadata entries (gguf_write.KV)
+    jobs: list                # its tensors (gguf_write.TensorJob), in file order
+    outtype: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_embd_kv: int            # K (= V) width per token: the KV cache the budget reserves
+    n_ctx: int
+    activation: str           # format.ACTIVATIONS
+    gated: bool               # the FFN has ffn_gate
+    hf_dir: str = ""          # the model folder (its heldout.txt is the default calibration text)
+    act_threshold: float | None = None  # fatrelu's t
 
 
 @dataclass
@@ -61,8 +85,6 @@ class SparseOptions:
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
 
     def __post_init__(self):
-        from .convert import ConvertError
-
         checks = [
             (self.calib_tokens >= 2, f"calib_tokens must be >= 2, got {self.calib_tokens}"),
             (0 < self.predictor_recall <= 1, f"predictor_recall must be in (0, 1], got {self.predictor_recall}"),
@@ -119,24 +141,6 @@ def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
     return (Q.Q8_0 if want == "q8_0" else Q.Q4_0) if row_len % F.QUANT_BLOCK == 0 else Q.F16
 
 
-def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
-    if qtype == Q.F32:
-        return np.ascontiguousarray(a, dtype=np.float32)
-    if qtype == Q.F16:
-        return a.astype(np.float16)
-    return quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
-
-
-def decode_matrix(data: np.ndarray, qtype, shape) -> np.ndarray:
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize
-    if qtype in (Q.F32, Q.F16):
-        return np.asarray(data, dtype=np.float32).reshape(shape)
-    return dequantize(np.asarray(data), qtype).reshape(shape).astype(np.float32)
-
-
 def calib_source_string(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -146,7 +150,7 @@ def calib_source_string(path: str) -> str:
 
 
 def resolve_calib(hf_dir: str, calib: str | None) -> str:
-    from .convert import ConvertError
+    """The calibration text file: ``calib``, or the folder's heldout.txt."""
     if calib is None:
         cand = os.path.join(hf_dir, HELDOUT_FILE)
         if not os.path.isfile(cand):
@@ -183,20 +187,23 @@ def solve_from_tensors(tensors: dict, freq: list[np.ndarray], n_layer: int, n_em
     return solve_placement(prob, method, time_limit)
 
 
-def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, jobs: list,
-                   opts: SparseOptions, progress: bool = True,
+def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progress: bool = True,
                    say: Callable[[str], None] | None = None) -> tuple[str, SparseReport]:
     """Run the whole pipeline; returns (output path, report)."""
     import gguf
 
-    from .convert import ConvertError, TensorJob, _add_metadata, _storage_type, write_gguf
-
     say = say or (lambda s: log.info("%s", s))
+    outtype, jobs = dense.outtype, dense.jobs
     gate_mode = opts.sparsity is not None
-    if not gate_mode and params.activation not in F.SPARSE_ACTIVATIONS:
+    if gate_mode and not dense.gated:
         raise ConvertError(
-            f"--sparse needs a ReLU-family model (activation relu or drelu); this model's FFN uses "
-            f"{params.activation!r}, whose outputs are almost never exactly zero, so there is no activation "
+            f"--sparsity calibrates thresholds on the FFN's gate, and this {dense.arch} model's FFN "
+            "has none (down(act(up x))); use --sparse (predictors; ReLU-family models) or "
+            "convert it densely")
+    if not gate_mode and dense.activation not in F.SPARSE_ACTIVATIONS:
+        raise ConvertError(
+            f"--sparse needs a ReLU-family model (activation relu, drelu or fatrelu); this model's FFN uses "
+            f"{dense.activation!r}, whose outputs are almost never exactly zero, so there is no activation "
             "sparsity for a predictor to exploit. Use --sparsity S for training-free gate-magnitude "
             "sparsity, or convert it densely (without --sparse)")
     if not 0.0 < opts.predictor_recall <= 1.0:
@@ -205,7 +212,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         raise ConvertError(f"--calib-tokens must be at least 16, got {opts.calib_tokens}")
     if opts.group_size < 1:
         raise ConvertError("--group-size must be >= 1")
-    calib = resolve_calib(hf_dir, opts.calib)
+    calib = resolve_calib(dense.hf_dir, opts.calib)
     try:
         with open(calib, encoding="utf-8") as f:
             text = f.read()
@@ -213,9 +220,9 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         raise ConvertError(f"cannot read calibration text {calib}: {e}") from None
     if not text.strip():
         raise ConvertError(f"calibration text {calib} is empty")
-    ctx = int(opts.ctx if opts.ctx is not None else params.n_ctx)
+    ctx = int(opts.ctx if opts.ctx is not None else dense.n_ctx)
     rep = SparseReport(calib_source=calib_source_string(calib))
-    n_layer, n_ff, d = params.n_layer, params.n_ff, params.n_embd
+    n_layer, n_ff, d = dense.n_layer, dense.n_ff, dense.n_embd
     out_dir = os.path.dirname(os.path.abspath(out_path))
     remove_stale(out_dir)
     tmpdir = scratch_dir(os.path.join(out_dir, os.path.basename(out_path)))
@@ -223,13 +230,13 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         # 1. dense file
         t0 = time.perf_counter()
         dense_path = os.path.join(tmpdir, "dense.gguf")
-        write_gguf(dense_path, lambda w: _add_metadata(w, params, tok, outtype), jobs, progress)
+        write_gguf(dense_path, lambda w: add_kv(w, dense.kv), jobs, progress, arch=dense.arch)
         rep.seconds["dense"] = time.perf_counter() - t0
         say(f"[1/5] dense GGUF written ({outtype}, {len(jobs)} tensors, {rep.seconds['dense']:.1f} s)")
 
         # 2. profile
         t0 = time.perf_counter()
-        from .profile import profile_model
+        from .profile import profile_model  # loads the native runtime: only a sparse conversion needs it
         try:
             prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
                                  max_tokens=opts.calib_tokens, progress=progress)
@@ -248,14 +255,16 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         dense_t = {t.name: t for t in reader.tensors}
         preds: list = []
         pred_enc: list = []
-        down_q, _ = _storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
+        down_q, _ = storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
+        ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
         if gate_mode:
             from .thresholds import calibrate_layer
             freq = []
             for l in range(n_layer):
                 t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
                 w = decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
-                thr, fr = calibrate_layer(prof.x[l], w, params.activation, opts.sparsity)
+                thr, fr = calibrate_layer(prof.x[l], w, dense.activation, opts.sparsity,
+                                          act_threshold=dense.act_threshold or 0.0)
                 rep.gate_thresholds.append(thr)
                 rep.gate_density.append(float(fr.mean()))
                 freq.append(fr)
@@ -272,7 +281,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
             def gate_of(l):
                 # the gate as the runtime computes it (the stored, possibly quantized weights);
                 # only ReGLU decides activity by the gate's sign alone
-                if params.activation != F.ACT_RELU or not opts.gate_init:
+                if not dense.gated or dense.activation != F.ACT_RELU or not opts.gate_init:
                     return None
                 t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
                 return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
@@ -291,7 +300,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
                 rep.stored_recall.append((rec, prec, dens))
                 pred_enc.append((q1, e1, q2, e2))
                 rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
-                ffn = sum(int(dense_t[F.tensor_name(k, l)].n_bytes) for k in (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN))
+                ffn = sum(int(dense_t[F.tensor_name(k, l)].n_bytes) for k in ffn_kinds)
                 rep.ffn_bytes.append(ffn)
             say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
                 f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
@@ -310,7 +319,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         for l, (q1, e1, q2, e2) in enumerate(pred_enc):
             tensors[F.sparse_tensor_name(F.T_FC1, l)] = (q1, preds[l].w1.shape)
             tensors[F.sparse_tensor_name(F.T_FC2, l)] = (q2, preds[l].w2.shape)
-        pl = solve_from_tensors(tensors, freq, n_layer, params.n_head_kv * params.head_dim, ctx,
+        pl = solve_from_tensors(tensors, freq, n_layer, dense.n_embd_kv, ctx,
                                 opts.vram_budget, opts.group_size, opts.min_layer_share,
                                 opts.placement, opts.ilp_time_limit)
         rep.placement = pl
@@ -322,8 +331,8 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
         new_jobs: list = []
         src_names = {j.name: j for j in jobs}
         for j in jobs:
-            kind, il, _ = F.parse_tensor_name(j.name)
-            if kind == F.T_FFN_DOWN and il is not None:
+            kind, il, suffix = F.parse_tensor_name(j.name)
+            if kind == F.T_FFN_DOWN and il is not None and suffix == "weight":
                 src_job = src_names[j.name]
 
                 def load_t(src_job=src_job):
@@ -341,7 +350,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
 
         def setup(w):
             from gguf import GGUFValueType as V
-            _add_metadata(w, params, tok, outtype)
+            add_kv(w, dense.kv)
             if gate_mode:
                 w.add_array(F.KEY_SPARSE_GATE_THRESHOLD, [float(t) for t in rep.gate_thresholds])
                 w.add_key_value(F.KEY_SPARSE_TARGET, float(opts.sparsity), V.FLOAT32)
@@ -353,7 +362,7 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
             for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
                 w.add_key_value(k, v, ty)
 
-        out = write_gguf(out_path, setup, new_jobs, progress)
+        out = write_gguf(out_path, setup, new_jobs, progress, arch=dense.arch)
         del reader, dense_t
         rep.seconds["write"] = time.perf_counter() - t0
         size = os.path.getsize(out)
@@ -366,8 +375,6 @@ def convert_sparse(hf_dir: str, out_path: str, outtype: str, params, tok, src, j
 def index_jobs(layer: int, freq: np.ndarray, hot: np.ndarray, n_ff: int) -> list:
     """TensorJobs of ffn_freq, gpu_idx and (when n_hot > 0) gpu_bucket."""
     from gguf import GGMLQuantizationType as Q
-
-    from .convert import TensorJob
     idx = np.zeros(n_ff, np.int32)
     idx[hot] = 1
     out = [TensorJob(F.sparse_tensor_name(F.T_FFN_FREQ, layer), (n_ff,), Q.F32,
@@ -380,7 +387,6 @@ def index_jobs(layer: int, freq: np.ndarray, hot: np.ndarray, n_ff: int) -> list
 
 
 def _raw_job(name, shape, qtype, data):
-    from .convert import TensorJob
     return TensorJob(name, tuple(int(s) for s in shape), qtype, lambda a=data: a, raw=True)
 
 

@@ -14,14 +14,17 @@ import math
 
 import numpy as np
 
-from . import format as F
+from .. import format as F
 
 
-def activation(act: str, g: np.ndarray) -> np.ndarray:
-    """act(g) as the runtime computes it (float64 here), for the gated activations."""
+def activation(act: str, g: np.ndarray, act_threshold: float = 0.0) -> np.ndarray:
+    """act(g) as the runtime computes it (float64 here), for the gated activations
+    (``act_threshold``: fatrelu's t)."""
     g = np.asarray(g, dtype=np.float64)
     if act in (F.ACT_RELU, F.ACT_DRELU):
         return np.maximum(g, 0.0)
+    if act == F.ACT_FATRELU:
+        return np.where(g > act_threshold, g, 0.0)
     if act == F.ACT_SILU:
         return g / (1.0 + np.exp(-g))
     if act == F.ACT_GELU:  # tanh form
@@ -42,7 +45,7 @@ def _erf(x: np.ndarray) -> np.ndarray:
 
 
 def calibrate_layer(x: np.ndarray, w_gate: np.ndarray, act: str, sparsity: float,
-                    chunk: int = 2048) -> tuple[float, np.ndarray]:
+                    chunk: int = 2048, act_threshold: float = 0.0) -> tuple[float, np.ndarray]:
     """(threshold, per-neuron activity frequency) for one layer: x [tokens, d] are the
     layer's FFN inputs, w_gate [n_ff, d] its gate weights as stored (dequantized)."""
     if not 0.0 <= sparsity < 1.0:
@@ -50,7 +53,7 @@ def calibrate_layer(x: np.ndarray, w_gate: np.ndarray, act: str, sparsity: float
     mags = []
     for s in range(0, x.shape[0], chunk):
         g = x[s:s + chunk].astype(np.float32) @ w_gate.T.astype(np.float32)
-        mags.append(np.abs(activation(act, g)).astype(np.float32))
+        mags.append(np.abs(activation(act, g, act_threshold)).astype(np.float32))
     mag = np.concatenate(mags, axis=0)
     t = float(np.quantile(mag, sparsity)) if sparsity > 0 else 0.0
     freq = (mag > t).mean(axis=0, dtype=np.float64)

@@ -1,0 +1,7 @@
+"""``python -m powerinfer_cpp.convert``: see cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,105 @@
+"""The converter's command line: ``python -m powerinfer_cpp.convert HF_DIR -o OUT.gguf``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .. import format as F
+from ..gguf_write import ConvertError
+from ..sparse.pipeline import SparseOptions
+from ..sparse.placement import parse_size
+from .pipeline import convert, read_hf_config
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status."""
+    ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.convert",
+                                 description="Convert a Hugging Face model folder (LLaMA, Mistral, Qwen2, "
+                                             "Falcon, OPT and their ReLU variants) to GGUF.")
+    ap.add_argument("hf_dir", help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    ap.add_argument("-o", "--outfile", help="output GGUF path (default: HF_DIR/model-OUTTYPE.gguf)")
+    ap.add_argument("--outtype", default="f16", help="f32 | f16 | bf16 | q8_0 | q4_0 (default f16)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info messages")
+    sp = ap.add_argument_group("sparse conversion (default for ReLU-family models: relu, drelu, fatrelu)")
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument("--sparse", dest="sparse", action="store_true", default=None,
+                      help="profile, train predictors, place neurons and write one extended GGUF "
+                           "(default for relu/drelu/fatrelu models; an error for others)")
+    mode.add_argument("--dense", dest="sparse", action="store_false", help="plain dense GGUF (no profiling)")
+    sp.add_argument("--calib", metavar="FILE",
+                    help="calibration text (default: HF_DIR/heldout.txt when the folder ships one; "
+                         "required otherwise)")
+    sp.add_argument("--calib-tokens", type=int, default=16384, metavar="N",
+                    help="tokens of calibration text to profile (default 16384; capped by the text); "
+                         "the last 20%% are held out of predictor training")
+    sp.add_argument("--predictor-recall", type=float, default=0.99, metavar="R",
+                    help="predictor recall target on held-out tokens (default 0.99)")
+    sp.add_argument("--predictor-type", choices=("f32", "f16", "q8_0", "q4_0"), default=None,
+                    help="storage of the predictors (default: f32 for f32 models, f16 for f16/bf16, "
+                         "q8_0 for q8_0/q4_0; q4_0 halves their bytes, pair it with a lower "
+                         "--predictor-threshold)")
+    sp.add_argument("--predictor-threshold", type=float, default=0.0, metavar="T",
+                    help="a neuron is predicted active when its score is >= T (default 0); a lower "
+                         "T raises recall and the predicted density")
+    sp.add_argument("--sparsity", type=float, default=None, metavar="S",
+                    help="training-free gate-magnitude sparsity for any gated FFN (SwiGLU, GeGLU, "
+                         "ReGLU): calibrate per layer the |act(gate)| threshold that zeroes the "
+                         "share S of the neurons (e.g. 0.5) instead of training predictors; implies "
+                         "--sparse")
+    sp.add_argument("--vram-budget", default="0", metavar="SIZE",
+                    help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
+                         "re-solve later with python -m powerinfer_cpp.place)")
+    sp.add_argument("--ctx", type=int, default=None, metavar="N",
+                    help="context length whose KV cache the budget reserves (default: the model's)")
+    sp.add_argument("--group-size", type=int, default=64, metavar="N", help="neurons per placement group (default 64)")
+    sp.add_argument("--placement", choices=("ilp", "greedy"), default="ilp", help="placement solver (default ilp)")
+    sp.add_argument("--threads", type=int, default=0, help="threads for profiling (default: all cores)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    out = args.outfile or os.path.join(args.hf_dir, f"model-{args.outtype}.gguf")
+    try:
+        sparse = args.sparse
+        sopts = None
+        if args.sparsity is not None and sparse is False:
+            raise ConvertError("--sparsity calibrates a sparse file; it cannot be combined with --dense")
+        if sparse is not False:
+            params = read_hf_config(args.hf_dir)
+            if sparse is None:
+                sparse = params.activation in F.SPARSE_ACTIVATIONS or args.sparsity is not None
+            if sparse:
+                try:
+                    budget = parse_size(args.vram_budget)
+                except ValueError as e:
+                    raise ConvertError(f"--vram-budget: {e}") from None
+                if budget >= 2**63:
+                    raise ConvertError(f"--vram-budget {args.vram_budget} is too large "
+                                       "(at most 8 EiB)")
+                if args.ctx is not None and not 1 <= args.ctx < 2**31:
+                    raise ConvertError(f"--ctx must be a positive number of tokens, got {args.ctx}")
+                if not 0 <= args.threads <= 512:
+                    raise ConvertError(f"--threads must be between 0 (all cores) and 512, "
+                                       f"got {args.threads}")
+                sopts = SparseOptions(calib=args.calib, calib_tokens=args.calib_tokens,
+                                      predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
+                                      group_size=args.group_size, placement=args.placement,
+                                      n_threads=args.threads, predictor_type=args.predictor_type,
+                                      threshold=args.predictor_threshold, sparsity=args.sparsity)
+        path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
+                       sparse_options=sopts)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, RuntimeError) as e:  # e.g. the native runtime while profiling
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,209 @@
+"""Writing our GGUF files: tensor jobs, storage types, encoding, the atomic writer.
+
+Shared by the converter (dense files), the sparse pipeline (the extended file) and
+``place`` (a rewritten GPU index), so none of them has to import another to write.
+Key and tensor names come from ``format.py``.
+
+A file is written to a scratch file next to the output and renamed into place only
+when complete; tensors are produced and encoded one at a time (``TensorJob.load``), so
+peak memory stays around the size of the largest tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from . import format as F
+from .scratch import remove_stale, scratch_file
+
+__all__ = ["ConvertError", "TensorJob", "KV", "storage_type", "encode_job", "encode_matrix",
+           "decode_matrix", "add_kv", "write_gguf", "check_output_path"]
+
+
+class ConvertError(Exception):
+    """The model cannot be converted or its file cannot be written (message says why)."""
+
+
+@dataclass
+class TensorJob:
+    """One output tensor: where it comes from and how it is stored."""
+    name: str                       # GGUF tensor name
+    shape: tuple[int, ...]          # numpy (row-major) shape of the logical tensor
+    qtype: Any                      # gguf.GGMLQuantizationType
+    load: Callable[[], np.ndarray]  # returns float32 data of `shape` (int32 for I32)
+    note: str = ""
+    raw: bool = False               # load() returns the already encoded bytes (copied as is)
+
+    def nbytes(self) -> int:
+        """Bytes of the encoded tensor."""
+        from gguf import GGML_QUANT_SIZES
+        bs, ts = GGML_QUANT_SIZES[self.qtype]
+        n = int(np.prod(self.shape))
+        return n // bs * ts
+
+
+#: One metadata entry: (key, value, GGUFValueType, element GGUFValueType for arrays or None).
+KV = tuple
+
+
+def storage_type(kind: str, shape: tuple[int, ...], outtype: str):
+    """(GGML type, note) a dense tensor of this kind and numpy shape is stored as.
+
+    1-D tensors (norms, biases, frequencies) are always F32. Q4_0 embeddings and heads
+    are stored as Q8_0 (they dominate the quality loss otherwise, as in llama.cpp);
+    block-quantized rows need a length divisible by the block size, else F16."""
+    from gguf import GGMLQuantizationType as Q
+    if len(shape) == 1:
+        return Q.F32, ""
+    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[outtype]
+    if t == Q.Q4_0 and kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
+        t = Q.Q8_0
+    if t in (Q.Q8_0, Q.Q4_0) and shape[-1] % F.QUANT_BLOCK:
+        return Q.F16, f"row length {shape[-1]} is not a multiple of {F.QUANT_BLOCK}: stored as F16, not {t.name}"
+    return t, ""
+
+
+def encode_job(job: TensorJob) -> np.ndarray:
+    """The bytes (as a numpy array) of a job's tensor in its storage type."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    a = job.load()
+    if job.raw:
+        return np.asarray(a)
+    if a.shape != job.shape:
+        raise ConvertError(f"{job.name}: loaded shape {a.shape} != planned {job.shape}")
+    if job.qtype == Q.F32:
+        return a
+    if job.qtype == Q.F16:
+        return a.astype(np.float16)
+    if job.qtype == Q.I32:
+        return np.ascontiguousarray(a, dtype=np.int32)
+    return quantize(a, job.qtype)
+
+
+def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:
+    """A float matrix encoded as ``qtype`` (F32, F16 or a block type)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    if qtype == Q.F32:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if qtype == Q.F16:
+        return a.astype(np.float16)
+    return quantize(np.ascontiguousarray(a, dtype=np.float32), qtype)
+
+
+def decode_matrix(data: np.ndarray, qtype, shape) -> np.ndarray:
+    """Inverse of encode_matrix: float32 of ``shape``."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize
+    if qtype in (Q.F32, Q.F16):
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    return dequantize(np.asarray(data), qtype).reshape(shape).astype(np.float32)
+
+
+def add_kv(w, kvs: Iterable[KV]) -> None:
+    """Add metadata entries (see KV) to a gguf.GGUFWriter."""
+    for key, value, vtype, sub in kvs:
+        if sub is None:
+            w.add_key_value(key, value, vtype)
+        else:  # add_key_value keeps empty lists, which add_array cannot type
+            w.add_key_value(key, value, vtype, sub)
+
+
+def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob],
+               progress: bool = True, arch: str = F.ARCH_LLAMA) -> str:
+    """Write a GGUF file atomically: general.architecture is ``arch``, ``setup(writer)``
+    adds the other metadata, then the tensors of ``jobs`` are produced, encoded and
+    written one at a time. Output goes to a temp file in the same folder, renamed on
+    success and removed on any failure."""
+    import gguf
+    from tqdm import tqdm
+
+    out_path = os.path.abspath(os.fspath(out_path))
+    out_dir = os.path.dirname(out_path)
+    check_output_path(out_path)
+    try:
+        remove_stale(out_dir)
+        fd, tmp = scratch_file(out_path)
+    except OSError as e:
+        raise ConvertError(f"cannot create a file in {out_dir}: {e.strerror or e}") from None
+    try:  # the permissions a plain new file would get (mkstemp makes it private, 0600)
+        if os.path.isfile(out_path):
+            mode = os.stat(out_path).st_mode & 0o7777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.fchmod(fd, mode)
+    except OSError:
+        pass
+    os.close(fd)
+    w = None
+    try:
+        w = gguf.GGUFWriter(None, arch)
+        setup(w)
+        for j in jobs:
+            Q = gguf.GGMLQuantizationType
+            if j.qtype == Q.F32:
+                w.add_tensor_info(j.name, j.shape, np.dtype(np.float32), j.nbytes())
+            elif j.qtype == Q.F16:
+                w.add_tensor_info(j.name, j.shape, np.dtype(np.float16), j.nbytes())
+            elif j.qtype == Q.I32:
+                w.add_tensor_info(j.name, j.shape, np.dtype(np.int32), j.nbytes())
+            else:
+                byte_shape = gguf.quants.quant_shape_to_byte_shape(j.shape, j.qtype)
+                w.add_tensor_info(j.name, byte_shape, np.dtype(np.uint8), j.nbytes(), raw_dtype=j.qtype)
+        w.write_header_to_file(path=tmp)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for j in tqdm(jobs, desc="converting", unit="tensor", disable=not progress):
+            data = encode_job(j)
+            if data.nbytes != j.nbytes():
+                raise ConvertError(f"{j.name}: encoded {data.nbytes} bytes, expected {j.nbytes()}")
+            w.write_tensor_data(data)
+            del data
+        w.close()
+        w = None
+        os.replace(tmp, out_path)
+    except BaseException as e:
+        if w is not None:
+            try:
+                w.close()
+            except Exception:
+                pass
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise ConvertError(f"writing {out_path} failed: {e}") from e
+        raise
+    return out_path
+
+
+def check_output_path(out_path: str, inputs: list[str] | None = None) -> None:
+    """ConvertError unless out_path can be (re)written as a regular file: its folder
+    exists, it is not a folder, device or other special file, and it is none of
+    ``inputs`` (files the conversion reads, which it would destroy)."""
+    out_dir = os.path.dirname(out_path)
+    if os.path.isdir(out_path):
+        raise ConvertError(f"output path {out_path} is a directory; give a file name, "
+                           f"e.g. {os.path.join(out_path, 'model.gguf')}")
+    if not os.path.isdir(out_dir):
+        raise ConvertError(f"output folder {out_dir} does not exist")
+    if os.path.exists(out_path) and not os.path.isfile(out_path):
+        raise ConvertError(f"output path {out_path} exists and is not a regular file "
+                           "(a device, pipe or socket); give a file path")
+    for src in inputs or ():
+        try:
+            same = os.path.exists(out_path) and os.path.samefile(out_path, src)
+        except OSError:
+            same = False
+        if same:
+            raise ConvertError(f"output path {out_path} is one of the input files ({src}); "
+                               "writing it would destroy the model being converted; "
+                               "choose another -o")

@@ -84,7 +84,7 @@ def test_missing_tensor(random_gguf, tmp_path, name):
     ({"llama.block_count": (0, VT.UINT32)}, "inconsistent hyper-parameters.*n_layer=0"),
     ({"llama.embedding_length": (1 << 31, VT.UINT32)}, "inconsistent hyper-parameters"),
     ({"llama.context_length": (0, VT.UINT32)}, "inconsistent hyper-parameters"),
-    ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), VT.FLOAT32)}, "bad rms epsilon"),
+    ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), VT.FLOAT32)}, "bad norm epsilon"),
     ({"llama.rope.freq_base": (float("inf"), VT.FLOAT32)}, "rope base"),
     # more layers than the file holds
     ({"llama.block_count": (3, VT.UINT32)}, "missing tensor 'blk.2.attn_norm.weight'"),
@@ -93,7 +93,7 @@ def test_missing_tensor(random_gguf, tmp_path, name):
     # n_head that divides n_embd but gives another head size: the rotary size, then the
     # Q/K shapes disagree
     ({"llama.attention.head_count": (8, VT.UINT32)},
-     r"partial rotary embeddings \(16 of 8 dims\) unsupported"),
+     r"partial rotary embeddings \(llama.rope.dimension_count = 16 of 8 head dims\)"),
     ({"llama.attention.head_count": (8, VT.UINT32), "llama.rope.dimension_count": (8, VT.UINT32)},
      r"blk\.0\.attn_[qk]\.weight.*expected"),
     # n_head not dividing n_embd, no explicit head size
@@ -314,13 +314,28 @@ def test_dropping_the_model_keeps_it_alive_for_its_contexts(random_gguf):
     ctx.close()
 
 
-def test_rope_frequency_factors_are_refused_not_dropped(random_gguf, tmp_path):
-    """A llama.cpp Llama-3.1 file stores its rope scaling as rope_freqs.weight; running
-    without it would be wrong at every position, so the file is refused by name."""
+def test_rope_frequency_divisors_are_used_and_checked(random_gguf, tmp_path):
+    """A llama.cpp Llama-3.1 file stores its rope scaling as rope_freqs.weight: divisors of 1
+    change nothing, others change every position but the first, and a bad table is refused
+    by name (running without it would be wrong at every position)."""
     hd = D // 4
-    with pytest.raises(NativeError, match="rope_freqs.weight.*not supported"):
-        _load(random_gguf, tmp_path / "freqs.gguf",
-              add={"rope_freqs.weight": np.ones(hd // 2, dtype=np.float32)})
+    toks = [1, 5, 9, 2]
+    want = Model(random_gguf).create_context().eval(toks, logits_all=True)
+    ones = _load(random_gguf, tmp_path / "ones.gguf",
+                 add={"rope_freqs.weight": np.ones(hd // 2, dtype=np.float32)})
+    np.testing.assert_array_equal(ones.create_context().eval(toks, logits_all=True), want)
+    div = np.linspace(1, 8, hd // 2).astype(np.float32)
+    got = _load(random_gguf, tmp_path / "div.gguf", add={"rope_freqs.weight": div}
+                ).create_context().eval(toks, logits_all=True)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)  # position 0: no rotation
+    assert np.abs(got[1:] - want[1:]).max() > 1e-4  # (a random model attends weakly)
+    with pytest.raises(NativeError, match=r"rope_freqs\.weight.*expected a vector of"):
+        _load(random_gguf, tmp_path / "short.gguf",
+              add={"rope_freqs.weight": np.ones(hd // 2 - 1, dtype=np.float32)})
+    bad = np.ones(hd // 2, dtype=np.float32)
+    bad[2] = 0.0
+    with pytest.raises(NativeError, match=r"rope_freqs\.weight.*entry 2 is 0"):
+        _load(random_gguf, tmp_path / "zero.gguf", add={"rope_freqs.weight": bad})
 
 
 def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
@@ -328,6 +343,6 @@ def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
 
     assert "runtime: loads (weights and tokenizer)" in describe(random_gguf)
     bad = rewrite_gguf(random_gguf, tmp_path / "freqs.gguf",
-                       add={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
+                       add={"rope_freqs.weight": np.ones(3, dtype=np.float32)})
     assert "runtime: cannot load this file: " in describe(bad)
     assert "rope_freqs.weight" in describe(bad).splitlines()[-1]

@@ -1,4 +1,4 @@
-"""Dense CPU ops (RMSNorm, RoPE, GLU activations, attention) against numpy references.
+"""Dense CPU ops (RMSNorm, LayerNorm, RoPE, GLU activations, attention) against numpy references.
 
 References are computed in float64; errors are bounded by the normalized MSE
 (sum((out - ref)^2) / sum(ref^2)) and, where it is meaningful, elementwise. Every op runs
@@ -14,7 +14,7 @@ import pytest
 from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr, iptr  # noqa: E402
 
-GH_ACT_SILU, GH_ACT_RELU, GH_ACT_DRELU, GH_ACT_GELU = 0, 1, 2, 3
+GH_ACT_SILU, GH_ACT_RELU, GH_ACT_DRELU, GH_ACT_GELU, GH_ACT_GELU_ERF, GH_ACT_FATRELU = 0, 1, 2, 3, 4, 5
 GH_ERR_INVALID_ARG = 4
 
 
@@ -79,12 +79,37 @@ def test_rmsnorm_in_place_and_zero_row():
     assert np.all(x[1] == 0.0)
 
 
+# ---------------------------------------------------------------------------- layernorm
+
+def ref_layernorm(x, w, b, eps):
+    x = x.astype(np.float64)
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    y = (x - mu) / np.sqrt(var + eps) * w.astype(np.float64)
+    return y if b is None else y + b.astype(np.float64)
+
+
+@pytest.mark.parametrize("n", [1, 7, 33, 4097])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm(n, bias):
+    rng = np.random.default_rng(n + bias)
+    x = (rng.standard_normal((3, n)) * 5 + 3).astype(np.float32)  # a mean to take away
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    for eps in (1e-5, 1e-3):
+        y = np.empty_like(x)
+        check(lib.gh_op_layernorm(fptr(x), fptr(w), fptr(b) if bias else ffi.NULL, n, 3, eps,
+                                  fptr(y)))
+        ref = ref_layernorm(x, w, b, eps)
+        np.testing.assert_allclose(y, ref, rtol=2e-6, atol=2e-6 * np.abs(ref).max())
+
+
 # ---------------------------------------------------------------------------- rope
 
 def run_rope(x: np.ndarray, pos: np.ndarray, theta: float, neox: int) -> np.ndarray:
     n_tokens, n_head, head_dim = x.shape
     y = x.copy()
-    check(lib.gh_op_rope(fptr(y), n_tokens, n_head, head_dim, iptr(pos), theta, neox))
+    check(lib.gh_op_rope(fptr(y), n_tokens, n_head, head_dim, iptr(pos), theta, 1.0, ffi.NULL, neox))
     return y
 
 
@@ -249,7 +274,7 @@ def glu_inputs(n, seed):
 def run_glu(act, g, u, out=None):
     if out is None:
         out = np.empty_like(g)
-    check(lib.gh_op_glu(act, fptr(g), fptr(u), fptr(out), len(g)))
+    check(lib.gh_op_glu(act, 0.0, fptr(g), fptr(u), fptr(out), len(g)))
     return out
 
 
@@ -503,28 +528,37 @@ def test_rmsnorm_invalid_args():
 def test_rope_invalid_args():
     x = np.ones((2, 2, 8), np.float32)
     pos = np.array([0, 1], np.int32)
-    expect_invalid(lib.gh_op_rope(ffi.NULL, 2, 2, 8, iptr(pos), 1e4, 0), "rope", "NULL")
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, ffi.NULL, 1e4, 0), "NULL")
-    expect_invalid(lib.gh_op_rope(fptr(x), 0, 2, 8, iptr(pos), 1e4, 0), "positive")
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 0, 8, iptr(pos), 1e4, 0), "positive")
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 0, iptr(pos), 1e4, 0), "positive")
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 7, iptr(pos), 1e4, 0), "head_dim (7)", "even")
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 0.0, 0), "theta")
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 1e4, 2), "neox")
+    expect_invalid(lib.gh_op_rope(ffi.NULL, 2, 2, 8, iptr(pos), 1e4, 1.0, ffi.NULL, 0), "rope", "NULL")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, ffi.NULL, 1e4, 1.0, ffi.NULL, 0), "NULL")
+    expect_invalid(lib.gh_op_rope(fptr(x), 0, 2, 8, iptr(pos), 1e4, 1.0, ffi.NULL, 0), "positive")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 0, 8, iptr(pos), 1e4, 1.0, ffi.NULL, 0), "positive")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 0, iptr(pos), 1e4, 1.0, ffi.NULL, 0), "positive")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 7, iptr(pos), 1e4, 1.0, ffi.NULL, 0), "head_dim (7)", "even")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 0.0, 1.0, ffi.NULL, 0), "theta")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 1e4, 1.0, ffi.NULL, 2), "neox")
     bad = np.array([0, -5], np.int32)
     before = x.copy()
-    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(bad), 1e4, 0), "pos[1]", "negative")
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(bad), 1e4, 1.0, ffi.NULL, 0), "pos[1]", "negative")
     assert np.array_equal(x, before)  # rejected before touching x
 
 
 def test_glu_invalid_args():
     g = np.ones(4, np.float32)
-    expect_invalid(lib.gh_op_glu(99, fptr(g), fptr(g), fptr(g), 4), "unknown activation 99")
-    expect_invalid(lib.gh_op_glu(-1, fptr(g), fptr(g), fptr(g), 4), "unknown activation")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, ffi.NULL, fptr(g), fptr(g), 4), "NULL")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, fptr(g), ffi.NULL, fptr(g), 4), "NULL")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, fptr(g), fptr(g), ffi.NULL, 4), "NULL")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, fptr(g), fptr(g), fptr(g), 0), "positive")
+    expect_invalid(lib.gh_op_glu(99, 0.0, fptr(g), fptr(g), fptr(g), 4), "unknown activation 99")
+    expect_invalid(lib.gh_op_glu(-1, 0.0, fptr(g), fptr(g), fptr(g), 4), "unknown activation")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, 0.0, ffi.NULL, fptr(g), fptr(g), 4), "NULL")
+    expect_invalid(lib.gh_op_glu(GH_ACT_DRELU, 0.0, fptr(g), ffi.NULL, fptr(g), 4), "dReLU", "up")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, 0.0, fptr(g), fptr(g), ffi.NULL, 4), "NULL")
+    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, 0.0, fptr(g), fptr(g), fptr(g), 0), "positive")
+    expect_invalid(lib.gh_op_glu(GH_ACT_FATRELU, float("nan"), fptr(g), fptr(g), fptr(g), 4), "threshold")
+    expect_invalid(lib.gh_op_layernorm(ffi.NULL, fptr(g), ffi.NULL, 4, 1, 1e-5, fptr(g)), "layernorm", "NULL")
+    expect_invalid(lib.gh_op_layernorm(fptr(g), fptr(g), ffi.NULL, 0, 1, 1e-5, fptr(g)), "positive")
+    expect_invalid(lib.gh_op_layernorm(fptr(g), fptr(g), ffi.NULL, 4, 1, -1.0, fptr(g)), "eps")
+    pos = np.array([0, 1], dtype=np.int32)
+    x = np.zeros(32, dtype=np.float32)
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 1e4, 0.0, ffi.NULL, 0), "freq_scale")
+    bad_div = np.array([1.0, 0.0, 1.0, 1.0], dtype=np.float32)
+    expect_invalid(lib.gh_op_rope(fptr(x), 2, 2, 8, iptr(pos), 1e4, 1.0, fptr(bad_div), 0), "freq_div[1]")
 
 
 def test_attention_invalid_args():
@@ -544,3 +578,66 @@ def test_attention_invalid_args():
                    "n_head (4)", "n_head_kv (3)")
     expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2, 1, 4, 2, 8, 0), "n_threads")
     expect_invalid(lib.gh_op_attention(P(q), P(k), P(v), P(o), 2**40, 2**62, 4, 2, 8, 1), "overflow")
+
+
+@pytest.mark.parametrize("neox", [0, 1])
+def test_rope_scaled_frequencies(neox):
+    """freq_scale (linear scaling) and per-pair divisors (Llama-3's rope_freqs) change the
+    angle of pair i to pos * theta^(-2i/d) / div[i] * scale."""
+    rng = np.random.default_rng(8)
+    head_dim, theta = 16, 500000.0
+    pos = np.array([0, 1, 7, 300, 4095], dtype=np.int32)
+    x = rng.standard_normal((len(pos), 3, head_dim)).astype(np.float32)
+    div = np.linspace(1.0, 8.0, head_dim // 2).astype(np.float32)
+    for scale, d in ((0.25, None), (1.0, div), (0.5, div)):
+        y = x.copy()
+        check(lib.gh_op_rope(fptr(y), len(pos), 3, head_dim, iptr(pos), theta, scale,
+                             fptr(d) if d is not None else ffi.NULL, neox))
+        inv = float(theta) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        inv = inv / (d.astype(np.float64) if d is not None else 1.0) * scale
+        ang = pos.astype(np.float64)[:, None] * inv[None, :]
+        c, s_ = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+        a, b = rope_pairs(head_dim, neox)
+        ref = x.astype(np.float64).copy()
+        ref[..., a] = x[..., a] * c - x[..., b] * s_
+        ref[..., b] = x[..., b] * c + x[..., a] * s_
+        np.testing.assert_allclose(y, ref, rtol=0, atol=2e-3 * np.abs(x).max())
+
+
+def ref_act(act, g, t=0.0):
+    """act(g) alone: an ungated FFN's activation."""
+    g = g.astype(np.float64)
+    if act == GH_ACT_RELU:
+        return np.maximum(g, 0.0)
+    if act == GH_ACT_FATRELU:
+        return np.where(g > t, g, 0.0)
+    if act == GH_ACT_SILU:
+        with np.errstate(over="ignore"):
+            return g / (1.0 + np.exp(-g))
+    if act == GH_ACT_GELU:
+        z = math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)
+        with np.errstate(over="ignore"):
+            return g / (1.0 + np.exp(-2.0 * z))
+    return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0)))
+
+
+@pytest.mark.parametrize("act", [GH_ACT_RELU, GH_ACT_FATRELU, GH_ACT_SILU, GH_ACT_GELU,
+                                 GH_ACT_GELU_ERF])
+@pytest.mark.parametrize("n", [1, 33, 4097])
+def test_act_ungated_and_fatrelu(simd, act, n):
+    """up = NULL: act(gate) alone (OPT, Falcon); FATReLU keeps g only above t."""
+    g, u = glu_inputs(n, n + 1)
+    t = 0.37
+    out = np.empty_like(g)
+    check(lib.gh_op_glu(act, t, fptr(g), ffi.NULL, fptr(out), n))
+    ref = ref_act(act, g, t)
+    # as test_glu: GELU's rounded argument moves it by ~1e-7 * |g|
+    gd = np.abs(g.astype(np.float64))
+    assert np.all(np.abs(out - ref) <= 2e-6 * np.abs(ref) + 1e-7 * gd + 1e-37)
+    # the gated form multiplies the same value by up
+    out2 = np.empty_like(g)
+    check(lib.gh_op_glu(act, t, fptr(g), fptr(u), fptr(out2), n))
+    ud = np.abs(u.astype(np.float64))
+    assert np.all(np.abs(out2 - ref * u) <= 2e-6 * np.abs(ref * u) + 1e-7 * gd * ud + 1e-37)
+    if act == GH_ACT_FATRELU:
+        assert np.all(out[g <= t] == 0) and np.all(out[g > t] == g[g > t])

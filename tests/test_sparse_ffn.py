@@ -114,10 +114,10 @@ def test_sparse_down_odd_float_cols():
 GLU_EPS = {F32: 1e-6, F16: 1e-6, BF16: 5e-3, Q8_0: 2e-2, Q4_0: 2e-2}
 
 
-def sparse_glu(t, graw, uraw, rows, cols, act, x, ids, n_threads):
+def sparse_glu(t, graw, uraw, rows, cols, act, x, ids, n_threads, act_t=0.0):
     a = np.full(max(ids.size, 1), np.nan, dtype=np.float32)
-    check(lib.gh_op_sparse_glu(t, vptr(graw), vptr(uraw), rows, cols, act, fptr(x), iptr(ids),
-                               ids.size, fptr(a), n_threads))
+    check(lib.gh_op_sparse_glu(t, vptr(graw), vptr(uraw) if uraw is not None else ffi.NULL, rows,
+                               cols, act, act_t, fptr(x), iptr(ids), ids.size, fptr(a), n_threads))
     return a[: ids.size]
 
 
@@ -148,6 +148,44 @@ def test_sparse_glu_vs_numpy(tname, rows, cols, act):
             assert np.all(np.abs(a1 - ref) <= bound), (name, level, np.max(np.abs(a1 - ref) / bound))
             if act in (RELU, DRELU):
                 assert np.all(a1[g_all[ids] < -1e-2] == 0.0)
+
+
+@pytest.mark.parametrize("tname", list(TYPES))
+@pytest.mark.parametrize("act", [RELU, SILU, 5])  # 5 = FATReLU
+def test_sparse_glu_ungated_and_fatrelu(tname, act):
+    """up = NULL (OPT/Falcon: the activation reads up's rows, which take the gate's place):
+    a[k] = act(g); FATReLU (gated and not) zeroes g <= t. Against numpy at every level."""
+    t = TYPES[tname]
+    rows, cols, thr = 67, 96, 0.05
+    rng = np.random.default_rng(act + 7 * t)
+    graw, gd = encode(t, rng.standard_normal((rows, cols)) / np.sqrt(cols))
+    uraw, ud = encode(t, rng.standard_normal((rows, cols)) / np.sqrt(cols))
+    x = rng.standard_normal(cols).astype(np.float32)
+    g_all, u_all = gd.astype(np.float64) @ x, ud.astype(np.float64) @ x
+    gs, us = np.abs(gd) @ np.abs(x), np.abs(ud) @ np.abs(x)
+    e = GLU_EPS[t]
+
+    def act1(g):
+        if act == RELU:
+            return np.maximum(g, 0)
+        if act == 5:
+            return np.where(g > thr, g, 0.0)
+        return g / (1 + np.exp(-g))
+
+    for name, ids in id_lists(rows, rng).items():
+        if ids.size == 0:
+            continue
+        for level in simd_levels():
+            with simd_level(level):
+                a = sparse_glu(t, graw, None, rows, cols, act, x, ids, 2, act_t=thr)
+                ag = sparse_glu(t, graw, uraw, rows, cols, act, x, ids, 2, act_t=thr)
+            near = np.abs(g_all[ids] - (thr if act == 5 else 0.0)) < 2 * e * gs[ids] + 1e-6
+            ref = act1(g_all[ids])
+            assert np.all((np.abs(a - ref) <= 1.2 * e * gs[ids] + 1e-7) | near), (name, level)
+            refg = ref * u_all[ids]
+            bound = 1.2 * e * (gs[ids] * np.abs(u_all[ids]) + us[ids] * np.abs(g_all[ids]) +
+                               e * gs[ids] * us[ids]) + 1e-7
+            assert np.all((np.abs(ag - refg) <= bound) | near), (name, level)
 
 
 @pytest.mark.parametrize("tname", list(TYPES))
@@ -235,11 +273,13 @@ def test_sparse_ops_bad_args():
     assert lib.gh_op_sparse_down(Q8_0, vptr(w), 4, 16, iptr(ok), fptr(a), 2, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert lib.gh_op_sparse_down(F32, vptr(w), 4, 32, iptr(ok), fptr(a), -1, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert lib.gh_op_sparse_down(F32, vptr(w), 4, 32, iptr(ok), fptr(a), 2, fptr(y), 0) == GH_ERR_INVALID_ARG
-    assert lib.gh_op_sparse_glu(F32, vptr(w), vptr(w), 4, 32, 9, fptr(x), iptr(ok), 2, fptr(a), 1) \
+    assert lib.gh_op_sparse_glu(F32, vptr(w), vptr(w), 4, 32, 9, 0.0, fptr(x), iptr(ok), 2, fptr(a), 1) \
         == GH_ERR_INVALID_ARG
-    assert lib.gh_op_sparse_glu(F32, vptr(w), vptr(w), 4, 32, RELU, fptr(x), iptr(ids), 2, fptr(a), 1) \
+    assert lib.gh_op_sparse_glu(F32, vptr(w), vptr(w), 4, 32, RELU, 0.0, fptr(x), iptr(ids), 2, fptr(a), 1) \
         == GH_ERR_RANGE
-    assert lib.gh_op_sparse_glu(F32, vptr(w), ffi.NULL, 4, 32, RELU, fptr(x), iptr(ok), 2, fptr(a), 1) \
+    assert lib.gh_op_sparse_glu(F32, ffi.NULL, vptr(w), 4, 32, RELU, 0.0, fptr(x), iptr(ok), 2, fptr(a), 1) \
+        == GH_ERR_INVALID_ARG
+    assert lib.gh_op_sparse_glu(F32, vptr(w), ffi.NULL, 4, 32, DRELU, 0.0, fptr(x), iptr(ok), 2, fptr(a), 1) \
         == GH_ERR_INVALID_ARG
     assert lib.gh_op_sparse_predict(F32, vptr(w), F32, vptr(w), 32, 4, 4, fptr(x), 0.0, iptr(act),
                                     ffi.NULL, ffi.NULL, 1) == GH_ERR_INVALID_ARG

@@ -48,8 +48,11 @@ typedef enum {
     GH_ACT_RELU  = 1,  /* ReGLU:  relu(gate) * up            (ReluLLaMA, ProSparse) */
     GH_ACT_DRELU = 2,  /* dReLU:  relu(gate) * relu(up)      (Bamboo, TurboSparse) */
     GH_ACT_GELU  = 3,  /* GeGLU:  gelu_tanh(gate) * up      (HF gelu_new / gelu_pytorch_tanh) */
-    GH_ACT_GELU_ERF = 4 /* GeGLU with exact erf GELU        (HF "gelu") */
+    GH_ACT_GELU_ERF = 4, /* GeGLU with exact erf GELU       (HF "gelu") */
+    GH_ACT_FATRELU = 5  /* fatrelu(gate) * up, fatrelu(g) = g if g > t else 0   (ProSparse) */
 } gh_act;
+/* An ungated FFN (OPT, Falcon) applies the same kinds to up alone: act(up) (dReLU has no
+ * ungated form). */
 
 /* SIMD levels for the CPU kernels; GH_SIMD_AUTO picks the best the CPU has. */
 typedef enum {
@@ -90,12 +93,20 @@ gh_status gh_op_matmul_t(int type, const void * w, int64_t rows, int64_t cols,
 /* y = x / rms(x) * w over rows of length n (n_rows rows). */
 gh_status gh_op_rmsnorm(const float * x, const float * w, int64_t n, int64_t n_rows,
                         float eps, float * y);
-/* In-place rotary embedding of x [n_tokens][n_head][head_dim] at positions pos[];
- * neox = 0 rotates adjacent pairs (GGUF llama layout), 1 rotates halves. */
+/* y = (x - mean(x)) / sqrt(var(x) + eps) * w + b over rows of length n; b may be NULL. */
+gh_status gh_op_layernorm(const float * x, const float * w, const float * b, int64_t n,
+                          int64_t n_rows, float eps, float * y);
+/* In-place rotary embedding of x [n_tokens][n_head][head_dim] at positions pos[]; the
+ * frequency of pair i is theta^(-2i/head_dim) / freq_div[i] * freq_scale (freq_div: NULL
+ * or head_dim/2 divisors, Llama-3's rope_freqs; freq_scale: 1, or 1/factor for linear
+ * scaling); neox = 0 rotates adjacent pairs (GGUF llama layout), 1 rotates halves. */
 gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
-                     const int32_t * pos, float theta, int neox);
-/* out[t][i] = act(gate[t][i]) * up[t][i] (see gh_act). */
-gh_status gh_op_glu(int act, const float * gate, const float * up, float * out, int64_t n);
+                     const int32_t * pos, float theta, float freq_scale,
+                     const float * freq_div, int neox);
+/* out[t][i] = act(gate[t][i]) * up[t][i] (see gh_act; t is FATReLU's threshold), or
+ * act(gate[t][i]) when up is NULL (an ungated FFN). */
+gh_status gh_op_glu(int act, float t, const float * gate, const float * up, float * out,
+                    int64_t n);
 /* Causal attention of n_tokens queries at positions n_past.. over a cache of
  * n_past + n_tokens keys/values. q: [n_tokens][n_head][head_dim];
  * k, v: [n_kv_total][n_head_kv][head_dim]; out: [n_tokens][n_head][head_dim]. */
@@ -367,10 +378,11 @@ gh_status gh_op_sparse_predict(int fc1_type, const void * fc1, int fc2_type, con
                                float threshold, int32_t * active, int64_t * n_active,
                                float * score, int n_threads);
 /* a[k] = act(gate[ids[k]] . x, up[ids[k]] . x) for k < n (gate, up: rows x cols of type;
- * ids in any order, each in [0, rows)). */
+ * ids in any order, each in [0, rows)); up NULL: a[k] = act(gate[ids[k]] . x) (an ungated
+ * FFN); act_t: FATReLU's threshold. */
 gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t rows,
-                           int64_t cols, int act, const float * x, const int32_t * ids,
-                           int64_t n, float * a, int n_threads);
+                           int64_t cols, int act, float act_t, const float * x,
+                           const int32_t * ids, int64_t n, float * a, int n_threads);
 /* y[c] = sum_k a[k] * W[ids[k]][c] for c < cols (W: rows x cols of type, the transposed
  * down projection; ids in any order, each in [0, rows); y overwritten). Threads split the
  * columns: the result does not depend on n_threads. */
@@ -393,17 +405,20 @@ int32_t gh_have_cuda(void);
  * the device, uploads the weights, runs the op, copies the result back and frees it all.
  * matmul: y[t][r] = W[r] . x[t] (W rows x cols of type, x n x cols, y n x rows).
  * predict: score[i] = fc2[i] . relu(fc1 . x) (fc1 h x n_embd, fc2 n_ff x h).
- * hot_ffn: for k < n_rows, r = rows[k] < n_hot: a_k = act(gate[r] . x, up[r] . x);
+ * hot_ffn: for k < n_rows, r = rows[k] < n_hot:
+ *   a_k = act(gate[r] . x + gate_b[r], up[r] . x + up_b[r]) (act_t: FATReLU's threshold);
  *   y = sum_k a_k down_t[r] (gate, up: n_hot x n_embd of type; down_t n_hot x n_embd of
- *   down_type; y n_embd floats). */
+ *   down_type; y n_embd floats). up NULL: an ungated FFN, a_k = act(gate[r] . x + gate_b[r]);
+ *   a NULL bias adds nothing. */
 gh_status gh_device_op_matmul(const char * device, int type, const void * w, int64_t rows,
                               int64_t cols, const float * x, int64_t n, float * y);
 gh_status gh_device_op_predict(const char * device, int fc1_type, const void * fc1,
                                int fc2_type, const void * fc2, int64_t n_embd, int64_t h,
                                int64_t n_ff, const float * x, float * score);
 gh_status gh_device_op_hot_ffn(const char * device, int type, const void * gate,
-                               const void * up, int down_type, const void * down_t,
-                               int64_t n_hot, int64_t n_embd, int act, const float * x,
+                               const void * up, const float * gate_b, const float * up_b,
+                               int down_type, const void * down_t, int64_t n_hot,
+                               int64_t n_embd, int act, float act_t, const float * x,
                                const int32_t * rows, int64_t n_rows, float * y);
 
 /* ---- sampling ---- */

@@ -147,9 +147,10 @@ static void check_type(std::mt19937 & rng) {
     }
 }
 
-static double act_ref(int act, double g, double u) {
+static double act_ref(int act, double t, double g, double u) {
     switch (act) {
     case GH_ACT_RELU: return g > 0 ? g * u : 0.0;
+    case GH_ACT_FATRELU: return g > t ? g * u : 0.0;
     case GH_ACT_DRELU: return g > 0 && u > 0 ? g * u : 0.0;
     case GH_ACT_GELU:
         return 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))) * u;
@@ -159,10 +160,11 @@ static double act_ref(int act, double g, double u) {
 }
 
 static void check_acts() {
-    for (int act = GH_ACT_SILU; act <= GH_ACT_GELU_ERF; act++) {
+    const float t = 0.29f; /* FATReLU's threshold (the others ignore it) */
+    for (int act = GH_ACT_SILU; act <= GH_ACT_FATRELU; act++) {
         for (float g = -12.0f; g <= 12.0f; g += 0.37f) {
-            for (float u : {-3.5f, -1.0f, -0.0f, 0.25f, 2.0f}) {
-                const double want = act_ref(act, g, u), got = act_glu(act, g, u);
+            for (float u : {-3.5f, -1.0f, -0.0f, 0.25f, 1.0f, 2.0f}) {
+                const double want = act_ref(act, t, g, u), got = act_glu(act, t, g, u);
                 CHECK(fabs(got - want) <= 2e-6 * fabs(want) + 1e-6 * fabs(u),
                       "act %d g=%g u=%g: %.9g vs %.9g", act, g, u, got, want);
             }

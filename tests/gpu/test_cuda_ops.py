@@ -133,11 +133,13 @@ def test_predict(op_device, t1, t2, d, h, ff):
 # ---- hot FFN -----------------------------------------------------------------------------
 
 
-def run_hot_ffn(device, t, rg, ru, down_t, rd, n_hot, d, act, x, rows):
+def run_hot_ffn(device, t, rg, ru, down_t, rd, n_hot, d, act, x, rows, gb=None, ub=None, act_t=0.0):
     y = np.full(d, np.nan, dtype=np.float32)
     rows = np.ascontiguousarray(rows, dtype=np.int32)
-    st = lib.gh_device_op_hot_ffn(device.encode(), TYPES[t], vptr(rg), vptr(ru), TYPES[down_t],
-                                  vptr(rd), n_hot, d, act, fptr(x),
+    opt = lambda a: fptr(a) if a is not None else ffi.NULL  # noqa: E731
+    st = lib.gh_device_op_hot_ffn(device.encode(), TYPES[t], vptr(rg),
+                                  vptr(ru) if ru is not None else ffi.NULL, opt(gb), opt(ub),
+                                  TYPES[down_t], vptr(rd), n_hot, d, act, act_t, fptr(x),
                                   iptr(rows) if rows.size else ffi.NULL, rows.size, fptr(y))
     assert st == 0, err()
     return y
@@ -178,6 +180,35 @@ def test_hot_ffn(op_device, tname, down_name, aname):
     rng = np.random.default_rng(11)
     hot_ffn_check(op_device, tname, down_name, ACTS[aname], n_hot, d, id_lists(n_hot, rng),
                   seed=TYPES[tname] * 37 + TYPES[down_name] + ACTS[aname])
+
+
+@pytest.mark.parametrize("tname", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("aname", ["relu", "fatrelu", "gelu_erf"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_hot_ffn_biases_ungated(op_device, tname, aname, gated):
+    """Biases on the activation input (and on up), an ungated FFN (OPT, Falcon: up = NULL,
+    a = act(gate . x + b)) and FATReLU's threshold, on the device as on the CPU."""
+    n_hot, d, t = 61, 64, 0.1
+    act = {"relu": 1, "fatrelu": 5, "gelu_erf": 4}[aname]
+    rng = np.random.default_rng(5 + gated)
+    rg, g = weights(tname, n_hot, d, rng)
+    ru, u = weights(tname, n_hot, d, rng)
+    rd, dn = weights(tname, n_hot, d, rng)
+    gb = rng.standard_normal(n_hot).astype(np.float32)
+    ub = rng.standard_normal(n_hot).astype(np.float32)
+    x = rng.standard_normal(d).astype(np.float32)
+    rows = rng.permutation(n_hot)[:40].astype(np.int32)
+    gx = g[rows] @ x.astype(np.float64) + gb[rows]
+    ux = u[rows] @ x.astype(np.float64) + ub[rows] if gated else np.ones(len(rows))
+    y = run_hot_ffn(op_device, tname, rg, ru if gated else None, tname, rd, n_hot, d, act, x,
+                    rows, gb=gb, ub=ub if gated else None, act_t=t)
+    if act == 5:
+        a = np.where(gx > t, gx, 0.0) * ux
+    else:
+        a = act_ref(act, gx, ux)
+    ref = a @ dn[rows]
+    expected = np.sum((np.abs(gx * ux) + np.abs(a)) ** 2) * np.sum(dn ** 2) / (n_hot * d)
+    assert nmse(y, ref, expected) < BOUND
 
 
 @pytest.mark.parametrize("tname", [t for t in TYPES if t not in QUANT])
@@ -228,10 +259,12 @@ def test_errors(op_device):
     assert lib.gh_device_op_matmul(dev, TYPES["q4_0"], vptr(w), 4, 48, fptr(x), 1,
                                    fptr(y)) == GH_ERR_INVALID_ARG
     rows = np.array([0, 4], dtype=np.int32)
-    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), 0, vptr(w), 4, 32, 1, fptr(x),
-                                    iptr(rows), 2, fptr(y)) == GH_ERR_RANGE
-    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), 0, vptr(w), 4, 32, 17, fptr(x),
-                                    iptr(rows), 1, fptr(y)) == GH_ERR_INVALID_ARG
+    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), ffi.NULL, ffi.NULL, 0, vptr(w), 4,
+                                    32, 1, 0.0, fptr(x), iptr(rows), 2, fptr(y)) == GH_ERR_RANGE
+    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), ffi.NULL, ffi.NULL, 0, vptr(w), 4,
+                                    32, 17, 0.0, fptr(x), iptr(rows), 1, fptr(y)) == GH_ERR_INVALID_ARG
+    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), ffi.NULL, ffi.NULL, ffi.NULL, 0, vptr(w), 4,
+                                    32, 2, 0.0, fptr(x), iptr(rows), 1, fptr(y)) == GH_ERR_INVALID_ARG
 
 
 def test_missing_gpu_index_is_a_clear_error(cuda_device):

@@ -6,6 +6,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define HOST_DEVICE_DEFAULT_MEM ((size_t) 4 << 30)
@@ -97,16 +98,16 @@ gh_status gh_device_check(const char * device) {
 
 /* ------------------------------------------------ one-shot ops (tests, tools) -- */
 
-/* A backend, its stream and the device copies of up to three weights. */
+/* A backend, its stream and the device copies of up to five buffers. */
 typedef struct {
     gh_backend * b;
     gh_stream * s;
-    void * buf[3];
+    void * buf[5];
 } oneshot;
 
 static void oneshot_end(oneshot * o) {
     if (o->s) o->b->ops->stream_free(o->s);
-    for (int i = 0; i < 3; i++) if (o->buf[i]) o->b->ops->free(o->b, o->buf[i]);
+    for (int i = 0; i < 5; i++) if (o->buf[i]) o->b->ops->free(o->b, o->buf[i]);
     gh_backend_free(o->b);
 }
 
@@ -190,19 +191,33 @@ gh_status gh_device_op_predict(const char * device, int fc1_type, const void * f
     return st;
 }
 
+/* A bias of n floats into o->buf[i] (NULL: none). */
+static gh_status put_bias(oneshot * o, int i, const float * b, int64_t n, float ** out) {
+    *out = NULL;
+    if (!b) return GH_OK;
+    gh_status st = o->b->ops->alloc(o->b, (size_t) n * sizeof(float), &o->buf[i]);
+    if (st) return st;
+    *out = o->buf[i];
+    return o->b->ops->upload(o->b, o->buf[i], b, (size_t) n * sizeof(float));
+}
+
 gh_status gh_device_op_hot_ffn(const char * device, int type, const void * gate,
-                               const void * up, int down_type, const void * down_t,
-                               int64_t n_hot, int64_t n_embd, int act, const float * x,
+                               const void * up, const float * gate_b, const float * up_b,
+                               int down_type, const void * down_t, int64_t n_hot,
+                               int64_t n_embd, int act, float act_t, const float * x,
                                const int32_t * rows, int64_t n_rows, float * y) {
     const char * fn = "gh_device_op_hot_ffn";
     gh_status st;
-    if ((st = check_weight(fn, type, gate, n_hot, n_embd)) || (st = check_weight(fn, type, up, n_hot, n_embd)) ||
+    if ((st = check_weight(fn, type, gate, n_hot, n_embd)) ||
+        (up && (st = check_weight(fn, type, up, n_hot, n_embd))) ||
         (st = check_weight(fn, down_type, down_t, n_hot, n_embd))) {
         return st;
     }
-    if (act < GH_ACT_SILU || act > GH_ACT_GELU_ERF) {
-        return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown activation %d", fn, act);
+    if (act < GH_ACT_SILU || act > GH_ACT_FATRELU || (act == GH_ACT_DRELU && !up)) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown activation %d%s", fn, act,
+                       act == GH_ACT_DRELU ? " without up (dReLU needs it)" : "");
     }
+    if (!isfinite(act_t)) return gh_fail(GH_ERR_INVALID_ARG, "%s: act_t must be finite", fn);
     if (!x || !y || n_rows < 0 || (n_rows > 0 && !rows)) {
         return gh_fail(GH_ERR_INVALID_ARG, "%s: need x, y and a row list of n_rows >= 0", fn);
     }
@@ -215,11 +230,13 @@ gh_status gh_device_op_hot_ffn(const char * device, int type, const void * gate,
     gh_stream_params p = { .max_in = n_embd, .max_out = n_embd, .max_rows = GH_MAX(n_rows, 1),
                            .max_hidden = 1 };
     oneshot o;
-    gh_dffn f = { .n_hot = n_hot };
+    gh_dffn f = { .n_hot = n_hot, .gated = up != NULL, .act = act, .act_t = act_t };
     if (!(st = oneshot_begin(&o, device, &p)) && !(st = put_weight(&o, 0, type, gate, n_hot, n_embd, &f.gate)) &&
-        !(st = put_weight(&o, 1, type, up, n_hot, n_embd, &f.up)) &&
+        !(st = up ? put_weight(&o, 1, type, up, n_hot, n_embd, &f.up) : GH_OK) &&
         !(st = put_weight(&o, 2, down_type, down_t, n_hot, n_embd, &f.down_t)) &&
-        !(st = o.b->ops->hot_ffn(o.s, &f, act, x, rows, n_rows, y))) {
+        !(st = put_bias(&o, 3, gate_b, n_hot, &f.gate_b)) &&
+        !(st = put_bias(&o, 4, up_b, n_hot, &f.up_b)) &&
+        !(st = o.b->ops->hot_ffn(o.s, &f, x, rows, n_rows, y))) {
         st = o.b->ops->sync(o.s, NULL);
     }
     oneshot_end(&o);

@@ -37,10 +37,16 @@ typedef struct {
 
 /* The hot part of one layer's FFN on the device: compacted row k (k < n_hot) of gate,
  * up and down_t is neuron bucket[k] of the full matrices (gate/up: n_hot x n_embd,
- * down_t: n_hot x n_embd, neuron k's output vector). */
+ * down_t: n_hot x n_embd, neuron k's output vector). An ungated FFN has its up rows as
+ * `gate` and no `up` (gated = 0). gate_b / up_b: device f32 [n_hot] biases, compacted
+ * like the rows, or NULL. act (gh_act) and act_t (FATReLU's threshold) are the model's. */
 typedef struct {
     int64_t    n_hot;
     gh_dweight gate, up, down_t;
+    int32_t    gated;
+    int32_t    act;
+    float      act_t;
+    float *    gate_b, * up_b;
 } gh_dffn;
 
 /* Capacities a stream's staging buffers must hold (floats / ids per op call). */
@@ -73,9 +79,10 @@ typedef struct {
     gh_status (*predict)(gh_stream * s, const gh_dweight * fc1, const gh_dweight * fc2,
                          const float * x, float * score);
     /* One token's FFN over the hot rows listed: for k < n_rows, r = rows[k] (a compacted
-     * row index < f->n_hot): a_k = act(gate[r] . x, up[r] . x); y = sum_k a_k down_t[r]
-     * (y: f->down_t.cols floats, host, overwritten; n_rows = 0 gives zeros). */
-    gh_status (*hot_ffn)(gh_stream * s, const gh_dffn * f, int act, const float * x,
+     * row index < f->n_hot): a_k = act(gate[r] . x + gate_b[r], up[r] . x + up_b[r]) (u = 1
+     * when ungated); y = sum_k a_k down_t[r] (y: f->down_t.cols floats, host, overwritten;
+     * n_rows = 0 gives zeros; the down bias is the CPU's, added once after the merge). */
+    gh_status (*hot_ffn)(gh_stream * s, const gh_dffn * f, const float * x,
                          const int32_t * rows, int64_t n_rows, float * y);
     /* Waits for everything enqueued; *device_seconds (may be NULL) = time the device spent
      * on that work (its own clock). Errors of any earlier op surface here. */

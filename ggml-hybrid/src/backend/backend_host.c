@@ -98,7 +98,6 @@ typedef struct {
     int op;
     const gh_dweight * w, * w2;  /* matmul: w; predict: fc1, fc2 */
     const gh_dffn * f;
-    int act;
     int64_t n;        /* matmul tokens; hot_ffn rows */
     float * y;        /* host output */
     int slot;         /* staging slot of x (and rows) */
@@ -152,10 +151,12 @@ static void run_op(host_stream * s, const host_op * o) {
         const int32_t * rows = s->rows[o->slot];
         const int64_t d = f->down_t.cols;
         for (int64_t k = 0; k < o->n; k++) {
-            s->hid[k] = ref_dot(&f->gate, rows[k], x, s->tmp);
-            s->up[k] = ref_dot(&f->up, rows[k], x, s->tmp);
+            s->hid[k] = ref_dot(&f->gate, rows[k], x, s->tmp) + (f->gate_b ? f->gate_b[rows[k]] : 0.0f);
+            if (f->gated)
+                s->up[k] = ref_dot(&f->up, rows[k], x, s->tmp) + (f->up_b ? f->up_b[rows[k]] : 0.0f);
         }
-        gh_glu(o->act, s->hid, s->up, s->hid, o->n); /* the CPU runtime's activation */
+        /* the CPU runtime's activation */
+        gh_glu(f->act, f->act_t, s->hid, f->gated ? s->up : NULL, s->hid, o->n);
         for (int64_t c = 0; c < d; c++) o->y[c] = 0.0f;
         for (int64_t k = 0; k < o->n; k++) {
             if (s->hid[k] == 0.0f) continue;
@@ -296,7 +297,7 @@ static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dwe
     return enqueue(s, &o, x, fc1->cols, NULL, 0);
 }
 
-static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, int act, const float * x,
+static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
                             const int32_t * rows, int64_t n_rows, float * y) {
     host_stream * s = (host_stream *) st;
     for (int64_t k = 0; k < n_rows; k++) {
@@ -305,7 +306,7 @@ static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, int act, const fl
                            rows[k], (long long) f->n_hot);
         }
     }
-    host_op o = { .op = OP_HOT_FFN, .f = f, .act = act, .n = n_rows, .y = y };
+    host_op o = { .op = OP_HOT_FFN, .f = f, .n = n_rows, .y = y };
     return enqueue(s, &o, x, f->gate.cols, rows, n_rows);
 }
 

@@ -72,8 +72,24 @@ static gh_status put_rows(gh_hybrid * hy, const gh_weight * w, const int32_t * i
     return hy->b->ops->upload(hy->b, dw->data, tmp, (size_t) n * w->row_bytes);
 }
 
+/* (an ungated FFN's up has no rows: row_bytes 0) plus the biases' floats */
 static int64_t neuron_bytes(const gh_layer * L) {
-    return (int64_t) (L->gate.row_bytes + L->up.row_bytes + L->down_t.row_bytes);
+    return (int64_t) (L->gate.row_bytes + L->up.row_bytes + L->down_t.row_bytes) +
+           4 * (!!L->gate_b + !!L->up_b);
+}
+
+/* A bias compacted to the hot neurons ids[0..n), on the device (NULL when b is). */
+static gh_status put_bias(gh_hybrid * hy, const float * b, const int32_t * ids, int64_t n,
+                          uint8_t * tmp, float ** out) {
+    *out = NULL;
+    if (!b) return GH_OK;
+    float * t = (float *) tmp;
+    for (int64_t k = 0; k < n; k++) t[k] = b[ids[k]];
+    void * d;
+    gh_status st = dev_alloc(hy, (size_t) n * sizeof(float), &d);
+    if (st) return st;
+    *out = d;
+    return hy->b->ops->upload(hy->b, d, tmp, (size_t) n * sizeof(float));
 }
 
 /* ------------------------------------------------------- greedy placement -- */
@@ -104,8 +120,8 @@ static int by_freq(const void * a, const void * b) {
  * best frequency per byte that fits (a layer's next group, or its first block of
  * min_groups groups). Layers without ffn_down_t or frequencies get none. */
 static gh_status greedy(const gh_model * m, int64_t left, int32_t ** hot, int64_t * n_hot) {
-    const int nl = m->info.n_layer;
-    const int64_t ff = m->info.n_ff;
+    const int nl = m->hp.n_layer;
+    const int64_t ff = m->hp.n_ff;
     layer_groups * lg = calloc((size_t) nl, sizeof *lg);
     if (!lg) return gh_fail(GH_ERR_OOM, "out of memory");
     gh_status st = GH_OK;
@@ -180,10 +196,11 @@ static gh_status greedy(const gh_model * m, int64_t left, int32_t ** hot, int64_
 static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t * ids, int64_t n) {
     const gh_layer * L = &m->layers[il];
     gh_dlayer * D = &hy->layers[il];
-    const int64_t ff = m->info.n_ff;
+    const int64_t ff = m->hp.n_ff;
     D->bucket = malloc((size_t) n * sizeof(int32_t));
     D->row_of = malloc((size_t) ff * sizeof(int32_t));
-    const size_t rb = GH_MAX(GH_MAX(L->gate.row_bytes, L->up.row_bytes), L->down_t.row_bytes);
+    const size_t rb = GH_MAX(GH_MAX(GH_MAX(L->gate.row_bytes, L->up.row_bytes),
+                                    L->down_t.row_bytes), sizeof(float));
     uint8_t * tmp = malloc((size_t) n * rb);
     if (!D->bucket || !D->row_of || !tmp) {
         free(tmp);
@@ -193,9 +210,14 @@ static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t 
     for (int64_t i = 0; i < ff; i++) D->row_of[i] = -1;
     for (int64_t k = 0; k < n; k++) D->row_of[ids[k]] = (int32_t) k;
     D->hot.n_hot = n;
+    D->hot.gated = m->hp.gated;
+    D->hot.act = m->hp.ffn_act;
+    D->hot.act_t = m->hp.act_threshold;
     gh_status st;
     if (!(st = put_rows(hy, &L->gate, ids, n, tmp, &D->hot.gate)) &&
-        !(st = put_rows(hy, &L->up, ids, n, tmp, &D->hot.up))) {
+        !(st = m->hp.gated ? put_rows(hy, &L->up, ids, n, tmp, &D->hot.up) : GH_OK) &&
+        !(st = put_bias(hy, L->gate_b, ids, n, tmp, &D->hot.gate_b)) &&
+        !(st = put_bias(hy, L->up_b, ids, n, tmp, &D->hot.up_b))) {
         st = put_rows(hy, &L->down_t, ids, n, tmp, &D->hot.down_t);
     }
     free(tmp);
@@ -208,7 +230,7 @@ static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t 
 }
 
 static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) {
-    const gh_model_info * hp = &m->info;
+    const gh_hparams * hp = &m->hp;
     const int nl = hp->n_layer;
     gh_device_info * in = &hy->info;
     size_t free_b = 0, total_b = 0;
@@ -347,11 +369,11 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     if (!hy) return gh_fail(GH_ERR_OOM, "out of memory");
     gh_status st = gh_backend_new(p->device, &hy->b);
     if (st) { free(hy); return st; }
-    hy->layers = calloc((size_t) m->info.n_layer, sizeof *hy->layers);
-    hy->n_layer = m->info.n_layer;
+    hy->layers = calloc((size_t) m->hp.n_layer, sizeof *hy->layers);
+    hy->n_layer = m->hp.n_layer;
     if (!hy->layers) st = gh_fail(GH_ERR_OOM, "out of memory");
     snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
-    hy->info.n_neurons = (int64_t) m->info.n_layer * m->info.n_ff;
+    hy->info.n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
     m->hy = hy; /* so that gh_model_free releases a partial placement */
     if (!st) st = place(m, hy, p);
     return st;
@@ -360,7 +382,7 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
 /* ------------------------------------------------------ per-context stream -- */
 
 gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
-    const gh_model_info * hp = &m->info;
+    const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, dq = (int64_t) hp->n_head * hp->head_dim;
     int64_t h = 1;
     for (int il = 0; il < hp->n_layer; il++) {

@@ -81,13 +81,14 @@ static float exp_sum_scalar(float * s, int64_t n, float max) {
 }
 
 /* out = g * sigmoid(g * (a + b*g^2)) * u: SiLU with a = 1, b = 0; GELU (tanh form,
- * since 0.5 * (1 + tanh(z)) = sigmoid(2z)) with a = 2*sqrt(2/pi), b = a * 0.044715. */
+ * since 0.5 * (1 + tanh(z)) = sigmoid(2z)) with a = 2*sqrt(2/pi), b = a * 0.044715.
+ * up == NULL: u = 1 (an ungated FFN). */
 static void sigmoid_glu_scalar(const float * gate, const float * up, float * out, int64_t n,
                                float a, float b) {
     for (int64_t i = 0; i < n; i++) {
         float g = gate[i];
         float z = g * (a + b * g * g);
-        out[i] = g / (1.0f + expf(-z)) * up[i];
+        out[i] = g / (1.0f + expf(-z)) * (up ? up[i] : 1.0f);
     }
 }
 
@@ -213,9 +214,9 @@ AVX2 static void sigmoid_glu_avx2(const float * gate, const float * up, float * 
         __m256 z = _mm256_mul_ps(g, _mm256_fmadd_ps(vb, _mm256_mul_ps(g, g), va));
         __m256 e = exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), z));
         __m256 y = _mm256_div_ps(g, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(y, _mm256_loadu_ps(up + i)));
+        _mm256_storeu_ps(out + i, up ? _mm256_mul_ps(y, _mm256_loadu_ps(up + i)) : y);
     }
-    sigmoid_glu_scalar(gate + i, up + i, out + i, n - i, a, b);
+    sigmoid_glu_scalar(gate + i, up ? up + i : NULL, out + i, n - i, a, b);
 }
 
 /* ---- AVX-512 ---- */
@@ -298,7 +299,7 @@ AVX512 static void sigmoid_glu_avx512(const float * gate, const float * up, floa
         __m512 z = _mm512_mul_ps(g, _mm512_fmadd_ps(vb, _mm512_mul_ps(g, g), va));
         __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
         __m512 y = _mm512_div_ps(g, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, up + i)));
+        _mm512_mask_storeu_ps(out + i, m, up ? _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, up + i)) : y);
     }
 }
 
@@ -555,15 +556,39 @@ void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * 
     for (i = 0; i < n; i++) y[i] = (x[i] * scale) * w[i];
 }
 
+void gh_layernorm(const float * x, const float * w, const float * b, int64_t n, float eps,
+                  float * y) {
+    /* mean and variance in double (two passes), then HF's order: (x - mean) * rsqrt(var +
+     * eps) * w + b */
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += x[i];
+    const float mean = (float) (sum / (double) n);
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = (double) x[i] - (double) mean;
+        ss += d * d;
+    }
+    const float scale = (float) (1.0 / sqrt(ss / (double) n + (double) eps));
+    if (b) {
+        for (int64_t i = 0; i < n; i++) y[i] = ((x[i] - mean) * scale) * w[i] + b[i];
+    } else {
+        for (int64_t i = 0; i < n; i++) y[i] = ((x[i] - mean) * scale) * w[i];
+    }
+}
+
 /* ------------------------------------------------------------------------------------
  * RoPE
  * ---------------------------------------------------------------------------------- */
 
-void gh_rope_angles(int head_dim, int32_t pos, float theta, float * cs) {
+void gh_rope_angles(int head_dim, int32_t pos, float theta, float freq_scale,
+                    const float * freq_div, float * cs) {
     const int half = head_dim / 2;
     for (int i = 0; i < half; i++) {
-        /* As HF computes it in float32: inv_freq = 1 / base^(2i/d), angle = pos * inv_freq. */
+        /* As HF computes it in float32: inv_freq = 1 / base^(2i/d), scaled (linear: by
+         * 1 / factor; Llama-3: divided per dimension), angle = pos * inv_freq. */
         float inv_freq = 1.0f / powf(theta, (float) (2 * i) / (float) head_dim);
+        if (freq_div) inv_freq /= freq_div[i];
+        inv_freq *= freq_scale;
         float angle = (float) pos * inv_freq;
         cs[i] = cosf(angle);
         cs[half + i] = sinf(angle);
@@ -593,7 +618,31 @@ void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox) {
 #define GELU_A 1.5957691216057308f /* 2 * sqrt(2 / pi) */
 #define GELU_B (GELU_A * 0.044715f)
 
-void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n) {
+void gh_glu(int act, float t, const float * gate, const float * up, float * out, int64_t n) {
+    if (!up) {
+        /* an ungated FFN: act(gate) alone (the "gate" is the up projection there) */
+        switch (act) {
+        case GH_ACT_SILU:
+            ops_kernels_get().sigmoid_glu(gate, NULL, out, n, 1.0f, 0.0f);
+            break;
+        case GH_ACT_GELU:
+            ops_kernels_get().sigmoid_glu(gate, NULL, out, n, GELU_A, GELU_B);
+            break;
+        case GH_ACT_RELU:
+            for (int64_t i = 0; i < n; i++) out[i] = gate[i] > 0.0f ? gate[i] : 0.0f;
+            break;
+        case GH_ACT_FATRELU:
+            for (int64_t i = 0; i < n; i++) out[i] = gate[i] > t ? gate[i] : 0.0f;
+            break;
+        case GH_ACT_GELU_ERF:
+            for (int64_t i = 0; i < n; i++)
+                out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.70710678118654752f));
+            break;
+        default:
+            break; /* validated by the loader (dReLU needs a gate and an up) */
+        }
+        return;
+    }
     switch (act) {
     case GH_ACT_SILU:
         ops_kernels_get().sigmoid_glu(gate, up, out, n, 1.0f, 0.0f);
@@ -603,6 +652,9 @@ void gh_glu(int act, const float * gate, const float * up, float * out, int64_t 
         break;
     case GH_ACT_RELU:
         for (int64_t i = 0; i < n; i++) out[i] = (gate[i] > 0.0f ? gate[i] : 0.0f) * up[i];
+        break;
+    case GH_ACT_FATRELU:
+        for (int64_t i = 0; i < n; i++) out[i] = (gate[i] > t ? gate[i] : 0.0f) * up[i];
         break;
     case GH_ACT_DRELU:
         for (int64_t i = 0; i < n; i++)
@@ -846,8 +898,24 @@ gh_status gh_op_rmsnorm(const float * x, const float * w, int64_t n, int64_t n_r
     return GH_OK;
 }
 
+gh_status gh_op_layernorm(const float * x, const float * w, const float * b, int64_t n,
+                          int64_t n_rows, float eps, float * y) {
+    if (!x || !w || !y) return gh_fail(GH_ERR_INVALID_ARG, "layernorm: x, w and y must not be NULL");
+    if (n <= 0 || n_rows <= 0)
+        return gh_fail(GH_ERR_INVALID_ARG, "layernorm: n (%lld) and n_rows (%lld) must be positive",
+                       (long long) n, (long long) n_rows);
+    uint64_t total;
+    if (!gh_mul_ok((uint64_t) n, (uint64_t) n_rows, &total) || total > (uint64_t) INT64_MAX / sizeof(float))
+        return gh_fail(GH_ERR_INVALID_ARG, "layernorm: n * n_rows overflows");
+    if (!(eps >= 0.0f) || isinf(eps))
+        return gh_fail(GH_ERR_INVALID_ARG, "layernorm: eps (%g) must be finite and >= 0", (double) eps);
+    for (int64_t r = 0; r < n_rows; r++) gh_layernorm(x + r * n, w, b, n, eps, y + r * n);
+    return GH_OK;
+}
+
 gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
-                     const int32_t * pos, float theta, int neox) {
+                     const int32_t * pos, float theta, float freq_scale,
+                     const float * freq_div, int neox) {
     if (!x || !pos) return gh_fail(GH_ERR_INVALID_ARG, "rope: x and pos must not be NULL");
     if (n_tokens <= 0 || n_head <= 0 || head_dim <= 0)
         return gh_fail(GH_ERR_INVALID_ARG,
@@ -857,6 +925,14 @@ gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
         return gh_fail(GH_ERR_INVALID_ARG, "rope: head_dim (%d) must be even", head_dim);
     if (!(theta > 0.0f) || isinf(theta))
         return gh_fail(GH_ERR_INVALID_ARG, "rope: theta (%g) must be finite and > 0", (double) theta);
+    if (!(freq_scale > 0.0f) || isinf(freq_scale))
+        return gh_fail(GH_ERR_INVALID_ARG, "rope: freq_scale (%g) must be finite and > 0",
+                       (double) freq_scale);
+    for (int i = 0; freq_div && i < head_dim / 2; i++) {
+        if (!(freq_div[i] > 0.0f) || isinf(freq_div[i]))
+            return gh_fail(GH_ERR_INVALID_ARG, "rope: freq_div[%d] (%g) must be finite and > 0", i,
+                           (double) freq_div[i]);
+    }
     if (neox != 0 && neox != 1)
         return gh_fail(GH_ERR_INVALID_ARG, "rope: neox (%d) must be 0 or 1", neox);
     uint64_t row, total;
@@ -871,20 +947,23 @@ gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
     float * cs = malloc((size_t) head_dim * sizeof(float));
     if (!cs) return gh_fail(GH_ERR_OOM, "rope: out of memory");
     for (int64_t t = 0; t < n_tokens; t++) {
-        gh_rope_angles(head_dim, pos[t], theta, cs);
+        gh_rope_angles(head_dim, pos[t], theta, freq_scale, freq_div, cs);
         gh_rope(x + t * (int64_t) row, n_head, head_dim, cs, neox);
     }
     free(cs);
     return GH_OK;
 }
 
-gh_status gh_op_glu(int act, const float * gate, const float * up, float * out, int64_t n) {
-    if (act != GH_ACT_SILU && act != GH_ACT_RELU && act != GH_ACT_DRELU && act != GH_ACT_GELU &&
-        act != GH_ACT_GELU_ERF)
+gh_status gh_op_glu(int act, float t, const float * gate, const float * up, float * out,
+                    int64_t n) {
+    if (act < GH_ACT_SILU || act > GH_ACT_FATRELU)
         return gh_fail(GH_ERR_INVALID_ARG, "glu: unknown activation %d", act);
-    if (!gate || !up || !out) return gh_fail(GH_ERR_INVALID_ARG, "glu: gate, up and out must not be NULL");
+    if (act == GH_ACT_DRELU && !up)
+        return gh_fail(GH_ERR_INVALID_ARG, "glu: dReLU needs up (it has no ungated form)");
+    if (!isfinite(t)) return gh_fail(GH_ERR_INVALID_ARG, "glu: threshold (%g) must be finite", (double) t);
+    if (!gate || !out) return gh_fail(GH_ERR_INVALID_ARG, "glu: gate and out must not be NULL");
     if (n <= 0) return gh_fail(GH_ERR_INVALID_ARG, "glu: n (%lld) must be positive", (long long) n);
-    gh_glu(act, gate, up, out, n);
+    gh_glu(act, t, gate, up, out, n);
     return GH_OK;
 }
 

@@ -58,11 +58,17 @@ typedef void (*gh_axpy4pf_fn)(int64_t n, const float * s, const void * const * r
 gh_axpy4pf_fn gh_axpy4pf_avx512(int type);
 
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
-/* cs[0..head_dim/2) = cos and cs[head_dim/2..head_dim) = sin of position pos's angles:
- * made once per token of a forward pass and used by q and k of every layer. */
-void gh_rope_angles(int head_dim, int32_t pos, float theta, float * cs);
+/* b may be NULL (no bias). */
+void gh_layernorm(const float * x, const float * w, const float * b, int64_t n, float eps,
+                  float * y);
+/* cs[0..head_dim/2) = cos and cs[head_dim/2..head_dim) = sin of position pos's angles
+ * (see gh_op_rope for freq_scale and freq_div): made once per token of a forward pass and
+ * used by q and k of every layer. */
+void gh_rope_angles(int head_dim, int32_t pos, float theta, float freq_scale,
+                    const float * freq_div, float * cs);
 void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox);
-void gh_glu(int act, const float * gate, const float * up, float * out, int64_t n);
+/* out = act(gate) * up, or act(gate) when up is NULL; t: FATReLU's threshold. */
+void gh_glu(int act, float t, const float * gate, const float * up, float * out, int64_t n);
 /* Causal attention over a KV cache; see gh_op_attention. Threads split tiles of the
  * query heads that share a kv head (times a few tokens), so each K/V row is read once per
  * GQA group; scores (and, for an F16/Q8_0 cache, f32 tiles of a block of its rows) live

@@ -58,7 +58,7 @@ int64_t gh_sparse_predict(gh_threadpool * tp, const gh_weight * fc1, const gh_we
 size_t gh_sparse_glu_scratch_size(const gh_weight * gate, const gh_weight * up) {
     /* gate's and up's converted x, one after the other (64-byte aligned) */
     return ((gh_matmul_scratch_size(gate, 1) + 63) & ~(size_t) 63) +
-           gh_matmul_scratch_size(up, 1);
+           (up ? gh_matmul_scratch_size(up, 1) : 0);
 }
 
 #define GLU_GROUP 16 /* list positions a multi-row dot may span; chunks start at multiples of
@@ -73,10 +73,14 @@ typedef struct {
 typedef struct {
     dot_src         gate, up;
     const float *   gate_g;
+    const float *   gate_b, * up_b;
     const int32_t * ids;
     int64_t         n;
     int             act;
-    bool            skip_up;   /* relu family: g <= 0 gives a = 0 whatever u is */
+    float           act_t;
+    bool            gated;
+    bool            skip_up;   /* relu family: g <= cut gives a = 0 whatever u is */
+    float           cut;
     float *         a, * gc, * uc;
     atomic_llong    up_rows;
 } glu_job;
@@ -86,7 +90,7 @@ typedef struct {
 #endif
 #define GLU_QCAP 32    /* list positions queued ahead (power of two > 4 * (GLU_PF_TILES + 1)) */
 
-/* out[k] = W[ids[k]] . x for k in [k0, k1) where use == NULL or use[k] > 0 (else
+/* out[k] = W[ids[k]] . x for k in [k0, k1) where use == NULL or use[k] > cut (else
  * out[k] = 0). Returns the number of rows read.
  *
  * With the type's gathered four-row tile (dot4): the positions to compute are queued
@@ -96,7 +100,7 @@ typedef struct {
  * where a thread's chunk starts. Without dot4: runs of consecutive ids go through the
  * type's multi-row tile, never crossing a multiple of GLU_GROUP list positions (threads
  * start their chunks at such multiples), each other row through vec_dot. */
-static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * use,
+static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * use, float cut,
                         int64_t k0, int64_t k1, float * out) {
     const gh_weight * w = src->w;
     const char * wd = w->data;
@@ -108,7 +112,7 @@ static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * 
         const int64_t ahead = 4 * (GLU_PF_TILES + 1);
         for (;;) {
             while (tail - head < ahead && scan < k1) {
-                if (use && !(use[scan] > 0.0f)) out[scan] = 0.0f;
+                if (use && !(use[scan] > cut)) out[scan] = 0.0f;
                 else q[tail++ % GLU_QCAP] = scan;
                 scan++;
             }
@@ -133,14 +137,14 @@ static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * 
     }
     const int mr = src->ks->mr1;
     for (int64_t k = k0; k < k1;) {
-        if (use && !(use[k] > 0.0f)) {
+        if (use && !(use[k] > cut)) {
             out[k++] = 0.0f;
             continue;
         }
         const int64_t g_end = GH_MIN(k1, (k / GLU_GROUP + 1) * GLU_GROUP);
         int rn = 1;
         while (rn < mr && k + rn < g_end && ids[k + rn] == ids[k] + rn &&
-               (!use || use[k + rn] > 0.0f)) {
+               (!use || use[k + rn] > cut)) {
             rn++;
         }
         const char * row = wd + (size_t) ids[k] * w->row_bytes;
@@ -166,12 +170,23 @@ static void glu_task(void * arg, int ith, int nth) {
     const int64_t k1 = ith == nth - 1 ? job->n : GH_MIN(job->n, job->n * (ith + 1) / nth / g * g);
     if (k0 >= k1) return;
     if (job->gate_g) {
+        /* the oracle's dense gate, bias included */
         for (int64_t k = k0; k < k1; k++) job->gc[k] = job->gate_g[job->ids[k]];
     } else {
-        rows_dot(&job->gate, job->ids, NULL, k0, k1, job->gc);
+        rows_dot(&job->gate, job->ids, NULL, 0.0f, k0, k1, job->gc);
+        if (job->gate_b) for (int64_t k = k0; k < k1; k++) job->gc[k] += job->gate_b[job->ids[k]];
     }
-    const int64_t nu = rows_dot(&job->up, job->ids, job->skip_up ? job->gc : NULL, k0, k1, job->uc);
-    gh_glu(job->act, job->gc + k0, job->uc + k0, job->a + k0, k1 - k0);
+    int64_t nu = 0;
+    if (job->gated) {
+        nu = rows_dot(&job->up, job->ids, job->skip_up ? job->gc : NULL, job->cut, k0, k1, job->uc);
+        if (job->up_b) {
+            for (int64_t k = k0; k < k1; k++) {
+                if (!job->skip_up || job->gc[k] > job->cut) job->uc[k] += job->up_b[job->ids[k]];
+            }
+        }
+    }
+    gh_glu(job->act, job->act_t, job->gc + k0, job->gated ? job->uc + k0 : NULL, job->a + k0,
+           k1 - k0);
     atomic_fetch_add_explicit(&job->up_rows, nu, memory_order_relaxed);
 }
 
@@ -185,25 +200,31 @@ static dot_src make_src(const gh_weight * w, const float * x, void * buf) {
     return s;
 }
 
-void gh_sparse_glu(gh_threadpool * tp, int act, const gh_weight * gate, const gh_weight * up,
-                   const float * x, const float * gate_g, const int32_t * ids, int64_t n,
-                   float * a, float * gc, float * uc, void * xq, int64_t * up_rows_read) {
+void gh_sparse_glu(gh_threadpool * tp, const gh_glu_spec * f, const float * x,
+                   const float * gate_g, const int32_t * ids, int64_t n, float * a, float * gc,
+                   float * uc, void * xq, int64_t * up_rows_read) {
+    const int act = f->act;
     glu_job job = {
-        .gate_g = gate_g, .ids = ids, .n = n, .act = act,
-        .skip_up = act == GH_ACT_RELU || act == GH_ACT_DRELU, .a = a, .gc = gc, .uc = uc,
+        .gate_g = gate_g, .gate_b = f->gate_b, .up_b = f->up_b, .ids = ids, .n = n,
+        .act = act, .act_t = f->act_t, .gated = f->up != NULL,
+        .skip_up = act == GH_ACT_RELU || act == GH_ACT_DRELU || act == GH_ACT_FATRELU,
+        .cut = act == GH_ACT_FATRELU ? f->act_t : 0.0f, .a = a, .gc = gc, .uc = uc,
     };
     atomic_init(&job.up_rows, 0);
     char * buf = xq;
+    const gh_weight * gate = f->gate, * up = f->up;
     if (!gate_g) job.gate = make_src(gate, x, buf);
     const size_t off = (gh_matmul_scratch_size(gate, 1) + 63) & ~(size_t) 63;
-    if (!gate_g && gate->type == up->type) {
+    if (!up) {
+        /* ungated: nothing multiplies in */
+    } else if (!gate_g && gate->type == up->type) {
         job.up = job.gate; /* same vec_dot_type: convert once */
         job.up.w = up;
     } else {
         job.up = make_src(up, x, buf + off);
     }
     if (n > 0) {
-        const double bytes = (double) n * (double) (gate->row_bytes + up->row_bytes);
+        const double bytes = (double) n * (double) (gate->row_bytes + (up ? up->row_bytes : 0));
         if (!tp || bytes < GH_SPARSE_INLINE_BYTES) glu_task(&job, 0, 1);
         else gh_threadpool_run(tp, glu_task, &job);
     }
@@ -258,7 +279,7 @@ void gh_sparse_state_free(gh_sparse_state * s) {
 }
 
 static bool all_layers(const gh_model * m, bool pred) {
-    for (int il = 0; il < m->info.n_layer; il++) {
+    for (int il = 0; il < m->hp.n_layer; il++) {
         const gh_layer * L = &m->layers[il];
         if (!L->has_down_t || (pred && !L->has_pred)) return false;
     }
@@ -268,12 +289,12 @@ static bool all_layers(const gh_model * m, bool pred) {
 gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
     gh_sparse_state * s = calloc(1, sizeof *s);
     if (!s) { gh_fail(GH_ERR_OOM, "out of memory"); return NULL; }
-    const int64_t ff = m->info.n_ff;
+    const int64_t ff = m->hp.n_ff;
     int64_t h = 1;
     size_t scratch = 64;
-    for (int il = 0; il < m->info.n_layer; il++) {
+    for (int il = 0; il < m->hp.n_layer; il++) {
         const gh_layer * L = &m->layers[il];
-        scratch = GH_MAX(scratch, gh_sparse_glu_scratch_size(&L->gate, &L->up));
+        scratch = GH_MAX(scratch, gh_sparse_glu_scratch_size(&L->gate, m->hp.gated ? &L->up : NULL));
         scratch = GH_MAX(scratch, gh_matmul_scratch_size(&L->gate, 1));
         if (L->has_pred) {
             h = GH_MAX(h, L->fc1.rows);
@@ -294,10 +315,10 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
     s->down_ids = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
     s->down_a = gh_aligned_alloc(fb);
     s->scratch = gh_aligned_alloc(scratch);
-    s->layer_active = calloc((size_t) m->info.n_layer, sizeof(int64_t));
+    s->layer_active = calloc((size_t) m->hp.n_layer, sizeof(int64_t));
     s->hot_rows = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
     s->cold = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
-    s->y_dev = gh_aligned_alloc((size_t) m->info.n_embd * sizeof(float));
+    s->y_dev = gh_aligned_alloc((size_t) m->hp.n_embd * sizeof(float));
     if (!s->ph || !s->score || !s->g_dense || !s->a || !s->gc || !s->uc || !s->ids ||
         !s->down_ids || !s->down_a ||
         !s->scratch || !s->layer_active || !s->hot_rows || !s->cold || !s->y_dev) {
@@ -340,8 +361,10 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
                        const int32_t * ids, int64_t n, float * y) {
     gh_sparse_state * s = c->sparse;
     int64_t n_up = 0;
-    gh_sparse_glu(c->tp, c->model->info.ffn_act, &L->gate, &L->up, x, gate_g, ids, n, s->a,
-                  s->gc, s->uc, s->scratch, &n_up);
+    const gh_hparams * hp = &c->model->hp;
+    const gh_glu_spec f = { .act = hp->ffn_act, .act_t = hp->act_threshold, .gate = &L->gate,
+                            .up = hp->gated ? &L->up : NULL, .gate_b = L->gate_b, .up_b = L->up_b };
+    gh_sparse_glu(c->tp, &f, x, gate_g, ids, n, s->a, s->gc, s->uc, s->scratch, &n_up);
     /* the down rows of the neurons that came out nonzero, compacted (branch-free: ~30%
      * of a low-threshold list is zero), so that the axpy neither visits nor prefetches
      * the rows it skips */
@@ -362,8 +385,8 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
     const gh_layer * L = &m->layers[il];
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
     gh_sparse_state * s = c->sparse;
-    const int64_t ff = m->info.n_ff;
-    const int act = m->info.ffn_act;
+    const int64_t ff = m->hp.n_ff;
+    const int act = m->hp.ffn_act;
     const double t0 = gh_now();
     int64_t n = 0;
     const float * gate_g = NULL;
@@ -384,6 +407,7 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
         /* oracle: the exact active set from the dense gate (relu family: g > 0; other
          * activations are not sparse, so every neuron); gate: the calibrated threshold */
         gh_matmul(c->tp, &L->gate, x, 1, s->g_dense, ff, s->scratch);
+        if (L->gate_b) for (int64_t i = 0; i < ff; i++) s->g_dense[i] += L->gate_b[i];
         const float * g = s->g_dense;
         if (s->mode == GH_FFN_GATE) {
             /* |act(g)| > t as cut points on g (branch-free: the list is a prefix sum) */
@@ -393,9 +417,10 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
                 n += (g[i] > cut) | ((g[i] > lo) & (g[i] < hi));
             }
         } else {
-            const bool relu = act == GH_ACT_RELU || act == GH_ACT_DRELU;
+            const bool relu = act == GH_ACT_RELU || act == GH_ACT_DRELU || act == GH_ACT_FATRELU;
+            const float cut = act == GH_ACT_FATRELU ? m->hp.act_threshold : 0.0f;
             for (int64_t i = 0; i < ff; i++) {
-                if (!relu || g[i] > 0.0f) s->ids[n++] = (int32_t) i;
+                if (!relu || g[i] > cut) s->ids[n++] = (int32_t) i;
             }
         }
         gate_g = s->g_dense;
@@ -412,7 +437,7 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
         }
         const gh_backend_ops * ops = m->hy->b->ops;
         gh_status st = GH_OK;
-        if (n_hot) st = ops->hot_ffn(c->stream, &D->hot, act, x, s->hot_rows, n_hot, s->y_dev);
+        if (n_hot) st = ops->hot_ffn(c->stream, &D->hot, x, s->hot_rows, n_hot, s->y_dev);
         const double tc = gh_now();
         ffn_bytes += cpu_part(c, L, x, gate_g, s->cold, n_cold, y);
         const double tw = gh_now();
@@ -434,6 +459,7 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
     } else {
         ffn_bytes += cpu_part(c, L, x, gate_g, s->ids, n, y);
     }
+    if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
     gh_stats_add(c, GH_STAGE_FFN, gh_now() - t1, ffn_bytes);
     s->n_active += n;
     s->n_active_device += n_hot;
@@ -464,7 +490,7 @@ void gh_stats_device(gh_context * c, double device_s, double wait_s, double up_b
 void gh_stats_dense_ffn(gh_context * c, int il, int32_t n, const float * h) {
     if (!c->sparse) return;
     const gh_layer * L = &c->model->layers[il];
-    const int64_t ff = c->model->info.n_ff;
+    const int64_t ff = c->model->hp.n_ff;
     double bytes = (double) (L->gate.rows * L->gate.row_bytes + L->up.rows * L->up.row_bytes);
     if (L->has_down_t) {
         int64_t rows = 0; /* gh_matmul_t reads the rows some token needs */
@@ -504,7 +530,7 @@ static gh_status set_ffn_mode(gh_context * c, int32_t mode) {
                        "(powerinfer.sparse.gate_threshold), but the file has none: convert "
                        "the model with --sparsity S");
     }
-    for (int il = 0; mode != GH_FFN_DENSE && il < m->info.n_layer; il++) {
+    for (int il = 0; mode != GH_FFN_DENSE && il < m->hp.n_layer; il++) {
         const gh_layer * L = &m->layers[il];
         if (!L->has_down_t) {
             return gh_fail(GH_ERR_UNSUPPORTED,
@@ -561,7 +587,7 @@ gh_status gh_context_reset_stats(gh_context * c) {
     s->n_tokens = s->n_sparse_tokens = s->n_active = s->n_up_rows = s->n_down_rows = 0;
     s->n_active_device = 0;
     s->bytes_device = s->bytes_up = s->bytes_down = s->t_device = s->t_cpu_ffn = s->t_wait = 0.0;
-    memset(s->layer_active, 0, (size_t) c->model->info.n_layer * sizeof(int64_t));
+    memset(s->layer_active, 0, (size_t) c->model->hp.n_layer * sizeof(int64_t));
     gh_ctx_leave(c);
     return GH_OK;
 }
@@ -692,26 +718,31 @@ gh_status gh_op_sparse_predict(int fc1_type, const void * fc1, int fc2_type, con
 }
 
 gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t rows,
-                           int64_t cols, int act, const float * x, const int32_t * ids,
-                           int64_t n, float * a, int n_threads) {
+                           int64_t cols, int act, float act_t, const float * x,
+                           const int32_t * ids, int64_t n, float * a, int n_threads) {
     static const char fn[] = "gh_op_sparse_glu";
     gh_status st;
     if ((st = check_matrix(fn, "gate", type, gate, rows, cols))) return st;
-    if ((st = check_matrix(fn, "up", type, up, rows, cols))) return st;
-    if (act < GH_ACT_SILU || act > GH_ACT_GELU_ERF) {
+    if (up && (st = check_matrix(fn, "up", type, up, rows, cols))) return st;
+    if (act < GH_ACT_SILU || act > GH_ACT_FATRELU) {
         return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown activation %d", fn, act);
     }
+    if (act == GH_ACT_DRELU && !up) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: dReLU needs up (it has no ungated form)", fn);
+    }
+    if (!isfinite(act_t)) return gh_fail(GH_ERR_INVALID_ARG, "%s: threshold must be finite", fn);
     if ((st = check_ids(fn, ids, n, rows))) return st;
     if (!x || (n > 0 && !a)) return gh_fail(GH_ERR_INVALID_ARG, "%s: NULL buffer", fn);
     gh_weight wg = make_weight(type, gate, rows, cols), wu = make_weight(type, up, rows, cols);
+    const gh_glu_spec f = { .act = act, .act_t = act_t, .gate = &wg, .up = up ? &wu : NULL };
     const size_t nb = (size_t) GH_MAX(n, 1) * sizeof(float);
     float * gc = gh_aligned_alloc(nb), * uc = gh_aligned_alloc(nb);
-    void * xq = gh_aligned_alloc(GH_MAX(gh_sparse_glu_scratch_size(&wg, &wu), 64));
+    void * xq = gh_aligned_alloc(GH_MAX(gh_sparse_glu_scratch_size(&wg, f.up), 64));
     gh_threadpool * tp = NULL;
     bool cached = false;
     st = !gc || !uc || !xq ? gh_fail(GH_ERR_OOM, "%s: out of memory", fn)
                            : op_pool(fn, n_threads, &tp, &cached);
-    if (!st) gh_sparse_glu(tp, act, &wg, &wu, x, NULL, ids, n, a, gc, uc, xq, NULL);
+    if (!st) gh_sparse_glu(tp, &f, x, NULL, ids, n, a, gc, uc, xq, NULL);
     if (!st) op_pool_release(tp, cached);
     gh_aligned_free(gc);
     gh_aligned_free(uc);

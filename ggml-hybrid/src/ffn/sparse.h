@@ -4,7 +4,8 @@
  * One token's FFN in the sparse modes:
  *   predict      ph = relu(fc1 . x); score = fc2 . ph; active = { i : score_i >= thr }
  *   sparse GLU   for each active i: g_i = gate_i . x, u_i = up_i . x, a_i = act(g_i, u_i)
- *   sparse down  y = sum_{active i, a_i != 0} a_i * down_t[i]   (gh_matmul_t_list)
+ *                (biases added; an ungated FFN has its up rows as "gate" and u_i = 1)
+ *   sparse down  y = sum_{active i, a_i != 0} a_i * down_t[i] + b_down   (gh_matmul_t_list)
  * The oracle mode computes gate densely instead of predicting and takes as active the
  * neurons whose activation is nonzero, which gives the dense result (tests). */
 #ifndef GH_SPARSE_H
@@ -27,17 +28,27 @@ int64_t gh_sparse_predict(gh_threadpool * tp, const gh_weight * fc1, const gh_we
                           const float * x, float threshold, float * ph, float * score,
                           int32_t * active, void * scratch);
 
+/* An FFN's activation input: act (gh_act) with FATReLU's threshold act_t, the gate rows
+ * (for an ungated FFN: its up rows), the up rows multiplied in (NULL: ungated), biases. */
+typedef struct {
+    int               act;
+    float             act_t;
+    const gh_weight * gate, * up;
+    const float *     gate_b, * up_b;
+} gh_glu_spec;
+
 /* Sparse GLU over the list ids[0..n) (any order; ids < gate->rows): a[k] = act(g, u) for
  * neuron ids[k], with g = gate_g[ids[k]] when gate_g is given (the oracle computed gate
- * densely) else gate[ids[k]] . x, and u = up[ids[k]] . x. With a ReLU-family activation
- * (relu, drelu) a neuron whose g <= 0 has a = 0 and its up row is not read.
+ * densely, bias included) else gate[ids[k]] . x + gate_b, and u = up[ids[k]] . x + up_b
+ * (u = 1 when ungated). With a ReLU-family activation (relu, drelu, fatrelu) a neuron whose
+ * g <= its cut has a = 0 and its up row is not read.
  * gc, uc: [n] scratch for the compact g and u; xq: gh_sparse_glu_scratch_size bytes.
  * Threads split the list in contiguous chunks of equal length. If up_rows_read is not
  * NULL it receives the number of up rows read. */
 size_t gh_sparse_glu_scratch_size(const gh_weight * gate, const gh_weight * up);
-void gh_sparse_glu(gh_threadpool * tp, int act, const gh_weight * gate, const gh_weight * up,
-                   const float * x, const float * gate_g, const int32_t * ids, int64_t n,
-                   float * a, float * gc, float * uc, void * xq, int64_t * up_rows_read);
+void gh_sparse_glu(gh_threadpool * tp, const gh_glu_spec * f, const float * x,
+                   const float * gate_g, const int32_t * ids, int64_t n, float * a, float * gc,
+                   float * uc, void * xq, int64_t * up_rows_read);
 
 /* The down projection over the list: gh_matmul_t_list (ops.h, axpy.c). */
 

@@ -1,7 +1,7 @@
-/* LLaMA-family model: weights loaded from a GGUF file (mapped, or read once into huge
- * pages: gh_load_mode; used in place, never converted except small norm vectors), and
- * the context (KV cache + activation buffers) a forward pass
- * runs in. */
+/* A model: weights loaded from a GGUF file (mapped, or read once into huge pages:
+ * gh_load_mode; used in place, never converted except small norm and bias vectors) as
+ * its architecture (model/arch.h) describes them, and the context (KV cache + activation
+ * buffers) a forward pass runs in. */
 #ifndef GH_MODEL_H
 #define GH_MODEL_H
 
@@ -13,12 +13,20 @@
 #include "core/threadpool.h"
 #include "backend/backend.h"
 #include "types/types.h"
+#include "model/arch.h"
 
+/* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
-    float *   attn_norm;   /* [n_embd], owned f32 copy */
-    gh_weight wq, wk, wv, wo;
-    float *   ffn_norm;    /* [n_embd] */
+    float *   attn_norm, * attn_norm_b;  /* [n_embd] */
+    gh_weight wq, wk, wv, wo;            /* a fused attn_qkv is viewed as its three row ranges */
+    float *   bq, * bk, * bv, * bo;
+    /* the FFN's input norm: ffn_norm (sequential block), attn_norm_2 (parallel block with
+     * two norms) or none (parallel block: the FFN reads attn_norm's output) */
+    float *   ffn_norm, * ffn_norm_b;
+    /* gate = the rows the activation reads: ffn_gate, or ffn_up of an ungated FFN (whose
+     * `up` then has no rows); up = the rows multiplied in (gated FFNs) */
     gh_weight gate, up, down;
+    float *   gate_b, * up_b, * down_b;
     /* sparse extension (all optional; see load_ffn_down_and_sparse in model.c) */
     bool      has_down_t;  /* down_t replaces down: row i = neuron i's output vector */
     gh_weight down_t;      /* [n_ff rows][n_embd cols] */
@@ -37,14 +45,21 @@ typedef struct {
 
 struct gh_model {
     gh_gguf *       gguf;
-    gh_model_info   info;
+    const gh_arch * arch;
+    gh_hparams      hp;          /* what the runtime works with */
+    gh_model_info   info;        /* the public view of it (gh_model_info_get) */
     int             embd_type;
     const uint8_t * embd;        /* token_embd rows, embd_row_bytes each */
     size_t          embd_row_bytes;
-    float *         output_norm; /* [n_embd] */
+    int             pos_type;    /* learned positions: position_embd rows (n_pos of them) */
+    const uint8_t * pos;
+    size_t          pos_row_bytes;
+    float *         output_norm, * output_norm_b; /* [n_embd] */
     gh_weight       output;      /* the head: output.weight or token_embd when tied */
     gh_layer *      layers;
     char *          warnings;    /* non-fatal findings, one per line (gh_model_warnings) */
+    void **         owned;       /* the vectors' f32 copies, freed with the model */
+    int             n_owned, cap_owned;
     struct gh_hybrid * hy;       /* the model's device placement; NULL: CPU only */
     _Atomic int     refs;        /* the loader's reference + one per live context */
 };

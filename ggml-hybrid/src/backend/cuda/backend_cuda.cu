@@ -81,21 +81,26 @@ k_matmul(const uint8_t * __restrict__ w, size_t row_bytes, int64_t rows, int64_t
     }
 }
 
-/* a[k] = act(gate[rows[k]] . x, up[rows[k]] . x) for k < n_rows; one warp per k. */
+/* a[k] = act(gate[r] . x + gate_b[r], up[r] . x + up_b[r]) for k < n_rows, r = rows[k]
+ * (up NULL: an ungated FFN, u = 1; a NULL bias adds nothing); one warp per k. */
 template <int T, bool VEC>
 __global__ void __launch_bounds__(MM_WARPS * WARP)
 k_hot_glu(const uint8_t * __restrict__ gate, const uint8_t * __restrict__ up, size_t row_bytes,
           int64_t cols, const float * __restrict__ x, const int32_t * __restrict__ rows,
-          int64_t n_rows, int act, float * __restrict__ a) {
+          int64_t n_rows, const float * __restrict__ gate_b, const float * __restrict__ up_b,
+          int act, float act_t, float * __restrict__ a) {
     const int lane = threadIdx.x % WARP;
     const int64_t k = (int64_t) blockIdx.x * MM_WARPS + threadIdx.x / WARP;
     if (k >= n_rows) return;
-    const size_t off = (size_t) __ldg(rows + k) * row_bytes;
+    const int32_t r = __ldg(rows + k);
+    const size_t off = (size_t) r * row_bytes;
     float g[1] = {0.0f}, u[1] = {0.0f};
     row_dot<T, VEC, 1>(gate + off, cols, x, cols, 1, lane, g);
-    row_dot<T, VEC, 1>(up + off, cols, x, cols, 1, lane, u);
-    const float gs = warp_sum(g[0]), us = warp_sum(u[0]);
-    if (lane == 0) a[k] = act_glu(act, gs, us);
+    if (up) row_dot<T, VEC, 1>(up + off, cols, x, cols, 1, lane, u);
+    float gs = warp_sum(g[0]), us = up ? warp_sum(u[0]) : 1.0f;
+    if (gate_b) gs += __ldg(gate_b + r);
+    if (up && up_b) us += __ldg(up_b + r);
+    if (lane == 0) a[k] = act_glu(act, act_t, gs, us);
 }
 
 /* part[s][c] = sum over k in slice s (in order) of a[k] * down[rows[k]][c], a[k] == 0
@@ -533,27 +538,30 @@ gh_status cs_predict(gh_stream * gs, const gh_dweight * fc1, const gh_dweight * 
     return stage_out(s, score, s->d_y, ny);
 }
 
-gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, int act, const float * x,
+gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
                      const int32_t * rows, int64_t n_rows, float * y) {
     cuda_stream * s = reinterpret_cast<cuda_stream *>(gs);
     static const char fn[] = "hot_ffn";
     if (!f) return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: f is NULL");
+    const int act = f->act;
     gh_status st;
-    if ((st = check_weight(fn, "gate", &f->gate)) || (st = check_weight(fn, "up", &f->up)) ||
+    if ((st = check_weight(fn, "gate", &f->gate)) ||
+        (f->gated && (st = check_weight(fn, "up", &f->up))) ||
         (st = check_weight(fn, "down_t", &f->down_t))) {
         return st;
     }
-    if (f->gate.type != f->up.type || f->gate.cols != f->up.cols ||
-        f->gate.row_bytes != f->up.row_bytes || f->n_hot < 0 || f->gate.rows < f->n_hot ||
-        f->up.rows < f->n_hot || f->down_t.rows < f->n_hot) {
+    if ((f->gated && (f->gate.type != f->up.type || f->gate.cols != f->up.cols ||
+                      f->gate.row_bytes != f->up.row_bytes || f->up.rows < f->n_hot)) ||
+        f->n_hot < 0 || f->gate.rows < f->n_hot || f->down_t.rows < f->n_hot) {
         return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: gate %lld x %lld, up %lld x %lld, "
                        "down_t %lld x %lld do not fit n_hot %lld", (long long) f->gate.rows,
                        (long long) f->gate.cols, (long long) f->up.rows, (long long) f->up.cols,
                        (long long) f->down_t.rows, (long long) f->down_t.cols,
                        (long long) f->n_hot);
     }
-    if (act < GH_ACT_SILU || act > GH_ACT_GELU_ERF) {
-        return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: unknown activation %d", act);
+    if (act < GH_ACT_SILU || act > GH_ACT_FATRELU || (act == GH_ACT_DRELU && !f->gated)) {
+        return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: unknown activation %d (gated %d)", act,
+                       f->gated);
     }
     if (!x || !y || n_rows < 0 || (n_rows > 0 && !rows)) {
         return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: need x, y and a row list of n_rows >= 0");
@@ -591,10 +599,12 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, int act, const float * x
     if ((st = stage_in(s, s->d_rows, rows, (size_t) n_rows * sizeof(int32_t)))) return st;
     if (n_rows > 0) {
         const unsigned gblocks = (unsigned) ((n_rows + MM_WARPS - 1) / MM_WARPS);
-        const bool vec = float_vec_ok(&f->gate) && float_vec_ok(&f->up);
+        const bool vec = float_vec_ok(&f->gate) && (!f->gated || float_vec_ok(&f->up));
         const uint8_t * g = static_cast<const uint8_t *>(f->gate.data);
-        const uint8_t * u = static_cast<const uint8_t *>(f->up.data);
-#define L(T, V) { k_hot_glu<T, V><<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x, s->d_rows, n_rows, act, s->d_a); }
+        const uint8_t * u = f->gated ? static_cast<const uint8_t *>(f->up.data) : NULL;
+        const float * gb = f->gate_b, * ub = f->up_b;
+        const float t = f->act_t;
+#define L(T, V) { k_hot_glu<T, V><<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x, s->d_rows, n_rows, gb, ub, act, t, s->d_a); }
         DISPATCH_TYPE(f->gate.type, vec, L)
 #undef L
         if ((st = check_launch(s, "hot_ffn gate/up kernel launch"))) return st;

@@ -193,10 +193,12 @@ GH_UNROLL()
 }
 
 /* act(g, u) of the gh_act kinds, the formulas of ops.c's gh_glu (the GPU has no SIMD
- * sigmoid to share, so they are written here once for host and device code). */
-GH_HD float act_glu(int act, float g, float u) {
+ * sigmoid to share, so they are written here once for host and device code); t is
+ * FATReLU's threshold, u = 1 for an ungated FFN. */
+GH_HD float act_glu(int act, float t, float g, float u) {
     switch (act) {
     case GH_ACT_RELU: return g > 0.0f ? g * u : 0.0f;
+    case GH_ACT_FATRELU: return g > t ? g * u : 0.0f;
     case GH_ACT_DRELU: return g > 0.0f && u > 0.0f ? g * u : 0.0f;
     case GH_ACT_GELU: {
         const float c = 0.7978845608028654f; /* sqrt(2 / pi) */

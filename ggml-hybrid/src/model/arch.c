@@ -1,0 +1,25 @@
+/* The registry of architectures: the one list the loader looks names up in. */
+#include "model/arch.h"
+
+#include <string.h>
+
+static const gh_arch * const ARCHS[] = { &gh_arch_llama, &gh_arch_qwen2, &gh_arch_falcon,
+                                         &gh_arch_opt };
+
+const gh_arch * gh_arch_find(const char * name) {
+    for (size_t i = 0; name && i < sizeof ARCHS / sizeof ARCHS[0]; i++) {
+        if (!strcmp(ARCHS[i]->name, name)) return ARCHS[i];
+    }
+    return NULL;
+}
+
+const char * gh_arch_names(void) {
+    static char names[256];
+    if (!names[0]) {
+        for (size_t i = 0; i < sizeof ARCHS / sizeof ARCHS[0]; i++) {
+            if (i) strcat(names, ", ");
+            strcat(names, ARCHS[i]->name);
+        }
+    }
+    return names;
+}

@@ -1,0 +1,61 @@
+/* Architectures as data. An architecture is one descriptor (one file, arch_<name>.c) that
+ * says how its block is built from the shared pieces; the loader (model.c) reads the
+ * common keys and tensors under the architecture's name and the forward pass (forward.c)
+ * runs whatever the descriptor and the loaded tensors say. The hyper-parameters the
+ * runtime works with are gh_hparams (internal), not the public gh_model_info, so a new key
+ * does not change the ABI.
+ *
+ * Adding an architecture: docs/ARCHITECTURES.md. */
+#ifndef GH_ARCH_H
+#define GH_ARCH_H
+
+#include "core/common.h"
+#include "gguf/gguf.h"
+
+typedef enum { GH_NORM_RMS, GH_NORM_LAYER } gh_norm_kind;
+typedef enum { GH_ROPE_NONE, GH_ROPE_NORMAL, GH_ROPE_NEOX } gh_rope_kind;
+
+typedef struct {
+    int32_t n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
+    int32_t bos_id, eos_id;
+    /* FFN */
+    bool    gated;          /* down(act(gate x) * up x); else down(act(up x)) */
+    int32_t ffn_act;        /* gh_act */
+    bool    act_from_file;  /* powerinfer.ffn_activation present */
+    float   act_threshold;  /* FATReLU's t (powerinfer.ffn_act_threshold) */
+    /* block */
+    gh_norm_kind norm;
+    float   norm_eps;
+    bool    parallel;       /* attention and FFN both read the layer input and both add to
+                             * the residual (Falcon) */
+    /* positions */
+    gh_rope_kind rope;
+    float   rope_theta;
+    float   rope_freq_scale;   /* linear scaling: positions times this (1 / factor) */
+    float * rope_freqs;        /* [head_dim / 2] frequency divisors (rope_freqs.weight,
+                                * Llama-3 scaling), owned; NULL: none */
+    int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
+    int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
+} gh_hparams;
+
+typedef struct gh_arch {
+    const char * name;         /* general.architecture, the prefix of its keys */
+    const char * models;       /* the model families it runs, for messages */
+    gh_norm_kind norm;         /* the eps key follows: layer_norm_rms_epsilon / _epsilon */
+    gh_rope_kind rope;
+    bool         fused_qkv;    /* blk.N.attn_qkv (rows: q heads, k heads, v heads) */
+    bool         gated;        /* blk.N.ffn_gate is part of the FFN */
+    bool         parallel;     /* parallel block unless blk.N.ffn_norm says sequential */
+    bool         learned_pos;  /* position_embd.weight, row pos + pos_offset */
+    int32_t      pos_offset;
+    int32_t      default_act;  /* when the file does not name its activation */
+} gh_arch;
+
+/* The descriptor for general.architecture = name, or NULL. */
+const gh_arch * gh_arch_find(const char * name);
+/* "llama, qwen2, ..." (static). */
+const char * gh_arch_names(void);
+
+extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt;
+
+#endif

@@ -1,0 +1,197 @@
+/* Contexts: the KV cache, the activation buffers and the thread pool a forward pass runs in. */
+#include "model/model.h"
+#include "backend/hybrid.h"
+#include "ffn/sparse.h"
+#include "types/types.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* --------------------------------------------------------------- contexts -- */
+
+gh_context_params gh_context_default_params(void) {
+    gh_context_params p = { .n_ctx = 0, .n_batch = 512, .n_threads = 0,
+                            .cache_type = GH_TYPE_F16 };
+    return p;
+}
+
+static int default_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (int) GH_MIN(n, 64);
+}
+
+#define GH_MAX_THREADS 512
+
+void gh_context_free(gh_context * c) {
+    if (!c) return;
+    gh_threadpool_free(c->tp);
+    gh_sparse_state_free(c->sparse);
+    if (c->stream) c->model->hy->b->ops->stream_free(c->stream);
+    if (c->k_cache) for (int il = 0; il < c->model->hp.n_layer; il++) gh_aligned_free(c->k_cache[il]);
+    if (c->v_cache) for (int il = 0; il < c->model->hp.n_layer; il++) gh_aligned_free(c->v_cache[il]);
+    free(c->k_cache);
+    free(c->v_cache);
+    gh_aligned_free(c->k_cur);
+    gh_aligned_free(c->v_cur);
+    gh_model * m = c->model;
+    gh_aligned_free(c->x);
+    gh_aligned_free(c->xb);
+    gh_aligned_free(c->xb2);
+    gh_aligned_free(c->q);
+    gh_aligned_free(c->att);
+    gh_aligned_free(c->rope);
+    gh_aligned_free(c->hb);
+    gh_aligned_free(c->hb2);
+    gh_aligned_free(c->mm_scratch);
+    gh_aligned_free(c->logits);
+    free(c);
+    gh_model_free(m); /* the context's reference */
+}
+
+static gh_status check_threads(int32_t n) {
+    if (n < 0 || n > GH_MAX_THREADS) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_threads must be between 1 and %d (0 = all cores), got %d",
+                       GH_MAX_THREADS, n);
+    }
+    return GH_OK;
+}
+
+static size_t max_scratch(const gh_model * m, int64_t n_tokens) {
+    size_t s = gh_matmul_scratch_size(&m->output, n_tokens);
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const gh_layer * L = &m->layers[il];
+        const gh_weight * ws[] = { &L->wq, &L->wk, &L->wv, &L->wo, &L->gate, &L->up, &L->down };
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) {
+            s = GH_MAX(s, gh_matmul_scratch_size(ws[i], n_tokens));
+        }
+    }
+    return s;
+}
+
+gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context ** out) {
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_new: out is NULL");
+    *out = NULL;
+    if (!m) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_new: model is NULL");
+    gh_context_params dp = gh_context_default_params();
+    if (!p) p = &dp;
+    const gh_hparams * hp = &m->hp;
+    int32_t n_ctx = p->n_ctx > 0 ? p->n_ctx : hp->n_ctx_train;
+    if (p->n_ctx < 0 || n_ctx > (1 << 20)) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_ctx must be between 1 and %d, got %d", 1 << 20, p->n_ctx);
+    }
+    if (hp->n_pos && n_ctx > hp->n_pos - hp->pos_offset) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_ctx = %d exceeds the %d positions this %s model has "
+                       "learned (position_embd.weight)", n_ctx, hp->n_pos - hp->pos_offset,
+                       m->arch->name);
+    }
+    if (p->n_batch < 0) return gh_fail(GH_ERR_INVALID_ARG, "n_batch must be >= 0, got %d", p->n_batch);
+    gh_status st = check_threads(p->n_threads);
+    if (st) return st;
+    if ((st = gh_kv_cache_type_check(p->cache_type, hp->head_dim))) return st;
+    int32_t n_batch = p->n_batch > 0 ? GH_MIN(p->n_batch, n_ctx) : n_ctx;
+    int n_threads = p->n_threads > 0 ? p->n_threads : default_threads();
+
+    gh_context * c = calloc(1, sizeof *c);
+    if (!c) return gh_fail(GH_ERR_OOM, "out of memory");
+    c->model = m;
+    atomic_fetch_add(&m->refs, 1);
+    c->n_ctx = n_ctx;
+    c->n_batch = n_batch;
+    c->tp = gh_threadpool_new(n_threads);
+    if (!c->tp) { gh_context_free(c); return GH_ERR_OOM; }
+
+    const size_t d = hp->n_embd, dq = (size_t) hp->n_head * hp->head_dim,
+                 dkv = (size_t) hp->n_head_kv * hp->head_dim, ff = hp->n_ff, nb = n_batch;
+    bool ok = true;
+    c->cache_type = p->cache_type;
+    c->kv_row = gh_row_size(p->cache_type, (int64_t) dkv);
+    if (c->cache_type != GH_TYPE_F32) c->kv_store = gh_type_traits_get(c->cache_type)->from_float;
+    c->k_cache = calloc((size_t) hp->n_layer, sizeof(void *));
+    c->v_cache = calloc((size_t) hp->n_layer, sizeof(void *));
+    ok = c->k_cache && c->v_cache;
+    for (int il = 0; ok && il < hp->n_layer; il++) {
+        c->k_cache[il] = gh_aligned_alloc((size_t) n_ctx * c->kv_row);
+        c->v_cache[il] = gh_aligned_alloc((size_t) n_ctx * c->kv_row);
+        ok = c->k_cache[il] && c->v_cache[il];
+    }
+    if (ok && c->cache_type != GH_TYPE_F32) {
+        c->k_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
+        c->v_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
+        ok = c->k_cur && c->v_cur;
+    }
+    if (ok) {
+        c->x = gh_aligned_alloc(nb * d * sizeof(float));
+        c->xb = gh_aligned_alloc(nb * d * sizeof(float));
+        c->xb2 = gh_aligned_alloc(nb * d * sizeof(float));
+        c->q = gh_aligned_alloc(nb * dq * sizeof(float));
+        c->att = gh_aligned_alloc(nb * dq * sizeof(float));
+        c->rope = gh_aligned_alloc(nb * (size_t) hp->head_dim * sizeof(float));
+        c->hb = gh_aligned_alloc(nb * ff * sizeof(float));
+        c->hb2 = gh_aligned_alloc(nb * ff * sizeof(float));
+        c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
+        c->logits_cap = 1;
+        c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
+        c->sparse = gh_sparse_state_new(m);
+        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->rope && c->hb && c->hb2 &&
+             c->mm_scratch && c->logits && c->sparse;
+    }
+    if (!ok) {
+        gh_context_free(c);
+        return gh_fail(GH_ERR_OOM, "out of memory allocating a context of %d tokens", n_ctx);
+    }
+    if (m->hy && (st = gh_hybrid_stream_new(m, &c->stream))) {
+        gh_context_free(c);
+        return st;
+    }
+    *out = c;
+    return GH_OK;
+}
+
+gh_status gh_ctx_enter(gh_context * c, const char * what) {
+    int idle = 0;
+    if (atomic_compare_exchange_strong(&c->busy, &idle, 1)) return GH_OK;
+    return gh_fail(GH_ERR_BUSY, "%s: this context is running a call on another thread; give each "
+                   "thread its own context (contexts can share one model)", what);
+}
+
+void gh_ctx_leave(gh_context * c) { atomic_store(&c->busy, 0); }
+
+int32_t gh_context_n_ctx(const gh_context * c) { return c ? c->n_ctx : 0; }
+int32_t gh_context_n_past(const gh_context * c) { return c ? c->n_past : 0; }
+int32_t gh_context_cache_type(const gh_context * c) { return c ? c->cache_type : -1; }
+
+static gh_status set_threads(gh_context * c, int32_t n_threads) {
+    gh_status st = check_threads(n_threads);
+    if (st) return st;
+    int n = n_threads > 0 ? n_threads : default_threads();
+    if (n == gh_threadpool_n_threads(c->tp)) return GH_OK;
+    gh_threadpool * tp = gh_threadpool_new(n);
+    if (!tp) return GH_ERR_OOM; /* message set by the pool */
+    gh_threadpool_free(c->tp);
+    c->tp = tp;
+    return GH_OK;
+}
+
+gh_status gh_context_set_threads(gh_context * c, int32_t n_threads) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_set_threads");
+    if (st) return st;
+    st = set_threads(c, n_threads);
+    gh_ctx_leave(c);
+    return st;
+}
+
+gh_status gh_context_truncate(gh_context * c, int32_t n_past) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_truncate");
+    if (st) return st;
+    if (n_past < 0 || n_past > c->n_past) {
+        st = gh_fail(GH_ERR_RANGE, "cannot truncate to %d: the cache holds %d tokens", n_past,
+                     c->n_past);
+    } else c->n_past = n_past;
+    gh_ctx_leave(c);
+    return st;
+}

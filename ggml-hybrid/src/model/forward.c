@@ -1,0 +1,319 @@
+/* The forward pass: a batch of tokens through the blocks the architecture describes
+ * (model/arch.h), and the eval entry points. */
+#include "model/model.h"
+#include "backend/hybrid.h"
+#include "ffn/sparse.h"
+#include "types/types.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* x[t] = token_embd[tokens[t]] (+ position_embd[pos + offset] for learned positions). */
+static void embed(const gh_model * m, const int32_t * tokens, int64_t n, int32_t p0, float * x,
+                  float * tmp) {
+    const gh_type_traits * tr = gh_type_traits_get(m->embd_type);
+    const int64_t d = m->hp.n_embd;
+    for (int64_t t = 0; t < n; t++) {
+        tr->to_float(m->embd + (size_t) tokens[t] * m->embd_row_bytes, x + t * d, d);
+    }
+    if (!m->pos) return;
+    const gh_type_traits * tp = gh_type_traits_get(m->pos_type);
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t row = p0 + t + m->hp.pos_offset; /* < n_pos: n_ctx is bounded by it */
+        tp->to_float(m->pos + (size_t) row * m->pos_row_bytes, tmp, d);
+        for (int64_t i = 0; i < d; i++) x[t * d + i] += tmp[i];
+    }
+}
+
+static void add_inplace(float * restrict a, const float * restrict b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) a[i] += b[i];
+}
+
+/* y[t] += b for n rows of length len (b NULL: nothing). */
+static void add_bias(float * y, const float * b, int32_t n, int64_t len, int64_t ld) {
+    if (!b) return;
+    for (int32_t t = 0; t < n; t++) add_inplace(y + t * ld, b, len);
+}
+
+/* y[t] = norm(x[t]) of the model's kind, for n rows. */
+static void norm_rows(const gh_hparams * hp, const float * w, const float * b, const float * x,
+                      int32_t n, float * y) {
+    const int64_t d = hp->n_embd;
+    for (int32_t t = 0; t < n; t++) {
+        if (hp->norm == GH_NORM_LAYER) gh_layernorm(x + t * d, w, b, d, hp->norm_eps, y + t * d);
+        else gh_rmsnorm(x + t * d, w, d, hp->norm_eps, y + t * d);
+    }
+}
+
+enum { LOGITS_NONE, LOGITS_LAST, LOGITS_ALL };
+
+/* Whether act(g, u) is zero exactly when g <= the cut (ReLU family), so the mask and the
+ * sparse paths can read the pre-activation. */
+static bool relu_family(int act) {
+    return act == GH_ACT_RELU || act == GH_ACT_DRELU || act == GH_ACT_FATRELU;
+}
+
+/* Profiling (gh_eval_profile): which neurons of n tokens are active. The ReLU family reads
+ * the pre-activation gate (and up, for dReLU) before the GLU; the others read its output. */
+static void profile_mask(gh_context * c, int il, int32_t n, const float * gate, const float * up,
+                         bool post_glu) {
+    const gh_hparams * hp = &c->model->hp;
+    const int64_t ff = hp->n_ff;
+    const int act = hp->ffn_act;
+    const float cut = act == GH_ACT_FATRELU ? hp->act_threshold : 0.0f;
+    for (int32_t t = 0; t < n; t++) {
+        uint8_t * mk = c->prof_mask + il * c->prof_mask_stride + (int64_t) (c->prof_t0 + t) * ff;
+        const float * g = gate + t * ff;
+        if (post_glu) {
+            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] != 0.0f;
+        } else if (act == GH_ACT_DRELU) {
+            const float * u = up + t * ff;
+            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] > 0.0f && u[i] > 0.0f;
+        } else {
+            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] > cut;
+        }
+    }
+}
+
+/* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
+ * cache, causal attention, output projection (+ bias) into c->xb2. */
+static void attention(gh_context * c, int il, int32_t n) {
+    const gh_model * m = c->model;
+    const gh_hparams * hp = &m->hp;
+    const gh_layer * L = &m->layers[il];
+    const int64_t d = hp->n_embd, hd = hp->head_dim, dq = (int64_t) hp->n_head * hd,
+                  dkv = (int64_t) hp->n_head_kv * hd;
+    const int32_t p0 = c->n_past;
+    /* this batch's k and v: straight into an F32 cache, else made in f32 and stored */
+    const bool kv_f32 = c->cache_type == GH_TYPE_F32;
+    float * kc = kv_f32 ? (float *) c->k_cache[il] + (int64_t) p0 * dkv : c->k_cur;
+    float * vc = kv_f32 ? (float *) c->v_cache[il] + (int64_t) p0 * dkv : c->v_cur;
+    const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
+    if (D && D->att) {
+        gh_hybrid_matmul_async(c, &D->wq, c->xb, n, c->q);
+        gh_hybrid_matmul_async(c, &D->wk, c->xb, n, kc);
+        gh_hybrid_matmul_async(c, &D->wv, c->xb, n, vc);
+        gh_hybrid_sync(c);
+    } else {
+        const gh_weight * ws[3] = { &L->wq, &L->wk, &L->wv };
+        float * ys[3] = { c->q, kc, vc };
+        const int64_t ld[3] = { dq, dkv, dkv };
+        gh_matmul_multi(c->tp, ws, 3, c->xb, n, ys, ld, c->mm_scratch);
+    }
+    add_bias(c->q, L->bq, n, dq, dq);
+    add_bias(kc, L->bk, n, dkv, dkv);
+    add_bias(vc, L->bv, n, dkv, dkv);
+    if (hp->rope != GH_ROPE_NONE) {
+        const int neox = hp->rope == GH_ROPE_NEOX;
+        for (int32_t t = 0; t < n; t++) {
+            gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, neox);
+            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, neox);
+        }
+    }
+    if (!kv_f32) {
+        const gh_from_float_fn store = c->kv_store;
+        uint8_t * kdst = (uint8_t *) c->k_cache[il] + (size_t) p0 * c->kv_row;
+        uint8_t * vdst = (uint8_t *) c->v_cache[il] + (size_t) p0 * c->kv_row;
+        for (int32_t t = 0; t < n; t++) {
+            store(kc + (int64_t) t * dkv, kdst + (size_t) t * c->kv_row, dkv);
+            store(vc + (int64_t) t * dkv, vdst + (size_t) t * c->kv_row, dkv);
+        }
+    }
+    gh_attention(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
+                 hp->n_head, hp->n_head_kv, (int) hd);
+    if (D && D->att) {
+        gh_hybrid_matmul_async(c, &D->wo, c->att, n, c->xb2);
+        gh_hybrid_sync(c);
+    } else gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
+    add_bias(c->xb2, L->bo, n, d, d);
+}
+
+/* The dense FFN of layer il over c->xb into c->xb2 (profiling its inputs and masks when
+ * asked). */
+static void ffn_dense(gh_context * c, int il, int32_t n) {
+    const gh_model * m = c->model;
+    const gh_hparams * hp = &m->hp;
+    const gh_layer * L = &m->layers[il];
+    const int64_t d = hp->n_embd, ff = hp->n_ff;
+    if (c->prof_x) {
+        memcpy(c->prof_x + il * c->prof_x_stride + (int64_t) c->prof_t0 * d, c->xb,
+               (size_t) n * d * sizeof(float));
+    }
+    if (hp->gated) {
+        const gh_weight * ws[2] = { &L->gate, &L->up };
+        float * ys[2] = { c->hb, c->hb2 };
+        const int64_t ld[2] = { ff, ff };
+        gh_matmul_multi(c->tp, ws, 2, c->xb, n, ys, ld, c->mm_scratch);
+        add_bias(c->hb2, L->up_b, n, ff, ff);
+    } else {
+        gh_matmul(c->tp, &L->gate, c->xb, n, c->hb, ff, c->mm_scratch);
+    }
+    add_bias(c->hb, L->gate_b, n, ff, ff);
+    const bool pre = relu_family(hp->ffn_act);
+    if (c->prof_mask && pre) profile_mask(c, il, n, c->hb, c->hb2, false);
+    gh_glu(hp->ffn_act, hp->act_threshold, c->hb, hp->gated ? c->hb2 : NULL, c->hb,
+           (int64_t) n * ff);
+    if (c->prof_mask && !pre) profile_mask(c, il, n, c->hb, NULL, true);
+    if (L->has_down_t) gh_matmul_t(c->tp, &L->down_t, c->hb, n, ff, c->xb2, d);
+    else gh_matmul(c->tp, &L->down, c->hb, n, c->xb2, d, c->mm_scratch);
+    add_bias(c->xb2, L->down_b, n, d, d);
+    gh_stats_dense_ffn(c, il, n, c->hb);
+}
+
+/* Runs n tokens (n <= n_batch) at positions n_past..; writes logits for no token, the
+ * last token (to row 0) or every token (to rows row0..row0+n-1).
+ *
+ * Sequential block: x += attn(norm1(x)); x += ffn(norm2(x)).
+ * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x. */
+static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
+                          int32_t row0) {
+    const gh_model * m = c->model;
+    const gh_hparams * hp = &m->hp;
+    const int64_t d = hp->n_embd, hd = hp->head_dim;
+    const int32_t p0 = c->n_past;
+
+    const bool sparse_ffn = gh_sparse_applies(c, n);
+    embed(m, tokens, n, p0, c->x, c->xb);
+    if (hp->rope != GH_ROPE_NONE) {
+        for (int32_t t = 0; t < n; t++) {
+            gh_rope_angles((int) hd, p0 + t, hp->rope_theta, hp->rope_freq_scale, hp->rope_freqs,
+                           c->rope + t * hd);
+        }
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        const gh_layer * L = &m->layers[il];
+        const double t_att = gh_now();
+        norm_rows(hp, L->attn_norm, L->attn_norm_b, c->x, n, c->xb);
+        attention(c, il, n);
+        /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
+         * norm1(x) when there is no second norm); sequential ones the updated x */
+        if (hp->parallel && L->ffn_norm) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
+        add_inplace(c->x, c->xb2, (int64_t) n * d);
+        if (!hp->parallel) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
+        const double t_ffn = gh_now();
+        gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att,
+                     (double) (L->wq.rows * L->wq.row_bytes + L->wk.rows * L->wk.row_bytes +
+                               L->wv.rows * L->wv.row_bytes + L->wo.rows * L->wo.row_bytes));
+
+        if (sparse_ffn) {
+            /* one token at a time: predictor (or exact mask) -> active rows only; it
+             * counts its own times and bytes (the predictor's apart from the FFN's) */
+            const double t_norm = gh_now();
+            for (int32_t t = 0; t < n; t++) gh_sparse_ffn(c, il, c->xb + t * d, c->xb2 + t * d);
+            const double t_add = gh_now();
+            add_inplace(c->x, c->xb2, (int64_t) n * d);
+            gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
+            continue;
+        }
+        ffn_dense(c, il, n);
+        add_inplace(c->x, c->xb2, (int64_t) n * d);
+        gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
+    }
+
+    c->n_past += n;
+    if (which == LOGITS_NONE) return;
+    /* head: only the rows whose logits are kept */
+    const int32_t t0 = which == LOGITS_ALL ? 0 : n - 1;
+    const int32_t nt = n - t0;
+    norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
+    float * logits = c->logits + (size_t) row0 * hp->n_vocab;
+    if (m->hy && m->hy->head) {
+        gh_hybrid_matmul_async(c, &m->hy->output, c->xb, nt, logits);
+        gh_hybrid_sync(c);
+    } else gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
+}
+
+static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                             int32_t logits_all) {
+    if (!tokens || n_tokens <= 0) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval: no tokens given");
+    const int32_t n_vocab = c->model->hp.n_vocab;
+    for (int32_t i = 0; i < n_tokens; i++) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            return gh_fail(GH_ERR_RANGE, "token id %d at index %d is outside the vocabulary [0, %d)",
+                           tokens[i], i, n_vocab);
+        }
+    }
+    if ((int64_t) c->n_past + n_tokens > c->n_ctx) {
+        return gh_fail(GH_ERR_RANGE,
+                       "context full: %d tokens cached + %d new > n_ctx = %d; create the context "
+                       "with a larger n_ctx or truncate it",
+                       c->n_past, n_tokens, c->n_ctx);
+    }
+    const int32_t rows = logits_all ? n_tokens : 1;
+    if (rows > c->logits_cap) {
+        float * l = gh_aligned_alloc((size_t) rows * n_vocab * sizeof(float));
+        if (!l) return gh_fail(GH_ERR_OOM, "out of memory for %d rows of logits", rows);
+        gh_aligned_free(c->logits);
+        c->logits = l;
+        c->logits_cap = rows;
+    }
+    const int32_t n_past0 = c->n_past;
+    c->dev_status = GH_OK;
+    for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
+        const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
+        const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
+        c->prof_t0 = i;
+        const double t0 = gh_now();
+        forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
+        gh_stats_tokens(c, n, which != LOGITS_NONE, gh_now() - t0);
+        if (c->dev_status) {
+            /* a device op failed: these tokens are not in the cache, and no logits */
+            c->n_past = n_past0;
+            c->n_logit_rows = 0;
+            char msg[1024];
+            snprintf(msg, sizeof msg, "%s", gh_last_error());
+            return gh_fail(c->dev_status, "device '%s' failed during gh_eval (the context is "
+                           "back at %d tokens): %s", c->model->hy->info.device, n_past0, msg);
+        }
+    }
+    c->n_logit_rows = rows;
+    return GH_OK;
+}
+
+gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int32_t logits_all) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_eval");
+    if (st) return st;
+    st = eval_tokens(c, tokens, n_tokens, logits_all);
+    gh_ctx_leave(c);
+    return st;
+}
+
+const float * gh_get_logits(const gh_context * c, int32_t i) {
+    if (!c || c->n_logit_rows == 0) return NULL;
+    if (i < 0) i = c->n_logit_rows - 1;
+    if (i >= c->n_logit_rows) return NULL;
+    return c->logits + (size_t) i * c->model->hp.n_vocab;
+}
+
+int32_t gh_n_logit_rows(const gh_context * c) { return c ? c->n_logit_rows : 0; }
+
+gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                          float * ffn_in, int64_t ffn_in_stride,
+                          uint8_t * mask, int64_t mask_stride) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    const int64_t d = c->model->hp.n_embd, ff = c->model->hp.n_ff;
+    const int64_t nt = GH_MAX(n_tokens, 0);
+    if (ffn_in_stride == 0) ffn_in_stride = nt * d;
+    if (mask_stride == 0) mask_stride = nt * ff;
+    if (ffn_in_stride < nt * d || mask_stride < nt * ff) {
+        return gh_fail(GH_ERR_INVALID_ARG,
+                       "gh_eval_profile: layer strides (%lld, %lld) are smaller than one layer's "
+                       "data (%lld inputs, %lld mask bytes)", (long long) ffn_in_stride,
+                       (long long) mask_stride, (long long) (nt * d), (long long) (nt * ff));
+    }
+    gh_status st = gh_ctx_enter(c, "gh_eval_profile");
+    if (st) return st;
+    c->prof_x = ffn_in;
+    c->prof_x_stride = ffn_in_stride;
+    c->prof_mask = mask;
+    c->prof_mask_stride = mask_stride;
+    st = eval_tokens(c, tokens, n_tokens, 0);
+    c->prof_x = NULL;
+    c->prof_mask = NULL;
+    c->prof_t0 = 0;
+    gh_ctx_leave(c);
+    return st;
+}

@@ -4,6 +4,8 @@
     python tools/make_bench_model.py [--layers 22 ...] [--types f16,q4_0] [--force]
                                      [--no-sparse] [--verify [N]]        # issue-5 model (default)
     python tools/make_bench_model.py --plain [--layers 8 ...]            # dense bench model
+    python tools/make_bench_model.py --arch opt [...]                    # OPT-shaped issue-5 model
+    python tools/make_bench_model.py ... --hf-only                       # the HF folder, no GGUFs
 
 Two kinds of model, both written as a Hugging Face LLaMA folder (config.json,
 model.safetensors in fp16 written tensor by tensor with numpy, tokenizer.json +
@@ -61,6 +63,32 @@ k-dimensional subspace orthogonal to u (``--subspace``, default k=128) — the
   neurons carry 56-66% of all firings and the top 20% 75-79% (PowerInfer reports
   26% of OPT-30B's neurons carrying 80%), and a third or more of the neurons fire
   for < 1% of tokens.
+
+OPT-shaped variant (``--arch opt``)
+-----------------------------------
+The same construction in an ``OPTForCausalLM`` folder (pre-LN, as OPT-125m...66B): the
+sizes of the default model where they apply (d=2048, n_ff=5632, 22 layers, 32 heads,
+vocab 32000, untied head), but MHA (OPT has no GQA: 32 KV heads), no RoPE, learned
+absolute positions (2048 + OPT's 2 offset rows), LayerNorm, biases on every linear
+layer, and the ungated FFN fc2(relu(fc1 x + b1)) + b2: 1.01B parameters (2.0 GB in fp16).
+What changes:
+
+* u and S are made of zero-mean vectors, so LayerNorm's mean subtraction leaves the
+  stream (every write lies in S) alone and LayerNorm acts as RMSNorm on it; the
+  LayerNorm weights are 1 and their biases small random vectors off u;
+* the position rows lie in S, with ``POS_SCALE`` (0.5) x the token part's RMS; the
+  forward pass restarts positions with every window of 512, as the profiler does;
+* q, k, v biases are random (std 0.02); out_proj and fc2 write into S as o_proj and
+  down do, and their biases are minus the mean write over the construction tokens;
+* fc1 row i = g_i - b_i*u as the gate row above, with b1_i = -mean(g_i.x) over the
+  construction tokens, and b_i calibrated on (g_i.x + b1_i) / u.x the same way: the
+  neuron fires iff (g_i.x + b1_i) / u.x > b_i.
+
+Checked at d=256 and d=2048 with fewer layers: the density of transformers' forward on the
+construction tokens equals the construction's own forward's; with d=256, 22 layers, on the
+first 512 held-out tokens 4.6% in layer 0 ... 9.4% in layer 21 (like the LLaMA model's ~1.25x
+the targets), the top 10% of neurons carry 58-63% of the firings, u.x ~ 0.71 |x| in layer 21.
+The GGUF steps need the converter to know OPT; ``--hf-only`` stops after the HF folder.
 
 The token part lives in a 128-dimensional subspace, as the hidden states of real
 models are dominated by few directions; every neuron's firing is then a linear
@@ -132,6 +160,11 @@ PRED_TYPE = "q8_0"
 PRED_THRESHOLD = 0.0
 CHUNK_ELEMS = 1 << 24  # 16M elements (64 MB of f32) per generated chunk
 CONSTRUCT_WINDOW = 512
+MAX_POS = 2048
+# --arch opt: RMS of the learned position rows / RMS of the embedding's token part; below 1
+# so that which token it is weighs more than where it stands, and the constant component
+# stays dominant over the two together
+POS_SCALE = 0.5
 
 # per-kind shape defaults (None in argparse = take these)
 SHAPE_DEFAULTS = {
@@ -141,7 +174,8 @@ SHAPE_DEFAULTS = {
 
 
 def shape_name(a) -> str:
-    base = (f"llama-d{a.d}-l{a.layers}-h{a.heads}-kv{a.kv_heads}-ff{a.ff}-v{a.vocab}"
+    kv = f"-kv{a.kv_heads}" if a.arch == "llama" else ""   # OPT: always one KV head per head
+    base = (f"{a.arch}-d{a.d}-l{a.layers}-h{a.heads}{kv}-ff{a.ff}-v{a.vocab}"
             f"-{a.act}-s{a.seed}")
     if a.kind == "plain":
         return base
@@ -160,6 +194,8 @@ def sparse_name(a, t: str) -> str:
 
 def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
     """HF tensor names and shapes in the usual (sorted-by-layer) order."""
+    if a.arch == "opt":
+        return hf_tensors_opt(a)
     hd = a.d // a.heads
     q_rows, kv_rows = a.heads * hd, a.kv_heads * hd
     out = [("model.embed_tokens.weight", (a.vocab, a.d))]
@@ -177,6 +213,25 @@ def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
             (p + "mlp.down_proj.weight", (a.d, a.ff)),
         ]
     out += [("model.norm.weight", (a.d,)), ("lm_head.weight", (a.vocab, a.d))]
+    return out
+
+
+def hf_tensors_opt(a) -> list[tuple[str, tuple[int, ...]]]:
+    """OPTForCausalLM's tensors (pre-LN, biases, learned positions with OPT's offset of 2
+    rows, untied head), in the order the construction writes them."""
+    d = a.d
+    out = [("model.decoder.embed_tokens.weight", (a.vocab, d)),
+           ("model.decoder.embed_positions.weight", (MAX_POS + 2, d))]
+    for i in range(a.layers):
+        p = f"model.decoder.layers.{i}."
+        out += [(p + "self_attn_layer_norm.weight", (d,)), (p + "self_attn_layer_norm.bias", (d,))]
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out += [(p + f"self_attn.{proj}.weight", (d, d)), (p + f"self_attn.{proj}.bias", (d,))]
+        out += [(p + "final_layer_norm.weight", (d,)), (p + "final_layer_norm.bias", (d,)),
+                (p + "fc1.weight", (a.ff, d)), (p + "fc1.bias", (a.ff,)),
+                (p + "fc2.weight", (d, a.ff)), (p + "fc2.bias", (d,))]
+    out += [("model.decoder.final_layer_norm.weight", (d,)), ("model.decoder.final_layer_norm.bias", (d,)),
+            ("lm_head.weight", (a.vocab, d))]
     return out
 
 
@@ -255,6 +310,14 @@ def _rmsnorm(h: np.ndarray, eps: float) -> np.ndarray:
     return h / np.sqrt((h.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps).astype(np.float32)
 
 
+def _layernorm(h: np.ndarray, eps: float, beta: np.ndarray) -> np.ndarray:
+    """LayerNorm with weight 1 (the OPT construction's: a weight other than 1 would turn
+    the constant direction u) and bias beta."""
+    h64 = h.astype(np.float64)
+    h64 -= h64.mean(axis=1, keepdims=True)
+    return (h64 / np.sqrt((h64 ** 2).mean(axis=1, keepdims=True) + eps)).astype(np.float32) + beta[None, :]
+
+
 def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     """HF LLaMA rotate-half RoPE on x [n, heads, hd]."""
     hd = x.shape[-1]
@@ -266,9 +329,10 @@ def _rope(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     return x * cos + np.concatenate([-x2, x1], axis=-1) * sin
 
 
-def _attention(xa, wq, wk, wv, a, theta, window) -> np.ndarray:
+def _attention(xa, wq, wk, wv, a, theta, window, biases=None) -> np.ndarray:
     """Causal GQA attention over windows of `window` tokens (cache cleared between
-    windows, as the profiler runs); returns [n, heads*hd] before o_proj."""
+    windows, as the profiler runs); returns [n, heads*hd] before o_proj. theta None:
+    no RoPE (OPT: the positions are in the input); biases: (bq, bk, bv) or None."""
     n = xa.shape[0]
     hd = a.d // a.heads
     rep = a.heads // a.kv_heads
@@ -277,9 +341,14 @@ def _attention(xa, wq, wk, wv, a, theta, window) -> np.ndarray:
         x = xa[s:s + window]
         m = x.shape[0]
         pos = np.arange(m)
-        q = _rope((x @ wq.T).reshape(m, a.heads, hd), pos, theta)
-        k = _rope((x @ wk.T).reshape(m, a.kv_heads, hd), pos, theta)
-        v = (x @ wv.T).reshape(m, a.kv_heads, hd)
+        q, k, v = x @ wq.T, x @ wk.T, x @ wv.T
+        if biases is not None:
+            q, k, v = q + biases[0], k + biases[1], v + biases[2]
+        q = q.reshape(m, a.heads, hd)
+        k = k.reshape(m, a.kv_heads, hd)
+        v = v.reshape(m, a.kv_heads, hd)
+        if theta is not None:
+            q, k = _rope(q, pos, theta), _rope(k, pos, theta)
         k = np.repeat(k, rep, axis=1)
         v = np.repeat(v, rep, axis=1)
         sc = np.einsum("qhd,khd->hqk", q, k) / np.float32(math.sqrt(hd))
@@ -327,23 +396,42 @@ def tok_rms_of(x: np.ndarray, u: np.ndarray) -> float:
     return float(np.sqrt((t.astype(np.float64) ** 2).mean()))
 
 
+def _thresholds(z: np.ndarray, ptar: np.ndarray) -> np.ndarray:
+    """Offsets b_i along u: z[:, i] (a neuron's input over u.x, over the construction
+    tokens) fitted by N(mu_i, sd_i), b_i = mu_i + sd_i * Phi^-1(1 - p_i)."""
+    mu, sd = z.mean(axis=0, dtype=np.float64), z.std(axis=0, dtype=np.float64)
+    return (mu + sd * _inv_norm_cdf(1.0 - ptar)).astype(np.float32)
+
+
+def _layer_density(a, il: int) -> float:
+    return a.density * (0.75 + 0.5 * (il / (a.layers - 1) if a.layers > 1 else 0.5))
+
+
+def _scaled_write(act: np.ndarray, m: np.ndarray, s_basis: np.ndarray, rms: float) -> np.ndarray:
+    """The write matrix S M [d, n_in], scaled so that act @ (S M).T has RMS `rms`."""
+    raw = (act @ m.T) @ s_basis.T
+    scale = rms / max(float(np.sqrt((raw.astype(np.float64) ** 2).mean())), 1e-30)
+    return _f16(s_basis @ (m * np.float32(scale)))
+
+
 def write_sparse_safetensors(a, path: Path, log=print) -> tuple[int, dict]:
     """The constructed model (see the module docstring). Returns (params, info)."""
+    opt = a.arch == "opt"
     tensors = hf_tensors(a)
-    w = SafetensorsWriter(path, tensors, "powerinfer-cpp tools/make_bench_model.py --sparse-construction")
-    d, n_ff, k, std = a.d, a.ff, a.subspace, a.std
-    hd = d // a.heads
-    q_rows, kv_rows = a.heads * hd, a.kv_heads * hd
+    w = SafetensorsWriter(path, tensors, "powerinfer-cpp tools/make_bench_model.py --sparse-construction"
+                          + (" --arch opt" if opt else ""))
+    d, k, std = a.d, a.subspace, a.std
     rng = np.random.default_rng([a.seed, 1000])
     u = rng.standard_normal(d)
+    if opt:   # LayerNorm subtracts each vector's mean: with u and S of zero mean that is a no-op
+        u -= u.mean()
     u /= np.linalg.norm(u)
     s_basis = rng.standard_normal((d, k))
+    if opt:
+        s_basis -= s_basis.mean(axis=0, keepdims=True)
     s_basis -= np.outer(u, u @ s_basis)
     s_basis = np.linalg.qr(s_basis)[0].astype(np.float32)          # [d, k], orthonormal, _|_ u
     u = u.astype(np.float32)
-
-    def off_u(m: np.ndarray) -> np.ndarray:  # rows projected off u (m [rows, d])
-        return m - np.outer(m @ u, u)
 
     tok_scale = std * math.sqrt(d / k)                 # token part: |S z| ~ std sqrt(d)
     c = a.const * std * math.sqrt(d)
@@ -354,6 +442,7 @@ def write_sparse_safetensors(a, path: Path, log=print) -> tuple[int, dict]:
     need = set(int(t) for t in ids)
     rows_per = max(1, CHUNK_ELEMS // d)
     erng = np.random.default_rng([a.seed, 1001])
+    emb_name = "model.decoder.embed_tokens.weight" if opt else "model.embed_tokens.weight"
     for r0 in range(0, a.vocab, rows_per):
         r1 = min(a.vocab, r0 + rows_per)
         z = erng.standard_normal((r1 - r0, k), dtype=np.float32)
@@ -362,78 +451,192 @@ def write_sparse_safetensors(a, path: Path, log=print) -> tuple[int, dict]:
         for t in need:
             if r0 <= t < r1:
                 emb_rows[t] = e[t - r0]
-        w.write("model.embed_tokens.weight", e)
+        w.write(emb_name, e)
     h = np.stack([emb_rows[int(t)] for t in ids]).astype(np.float32)
-    tok0 = tok_rms_of(h, u)      # the embedding's token-part RMS: the unit of every layer's writes
+    if opt:
+        # learned positions live in the token space too; row p + 2 is position p (OPT's
+        # offset), and positions restart with every window, as the profiler's do
+        z = np.random.default_rng([a.seed, 1002]).standard_normal((MAX_POS + 2, k), dtype=np.float32)
+        pe = _f16((z @ s_basis.T) * np.float32(tok_scale * POS_SCALE))
+        w.write("model.decoder.embed_positions.weight", pe)
+        h = h + pe[np.arange(len(ids)) % CONSTRUCT_WINDOW + 2]
+        del z, pe
+    tok0 = tok_rms_of(h, u)      # the input's token-part RMS: the unit of every layer's writes
     info = {"u_norm_of_embedding": float(c), "token_part_rms": float(tok_scale * math.sqrt(k / d)),
             "layers": []}
-
-    ones = np.ones(d, np.float32)
+    cx = {"u": u, "s_basis": s_basis, "tok0": tok0, "ones": np.ones(d, np.float32)}
+    layer = _opt_layer if opt else _llama_layer
     for il in range(a.layers):
         t0 = time.perf_counter()
-        lrng = np.random.default_rng([a.seed, 2000 + il])
-        p = f"model.layers.{il}."
-        # attention
-        wq = _f16(lrng.standard_normal((q_rows, d), dtype=np.float32) * np.float32(std))
-        wk = _f16(lrng.standard_normal((kv_rows, d), dtype=np.float32) * np.float32(std))
-        wv = _f16(off_u(lrng.standard_normal((kv_rows, d), dtype=np.float32) * np.float32(std)))
-        mo = lrng.standard_normal((k, q_rows), dtype=np.float32)
-        xa = _rmsnorm(h, a.rms_eps)
-        att = _attention(xa, wq, wk, wv, a, a.rope_theta, CONSTRUCT_WINDOW)
-        o_raw = (att @ mo.T) @ s_basis.T
-        scale = a.attn_scale * tok0 / max(float(np.sqrt((o_raw.astype(np.float64) ** 2).mean())), 1e-30)
-        wo = _f16(s_basis @ (mo * np.float32(scale)))                 # [d, q_rows]
-        h = h + att @ wo.T
-        for name, arr in (("input_layernorm", ones), ("self_attn.q_proj", wq), ("self_attn.k_proj", wk),
-                          ("self_attn.v_proj", wv), ("self_attn.o_proj", wo),
-                          ("post_attention_layernorm", ones)):
-            w.write(p + name + ".weight", arr)
-        del wq, wk, wv, wo, mo, att, o_raw
-        # FFN
-        rho = a.density * (0.75 + 0.5 * (il / (a.layers - 1) if a.layers > 1 else 0.5))
-        ptar = firing_targets(n_ff, rho, a.alpha, a.p_max, lrng)
-        g = off_u(lrng.standard_normal((n_ff, d), dtype=np.float32) * np.float32(std))
-        xf = _rmsnorm(h, a.rms_eps)
-        ux = xf @ u
-        if ux.min() <= 0:
-            sys.exit(f"error: layer {il}: the constant component vanished (u.x <= 0); raise --const")
-        z = (xf @ g.T) / ux[:, None]
-        mu, sd = z.mean(axis=0, dtype=np.float64), z.std(axis=0, dtype=np.float64)
-        b = (mu + sd * _inv_norm_cdf(1.0 - ptar)).astype(np.float32)
-        gate = _f16(g - np.outer(b, u))
-        del g, z
-        up = _f16(off_u(lrng.standard_normal((n_ff, d), dtype=np.float32) * np.float32(std)))
-        pre = xf @ gate.T
-        act = np.maximum(pre, 0) * (xf @ up.T)
-        dens = float((pre > 0).mean())
-        md = lrng.standard_normal((k, n_ff), dtype=np.float32)
-        f_raw = (act @ md.T) @ s_basis.T
-        scale = a.ffn_scale * tok0 / max(float(np.sqrt((f_raw.astype(np.float64) ** 2).mean())), 1e-30)
-        down = _f16(s_basis @ (md * np.float32(scale)))               # [d, n_ff]
-        h = h + act @ down.T
-        w.write(p + "mlp.gate_proj.weight", gate)
-        w.write(p + "mlp.up_proj.weight", up)
-        w.write(p + "mlp.down_proj.weight", down)
-        li = {"layer": il, "target_density": rho, "construction_density": dens,
-              "u_share": float(np.mean(ux / np.sqrt(d))), "seconds": time.perf_counter() - t0}
+        h, li = layer(a, il, h, cx, w)
+        li["seconds"] = time.perf_counter() - t0
         info["layers"].append(li)
-        log(f"  layer {il:2d}: density on the construction tokens {dens:.3f} (target {rho:.3f}), "
-            f"u.x/|x| {li['u_share']:.2f}, {li['seconds']:.1f} s")
-        del gate, up, down, md, pre, act, f_raw, xf
-    w.write("model.norm.weight", ones)
+        log(f"  layer {il:2d}: density on the construction tokens {li['construction_density']:.3f} "
+            f"(target {li['target_density']:.3f}), u.x/|x| {li['u_share']:.2f}, {li['seconds']:.1f} s")
+    if opt:
+        w.write("model.decoder.final_layer_norm.weight", cx["ones"])
+        w.write("model.decoder.final_layer_norm.bias", _small_off_u(np.random.default_rng([a.seed, 3001]), a, u))
+    else:
+        w.write("model.norm.weight", cx["ones"])
     for x in _random_chunks(np.random.default_rng([a.seed, 3000]), a.vocab * d, std):
         w.write("lm_head.weight", x)
     w.close()
     return w.n_params, info
 
 
+def _off_u(m: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Rows of m [rows, d] projected off the unit vector u."""
+    return m - np.outer(m @ u, u)
+
+
+def _small_off_u(rng, a, u: np.ndarray) -> np.ndarray:
+    """A LayerNorm bias: random (std --std), off u, since a part along u would shift u.x,
+    the quantity every neuron's offset is measured against."""
+    return _f16(_off_u(rng.standard_normal((1, a.d), dtype=np.float32) * np.float32(a.std), u)[0])
+
+
+def _llama_layer(a, il: int, h: np.ndarray, cx: dict, w) -> tuple[np.ndarray, dict]:
+    """One constructed LLaMA (ReGLU, RMSNorm, RoPE, GQA) layer: writes its tensors and
+    returns the residual stream of the construction tokens after it."""
+    u, s_basis, tok0, ones = cx["u"], cx["s_basis"], cx["tok0"], cx["ones"]
+    d, n_ff, k, std = a.d, a.ff, a.subspace, a.std
+    hd = d // a.heads
+    q_rows, kv_rows = a.heads * hd, a.kv_heads * hd
+    lrng = np.random.default_rng([a.seed, 2000 + il])
+    p = f"model.layers.{il}."
+    # attention
+    wq = _f16(lrng.standard_normal((q_rows, d), dtype=np.float32) * np.float32(std))
+    wk = _f16(lrng.standard_normal((kv_rows, d), dtype=np.float32) * np.float32(std))
+    wv = _f16(_off_u(lrng.standard_normal((kv_rows, d), dtype=np.float32) * np.float32(std), u))
+    mo = lrng.standard_normal((k, q_rows), dtype=np.float32)
+    xa = _rmsnorm(h, a.rms_eps)
+    att = _attention(xa, wq, wk, wv, a, a.rope_theta, CONSTRUCT_WINDOW)
+    wo = _scaled_write(att, mo, s_basis, a.attn_scale * tok0)      # [d, q_rows]
+    h = h + att @ wo.T
+    for name, arr in (("input_layernorm", ones), ("self_attn.q_proj", wq), ("self_attn.k_proj", wk),
+                      ("self_attn.v_proj", wv), ("self_attn.o_proj", wo),
+                      ("post_attention_layernorm", ones)):
+        w.write(p + name + ".weight", arr)
+    del wq, wk, wv, wo, mo, att
+    # FFN
+    rho = _layer_density(a, il)
+    ptar = firing_targets(n_ff, rho, a.alpha, a.p_max, lrng)
+    g = _off_u(lrng.standard_normal((n_ff, d), dtype=np.float32) * np.float32(std), u)
+    xf = _rmsnorm(h, a.rms_eps)
+    ux = xf @ u
+    if ux.min() <= 0:
+        sys.exit(f"error: layer {il}: the constant component vanished (u.x <= 0); raise --const")
+    b = _thresholds((xf @ g.T) / ux[:, None], ptar)
+    gate = _f16(g - np.outer(b, u))
+    del g
+    up = _f16(_off_u(lrng.standard_normal((n_ff, d), dtype=np.float32) * np.float32(std), u))
+    pre = xf @ gate.T
+    act = np.maximum(pre, 0) * (xf @ up.T)
+    dens = float((pre > 0).mean())
+    md = lrng.standard_normal((k, n_ff), dtype=np.float32)
+    down = _scaled_write(act, md, s_basis, a.ffn_scale * tok0)     # [d, n_ff]
+    h = h + act @ down.T
+    w.write(p + "mlp.gate_proj.weight", gate)
+    w.write(p + "mlp.up_proj.weight", up)
+    w.write(p + "mlp.down_proj.weight", down)
+    return h, {"layer": il, "target_density": rho, "construction_density": dens,
+               "u_share": float(np.mean(ux / np.sqrt(d)))}
+
+
+def _opt_layer(a, il: int, h: np.ndarray, cx: dict, w) -> tuple[np.ndarray, dict]:
+    """One constructed OPT layer (pre-LN, MHA without RoPE, ungated relu(fc1 x + b1) FFN,
+    biases everywhere), made as the LLaMA one: the threshold of neuron i is its fc1 row's
+    offset along u; the reading biases are random (q, k, v) or centre the neuron's input
+    (fc1), the writing ones (out_proj, fc2) centre the layer's write over the construction
+    tokens, so they stay in the token space and the stream's constant component is kept."""
+    u, s_basis, tok0, ones = cx["u"], cx["s_basis"], cx["tok0"], cx["ones"]
+    d, n_ff, k, std = a.d, a.ff, a.subspace, a.std
+    lrng = np.random.default_rng([a.seed, 2000 + il])
+    p = f"model.decoder.layers.{il}."
+
+    def rnd(*shape):
+        return lrng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    # attention
+    ln1 = _small_off_u(lrng, a, u)
+    wq, bq = _f16(rnd(d, d)), _f16(rnd(d))
+    wk, bk = _f16(rnd(d, d)), _f16(rnd(d))
+    wv, bv = _f16(_off_u(rnd(d, d), u)), _f16(rnd(d))
+    mo = lrng.standard_normal((k, d), dtype=np.float32)
+    xa = _layernorm(h, a.ln_eps, ln1)
+    att = _attention(xa, wq, wk, wv, a, None, CONSTRUCT_WINDOW, biases=(bq, bk, bv))
+    wo = _scaled_write(att, mo, s_basis, a.attn_scale * tok0)
+    o = att @ wo.T
+    bo = _f16(-o.mean(axis=0))
+    h = h + o + bo
+    for name, arr in (("self_attn_layer_norm.weight", ones), ("self_attn_layer_norm.bias", ln1),
+                      ("self_attn.q_proj.weight", wq), ("self_attn.q_proj.bias", bq),
+                      ("self_attn.k_proj.weight", wk), ("self_attn.k_proj.bias", bk),
+                      ("self_attn.v_proj.weight", wv), ("self_attn.v_proj.bias", bv),
+                      ("self_attn.out_proj.weight", wo), ("self_attn.out_proj.bias", bo)):
+        w.write(p + name, arr)
+    del wq, wk, wv, wo, mo, att, o
+    # FFN
+    rho = _layer_density(a, il)
+    ptar = firing_targets(n_ff, rho, a.alpha, a.p_max, lrng)
+    ln2 = _small_off_u(lrng, a, u)
+    g = _off_u(rnd(n_ff, d), u)
+    xf = _layernorm(h, a.ln_eps, ln2)
+    ux = xf @ u
+    if ux.min() <= 0:
+        sys.exit(f"error: layer {il}: the constant component vanished (u.x <= 0); raise --const")
+    gx = xf @ g.T
+    b1 = _f16(-gx.mean(axis=0))
+    b = _thresholds((gx + b1) / ux[:, None], ptar)
+    fc1 = _f16(g - np.outer(b, u))
+    del g, gx
+    pre = xf @ fc1.T + b1
+    act = np.maximum(pre, 0)
+    dens = float((pre > 0).mean())
+    md = lrng.standard_normal((k, n_ff), dtype=np.float32)
+    fc2 = _scaled_write(act, md, s_basis, a.ffn_scale * tok0)
+    f = act @ fc2.T
+    b2 = _f16(-f.mean(axis=0))
+    h = h + f + b2
+    for name, arr in (("final_layer_norm.weight", ones), ("final_layer_norm.bias", ln2),
+                      ("fc1.weight", fc1), ("fc1.bias", b1), ("fc2.weight", fc2), ("fc2.bias", b2)):
+        w.write(p + name, arr)
+    return h, {"layer": il, "target_density": rho, "construction_density": dens,
+               "u_share": float(np.mean(ux / np.sqrt(d)))}
+
+
 # --------------------------------------------------------------------------
 # HF folder, GGUF files, pipeline
 # --------------------------------------------------------------------------
 
-def make_hf(a, hf_dir: Path) -> dict:
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    cfg = {
+def hf_config(a) -> dict:
+    if a.arch == "opt":
+        return {
+            "architectures": ["OPTForCausalLM"],
+            "model_type": "opt",
+            "hidden_size": a.d,
+            "word_embed_proj_dim": a.d,
+            "ffn_dim": a.ff,
+            "num_hidden_layers": a.layers,
+            "num_attention_heads": a.heads,
+            "vocab_size": a.vocab,
+            "activation_function": a.act,
+            "max_position_embeddings": MAX_POS,
+            "do_layer_norm_before": True,
+            "_remove_final_layer_norm": False,
+            "layer_norm_elementwise_affine": True,
+            "enable_bias": True,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+            "activation_dropout": 0.0,
+            "layerdrop": 0.0,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "pad_token_id": 3,
+            "torch_dtype": "float16",
+        }
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": a.d,
@@ -443,7 +646,7 @@ def make_hf(a, hf_dir: Path) -> dict:
         "num_key_value_heads": a.kv_heads,
         "vocab_size": a.vocab,
         "hidden_act": a.act,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": MAX_POS,
         "rms_norm_eps": a.rms_eps,
         "rope_theta": a.rope_theta,
         "tie_word_embeddings": False,
@@ -451,6 +654,11 @@ def make_hf(a, hf_dir: Path) -> dict:
         "eos_token_id": 2,
         "torch_dtype": "float16",
     }
+
+
+def make_hf(a, hf_dir: Path) -> dict:
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(a)
     tok_json = TOKENIZER_DIR / "tokenizer.json"
     if not tok_json.is_file():
         sys.exit(f"error: {tok_json} not found (the shipped tokenizer is reused for the bench model)")
@@ -466,9 +674,9 @@ def make_hf(a, hf_dir: Path) -> dict:
         print(f"constructing {hf_dir} (sparse construction, {a.layers} layers)", file=sys.stderr)
         n, info = write_sparse_safetensors(a, hf_dir / "model.safetensors",
                                            log=lambda s: print(s, file=sys.stderr))
-        info["construction"] = {k: getattr(a, k) for k in ("subspace", "density", "alpha", "p_max", "const",
-                                                            "attn_scale", "ffn_scale", "construct_tokens",
-                                                            "seed", "std")}
+        info["construction"] = {k: getattr(a, k) for k in ("arch", "subspace", "density", "alpha", "p_max",
+                                                            "const", "attn_scale", "ffn_scale",
+                                                            "construct_tokens", "seed", "std")}
         (hf_dir / "construction.json").write_text(json.dumps(info, indent=1) + "\n")
     (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     info["n_params"] = n
@@ -496,14 +704,20 @@ def _save_pipeline(root: Path, pl: dict) -> None:
     (root / "pipeline.json").write_text(json.dumps(pl, indent=1) + "\n")
 
 
+def ensure_hf(a) -> Path:
+    """Make (or reuse) the HF folder; returns it."""
+    root = model_root(a)
+    hf_dir = root / "hf"
+    if a.force or not (hf_dir / "config.json").is_file():
+        _save_pipeline(root, {"make_hf": make_hf(a, hf_dir)})
+    return hf_dir
+
+
 def ensure_models(a) -> dict[str, Path]:
     """Make (or reuse) the HF folder and one DENSE GGUF per type; returns type -> path."""
     root = model_root(a)
-    hf_dir = root / "hf"
+    hf_dir = ensure_hf(a)
     pl = _load_pipeline(root)
-    if a.force or not (hf_dir / "config.json").is_file():
-        pl = {"make_hf": make_hf(a, hf_dir)}
-        _save_pipeline(root, pl)
     sys.path.insert(0, str(REPO / "python"))
     out = {}
     for t in a.types:
@@ -535,8 +749,8 @@ def ensure_sparse_models(a) -> dict[str, Path]:
             import logging
 
             from powerinfer_cpp.convert import convert  # noqa: E402
-            from powerinfer_cpp.predictor import PredictorConfig
-            from powerinfer_cpp.sparse_convert import SparseOptions
+            from powerinfer_cpp.sparse.pipeline import SparseOptions
+            from powerinfer_cpp.sparse.predictor import PredictorConfig
             logging.basicConfig(level=logging.INFO, format="%(message)s")
             opts = SparseOptions(calib=str(HELDOUT), calib_tokens=a.calib_tokens, predictor_recall=a.recall,
                                  vram_budget=0, n_threads=a.pipeline_threads,
@@ -585,7 +799,7 @@ def skew_stats(freq: np.ndarray) -> dict:
 def verify(a, gguf_path: Path, n_tokens: int) -> dict:
     """Profile the dense GGUF over the first n_tokens of the held-out text (runtime's
     profiler) and report density and skew per layer (verify.json)."""
-    from powerinfer_cpp.profile import profile_model
+    from powerinfer_cpp.sparse.profile import profile_model
     t0 = time.time()
     prof = profile_model(str(gguf_path), HELDOUT.read_text(encoding="utf-8"), n_ctx=512,
                          max_tokens=n_tokens, progress=False, n_threads=a.pipeline_threads)
@@ -622,10 +836,14 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
                       help="the issue-5 model with constructed activation sparsity (default)")
     kind.add_argument("--plain", dest="kind", action="store_const", const="plain",
                       help="the foundation's random dense bench model (8 layers, 16 heads by default)")
+    g.add_argument("--arch", choices=("llama", "opt"), default="llama",
+                   help="llama: ReGLU LLaMA (default); opt: pre-LN OPT, ungated ReLU FFN with biases, "
+                        "LayerNorm, learned positions, MHA (--kv-heads = --heads); sparse construction only")
     g.add_argument("--d", type=int, default=2048, help="hidden size (default 2048)")
     g.add_argument("--layers", type=int, default=None, help="layers (default 22; --plain: 8)")
     g.add_argument("--heads", type=int, default=None, help="attention heads (default 32; --plain: 16)")
-    g.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 4; --plain: = heads)")
+    g.add_argument("--kv-heads", type=int, default=None,
+                   help="KV heads (default 4; --plain and --arch opt: = heads)")
     g.add_argument("--ff", type=int, default=5632, help="FFN size n_ff (default 5632)")
     g.add_argument("--vocab", type=int, default=32000, help="vocab rows (default 32000; >= 4096)")
     g.add_argument("--act", default="relu", choices=["relu", "silu"], help="hidden_act (default relu)")
@@ -670,9 +888,16 @@ def finish_shape_args(a) -> None:
         a.layers = dflt["layers"]
     if a.heads is None:
         a.heads = dflt["heads"]
+    if a.arch == "opt":
+        if a.kind == "plain":
+            sys.exit("error: --arch opt is made by the sparse construction only (not --plain)")
+        if a.kv_heads not in (None, a.heads):
+            sys.exit("error: OPT has no GQA: --arch opt needs --kv-heads = --heads (or no --kv-heads)")
+        a.kv_heads = a.heads
     if a.kv_heads is None:
         a.kv_heads = dflt["kv_heads"] or a.heads
     a.rms_eps, a.rope_theta = 1e-5, 10000.0
+    a.ln_eps = 1e-5     # OPT's LayerNorm (torch's default; OPT's config has no key for it)
     if a.d % a.heads or a.heads % a.kv_heads or a.vocab < 4096:
         sys.exit("error: need d % heads == 0, heads % kv_heads == 0, vocab >= 4096")
     if a.kind == "sparse":
@@ -687,6 +912,8 @@ def main(argv=None) -> int:
     add_shape_args(ap)
     ap.add_argument("--types", default="f16,q4_0", help="GGUF types to convert to (default f16,q4_0)")
     ap.add_argument("--no-sparse", action="store_true", help="dense GGUFs only (skip convert --sparse)")
+    ap.add_argument("--hf-only", action="store_true",
+                    help="make the Hugging Face folder only (no GGUF files); prints its path")
     ap.add_argument("--verify", type=int, nargs="?", const=512, default=0, metavar="N",
                     help="profile the dense F16 GGUF over N held-out tokens (default 512) and print "
                          "density and skew per layer")
@@ -695,6 +922,9 @@ def main(argv=None) -> int:
     finish_shape_args(a)
     a.types = [t.strip() for t in a.types.split(",") if t.strip()]
     a.progress = not a.quiet
+    if a.hf_only:
+        print(f"hf\t{ensure_hf(a)}")
+        return 0
     dense = ensure_models(a)
     for t, p in dense.items():
         print(f"{t}\t{p}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the tiny ReLU-sparse Llama model that powerinfer-cpp ships for tests.
+"""Train the tiny ReLU-sparse models that powerinfer-cpp ships for tests.
 
 Dev-time tool (needs torch, transformers, tokenizers, safetensors). It:
 
@@ -10,17 +10,23 @@ Dev-time tool (needs torch, transformers, tokenizers, safetensors). It:
      boundary) as validation text and writes it to ``<out>/heldout.txt``;
      it is never seen by the tokenizer trainer or the model trainer,
   3. trains a byte-level BPE tokenizer (vocab 4096) on the training part,
-  4. trains a small ``LlamaForCausalLM`` with ReLU gating (ReGLU FFN, GQA)
-     and a ProSparse-style L1 penalty on the FFN gate activations
-     (lambda ramped linearly from 0 to ``--l1`` over the first half),
+  4. trains a small causal LM with a ProSparse-style L1 penalty on the FFN's
+     ReLU activations (lambda ramped linearly from 0 to ``--l1`` over the first
+     half); ``--arch`` picks the shape:
+       llama (default): ``LlamaForCausalLM`` with ReLU gating (ReGLU FFN), GQA,
+                        RMSNorm, RoPE, no biases; penalty on relu(gate_proj(x));
+       opt:             ``OPTForCausalLM`` (pre-LN) with an ungated ReLU FFN,
+                        biases, LayerNorm, learned positions, MHA; penalty on
+                        relu(fc1(x) + b1);
   5. saves the model in fp16 safetensors, reloads the shipped fp16 weights
      and measures validation loss / perplexity and per-layer activation
      sparsity in fp32 arithmetic, plus per-neuron firing skew,
   6. writes ``training_stats.json`` and a ``README.md`` model card.
 
-Example (the command used for models/tiny-relu-kjv):
+The commands used for the shipped models:
 
-    python tools/train_tiny_model.py --out models/tiny-relu-kjv
+    python tools/train_tiny_model.py --out models/tiny-relu-kjv --l1 0.2 --threads 1
+    python tools/train_tiny_model.py --arch opt --out models/tiny-opt-kjv --l1 0.2 --threads 1
 
 Prerequisite for the default text source (Debian/Ubuntu):
 
@@ -158,11 +164,14 @@ def split_heldout(text: str, frac: float, max_bytes: int) -> tuple[str, str]:
 # ---------------------------------------------------------------------------
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]  # ids 0, 1, 2, 3
+# The generation prompt ends at a line start: the reply then starts where the model
+# starts its verses, and the prompt's last token cannot merge with the reply's first
+# (which would break reusing the cached history in the next turn).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{{ message['role'] }}:\n{{ message['content'] }}\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
+    "{% if add_generation_prompt %}assistant:\n{% endif %}"
 )
 
 
@@ -232,7 +241,21 @@ def train_tokenizer(train_text: str, vocab_size: int, out_dir: str, max_len: int
 # Model / training
 # ---------------------------------------------------------------------------
 
+DEFAULT_OUT = {"llama": "models/tiny-relu-kjv", "opt": "models/tiny-opt-kjv"}
+MODEL_CLASS = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}
+# the activation the L1 penalty and the sparsity statistics are about, per --arch
+ACT_EXPR = {"llama": "relu(gate_proj(x))", "opt": "relu(fc1(x) + b1)"}
+
+
+def model_class(arch: str):
+    import transformers
+
+    return getattr(transformers, MODEL_CLASS[arch])
+
+
 def make_config(args, vocab_size: int):
+    if args.arch == "opt":
+        return make_opt_config(vocab_size)
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -256,16 +279,56 @@ def make_config(args, vocab_size: int):
     )
 
 
+def make_opt_config(vocab_size: int):
+    from transformers import OPTConfig
+
+    # Sizes as the llama model's where OPT has them (OPT has no GQA: 8 KV heads);
+    # dropout off because the llama model trains without any.
+    return OPTConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        word_embed_proj_dim=256,
+        ffn_dim=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        max_position_embeddings=512,
+        do_layer_norm_before=True,
+        _remove_final_layer_norm=False,
+        layer_norm_elementwise_affine=True,
+        activation_function="relu",
+        enable_bias=True,
+        tie_word_embeddings=True,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        layerdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        init_std=0.02,
+    )
+
+
+def decoder_layers(model):
+    return model.model.decoder.layers if model.config.model_type == "opt" else model.model.layers
+
+
+def ffn_size(config) -> int:
+    return config.ffn_dim if config.model_type == "opt" else config.intermediate_size
+
+
 class ActCapture:
-    """Forward hooks on each layer's ``mlp.act_fn`` (= relu(gate_proj(x)))."""
+    """Forward hooks on each layer's FFN activation module: llama's ``mlp.act_fn``
+    (= relu(gate_proj(x))), OPT's ``activation_fn`` (= relu(fc1(x) + b1))."""
 
     def __init__(self, model):
         self.outputs: list[torch.Tensor | None] = []
         self.handles = []
-        layers = model.model.layers
+        layers = decoder_layers(model)
         self.outputs = [None] * len(layers)
         for i, layer in enumerate(layers):
-            self.handles.append(layer.mlp.act_fn.register_forward_hook(self._hook(i)))
+            act = layer.activation_fn if model.config.model_type == "opt" else layer.mlp.act_fn
+            self.handles.append(act.register_forward_hook(self._hook(i)))
 
     def _hook(self, i):
         def fn(module, inputs, output):
@@ -301,8 +364,8 @@ def evaluate(model, val_rows: torch.Tensor, batch: int) -> dict:
     """Validation loss + FFN activation statistics (fp32 arithmetic)."""
     model.eval()
     cap = ActCapture(model)
-    n_layers = len(model.model.layers)
-    inter = model.config.intermediate_size
+    n_layers = len(decoder_layers(model))
+    inter = ffn_size(model.config)
     zeros = [0] * n_layers
     total = [0] * n_layers
     fire = [torch.zeros(inter, dtype=torch.float64) for _ in range(n_layers)]
@@ -364,7 +427,10 @@ def evaluate(model, val_rows: torch.Tensor, batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="models/tiny-relu-kjv")
+    ap.add_argument("--arch", choices=sorted(MODEL_CLASS), default="llama",
+                    help="llama: ReGLU LlamaForCausalLM (default); opt: ungated ReLU OPTForCausalLM")
+    ap.add_argument("--out", default=None,
+                    help="output folder (default models/tiny-relu-kjv; --arch opt: models/tiny-opt-kjv)")
     ap.add_argument("--text", nargs="+", default=None,
                     help="plain-text files to train on (default: KJV from bible-kjv-text)")
     ap.add_argument("--steps", type=int, default=300)
@@ -374,7 +440,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--l1", type=float, default=0.2,
-                    help="final L1 coefficient on relu(gate) activations (ramped 0->l1 over first half)")
+                    help="final L1 coefficient on the FFN's relu activations (ramped 0->l1 over first half)")
     ap.add_argument("--l1-ramp", type=float, default=0.5,
                     help="fraction of training over which lambda ramps up")
     ap.add_argument("--vocab", type=int, default=4096)
@@ -389,10 +455,14 @@ def main() -> None:
                     help="do not train: re-read <out>/training_stats.json, attach --baseline-stats "
                          "and rewrite training_stats.json + README.md")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = DEFAULT_OUT[args.arch]
     if args.card_only:
         stats_path = os.path.join(args.out, "training_stats.json")
         with open(stats_path) as f:
             stats = json.load(f)
+        # the folder's own architecture, not the flag's default (older stats lack the key)
+        args.arch = stats.get("arch", "llama")
         if args.baseline_stats:
             attach_baseline(stats, args.baseline_stats)
         with open(stats_path, "w") as f:
@@ -409,7 +479,7 @@ def main() -> None:
 
     import transformers
     import tokenizers
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     os.makedirs(args.out, exist_ok=True)
 
@@ -450,7 +520,7 @@ def main() -> None:
 
     # ---- model ------------------------------------------------------------
     config = make_config(args, vocab_size)
-    model = LlamaForCausalLM(config)
+    model = model_class(args.arch)(config)
     model.float().train()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters")
@@ -525,7 +595,8 @@ def main() -> None:
     cfg_path = os.path.join(args.out, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
-    cfg.setdefault("rope_theta", ROPE_THETA)
+    if args.arch == "llama":
+        cfg.setdefault("rope_theta", ROPE_THETA)
     cfg.setdefault("torch_dtype", "float16")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
@@ -533,7 +604,7 @@ def main() -> None:
 
     # ---- reload shipped weights & evaluate in fp32 -------------------------
     t0 = time.time()
-    m = LlamaForCausalLM.from_pretrained(args.out, dtype=torch.float32)
+    m = model_class(args.arch).from_pretrained(args.out, dtype=torch.float32)
     m.eval()
     ev = evaluate(m, val_rows, args.batch)
     print(f"validation (fp16 weights, fp32 math): loss {ev['val_loss']:.4f}  "
@@ -560,6 +631,7 @@ def main() -> None:
     cmd = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     stats = {
         "command": cmd,
+        "arch": args.arch,
         "final_train": last,
         "val_loss": ev["val_loss"],
         "val_ppl": ev["val_ppl"],
@@ -579,7 +651,7 @@ def main() -> None:
         "weight_decay": args.weight_decay,
         "l1_lambda": args.l1,
         "l1_ramp_fraction": args.l1_ramp,
-        "l1_definition": "lambda * mean over layers of mean(|relu(gate_proj(x))|)",
+        "l1_definition": f"lambda * mean over layers of mean(|{ACT_EXPR[args.arch]}|)",
         "seed": args.seed,
         "threads": args.threads,
         "train_time_s": round(train_time, 1),
@@ -672,26 +744,66 @@ def write_model_card(out: str, s: dict, config) -> None:
         f"Prompt `{p}`:\n\n```\n{t}\n```\n" for p, t in s["greedy_samples"].items()
     )
     c = config
-    card = f"""# tiny-relu-kjv
-
-A tiny (~{s['n_parameters'] / 1e6:.1f}M parameter) Llama-architecture causal LM with a
+    arch = s.get("arch", "llama")
+    act = ACT_EXPR[arch]
+    if arch == "opt":
+        intro = f"""A tiny (~{s['n_parameters'] / 1e6:.1f}M parameter) OPT-architecture causal LM with an
+**ungated ReLU FFN with biases**, trained with a ProSparse-style L1 activation penalty so
+that most FFN neurons are exactly zero for any given token. It exists to test
+powerinfer-cpp's ungated sparse FFN path (the shape of OPT and ReluFalcon: rows of `fc1`
+and of `fc2` transposed for the active neurons, biases included) together with
+LayerNorm, biases everywhere and learned absolute positions; it is not useful as a
+language model beyond that."""
+        arch_par = f"""`OPTForCausalLM`, pre-LN (`do_layer_norm_before: true`, as OPT-125m…66B): hidden
+{c.hidden_size} (`word_embed_proj_dim` = hidden, no projections), FFN {c.ffn_dim}
+(`fc2(relu(fc1(x) + b1)) + b2`, ungated), {c.num_hidden_layers} layers, {c.num_attention_heads} heads
+(MHA, head dim {c.hidden_size // c.num_attention_heads}; OPT has no GQA), biases on every linear layer,
+LayerNorm (ε=1e-5, with bias) before attention, before the FFN and at the end, learned absolute
+positions ({c.max_position_embeddings} + OPT's offset of 2 rows), vocab {c.vocab_size}, tied
+input/output embeddings, no dropout. {s['n_parameters']:,} parameters, stored as fp16
+safetensors."""
+    else:
+        intro = f"""A tiny (~{s['n_parameters'] / 1e6:.1f}M parameter) Llama-architecture causal LM with a
 **ReLU-gated (ReGLU) FFN**, trained with a ProSparse-style L1 activation penalty so that
 most FFN neurons are exactly zero for any given token. It exists to test
 powerinfer-cpp (sparse FFN inference, hot/cold neuron split, GQA attention); it is
-not useful as a language model beyond that.
-
-## Architecture
-
-`LlamaForCausalLM`: hidden {c.hidden_size}, FFN {c.intermediate_size}
+not useful as a language model beyond that."""
+        arch_par = f"""`LlamaForCausalLM`: hidden {c.hidden_size}, FFN {c.intermediate_size}
 (`down(relu(gate(x)) * up(x))`), {c.num_hidden_layers} layers,
 {c.num_attention_heads} query heads / {c.num_key_value_heads} KV heads (GQA, head dim
 {c.hidden_size // c.num_attention_heads}), vocab {c.vocab_size}, RoPE θ={ROPE_THETA:g},
 RMSNorm ε={c.rms_norm_eps}, max positions {c.max_position_embeddings}, tied input/output
-embeddings. {s['n_parameters']:,} parameters, stored as fp16 safetensors.
+embeddings. {s['n_parameters']:,} parameters, stored as fp16 safetensors."""
+    card = f"""# {os.path.basename(os.path.normpath(out))}
+
+{intro}
+
+## Architecture
+
+{arch_par}
 
 Tokenizer: byte-level BPE (HF `tokenizers`), vocab {s['tokenizer']['vocab_size']},
 no prefix space. Special tokens: `<unk>`=0, `<s>`=1 (BOS, added automatically:
 `add_bos_token: true` and a TemplateProcessing post-processor), `</s>`=2 (EOS), `<pad>`=3.
+
+## Chat template
+
+`tokenizer_config.json` carries a plain chat template of its own (the model was never
+trained on dialogue; it exists so that the chat mode, `Llama.create_chat_completion` and
+the server's `/v1/chat/completions` have something to render; `convert` stores it as
+`tokenizer.chat_template`). Each message is its role, a colon and a newline, then its text
+and a newline; the generation prompt is `assistant:` and a newline:
+
+```
+{CHAT_TEMPLATE}
+```
+
+so `[{{"role": "user", "content": "Who made the light?"}}]` renders as
+`user:\\nWho made the light?\\nassistant:\\n`. The reply thus starts at the beginning of a
+line, where the model starts its verses, and the tokens before it do not depend on the
+reply (a prompt ending in a space would merge with the reply's first word and break the
+reuse of the cached history in the next turn). Replies end at EOS, at `\\nuser:\\n` (the
+turn separator, used as a stop string) or at `max_tokens`; the model rarely stops by itself.
 
 ## Data
 
@@ -711,7 +823,7 @@ text from "{s['data']['heldout_first_line']}" to the end; cut at a chapter bound
 AdamW (β=0.9/0.95, weight decay {s['weight_decay']}), peak LR {s['lr']}, {s['warmup']} warmup
 steps then cosine decay to 10%, gradient clipping 1.0, {s['steps']} steps × batch {s['batch']} ×
 {s['seq']} tokens (each row = `<s>` + 255 tokens), seed {s['seed']}, {s['threads']} CPU threads,
-fp32. Loss = cross-entropy + λ · mean over layers of mean(|relu(gate_proj(x))|), with λ ramped
+fp32. Loss = cross-entropy + λ · mean over layers of mean(|{act}|), with λ ramped
 linearly from 0 to {s['l1_lambda']} over the first {int(100 * s['l1_ramp_fraction'])}% of steps.
 Training took {s['train_time_s']:.0f} s; the whole script {s['wall_time_s']:.0f} s (on a
 shared 2-core CPU machine that was busy with other jobs; an idle machine is several times faster).
@@ -724,10 +836,10 @@ weights evaluated in fp32:
 
 - final training cross-entropy (last batch): {s['final_train']['ce']:.4f}
 - validation loss: **{s['val_loss']:.4f}**, perplexity **{s['val_ppl']:.2f}**
-- mean fraction of FFN activations `relu(gate_proj(x))` that are exactly zero:
+- mean fraction of FFN activations `{act}` that are exactly zero:
   **{100 * s['ffn_zero_fraction_mean']:.2f}%**
 
-| layer | zeros | active neurons / token (of {c.intermediate_size}) | never fire | top 10% neurons: share of firings | top 20%: firings | top 10%: activation mass | top 20%: mass |
+| layer | zeros | active neurons / token (of {ffn_size(c)}) | never fire | top 10% neurons: share of firings | top 20%: firings | top 10%: activation mass | top 20%: mass |
 |---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 

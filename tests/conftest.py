@@ -18,12 +18,12 @@ SHIPPED_DIR = REPO_DIR / "models" / "tiny-relu-kjv"
 def random_gguf(tmp_path_factory) -> Path:
     """A small random-init ReLU LLaMA (GQA, tied) converted to f32 GGUF."""
     pytest.importorskip("torch")
-    from hf_models import make_hf_model
+    from hf_models import make_llama_model
 
     from powerinfer_cpp.convert import convert
 
     d = tmp_path_factory.mktemp("random-model")
-    hf_dir = make_hf_model(d / "hf", act="relu", tied=True, seed=1)
+    hf_dir = make_llama_model(d / "hf", act="relu", tied=True, seed=1)
     return Path(convert(hf_dir, d / "model.gguf", outtype="f32", progress=False))
 
 

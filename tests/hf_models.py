@@ -1,12 +1,15 @@
-"""Small random-init Hugging Face LLaMA-family models on disk, for tests.
+"""Small random-init Hugging Face models on disk, for tests.
 
-    from hf_models import make_hf_model
-    d = make_hf_model(tmp_path / "m", act="relu", tied=False)
+    from hf_models import make_hf_model, make_llama_model
+    d = make_hf_model("falcon-40b", tmp_path / "m")          # one of VARIANTS
+    d = make_llama_model(tmp_path / "m", act="relu", tied=False)  # any LLaMA/Mistral shape
 
 writes config.json, model.safetensors (or shards), tokenizer.json,
 tokenizer_config.json (+ special_tokens_map.json) and returns the folder.
 Needs torch + transformers (the calling test is skipped when they are missing)
-and tokenizers.
+and tokenizers. Weights are seeded; every 1-D parameter is perturbed (norm weights
+1 + 0.1·N(0,1), biases 0.1·N(0,1): HF initializes them to 1 and 0, which would hide
+mix-ups).
 
 dReLU models: transformers has no "drelu" activation, so the config says
 ``hidden_act: "relu"`` plus ``use_drelu: true`` (which our converter accepts);
@@ -116,15 +119,26 @@ def _spm_tokenizer(vocab_size: int):
     return tok
 
 
+#: Qwen2's published text split (format.TOKENIZER_PRE_SPLITS["qwen2"]).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
     """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json
     for a tiny tokenizer into ``path``. kind: "bpe" (byte-level, GPT-2
-    style) or "spm" (LLaMA/SentencePiece style with byte fallback).
+    style), "bpe-qwen2" (byte-level after Qwen2's regex split) or "spm"
+    (LLaMA/SentencePiece style with byte fallback).
     Returns the folder. The tokenizer has at most ``vocab`` - 1 tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if kind == "bpe":
+    if kind in ("bpe", "bpe-qwen2"):
         tok = _bpe_tokenizer(vocab - 1 - len(EXTRA_SPECIAL) - len(EXTRA_USER))
+        if kind == "bpe-qwen2":
+            from tokenizers import Regex, pre_tokenizers
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         pad = PAD
         cls = "PreTrainedTokenizerFast"
         extra = {}
@@ -159,12 +173,12 @@ def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
     return path
 
 
-def make_hf_model(path, *, act: str = "relu", tied: bool = True, n_layer: int = 2, d: int = 64,
-                  n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, vocab: int = 384,
-                  seed: int = 0, arch: str = "LlamaForCausalLM", dtype: str = "float32",
-                  head_dim: int | None = None, tokenizer: str = "bpe", n_ctx: int = 256,
-                  rope_theta: float = 10000.0, rms_eps: float = 1e-5,
-                  max_shard_size: str | int | None = None) -> Path:
+def make_llama_model(path, *, act: str = "relu", tied: bool = True, n_layer: int = 2, d: int = 64,
+                     n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, vocab: int = 384,
+                     seed: int = 0, arch: str = "LlamaForCausalLM", dtype: str = "float32",
+                     head_dim: int | None = None, tokenizer: str = "bpe", n_ctx: int = 256,
+                     rope_theta: float = 10000.0, rms_eps: float = 1e-5,
+                     max_shard_size: str | int | None = None) -> Path:
     """Save a random-init HF causal LM (LLaMA or Mistral) plus a tiny
     tokenizer to ``path`` and return the folder.
 
@@ -199,13 +213,23 @@ def make_hf_model(path, *, act: str = "relu", tied: bool = True, n_layer: int = 
         raise ValueError(f"unknown arch {arch!r}")
     if act == "drelu":
         cfg.use_drelu = True
+    _save(model_cls, cfg, path, seed, dtype, tokenizer, vocab, max_shard_size)
+    return path
+
+
+def _save(model_cls, cfg, path: Path, seed: int, dtype: str = "float32", tokenizer: str = "bpe",
+          vocab: int = 384, max_shard_size=None) -> None:
+    """Build a seeded model_cls(cfg), perturb its 1-D parameters, save it and a tokenizer."""
+    import torch
+
     torch.manual_seed(seed)
     model = model_cls(cfg)
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
-            if p.dim() == 1:  # RMSNorm weights
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            if p.dim() == 1:
+                noise = 0.1 * torch.randn(p.shape, generator=g)
+                p.copy_(noise if name.endswith("bias") else 1.0 + noise)
     tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     model = model.to(tdtype)
     kw = {}
@@ -213,7 +237,134 @@ def make_hf_model(path, *, act: str = "relu", tied: bool = True, n_layer: int = 
         kw["max_shard_size"] = max_shard_size
     model.save_pretrained(str(path), safe_serialization=True, **kw)
     make_tokenizer(path, tokenizer, vocab)
+
+
+def _edit_config(path: Path, **upd) -> None:
+    cfg = load_hf_config(path)
+    cfg.update(upd)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+
+
+# Tiny models of every architecture the converter takes: name -> (family, config overrides).
+# Sizes stay <= 2 layers and hidden <= 64. Ids: <s>=0 (BOS), </s>=1 (EOS), <pad>=2.
+_IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # llama family (make_llama_model keywords)
+    "llama": ("llama", dict(act="silu", tied=False)),
+    "llama-relu": ("llama", dict(act="relu", tied=True)),                        # ReluLLaMA
+    "llama3": ("llama", dict(act="silu", tied=True, n_ctx=256, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "prosparse": ("llama", dict(act="fatrelu", tied=False)),                      # fatrelu, t = 0.01
+    "bamboo": ("llama", dict(act="bamboo", tied=False, arch="MistralForCausalLM")),  # dReLU
+    # qwen2: q/k/v biases; an explicit head size (24 != 64 / 4) and GQA; tied with MQA
+    "qwen2": ("qwen2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                            intermediate_size=96, tie_word_embeddings=False)),
+    "qwen2-tied": ("qwen2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
+                                 intermediate_size=80, tie_word_embeddings=True)),
+    # opt: pre-LN, learned positions, ungated ReLU FFN
+    "opt": ("opt", dict(hidden_size=64, num_attention_heads=4, ffn_dim=160, tie_word_embeddings=True)),
+    "opt-untied": ("opt", dict(hidden_size=48, num_attention_heads=3, ffn_dim=96, tie_word_embeddings=False)),
+    # falcon: the three block layouts, biased and not, MQA / MHA / GQA
+    "falcon-7b": ("falcon", dict(hidden_size=64, num_attention_heads=4, multi_query=True, parallel_attn=True,
+                                 new_decoder_architecture=False, bias=False, tie_word_embeddings=True)),
+    "falcon-7b-bias": ("falcon", dict(hidden_size=48, num_attention_heads=4, multi_query=True, parallel_attn=True,
+                                      new_decoder_architecture=False, bias=True, tie_word_embeddings=False)),
+    "falcon-mha": ("falcon", dict(hidden_size=64, num_attention_heads=4, multi_query=False, parallel_attn=True,
+                                  new_decoder_architecture=False, bias=True, tie_word_embeddings=True)),
+    "falcon-40b": ("falcon", dict(hidden_size=64, num_attention_heads=8, num_kv_heads=2, multi_query=True,
+                                  new_decoder_architecture=True, parallel_attn=True, bias=False,
+                                  tie_word_embeddings=False)),
+    "falcon-40b-1ln": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                                      new_decoder_architecture=True, num_ln_in_parallel_attn=1, bias=True,
+                                      tie_word_embeddings=True)),
+    "falcon-rw-like": ("falcon", dict(hidden_size=64, num_attention_heads=4, multi_query=False,
+                                      parallel_attn=False, new_decoder_architecture=False, bias=True,
+                                      alibi=False, tie_word_embeddings=True)),
+    "falcon-relu": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                                   new_decoder_architecture=True, activation="relu", bias=False,
+                                   tie_word_embeddings=False)),                  # ReluFalcon-40B shape
+}
+
+
+def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
+    """Save the tiny HF model ``variant`` (a key of VARIANTS) to ``path`` and return the
+    folder; ``overrides`` replace config values (for llama variants: make_llama_model
+    keywords). Load it back with transformers' AutoModelForCausalLM, except:
+    "prosparse" (hidden_act fatrelu, which transformers lacks: hf_reference_model patches
+    it in) and "bamboo" (saved as BambooForCausalLM: load with hf_reference_model)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} (one of {', '.join(VARIANTS)})")
+    family, kw = VARIANTS[variant]
+    kw = {**kw, **overrides}
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if family == "llama":
+        kw = dict(kw)
+        act, rope = kw.pop("act"), kw.pop("rope_parameters", None)
+        real_act = {"fatrelu": "relu", "bamboo": "relu"}.get(act, act)
+        make_llama_model(path, act=real_act, seed=seed, **kw)
+        if rope is not None:
+            _edit_config(path, rope_parameters=rope, rope_theta=rope["rope_theta"])
+        if act == "fatrelu":  # ProSparse's published keys
+            _edit_config(path, hidden_act="fatrelu", hidden_act_param=0.01,
+                         architectures=["SparseLlamaForCausalLM"], model_type="sparsellama")
+        elif act == "bamboo":  # Bamboo / TurboSparse-Mistral: dReLU with no use_drelu key
+            _edit_config(path, architectures=["BambooForCausalLM"], model_type="bamboo")
+        return path
+    common = dict(vocab_size=384, num_hidden_layers=2, max_position_embeddings=128, **_IDS)
+    if family == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen2ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "opt":
+        cfg = transformers.OPTConfig(**{**common, "activation_function": "relu", "do_layer_norm_before": True,
+                                        **kw})
+        _save(transformers.OPTForCausalLM, cfg, path, seed)
+    elif family == "falcon":
+        cfg = transformers.FalconConfig(**{**common, "ffn_hidden_size": 3 * kw["hidden_size"],
+                                           "rope_theta": 10000.0, **kw})
+        _save(transformers.FalconForCausalLM, cfg, path, seed)
     return path
+
+
+def hf_reference_model(path):
+    """The transformers model of a folder written by make_hf_model, in float32 and eval mode,
+    computing what our converter reads from its config (fatrelu, dReLU)."""
+    import torch
+    import transformers
+
+    cfg = load_hf_config(path)
+    archs = cfg.get("architectures") or []
+    if archs and archs[0] in ("SparseLlamaForCausalLM", "BambooForCausalLM"):
+        cls = transformers.LlamaForCausalLM if archs[0] == "SparseLlamaForCausalLM" else transformers.MistralForCausalLM
+        conf = (transformers.LlamaConfig if cls is transformers.LlamaForCausalLM else transformers.MistralConfig)(
+            **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "hidden_act_param")})
+        conf.hidden_act = "relu"
+        model = cls.from_pretrained(str(path), config=conf, dtype=torch.float32).eval()
+        if archs[0] == "BambooForCausalLM":
+            patch_drelu(model)
+        else:
+            patch_fatrelu(model, float(cfg["hidden_act_param"]))
+        return model
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def patch_fatrelu(model, t: float) -> None:
+    """Make every MLP of a loaded HF LLaMA model compute ProSparse's FATReLU GLU:
+    down(fatrelu(gate(x)) * up(x)), fatrelu(g) = g if g > t else 0."""
+    import torch
+
+    for layer in model.model.layers:
+        mlp = layer.mlp
+
+        def fwd(x, mlp=mlp):
+            g = mlp.gate_proj(x)
+            return mlp.down_proj(torch.where(g > t, g, torch.zeros_like(g)) * mlp.up_proj(x))
+
+        mlp.forward = fwd
 
 
 def patch_drelu(model) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_models import make_hf_model, patch_drelu  # noqa: E402
+from hf_models import make_llama_model, patch_drelu  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 # q4_0 step = absmax/8 per 32-block of Gaussian-ish weights.)
 NMSE_BOUND = {Q.F32: 0.0, Q.F16: 1e-6, Q.BF16: 3e-5, Q.Q8_0: 1e-4, Q.Q4_0: 1.5e-2}
 
-# name -> make_hf_model kwargs
+# name -> make_llama_model kwargs
 MODELS = {
     "relu_tied": dict(act="relu", tied=True),
     "silu_untied": dict(act="silu", tied=False, n_ff=80, seed=1),              # n_ff % 32 != 0
@@ -43,7 +43,7 @@ MODELS = {
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {name: make_hf_model(root / name, **kw) for name, kw in MODELS.items()}
+    return {name: make_llama_model(root / name, **kw) for name, kw in MODELS.items()}
 
 
 def hf_weights(d) -> dict[str, np.ndarray]:
@@ -313,7 +313,7 @@ def test_streaming_peak_memory(tmp_path):
     """Tensors are converted one at a time: traced peak allocation stays well
     below the model size."""
     import tracemalloc
-    d = make_hf_model(tmp_path / "big", act="relu", tied=False, n_layer=4, d=256, n_head=4,
+    d = make_llama_model(tmp_path / "big", act="relu", tied=False, n_layer=4, d=256, n_head=4,
                       n_head_kv=4, n_ff=1024, vocab=1024)
     size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     tracemalloc.start()

@@ -50,14 +50,14 @@ def _doc_tensors(text: str) -> dict[str, tuple[list[str], str]]:
 @pytest.fixture(scope="module")
 def sparse_file(tmp_path_factory):
     pytest.importorskip("torch")
-    from hf_models import make_hf_model
+    from hf_models import make_llama_model
 
     from powerinfer_cpp.convert import convert
     from powerinfer_cpp.sparse.placement import parse_size
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     d = tmp_path_factory.mktemp("format-doc")
-    hf = make_hf_model(d / "hf", act="drelu", tied=True, seed=2, n_layer=2, d=64, n_ff=192, n_ctx=128)
+    hf = make_llama_model(d / "hf", act="drelu", tied=True, seed=2, n_layer=2, d=64, n_ff=192, n_ctx=128)
     opts = SparseOptions(calib=str(HELDOUT), calib_tokens=512, vram_budget=parse_size("480K"), profile_ctx=128)
     return Path(convert(hf, d / "sparse.gguf", "f32", progress=False, sparse=True, sparse_options=opts))
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_models import make_hf_model  # noqa: E402
+from hf_models import make_llama_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -34,7 +34,7 @@ def _opts(sparsity):
 @pytest.fixture(scope="module")
 def swiglu(tmp_path_factory):
     d = tmp_path_factory.mktemp("gate")
-    hf = make_hf_model(d / "hf", act="silu", tied=False, seed=4, n_layer=2, d=64, n_ff=192,
+    hf = make_llama_model(d / "hf", act="silu", tied=False, seed=4, n_layer=2, d=64, n_ff=192,
                        n_ctx=256)
     rep: list = []
     path = convert(hf, d / "gate.gguf", "f32", progress=False, sparse=True,

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_models import make_hf_model, patch_drelu  # noqa: E402
+from hf_models import make_llama_model, patch_drelu  # noqa: E402
 
 from powerinfer_cpp import Model, NativeError  # noqa: E402
 from powerinfer_cpp.convert import convert  # noqa: E402
@@ -56,7 +56,7 @@ CASES = [
 def f32_pair(request, tmp_path_factory):
     act, tied, n_head, n_head_kv = request.param
     d = tmp_path_factory.mktemp(f"hf-{act}")
-    hf_dir = make_hf_model(d / "hf", act=act, tied=tied, n_head=n_head, n_head_kv=n_head_kv, seed=3)
+    hf_dir = make_llama_model(d / "hf", act=act, tied=tied, n_head=n_head, n_head_kv=n_head_kv, seed=3)
     _sharpen(hf_dir, seed=11)
     gguf = convert(hf_dir, d / "model-f32.gguf", outtype="f32", progress=False)
     return act, _hf_reference(hf_dir, act), Model(gguf, n_ctx=128, n_threads=2)

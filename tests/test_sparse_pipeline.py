@@ -301,13 +301,13 @@ def _tensors(path):
 @pytest.fixture(scope="module")
 def random_sparse(tmp_path_factory):
     pytest.importorskip("torch")
-    from hf_models import make_hf_model
+    from hf_models import make_llama_model
 
     from powerinfer_cpp.convert import convert
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     d = tmp_path_factory.mktemp("sparse-random")
-    hf = make_hf_model(d / "hf", act="relu", tied=False, seed=11, n_layer=2, d=64, n_ff=256, n_ctx=256)
+    hf = make_llama_model(d / "hf", act="relu", tied=False, seed=11, n_layer=2, d=64, n_ff=256, n_ctx=256)
     (hf / "heldout.txt").write_text(HELDOUT.read_text(encoding="utf-8")[:20000], encoding="utf-8")
     out = {"hf": hf, "dir": d}
     for outtype in ("f32", "q8_0"):
@@ -522,11 +522,11 @@ def test_failure_leaves_no_output(random_sparse, tmp_path, monkeypatch):
 
 def test_cli_sparse_errors(tmp_path):
     pytest.importorskip("torch")
-    from hf_models import make_hf_model
+    from hf_models import make_llama_model
 
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    silu = make_hf_model(tmp_path / "silu", act="silu", n_layer=1, d=32, n_ff=64)
-    relu = make_hf_model(tmp_path / "relu", act="relu", n_layer=1, d=32, n_ff=64)
+    silu = make_llama_model(tmp_path / "silu", act="silu", n_layer=1, d=32, n_ff=64)
+    relu = make_llama_model(tmp_path / "relu", act="relu", n_layer=1, d=32, n_ff=64)
 
     def run(*args):
         return subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", *map(str, args), "-q"], env=env,

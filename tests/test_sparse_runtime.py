@@ -388,11 +388,11 @@ def test_profile_of_sparse_file(random_gguf, tmp_path):
 
 @pytest.mark.parametrize("act", ["drelu", "silu"])
 def test_profile_other_activations(tmp_path, act):
-    from hf_models import make_hf_model
+    from hf_models import make_llama_model
 
     from powerinfer_cpp.convert import convert
 
-    hf = make_hf_model(tmp_path / "hf", act=act, seed=4)
+    hf = make_llama_model(tmp_path / "hf", act=act, seed=4)
     path = convert(hf, tmp_path / "m.gguf", outtype="f32", progress=False)
     prof = profile_model(path, TEXT_IDS[:50], n_ctx=64, progress=False)
     ts = _tensors(path)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_models import EXTRA_SPECIAL, TRAIN_TEXT, make_hf_model  # noqa: E402
+from hf_models import EXTRA_SPECIAL, TRAIN_TEXT, make_llama_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -48,7 +48,7 @@ TEXTS = [
 @pytest.fixture(scope="module", params=["bpe", "spm"])
 def model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"tok_{request.param}")
-    d = make_hf_model(root / "hf", act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
+    d = make_llama_model(root / "hf", act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
                       tokenizer=request.param)
     out = convert(d, root / "m.gguf", "f32", progress=False)
     hf = transformers.AutoTokenizer.from_pretrained(str(d))
@@ -203,7 +203,7 @@ def test_llama_rebuild_matches_sentencepiece():
 def bpe_model(tmp_path_factory):
     """A byte-level BPE (gpt2) model folder and its GGUF: tokenizer.ggml.pre applies to these."""
     root = tmp_path_factory.mktemp("tok_pre")
-    d = make_hf_model(root / "hf", act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
+    d = make_llama_model(root / "hf", act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
                       tokenizer="bpe")
     return d, convert(d, root / "m.gguf", "f32", progress=False)
 

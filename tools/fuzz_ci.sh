@@ -63,7 +63,7 @@ for i, n in enumerate(sorted(names)):
 (work / "gguf.dict").write_text("\n".join(lines) + "\n")
 
 try:
-    from hf_models import make_hf_model
+    from hf_models import make_llama_model
     from powerinfer_cpp.convert import convert
 except Exception as e:  # torch/transformers missing: reader-test seeds only
     print(f"   no converter seeds ({e})")
@@ -71,7 +71,7 @@ except Exception as e:  # torch/transformers missing: reader-test seeds only
 tmp = Path(tempfile.mkdtemp(dir=work))
 n = 0
 for tok in ("bpe", "spm"):
-    hf = make_hf_model(tmp / tok, act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
+    hf = make_llama_model(tmp / tok, act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
                        vocab=384, tokenizer=tok, tied=tok == "bpe", seed=0)
     for outtype in ("f32", "f16", "q8_0", "q4_0"):
         convert(hf, work / "seed" / f"convert-{tok}-{outtype}.gguf", outtype=outtype, progress=False)

@@ -76,12 +76,12 @@ PYTHONPATH=python:tests "$PY" - "$MODEL_DIR" <<'PYEOF' 2>"$MODEL_DIR/convert.log
 import sys
 from pathlib import Path
 
-from hf_models import make_hf_model
+from hf_models import make_llama_model
 from powerinfer_cpp.convert import convert
 from powerinfer_cpp.sparse.pipeline import SparseOptions
 
 d = Path(sys.argv[1])
-hf = make_hf_model(d / "hf", act="relu", tied=False, n_layer=2, d=64, n_head=4, n_head_kv=2,
+hf = make_llama_model(d / "hf", act="relu", tied=False, n_layer=2, d=64, n_head=4, n_head_kv=2,
                    n_ff=128, seed=5)
 text = (Path("models/tiny-relu-kjv/heldout.txt")).read_text(encoding="utf-8")[:20000]
 (hf / "heldout.txt").write_text(text, encoding="utf-8")

@@ -250,6 +250,8 @@ def read_rope(c: Config, head_dim: int, allow_llama3: bool = False) -> Rope:
             raise ConvertError(f"config.json: linear rope scaling needs a positive factor, got {factor!r}")
         return Rope(float(theta), F.ROPE_SCALING_LINEAR, float(factor))
     if rtype == "llama3" and allow_llama3:
+        if scaling.get("original_max_position_embeddings") is None:  # transformers' fallback
+            scaling = {**scaling, "original_max_position_embeddings": c.get("max_position_embeddings")}
         return Rope(float(theta), freqs=llama3_rope_freqs(scaling, float(theta), head_dim))
     supported = "none, linear, llama3" if allow_llama3 else "none, linear"
     raise ConvertError(f"unsupported rope scaling {rtype!r} (supported: {supported})")

@@ -432,3 +432,28 @@ def test_placement_costs_ungated():
     by = {it.name: it.nbytes for it in dense}
     assert by["blk.0.attention"] == 4 * d * d * 2
     assert by["norms"] == n * (2 * d + ff + d) * 4 + 2 * d * 4
+
+
+def test_format_doc_covers_every_architecture(converted):
+    """docs/FORMAT.md has a section per architecture naming each tensor kind its files
+    carry, and documents each key they carry (per-architecture keys as `A.…`)."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text(encoding="utf-8")
+    import re
+
+    arch_doc = doc[doc.index("## Architectures\n"):doc.index("## Sparse extension\n")]
+    llama_doc = doc[doc.index("## Tensors\n"):doc.index("## Architectures\n")]
+    for variant, path in converted.items():
+        kv, ts = read(path)
+        A = kv[F.KEY_GENERAL_ARCHITECTURE]
+        start = arch_doc.index(f"### `{A}`")
+        sec = arch_doc[start:arch_doc.find("\n### ", start + 1)]
+        for name in ts:
+            kind = F.parse_tensor_name(name)[0]
+            generic = re.sub(r"^blk\.\d+\.", "blk.N.", name)
+            in_llama = A in (F.ARCH_LLAMA, F.ARCH_QWEN2) and f"`{generic}`" in llama_doc
+            assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
+        for key in kv:
+            if key.startswith("tokenizer.") or key.startswith("general."):
+                continue
+            doc_key = "A." + key[len(A) + 1:] if key.startswith(A + ".") else key
+            assert f"`{doc_key}`" in doc or f"`{doc_key}" in doc, (variant, key)

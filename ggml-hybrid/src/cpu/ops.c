@@ -92,6 +92,12 @@ static void sigmoid_glu_scalar(const float * gate, const float * up, float * out
     }
 }
 
+/* out = gelu(g) * u with the exact (erf) GELU; up == NULL: u = 1. */
+static void gelu_erf_glu_scalar(const float * gate, const float * up, float * out, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.70710678118654752f)) * (up ? up[i] : 1.0f);
+}
+
 /* A row of F16 / Q8_0 to f32 (the KV cache's rows, a block of keys at a time); the SIMD
  * forms give the same values (one rounding of d * q). */
 static void f16_to_f32_scalar(const void * src, float * dst, int64_t n) {
@@ -128,6 +134,17 @@ static void q8_0_to_f32_scalar(const void * src, float * dst, int64_t n) {
 #define EXP_C5     (1.0f / 120.0f)
 #define EXP_C6     (1.0f / 720.0f)
 #define EXP_C7     (1.0f / 5040.0f)
+
+/* 1 + erf(x) for the SIMD exact GELU: erfc(|x|) ~= t P(t) exp(-x^2), t = 1 / (1 + p|x|)
+ * (Abramowitz & Stegun 7.1.26, |error in erf| < 1.5e-7), then 1 + erf(x) = erfc(|x|) for
+ * x < 0 (no cancellation: the negative tail keeps its relative accuracy) and
+ * 2 - erfc(|x|) for x >= 0. */
+#define ERF_P  0.3275911f
+#define ERF_A1 0.254829592f
+#define ERF_A2 (-0.284496736f)
+#define ERF_A3 1.421413741f
+#define ERF_A4 (-1.453152027f)
+#define ERF_A5 1.061405429f
 
 #if OPS_X86
 
@@ -219,6 +236,29 @@ AVX2 static void sigmoid_glu_avx2(const float * gate, const float * up, float * 
     sigmoid_glu_scalar(gate + i, up ? up + i : NULL, out + i, n - i, a, b);
 }
 
+AVX2 static void gelu_erf_glu_avx2(const float * gate, const float * up, float * out, int64_t n) {
+    const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    const __m256 sgn = _mm256_set1_ps(-0.0f), rs2 = _mm256_set1_ps(0.70710678118654752f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 x = _mm256_mul_ps(g, rs2);
+        const __m256 ax = _mm256_andnot_ps(sgn, x);
+        const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(ERF_P), ax, one));
+        __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(ERF_A5), t, _mm256_set1_ps(ERF_A4));
+        p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(ERF_A3));
+        p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(ERF_A2));
+        p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(ERF_A1));
+        p = _mm256_mul_ps(p, t);
+        const __m256 ec = _mm256_mul_ps(p, exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(ax, ax))));
+        const __m256 neg = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+        const __m256 onep = _mm256_blendv_ps(_mm256_sub_ps(two, ec), ec, neg);
+        const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, g), onep);
+        _mm256_storeu_ps(out + i, up ? _mm256_mul_ps(y, _mm256_loadu_ps(up + i)) : y);
+    }
+    gelu_erf_glu_scalar(gate + i, up ? up + i : NULL, out + i, n - i);
+}
+
 /* ---- AVX-512 ---- */
 
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
@@ -299,6 +339,29 @@ AVX512 static void sigmoid_glu_avx512(const float * gate, const float * up, floa
         __m512 z = _mm512_mul_ps(g, _mm512_fmadd_ps(vb, _mm512_mul_ps(g, g), va));
         __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z));
         __m512 y = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(out + i, m, up ? _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, up + i)) : y);
+    }
+}
+
+AVX512 static void gelu_erf_glu_avx512(const float * gate, const float * up, float * out, int64_t n) {
+    const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    const __m512 rs2 = _mm512_set1_ps(0.70710678118654752f);
+    int64_t i = 0;
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16) 0xffff : tail_mask16(n - i);
+        const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+        const __m512 x = _mm512_mul_ps(g, rs2);
+        const __m512 ax = _mm512_abs_ps(x);
+        const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(ERF_P), ax, one));
+        __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(ERF_A5), t, _mm512_set1_ps(ERF_A4));
+        p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(ERF_A3));
+        p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(ERF_A2));
+        p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(ERF_A1));
+        p = _mm512_mul_ps(p, t);
+        const __m512 ec = _mm512_mul_ps(p, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(ax, ax))));
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 onep = _mm512_mask_blend_ps(neg, _mm512_sub_ps(two, ec), ec);
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(half, g), onep);
         _mm512_mask_storeu_ps(out + i, m, up ? _mm512_mul_ps(y, _mm512_maskz_loadu_ps(m, up + i)) : y);
     }
 }
@@ -487,6 +550,7 @@ typedef struct {
     float (*exp_sum)(float * s, int64_t n, float max);
     void  (*sigmoid_glu)(const float * gate, const float * up, float * out, int64_t n,
                          float a, float b);
+    void  (*gelu_erf_glu)(const float * gate, const float * up, float * out, int64_t n);
     void  (*f16_to_f32)(const void * src, float * dst, int64_t n);
     void  (*q8_0_to_f32)(const void * src, float * dst, int64_t n);
 } ops_kernels;
@@ -518,15 +582,15 @@ static void att_kernels_get(int head_dim, att_scores_fn * scores, att_values_fn 
 
 static ops_kernels ops_kernels_get(void) {
     ops_kernels k = { dot_scalar, axpy_scalar, exp_sum_scalar, sigmoid_glu_scalar,
-                      f16_to_f32_scalar, q8_0_to_f32_scalar };
+                      gelu_erf_glu_scalar, f16_to_f32_scalar, q8_0_to_f32_scalar };
 #if OPS_X86
     int level = ops_simd_level();
     if (level >= GH_SIMD_AVX512) {
         k = (ops_kernels) { dot_avx512, axpy_avx512, exp_sum_avx512, sigmoid_glu_avx512,
-                            f16_to_f32_avx512, q8_0_to_f32_avx512 };
+                            gelu_erf_glu_avx512, f16_to_f32_avx512, q8_0_to_f32_avx512 };
     } else if (level >= GH_SIMD_AVX2) {
         k = (ops_kernels) { dot_avx2, axpy_avx2, exp_sum_avx2, sigmoid_glu_avx2,
-                            f16_to_f32_avx2, q8_0_to_f32_avx2 };
+                            gelu_erf_glu_avx2, f16_to_f32_avx2, q8_0_to_f32_avx2 };
     }
 #endif
     return k;
@@ -635,8 +699,7 @@ void gh_glu(int act, float t, const float * gate, const float * up, float * out,
             for (int64_t i = 0; i < n; i++) out[i] = gate[i] > t ? gate[i] : 0.0f;
             break;
         case GH_ACT_GELU_ERF:
-            for (int64_t i = 0; i < n; i++)
-                out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.70710678118654752f));
+            ops_kernels_get().gelu_erf_glu(gate, NULL, out, n);
             break;
         default:
             break; /* validated by the loader (dReLU needs a gate and an up) */
@@ -661,9 +724,7 @@ void gh_glu(int act, float t, const float * gate, const float * up, float * out,
             out[i] = (gate[i] > 0.0f ? gate[i] : 0.0f) * (up[i] > 0.0f ? up[i] : 0.0f);
         break;
     case GH_ACT_GELU_ERF:
-        /* exact GELU (Hugging Face's "gelu"); erff is slow-ish but this is n_ff per token */
-        for (int64_t i = 0; i < n; i++)
-            out[i] = 0.5f * gate[i] * (1.0f + erff(gate[i] * 0.70710678118654752f)) * up[i];
+        ops_kernels_get().gelu_erf_glu(gate, up, out, n);
         break;
     default:
         break; /* validated by callers */

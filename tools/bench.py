@@ -8,7 +8,11 @@ What it does, on GGUF files made by tools/make_bench_model.py (default: the issu
 a 1.1B-parameter LLaMA with ReGLU FFN whose weights are constructed to be ~93% sparse on
 real text: d=2048, 22 layers, 32 heads / 4 KV heads, n_ff=5632, vocab 32000; dense GGUF per
 type, and the sparse GGUF of the same weights from `convert --sparse`; --plain: the
-foundation's random 542M dense model, no sparse engine):
+foundation's random 542M dense model, no sparse engine; --arch qwen2 | falcon | llama3:
+random dense models of those architectures at ~1B published shapes, no sparse engine;
+--arch opt: the same sparse construction OPT-shaped, where llama.cpp, which has no OPT,
+gets a row saying so and the sparse engine is compared with ours dense instead; or any
+GGUF files with --model / --sparse-model):
 
 * Engines: `llama.cpp` on the dense GGUF; `ours` (dense FFN) on the same dense GGUF;
   `ours-sparse` on the sparse GGUF in sparse FFN mode (gh_context_set_ffn_mode
@@ -33,7 +37,8 @@ foundation's random 542M dense model, no sparse engine):
 * Memory read bandwidth of this machine is measured in the same run with tools/membw.c
   (compiled here with cc -O2 -march=native -pthread; each thread streams its own 512 MB),
   and the decode limit is bandwidth / bytes of weights read per token. Dense: all tensor
-  bytes of the GGUF except token_embd (of which decode reads one row). Sparse: measured by
+  bytes of the GGUF except token_embd (of which decode reads one row; all of it where it is
+  also the head, tied) and OPT's position_embd (one row too). Sparse: measured by
   the runtime during the tg128 loop (gh_context_get_stats: attention + predictor + FFN rows
   read + head, per token) when the runtime has the stats API; else computed from the sparse
   file: attention + predictor + per layer (predicted density x gate + true density x (up +
@@ -308,6 +313,24 @@ def worker_ops(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     return out
 
 
+#: GGUF architectures this runtime writes that llama.cpp has no implementation of
+LLAMA_CPP_LACKS = ("opt",)
+
+
+def gguf_arch(path: str) -> tuple[str, bool]:
+    """(general.architecture or '', whether the head is tied: no output.weight) of a GGUF."""
+    from powerinfer_cpp._native import check, ffi, lib
+    gp = ffi.new("gh_gguf **")
+    check(lib.gh_gguf_open(path.encode(), gp))
+    try:
+        i = lib.gh_gguf_find_key(gp[0], b"general.architecture")
+        v = lib.gh_gguf_kv_str(gp[0], i) if i >= 0 else ffi.NULL
+        names = {ffi.string(lib.gh_gguf_tensor_name(gp[0], j)) for j in range(lib.gh_gguf_n_tensors(gp[0]))}
+        return (ffi.string(v).decode() if v != ffi.NULL else ""), b"output.weight" not in names
+    finally:
+        lib.gh_gguf_close(gp[0])
+
+
 WORKERS = {"ours": worker_ours, "ours-sparse": worker_ours_sparse, "llama.cpp": worker_llama, "ops": worker_ops}
 ENGINES = ("llama.cpp", "ours", "ours-sparse")
 
@@ -397,18 +420,27 @@ def membw(threads: list[int], cache: Path) -> dict[int, dict]:
 
 
 def weight_bytes(path: str) -> tuple[int, int]:
-    """(bytes read per decoded token, total tensor bytes) of a GGUF."""
+    """(bytes read per decoded token, total tensor bytes) of a GGUF. token_embd counts only
+    when it is also the head (tied: no output.weight), since then every step reads all of it;
+    learned positions (position_embd) are one row per step, like the embedding."""
     from powerinfer_cpp._native import check, ffi, lib
     gp = ffi.new("gh_gguf **")
     check(lib.gh_gguf_open(path.encode(), gp))
     nb = ffi.new("uint64_t *")
-    total = per_tok = 0
+    total = per_tok = embd = 0
+    names = set()
     for i in range(lib.gh_gguf_n_tensors(gp[0])):
         check(lib.gh_gguf_tensor_info(gp[0], i, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, nb, ffi.NULL))
+        name = ffi.string(lib.gh_gguf_tensor_name(gp[0], i)).decode()
+        names.add(name)
         total += nb[0]
-        if ffi.string(lib.gh_gguf_tensor_name(gp[0], i)) != b"token_embd.weight":
+        if name == "token_embd.weight":
+            embd = nb[0]
+        elif name != "position_embd.weight":
             per_tok += nb[0]
     lib.gh_gguf_close(gp[0])
+    if "output.weight" not in names:
+        per_tok += embd
     return per_tok, total
 
 
@@ -454,17 +486,18 @@ def sparse_file_bytes(path: str, pred_density: list[float] | None) -> dict:
     out = {"attention": 0.0, "predictor": 0.0, "ffn": 0.0, "ffn_dense": 0.0, "head": 0.0, "other": 0.0}
     true_d, pred_d = [], []
     layers: dict[int, dict] = {}
+    tied = "output.weight" not in tt
     for name, (nb, arr) in tt.items():
         m = re.match(r"blk\.(\d+)\.(.+?)(\.weight)?$", name)
         if not m:
-            if name.startswith("output.") and name != "output_norm.weight":
+            if (name.startswith("output.") and name != "output_norm.weight") or (tied and name == "token_embd.weight"):
                 out["head"] += nb
-            elif name != "token_embd.weight":
+            elif name not in ("token_embd.weight", "position_embd.weight"):
                 out["other"] += nb
             continue
         il, kind = int(m.group(1)), m.group(2)
         L = layers.setdefault(il, {})
-        if kind in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        if kind in ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output"):
             out["attention"] += nb
         elif kind in ("fc1", "fc2"):
             out["predictor"] += nb
@@ -483,7 +516,11 @@ def sparse_file_bytes(path: str, pred_density: list[float] | None) -> dict:
         pd = pred_density[il] if pred_density and il < len(pred_density) else td
         true_d.append(td)
         pred_d.append(pd)
-        out["ffn"] += pd * L.get("ffn_gate", 0) + td * (L.get("ffn_up", 0) + L.get("ffn_down_t", L.get("ffn_down", 0)))
+        down = L.get("ffn_down_t", L.get("ffn_down", 0))
+        if "ffn_gate" in L:
+            out["ffn"] += pd * L["ffn_gate"] + td * (L.get("ffn_up", 0) + down)
+        else:   # ungated: up takes the gate's place, computed for every predicted neuron
+            out["ffn"] += pd * L.get("ffn_up", 0) + td * down
     out["total"] = out["attention"] + out["predictor"] + out["ffn"] + out["head"] + out["other"]
     out["true_density"] = true_d
     out["pred_density"] = pred_d
@@ -571,13 +608,25 @@ def engine_bytes(results, engine: str, ty: str, t: int, per_tok: dict) -> tuple[
     return b, "file" if b else ""
 
 
-def make_table(results, types, threads, engines, bw, per_tok, n_pp=128, n_tg=128) -> str:
+def make_table(results, types, threads, engines, bw, per_tok, n_pp=128, n_tg=128,
+               skipped: dict[str, str] | None = None) -> str:
+    """One row per engine, type and thread count; engines in `skipped` (engine -> reason)
+    get a row giving the reason; with ours-sparse and ours both run, a last column
+    compares the sparse decode with ours dense (the reference where llama.cpp lacks the
+    architecture)."""
+    skipped = skipped or {}
+    vs_dense = "ours-sparse" in engines and "ours" in engines
     rows = [f"| engine | type | threads | pp{n_pp} t/s | tg{n_tg} t/s | MB read per token | "
-            f"decode limit t/s | tg{n_tg} % of limit | pp vs llama.cpp | tg vs llama.cpp |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            f"decode limit t/s | tg{n_tg} % of limit | pp vs llama.cpp | tg vs llama.cpp |"
+            + (" tg vs ours dense |" if vs_dense else ""),
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if vs_dense else "")]
     for ty in types:
         for t in threads:
             ref = results.get(("llama.cpp", ty, t), {})
+            dense = results.get(("ours", ty, t), {})
+            for e, why in skipped.items():
+                rows.append(f"| {e} (not run: {why}) | {ty.upper()} | {t} | — | — | — | — | — | — | — |"
+                            + (" — |" if vs_dense else ""))
             for e in engines:
                 r = results.get((e, ty, t), {})
                 pp, tg = r.get("pp", []), r.get("tg", [])
@@ -591,10 +640,14 @@ def make_table(results, types, threads, engines, bw, per_tok, n_pp=128, n_tg=128
                     rt = f"{statistics.median(tg) / statistics.median(ref['tg']):.2f}x" if tg else "—"
                 err = " (failed)" if r.get("errors") and not tg else ""
                 mb = f"{nb / 1e6:.0f}" + (" (file)" if src == "file" and e == "ours-sparse" else "") if nb else "—"
+                rd = ""
+                if vs_dense:
+                    rd = (f" {statistics.median(tg) / statistics.median(dense['tg']):.2f}x |"
+                          if e == "ours-sparse" and tg and dense.get("tg") else " — |")
                 rows.append(f"| {e}{err} | {ty.upper()} | {t} | {_med(pp)} | {_med(tg)} | {mb} | "
-                            f"{lim:.1f} | {pct} | {rp} | {rt} |" if lim else
+                            f"{lim:.1f} | {pct} | {rp} | {rt} |{rd}" if lim else
                             f"| {e}{err} | {ty.upper()} | {t} | {_med(pp)} | {_med(tg)} | {mb} | — | {pct} | "
-                            f"{rp} | {rt} |")
+                            f"{rp} | {rt} |{rd}")
     return "\n".join(rows)
 
 
@@ -649,15 +702,29 @@ def ops_table(ops: dict, threads: list[int], bw: dict, tg_ours: dict) -> str:
     return "\n".join(out)
 
 
-def write_docs(block: str) -> None:
+def write_docs(block: str, name: str | None = None) -> None:
+    """Replace the results block (`name`: its own named block, so that the runs of several
+    models each keep theirs; a new one goes right after the main block)."""
     DOCS.parent.mkdir(parents=True, exist_ok=True)
-    body = f"{BEGIN}\n{block.rstrip()}\n{END}\n"
+    if name:
+        begin_key, end = f"<!-- BENCH-BEGIN {name} ", f"<!-- BENCH-END {name} -->"
+        begin = f"{begin_key}(written by tools/bench.py --write-docs --docs-block {name}) -->"
+    else:
+        begin_key, begin, end = BEGIN, BEGIN, END
+    body = f"{begin}\n{block.rstrip()}\n{end}\n"
     if DOCS.is_file():
         text = DOCS.read_text()
-        if BEGIN in text and END in text:
-            pre, rest = text.split(BEGIN, 1)
-            post = rest.split(END, 1)[1]
+        if begin_key in text and end in text:
+            pre, rest = text.split(begin_key, 1)
+            post = rest.split(end, 1)[1]
             DOCS.write_text(pre + body + post.lstrip("\n"))
+            return
+        if name:
+            if END in text:
+                pre, post = text.split(END, 1)
+                DOCS.write_text(pre + END + "\n" + body + post.lstrip("\n"))
+            else:
+                DOCS.write_text(text.rstrip("\n") + "\n\n" + body)
             return
     DOCS.write_text("# Benchmarks\n\nDense speed of powerinfer-cpp vs llama.cpp on the same GGUF files, "
                     "measured with `tools/bench.py`\n(method in its docstring). Regenerate the block below with "
@@ -696,6 +763,9 @@ def main(argv=None) -> int:
                     help="interpreter whose llama-cpp-python runs the llama.cpp workers (default: "
                          "this one); the table says which ISA each engine ran")
     ap.add_argument("--write-docs", action="store_true", help=f"write the results into {DOCS.relative_to(REPO)}")
+    ap.add_argument("--docs-block", metavar="NAME",
+                    help="with --write-docs: write into the block NAME (made after the main block when new) "
+                         "instead of the main one")
     ap.add_argument("--json", help="also save raw results to this file")
     add_shape_args(ap)
     # worker mode (internal)
@@ -721,10 +791,12 @@ def main(argv=None) -> int:
     if a.kind == "plain" and "ours-sparse" in engines and not a.sparse_model:
         engines = [e for e in engines if e != "ours-sparse"]
     lver = llama_version()
+    skipped: dict[str, str] = {}    # engine -> why it has no measurement (a row says so)
     if "llama.cpp" in engines and lver is None:
         print(LLAMA_HINT, file=sys.stderr)
         print("Running our side only.\n", file=sys.stderr)
         engines = [e for e in engines if e != "llama.cpp"]
+        skipped["llama.cpp"] = "llama-cpp-python not installed"
 
     # models
     given = dict(m.split("=", 1) for m in a.model)
@@ -732,6 +804,15 @@ def main(argv=None) -> int:
     a.progress = False
     paths = {t: str(p) for t, p in ensure_models(a).items()} if a.types else {}
     paths.update(given)
+    archs, tied = {}, {}
+    for t in types:
+        archs[t], tied[t] = gguf_arch(paths[t])
+    lacks = sorted({x for x in archs.values() if x in LLAMA_CPP_LACKS})
+    if ("llama.cpp" in engines or "llama.cpp" in skipped) and lacks:
+        print(f"llama.cpp has no {', '.join(lacks)} architecture: no llama.cpp rows; the sparse engine is "
+              "compared with ours dense", file=sys.stderr)
+        engines = [e for e in engines if e != "llama.cpp"]
+        skipped["llama.cpp"] = f"llama.cpp has no {', '.join(lacks)} architecture"
     sgiven = dict(m.split("=", 1) for m in a.sparse_model)
     spaths: dict[str, str] = {}
     if "ours-sparse" in engines:
@@ -805,7 +886,7 @@ def main(argv=None) -> int:
     elapsed = time.time() - t_start
     load_after = loadavg()
 
-    table = make_table(results, types, threads, engines, bw, per_tok, a.n_pp, a.n_tg)
+    table = make_table(results, types, threads, engines, bw, per_tok, a.n_pp, a.n_tg, skipped)
     tg_ours = {(ty, t): statistics.median(results[("ours", ty, t)]["tg"])
                for ty in types for t in threads if results.get(("ours", ty, t), {}).get("tg")}
     ops_md = ops_table(ops, threads, bw, tg_ours) if ops else ""
@@ -837,19 +918,36 @@ def main(argv=None) -> int:
     lib = os.environ.get("GH_LIBRARY", "(default search)")
 
     sparse_eng = "ours-sparse" in engines
-    kind_txt = ("synthetic LLaMA with ReGLU FFN, weights constructed for activation sparsity "
-                "(tools/make_bench_model.py; see \"The sparse benchmark model\")"
-                if a.kind == "sparse" and (not given or all("-sc" in Path(p).name for p in given.values()))
-                else "synthetic LLaMA, random weights")
+    constructed = a.kind == "sparse" and (not given or all("-sc" in Path(p).name for p in given.values()))
+    arch_txt = "/".join(sorted(set(archs.values()))) or "?"
+    if constructed and a.arch == "opt":
+        kind_txt = ("synthetic pre-LN OPT (ungated ReLU FFN with biases, LayerNorm, learned positions, MHA), "
+                    "weights constructed for activation sparsity (tools/make_bench_model.py --arch opt; see "
+                    "\"The sparse benchmark model\")")
+    elif constructed:
+        kind_txt = ("synthetic LLaMA with ReGLU FFN, weights constructed for activation sparsity "
+                    "(tools/make_bench_model.py; see \"The sparse benchmark model\")")
+    elif given:
+        kind_txt = f"GGUF architecture {arch_txt}, files given with --model"
+    else:
+        kind_txt = {"llama": "synthetic LLaMA, random weights",
+                    "qwen2": "synthetic Qwen2 (Qwen2.5-1.5B's shape, vocab 32000), random weights",
+                    "falcon": "synthetic Falcon (new_decoder_architecture: GQA, ln_attn + ln_mlp, parallel "
+                              "block, fused QKV, GELU FFN of 4d), random weights",
+                    "llama3": "synthetic Llama-3 (Llama-3.2-1B's shape and llama3 rope scaling, vocab 32000), "
+                              "random weights"}.get(a.arch, f"synthetic {a.arch}, random weights")
+        kind_txt += f" (tools/make_bench_model.py --plain --arch {a.arch}; GGUF architecture {arch_txt})"
     md = [f"### {'Dense and sparse' if sparse_eng else 'Dense'} decode and prompt speed, "
           f"{started:%Y-%m-%d %H:%M %Z}", "",
           f"- Command: `{cmd}` (library: `{lib}`)",
           f"- Tree: {git_rev()}",
           f"- CPU: {cpu_model()}; kernel {platform.release()}",
-          f"- llama-cpp-python: {lver or 'not installed'} (llama.cpp bundled with it, driven through its C API); "
+          f"- llama-cpp-python: {lver or 'not installed'} (llama.cpp bundled with it, driven through its C API"
+          + (f"; not run: {skipped['llama.cpp']}" if "llama.cpp" in skipped else "") + "); "
           + "; ".join(i for i in infos if not i.startswith("llama.cpp:")),
           f"- Model: {Path(paths[types[0]]).name.rsplit('-', 1)[0]} ({kind_txt}); {sizes}. "
           f"Q4_0 files keep token_embd and output in Q8_0 (the converter's choice), for both engines"
+          + ("; the head is tied (token_embd, read whole every step)" if any(tied.values()) else "")
           + ("; sparse files store the predictors in " + ", ".join(
               f"{predictor_types(spaths[t])} ({t.upper()} file)" for t in types if t in spaths) + "."
              if sparse_eng else "."),
@@ -883,7 +981,7 @@ def main(argv=None) -> int:
                                             "ops": {f"{k[0]}|{k[1]}": v for k, v in ops.items()},
                                             "load": load_note}, indent=1))
     if a.write_docs:
-        write_docs(report)
+        write_docs(report, a.docs_block)
         print(f"wrote {DOCS}", file=sys.stderr)
     return 0
 

@@ -4,6 +4,7 @@
     python tools/make_bench_model.py [--layers 22 ...] [--types f16,q4_0] [--force]
                                      [--no-sparse] [--verify [N]]        # issue-5 model (default)
     python tools/make_bench_model.py --plain [--layers 8 ...]            # dense bench model
+    python tools/make_bench_model.py --plain --arch qwen2|falcon|llama3  # dense ~1B of that shape
     python tools/make_bench_model.py --arch opt [...]                    # OPT-shaped issue-5 model
     python tools/make_bench_model.py ... --hf-only                       # the HF folder, no GGUFs
 
@@ -23,6 +24,33 @@ tokenizer_config.json) and converted by the project's converter
 * ``--plain``: the foundation's dense bench model: random weights (normal, std
   0.02, norms = 1, seeded), default d=2048, 8 layers, 16 heads (16 KV heads),
   n_ff=5632, vocab 32000, ReLU (~542M params); dense GGUFs only.
+
+Dense models of the other architectures (``--plain --arch qwen2 | falcon | llama3``)
+-------------------------------------------------------------------------------------
+The same random weights (std ``--std``, norm weights 1, every bias -- q/k/v, LayerNorm --
+random with std ``--std``: nonzero, so a file or runtime that drops one shows in the
+logits), in the folder layout and config of the real architecture, at published ~1B
+shapes except for the vocab (32000 rows and the shipped tokenizer, as every bench model:
+the embedding is one row per token and the tied head is the same bytes for both engines,
+so the vocab size is not what is compared); all three tie the head to the embedding as
+their published models do:
+
+* ``qwen2``: Qwen2.5-1.5B (and Qwen2-1.5B): d=1536, 28 layers, 12 heads / 2 KV heads
+  (head_dim 128), n_ff=8960, SwiGLU, q/k/v biases, RMSNorm eps 1e-6, rope_theta 1e6,
+  no sliding window: 1.36B parameters at vocab 32000 (1.54B at its own 151936);
+* ``falcon``: Falcon's ``new_decoder_architecture`` layout (Falcon-40B/180B: GQA, fused
+  QKV in its grouped row order, ``ln_attn`` + ``ln_mlp``, parallel attention + FFN, no
+  linear biases, ungated exact-GELU FFN of 4d, NeoX RoPE theta 1e4) at Falcon-RW-1B's
+  sizes (d=2048, 24 layers, 32 heads; Falcon-40B's head_dim 64 and 8 KV heads): no
+  published Falcon of ~1B has this layout (Falcon-RW-1B is ALiBi MHA, Falcon3-1B is a
+  llama), so this is the 40B block at 1.12B parameters;
+* ``llama3``: Llama-3.2-1B: d=2048, 16 layers, 32 heads / 8 KV heads, n_ff=8192, SwiGLU,
+  RMSNorm eps 1e-5, rope_theta 500000 with its ``llama3`` rope_scaling (factor 32,
+  low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192; the
+  converter writes rope_freqs.weight): 1.04B parameters at vocab 32000 (1.24B at 128256).
+
+``--layers``, ``--d``, ``--heads``, ``--kv-heads``, ``--ff`` scale them down (the
+architecture's layout and keys stay); ``--arch qwen2|falcon|llama3`` implies ``--plain``.
 
 Construction (``--sparse-construction``)
 ----------------------------------------
@@ -166,15 +194,31 @@ MAX_POS = 2048
 # stays dominant over the two together
 POS_SCALE = 0.5
 
-# per-kind shape defaults (None in argparse = take these)
+# shape defaults per (kind, arch) (None in argparse = take these; kv_heads None = heads)
+_BASE = {"d": 2048, "ff": 5632, "act": "relu", "rope_theta": 10000.0, "rms_eps": 1e-5, "tied": False,
+         "max_pos": MAX_POS}
 SHAPE_DEFAULTS = {
-    "sparse": {"layers": 22, "heads": 32, "kv_heads": 4},
-    "plain": {"layers": 8, "heads": 16, "kv_heads": None},
+    ("sparse", "llama"): {**_BASE, "layers": 22, "heads": 32, "kv_heads": 4},
+    ("sparse", "opt"): {**_BASE, "layers": 22, "heads": 32, "kv_heads": None},
+    ("plain", "llama"): {**_BASE, "layers": 8, "heads": 16, "kv_heads": None},
+    # Qwen2.5-1.5B
+    ("plain", "qwen2"): {**_BASE, "d": 1536, "ff": 8960, "layers": 28, "heads": 12, "kv_heads": 2, "act": "silu",
+                         "rope_theta": 1e6, "rms_eps": 1e-6, "tied": True, "max_pos": 32768},
+    # Falcon-40B's block at Falcon-RW-1B's sizes
+    ("plain", "falcon"): {**_BASE, "d": 2048, "ff": None, "layers": 24, "heads": 32, "kv_heads": 8,
+                          "act": "gelu", "tied": True},
+    # Llama-3.2-1B
+    ("plain", "llama3"): {**_BASE, "d": 2048, "ff": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "act": "silu",
+                          "rope_theta": 500000.0, "tied": True, "max_pos": 131072},
 }
+PLAIN_ONLY = ("qwen2", "falcon", "llama3")
+# Llama-3.2-1B's rope_scaling
+LLAMA3_ROPE_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 
 def shape_name(a) -> str:
-    kv = f"-kv{a.kv_heads}" if a.arch == "llama" else ""   # OPT: always one KV head per head
+    kv = f"-kv{a.kv_heads}" if a.arch != "opt" else ""   # OPT: always one KV head per head
     base = (f"{a.arch}-d{a.d}-l{a.layers}-h{a.heads}{kv}-ff{a.ff}-v{a.vocab}"
             f"-{a.act}-s{a.seed}")
     if a.kind == "plain":
@@ -196,23 +240,48 @@ def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
     """HF tensor names and shapes in the usual (sorted-by-layer) order."""
     if a.arch == "opt":
         return hf_tensors_opt(a)
+    if a.arch == "falcon":
+        return hf_tensors_falcon(a)
     hd = a.d // a.heads
     q_rows, kv_rows = a.heads * hd, a.kv_heads * hd
+    qkv_bias = a.arch == "qwen2"
     out = [("model.embed_tokens.weight", (a.vocab, a.d))]
     for i in range(a.layers):
         p = f"model.layers.{i}."
+        out.append((p + "input_layernorm.weight", (a.d,)))
+        for proj, rows in (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)):
+            out.append((p + f"self_attn.{proj}.weight", (rows, a.d)))
+            if qkv_bias:
+                out.append((p + f"self_attn.{proj}.bias", (rows,)))
         out += [
-            (p + "input_layernorm.weight", (a.d,)),
-            (p + "self_attn.q_proj.weight", (q_rows, a.d)),
-            (p + "self_attn.k_proj.weight", (kv_rows, a.d)),
-            (p + "self_attn.v_proj.weight", (kv_rows, a.d)),
             (p + "self_attn.o_proj.weight", (a.d, q_rows)),
             (p + "post_attention_layernorm.weight", (a.d,)),
             (p + "mlp.gate_proj.weight", (a.ff, a.d)),
             (p + "mlp.up_proj.weight", (a.ff, a.d)),
             (p + "mlp.down_proj.weight", (a.d, a.ff)),
         ]
-    out += [("model.norm.weight", (a.d,)), ("lm_head.weight", (a.vocab, a.d))]
+    out.append(("model.norm.weight", (a.d,)))
+    if not a.tied:
+        out.append(("lm_head.weight", (a.vocab, a.d)))
+    return out
+
+
+def hf_tensors_falcon(a) -> list[tuple[str, tuple[int, ...]]]:
+    """FalconForCausalLM's tensors in the new_decoder_architecture layout (ln_attn + ln_mlp,
+    fused grouped QKV, no linear biases: bias false, as Falcon-40B/180B), tied head."""
+    d, hd = a.d, a.d // a.heads
+    out = [("transformer.word_embeddings.weight", (a.vocab, d))]
+    for i in range(a.layers):
+        p = f"transformer.h.{i}."
+        out += [(p + "ln_attn.weight", (d,)), (p + "ln_attn.bias", (d,)),
+                (p + "ln_mlp.weight", (d,)), (p + "ln_mlp.bias", (d,)),
+                (p + "self_attention.query_key_value.weight", ((a.heads + 2 * a.kv_heads) * hd, d)),
+                (p + "self_attention.dense.weight", (d, a.heads * hd)),
+                (p + "mlp.dense_h_to_4h.weight", (a.ff, d)),
+                (p + "mlp.dense_4h_to_h.weight", (d, a.ff))]
+    out += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
+    if not a.tied:
+        out.append(("lm_head.weight", (a.vocab, d)))
     return out
 
 
@@ -284,11 +353,12 @@ def _random_chunks(rng, n: int, std: float):
 
 
 def write_plain_safetensors(path: Path, tensors, seed: int, std: float) -> int:
-    """Random fp16 tensors (1-D ones = norms = 1.0). Returns the parameter count."""
+    """Random fp16 tensors: 1-D weights (norms) 1.0, biases and matrices random. Returns
+    the parameter count."""
     w = SafetensorsWriter(path, tensors, "powerinfer-cpp tools/make_bench_model.py --plain")
     for ti, (name, shape) in enumerate(tensors):
         n = int(np.prod(shape))
-        if len(shape) == 1:
+        if len(shape) == 1 and not name.endswith(".bias"):
             w.write(name, np.ones(n, np.float32))
             continue
         for x in _random_chunks(np.random.default_rng([seed, ti]), n, std):
@@ -636,9 +706,36 @@ def hf_config(a) -> dict:
             "pad_token_id": 3,
             "torch_dtype": "float16",
         }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    if a.arch == "falcon":
+        return {
+            "architectures": ["FalconForCausalLM"],
+            "model_type": "falcon",
+            "hidden_size": a.d,
+            "ffn_hidden_size": a.ff,
+            "num_hidden_layers": a.layers,
+            "num_attention_heads": a.heads,
+            "num_kv_heads": a.kv_heads,
+            "new_decoder_architecture": True,
+            "num_ln_in_parallel_attn": 2,
+            "parallel_attn": True,
+            "multi_query": True,     # as Falcon-40B's config: ignored by the new layout
+            "alibi": False,
+            "bias": False,
+            "activation": a.act,
+            "layer_norm_epsilon": a.ln_eps,
+            "rope_theta": a.rope_theta,
+            "max_position_embeddings": a.max_pos,
+            "vocab_size": a.vocab,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": a.tied,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": "float16",
+        }
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM" if a.arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": "qwen2" if a.arch == "qwen2" else "llama",
         "hidden_size": a.d,
         "intermediate_size": a.ff,
         "num_hidden_layers": a.layers,
@@ -646,14 +743,21 @@ def hf_config(a) -> dict:
         "num_key_value_heads": a.kv_heads,
         "vocab_size": a.vocab,
         "hidden_act": a.act,
-        "max_position_embeddings": MAX_POS,
+        "max_position_embeddings": a.max_pos,
         "rms_norm_eps": a.rms_eps,
         "rope_theta": a.rope_theta,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": a.tied,
         "bos_token_id": 1,
         "eos_token_id": 2,
         "torch_dtype": "float16",
     }
+    if a.arch == "qwen2":
+        # Qwen2.5-1.5B's: sliding-window attention switched off
+        cfg.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": 21})
+    elif a.arch == "llama3":
+        cfg.update({"head_dim": a.d // a.heads, "rope_scaling": dict(LLAMA3_ROPE_SCALING),
+                    "attention_bias": False, "mlp_bias": False})
+    return cfg
 
 
 def make_hf(a, hf_dir: Path) -> dict:
@@ -832,21 +936,27 @@ def format_verify(res: dict) -> str:
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("bench model")
     kind = g.add_mutually_exclusive_group()
-    kind.add_argument("--sparse-construction", dest="kind", action="store_const", const="sparse", default="sparse",
+    kind.add_argument("--sparse-construction", dest="kind", action="store_const", const="sparse", default=None,
                       help="the issue-5 model with constructed activation sparsity (default)")
     kind.add_argument("--plain", dest="kind", action="store_const", const="plain",
                       help="the foundation's random dense bench model (8 layers, 16 heads by default)")
-    g.add_argument("--arch", choices=("llama", "opt"), default="llama",
+    g.add_argument("--arch", choices=("llama", "opt") + PLAIN_ONLY, default="llama",
                    help="llama: ReGLU LLaMA (default); opt: pre-LN OPT, ungated ReLU FFN with biases, "
-                        "LayerNorm, learned positions, MHA (--kv-heads = --heads); sparse construction only")
-    g.add_argument("--d", type=int, default=2048, help="hidden size (default 2048)")
-    g.add_argument("--layers", type=int, default=None, help="layers (default 22; --plain: 8)")
-    g.add_argument("--heads", type=int, default=None, help="attention heads (default 32; --plain: 16)")
+                        "LayerNorm, learned positions, MHA (--kv-heads = --heads); sparse construction only; "
+                        "qwen2 (Qwen2.5-1.5B), falcon (40B layout, ~1B), llama3 (Llama-3.2-1B): --plain "
+                        "only (implied)")
+    g.add_argument("--d", type=int, default=None, help="hidden size (default 2048; qwen2: 1536)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="layers (default 22; --plain: 8; qwen2 28, falcon 24, llama3 16)")
+    g.add_argument("--heads", type=int, default=None,
+                   help="attention heads (default 32; --plain: 16; qwen2 12, falcon and llama3 32)")
     g.add_argument("--kv-heads", type=int, default=None,
-                   help="KV heads (default 4; --plain and --arch opt: = heads)")
-    g.add_argument("--ff", type=int, default=5632, help="FFN size n_ff (default 5632)")
+                   help="KV heads (default 4; --plain and --arch opt: = heads; qwen2 2, falcon and llama3 8)")
+    g.add_argument("--ff", type=int, default=None,
+                   help="FFN size n_ff (default 5632; qwen2 8960, falcon 4d, llama3 8192)")
     g.add_argument("--vocab", type=int, default=32000, help="vocab rows (default 32000; >= 4096)")
-    g.add_argument("--act", default="relu", choices=["relu", "silu"], help="hidden_act (default relu)")
+    g.add_argument("--act", default=None, choices=["relu", "silu", "gelu"],
+                   help="hidden_act (default relu; qwen2 and llama3 silu, falcon gelu)")
     g.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     g.add_argument("--std", type=float, default=0.02, help="weight std (default 0.02)")
     g.add_argument("--cache", default=DEFAULT_CACHE, help=f"output folder (default {DEFAULT_CACHE})")
@@ -883,23 +993,34 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
 
 
 def finish_shape_args(a) -> None:
-    dflt = SHAPE_DEFAULTS[a.kind]
-    if a.layers is None:
-        a.layers = dflt["layers"]
-    if a.heads is None:
-        a.heads = dflt["heads"]
+    if a.kind is None:
+        a.kind = "plain" if a.arch in PLAIN_ONLY else "sparse"
+    if a.arch in PLAIN_ONLY and a.kind != "plain":
+        sys.exit(f"error: --arch {a.arch} is a random dense model (--plain); the sparse construction is "
+                 "made for --arch llama and opt")
+    if a.arch == "opt" and a.kind == "plain":
+        sys.exit("error: --arch opt is made by the sparse construction only (not --plain)")
+    dflt = SHAPE_DEFAULTS[(a.kind, a.arch)]
+    for k in ("d", "layers", "heads", "act"):
+        if getattr(a, k) is None:
+            setattr(a, k, dflt[k])
+    if a.ff is None:
+        a.ff = dflt["ff"] or 4 * a.d      # Falcon's ffn_hidden_size default
     if a.arch == "opt":
-        if a.kind == "plain":
-            sys.exit("error: --arch opt is made by the sparse construction only (not --plain)")
         if a.kv_heads not in (None, a.heads):
             sys.exit("error: OPT has no GQA: --arch opt needs --kv-heads = --heads (or no --kv-heads)")
         a.kv_heads = a.heads
     if a.kv_heads is None:
-        a.kv_heads = dflt["kv_heads"] or a.heads
-    a.rms_eps, a.rope_theta = 1e-5, 10000.0
-    a.ln_eps = 1e-5     # OPT's LayerNorm (torch's default; OPT's config has no key for it)
+        kv = dflt["kv_heads"]
+        if kv is not None and a.arch in PLAIN_ONLY:
+            kv = max(1, kv * a.heads // dflt["heads"])   # a scaled-down --heads keeps the published ratio
+        a.kv_heads = a.heads if kv is None else kv
+    a.rms_eps, a.rope_theta, a.tied, a.max_pos = dflt["rms_eps"], dflt["rope_theta"], dflt["tied"], dflt["max_pos"]
+    a.ln_eps = 1e-5     # OPT's LayerNorm (torch's default; OPT's config has no key for it) and Falcon's
     if a.d % a.heads or a.heads % a.kv_heads or a.vocab < 4096:
         sys.exit("error: need d % heads == 0, heads % kv_heads == 0, vocab >= 4096")
+    if a.arch in ("qwen2", "falcon", "llama3") and (a.d // a.heads) % 2:
+        sys.exit("error: RoPE needs an even head size (d / heads)")
     if a.kind == "sparse":
         if a.act != "relu":
             sys.exit("error: the sparse construction needs --act relu")

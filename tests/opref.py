@@ -11,8 +11,15 @@ from gguf import quants
 from powerinfer_cpp._native import ffi
 
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
-TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0}
-GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0}
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0,
+         "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
+GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0,
+           Q4_K: QT.Q4_K, Q5_K: QT.Q5_K, Q6_K: QT.Q6_K}
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
+QUANTIZED = (Q8_0, Q4_0) + K_QUANTS
+#: elements per block: a row's length must be a multiple of it
+BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256}
 SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
 ACTS = {"silu": SILU, "relu": RELU, "drelu": DRELU, "gelu": GELU, "gelu_erf": GELU_ERF}
 
@@ -22,12 +29,34 @@ def vptr(a: np.ndarray):
     return ffi.cast("void *", a.ctypes.data)
 
 
+def block_cols(t: int, cols: int) -> int:
+    """cols rounded up to a whole number of t's blocks (the K-quants' 256)."""
+    b = BLOCK[t]
+    return (cols + b - 1) // b * b
+
+
+def native_quantize(t: int, a: np.ndarray) -> np.ndarray:
+    """The runtime's reference quantizer (gh_quantize_row), row by row: uint8 [rows, row bytes]."""
+    from powerinfer_cpp._native import check, lib
+
+    a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1])
+    out = np.zeros((a.shape[0], lib.gh_type_row_size(t, a.shape[1])), dtype=np.uint8)
+    for r in range(a.shape[0]):
+        check(lib.gh_quantize_row(t, ffi.cast("float *", a[r].ctypes.data), vptr(out[r]), a.shape[1]))
+    return out
+
+
 def encode(t: int, a: np.ndarray):
-    """(raw bytes of a stored as type t, its dequantized float32 values)."""
+    """(raw bytes of a stored as type t, its dequantized float32 values). gguf.quants
+    quantizes the types it can (it has no K-quant quantizer: those use ours); it
+    dequantizes every one."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if t == F32:
         return a, a
-    raw = np.ascontiguousarray(quants.quantize(a, GGUF_QT[t]))
+    if t in K_QUANTS:
+        raw = native_quantize(t, a).reshape(*a.shape[:-1], -1)
+    else:
+        raw = np.ascontiguousarray(quants.quantize(a, GGUF_QT[t]))
     return raw, quants.dequantize(raw, GGUF_QT[t]).astype(np.float32).reshape(a.shape)
 
 

@@ -38,6 +38,9 @@ typedef enum {
     GH_TYPE_F16  = 1,
     GH_TYPE_Q4_0 = 2,
     GH_TYPE_Q8_0 = 8,
+    GH_TYPE_Q4_K = 12,
+    GH_TYPE_Q5_K = 13,
+    GH_TYPE_Q6_K = 14,
     GH_TYPE_I32  = 26, /* index tensors only (blk.N.gpu_idx, blk.N.gpu_bucket); no matmul */
     GH_TYPE_BF16 = 30
 } gh_type;

@@ -23,7 +23,7 @@ from powerinfer_cpp._native import ffi, lib
 
 from cbuf import fptr, iptr
 from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
-from opref import ACTS, TYPES, act_ref, encode, id_lists, vptr
+from opref import ACTS, QUANTIZED, TYPES, act_ref, block_cols, encode, id_lists, vptr
 
 
 @pytest.fixture(params=["host-device", "cuda"])
@@ -35,7 +35,7 @@ def op_device(request) -> str:
 
 GH_ERR_UNSUPPORTED, GH_ERR_INVALID_ARG, GH_ERR_RANGE = 3, 4, 6
 BOUND = 1e-9
-QUANT = {"q8_0", "q4_0"}
+QUANT = {n for n, t in TYPES.items() if t in QUANTIZED}
 
 
 def err() -> str:
@@ -54,11 +54,17 @@ def weights(tname, rows, cols, rng):
 
 # ---- matmul ------------------------------------------------------------------------------
 
-# quantized rows are whole 32-blocks; float rows may be any width: 40 takes the vector
-# path (8-element units, 16-byte rows), 1 / 7 / 37 / 100 the element path
+# quantized rows are whole blocks (32; the K-quants 256); float rows may be any width: 40
+# takes the vector path (8-element units, 16-byte rows), 1 / 7 / 37 / 100 the element path
 WIDTHS = [32, 96, 4096 + 32]
 FLOAT_WIDTHS = [1, 7, 37, 40, 100]
-MATMUL_CASES = [(t, c) for t in TYPES for c in WIDTHS + ([] if t in QUANT else FLOAT_WIDTHS)]
+
+
+def widths(tname):
+    return sorted({block_cols(TYPES[tname], c) for c in WIDTHS})
+
+
+MATMUL_CASES = [(t, c) for t in TYPES for c in widths(t) + ([] if t in QUANT else FLOAT_WIDTHS)]
 
 
 def run_matmul(device, tname, raw, rows, cols, x):
@@ -88,7 +94,7 @@ def test_matmul(op_device, tname, cols, rows, n):
 def test_matmul_batch_and_repeat(op_device, tname):
     """A prompt-sized batch (9 tiles, the last partial); the same call twice gives the same
     bits."""
-    rows, cols, n = 257, 4096 + 32, 70
+    rows, cols, n = 257, block_cols(TYPES[tname], 4096 + 32), 70
     rng = np.random.default_rng(5)
     raw, w = weights(tname, rows, cols, rng)
     x = rng.standard_normal((n, cols)).astype(np.float32)
@@ -104,7 +110,8 @@ def test_matmul_batch_and_repeat(op_device, tname):
 
 # ---- predictor ---------------------------------------------------------------------------
 
-PREDICT_CASES = [(t, t, 96, 64, 97) for t in TYPES] + [
+PREDICT_CASES = [(t, t, block_cols(TYPES[t], 96), block_cols(TYPES[t], 64), 97) for t in TYPES] + [
+    ("q4_k", "q6_k", 512, 256, 300),
     ("q4_0", "f16", 4096 + 32, 128, 1000),   # a real predictor's shape
     ("f32", "q8_0", 64, 32, 1),
     ("bf16", "q4_0", 96, 64, 33),
@@ -170,13 +177,13 @@ def hot_ffn_check(device, tname, down_name, act, n_hot, d, lists, seed):
 
 
 HOT_TYPES = [(t, t) for t in TYPES] + [("q4_0", "f16"), ("q8_0", "q4_0"), ("f32", "bf16"),
-                                      ("f16", "q8_0")]
+                                      ("f16", "q8_0"), ("q4_k", "q6_k"), ("q5_k", "f16")]
 
 
 @pytest.mark.parametrize("tname, down_name", HOT_TYPES)
 @pytest.mark.parametrize("aname", list(ACTS))
 def test_hot_ffn(op_device, tname, down_name, aname):
-    n_hot, d = 97, 96
+    n_hot, d = 97, max(block_cols(TYPES[tname], 96), block_cols(TYPES[down_name], 96))
     rng = np.random.default_rng(11)
     hot_ffn_check(op_device, tname, down_name, ACTS[aname], n_hot, d, id_lists(n_hot, rng),
                   seed=TYPES[tname] * 37 + TYPES[down_name] + ACTS[aname])
@@ -224,7 +231,7 @@ def test_hot_ffn_odd_float_width(op_device, tname):
 def test_hot_ffn_long_lists(op_device, tname, aname):
     """A 7B-like width and lists long enough to be cut into many slices (sums of slices
     added in order) and to need several shared-memory tiles per slice."""
-    n_hot, d = 700, 4096 + 32
+    n_hot, d = 700, block_cols(TYPES[tname], 4096 + 32)
     rng = np.random.default_rng(17)
     perm = rng.permutation(n_hot).astype(np.int32)
     lists = {

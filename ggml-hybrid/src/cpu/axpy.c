@@ -76,6 +76,26 @@ static void axpy_q4_0(int64_t n, float s, const void * row, float * restrict y) 
     }
 }
 
+/* K-quants: a block's values from the type's dequantizer, then added. */
+static inline void axpy_k_blocks(gh_to_float_fn to_float, size_t bs, int64_t n, float s, const void * row,
+                                 float * restrict y) {
+    float v[QK_K];
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        to_float((const char *) row + i * bs, v, QK_K);
+        for (int j = 0; j < QK_K; j++) y[j] += s * v[j];
+    }
+}
+
+static void axpy_q4_K(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_k_blocks(gh_type_traits_get(GH_TYPE_Q4_K)->to_float, sizeof(block_q4_K), n, s, row, y);
+}
+static void axpy_q5_K(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_k_blocks(gh_type_traits_get(GH_TYPE_Q5_K)->to_float, sizeof(block_q5_K), n, s, row, y);
+}
+static void axpy_q6_K(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_k_blocks(gh_type_traits_get(GH_TYPE_Q6_K)->to_float, sizeof(block_q6_K), n, s, row, y);
+}
+
 /* ---- AVX2 + FMA + F16C (compiled for those ISAs here, used only when the SIMD level
  * selected at run time is AVX2 or higher) ---- */
 
@@ -317,6 +337,9 @@ static axpy_fn axpy_for(int type) {
         case GH_TYPE_BF16: return axpy_bf16;
         case GH_TYPE_Q8_0: return axpy_q8_0;
         case GH_TYPE_Q4_0: return axpy_q4_0;
+        case GH_TYPE_Q4_K: return axpy_q4_K;
+        case GH_TYPE_Q5_K: return axpy_q5_K;
+        case GH_TYPE_Q6_K: return axpy_q6_K;
         default:           return NULL;
     }
 }

@@ -27,6 +27,19 @@ typedef struct {
     float   d[16];     /* lanes 4i..4i+3: scale of block i */
 } block_q8_x4;
 
+/* Internal activation type of the K-quant weights (ggml's Q8_K layout and id; never a
+ * weight: gh_type_valid says no). Per 256 values: d = amax / 127, q = round(x / d) (as
+ * Q8_0), and the sums of each 16 consecutive q, which carry the K-quants' per-sub-block
+ * mins (Q4_K, Q5_K) and zero point (Q6_K) at one multiply per sub-block. */
+#define GH_TYPE_Q8_K 15
+
+typedef struct {
+    float   d;
+    int8_t  qs[QK_K];
+    int16_t bsums[QK_K / 16];
+} block_q8_K;
+GH_STATIC_ASSERT(sizeof(block_q8_K) == 292, "block_q8_K layout");
+
 typedef void (*gh_gemm_fn)(int64_t n, const void * w, size_t w_stride, int nr,
                            const void * x, size_t x_stride, int nt, float * y, int64_t ldy);
 
@@ -63,5 +76,6 @@ void gh_simd_ensure_init(void);
 
 /* Scalar helpers shared by the kernel files. */
 void gh_quantize_row_q8_x4_ref(const float * x, void * y, int64_t n);
+void gh_quantize_row_q8_K_ref(const float * x, void * y, int64_t n);
 
 #endif

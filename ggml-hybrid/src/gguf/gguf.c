@@ -49,6 +49,9 @@ static const struct {
     { GH_TYPE_F16,  "f16",  1,  2 },
     { GH_TYPE_Q4_0, "q4_0", 32, 18 },
     { GH_TYPE_Q8_0, "q8_0", 32, 34 },
+    { GH_TYPE_Q4_K, "Q4_K", 256, 144 },
+    { GH_TYPE_Q5_K, "Q5_K", 256, 176 },
+    { GH_TYPE_Q6_K, "Q6_K", 256, 210 },
     { GH_TYPE_BF16, "bf16", 1,  2 },
     { GH_TYPE_I32,  "i32",  1,  4 },  /* index tensors (gpu_idx, gpu_bucket); no matmul */
 };

@@ -139,9 +139,260 @@ static void q4_0_from_float(const float * src, void * dst, int64_t n) {
     }
 }
 
+/* ---- K-quants (QK_K = 256 per block; layouts in types.h) ---- */
+
+/* The float order of each value is gguf.quants.dequantize's: (d * sc) * q - (dmin * m),
+ * so the values are bit-identical to it. */
+static void q4_K_to_float(const void * src, float * dst, int64_t n) {
+    const block_q4_K * b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, dst += QK_K) {
+        const float d = gh_fp16_to_fp32(b[i].d), dmin = gh_fp16_to_fp32(b[i].dmin);
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            gh_k4_scale_min(b[i].scales, j, &sc, &m);
+            const float dl = d * (float) sc, ml = dmin * (float) m;
+            const uint8_t * q = b[i].qs + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            for (int l = 0; l < 32; l++) dst[32 * j + l] = dl * (float) ((q[l] >> shift) & 0x0f) - ml;
+        }
+    }
+}
+
+static void q5_K_to_float(const void * src, float * dst, int64_t n) {
+    const block_q5_K * b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, dst += QK_K) {
+        const float d = gh_fp16_to_fp32(b[i].d), dmin = gh_fp16_to_fp32(b[i].dmin);
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            gh_k4_scale_min(b[i].scales, j, &sc, &m);
+            const float dl = d * (float) sc, ml = dmin * (float) m;
+            const uint8_t * q = b[i].qs + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            for (int l = 0; l < 32; l++) {
+                const int v = ((q[l] >> shift) & 0x0f) | (((b[i].qh[l] >> j) & 1) << 4);
+                dst[32 * j + l] = dl * (float) v - ml;
+            }
+        }
+    }
+}
+
+/* Value v < 256 of a Q6_K block, 0..63 (see types.h). */
+static inline int q6_K_at(const block_q6_K * b, int v) {
+    const int h = v / 128, g = (v % 128) / 32, l = v % 32;
+    const int lo = (b->ql[64 * h + l + 32 * (g & 1)] >> (4 * (g >> 1))) & 0x0f;
+    const int hi = (b->qh[32 * h + l] >> (2 * g)) & 3;
+    return lo | (hi << 4);
+}
+
+static void q6_K_to_float(const void * src, float * dst, int64_t n) {
+    const block_q6_K * b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, dst += QK_K) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int j = 0; j < QK_K / 16; j++) {
+            const float dl = d * (float) b[i].scales[j];
+            for (int l = 0; l < 16; l++) dst[16 * j + l] = dl * (float) (q6_K_at(&b[i], 16 * j + l) - 32);
+        }
+    }
+}
+
+/* The quantizers choose, per sub-block, the scale (and min) of least squared error
+ * weighted by w_i = rms(x) + |x_i|, which leans towards the large values, over a
+ * small set of candidate grids each refitted by least squares; then the sub-block
+ * scales are themselves quantized (6 bits against the block's fp16 d; 8 bits for Q6_K)
+ * and the values are requantized against the scales as stored, so the rounding of the
+ * scales is absorbed by the values. */
+
+static inline int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+static inline int round_int(float v) { return (int) lrintf(v); }
+
+static void k_weights(const float * x, int n, float * w) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float rms = sqrtf(ss / (float) n);
+    for (int i = 0; i < n; i++) w[i] = rms + fabsf(x[i]);
+}
+
+/* x[0..n) ~ scale * q + mn, q = 0..nmax, mn <= 0. Returns the scale (>= 0), *neg_min = -mn. */
+static float fit_scale_min(const float * x, const float * w, int n, int nmax, float * neg_min) {
+    float xmin = x[0], xmax = x[0];
+    for (int i = 1; i < n; i++) {
+        xmin = fminf(xmin, x[i]);
+        xmax = fmaxf(xmax, x[i]);
+    }
+    if (xmin > 0.0f) xmin = 0.0f;
+    if (xmax <= xmin) {
+        *neg_min = -xmin;
+        return 0.0f;
+    }
+    float best_scale = (xmax - xmin) / (float) nmax, best_mn = xmin, best_err = INFINITY;
+    for (int k = -10; k <= 10; k++) {
+        const float iscale = ((float) nmax + 0.1f * (float) k) / (xmax - xmin);
+        double sw = 0, sq = 0, sqq = 0, sx = 0, sqx = 0;
+        int q[QK_K];
+        for (int i = 0; i < n; i++) {
+            q[i] = clampi(round_int(iscale * (x[i] - xmin)), 0, nmax);
+            sw += w[i];
+            sq += w[i] * q[i];
+            sqq += (double) w[i] * q[i] * q[i];
+            sx += w[i] * x[i];
+            sqx += (double) w[i] * q[i] * x[i];
+        }
+        const double det = sw * sqq - sq * sq;
+        if (det <= 0) continue;
+        double scale = (sw * sqx - sq * sx) / det, mn = (sqq * sx - sq * sqx) / det;
+        if (mn > 0) {
+            mn = 0;
+            scale = sqx / sqq;
+        }
+        if (scale <= 0) continue;
+        double err = 0;
+        for (int i = 0; i < n; i++) {
+            const double e = scale * q[i] + mn - x[i];
+            err += w[i] * e * e;
+        }
+        if (err < best_err) {
+            best_err = (float) err;
+            best_scale = (float) scale;
+            best_mn = (float) mn;
+        }
+    }
+    *neg_min = -best_mn;
+    return best_scale;
+}
+
+/* x[0..n) ~ scale * q, q = -32..31 (either sign of the scale). */
+static float fit_scale_q6(const float * x, const float * w, int n) {
+    float amax = 0.0f, mx = 0.0f;
+    for (int i = 0; i < n; i++) {
+        if (fabsf(x[i]) > amax) {
+            amax = fabsf(x[i]);
+            mx = x[i];
+        }
+    }
+    if (amax == 0.0f) return 0.0f;
+    float best = mx / -32.0f, best_err = INFINITY;
+    for (int side = 0; side < 2; side++) {
+        for (int k = -9; k <= 9; k++) {
+            const float iscale = side == 0 ? -(32.0f + 0.1f * (float) k) / mx : (31.0f + 0.1f * (float) k) / mx;
+            double sqx = 0, sqq = 0;
+            int q[16];
+            for (int i = 0; i < n; i++) {
+                q[i] = clampi(round_int(iscale * x[i]), -32, 31);
+                sqx += (double) w[i] * q[i] * x[i];
+                sqq += (double) w[i] * q[i] * q[i];
+            }
+            if (sqq <= 0) continue;
+            const double scale = sqx / sqq;
+            double err = 0;
+            for (int i = 0; i < n; i++) {
+                const double e = scale * q[i] - x[i];
+                err += w[i] * e * e;
+            }
+            if (err < best_err) {
+                best_err = (float) err;
+                best = (float) scale;
+            }
+        }
+    }
+    return best;
+}
+
+/* The shared part of Q4_K and Q5_K: d, dmin and the packed 6-bit scales and mins of a
+ * block, and its values q[0..256) (0..nmax) against them as stored. */
+static void quantize_k4_block(const float * x, int nmax, uint16_t * d_out, uint16_t * dmin_out,
+                              uint8_t * scales, uint8_t * q) {
+    float w[32], sub_scale[8], sub_min[8], max_scale = 0.0f, max_min = 0.0f;
+    for (int j = 0; j < 8; j++) {
+        k_weights(x + 32 * j, 32, w);
+        sub_scale[j] = fit_scale_min(x + 32 * j, w, 32, nmax, &sub_min[j]);
+        max_scale = fmaxf(max_scale, sub_scale[j]);
+        max_min = fmaxf(max_min, sub_min[j]);
+    }
+    *d_out = gh_fp32_to_fp16(max_scale / 63.0f);
+    *dmin_out = gh_fp32_to_fp16(max_min / 63.0f);
+    const float d = gh_fp16_to_fp32(*d_out), dmin = gh_fp16_to_fp32(*dmin_out);
+    const float id = d > 0.0f ? 1.0f / d : 0.0f, idmin = dmin > 0.0f ? 1.0f / dmin : 0.0f;
+    uint8_t sc[8], m[8];
+    for (int j = 0; j < 8; j++) {
+        sc[j] = (uint8_t) clampi(round_int(sub_scale[j] * id), 0, 63);
+        m[j] = (uint8_t) clampi(round_int(sub_min[j] * idmin), 0, 63);
+    }
+    memset(scales, 0, K_SCALE_SIZE);
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            scales[j] |= sc[j];
+            scales[j + 4] |= m[j];
+        } else {
+            scales[j + 4] = (uint8_t) ((sc[j] & 0x0f) | ((m[j] & 0x0f) << 4));
+            scales[j - 4] |= (uint8_t) ((sc[j] >> 4) << 6);
+            scales[j] |= (uint8_t) ((m[j] >> 4) << 6);
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        const float dl = d * (float) sc[j], ml = dmin * (float) m[j];
+        const float idl = dl > 0.0f ? 1.0f / dl : 0.0f;
+        for (int l = 0; l < 32; l++) q[32 * j + l] = (uint8_t) clampi(round_int((x[32 * j + l] + ml) * idl), 0, nmax);
+    }
+}
+
+static void q4_K_from_float(const float * src, void * dst, int64_t n) {
+    block_q4_K * b = dst;
+    for (int64_t i = 0; i < n / QK_K; i++, src += QK_K) {
+        uint8_t q[QK_K];
+        quantize_k4_block(src, 15, &b[i].d, &b[i].dmin, b[i].scales, q);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) b[i].qs[32 * c + l] = (uint8_t) (q[64 * c + l] | (q[64 * c + 32 + l] << 4));
+    }
+}
+
+static void q5_K_from_float(const float * src, void * dst, int64_t n) {
+    block_q5_K * b = dst;
+    for (int64_t i = 0; i < n / QK_K; i++, src += QK_K) {
+        uint8_t q[QK_K];
+        quantize_k4_block(src, 31, &b[i].d, &b[i].dmin, b[i].scales, q);
+        memset(b[i].qh, 0, sizeof b[i].qh);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++)
+                b[i].qs[32 * c + l] = (uint8_t) ((q[64 * c + l] & 0x0f) | ((q[64 * c + 32 + l] & 0x0f) << 4));
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) b[i].qh[l] |= (uint8_t) (((q[32 * j + l] >> 4) & 1) << j);
+    }
+}
+
+static void q6_K_from_float(const float * src, void * dst, int64_t n) {
+    block_q6_K * b = dst;
+    for (int64_t i = 0; i < n / QK_K; i++, src += QK_K) {
+        float w[16], sub[16], amax = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            k_weights(src + 16 * j, 16, w);
+            sub[j] = fit_scale_q6(src + 16 * j, w, 16);
+            amax = fmaxf(amax, fabsf(sub[j]));
+        }
+        b[i].d = gh_fp32_to_fp16(amax / 127.0f);
+        const float d = gh_fp16_to_fp32(b[i].d);
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        uint8_t q[QK_K];
+        for (int j = 0; j < 16; j++) {
+            b[i].scales[j] = (int8_t) clampi(round_int(sub[j] * id), -127, 127);
+            const float dl = d * (float) b[i].scales[j];
+            const float idl = dl != 0.0f ? 1.0f / dl : 0.0f;
+            for (int l = 0; l < 16; l++) q[16 * j + l] = (uint8_t) (clampi(round_int(src[16 * j + l] * idl), -32, 31) + 32);
+        }
+        for (int h = 0; h < 2; h++) {
+            const uint8_t * qq = q + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                b[i].ql[64 * h + l] = (uint8_t) ((qq[l] & 0x0f) | ((qq[64 + l] & 0x0f) << 4));
+                b[i].ql[64 * h + 32 + l] = (uint8_t) ((qq[32 + l] & 0x0f) | ((qq[96 + l] & 0x0f) << 4));
+                b[i].qh[32 * h + l] = (uint8_t) ((qq[l] >> 4) | ((qq[32 + l] >> 4) << 2) |
+                                                 ((qq[64 + l] >> 4) << 4) | ((qq[96 + l] >> 4) << 6));
+            }
+        }
+    }
+}
+
 /* ---- the table ---- */
 
-enum { T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_0, T_COUNT };
+enum { T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_0, T_Q4_K, T_Q5_K, T_Q6_K, T_COUNT };
 
 static gh_type_traits g_traits[T_COUNT] = {
     [T_F32] = { "f32", 1, sizeof(float), false, f32_to_float, f32_from_float,
@@ -154,11 +405,18 @@ static gh_type_traits g_traits[T_COUNT] = {
                  GH_TYPE_Q8_X4, NULL, NULL },
     [T_Q4_0] = { "q4_0", QK4_0, sizeof(block_q4_0), true, q4_0_to_float, q4_0_from_float,
                  GH_TYPE_Q8_X4, NULL, NULL },
+    [T_Q4_K] = { "Q4_K", QK_K, sizeof(block_q4_K), true, q4_K_to_float, q4_K_from_float,
+                 GH_TYPE_Q8_K, NULL, NULL },
+    [T_Q5_K] = { "Q5_K", QK_K, sizeof(block_q5_K), true, q5_K_to_float, q5_K_from_float,
+                 GH_TYPE_Q8_K, NULL, NULL },
+    [T_Q6_K] = { "Q6_K", QK_K, sizeof(block_q6_K), true, q6_K_to_float, q6_K_from_float,
+                 GH_TYPE_Q8_K, NULL, NULL },
 };
 
 static const int g_type_ids[T_COUNT] = {
     [T_F32] = GH_TYPE_F32, [T_F16] = GH_TYPE_F16, [T_BF16] = GH_TYPE_BF16,
-    [T_Q8_0] = GH_TYPE_Q8_0, [T_Q4_0] = GH_TYPE_Q4_0,
+    [T_Q8_0] = GH_TYPE_Q8_0, [T_Q4_0] = GH_TYPE_Q4_0, [T_Q4_K] = GH_TYPE_Q4_K,
+    [T_Q5_K] = GH_TYPE_Q5_K, [T_Q6_K] = GH_TYPE_Q6_K,
 };
 
 static gh_kernel_set g_kernels[T_COUNT];
@@ -170,6 +428,9 @@ static int type_index(int type) {
         case GH_TYPE_BF16: return T_BF16;
         case GH_TYPE_Q8_0: return T_Q8_0;
         case GH_TYPE_Q4_0: return T_Q4_0;
+        case GH_TYPE_Q4_K: return T_Q4_K;
+        case GH_TYPE_Q5_K: return T_Q5_K;
+        case GH_TYPE_Q6_K: return T_Q6_K;
         default:           return -1;
     }
 }
@@ -196,6 +457,7 @@ size_t gh_row_size(int type, int64_t n) {
         if (n % QK8_0) return 0;
         return (size_t) ((n + QK8_X4 - 1) / QK8_X4) * sizeof(block_q8_x4);
     }
+    if (type == GH_TYPE_Q8_K) return n % QK_K ? 0 : (size_t) (n / QK_K) * sizeof(block_q8_K);
     int i = type_index(type);
     if (i < 0 || n % g_traits[i].block_size) return 0;
     return (size_t) (n / g_traits[i].block_size) * g_traits[i].type_size;

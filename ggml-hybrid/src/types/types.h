@@ -3,7 +3,18 @@
  *   F32, F16 (IEEE half), BF16 (upper half of f32),
  *   Q8_0: { fp16 d; int8 qs[32] }               x = d * q
  *   Q4_0: { fp16 d; uint8 qs[16] }              x = d * (nibble - 8); element j < 16 is
- *          the low nibble of qs[j], element j + 16 the high nibble of qs[j]. */
+ *          the low nibble of qs[j], element j + 16 the high nibble of qs[j].
+ * K-quants: super-blocks of QK_K = 256 values.
+ *   Q4_K: { fp16 d, dmin; uint8 scales[12]; uint8 qs[128] }        144 bytes
+ *          8 sub-blocks of 32: x = d * sc[j] * q - dmin * m[j], q = 0..15, sc and m
+ *          6-bit, packed in scales[] (gh_k4_scale_min); sub-block 2c is the low nibbles
+ *          of qs[32c .. 32c + 32), sub-block 2c + 1 their high nibbles.
+ *   Q5_K: { fp16 d, dmin; uint8 scales[12]; uint8 qh[32]; uint8 qs[128] }   176 bytes
+ *          as Q4_K with q = 0..31: bit 4 of value l of sub-block j is bit j of qh[l].
+ *   Q6_K: { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d }   210 bytes
+ *          16 sub-blocks of 16: x = d * scales[j] * (q - 32), q = 0..63. Half h (128
+ *          values) takes ql[64h ..], qh[32h ..]: value 32g + l (g < 4, l < 32) has low
+ *          bits ql[64h + l + 32 (g & 1)] >> 4 (g >> 1) and high bits qh[32h + l] >> 2g. */
 #ifndef GH_TYPES_H
 #define GH_TYPES_H
 
@@ -14,6 +25,40 @@
 
 typedef struct { uint16_t d; int8_t  qs[QK8_0]; } block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[QK4_0 / 2]; } block_q4_0;
+
+#define QK_K 256
+#define K_SCALE_SIZE 12
+
+typedef struct { uint16_t d, dmin; uint8_t scales[K_SCALE_SIZE]; uint8_t qs[QK_K / 2]; } block_q4_K;
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t  scales[K_SCALE_SIZE];
+    uint8_t  qh[QK_K / 8];
+    uint8_t  qs[QK_K / 2];
+} block_q5_K;
+typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } block_q6_K;
+#ifdef __cplusplus /* the CUDA backend includes this header */
+#define GH_STATIC_ASSERT static_assert
+#else
+#define GH_STATIC_ASSERT _Static_assert
+#endif
+GH_STATIC_ASSERT(sizeof(block_q4_K) == 144, "block_q4_K layout");
+GH_STATIC_ASSERT(sizeof(block_q5_K) == 176, "block_q5_K layout");
+GH_STATIC_ASSERT(sizeof(block_q6_K) == 210, "block_q6_K layout");
+
+/* Scale and min (6 bits each) of sub-block j < 8 of a Q4_K/Q5_K block: bytes 0..3 hold
+ * the scales of sub-blocks 0..3 in their low 6 bits, bytes 4..7 the mins; sub-blocks 4..7
+ * keep their low 4 bits in bytes 8..11 (scale low nibble, min high nibble) and their top
+ * 2 bits in the spare top bits of bytes 0..3 (scales) and 4..7 (mins). */
+static inline void gh_k4_scale_min(const uint8_t * q, int j, uint8_t * sc, uint8_t * m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t) ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t) ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
 
 float gh_fp16_to_fp32(uint16_t h);
 uint16_t gh_fp32_to_fp16(float f);
@@ -34,8 +79,9 @@ typedef struct {
     gh_to_float_fn   to_float;     /* dequantize a row */
     gh_from_float_fn from_float;   /* quantize a row (reference) */
     int              vec_dot_type; /* type activations are converted to before dot: F32
-                                    * for F32/F16, BF16 for BF16, and for Q4_0/Q8_0 the
-                                    * internal GH_TYPE_Q8_X4 (simd/kernels.h), which
+                                    * for F32/F16, BF16 for BF16, for Q4_0/Q8_0 the
+                                    * internal GH_TYPE_Q8_X4 and for the K-quants the
+                                    * internal GH_TYPE_Q8_K (cpu/kernels.h), which
                                     * gh_type_traits_get does not know: size buffers
                                     * with gh_row_size(vec_dot_type, n) */
     gh_from_float_fn from_float_x; /* fast conversion of activations to vec_dot_type;

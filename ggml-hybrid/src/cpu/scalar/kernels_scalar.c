@@ -42,6 +42,25 @@ void gh_quantize_row_q8_x4_ref(const float * x, void * dst, int64_t n) {
     }
 }
 
+/* Q8_K: one scale per 256 values (d = amax / 127, q = round(x / d)) and the sums of
+ * each 16 values. */
+void gh_quantize_row_q8_K_ref(const float * x, void * dst, int64_t n) {
+    block_q8_K * y = dst;
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K) {
+        float amax = 0.0f;
+        for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = d;
+        for (int j = 0; j < QK_K; j++) y[b].qs[j] = (int8_t) roundf(x[j] * id);
+        for (int k = 0; k < QK_K / 16; k++) {
+            int sum = 0;
+            for (int j = 0; j < 16; j++) sum += y[b].qs[16 * k + j];
+            y[b].bsums[k] = (int16_t) sum;
+        }
+    }
+}
+
 /* Activation value j (< 32) of block i (< 4) of a Q8_X4 group. */
 static inline int q8_x4_at(const block_q8_x4 * g, int i, int j) {
     return j < 16 ? g->qa[16 * i + j] : g->qb[16 * i + j - 16];
@@ -104,6 +123,74 @@ static void vec_dot_q4_0_q8_x4(int64_t n, float * s, const void * w, const void 
     *s = (float) sum;
 }
 
+/* K-quants against Q8_K: exact integer sums per block, the mins (zero point) through
+ * the activations' 16-value sums. */
+static void vec_dot_q4_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_q4_K * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            gh_k4_scale_min(a[b].scales, j, &sc, &m);
+            const uint8_t * q = a[b].qs + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            int dot = 0;
+            for (int l = 0; l < 32; l++) dot += ((q[l] >> shift) & 0x0f) * y[b].qs[32 * j + l];
+            isum += sc * dot;
+            msum += m * (y[b].bsums[2 * j] + y[b].bsums[2 * j + 1]);
+        }
+        sum += (double) y[b].d * ((double) gh_fp16_to_fp32(a[b].d) * isum -
+                                  (double) gh_fp16_to_fp32(a[b].dmin) * msum);
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_q5_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_q5_K * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 8; j++) {
+            uint8_t sc, m;
+            gh_k4_scale_min(a[b].scales, j, &sc, &m);
+            const uint8_t * q = a[b].qs + 32 * (j / 2);
+            const int shift = 4 * (j & 1);
+            int dot = 0;
+            for (int l = 0; l < 32; l++) {
+                const int v = ((q[l] >> shift) & 0x0f) | (((a[b].qh[l] >> j) & 1) << 4);
+                dot += v * y[b].qs[32 * j + l];
+            }
+            isum += sc * dot;
+            msum += m * (y[b].bsums[2 * j] + y[b].bsums[2 * j + 1]);
+        }
+        sum += (double) y[b].d * ((double) gh_fp16_to_fp32(a[b].d) * isum -
+                                  (double) gh_fp16_to_fp32(a[b].dmin) * msum);
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_q6_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_q6_K * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0;
+        for (int v = 0; v < QK_K; v++) {
+            const int h = v / 128, g = (v % 128) / 32, l = v % 32;
+            const int lo = (a[b].ql[64 * h + l + 32 * (g & 1)] >> (4 * (g >> 1))) & 0x0f;
+            const int hi = (a[b].qh[32 * h + l] >> (2 * g)) & 3;
+            isum += a[b].scales[v / 16] * (lo | (hi << 4)) * y[b].qs[v];
+        }
+        int zsum = 0; /* the zero point 32 */
+        for (int j = 0; j < QK_K / 16; j++) zsum += a[b].scales[j] * y[b].bsums[j];
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * (isum - 32 * zsum);
+    }
+    *s = (float) sum;
+}
+
 /* ---- tiles: loops of dots ---- */
 
 #define DEFINE_GEMM(name, dot)                                                              \
@@ -122,6 +209,9 @@ DEFINE_GEMM(gemm_f16, vec_dot_f16_f32)
 DEFINE_GEMM(gemm_bf16, vec_dot_bf16_bf16)
 DEFINE_GEMM(gemm_q8_0, vec_dot_q8_0_q8_x4)
 DEFINE_GEMM(gemm_q4_0, vec_dot_q4_0_q8_x4)
+DEFINE_GEMM(gemm_q4_K, vec_dot_q4_K_q8_K)
+DEFINE_GEMM(gemm_q5_K, vec_dot_q5_K_q8_K)
+DEFINE_GEMM(gemm_q6_K, vec_dot_q6_K_q8_K)
 
 bool gh_kernels_scalar(int type, gh_kernel_set * ks) {
     switch (type) {
@@ -139,6 +229,15 @@ bool gh_kernels_scalar(int type, gh_kernel_set * ks) {
             return true;
         case GH_TYPE_Q4_0:
             *ks = (gh_kernel_set) { vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_Q4_K:
+            *ks = (gh_kernel_set) { vec_dot_q4_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q4_K, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_Q5_K:
+            *ks = (gh_kernel_set) { vec_dot_q5_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q5_K, 1, 1, 1, NULL };
+            return true;
+        case GH_TYPE_Q6_K:
+            *ks = (gh_kernel_set) { vec_dot_q6_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q6_K, 1, 1, 1, NULL };
             return true;
         default:
             return false;

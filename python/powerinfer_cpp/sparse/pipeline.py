@@ -37,6 +37,7 @@ from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
+from .thresholds import calibrate_layer
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
@@ -258,7 +259,6 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         down_q, _ = storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
         ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
         if gate_mode:
-            from .thresholds import calibrate_layer
             freq = []
             for l in range(n_layer):
                 t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]

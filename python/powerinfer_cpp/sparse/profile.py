@@ -3,13 +3,14 @@ for every layer, the FFN input vectors and which FFN neurons were truly active.
 
     from powerinfer_cpp.sparse.profile import profile_model
     prof = profile_model("model.gguf", text, n_ctx=512, max_tokens=20000)
-    prof.x[l]     # [N, n_embd] float32: the RMS-normed input of layer l's gate/up
+    prof.x[l]     # [N, n_embd] float32: the normed input of layer l's FFN (gate/up)
     prof.mask[l]  # [N, n_ff] bool: neuron i of layer l active for token t
     prof.freq[l]  # [n_ff] float64: fraction of the N tokens each neuron fired for
 
-"Active" (the runtime's gh_eval_profile decides): ReGLU gate > 0; dReLU gate > 0 and
-up > 0; SwiGLU/GeGLU act(gate) * up != 0 (nearly every neuron: those FFNs are not
-sparse). This is what a predictor learns to guess from x.
+"Active" (the runtime's gh_eval_profile decides): ReGLU gate > 0; FATReLU gate > t; dReLU
+gate > 0 and up > 0; an ungated FFN (OPT, Falcon) act(up x + b) != 0; SwiGLU/GeGLU
+act(gate) * up != 0 (nearly every neuron: those FFNs are not sparse). This is what a
+predictor learns to guess from x.
 
 The text runs in independent windows of n_ctx tokens (the cache is cleared between
 windows, as Context.perplexity does), so the result is a pure function of the text, the

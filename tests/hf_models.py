@@ -262,6 +262,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                             intermediate_size=96, tie_word_embeddings=False)),
     "qwen2-tied": ("qwen2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
                                  intermediate_size=80, tie_word_embeddings=True)),
+    # phi3: fused qkv_proj and gate_up_proj, GQA
+    "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=96, tie_word_embeddings=False)),
     # opt: pre-LN, learned positions, ungated ReLU FFN
     "opt": ("opt", dict(hidden_size=64, num_attention_heads=4, ffn_dim=160, tie_word_embeddings=True)),
     "opt-untied": ("opt", dict(hidden_size=48, num_attention_heads=3, ffn_dim=96, tie_word_embeddings=False)),
@@ -319,6 +322,11 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.Qwen2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                           "rope_theta": 10000.0, **kw})
         _save(transformers.Qwen2ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "phi3":
+        cfg = transformers.Phi3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                         "rope_theta": 10000.0, "sliding_window": None,
+                                         "pad_token_id": 2, **kw})
+        _save(transformers.Phi3ForCausalLM, cfg, path, seed)
     elif family == "opt":
         cfg = transformers.OPTConfig(**{**common, "activation_function": "relu", "do_layer_norm_before": True,
                                         **kw})

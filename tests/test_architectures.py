@@ -30,6 +30,7 @@ VARIANTS = {
     "opt": True, "opt-untied": True,
     "falcon-7b": False, "falcon-7b-bias": False, "falcon-mha": False, "falcon-40b": False,
     "falcon-40b-1ln": False, "falcon-rw-like": False, "falcon-relu": True,
+    "phi3": False,
 }
 N_POS = 40
 
@@ -177,7 +178,7 @@ def test_bad_opt_files(opt_gguf):
         Model(rewrite_gguf(src, d / "rope.gguf",
                            add={"rope_freqs.weight": np.ones(8, np.float32)}))
     with pytest.raises(NativeError, match=r"unsupported architecture 'gptj' \(general.architecture; "
-                                          r"supported: llama, qwen2, falcon, opt"):
+                                          r"supported: llama, qwen2, falcon, opt, phi3"):
         Model(rewrite_gguf(src, d / "gptj.gguf",
                            kv={"general.architecture": ("gptj", VT.STRING)}))
 
@@ -258,3 +259,29 @@ def test_sparse_accuracy_shipped_opt(tmp_path_factory, capsys):
     assert st["n_sparse_tokens"] == len(toks)
     assert abs(rel) <= 0.03
     assert agree >= 0.95
+
+
+GATED_NOT_RELU = [v for v, relu in VARIANTS.items() if not relu and not v.startswith("falcon")]
+
+
+@pytest.mark.parametrize("variant", GATED_NOT_RELU)
+def test_gate_sparsity_each_gated_architecture(tmp_path, variant):
+    """convert --sparsity on every gated SwiGLU architecture (phi3: the gate rows are the
+    first half of the fused ffn_up): the gate mode runs at the calibrated share and moves
+    the logits by a bounded amount (the accuracy itself: test_gate_sparsity.py)."""
+    hf_dir = make_hf_model(variant, tmp_path / "hf", seed=1)
+    opts = SparseOptions(calib=str(SHIPPED_DIR / "heldout.txt"), calib_tokens=600, profile_ctx=100,
+                         sparsity=0.5)
+    path = convert(hf_dir, tmp_path / "gate.gguf", "f32", progress=False, sparse=True, sparse_options=opts)
+    ids = list(range(5, 25))
+    with Model(path) as m:
+        assert m.create_context(n_ctx=8).ffn_mode == "gate"  # the default for such files
+        gate = _decode(m, ids, "gate")
+        st_ctx = m.create_context(n_ctx=64, ffn="gate")
+        for t in ids:
+            st_ctx.eval([t])
+        density = st_ctx.stats()["density"]
+        dense = _decode(m, ids, "dense")
+    assert 0.4 <= density <= 0.6, density
+    rel = np.abs(gate - dense).max() / np.ptp(dense)
+    assert 0 < rel < 0.1, rel

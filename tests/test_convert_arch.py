@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
 
-ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON}
+ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
+           "phi3": F.ARCH_PHI3}
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -110,6 +111,15 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
             add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
             add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
         add("output_norm.weight", "model.norm.weight")
+    elif family == "phi3":  # fused as HF stores them: nothing to undo
+        add("token_embd.weight", "model.embed_tokens.weight")
+        for i in range(n):
+            L = f"model.layers.{i}."
+            for kind, hf in (("attn_norm", "input_layernorm"), ("attn_qkv", "self_attn.qkv_proj"),
+                             ("attn_output", "self_attn.o_proj"), ("ffn_norm", "post_attention_layernorm"),
+                             ("ffn_up", "mlp.gate_up_proj"), ("ffn_down", "mlp.down_proj")):
+                add(f"blk.{i}.{kind}.weight", L + hf + ".weight")
+        add("output_norm.weight", "model.norm.weight")
     elif family == "opt":
         D = "model.decoder."
         add("token_embd.weight", D + "embed_tokens.weight")
@@ -174,7 +184,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
           F.arch_key(F.KEY_HEAD_COUNT, A): nh, F.arch_key(F.KEY_VOCAB_SIZE, A): cfg["vocab_size"],
           F.arch_key(F.KEY_CONTEXT_LENGTH, A): cfg["max_position_embeddings"],
           F.arch_key(F.KEY_ROPE_SCALING_TYPE, A): None, F.KEY_FFN_ACT_THRESHOLD: None}
-    if family in ("llama", "qwen2"):
+    if family in ("llama", "qwen2", "phi3"):
         hd = cfg.get("head_dim") or d // nh
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
@@ -184,10 +194,12 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                    F.arch_key(F.KEY_KEY_LENGTH, A): hd if hd * nh != d else None,
                    F.arch_key(F.KEY_VALUE_LENGTH, A): hd if hd * nh != d else None,
                    F.KEY_FFN_ACTIVATION: {"prosparse": "fatrelu", "bamboo": "drelu", "llama3": "silu",
-                                          "qwen2": "silu", "qwen2-tied": "silu"}[variant]})
+                                          "qwen2": "silu", "qwen2-tied": "silu", "phi3": "silu"}[variant]})
         if variant == "prosparse":
             ok[F.KEY_FFN_ACT_THRESHOLD] = 0.01
         ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family == "qwen2" else "default"
+        if family == "phi3":
+            ok[F.arch_key(F.KEY_ROPE_FREQ_BASE, A)] = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
     elif family == "opt":
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["ffn_dim"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): nh, F.arch_key(F.KEY_LAYERNORM_EPS, A): 1e-5,
@@ -368,6 +380,11 @@ REFUSED = {
     "qwen2-swa": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None),
                   "use_sliding_window=true with sliding_window=16"),
     "qwen2-partial-rope": ("qwen2", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    "phi3-longrope": ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                                    "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
+                      "unsupported rope scaling 'longrope'"),
+    "phi3-partial-rope": ("phi3", dict(partial_rotary_factor=0.75, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}), "partial_rotary_factor=0.75"),
     "llama3-no-low": ("llama3", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
                                                       "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 64}),

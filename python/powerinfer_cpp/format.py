@@ -23,9 +23,10 @@ ARCH_LLAMA = "llama"    # LLaMA, Mistral, ReluLLaMA, ProSparse, Bamboo/TurboSpar
 ARCH_QWEN2 = "qwen2"    # Qwen2, Qwen2.5
 ARCH_FALCON = "falcon"  # Falcon (7B layout and the 40B/180B new_decoder_architecture)
 ARCH_OPT = "opt"        # OPT (pre-LN: 125m, 1.3b ... 66b)
+ARCH_PHI3 = "phi3"      # Phi-3 mini / medium (4k context)
 
 #: GGUF architectures this project writes / reads.
-ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT)
+ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -171,14 +172,14 @@ T_OUTPUT = "output"
 # Per-layer tensors (blk.N.<kind>)
 T_ATTN_NORM = "attn_norm"
 T_ATTN_NORM_2 = "attn_norm_2"  # falcon new_decoder_architecture: ln_mlp (the FFN's input norm)
-T_ATTN_QKV = "attn_qkv"        # falcon: fused q, k, v rows (all q heads, all k, all v)
+T_ATTN_QKV = "attn_qkv"        # falcon, phi3: fused q, k, v rows (all q heads, all k, all v)
 T_ATTN_Q = "attn_q"
 T_ATTN_K = "attn_k"
 T_ATTN_V = "attn_v"
 T_ATTN_OUTPUT = "attn_output"
 T_FFN_NORM = "ffn_norm"
 T_FFN_GATE = "ffn_gate"
-T_FFN_UP = "ffn_up"
+T_FFN_UP = "ffn_up"            # phi3: fused gate and up rows (all gate, then all up)
 T_FFN_DOWN = "ffn_down"
 
 GLOBAL_TENSORS = (T_TOKEN_EMBD, T_POSITION_EMBD, T_ROPE_FREQS, T_OUTPUT_NORM, T_OUTPUT)

@@ -45,6 +45,7 @@ typedef struct gh_arch {
     gh_rope_kind rope;
     bool         fused_qkv;    /* blk.N.attn_qkv (rows: q heads, k heads, v heads) */
     bool         gated;        /* blk.N.ffn_gate is part of the FFN */
+    bool         fused_gate_up;/* gated, with gate and up as the two row halves of ffn_up */
     bool         parallel;     /* parallel block unless blk.N.ffn_norm says sequential */
     bool         learned_pos;  /* position_embd.weight, row pos + pos_offset */
     int32_t      pos_offset;
@@ -56,6 +57,6 @@ const gh_arch * gh_arch_find(const char * name);
 /* "llama, qwen2, ..." (static). */
 const char * gh_arch_names(void);
 
-extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt;
+extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3;
 
 #endif

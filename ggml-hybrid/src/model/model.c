@@ -637,7 +637,14 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
                             &L->ffn_norm_b))) return st;
     }
 #define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
-    if (m->hp.gated) {
+    if (m->arch->fused_gate_up) {
+        /* one matrix of 2 n_ff rows: gate's, then up's */
+        gh_weight gu;
+        if ((st = load_weight(g, BLK("ffn_up.weight"), d, 2 * ff, &gu))) return st;
+        L->gate = L->up = gu;
+        L->gate.rows = L->up.rows = ff;
+        L->up.data = (const uint8_t *) gu.data + (size_t) ff * gu.row_bytes;
+    } else if (m->hp.gated) {
         if ((st = load_weight(g, BLK("ffn_gate.weight"), d, ff, &L->gate))) return st;
         if ((st = load_vec(m, BLK("ffn_gate.bias"), ff, false, &L->gate_b))) return st;
         if ((st = load_weight(g, BLK("ffn_up.weight"), d, ff, &L->up))) return st;

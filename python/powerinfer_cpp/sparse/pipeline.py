@@ -258,11 +258,19 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         pred_enc: list = []
         down_q, _ = storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
         ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
+        def gate_matrix(l):
+            # the gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
+            # fused gate/up ffn_up (phi3)
+            t = dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
+            if t is not None:
+                return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+            t = dense_t[F.tensor_name(F.T_FFN_UP, l)]
+            return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
+
         if gate_mode:
             freq = []
             for l in range(n_layer):
-                t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
-                w = decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+                w = gate_matrix(l)
                 thr, fr = calibrate_layer(prof.x[l], w, dense.activation, opts.sparsity,
                                           act_threshold=dense.act_threshold or 0.0)
                 rep.gate_thresholds.append(thr)
@@ -283,8 +291,7 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                 # only ReGLU decides activity by the gate's sign alone
                 if not dense.gated or dense.activation != F.ACT_RELU or not opts.gate_init:
                     return None
-                t = dense_t[F.tensor_name(F.T_FFN_GATE, l)]
-                return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+                return gate_matrix(l)
 
             preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg, progress,
                                      log=lambda s: log.debug("%s", s), gates=gate_of)

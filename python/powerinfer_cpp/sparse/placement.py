@@ -402,11 +402,12 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
     per_neuron = []
     for l in range(n_layer):
         b = 4
+        n_ff = tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)][1][0]
         for name in (F.tensor_name(F.T_FFN_GATE, l), F.tensor_name(F.T_FFN_UP, l),
                      F.sparse_tensor_name(F.T_FFN_DOWN_T, l)):
             if name not in tensors and name == F.tensor_name(F.T_FFN_GATE, l):
-                continue  # an ungated FFN
+                continue  # an ungated FFN, or gate fused into ffn_up (phi3: 2 rows a neuron)
             q, s = tensors[name]
-            b += tensor_nbytes(q, s) // s[0]
+            b += tensor_nbytes(q, s) // n_ff
         per_neuron.append(b)
     return dense, per_neuron

@@ -481,6 +481,8 @@ DEFINE_DOT(vec_dot_bf16, gemm_bf16)
 DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
 DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
+static bool gh_kernels_avx2_k(int type, gh_kernel_set * ks);
+
 bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
     switch (type) {
         case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32 }; return true;
@@ -488,6 +490,261 @@ bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
         case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL }; return true;
         case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0 }; return true;
         case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0 }; return true;
+        default: return gh_kernels_avx2_k(type, ks);
+    }
+}
+
+/* ------------------------------------------------------------------ K-quants x Q8_K
+ *
+ * One row at a time (rows are read in order: one linear stream), each block's weights
+ * unpacked once for every token of the tile (KNT tokens). Per 32 values: one maddubs of
+ * the unsigned weights (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63: |pair sums| <= 2 * 63 * 127,
+ * no int16 overflow) with the activation bytes, one madd by the sub-block scale; the
+ * block's int32 sums are converted once per block. The mins (Q4_K, Q5_K) and the zero
+ * point 32 (Q6_K) come from the activations' 16-value sums: one madd per block. */
+
+#define KNT 4
+#define K_PF_BYTES 1024 /* software prefetch distance along the row stream */
+
+/* The 6-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block. */
+GH_INLINE __m128i k4_scales_mins(const uint8_t * q) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+    return _mm_setr_epi32((int) sc_lo, (int) sc_hi, (int) m_lo, (int) m_hi);
+}
+
+/* sum_j m[j] * (bsums[2j] + bsums[2j + 1]) for the mins m (bytes 8..15 of sm). */
+GH_INLINE int k4_min_dot(__m128i sm, const block_q8_K * y) {
+    const __m128i b0 = _mm_loadu_si128((const __m128i *) y->bsums);
+    const __m128i b1 = _mm_loadu_si128((const __m128i *) (y->bsums + 8));
+    const __m128i pairs = _mm_hadd_epi16(b0, b1);
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
+    __m128i s = _mm_madd_epi16(pairs, m16);
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* The 256 weights of a block as 8 vectors of 32 unsigned bytes, vector j = sub-block j
+ * (Q4_K, Q5_K), and the sub-block scales as int16 words. */
+GH_INLINE void k4_unpack(const bool is_q5, const uint8_t * qs, const uint8_t * qh, __m256i v[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i hb = is_q5 ? _mm256_loadu_si256((const __m256i *) qh) : _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *) (qs + 32 * c));
+        v[2 * c] = _mm256_and_si256(q, m4);
+        v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (is_q5) {
+            const __m256i b0 = _mm256_set1_epi8((char) (1 << (2 * c)));
+            const __m256i b1 = _mm256_set1_epi8((char) (1 << (2 * c + 1)));
+            const __m256i s16 = _mm256_set1_epi8(16);
+            v[2 * c] = _mm256_or_si256(v[2 * c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b0), b0), s16));
+            v[2 * c + 1] = _mm256_or_si256(v[2 * c + 1], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b1), b1), s16));
+        }
+    }
+}
+
+/* One Q4_K/Q5_K row against NT tokens' Q8_K rows (token t at x + t * xs): y[t * ldy]. */
+GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t * w, const uint8_t * pf,
+                      const char * x, size_t xs, float * y, int64_t ldy) {
+    const size_t bs = is_q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    __m256 acc[KNT];
+    float macc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm256_setzero_ps();
+        macc[t] = 0.0f;
+    }
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * b = w + i * bs;
+        _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
+        uint16_t dh, dmh;
+        memcpy(&dh, b, 2);
+        memcpy(&dmh, b + 2, 2);
+        const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(dmh);
+        const __m128i sm = k4_scales_mins(b + 4);
+        __m256i v[8];
+        k4_unpack(is_q5, b + 4 + K_SCALE_SIZE + (is_q5 ? QK_K / 8 : 0), b + 4 + K_SCALE_SIZE, v);
+        /* scale j into every word: one byte shuffle each (a broadcast would take three) */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        __m256i sc[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) sc[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short) (0x0100 * (2 * j + 1) + 2 * j)));
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *) (yb->qs + 32 * j));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v[j], a), sc[j]));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb->d), _mm256_cvtepi32_ps(s), acc[t]);
+            macc[t] += dmin * yb->d * (float) k4_min_dot(sm, yb);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]) - macc[t];
+}
+
+/* One Q6_K row against NT tokens. */
+GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t * pf, const char * x,
+                      size_t xs, float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q6_K);
+    __m256 acc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const block_q6_K * b = (const block_q6_K *) (w + i * bs);
+        _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
+        const float d = _cvtsh_ss(b->d);
+        __m256i v[8]; /* 32 values each: vector 4h + g = half h, group g */
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *) (b->ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *) (b->ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *) (b->qh + 32 * h));
+            v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30));
+            v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30));
+            v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30));
+            v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+        }
+        /* scales: vector j holds sub-block 2j's scale in words 0..7, 2j + 1's in 8..15 */
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) b->scales));
+        const __m256i s_lo = _mm256_permute4x64_epi64(sc16, 0x44), s_hi = _mm256_permute4x64_epi64(sc16, 0xee);
+        __m256i sc[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) { /* low lane: word 2j' of its half, high lane: word 2j' + 1 */
+            const int k = 2 * (j & 3);
+            const __m256i ctrl = _mm256_setr_epi8(
+                2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
+                2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
+                2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3,
+                2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3);
+            sc[j] = _mm256_shuffle_epi8(j < 4 ? s_lo : s_hi, ctrl);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *) (yb->qs + 32 * j));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v[j], a), sc[j]));
+            }
+            /* - 32 * sum_j scale_j * bsums_j */
+            const __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), sc16);
+            s = _mm256_sub_epi32(s, _mm256_slli_epi32(z, 5));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb->d), _mm256_cvtepi32_ps(s), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
+}
+
+enum { K_Q4, K_Q5, K_Q6 };
+
+GH_INLINE void k_row(const int NT, const int kind, int64_t n, const uint8_t * w, const uint8_t * pf,
+                     const char * x, size_t xs, float * y, int64_t ldy) {
+    if (kind == K_Q6) k6_row(NT, n, w, pf, x, xs, y, ldy);
+    else k4_row(NT, kind == K_Q5, n, w, pf, x, xs, y, ldy);
+}
+
+/* Rows one after the other (one linear stream, prefetched K_PF_BYTES ahead); tokens in
+ * tiles of KNT. */
+GH_INLINE void gemm_k(const int kind, int64_t n, const void * w, size_t ws, int nr, const void * x,
+                      size_t xs, int nt, float * y, int64_t ldy) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t * wr = (const uint8_t *) w + r * ws;
+        for (int t = 0; t < nt; t += KNT) {
+            const char * xt = (const char *) x + t * xs;
+            float * yt = y + t * ldy + r;
+            switch (GH_MIN(KNT, nt - t)) {
+                case 1: k_row(1, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 2: k_row(2, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 3: k_row(3, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                default: k_row(4, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+            }
+        }
+    }
+}
+
+/* Four gathered rows: each the same one-row sum as the dense decode (so a listed row's
+ * value is the matvec's), prefetching the rows pf[] along. */
+GH_INLINE void dot4_k(const int kind, int64_t n, const void * const * rows, const void * const * pf,
+                      const void * x, float * y) {
+    for (int r = 0; r < 4; r++) k_row(1, kind, n, rows[r], pf[r], x, 0, y + r, 1);
+}
+
+#define DEFINE_K(sfx, KIND)                                                                   \
+    static void gemm_##sfx(int64_t n, const void * w, size_t ws, int nr, const void * x,     \
+                           size_t xs, int nt, float * y, int64_t ldy) {                      \
+        gemm_k(KIND, n, w, ws, nr, x, xs, nt, y, ldy);                                        \
+    }                                                                                         \
+    static void vec_dot_##sfx(int64_t n, float * s, const void * w, const void * x) {        \
+        gemm_k(KIND, n, w, 0, 1, x, 0, 1, s, 1);                                              \
+    }                                                                                         \
+    static void dot4_##sfx(int64_t n, const void * const * rows, const void * const * pf,    \
+                           const void * x, float * y) {                                       \
+        dot4_k(KIND, n, rows, pf, x, y);                                                      \
+    }
+
+DEFINE_K(q4_K, K_Q4)
+DEFINE_K(q5_K, K_Q5)
+DEFINE_K(q6_K, K_Q6)
+
+/* Q8_K activations: gh_quantize_row_q8_K_ref, byte for byte (the rounding of round_away,
+ * the same d and 1 / d). */
+static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
+    block_q8_K * yb = dst;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K) {
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < QK_K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float d = _mm_cvtss_f32(m4) / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        yb[b].d = d;
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int k = 0; k < QK_K; k += 32) {
+            __m256i q[4];
+            for (int j = 0; j < 4; j++) q[j] = round_away(_mm256_mul_ps(_mm256_loadu_ps(x + k + 8 * j), vid));
+            const __m256i p = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+            _mm256_storeu_si256((__m256i *) (yb[b].qs + k), p);
+            /* 16-value sums: q[0] + q[1] (values k..k+15) and q[2] + q[3] */
+            for (int h = 0; h < 2; h++) {
+                const __m256i s8 = _mm256_add_epi32(q[2 * h], q[2 * h + 1]);
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+                yb[b].bsums[k / 16 + h] = (int16_t) _mm_cvtsi128_si32(s4);
+            }
+        }
+    }
+}
+
+static bool gh_kernels_avx2_k(int type, gh_kernel_set * ks) {
+    switch (type) {
+        case GH_TYPE_Q4_K: *ks = (gh_kernel_set) { vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K }; return true;
+        case GH_TYPE_Q5_K: *ks = (gh_kernel_set) { vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K }; return true;
+        case GH_TYPE_Q6_K: *ks = (gh_kernel_set) { vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K }; return true;
         default: return false;
     }
 }

@@ -586,6 +586,8 @@ DEFINE_DOT(vec_dot_bf16, gemm_bf16)
 DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
 DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
+static bool gh_kernels_avx512_k(int type, gh_kernel_set * ks);
+
 bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
     switch (type) {
         case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32 }; return true;
@@ -593,6 +595,227 @@ bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
         case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, NULL }; return true;
         case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0 }; return true;
         case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0 }; return true;
+        default: return gh_kernels_avx512_k(type, ks);
+    }
+}
+
+/* ------------------------------------------------------------------ K-quants x Q8_K
+ *
+ * The AVX2 scheme (cpu/avx2/kernels_avx2.c, "K-quants") at 64 values per register: two
+ * sub-blocks (Q4_K, Q5_K) or four (Q6_K) per maddubs + madd, the sub-block scales spread
+ * over the words by one vpermw. One row at a time, every block unpacked once for the KNT
+ * tokens of a tile; the mins and Q6_K's zero point 32 through the activations' 16-value
+ * sums. Integer sums equal the scalar reference's exactly; only the float order differs. */
+
+#define KNT 4
+#define K_PF_BYTES 1024
+
+GH_INLINE __m128i k4_scales_mins(const uint8_t * q) {
+    uint32_t a, b, c;
+    memcpy(&a, q, 4);
+    memcpy(&b, q + 4, 4);
+    memcpy(&c, q + 8, 4);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+    return _mm_setr_epi32((int) sc_lo, (int) sc_hi, (int) m_lo, (int) m_hi);
+}
+
+GH_INLINE int k4_min_dot(__m128i sm, const block_q8_K * y) {
+    const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) y->bsums),
+                                         _mm_loadu_si128((const __m128i *) (y->bsums + 8)));
+    __m128i s = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* word w of register c: sub-block 2c + w / 16 (Q4_K, Q5_K); 4c + w / 8 (Q6_K) */
+static const uint16_t K4_SC_IDX[4][32] __attribute__((aligned(64))) = {
+#define H(a) a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a
+    { H(0), H(1) }, { H(2), H(3) }, { H(4), H(5) }, { H(6), H(7) },
+#undef H
+};
+static const uint16_t K6_SC_IDX[4][32] __attribute__((aligned(64))) = {
+#define E(a) a, a, a, a, a, a, a, a
+    { E(0), E(1), E(2), E(3) }, { E(4), E(5), E(6), E(7) }, { E(8), E(9), E(10), E(11) },
+    { E(12), E(13), E(14), E(15) },
+#undef E
+};
+
+GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t * w, const uint8_t * pf,
+                      const char * x, size_t xs, float * y, int64_t ldy) {
+    const size_t bs = is_q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    __m512 acc[KNT];
+    float macc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm512_setzero_ps();
+        macc[t] = 0.0f;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * b = w + i * bs;
+        _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
+        uint16_t dh, dmh;
+        memcpy(&dh, b, 2);
+        memcpy(&dmh, b + 2, 2);
+        const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(dmh);
+        const __m128i sm = k4_scales_mins(b + 4);
+        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
+        const uint8_t * qs = b + 4 + K_SCALE_SIZE + (is_q5 ? QK_K / 8 : 0);
+        __m512i v[4], sc[4];
+        const __m512i hb = is_q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (b + 4 + K_SCALE_SIZE)))
+                                 : _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *) (qs + 32 * c));
+            v[c] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), m4);
+            if (is_q5) {
+                const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char) (1 << (2 * c))),
+                                                        _mm256_set1_epi8((char) (1 << (2 * c + 1))), 1);
+                v[c] = _mm512_mask_add_epi8(v[c], _mm512_test_epi8_mask(hb, bits), v[c], _mm512_set1_epi8(16));
+            }
+            sc[c] = _mm512_permutexvar_epi16(_mm512_load_si512(K4_SC_IDX[c]), sc16);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512i a = _mm512_loadu_si512(yb->qs + 64 * c);
+                s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(v[c], a), sc[c]));
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yb->d), _mm512_cvtepi32_ps(s), acc[t]);
+            macc[t] += dmin * yb->d * (float) k4_min_dot(sm, yb);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]) - macc[t];
+}
+
+GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t * pf, const char * x,
+                      size_t xs, float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q6_K);
+    __m512 acc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    /* high bits of values 0..31 | 32..63 of a half: qh << 4 | qh << 2; of 64..95 | 96..127:
+     * qh | qh >> 2 (per 16-bit word; the masks drop what crosses bytes) */
+    const __m512i shl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shr = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const block_q6_K * b = (const block_q6_K *) (w + i * bs);
+        _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
+        const float d = _cvtsh_ss(b->d);
+        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) b->scales));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
+        __m512i v[4], sc[4]; /* register 2h + k: values 128h + 64k .. + 64 */
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i l = _mm512_loadu_si512(b->ql + 64 * h);
+            const __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (b->qh + 32 * h)));
+            v[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_and_si512(_mm512_sllv_epi16(hb, shl), m30));
+            v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(hb, shr), m30));
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) sc[k] = _mm512_permutexvar_epi16(_mm512_load_si512(K6_SC_IDX[k]), sc16);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i a = _mm512_loadu_si512(yb->qs + 64 * k);
+                s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], a), sc[k]));
+            }
+            const __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), sc16y);
+            s = _mm512_sub_epi32(s, _mm512_castsi256_si512(_mm256_slli_epi32(z, 5)));
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yb->d), _mm512_cvtepi32_ps(s), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
+enum { K_Q4, K_Q5, K_Q6 };
+
+GH_INLINE void k_row(const int NT, const int kind, int64_t n, const uint8_t * w, const uint8_t * pf,
+                     const char * x, size_t xs, float * y, int64_t ldy) {
+    if (kind == K_Q6) k6_row(NT, n, w, pf, x, xs, y, ldy);
+    else k4_row(NT, kind == K_Q5, n, w, pf, x, xs, y, ldy);
+}
+
+GH_INLINE void gemm_k(const int kind, int64_t n, const void * w, size_t ws, int nr, const void * x,
+                      size_t xs, int nt, float * y, int64_t ldy) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t * wr = (const uint8_t *) w + r * ws;
+        for (int t = 0; t < nt; t += KNT) {
+            const char * xt = (const char *) x + t * xs;
+            float * yt = y + t * ldy + r;
+            switch (GH_MIN(KNT, nt - t)) {
+                case 1: k_row(1, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 2: k_row(2, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 3: k_row(3, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                default: k_row(4, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+            }
+        }
+    }
+}
+
+GH_INLINE void dot4_k(const int kind, int64_t n, const void * const * rows, const void * const * pf,
+                      const void * x, float * y) {
+    for (int r = 0; r < 4; r++) k_row(1, kind, n, rows[r], pf[r], x, 0, y + r, 1);
+}
+
+#define DEFINE_K(sfx, KIND)                                                                   \
+    static void gemm_##sfx(int64_t n, const void * w, size_t ws, int nr, const void * x,     \
+                           size_t xs, int nt, float * y, int64_t ldy) {                      \
+        gemm_k(KIND, n, w, ws, nr, x, xs, nt, y, ldy);                                        \
+    }                                                                                         \
+    static void vec_dot_##sfx(int64_t n, float * s, const void * w, const void * x) {        \
+        gemm_k(KIND, n, w, 0, 1, x, 0, 1, s, 1);                                              \
+    }                                                                                         \
+    static void dot4_##sfx(int64_t n, const void * const * rows, const void * const * pf,    \
+                           const void * x, float * y) {                                       \
+        dot4_k(KIND, n, rows, pf, x, y);                                                      \
+    }
+
+DEFINE_K(q4_K, K_Q4)
+DEFINE_K(q5_K, K_Q5)
+DEFINE_K(q6_K, K_Q6)
+
+/* Q8_K activations, byte for byte gh_quantize_row_q8_K_ref. */
+static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
+    block_q8_K * yb = dst;
+    for (int64_t b = 0; b < n / QK_K; b++, x += QK_K) {
+        __m512 m = _mm512_setzero_ps();
+        for (int k = 0; k < QK_K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+        const float d = _mm512_reduce_max_ps(m) / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 vid = _mm512_set1_ps(id);
+        yb[b].d = d;
+        for (int k = 0; k < QK_K; k += 16) {
+            const __m512i q = round_away(_mm512_mul_ps(_mm512_loadu_ps(x + k), vid));
+            _mm_storeu_si128((__m128i *) (yb[b].qs + k), _mm512_cvtepi32_epi8(q));
+            yb[b].bsums[k / 16] = (int16_t) _mm512_reduce_add_epi32(q);
+        }
+    }
+}
+
+static bool gh_kernels_avx512_k(int type, gh_kernel_set * ks) {
+    switch (type) {
+        case GH_TYPE_Q4_K: *ks = (gh_kernel_set) { vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K }; return true;
+        case GH_TYPE_Q5_K: *ks = (gh_kernel_set) { vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K }; return true;
+        case GH_TYPE_Q6_K: *ks = (gh_kernel_set) { vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K }; return true;
         default: return false;
     }
 }

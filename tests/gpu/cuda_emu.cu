@@ -4,7 +4,7 @@
  * A warp's work is replayed lane by lane: row_dot for lanes 0..31 gives the 32 partial
  * sums that the kernels reduce with shuffles, so their total must be the dot product of
  * the dequantized row (gh_dequantize_row, the runtime's reference) with x. Checked for
- * every type, the vector and the element paths, 1 and several tokens, odd widths; also
+ * every type (the K-quants too), the vector and the element paths, 1 and several tokens, odd widths; also
  * load_elem (the down kernel's element reads) bit for bit, the activations against double
  * precision formulas, and the down kernel's slicing of row lists.
  *
@@ -46,6 +46,9 @@ static const char * tname(int t) {
     case GH_TYPE_F16: return "f16";
     case GH_TYPE_BF16: return "bf16";
     case GH_TYPE_Q8_0: return "q8_0";
+    case GH_TYPE_Q4_K: return "Q4_K";
+    case GH_TYPE_Q5_K: return "Q5_K";
+    case GH_TYPE_Q6_K: return "Q6_K";
     default: return "q4_0";
     }
 }
@@ -106,6 +109,7 @@ static void check_type(std::mt19937 & rng) {
     std::normal_distribution<float> nd(0.0f, 1.0f);
     const bool quant = !is_float_type(T);
     std::vector<int64_t> widths = {32, 96, 288, 4096 + 32};
+    if (is_k_quant(T)) widths = {256, 768, 4096 + 256}; /* whole 256-blocks */
     if (!quant) {
         for (int64_t c : {1, 7, 8, 37, 40, 100, 264}) widths.push_back(c);
     }
@@ -199,6 +203,9 @@ int main() {
     check_type<GH_TYPE_BF16>(rng);
     check_type<GH_TYPE_Q8_0>(rng);
     check_type<GH_TYPE_Q4_0>(rng);
+    check_type<GH_TYPE_Q4_K>(rng);
+    check_type<GH_TYPE_Q5_K>(rng);
+    check_type<GH_TYPE_Q6_K>(rng);
     check_acts();
     check_slices();
     printf("cuda_emu: %d checks, %d failed\n", n_checks, n_fail);

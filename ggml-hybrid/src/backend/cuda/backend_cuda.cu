@@ -423,14 +423,14 @@ gh_status check_launch(cuda_stream * s, const char * what) {
 
 bool type_ok(int t) {
     return t == GH_TYPE_F32 || t == GH_TYPE_F16 || t == GH_TYPE_BF16 || t == GH_TYPE_Q8_0 ||
-           t == GH_TYPE_Q4_0;
+           t == GH_TYPE_Q4_0 || t == GH_TYPE_Q4_K || t == GH_TYPE_Q5_K || t == GH_TYPE_Q6_K;
 }
 
 gh_status check_weight(const char * fn, const char * what, const gh_dweight * w) {
     if (!w) return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s is NULL", fn, what);
     if (!type_ok(w->type)) {
         return gh_fail(GH_ERR_UNSUPPORTED, "cuda %s: %s has type %d; the CUDA kernels take f32, "
-                       "f16, bf16, q8_0 and q4_0", fn, what, w->type);
+                       "f16, bf16, q8_0, q4_0, Q4_K, Q5_K and Q6_K", fn, what, w->type);
     }
     if (!w->data || w->rows < 1 || w->cols < 1 || w->rows > INT32_MAX * (int64_t) MM_WARPS) {
         return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s: bad weight (%lld x %lld, data %p)", fn,
@@ -464,6 +464,9 @@ bool float_vec_ok(const gh_dweight * w) {
     case GH_TYPE_BF16:                                            \
         if (vec) LAUNCH(GH_TYPE_BF16, true) else LAUNCH(GH_TYPE_BF16, false) break; \
     case GH_TYPE_Q8_0: LAUNCH(GH_TYPE_Q8_0, true) break;          \
+    case GH_TYPE_Q4_K: LAUNCH(GH_TYPE_Q4_K, true) break;          \
+    case GH_TYPE_Q5_K: LAUNCH(GH_TYPE_Q5_K, true) break;          \
+    case GH_TYPE_Q6_K: LAUNCH(GH_TYPE_Q6_K, true) break;          \
     default: LAUNCH(GH_TYPE_Q4_0, true) break;                    \
     }
 

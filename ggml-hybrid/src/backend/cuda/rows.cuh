@@ -67,6 +67,78 @@ __host__ __device__ constexpr bool is_float_type(int t) {
     return t == GH_TYPE_F32 || t == GH_TYPE_F16 || t == GH_TYPE_BF16;
 }
 
+__host__ __device__ constexpr bool is_k_quant(int t) {
+    return t == GH_TYPE_Q4_K || t == GH_TYPE_Q5_K || t == GH_TYPE_Q6_K;
+}
+
+/* a * b and a - b each rounded once: the device compiler would fuse (d * sc) * q - dmin * m
+ * into an FMA, and the element reads must equal the runtime's dequantizer bit for bit */
+GH_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+GH_HD float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+
+/* Scale and min of sub-block j < 8 of a Q4_K/Q5_K block's 12 scale bytes (types.h's
+ * gh_k4_scale_min, for the device). */
+GH_HD void k4_scale_min(const uint8_t * q, int j, int & sc, int & m) {
+    if (j < 4) {
+        sc = ldg(q + j) & 63;
+        m = ldg(q + j + 4) & 63;
+    } else {
+        const int a = ldg(q + j + 4);
+        sc = (a & 0x0f) | ((ldg(q + j - 4) >> 6) << 4);
+        m = (a >> 4) | ((ldg(q + j) >> 6) << 4);
+    }
+}
+
+/* Elements e0 .. e0 + k - 1 (within one 32-value sub-block of a Q4_K/Q5_K block, one
+ * 16-value sub-block of a Q6_K block) of block b, dequantized as the runtime does. */
+template <int T, int K>
+GH_HD void k_elems(const uint8_t * b, int e0, float * w) {
+    if constexpr (T == GH_TYPE_Q6_K) {
+        const int h = e0 >> 7, g = (e0 & 127) >> 5, l = e0 & 31;
+        const uint8_t * ql = b + 64 * h + l + 32 * (g & 1);
+        const uint8_t * qh = b + QK_K / 2 + 32 * h + l;
+        const float d = f16_bits(ld_u16(b + QK_K / 2 + QK_K / 4 + QK_K / 16));
+        const float dl = mul_rn(d, (float) (int8_t) ldg(b + QK_K / 2 + QK_K / 4 + (e0 >> 4)));
+GH_UNROLL()
+        for (int i = 0; i < K; i++) {
+            const int q = ((ldg(ql + i) >> (4 * (g >> 1))) & 0x0f) | (((ldg(qh + i) >> (2 * g)) & 3) << 4);
+            w[i] = mul_rn(dl, (float) (q - 32));
+        }
+    } else {
+        const int j = e0 >> 5, l = e0 & 31;
+        int sc, m;
+        k4_scale_min(b + 4, j, sc, m);
+        const float dl = mul_rn(f16_bits(ld_u16(b)), (float) sc);
+        const float ml = mul_rn(f16_bits(ld_u16(b + 2)), (float) m);
+        const uint8_t * qh = b + 4 + K_SCALE_SIZE;
+        const uint8_t * qs = qh + (T == GH_TYPE_Q5_K ? QK_K / 8 : 0) + 32 * (j >> 1) + l;
+GH_UNROLL()
+        for (int i = 0; i < K; i++) {
+            int q = (ldg(qs + i) >> (4 * (j & 1))) & 0x0f;
+            if constexpr (T == GH_TYPE_Q5_K) q |= ((ldg(qh + l + i) >> j) & 1) << 4;
+            w[i] = sub_rn(mul_rn(dl, (float) q), ml);
+        }
+    }
+}
+
+template <int T>
+__host__ __device__ constexpr int64_t k_block_bytes() {
+    return T == GH_TYPE_Q4_K ? (int64_t) sizeof(block_q4_K)
+         : T == GH_TYPE_Q5_K ? (int64_t) sizeof(block_q5_K) : (int64_t) sizeof(block_q6_K);
+}
+
 /* Element i of a row (any type). */
 template <int T>
 GH_HD float load_elem(const uint8_t * row, int64_t i) {
@@ -80,6 +152,10 @@ GH_HD float load_elem(const uint8_t * row, int64_t i) {
         const uint8_t * b = row + (i >> 5) * (int64_t) sizeof(block_q8_0);
         const float d = f16_bits(ld_u16(b));
         return d * (float) (int8_t) ldg(b + 2 + (i & 31));
+    } else if constexpr (is_k_quant(T)) {
+        float w;
+        k_elems<T, 1>(row + (i >> 8) * k_block_bytes<T>(), (int) (i & 255), &w);
+        return w;
     } else {
         static_assert(T == GH_TYPE_Q4_0, "unsupported type");
         const uint8_t * b = row + (i >> 5) * (int64_t) sizeof(block_q4_0);
@@ -131,6 +207,12 @@ GH_UNROLL()
             w[2 * i + 1] = d * (float) (int8_t) (v >> 8);
         }
         o0 = 32 * blk + 8 * p;
+        o1 = o0 + 4;
+    } else if constexpr (is_k_quant(T)) { /* elements 8p .. 8p + 7 of block u / 32 */
+        const int64_t blk = u >> 5;
+        const int p = (int) (u & 31);
+        k_elems<T, 8>(row + blk * k_block_bytes<T>(), 8 * p, w);
+        o0 = QK_K * blk + 8 * p;
         o1 = o0 + 4;
     } else {
         static_assert(T == GH_TYPE_Q4_0, "unsupported type");

@@ -32,15 +32,19 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError("it is a directory; pass a .gguf file")
+    from .gguf_read import is_pwri, open_gguf
+
     try:
-        r = gguf.GGUFReader(path)
+        r = open_gguf(path)
     except OSError:
         raise
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors on bad files
         raise ValueError(f"not a valid GGUF file (truncated or corrupt: {e})") from None
     fields = read_fields(r)
     arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, "?")
-    out = [f"file: {path} ({format_size(os.path.getsize(path))}), GGUF v{int(r.fields['GGUF.version'].contents())}, "
+    pwri = is_pwri(path)
+    magic = "PowerInfer's PWRI-magic GGUF" if pwri else "GGUF"
+    out = [f"file: {path} ({format_size(os.path.getsize(path))}), {magic} v{int(r.fields['GGUF.version'].contents())}, "
            f"{len(r.tensors)} tensors, {len(fields)} keys"]
 
     def ak(t):
@@ -50,7 +54,8 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
                f"file type: {fields.get(F.KEY_GENERAL_FILE_TYPE, '?')}")
     out.append(f"  layers {ak(F.KEY_BLOCK_COUNT)}, d {ak(F.KEY_EMBEDDING_LENGTH)}, n_ff {ak(F.KEY_FEED_FORWARD_LENGTH)}, "
                f"heads {ak(F.KEY_HEAD_COUNT)}/{ak(F.KEY_HEAD_COUNT_KV)} (kv), vocab {ak(F.KEY_VOCAB_SIZE)}, "
-               f"context {ak(F.KEY_CONTEXT_LENGTH)}, activation {fields.get(F.KEY_FFN_ACTIVATION, 'silu (absent)')}")
+               f"context {ak(F.KEY_CONTEXT_LENGTH)}, activation "
+               f"{fields.get(F.KEY_FFN_ACTIVATION, 'relu (absent: a PowerInfer file)' if pwri else 'silu (absent)')}")
     out.append(f"  powerinfer.format_version {fields.get(F.KEY_FORMAT_VERSION, '(absent)')}, "
                f"tokenizer {fields.get(F.KEY_TOKENIZER_MODEL, '(none)')}")
     types = Counter()
@@ -67,7 +72,12 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     sparse = F.is_sparse(fields)
     calib = (f"calibration {fields.get(F.KEY_SPARSE_CALIB_TOKENS, '?')} tokens of "
              f"{fields.get(F.KEY_SPARSE_CALIB_SOURCE, '?')}")
-    if not sparse:
+    if pwri and F.KEY_PWRI_SPARSE_THRESHOLD in fields:
+        side = path + F.PWRI_GPUIDX_SUFFIX
+        out.append(f"sparse: yes (PowerInfer's layout: predictors on the residual stream)  threshold "
+                   f"{float(fields[F.KEY_PWRI_SPARSE_THRESHOLD]):g}; gpu index: "
+                   + (f"side file {side}" if os.path.exists(side) else "none (no side file)"))
+    elif not sparse:
         out.append("sparse: no (dense file)")
     else:
         if gate:

@@ -19,7 +19,7 @@ import numpy as np
 from ._native import NativeValueError, check, ffi, lib
 from .tokenizer import Tokenizer, load_tokenizer
 
-_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf"}
+_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 8: "q8_0", 30: "bf16"}
 # FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
 # layer has a predictor and ffn_down_t, else gate when it has gate thresholds, else dense)

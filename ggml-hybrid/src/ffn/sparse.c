@@ -380,7 +380,7 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
     return (double) n_up * (double) L->up.row_bytes + (double) n_down * (double) L->down_t.row_bytes;
 }
 
-void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
+void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
@@ -393,10 +393,11 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, float * y) {
     double ffn_bytes = 0.0;
     double t1 = t0;
     if (s->mode == GH_FFN_SPARSE) {
+        const float * px = m->hp.pred_residual ? resid : x;
         if (D && D->pred) {
-            n = predict_device(c, D, x, m->info.sparse_threshold);
+            n = predict_device(c, D, px, m->info.sparse_threshold);
         } else {
-            n = gh_sparse_predict(c->tp, &L->fc1, &L->fc2, x, m->info.sparse_threshold, s->ph,
+            n = gh_sparse_predict(c->tp, &L->fc1, &L->fc2, px, m->info.sparse_threshold, s->ph,
                                   s->score, s->ids, s->scratch);
         }
         t1 = gh_now();

@@ -65,8 +65,9 @@ void gh_sparse_state_free(gh_sparse_state * s);
 /* Whether the FFN of a batch of n tokens runs through gh_sparse_ffn (mode is sparse or
  * oracle and n <= the context's sparse batch limit). */
 bool gh_sparse_applies(const struct gh_context * c, int32_t n);
-/* One token's FFN of layer il in the context's mode: y = FFN(x) (x already normed). */
-void gh_sparse_ffn(struct gh_context * c, int il, const float * x, float * y);
+/* One token's FFN of layer il in the context's mode: y = FFN(x) (x already normed; resid:
+ * the residual stream x was normed from, which PowerInfer's predictors read). */
+void gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float * resid, float * y);
 
 /* Statistics hooks of the forward pass (stage times in seconds, weight bytes read). */
 typedef enum { GH_STAGE_ATTENTION, GH_STAGE_PREDICTOR, GH_STAGE_FFN, GH_STAGE_OTHER,

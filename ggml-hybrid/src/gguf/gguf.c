@@ -1,7 +1,7 @@
 /* GGUF reader (versions 2 and 3; both use 64-bit counts and lengths).
  *
  * File layout (all little-endian):
- *   "GGUF" u32 version, u64 n_tensors, u64 n_kv
+ *   "GGUF" (or PowerInfer's "PWRI") u32 version, u64 n_tensors, u64 n_kv
  *   n_kv      x { string key, u32 value_type, value }
  *   n_tensors x { string name, u32 n_dims, u64 ne[n_dims], u32 type, u64 offset }
  *   padding to general.alignment (default 32), then the data section; tensor offsets
@@ -455,8 +455,10 @@ static gh_status check_data(cursor * c, gh_gguf * g) {
 static gh_status parse(cursor * c, gh_gguf * g) {
     gh_status st;
     if (c->size == 0) return perr(c, GH_ERR_FORMAT, "file is empty");
-    if (c->size < 4 || memcmp(c->base, "GGUF", 4) != 0)
-        return perr(c, GH_ERR_FORMAT, "not a GGUF file (bad magic; expected \"GGUF\")");
+    g->pwri = c->size >= 4 && memcmp(c->base, "PWRI", 4) == 0; /* PowerInfer's patched magic */
+    if (c->size < 4 || (memcmp(c->base, "GGUF", 4) != 0 && !g->pwri))
+        return perr(c, GH_ERR_FORMAT, "not a GGUF file (bad magic; expected \"GGUF\", or "
+                    "\"PWRI\" for PowerInfer's files)");
     c->pos = 4;
     if ((st = rd_u32(c, &g->version, "the version")) != GH_OK) return st;
     if (g->version != 2 && g->version != 3) {

@@ -49,6 +49,7 @@ struct gh_gguf {
     size_t          map_size;
     int             load;   /* GH_LOAD_MMAP or GH_LOAD_READ: how the image was made */
     uint32_t        version;
+    bool            pwri;   /* PowerInfer's files: a GGUF whose magic is "PWRI" */
     uint32_t        alignment;
     uint64_t        data_offset;
     uint64_t        n_kv;

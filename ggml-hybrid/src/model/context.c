@@ -40,6 +40,7 @@ void gh_context_free(gh_context * c) {
     gh_aligned_free(c->x);
     gh_aligned_free(c->xb);
     gh_aligned_free(c->xb2);
+    gh_aligned_free(c->xb3);
     gh_aligned_free(c->q);
     gh_aligned_free(c->att);
     gh_aligned_free(c->rope);
@@ -126,6 +127,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->x = gh_aligned_alloc(nb * d * sizeof(float));
         c->xb = gh_aligned_alloc(nb * d * sizeof(float));
         c->xb2 = gh_aligned_alloc(nb * d * sizeof(float));
+        c->xb3 = gh_aligned_alloc(nb * d * sizeof(float));
         c->q = gh_aligned_alloc(nb * dq * sizeof(float));
         c->att = gh_aligned_alloc(nb * dq * sizeof(float));
         c->rope = gh_aligned_alloc(nb * (size_t) hp->head_dim * sizeof(float));
@@ -135,7 +137,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->logits_cap = 1;
         c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
         c->sparse = gh_sparse_state_new(m);
-        ok = c->x && c->xb && c->xb2 && c->q && c->att && c->rope && c->hb && c->hb2 &&
+        ok = c->x && c->xb && c->xb2 && c->xb3 && c->q && c->att && c->rope && c->hb && c->hb2 &&
              c->mm_scratch && c->logits && c->sparse;
     }
     if (!ok) {

@@ -78,8 +78,8 @@ static void profile_mask(gh_context * c, int il, int32_t n, const float * gate, 
 }
 
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
- * cache, causal attention, output projection (+ bias) into c->xb2. */
-static void attention(gh_context * c, int il, int32_t n) {
+ * cache, causal attention, output projection (+ bias) into out [n][n_embd]. */
+static void attention(gh_context * c, int il, int32_t n, float * out) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_layer * L = &m->layers[il];
@@ -124,10 +124,10 @@ static void attention(gh_context * c, int il, int32_t n) {
     gh_attention(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
                  hp->n_head, hp->n_head_kv, (int) hd);
     if (D && D->att) {
-        gh_hybrid_matmul_async(c, &D->wo, c->att, n, c->xb2);
+        gh_hybrid_matmul_async(c, &D->wo, c->att, n, out);
         gh_hybrid_sync(c);
-    } else gh_matmul(c->tp, &L->wo, c->att, n, c->xb2, d, c->mm_scratch);
-    add_bias(c->xb2, L->bo, n, d, d);
+    } else gh_matmul(c->tp, &L->wo, c->att, n, out, d, c->mm_scratch);
+    add_bias(out, L->bo, n, d, d);
 }
 
 /* The dense FFN of layer il over c->xb into c->xb2 (profiling its inputs and masks when
@@ -166,7 +166,8 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
  * last token (to row 0) or every token (to rows row0..row0+n-1).
  *
  * Sequential block: x += attn(norm1(x)); x += ffn(norm2(x)).
- * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x. */
+ * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x.
+ * The FFN's residual input (the x its norm reads) is what a PowerInfer predictor reads. */
 static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
                           int32_t row0) {
     const gh_model * m = c->model;
@@ -186,12 +187,17 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         const gh_layer * L = &m->layers[il];
         const double t_att = gh_now();
         norm_rows(hp, L->attn_norm, L->attn_norm_b, c->x, n, c->xb);
-        attention(c, il, n);
         /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
-         * norm1(x) when there is no second norm); sequential ones the updated x */
-        if (hp->parallel && L->ffn_norm) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
-        add_inplace(c->x, c->xb2, (int64_t) n * d);
-        if (!hp->parallel) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
+         * norm1(x) when there is no second norm) and add the attention's output after the
+         * FFN; sequential ones norm the updated x */
+        if (hp->parallel) {
+            attention(c, il, n, c->xb3);
+            if (L->ffn_norm) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
+        } else {
+            attention(c, il, n, c->xb2);
+            add_inplace(c->x, c->xb2, (int64_t) n * d);
+            norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
+        }
         const double t_ffn = gh_now();
         gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att,
                      (double) (L->wq.rows * L->wq.row_bytes + L->wk.rows * L->wk.row_bytes +
@@ -201,13 +207,16 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             /* one token at a time: predictor (or exact mask) -> active rows only; it
              * counts its own times and bytes (the predictor's apart from the FFN's) */
             const double t_norm = gh_now();
-            for (int32_t t = 0; t < n; t++) gh_sparse_ffn(c, il, c->xb + t * d, c->xb2 + t * d);
+            for (int32_t t = 0; t < n; t++)
+                gh_sparse_ffn(c, il, c->xb + t * d, c->x + t * d, c->xb2 + t * d);
             const double t_add = gh_now();
+            if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
             gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
         ffn_dense(c, il, n);
+        if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
         gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
     }

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* ---------------------------------------------------------------- loading -- */
 
@@ -258,9 +259,12 @@ static gh_status load_hparams(gh_model * m) {
         hp->ffn_act = a;
         hp->act_from_file = true;
     } else {
-        hp->ffn_act = arch->default_act;
+        /* PowerInfer's sparse files are ReLU models (ReluLLaMA, ReluFalcon, OPT) and name no
+         * activation: its llama FFN is ReGLU */
+        hp->ffn_act = g->pwri ? GH_ACT_RELU : arch->default_act;
         hp->act_from_file = false;
     }
+    hp->pwri = g->pwri;
     if (hp->ffn_act == GH_ACT_FATRELU) {
         const char * tk = "powerinfer.ffn_act_threshold";
         float t;
@@ -332,11 +336,12 @@ static gh_status load_sparse_keys(gh_model * m) {
                        "powerinfer.format_version is %u but this runtime reads versions up to %d: "
                        "upgrade powerinfer-cpp to load this file", ver, GH_FORMAT_VERSION);
     }
-    if ((st = get_f32_opt(g, "powerinfer.sparse.threshold", &thr, 0.0f))) return st;
-    if (!isfinite(thr)) {
-        return gh_fail(GH_ERR_FORMAT, "powerinfer.sparse.threshold is %g (must be finite)", thr);
-    }
+    /* PowerInfer's files name the threshold powerinfer.sparse_threshold */
+    const char * tkey = g->pwri ? "powerinfer.sparse_threshold" : "powerinfer.sparse.threshold";
+    if ((st = get_f32_opt(g, tkey, &thr, 0.0f))) return st;
+    if (!isfinite(thr)) return gh_fail(GH_ERR_FORMAT, "%s is %g (must be finite)", tkey, thr);
     m->info.sparse_threshold = thr;
+    m->hp.pred_residual = g->pwri; /* PowerInfer's predictors read the residual stream */
     return GH_OK;
 }
 
@@ -511,7 +516,8 @@ static gh_status load_ffn_down_and_sparse(gh_model * m, int il, gh_layer * L) {
      * neurons gpu_idx marks (absent when there are none) */
     snprintf(n1, sizeof n1, "blk.%d.gpu_idx", il);
     snprintf(n2, sizeof n2, "blk.%d.gpu_bucket", il);
-    const gh_gguf_tensor * gi = gh_gguf_find_tensor(g, n1), * gb = gh_gguf_find_tensor(g, n2);
+    const gh_gguf * gx = m->gpuidx ? m->gpuidx : g; /* PowerInfer keeps it in a side file */
+    const gh_gguf_tensor * gi = gh_gguf_find_tensor(gx, n1), * gb = gh_gguf_find_tensor(gx, n2);
     if (gb && !gi) return gh_fail(GH_ERR_FORMAT, "tensor '%s' without '%s'", n2, n1);
     if (!gi) return GH_OK;
     if ((st = check_1d(gi, GH_TYPE_I32, ff, "a 0/1 flag per FFN neuron"))) return st;
@@ -847,6 +853,22 @@ gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
     return GH_OK;
 }
 
+/* PowerInfer's GPU index lives in "<model>.generated.gpuidx" (a GGUF of architecture
+ * generic.gpu_index with blk.N.gpu_idx and blk.N.gpu_bucket); absent: no index. */
+static gh_status open_gpuidx(gh_model * m, const char * path) {
+    char side[4096];
+    if ((size_t) snprintf(side, sizeof side, "%s.generated.gpuidx", path) >= sizeof side) return GH_OK;
+    if (access(side, F_OK) != 0) return GH_OK;
+    gh_status st = gh_gguf_open(side, &m->gpuidx);
+    if (st) return st; /* the reader named the file */
+    const char * a = gh_gguf_get_str(m->gpuidx, "general.architecture");
+    if (a && strcmp(a, "generic.gpu_index") != 0) {
+        return gh_fail(GH_ERR_FORMAT, "GPU index file '%.200s' has architecture '%.64s', not "
+                       "generic.gpu_index", side, a);
+    }
+    return GH_OK;
+}
+
 static gh_status model_load(const char * path, int load, gh_model ** out) {
     if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: out is NULL");
     *out = NULL;
@@ -856,8 +878,12 @@ static gh_status model_load(const char * path, int load, gh_model ** out) {
     atomic_init(&m->refs, 1);
     gh_status st = gh_gguf_open_ex(path, load, &m->gguf);
     if (!st) st = load_hparams(m);
+    if (!st && m->gguf->pwri) st = open_gpuidx(m, path);
     if (!st) st = load_tensors(m);
     if (!st) fill_info(m);
+    /* the side file's index is copied into the layers */
+    gh_gguf_close(m->gpuidx);
+    m->gpuidx = NULL;
     if (st) {
         if (m->gguf) {
             /* Prefix the file name so the user knows which file is bad. */

@@ -45,6 +45,7 @@ typedef struct {
 
 struct gh_model {
     gh_gguf *       gguf;
+    gh_gguf *       gpuidx;      /* while loading: PowerInfer's .gpuidx side file, or NULL */
     const gh_arch * arch;
     gh_hparams      hp;          /* what the runtime works with */
     gh_model_info   info;        /* the public view of it (gh_model_info_get) */
@@ -84,6 +85,7 @@ struct gh_context {
     float *         x;      /* residual stream [n_batch][n_embd] */
     float *         xb;     /* normed input [n_batch][n_embd] */
     float *         xb2;    /* sublayer output [n_batch][n_embd] */
+    float *         xb3;    /* a parallel block's attention output [n_batch][n_embd] */
     float *         q;      /* [n_batch][n_head * head_dim] */
     float *         att;    /* attention output [n_batch][n_head * head_dim] */
     float *         rope;   /* RoPE cos/sin of each token's position [n_batch][head_dim] */

@@ -151,7 +151,7 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
         add("token_embd.weight", T + "word_embeddings.weight")
         for i in range(n):
             L = f"{T}h.{i}."
-            norms = [("attn_norm", "ln_attn"), ("attn_norm_2", "ln_mlp")] if two_ln else [("attn_norm", "input_layernorm")]
+            norms = [("attn_norm", "ln_mlp"), ("attn_norm_2", "ln_attn")] if two_ln else [("attn_norm", "input_layernorm")]
             for kind, hf in norms:
                 add(f"blk.{i}.{kind}.weight", L + hf + ".weight")
                 add(f"blk.{i}.{kind}.bias", L + hf + ".bias")

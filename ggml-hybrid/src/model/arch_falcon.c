@@ -1,6 +1,7 @@
 /* Falcon: LayerNorm, fused QKV (MQA in 7B, GQA in 40B/180B), NeoX RoPE, ungated GELU FFN,
  * and a parallel block: attention and FFN read the same normed input (attn_norm), or two
- * norms of it (attn_norm + attn_norm_2, the new_decoder_architecture layout), and both add
+ * norms of it (new_decoder_architecture: attn_norm_2 for the attention, attn_norm for the
+ * FFN, as llama.cpp names them), and both add
  * to the residual. A file with blk.N.ffn_norm runs sequentially instead. */
 #include "model/arch.h"
 #include "ggml-hybrid.h"

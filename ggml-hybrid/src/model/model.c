@@ -639,8 +639,16 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
                            "every layer of a block layout has the same norms", il, base);
         }
         snprintf(base, sizeof base, "blk.%d.attn_norm_2", il);
-        if ((st = load_norm(m, base, il > 0 && m->layers[0].ffn_norm, &L->ffn_norm,
-                            &L->ffn_norm_b))) return st;
+        float * n2, * n2_b;
+        if ((st = load_norm(m, base, il > 0 && m->layers[0].ffn_norm, &n2, &n2_b))) return st;
+        if (n2) {
+            /* llama.cpp's two-norm layout (Falcon-40B): attn_norm_2 is the attention's input
+             * norm and attn_norm the FFN's */
+            L->ffn_norm = L->attn_norm;
+            L->ffn_norm_b = L->attn_norm_b;
+            L->attn_norm = n2;
+            L->attn_norm_b = n2_b;
+        }
     }
 #define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
     if (m->arch->fused_gate_up) {

@@ -17,11 +17,13 @@
 
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
-    float *   attn_norm, * attn_norm_b;  /* [n_embd] */
+    float *   attn_norm, * attn_norm_b;  /* [n_embd] the attention's input norm: attn_norm, or
+                                          * attn_norm_2 in llama.cpp's two-norm Falcon layout */
     gh_weight wq, wk, wv, wo;            /* a fused attn_qkv is viewed as its three row ranges */
     float *   bq, * bk, * bv, * bo;
-    /* the FFN's input norm: ffn_norm (sequential block), attn_norm_2 (parallel block with
-     * two norms) or none (parallel block: the FFN reads attn_norm's output) */
+    /* the FFN's input norm: ffn_norm (sequential block), attn_norm (parallel block with
+     * two norms, llama.cpp's naming) or none (parallel block: the FFN reads the
+     * attention's normed input) */
     float *   ffn_norm, * ffn_norm_b;
     /* gate = the rows the activation reads: ffn_gate, or ffn_up of an ungated FFN (whose
      * `up` then has no rows); up = the rows multiplied in (gated FFNs) */

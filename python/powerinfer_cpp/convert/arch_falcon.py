@@ -6,8 +6,9 @@ permutation), optional biases (``bias``), tied head by default. Three block layo
 
 - Falcon-7B (``multi_query``, ``parallel_attn``): one shared input norm; attention and
   FFN read the same normed input and both add to the residual; one k/v head;
-- Falcon-40B/180B (``new_decoder_architecture``): ``ln_attn`` and ``ln_mlp`` (stored as
-  attn_norm and attn_norm_2) unless ``num_ln_in_parallel_attn`` is 1, GQA with
+- Falcon-40B/180B (``new_decoder_architecture``): ``ln_mlp`` and ``ln_attn`` (stored as
+  attn_norm and attn_norm_2, as llama.cpp names them: attn_norm is the FFN's input norm,
+  attn_norm_2 the attention's) unless ``num_ln_in_parallel_attn`` is 1, GQA with
   ``num_kv_heads``;
 - sequential (``parallel_attn: false``): input_layernorm -> attention -> residual ->
   post_attention_layernorm (stored as ffn_norm: its presence marks the layout) -> FFN.
@@ -120,7 +121,8 @@ def tensors(p: HFParams) -> list[TensorMap]:
             return qkv_rows(w, L["qkv"], p.n_head, p.n_head_kv, hd)
 
         if L["n_ln"] == 2:
-            out += norm(F.T_ATTN_NORM, "ln_attn") + norm(F.T_ATTN_NORM_2, "ln_mlp")
+            # llama.cpp's names: attn_norm = ln_mlp (the FFN's input), attn_norm_2 = ln_attn
+            out += norm(F.T_ATTN_NORM, "ln_mlp") + norm(F.T_ATTN_NORM_2, "ln_attn")
         else:
             out += norm(F.T_ATTN_NORM, "input_layernorm")
         out += lin(F.T_ATTN_QKV, "self_attention.query_key_value", (qkv, d), reorder)

@@ -34,9 +34,10 @@ def test_parse_size():
     assert parse_size("4G") == 4 << 30
     assert parse_size("1.5GiB") == int(1.5 * (1 << 30))
     assert parse_size("300k") == 300 << 10
-    assert parse_size("123") == 123
-    assert parse_size(77) == 77
-    for bad in ("", "-1G", "abc", "4X", "nan"):
+    assert parse_size("8") == 8 << 30  # a bare number is GiB, as PowerInfer's --vram-budget
+    assert parse_size("0.5") == 1 << 29
+    assert parse_size(77) == 77  # an int is bytes (the API)
+    for bad in ("", "-1G", "abc", "4X", "nan", "12B"):
         with pytest.raises(ValueError):
             parse_size(bad)
     assert format_size(3 << 20) == "3.00 MiB"

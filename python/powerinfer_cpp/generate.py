@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "host-device (a simulated device in host RAM; runs the hybrid path "
                         "anywhere, slowly)")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
-                   help="device memory the model may use, e.g. 6G or 512M (default: the "
-                        "device's free memory minus 256 MiB)")
+                   help="device memory the model may use, e.g. 6G or 512M; a bare number is GiB "
+                        "(default: the device's free memory minus 256 MiB)")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
     p.add_argument("-cnv", "--chat", action="store_true",

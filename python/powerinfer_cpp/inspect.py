@@ -18,7 +18,7 @@ from collections import Counter
 import numpy as np
 
 from . import format as F
-from .sparse.placement import format_size
+from .sizes import format_size
 
 __all__ = ["describe", "main"]
 

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ._native import NativeValueError, check, ffi, lib
+from .sizes import parse_size
 from .tokenizer import Tokenizer, load_tokenizer
 
 _ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu"}
@@ -314,32 +315,9 @@ class Model(_NativeHandle):
         return self.context.perplexity(text)
 
 
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 _LOAD_MODES = {"auto": lib.GH_LOAD_AUTO, "mmap": lib.GH_LOAD_MMAP, "read": lib.GH_LOAD_READ}
-
-
-def parse_size(value: int | str, what: str = "size") -> int:
-    """Bytes from an int or a string like "512M", "6G", "1.5GiB", "1048576"."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a number of bytes or a size string like '6G'")
-    if isinstance(value, numbers.Integral):
-        n = int(value)
-    elif isinstance(value, str):
-        import re
-
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
-        if not m:
-            raise ValueError(f"{what} '{value}' is not a size: use bytes or a number with "
-                             "K, M, G or T (e.g. 512M, 6G)")
-        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    else:
-        raise TypeError(f"{what} must be a number of bytes or a size string like '6G', not "
-                        f"{type(value).__name__}")
-    if n < 0 or n >= 2 ** 63:
-        raise ValueError(f"{what} must be between 0 and 2^63 bytes, got {n}")
-    return n
 
 
 def device_available(device: str) -> tuple[bool, str]:

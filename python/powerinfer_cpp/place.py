@@ -21,7 +21,8 @@ import numpy as np
 from . import format as F
 from .gguf_write import ConvertError, TensorJob, check_output_path, write_gguf
 from .sparse.pipeline import gpu_index_kv, index_jobs, solve_from_tensors
-from .sparse.placement import Placement, format_size, parse_size
+from .sizes import format_size, parse_size
+from .sparse.placement import Placement
 
 __all__ = ["PlaceError", "replace_index", "read_fields", "main"]
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Re-solve the GPU neuron placement of a sparse GGUF "
                                              "from its stored neuron frequencies (no re-profiling).")
     ap.add_argument("model", help="sparse GGUF (written by convert --sparse)")
-    ap.add_argument("--vram-budget", required=True, metavar="SIZE", help="GPU memory, e.g. 8G, 512M, 0")
+    ap.add_argument("--vram-budget", required=True, metavar="SIZE", help="GPU memory, e.g. 8G, 512M, 0 (a bare number is GiB)")
     ap.add_argument("-o", "--outfile", help="write here instead of rewriting MODEL in place")
     ap.add_argument("--ctx", type=int, default=None, help="KV cache context to reserve (default: as stored)")
     ap.add_argument("--group-size", type=int, default=None, help="neurons per group (default: as stored)")

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "predictors, gate with gate thresholds)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, host-device")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
-                   help="device memory the model may use, e.g. 6G")
+                   help="device memory the model may use, e.g. 6G (a bare number is GiB)")
     p.add_argument("--chat-template-file", help="a jinja chat template to use instead of the "
                                                 "file's tokenizer.chat_template")
     p.add_argument("--log-level", default="warning",

@@ -29,45 +29,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import format as F
+from ..sizes import format_size, parse_size  # noqa: F401 (re-exported for the sparse modules)
 
 __all__ = ["DenseItem", "PlacementProblem", "Placement", "parse_size", "format_size",
            "make_problem", "greedy_placement", "ilp_placement", "solve_placement"]
 
 #: Dense-part categories in the order they claim the budget.
 DENSE_PRIORITY = ("attention", "predictor", "norm", "output", "kv_cache")
-
-
-def parse_size(s: str | int) -> int:
-    """Bytes from "4G", "512M", "1.5GiB", "300k", "0", 1024 (binary units: K=1024)."""
-    if isinstance(s, (int, np.integer)):
-        if s < 0:
-            raise ValueError(f"negative size {s}")
-        return int(s)
-    t = str(s).strip().upper().replace(" ", "")
-    for suf in ("IB", "B"):
-        if t.endswith(suf) and len(t) > len(suf) and t[-len(suf) - 1] in "KMGT":
-            t = t[:-len(suf)]
-            break
-    mult = 1
-    if t and t[-1] in "KMGT":
-        mult = 1024 ** ("KMGT".index(t[-1]) + 1)
-        t = t[:-1]
-    elif t.endswith("B"):
-        t = t[:-1]
-    try:
-        v = float(t)
-    except ValueError:
-        raise ValueError(f"cannot parse size {s!r} (examples: 0, 512M, 4G, 1.5GiB)") from None
-    if not math.isfinite(v) or v < 0:
-        raise ValueError(f"size must be a non-negative number of bytes, got {s!r}")
-    return int(v * mult)
-
-
-def format_size(n: int) -> str:
-    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= m:
-            return f"{n / m:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclass

@@ -71,10 +71,11 @@ def tensors(reader) -> dict:
 def expected_type(kind: str, shape, outtype: str):
     if len(shape) == 1:
         return Q.F32
-    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[outtype]
-    if t == Q.Q4_0 and kind in (F.T_TOKEN_EMBD, F.T_OUTPUT):
-        t = Q.Q8_0
-    if t in (Q.Q8_0, Q.Q4_0) and shape[-1] % 32:
+    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
+         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[outtype]
+    if kind in (F.T_TOKEN_EMBD, F.T_OUTPUT):
+        t = {Q.Q4_0: Q.Q8_0, Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K}.get(t, t)
+    if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % (256 if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32):
         t = Q.F16
     return t
 

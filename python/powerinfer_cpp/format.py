@@ -144,19 +144,28 @@ FILE_TYPE_MOSTLY_F16 = 1
 FILE_TYPE_MOSTLY_Q4_0 = 2
 FILE_TYPE_MOSTLY_Q8_0 = 7
 FILE_TYPE_MOSTLY_BF16 = 32
+FILE_TYPE_MOSTLY_Q4_K_S = 14
+FILE_TYPE_MOSTLY_Q5_K_S = 16
+FILE_TYPE_MOSTLY_Q6_K = 18
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 OUTTYPE_FILE_TYPE = {
     "f32": FILE_TYPE_ALL_F32,
     "f16": FILE_TYPE_MOSTLY_F16,
     "bf16": FILE_TYPE_MOSTLY_BF16,
     "q8_0": FILE_TYPE_MOSTLY_Q8_0,
     "q4_0": FILE_TYPE_MOSTLY_Q4_0,
+    # every matrix in the one K-quant (embeddings and head Q6_K): llama.cpp's _S names
+    "q4_k": FILE_TYPE_MOSTLY_Q4_K_S,
+    "q5_k": FILE_TYPE_MOSTLY_Q5_K_S,
+    "q6_k": FILE_TYPE_MOSTLY_Q6_K,
 }
 
 #: Block size of the quantized types we write (elements per block); rows whose
 #: length is not a multiple of it are stored as F16 instead.
 QUANT_BLOCK = 32
+#: The same for the K-quants (q4_k, q5_k, q6_k): ggml's QK_K.
+QUANT_BLOCK_K = 256
 
 # --------------------------------------------------------------------------
 # Tensor names

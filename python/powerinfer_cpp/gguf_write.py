@@ -54,23 +54,46 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str):
     """(GGML type, note) a dense tensor of this kind and numpy shape is stored as.
 
     1-D tensors (norms, biases, frequencies) are always F32. Q4_0 embeddings and heads
-    are stored as Q8_0 (they dominate the quality loss otherwise, as in llama.cpp);
-    block-quantized rows need a length divisible by the block size, else F16."""
+    are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
+    otherwise, as in llama.cpp); block-quantized rows need a length divisible by the block
+    size (32; K-quants 256), else F16."""
     from gguf import GGMLQuantizationType as Q
     if len(shape) == 1:
         return Q.F32, ""
-    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[outtype]
-    if t == Q.Q4_0 and kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
-        t = Q.Q8_0
-    if t in (Q.Q8_0, Q.Q4_0) and shape[-1] % F.QUANT_BLOCK:
-        return Q.F16, f"row length {shape[-1]} is not a multiple of {F.QUANT_BLOCK}: stored as F16, not {t.name}"
+    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
+         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[outtype]
+    if kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
+        t = {Q.Q4_0: Q.Q8_0, Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K}.get(t, t)
+    block = F.QUANT_BLOCK_K if t in k_quant_types() else F.QUANT_BLOCK
+    if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % block:
+        return Q.F16, f"row length {shape[-1]} is not a multiple of {block}: stored as F16, not {t.name}"
     return t, ""
+
+
+def k_quant_types():
+    """The K-quant types: gguf.quants dequantizes them but cannot quantize them, so the
+    runtime's reference quantizer (gh_quantize_row) encodes them."""
+    from gguf import GGMLQuantizationType as Q
+    return (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def quantize(a: np.ndarray, qtype) -> np.ndarray:
+    """a (float32, rows whole blocks) as qtype's blocks: uint8 [..., row bytes]."""
+    from gguf.quants import quantize as gguf_quantize
+    if qtype not in k_quant_types():
+        return gguf_quantize(a, qtype)
+    from ._native import check, ffi, lib
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    out = np.empty((*a.shape[:-1], lib.gh_type_row_size(int(qtype), a.shape[-1])), dtype=np.uint8)
+    # rows are whole blocks, so the tensor is one long row of blocks
+    check(lib.gh_quantize_row(int(qtype), ffi.cast("float *", a.ctypes.data), ffi.cast("void *", out.ctypes.data),
+                              a.size))
+    return out
 
 
 def encode_job(job: TensorJob) -> np.ndarray:
     """The bytes (as a numpy array) of a job's tensor in its storage type."""
     from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
     a = job.load()
     if job.raw:
         return np.asarray(a)
@@ -88,7 +111,6 @@ def encode_job(job: TensorJob) -> np.ndarray:
 def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:
     """A float matrix encoded as ``qtype`` (F32, F16 or a block type)."""
     from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
     if qtype == Q.F32:
         return np.ascontiguousarray(a, dtype=np.float32)
     if qtype == Q.F16:

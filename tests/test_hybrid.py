@@ -252,7 +252,7 @@ def test_model_freed_before_its_context(sparse_path, tokens):
 @pytest.mark.parametrize("device, budget, match", [
     ("gpu", None, "unknown device 'gpu'"),
     ("cuda:x", None, "cuda:N"),
-    ("host-device", -5, "between 0 and 2"),
+    ("host-device", -5, "out of range"),
     ("host-device", "lots", "is not a size"),
 ])
 def test_bad_device_arguments(sparse_path, device, budget, match):
@@ -293,3 +293,27 @@ def test_reading_a_copied_file_is_unaffected(sparse_path, tmp_path):
     with Model(copy, device="host-device", vram_budget="4M", reset_gpu_index=True):
         pass
     assert copy.read_bytes() == before
+
+
+def test_place_side_file_is_the_index(sparse_path, tmp_path):
+    """`place MODEL` writes only MODEL.generated.gpuidx; the runtime takes it over the file's
+    own index (the device places exactly its neurons, and equals the CPU), and refuses it
+    once the model file changes."""
+    from powerinfer_cpp.place import main as place_main
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(sparse_path, model)
+    assert place_main([str(model), "--vram-budget", "3M", "-q", "--ctx", "64"]) == 0
+    side = str(model) + ".generated.gpuidx"
+    from gguf import GGUFReader
+    r = GGUFReader(side)
+    n_hot = sum(int(np.asarray(t.data).sum()) for t in r.tensors if t.name.endswith(".gpu_idx"))
+    assert n_hot > 0
+    with Model(str(model), device="host-device", vram_budget="64M") as m:
+        info = m.device_info()
+        assert info["n_hot"] == n_hot and info["index_source"] == "file"
+        assert info["file_budget"] == parse_size("3M") and "GPU index from" in info["note"]
+    with open(model, "ab") as f:  # the model changes: the side file no longer fits it
+        f.write(b"\0" * 32)
+    with pytest.raises(Exception, match="was made for a model file of"):
+        Model(str(model))

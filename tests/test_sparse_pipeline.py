@@ -420,15 +420,27 @@ def test_place_changes_only_index(random_sparse, tmp_path):
     for l in range(2):
         assert np.asarray(tb[F.sparse_tensor_name(F.T_GPU_IDX, l)].data).sum() == 256
         assert np.array_equal(np.asarray(tb[F.sparse_tensor_name(F.T_GPU_BUCKET, l)].data), np.arange(256))
-    # in place, back to CPU only: buckets disappear; no temp files left
+    # without -o only the index is written, as the side file next to the model (the model
+    # is not copied); back to CPU only: buckets disappear; no temp files left
     work = tmp_path / "inplace.gguf"
     work.write_bytes(out.read_bytes())
+    model_before = work.read_bytes()
     assert place_main([str(work), "--vram-budget", "0", "-q"]) == 0
-    tw = _tensors(work)
-    assert _fields(work)[F.KEY_GPU_SOLVER] == F.GPU_SOLVER_NONE
-    assert not any(F.T_GPU_BUCKET in n for n in tw)
+    assert work.read_bytes() == model_before
+    side = tmp_path / ("inplace.gguf" + F.GPUIDX_SUFFIX)
+    fs = _fields(side)
+    assert fs[F.KEY_GENERAL_ARCHITECTURE] == F.GPUIDX_ARCH
+    assert fs[F.KEY_GPU_SOLVER] == F.GPU_SOLVER_NONE and fs[F.KEY_GPU_MODEL_BYTES] == len(model_before)
+    tw = _tensors(side)
+    assert set(tw) == {F.sparse_tensor_name(F.T_GPU_IDX, l) for l in range(2)}  # no buckets
     assert all(np.asarray(tw[F.sparse_tensor_name(F.T_GPU_IDX, l)].data).sum() == 0 for l in range(2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["inplace.gguf", "placed.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inplace.gguf", side.name, "placed.gguf"]
+    # -o onto a model with a side file: the whole file is written and the side file, which
+    # would override it, removed
+    assert place_main([str(out), "--vram-budget", "10M", "-q"]) == 0
+    assert (tmp_path / ("placed.gguf" + F.GPUIDX_SUFFIX)).exists()
+    assert place_main([str(work), "--vram-budget", "10M", "-q", "-o", str(out)]) == 0
+    assert not (tmp_path / ("placed.gguf" + F.GPUIDX_SUFFIX)).exists()
     # a dense file is refused
     assert place_main([str(random_sparse["dense-f32"]), "--vram-budget", "1G"]) == 1
 

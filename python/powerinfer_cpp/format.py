@@ -300,11 +300,14 @@ GPU_SOLVERS = (GPU_SOLVER_ILP, GPU_SOLVER_GREEDY, GPU_SOLVER_NONE)
 #: below. Its presence marks a gate-sparse file (ffn_down_t, no predictors needed).
 KEY_SPARSE_GATE_THRESHOLD = "powerinfer.sparse.gate_threshold"
 #: PowerInfer's own files (PWRI magic): their predictor threshold (f32). Read from PWRI
-#: files only; their predictors read the residual stream, their GPU index is the
-#: "<model>.generated.gpuidx" side file (architecture generic.gpu_index).
+#: files only; their predictors read the residual stream.
 KEY_PWRI_SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
-PWRI_GPUIDX_SUFFIX = ".generated.gpuidx"
-PWRI_GPUIDX_ARCH = "generic.gpu_index"
+#: A GPU index side file "<model>.generated.gpuidx" (PowerInfer's layout; `place` writes
+#: ours so): a GGUF of this architecture with blk.N.gpu_idx / gpu_bucket and, in ours, the
+#: powerinfer.gpu.* keys plus the model file's size; it replaces the index in the model.
+GPUIDX_SUFFIX = ".generated.gpuidx"
+GPUIDX_ARCH = "generic.gpu_index"
+KEY_GPU_MODEL_BYTES = "powerinfer.gpu.model_bytes"
 #: The share of FFN neurons the gate thresholds were calibrated to zero (f32, 0..1).
 KEY_SPARSE_TARGET = "powerinfer.sparse.target_sparsity"
 

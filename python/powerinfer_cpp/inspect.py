@@ -73,7 +73,7 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     calib = (f"calibration {fields.get(F.KEY_SPARSE_CALIB_TOKENS, '?')} tokens of "
              f"{fields.get(F.KEY_SPARSE_CALIB_SOURCE, '?')}")
     if pwri and F.KEY_PWRI_SPARSE_THRESHOLD in fields:
-        side = path + F.PWRI_GPUIDX_SUFFIX
+        side = path + F.GPUIDX_SUFFIX
         out.append(f"sparse: yes (PowerInfer's layout: predictors on the residual stream)  threshold "
                    f"{float(fields[F.KEY_PWRI_SPARSE_THRESHOLD]):g}; gpu index: "
                    + (f"side file {side}" if os.path.exists(side) else "none (no side file)"))

@@ -4,9 +4,11 @@
 
 Uses the neuron frequencies stored in the file (``blk.N.ffn_freq``), so no
 profiling is needed. Only the GPU index changes: the ``blk.N.gpu_idx`` /
-``blk.N.gpu_bucket`` tensors and the ``powerinfer.gpu.*`` keys; every other
-key and tensor is copied unchanged. Without ``-o`` the file is rewritten in
-place, atomically (a temporary file renamed over it).
+``blk.N.gpu_bucket`` tensors and the ``powerinfer.gpu.*`` keys. Without ``-o`` only
+that is written, as the side file ``MODEL.gguf.generated.gpuidx`` (PowerInfer's
+layout; the runtime reads it in place of the file's own index, and refuses one made
+for another file): the model is not copied. With ``-o`` a whole new model file is
+written with the new index (every other key and tensor copied unchanged).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .gguf_write import ConvertError, TensorJob, check_output_path, write_gguf
 from .sparse.pipeline import gpu_index_kv, index_jobs, solve_from_tensors
 from .sizes import format_size, parse_size
 from .sparse.placement import Placement
+
+log = logging.getLogger("powerinfer_cpp.place")
 
 __all__ = ["PlaceError", "replace_index", "read_fields", "main"]
 
@@ -54,14 +58,15 @@ def _copy_fields(reader, w, skip: set[str]) -> None:
 def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathLike | None = None, *,
                   ctx: int | None = None, group_size: int | None = None, min_layer_share: float = 0.05,
                   method: str = "ilp", time_limit: float = 10.0, progress: bool = False) -> Placement:
-    """Solve the placement of the sparse GGUF ``path`` for ``budget`` bytes and
-    write the file with the new GPU index to ``out_path`` (default: ``path``,
-    replaced atomically). ``ctx`` / ``group_size`` default to the values stored
-    in the file. Returns the Placement."""
+    """Solve the placement of the sparse GGUF ``path`` for ``budget`` bytes and write
+    the new GPU index: to the side file ``path + GPUIDX_SUFFIX`` (default), or a whole
+    model file ``out_path``. ``ctx`` / ``group_size`` default to the values stored in the
+    file. Returns the Placement."""
     import gguf
 
     path = os.fspath(path)
-    out_path = os.fspath(out_path) if out_path is not None else path
+    side = out_path is None
+    out_path = path + F.GPUIDX_SUFFIX if side else os.fspath(out_path)
     if not os.path.isfile(path):
         raise PlaceError(f"model file not found: {path}" if not os.path.exists(path)
                          else f"{path} is not a regular file; pass a .gguf file")
@@ -115,6 +120,24 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
     except KeyError as e:
         raise PlaceError(f"{path}: tensor {e} missing") from None
 
+    if side:
+        jobs = []
+        for il in range(n_layer):
+            jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)[1:]  # gpu_idx (+ gpu_bucket)
+        model_bytes = os.path.getsize(path)
+
+        def side_setup(w):
+            from gguf import GGUFValueType as V
+            for k, v, ty in gpu_index_kv(pl, group_size, ctx):
+                w.add_key_value(k, v, ty)
+            w.add_key_value(F.KEY_GPU_MODEL_BYTES, model_bytes, V.UINT64)
+
+        try:
+            write_gguf(out_path, side_setup, jobs, progress, arch=F.GPUIDX_ARCH)
+        except ConvertError as e:
+            raise PlaceError(str(e)) from None
+        return pl
+
     idx_kinds = set(F.GPU_INDEX_TENSORS)
     jobs = []
     for t in reader.tensors:
@@ -135,6 +158,11 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
         write_gguf(out_path, setup, jobs, progress, arch=arch)
     except ConvertError as e:
         raise PlaceError(str(e)) from None
+    stale = out_path + F.GPUIDX_SUFFIX
+    if os.path.exists(stale):
+        # the runtime would take it over the index just written
+        os.remove(stale)
+        log.warning("removed %s: it held another GPU index for %s", stale, out_path)
     return pl
 
 
@@ -144,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                                              "from its stored neuron frequencies (no re-profiling).")
     ap.add_argument("model", help="sparse GGUF (written by convert --sparse)")
     ap.add_argument("--vram-budget", required=True, metavar="SIZE", help="GPU memory, e.g. 8G, 512M, 0 (a bare number is GiB)")
-    ap.add_argument("-o", "--outfile", help="write here instead of rewriting MODEL in place")
+    ap.add_argument("-o", "--outfile", help="write a whole model file with the new index here (default: "
+                                            "only the index, as MODEL.generated.gpuidx next to MODEL)")
     ap.add_argument("--ctx", type=int, default=None, help="KV cache context to reserve (default: as stored)")
     ap.add_argument("--group-size", type=int, default=None, help="neurons per group (default: as stored)")
     ap.add_argument("--min-layer-share", type=float, default=0.05,
@@ -164,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not args.quiet:
         print(pl.summary())
-        print(f"wrote {os.path.abspath(args.outfile or args.model)} (budget {format_size(budget)})")
+        out = args.outfile or args.model + F.GPUIDX_SUFFIX
+        print(f"wrote {os.path.abspath(out)} (budget {format_size(budget)})")
     return 0
 
 

@@ -17,19 +17,19 @@ def parse_size(value: int | str, what: str = "size") -> int:
     if isinstance(value, numbers.Integral):
         n = int(value)
     elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
         if not m or (not m.group(2) and re.search(r"[bB]\s*$", value)):
             raise ValueError(f"{what} '{value}' is not a size: use a number with K, M, G or T "
                              "(e.g. 512M, 6G; a bare number is GiB)")
-        v = float(m.group(1))
-        if not math.isfinite(v):
-            raise ValueError(f"{what} '{value}' is not a finite size")
-        n = int(v * _UNITS[(m.group(2) or "g").lower()])
+        v = float(m.group(1)) * _UNITS[(m.group(2) or "g").lower()]
+        if not math.isfinite(v) or v >= 2 ** 63:
+            raise ValueError(f"{what} '{value}' is out of range (0 to 8 EiB)")
+        n = int(v)
     else:
         raise TypeError(f"{what} must be a number of bytes or a size string like '6G', not "
                         f"{type(value).__name__}")
     if n < 0 or n >= 2 ** 63:
-        raise ValueError(f"{what} must be between 0 and 2^63 bytes, got {n}")
+        raise ValueError(f"{what} {n} is out of range (0 to 8 EiB)")
     return n
 
 

@@ -296,10 +296,8 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
             file_hot += L->n_hot;
         }
     }
-    in->file_budget = -1;
-    const int64_t ki = gh_gguf_find_key(m->gguf, "powerinfer.gpu.vram_budget");
-    int64_t fb;
-    if (has_index && ki >= 0 && gh_gguf_kv_int(m->gguf, ki, &fb) == GH_OK) in->file_budget = fb;
+    in->file_budget = has_index ? m->index_budget : -1;
+    if (has_index && m->index_file[0]) note(hy, "GPU index from %s", m->index_file);
 
     if (file_hot > 0 && file_bytes <= left && !p->reset_gpu_index) {
         for (int il = 0; il < nl; il++) {

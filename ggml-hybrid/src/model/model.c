@@ -861,12 +861,20 @@ gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
     return GH_OK;
 }
 
-/* PowerInfer's GPU index lives in "<model>.generated.gpuidx" (a GGUF of architecture
- * generic.gpu_index with blk.N.gpu_idx and blk.N.gpu_bucket); absent: no index. */
+/* A GPU index side file "<model>.generated.gpuidx" (PowerInfer's layout: a GGUF of
+ * architecture generic.gpu_index with blk.N.gpu_idx and blk.N.gpu_bucket; `place` writes
+ * ours the same way) replaces the index inside the file. Ours record the model's size, so
+ * a side file left from another conversion is refused rather than used. */
 static gh_status open_gpuidx(gh_model * m, const char * path) {
     char side[4096];
-    if ((size_t) snprintf(side, sizeof side, "%s.generated.gpuidx", path) >= sizeof side) return GH_OK;
-    if (access(side, F_OK) != 0) return GH_OK;
+    m->index_budget = -1;
+    if ((size_t) snprintf(side, sizeof side, "%s.generated.gpuidx", path) >= sizeof side ||
+        access(side, F_OK) != 0) {
+        int64_t fb;
+        const int64_t ki = gh_gguf_find_key(m->gguf, "powerinfer.gpu.vram_budget");
+        if (ki >= 0 && gh_gguf_kv_int(m->gguf, ki, &fb) == GH_OK) m->index_budget = fb;
+        return GH_OK;
+    }
     gh_status st = gh_gguf_open(side, &m->gpuidx);
     if (st) return st; /* the reader named the file */
     const char * a = gh_gguf_get_str(m->gpuidx, "general.architecture");
@@ -874,6 +882,18 @@ static gh_status open_gpuidx(gh_model * m, const char * path) {
         return gh_fail(GH_ERR_FORMAT, "GPU index file '%.200s' has architecture '%.64s', not "
                        "generic.gpu_index", side, a);
     }
+    int64_t want = -1;
+    const int64_t km = gh_gguf_find_key(m->gpuidx, "powerinfer.gpu.model_bytes");
+    if (km >= 0 && (gh_gguf_kv_int(m->gpuidx, km, &want) != GH_OK || (uint64_t) want != m->gguf->size)) {
+        return gh_fail(GH_ERR_FORMAT, "GPU index file '%.200s' was made for a model file of %lld "
+                       "bytes, not this one's %llu: re-run `python -m powerinfer_cpp.place` or "
+                       "delete it", side, (long long) want, (unsigned long long) m->gguf->size);
+    }
+    int64_t fb;
+    int64_t ki = gh_gguf_find_key(m->gpuidx, "powerinfer.gpu.vram_budget");
+    if (ki < 0) ki = gh_gguf_find_key(m->gpuidx, "split.vram_capacity"); /* PowerInfer's */
+    if (ki >= 0 && gh_gguf_kv_int(m->gpuidx, ki, &fb) == GH_OK) m->index_budget = fb;
+    snprintf(m->index_file, sizeof m->index_file, "%s", side);
     return GH_OK;
 }
 
@@ -886,7 +906,7 @@ static gh_status model_load(const char * path, int load, gh_model ** out) {
     atomic_init(&m->refs, 1);
     gh_status st = gh_gguf_open_ex(path, load, &m->gguf);
     if (!st) st = load_hparams(m);
-    if (!st && m->gguf->pwri) st = open_gpuidx(m, path);
+    if (!st) st = open_gpuidx(m, path);
     if (!st) st = load_tensors(m);
     if (!st) fill_info(m);
     /* the side file's index is copied into the layers */

@@ -47,7 +47,9 @@ typedef struct {
 
 struct gh_model {
     gh_gguf *       gguf;
-    gh_gguf *       gpuidx;      /* while loading: PowerInfer's .gpuidx side file, or NULL */
+    gh_gguf *       gpuidx;      /* while loading: the .generated.gpuidx side file, or NULL */
+    char            index_file[512]; /* the side file the GPU index came from ("" if none) */
+    int64_t         index_budget;/* the budget the GPU index was solved for (-1: unknown) */
     const gh_arch * arch;
     gh_hparams      hp;          /* what the runtime works with */
     gh_model_info   info;        /* the public view of it (gh_model_info_get) */

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the tiny ReLU-sparse models that powerinfer-cpp ships for tests.
+"""Train the tiny models that powerinfer-cpp ships for tests (ReLU-sparse, and one SwiGLU).
 
 Dev-time tool (needs torch, transformers, tokenizers, safetensors). It:
 
@@ -15,6 +15,9 @@ Dev-time tool (needs torch, transformers, tokenizers, safetensors). It:
      half); ``--arch`` picks the shape:
        llama (default): ``LlamaForCausalLM`` with ReLU gating (ReGLU FFN), GQA,
                         RMSNorm, RoPE, no biases; penalty on relu(gate_proj(x));
+                        ``--act silu`` makes it SwiGLU (the Llama/Qwen/Mistral FFN,
+                        trained without the penalty: ``--l1 0``), the model of the
+                        training-free gate-magnitude sparsity;
        opt:             ``OPTForCausalLM`` (pre-LN) with an ungated ReLU FFN,
                         biases, LayerNorm, learned positions, MHA; penalty on
                         relu(fc1(x) + b1);
@@ -27,6 +30,7 @@ The commands used for the shipped models:
 
     python tools/train_tiny_model.py --out models/tiny-relu-kjv --l1 0.2 --threads 1
     python tools/train_tiny_model.py --arch opt --out models/tiny-opt-kjv --l1 0.2 --threads 1
+    python tools/train_tiny_model.py --act silu --out models/tiny-swiglu-kjv --l1 0 --threads 1
 
 Prerequisite for the default text source (Debian/Ubuntu):
 
@@ -241,10 +245,18 @@ def train_tokenizer(train_text: str, vocab_size: int, out_dir: str, max_len: int
 # Model / training
 # ---------------------------------------------------------------------------
 
-DEFAULT_OUT = {"llama": "models/tiny-relu-kjv", "opt": "models/tiny-opt-kjv"}
+DEFAULT_OUT = {"llama": "models/tiny-relu-kjv", "opt": "models/tiny-opt-kjv",
+               "llama-silu": "models/tiny-swiglu-kjv"}
 MODEL_CLASS = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM"}
-# the activation the L1 penalty and the sparsity statistics are about, per --arch
-ACT_EXPR = {"llama": "relu(gate_proj(x))", "opt": "relu(fc1(x) + b1)"}
+# the activation the L1 penalty and the sparsity statistics are about, per --arch (and
+# "llama-silu" for --act silu)
+ACT_EXPR = {"llama": "relu(gate_proj(x))", "opt": "relu(fc1(x) + b1)",
+            "llama-silu": "silu(gate_proj(x))"}
+
+
+def variant(arch: str, act: str) -> str:
+    """The key of DEFAULT_OUT / ACT_EXPR for an --arch and --act."""
+    return arch if act == "relu" else f"{arch}-{act}"
 
 
 def model_class(arch: str):
@@ -268,7 +280,7 @@ def make_config(args, vocab_size: int):
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         rope_theta=ROPE_THETA,
-        hidden_act="relu",
+        hidden_act=args.act,
         tie_word_embeddings=True,
         attention_bias=False,
         mlp_bias=False,
@@ -370,6 +382,9 @@ def evaluate(model, val_rows: torch.Tensor, batch: int) -> dict:
     total = [0] * n_layers
     fire = [torch.zeros(inter, dtype=torch.float64) for _ in range(n_layers)]
     mass = [torch.zeros(inter, dtype=torch.float64) for _ in range(n_layers)]
+    # share of each token's |act| mass in its smallest 25% / 50% of neurons: what
+    # gate-magnitude sparsity drops at those levels (a SwiGLU FFN has no exact zeros)
+    low_mass = [[0.0, 0.0] for _ in range(n_layers)]
     loss_sum, tok_count = 0.0, 0
     for i in range(0, val_rows.shape[0], batch):
         x = val_rows[i:i + batch]
@@ -387,6 +402,10 @@ def evaluate(model, val_rows: torch.Tensor, batch: int) -> dict:
             total[l] += a.numel()
             fire[l] += nz.sum(0).double()
             mass[l] += a.abs().sum(0).double()
+            srt = a.abs().double().sort(dim=1).values
+            tot = srt.sum(1).clamp_min(1e-30)
+            for j, q in enumerate((0.25, 0.5)):
+                low_mass[l][j] += float((srt[:, :int(q * inter)].sum(1) / tot).sum())
         cap.clear()
     cap.remove()
     n_tok = val_rows.shape[0] * val_rows.shape[1]
@@ -413,6 +432,8 @@ def evaluate(model, val_rows: torch.Tensor, batch: int) -> dict:
             "top20pct_neurons_share_of_firings": top_share(fire[l], 0.20),
             "top10pct_neurons_share_of_activation_mass": top_share(mass[l], 0.10),
             "top20pct_neurons_share_of_activation_mass": top_share(mass[l], 0.20),
+            "smallest25pct_share_of_token_mass": low_mass[l][0] / n_tok,
+            "smallest50pct_share_of_token_mass": low_mass[l][1] / n_tok,
         })
     val_loss = loss_sum / tok_count
     return {
@@ -429,8 +450,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=sorted(MODEL_CLASS), default="llama",
                     help="llama: ReGLU LlamaForCausalLM (default); opt: ungated ReLU OPTForCausalLM")
+    ap.add_argument("--act", choices=("relu", "silu"), default="relu",
+                    help="llama's gate activation: relu (ReGLU, default) or silu (SwiGLU; train it "
+                         "with --l1 0)")
     ap.add_argument("--out", default=None,
-                    help="output folder (default models/tiny-relu-kjv; --arch opt: models/tiny-opt-kjv)")
+                    help="output folder (default models/tiny-relu-kjv; --arch opt: models/tiny-opt-kjv; "
+                         "--act silu: models/tiny-swiglu-kjv)")
     ap.add_argument("--text", nargs="+", default=None,
                     help="plain-text files to train on (default: KJV from bible-kjv-text)")
     ap.add_argument("--steps", type=int, default=300)
@@ -455,14 +480,17 @@ def main() -> None:
                     help="do not train: re-read <out>/training_stats.json, attach --baseline-stats "
                          "and rewrite training_stats.json + README.md")
     args = ap.parse_args()
+    if args.arch == "opt" and args.act != "relu":
+        ap.error("--act silu is a gated (llama) FFN; OPT's FFN is ungated ReLU")
     if args.out is None:
-        args.out = DEFAULT_OUT[args.arch]
+        args.out = DEFAULT_OUT[variant(args.arch, args.act)]
     if args.card_only:
         stats_path = os.path.join(args.out, "training_stats.json")
         with open(stats_path) as f:
             stats = json.load(f)
         # the folder's own architecture, not the flag's default (older stats lack the key)
         args.arch = stats.get("arch", "llama")
+        args.act = stats.get("act", "relu")
         if args.baseline_stats:
             attach_baseline(stats, args.baseline_stats)
         with open(stats_path, "w") as f:
@@ -632,6 +660,7 @@ def main() -> None:
     stats = {
         "command": cmd,
         "arch": args.arch,
+        "act": args.act,
         "final_train": last,
         "val_loss": ev["val_loss"],
         "val_ppl": ev["val_ppl"],
@@ -651,7 +680,7 @@ def main() -> None:
         "weight_decay": args.weight_decay,
         "l1_lambda": args.l1,
         "l1_ramp_fraction": args.l1_ramp,
-        "l1_definition": f"lambda * mean over layers of mean(|{ACT_EXPR[args.arch]}|)",
+        "l1_definition": f"lambda * mean over layers of mean(|{ACT_EXPR[variant(args.arch, args.act)]}|)",
         "seed": args.seed,
         "threads": args.threads,
         "train_time_s": round(train_time, 1),
@@ -745,7 +774,16 @@ def write_model_card(out: str, s: dict, config) -> None:
     )
     c = config
     arch = s.get("arch", "llama")
-    act = ACT_EXPR[arch]
+    swiglu = s.get("act", "relu") == "silu"
+    act = ACT_EXPR[variant(arch, s.get("act", "relu"))]
+    if swiglu:
+        rows = [
+            f"| {l['layer']} | {100 * l['zero_fraction']:.2f}% | "
+            f"{100 * l['smallest25pct_share_of_token_mass']:.1f}% | "
+            f"{100 * l['smallest50pct_share_of_token_mass']:.1f}% | "
+            f"{100 * l['top10pct_neurons_share_of_activation_mass']:.1f}% | "
+            f"{100 * l['top20pct_neurons_share_of_activation_mass']:.1f}% |"
+            for l in s["ffn_layers"]]
     if arch == "opt":
         intro = f"""A tiny (~{s['n_parameters'] / 1e6:.1f}M parameter) OPT-architecture causal LM with an
 **ungated ReLU FFN with biases**, trained with a ProSparse-style L1 activation penalty so
@@ -768,12 +806,53 @@ safetensors."""
 most FFN neurons are exactly zero for any given token. It exists to test
 powerinfer-cpp (sparse FFN inference, hot/cold neuron split, GQA attention); it is
 not useful as a language model beyond that."""
+        if swiglu:
+            intro = f"""A tiny (~{s['n_parameters'] / 1e6:.1f}M parameter) Llama-architecture causal LM with a
+**SwiGLU FFN** (`silu`, as Llama, Qwen and Mistral), trained without any activation penalty:
+its FFN activations are dense (almost never exactly zero). It is the sibling of
+`tiny-relu-kjv` (same text, tokenizer procedure, sizes, schedule and seed; only the gate
+activation and the penalty differ) and exists to test powerinfer-cpp's training-free
+gate-magnitude sparsity (`convert --sparsity`, `--max-ppl-increase`), which thresholds
+|silu(gate)| instead of relying on exact zeros; it is not useful as a language model
+beyond that."""
         arch_par = f"""`LlamaForCausalLM`: hidden {c.hidden_size}, FFN {c.intermediate_size}
-(`down(relu(gate(x)) * up(x))`), {c.num_hidden_layers} layers,
+(`down({s.get('act', 'relu')}(gate(x)) * up(x))`), {c.num_hidden_layers} layers,
 {c.num_attention_heads} query heads / {c.num_key_value_heads} KV heads (GQA, head dim
 {c.hidden_size // c.num_attention_heads}), vocab {c.vocab_size}, RoPE θ={ROPE_THETA:g},
 RMSNorm ε={c.rms_norm_eps}, max positions {c.max_position_embeddings}, tied input/output
 embeddings. {s['n_parameters']:,} parameters, stored as fp16 safetensors."""
+    if s["l1_lambda"] > 0:
+        loss_line = (f"Loss = cross-entropy + λ · mean over layers of mean(|{act}|), with λ ramped\n"
+                     f"linearly from 0 to {s['l1_lambda']} over the first "
+                     f"{int(100 * s['l1_ramp_fraction'])}% of steps.")
+    else:
+        loss_line = "Loss = cross-entropy alone (`--l1 0`: no activation penalty)."
+    if swiglu:
+        results = f"""- mean fraction of FFN activations `{act}` that are exactly zero:
+  **{100 * s['ffn_zero_fraction_mean']:.2f}%** (SwiGLU: dense)
+
+| layer | exact zeros | smallest 25% of a token's neurons: share of its \\|act\\| mass | smallest 50%: mass | top 10% neurons: activation mass | top 20%: mass |
+|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+The "smallest 25% / 50%" columns sort each token's |{act}| and give the share of its
+sum that the smaller quarter / half carries (averaged over tokens): what gate-magnitude
+sparsity at 25% / 50% drops (before the product with `up`). "Activation mass" of the top
+neurons sums |act| per neuron over the held-out tokens; a uniform distribution would give
+10% / 20%."""
+    else:
+        results = f"""- mean fraction of FFN activations `{act}` that are exactly zero:
+  **{100 * s['ffn_zero_fraction_mean']:.2f}%**
+
+| layer | zeros | active neurons / token (of {ffn_size(c)}) | never fire | top 10% neurons: share of firings | top 20%: firings | top 10%: activation mass | top 20%: mass |
+|---|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+"Share of firings" = fraction of all non-zero activations (over validation tokens) that
+come from the most frequently firing 10% / 20% of the layer's neurons; "activation mass"
+uses the sum of activation values instead of counts. A uniform distribution would give
+10% / 20%. "Never fire" counts neurons with no non-zero activation on the held-out text
+(the L1 penalty switches some neurons off almost entirely)."""
     card = f"""# {os.path.basename(os.path.normpath(out))}
 
 {intro}
@@ -823,8 +902,7 @@ text from "{s['data']['heldout_first_line']}" to the end; cut at a chapter bound
 AdamW (β=0.9/0.95, weight decay {s['weight_decay']}), peak LR {s['lr']}, {s['warmup']} warmup
 steps then cosine decay to 10%, gradient clipping 1.0, {s['steps']} steps × batch {s['batch']} ×
 {s['seq']} tokens (each row = `<s>` + 255 tokens), seed {s['seed']}, {s['threads']} CPU threads,
-fp32. Loss = cross-entropy + λ · mean over layers of mean(|{act}|), with λ ramped
-linearly from 0 to {s['l1_lambda']} over the first {int(100 * s['l1_ramp_fraction'])}% of steps.
+fp32. {loss_line}
 Training took {s['train_time_s']:.0f} s; the whole script {s['wall_time_s']:.0f} s (on a
 shared 2-core CPU machine that was busy with other jobs; an idle machine is several times faster).
 Versions: {', '.join(f'{k} {v}' for k, v in s['versions'].items())}.
@@ -836,18 +914,7 @@ weights evaluated in fp32:
 
 - final training cross-entropy (last batch): {s['final_train']['ce']:.4f}
 - validation loss: **{s['val_loss']:.4f}**, perplexity **{s['val_ppl']:.2f}**
-- mean fraction of FFN activations `{act}` that are exactly zero:
-  **{100 * s['ffn_zero_fraction_mean']:.2f}%**
-
-| layer | zeros | active neurons / token (of {ffn_size(c)}) | never fire | top 10% neurons: share of firings | top 20%: firings | top 10%: activation mass | top 20%: mass |
-|---|---|---|---|---|---|---|---|
-{chr(10).join(rows)}
-
-"Share of firings" = fraction of all non-zero activations (over validation tokens) that
-come from the most frequently firing 10% / 20% of the layer's neurons; "activation mass"
-uses the sum of activation values instead of counts. A uniform distribution would give
-10% / 20%. "Never fire" counts neurons with no non-zero activation on the held-out text
-(the L1 penalty switches some neurons off almost entirely).
+{results}
 
 `heldout.txt` is intended as calibration / perplexity text for later stages (predictor
 training, hot-neuron profiling, perplexity checks); it is disjoint from the training text.

@@ -474,3 +474,18 @@ def test_format_doc_covers_every_architecture(converted):
                 continue
             doc_key = "A." + key[len(A) + 1:] if key.startswith(A + ".") else key
             assert f"`{doc_key}`" in doc or f"`{doc_key}" in doc, (variant, key)
+
+
+def test_dense_relu_file_warns_about_llama_cpp(hf_dirs, tmp_path, caplog):
+    """llama.cpp reads no activation key: a dense ReLU llama file would run as SwiGLU there,
+    so convert says so; SwiGLU and Falcon's GELU (tanh or exact) do not warn."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="powerinfer_cpp.convert"):
+        convert(hf_dirs["llama-relu"], tmp_path / "r.gguf", "f32", progress=False)
+    assert "llama.cpp computes silu" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="powerinfer_cpp.convert"):
+        convert(hf_dirs["llama"], tmp_path / "s.gguf", "f32", progress=False)
+        convert(hf_dirs["falcon-7b"], tmp_path / "f.gguf", "f32", progress=False)
+    assert "llama.cpp computes" not in caplog.text

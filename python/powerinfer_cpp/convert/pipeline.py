@@ -92,6 +92,13 @@ def _input_files(hf_dir: str, sparse_options=None) -> list[str]:
     return out
 
 
+#: What llama.cpp computes for each architecture it has (it reads no activation key), and
+#: the activations it thus runs right (tanh-GELU for the exact one differs by rounding only).
+LLAMA_CPP_DEFAULT_ACT = {F.ARCH_LLAMA: F.ACT_SILU, F.ARCH_QWEN2: F.ACT_SILU, F.ARCH_PHI3: F.ACT_SILU,
+                         F.ARCH_FALCON: F.ACT_GELU}
+_LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF)}
+
+
 def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
             progress: bool = True, sparse: bool = False, sparse_options: SparseOptions | None = None,
             report: list | None = None) -> str:
@@ -133,6 +140,13 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
                 if report is not None:
                     report.append(rep)
                 return path
+            runs = _LLAMA_CPP_RUNS.get(params.arch, (LLAMA_CPP_DEFAULT_ACT.get(params.arch),))
+            if params.arch in LLAMA_CPP_DEFAULT_ACT and params.activation not in runs:
+                # llama.cpp reads no activation key: it would run this file with its own
+                log.warning("%s: a dense %s file with a %s FFN: this runtime reads its activation "
+                            "from %s, but llama.cpp computes %s for every %s file, so llama.cpp's "
+                            "output for it would be wrong", out_path, params.arch, params.activation,
+                            F.KEY_FFN_ACTIVATION, LLAMA_CPP_DEFAULT_ACT[params.arch], params.arch)
             return write_gguf(out_path, lambda w: add_kv(w, kv), jobs, progress, arch=params.arch)
         except SafetensorsError as e:
             raise ConvertError(str(e)) from None

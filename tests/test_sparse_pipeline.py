@@ -545,16 +545,21 @@ def test_cli_sparse_errors(tmp_path):
         return subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", *map(str, args), "-q"], env=env,
                               capture_output=True, text=True, timeout=120)
 
-    p = run(silu, "-o", tmp_path / "a.gguf", "--sparse", "--calib", HELDOUT)
-    assert p.returncode == 1 and "ReLU-family" in p.stderr and "Traceback" not in p.stderr
+    # non-ReLU gated: --sparse (and the default) is the gate-threshold quality budget
+    p = run(silu, "-o", tmp_path / "a.gguf", "--sparse", "--calib", HELDOUT, "--calib-tokens", "512")
+    assert p.returncode == 0, p.stderr
+    assert F.KEY_SPARSE_GATE_THRESHOLD in _fields(tmp_path / "a.gguf")
+    (tmp_path / "a.gguf").unlink()
     p = run(relu, "-o", tmp_path / "b.gguf")  # sparse by default for ReLU; no calibration text
     assert p.returncode == 1 and "--calib" in p.stderr and "Traceback" not in p.stderr
     p = run(relu, "-o", tmp_path / "c.gguf", "--vram-budget", "lots")
     assert p.returncode == 1 and "--vram-budget" in p.stderr
     assert not any(x.suffix == ".gguf" or x.name.startswith(".") for x in tmp_path.iterdir())
-    p = run(silu, "-o", tmp_path / "d.gguf")  # non-ReLU: dense by default
+    p = run(silu, "-o", tmp_path / "d.gguf")  # the budget needs calibration text: says where
+    assert p.returncode == 1 and "heldout.txt" in p.stderr and "--calib" in p.stderr, p.stderr
+    p = run(silu, "-o", tmp_path / "d.gguf", "--dense")
     assert p.returncode == 0, p.stderr
-    assert F.KEY_SPARSE_THRESHOLD not in _fields(tmp_path / "d.gguf")
+    assert not F.is_sparse(_fields(tmp_path / "d.gguf"))
 
 
 # ---------------------------------------------------------------------------

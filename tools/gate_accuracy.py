@@ -7,8 +7,11 @@ FFN) in the dense and the gate mode, and report perplexity, KL divergence of the
 mode's next-token distribution to the dense one, top-1 agreement and the FFN density the
 runtime measured. Both modes use an f32 KV cache, so the difference is the FFN's alone.
 
-    PYTHONPATH=python python tools/gate_accuracy.py [--model models/tiny-relu-kjv]
-        [--sparsity 0.5,0.9,0.95] [--outtype f16] [--tokens 1000]
+    PYTHONPATH=python python tools/gate_accuracy.py [--model models/tiny-swiglu-kjv]
+        [--sparsity 0.25,0.4,0.5] [--outtype f16] [--tokens 1000]
+
+tools/eval_sparsity.py measures the same on more levels and both allocations, with one
+calibration, a table and a plot; this one converts once per level.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def logprobs(ctx, ids: list[int], window: int) -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="models/tiny-relu-kjv")
-    ap.add_argument("--sparsity", default="0.5,0.9,0.95")
+    ap.add_argument("--model", default="models/tiny-swiglu-kjv")
+    ap.add_argument("--sparsity", default="0.25,0.4,0.5")
     ap.add_argument("--outtype", default="f16")
     ap.add_argument("--tokens", type=int, default=1000)
     ap.add_argument("--threads", type=int, default=2)

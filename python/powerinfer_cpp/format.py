@@ -308,14 +308,28 @@ KEY_PWRI_SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
 GPUIDX_SUFFIX = ".generated.gpuidx"
 GPUIDX_ARCH = "generic.gpu_index"
 KEY_GPU_MODEL_BYTES = "powerinfer.gpu.model_bytes"
-#: The share of FFN neurons the gate thresholds were calibrated to zero (f32, 0..1).
+#: The share of FFN neurons the gate thresholds were calibrated to zero (f32, 0..1; the
+#: mean over the layers).
 KEY_SPARSE_TARGET = "powerinfer.sparse.target_sparsity"
+#: Per layer, the share its threshold was calibrated to zero (f32[n_layer]; the
+#: allocation of the mean above).
+KEY_SPARSE_LAYER_SPARSITY = "powerinfer.sparse.layer_sparsity"
+#: How the mean sparsity was shared among the layers (string, one of GATE_ALLOCATIONS).
+KEY_SPARSE_GATE_ALLOCATION = "powerinfer.sparse.gate_allocation"
+GATE_ALLOCATIONS = ("uniform", "greedy")
+#: A gate file calibrated to a quality budget: the budget (f32, relative perplexity
+#: increase, e.g. 0.02) and the increase measured for the chosen level on held-out tokens.
+KEY_SPARSE_MAX_PPL_INCREASE = "powerinfer.sparse.max_ppl_increase"
+KEY_SPARSE_PPL_INCREASE = "powerinfer.sparse.heldout_ppl_increase"
 
 SPARSE_KEYS = (KEY_SPARSE_THRESHOLD, KEY_SPARSE_CALIB_SOURCE, KEY_SPARSE_CALIB_TOKENS,
                KEY_SPARSE_RECALL_TARGET)
 #: Keys of a gate-sparse file in place of the predictor's threshold and recall target
 #: (docs/FORMAT.md "Gate-magnitude sparsity").
-GATE_KEYS = (KEY_SPARSE_GATE_THRESHOLD, KEY_SPARSE_TARGET)
+GATE_KEYS = (KEY_SPARSE_GATE_THRESHOLD, KEY_SPARSE_TARGET, KEY_SPARSE_LAYER_SPARSITY,
+             KEY_SPARSE_GATE_ALLOCATION)
+#: Written besides GATE_KEYS when the sparsity was chosen by a quality budget.
+GATE_BUDGET_KEYS = (KEY_SPARSE_MAX_PPL_INCREASE, KEY_SPARSE_PPL_INCREASE)
 
 
 def is_sparse(keys) -> bool:

@@ -25,11 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--outfile", help="output GGUF path (default: HF_DIR/model-OUTTYPE.gguf)")
     ap.add_argument("--outtype", default="f16", help="f32 | f16 | bf16 | q8_0 | q4_0 (default f16)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info messages")
-    sp = ap.add_argument_group("sparse conversion (default for ReLU-family models: relu, drelu, fatrelu)")
+    sp = ap.add_argument_group("sparse conversion (the default: predictors for ReLU-family models, relu, "
+                               "drelu, fatrelu; gate thresholds within a 2%% perplexity budget for "
+                               "SwiGLU/GeGLU models)")
     mode = sp.add_mutually_exclusive_group()
     mode.add_argument("--sparse", dest="sparse", action="store_true", default=None,
-                      help="profile, train predictors, place neurons and write one extended GGUF "
-                           "(default for relu/drelu/fatrelu models; an error for others)")
+                      help="profile, train predictors (ReLU family) or calibrate gate thresholds "
+                           "(SwiGLU/GeGLU: to --max-ppl-increase 0.02), place neurons and write one "
+                           "extended GGUF (the default for both; an error for an ungated non-ReLU FFN)")
     mode.add_argument("--dense", dest="sparse", action="store_false", help="plain dense GGUF (no profiling)")
     sp.add_argument("--calib", metavar="FILE",
                     help="calibration text (default: HF_DIR/heldout.txt when the folder ships one; "
@@ -51,6 +54,17 @@ def main(argv: list[str] | None = None) -> int:
                          "ReGLU): calibrate per layer the |act(gate)| threshold that zeroes the "
                          "share S of the neurons (e.g. 0.5) instead of training predictors; implies "
                          "--sparse")
+    sp.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
+                    help="gate-magnitude sparsity at the largest level whose perplexity on held-out "
+                         "calibration tokens (the last 20%% of those profiled) stays within P of dense, "
+                         "e.g. 0.02 = 2%% (the default for SwiGLU/GeGLU models, P = 0.02; "
+                         "--sparsity S fixes the level instead); implies --sparse")
+    sp.add_argument("--sparsity-allocation", choices=("uniform", "greedy"), default=None,
+                    help="gate mode: the same sparsity in every layer (uniform, the default), or per "
+                         "layer sparsities chosen greedily from each layer's measured KL to dense "
+                         "(greedy: n_layer x 9 extra runs over --greedy-tokens)")
+    sp.add_argument("--greedy-tokens", type=int, default=512, metavar="N",
+                    help="calibration tokens of the greedy allocation's measurements (default 512)")
     sp.add_argument("--vram-budget", default="0", metavar="SIZE",
                     help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
                          "re-solve later with python -m powerinfer_cpp.place)")
@@ -65,12 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sparse = args.sparse
         sopts = None
-        if args.sparsity is not None and sparse is False:
-            raise ConvertError("--sparsity calibrates a sparse file; it cannot be combined with --dense")
+        gate_opts = [o for o, v in (("--sparsity", args.sparsity), ("--max-ppl-increase", args.max_ppl_increase),
+                                    ("--sparsity-allocation", args.sparsity_allocation)) if v is not None]
+        if args.sparsity is not None and args.max_ppl_increase is not None:
+            raise ConvertError("--sparsity S fixes the level and --max-ppl-increase P chooses it by a quality "
+                               "budget: pass one of them")
+        if gate_opts and sparse is False:
+            raise ConvertError(f"{gate_opts[0]} calibrates a sparse file; it cannot be combined with --dense")
         if sparse is not False:
             params = read_hf_config(args.hf_dir)
+            relu = params.activation in F.SPARSE_ACTIVATIONS
             if sparse is None:
-                sparse = params.activation in F.SPARSE_ACTIVATIONS or args.sparsity is not None
+                # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors
+                sparse = relu or bool(gate_opts) or params.gated
+            gate = args.sparsity is not None or args.max_ppl_increase is not None or (params.gated and not relu)
+            if args.sparsity_allocation is not None and not gate:
+                raise ConvertError("--sparsity-allocation shares a gate-magnitude sparsity among the layers; "
+                                   "this conversion trains predictors (pass --sparsity S or "
+                                   "--max-ppl-increase P for gate thresholds)")
             if sparse:
                 try:
                     budget = parse_size(args.vram_budget)
@@ -88,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                                       predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
                                       group_size=args.group_size, placement=args.placement,
                                       n_threads=args.threads, predictor_type=args.predictor_type,
-                                      threshold=args.predictor_threshold, sparsity=args.sparsity)
+                                      threshold=args.predictor_threshold, sparsity=args.sparsity,
+                                      max_ppl_increase=args.max_ppl_increase,
+                                      allocation=args.sparsity_allocation or SparseOptions.allocation,
+                                      greedy_tokens=args.greedy_tokens)
         path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
                        sparse_options=sopts)
     except ConvertError as e:

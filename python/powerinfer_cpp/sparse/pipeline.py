@@ -6,7 +6,9 @@ or ungated (ffn_up, ffn_down, OPT and Falcon), with or without biases.
 
     1. write the dense GGUF to a temporary file (next to the output),
     2. profile it with the native runtime over calibration text (profile.py),
-    3. train a predictor per layer (predictor.py),
+    3. train a predictor per layer (predictor.py), or (gate mode, any gated FFN)
+       calibrate the gate thresholds (thresholds.py) to a sparsity or to a quality
+       budget measured by the runtime on the held-out part of the profile (gate_eval.py),
     4. solve the GPU placement for the VRAM budget (placement.py),
     5. write ONE extended GGUF: the dense tensors (copied byte for byte from the
        profiled file) with ffn_down replaced by ffn_down_t, plus per layer the
@@ -37,13 +39,22 @@ from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
-from .thresholds import calibrate_layer
+from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
+                         greedy_allocation, uniform_allocation)
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
 #: File name of the held-out text that a model folder may ship (the default
 #: calibration text when --calib is not given).
 HELDOUT_FILE = "heldout.txt"
+#: The quality budget a gated non-ReLU model (SwiGLU, GeGLU) is calibrated to by default:
+#: the largest sparsity whose held-out perplexity stays within 2% of dense.
+DEFAULT_MAX_PPL_INCREASE = 0.02
+#: Share of the profiled tokens (the last ones) held out of the calibration, on which the
+#: quality budget is measured: as the predictors' held-out share (PredictorConfig.holdout).
+GATE_HOLDOUT = 0.2
+#: Largest mean sparsity the quality budget tries.
+BUDGET_MAX_SPARSITY = MAX_LAYER_SPARSITY
 
 
 @dataclass
@@ -83,7 +94,17 @@ class SparseOptions:
     gate_init: bool = True            # ReGLU: try the gate's low-rank approximation first (predictor.train_layer)
     sparsity: float | None = None     # gate-magnitude sparsity instead of predictors: the share of
                                       # neurons the calibrated thresholds zero (thresholds.py)
+    max_ppl_increase: float | None = None  # gate mode calibrated to a quality budget: the largest
+                                      # sparsity whose held-out ppl is within this share of dense;
+                                      # None with sparsity None: DEFAULT_MAX_PPL_INCREASE for a gated
+                                      # non-ReLU FFN, predictors for a ReLU one
+    allocation: str = "uniform"       # gate mode: how the mean sparsity is shared by the layers
+                                      # (thresholds.ALLOCATIONS)
+    budget_tokens: int = 2048         # held-out tokens the budget's perplexities are measured on
+    greedy_tokens: int = 512          # calibration tokens of the greedy allocation's KL measurements
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
+    keep_calibration: bool = False    # gate mode: keep the quantile table in the report
+                                      # (tools/eval_sparsity.py reuses one calibration)
 
     def __post_init__(self):
         checks = [
@@ -100,6 +121,19 @@ class SparseOptions:
             (math.isfinite(self.threshold), f"threshold must be a finite number, got {self.threshold!r}"),
             (self.sparsity is None or 0.0 <= self.sparsity < 1.0,
              f"sparsity must be in [0, 1), got {self.sparsity}"),
+            (self.max_ppl_increase is None or (math.isfinite(self.max_ppl_increase)
+                                               and 0.0 < self.max_ppl_increase <= 10.0),
+             f"max_ppl_increase must be a share in (0, 10] (0.02 = 2%), got {self.max_ppl_increase}"),
+            (self.sparsity is None or self.max_ppl_increase is None,
+             "sparsity (a fixed level) and max_ppl_increase (the level chosen by a quality budget) "
+             "exclude each other"),
+            (self.allocation in ALLOCATIONS,
+             f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}"),
+            (self.allocation != "greedy" or self.sparsity is None or self.sparsity <= MAX_LAYER_SPARSITY,
+             f"the greedy allocation reaches a mean sparsity of at most {MAX_LAYER_SPARSITY}, "
+             f"got {self.sparsity}"),
+            (self.budget_tokens >= 16, f"budget_tokens must be >= 16, got {self.budget_tokens}"),
+            (self.greedy_tokens >= 16, f"greedy_tokens must be >= 16, got {self.greedy_tokens}"),
             (self.predictor_type in PREDICTOR_TYPES,
              f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
         ]
@@ -122,6 +156,14 @@ class SparseReport:
     seconds: dict = field(default_factory=dict)
     gate_thresholds: list = field(default_factory=list)  # gate mode: per layer t
     gate_density: list = field(default_factory=list)     # and the share of neurons above it
+    gate_sparsity: float | None = None                   # gate mode: the mean sparsity calibrated
+    gate_layer_sparsity: list = field(default_factory=list)  # per layer (the allocation)
+    gate_allocation: str = ""
+    gate_costs: Any = None            # greedy: [n_layer, len(ALLOCATION_GRID)] measured KL
+    gate_table: Any = None            # keep_calibration: the thresholds.QuantileTable
+    budget_tried: list = field(default_factory=list)     # quality budget: (sparsity, measurement)
+    budget_result: dict | None = None  # the chosen level's held-out measurement
+    n_gate_fit: int = 0               # profiled tokens the thresholds were calibrated on
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
@@ -150,13 +192,13 @@ def calib_source_string(path: str) -> str:
     return f"{os.path.basename(path)} sha256:{h.hexdigest()[:16]}"
 
 
-def resolve_calib(hf_dir: str, calib: str | None) -> str:
+def resolve_calib(hf_dir: str, calib: str | None, why: str = "sparse conversion") -> str:
     """The calibration text file: ``calib``, or the folder's heldout.txt."""
     if calib is None:
         cand = os.path.join(hf_dir, HELDOUT_FILE)
         if not os.path.isfile(cand):
             raise ConvertError(
-                f"sparse conversion needs calibration text: pass --calib FILE (plain text in the model's "
+                f"{why} needs calibration text: pass --calib FILE (plain text in the model's "
                 f"language and domain, a few thousand tokens or more); {hf_dir} ships no {HELDOUT_FILE}. "
                 "Or convert densely with --dense")
         return cand
@@ -195,7 +237,11 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
     say = say or (lambda s: log.info("%s", s))
     outtype, jobs = dense.outtype, dense.jobs
-    gate_mode = opts.sparsity is not None
+    budget = opts.max_ppl_increase
+    if (opts.sparsity is None and budget is None and dense.gated
+            and dense.activation not in F.SPARSE_ACTIVATIONS):
+        budget = DEFAULT_MAX_PPL_INCREASE  # SwiGLU/GeGLU: no exact zeros for a predictor
+    gate_mode = opts.sparsity is not None or budget is not None
     if gate_mode and not dense.gated:
         raise ConvertError(
             f"--sparsity calibrates thresholds on the FFN's gate, and this {dense.arch} model's FFN "
@@ -205,15 +251,20 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         raise ConvertError(
             f"--sparse needs a ReLU-family model (activation relu, drelu or fatrelu); this model's FFN uses "
             f"{dense.activation!r}, whose outputs are almost never exactly zero, so there is no activation "
-            "sparsity for a predictor to exploit. Use --sparsity S for training-free gate-magnitude "
-            "sparsity, or convert it densely (without --sparse)")
+            "sparsity for a predictor to exploit. Use --sparsity S or --max-ppl-increase P for "
+            "training-free gate-magnitude sparsity, or convert it densely (without --sparse)")
     if not 0.0 < opts.predictor_recall <= 1.0:
         raise ConvertError(f"--predictor-recall must be in (0, 1], got {opts.predictor_recall}")
     if opts.calib_tokens < 16:
         raise ConvertError(f"--calib-tokens must be at least 16, got {opts.calib_tokens}")
     if opts.group_size < 1:
         raise ConvertError("--group-size must be >= 1")
-    calib = resolve_calib(dense.hf_dir, opts.calib)
+    why = "sparse conversion"
+    if gate_mode and opts.sparsity is None:
+        why = (f"the quality budget (--max-ppl-increase {budget:g}"
+               + (", the default for a {} model)".format(dense.activation) if opts.max_ppl_increase is None else ")")
+               + " measures held-out perplexity on the calibration text and")
+    calib = resolve_calib(dense.hf_dir, opts.calib, why)
     try:
         with open(calib, encoding="utf-8") as f:
             text = f.read()
@@ -267,20 +318,62 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             t = dense_t[F.tensor_name(F.T_FFN_UP, l)]
             return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
 
+        tensors: dict[str, tuple] = {}
+        for t in reader.tensors:
+            tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+        for l in range(n_layer):
+            tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q, (n_ff, d))
+
+        def write_out(path, freq, pl, gate_kv, show=progress):
+            # the extended file: dense tensors copied, ffn_down -> ffn_down_t, predictors,
+            # the neuron index, the sparse keys
+            new_jobs: list = []
+            src_names = {j.name: j for j in jobs}
+            for j in jobs:
+                kind, il, suffix = F.parse_tensor_name(j.name)
+                if kind == F.T_FFN_DOWN and il is not None and suffix == "weight":
+                    src_job = src_names[j.name]
+
+                    def load_t(src_job=src_job):
+                        return np.ascontiguousarray(src_job.load().T)
+
+                    new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d), down_q, load_t))
+                    if not gate_mode:
+                        q1, e1, q2, e2 = pred_enc[il]
+                        new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
+                        new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
+                    new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
+                else:
+                    rt = dense_t[j.name]
+                    new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+
+            def setup(w):
+                from gguf import GGUFValueType as V
+                add_kv(w, dense.kv)
+                if gate_mode:
+                    for k, v, ty in gate_kv:
+                        if ty is None:
+                            w.add_array(k, v)
+                        else:
+                            w.add_key_value(k, v, ty)
+                else:
+                    w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
+                    w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
+                w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
+                w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
+                for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
+                    w.add_key_value(k, v, ty)
+
+            return write_gguf(path, setup, new_jobs, show, arch=dense.arch), len(new_jobs)
+
         if gate_mode:
-            freq = []
-            for l in range(n_layer):
-                w = gate_matrix(l)
-                thr, fr = calibrate_layer(prof.x[l], w, dense.activation, opts.sparsity,
-                                          act_threshold=dense.act_threshold or 0.0)
-                rep.gate_thresholds.append(thr)
-                rep.gate_density.append(float(fr.mean()))
-                freq.append(fr)
+            freq = _calibrate_gates(dense, opts, budget, prof, gate_matrix, rep, tmpdir, tensors, ctx,
+                                    write_out, progress, say)
             rep.seconds["thresholds"] = time.perf_counter() - t0
-            say(f"[3/5] gate thresholds for {opts.sparsity:.0%} sparsity "
-                f"({rep.seconds['thresholds']:.1f} s): " + ", ".join(
-                    f"L{l} t={t:.3g} density {dn:.1%}"
-                    for l, (t, dn) in enumerate(zip(rep.gate_thresholds, rep.gate_density))))
+            say(f"[3/5] gate thresholds ({rep.gate_allocation}, mean sparsity {rep.gate_sparsity:.1%}, "
+                f"{rep.seconds['thresholds']:.1f} s): " + ", ".join(
+                    f"L{l} {sl:.0%} t={t:.3g} density {dn:.1%}" for l, (sl, t, dn) in enumerate(
+                        zip(rep.gate_layer_sparsity, rep.gate_thresholds, rep.gate_density))))
         else:
             pcfg = opts.predictor or PredictorConfig()
             pcfg.recall_target = opts.predictor_recall
@@ -318,11 +411,6 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
         # 4. placement
         t0 = time.perf_counter()
-        tensors: dict[str, tuple] = {}
-        for t in reader.tensors:
-            tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
-        for l in range(n_layer):
-            tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q, (n_ff, d))
         for l, (q1, e1, q2, e2) in enumerate(pred_enc):
             tensors[F.sparse_tensor_name(F.T_FC1, l)] = (q1, preds[l].w1.shape)
             tensors[F.sparse_tensor_name(F.T_FC2, l)] = (q2, preds[l].w2.shape)
@@ -335,48 +423,109 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
         # 5. the extended file
         t0 = time.perf_counter()
-        new_jobs: list = []
-        src_names = {j.name: j for j in jobs}
-        for j in jobs:
-            kind, il, suffix = F.parse_tensor_name(j.name)
-            if kind == F.T_FFN_DOWN and il is not None and suffix == "weight":
-                src_job = src_names[j.name]
-
-                def load_t(src_job=src_job):
-                    return np.ascontiguousarray(src_job.load().T)
-
-                new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d), down_q, load_t))
-                if not gate_mode:
-                    q1, e1, q2, e2 = pred_enc[il]
-                    new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
-                    new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
-                new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
-            else:
-                rt = dense_t[j.name]
-                new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
-
-        def setup(w):
-            from gguf import GGUFValueType as V
-            add_kv(w, dense.kv)
-            if gate_mode:
-                w.add_array(F.KEY_SPARSE_GATE_THRESHOLD, [float(t) for t in rep.gate_thresholds])
-                w.add_key_value(F.KEY_SPARSE_TARGET, float(opts.sparsity), V.FLOAT32)
-            else:
-                w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
-                w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
-            w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
-            w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
-            for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
-                w.add_key_value(k, v, ty)
-
-        out = write_gguf(out_path, setup, new_jobs, progress, arch=dense.arch)
+        out, n_jobs = write_out(out_path, freq, pl, _gate_kv(rep, budget, opts) if gate_mode else [])
         del reader, dense_t
         rep.seconds["write"] = time.perf_counter() - t0
         size = os.path.getsize(out)
-        say(f"[5/5] wrote {out} ({format_size(size)}, {len(new_jobs)} tensors, {rep.seconds['write']:.1f} s)")
+        say(f"[5/5] wrote {out} ({format_size(size)}, {n_jobs} tensors, {rep.seconds['write']:.1f} s)")
         return out, rep
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _gate_kv(rep: SparseReport, budget: float | None, opts: SparseOptions) -> list:
+    """(key, value, GGUFValueType or None for an f32 array) of a gate-sparse file."""
+    from gguf import GGUFValueType as V
+    kv = [(F.KEY_SPARSE_GATE_THRESHOLD, [float(t) for t in rep.gate_thresholds], None),
+          (F.KEY_SPARSE_TARGET, float(rep.gate_sparsity or 0.0), V.FLOAT32),
+          (F.KEY_SPARSE_LAYER_SPARSITY, [float(v) for v in rep.gate_layer_sparsity], None),
+          (F.KEY_SPARSE_GATE_ALLOCATION, rep.gate_allocation or opts.allocation, V.STRING)]
+    if budget is not None:
+        kv.append((F.KEY_SPARSE_MAX_PPL_INCREASE, float(budget), V.FLOAT32))
+        r = rep.budget_result
+        kv.append((F.KEY_SPARSE_PPL_INCREASE, float(r["ppl"] / r["ppl_dense"] - 1.0) if r else 0.0, V.FLOAT32))
+    return kv
+
+
+def _calibrate_gates(dense: DenseModel, opts: SparseOptions, budget: float | None, prof, gate_matrix,
+                     rep: SparseReport, tmpdir: str, tensors: dict, ctx: int, write_out, progress: bool,
+                     say) -> list[np.ndarray]:
+    """Gate mode's step 3: thresholds per layer (into rep) for opts.sparsity or the largest
+    sparsity within the quality budget; returns the per-layer neuron frequencies."""
+    from .gate_eval import GateEvaluator, layer_costs, search_budget
+
+    n_layer, n = dense.n_layer, prof.n_tokens
+    act_t = dense.act_threshold or 0.0
+    # the budget is measured on the profile's last tokens, which the thresholds never see
+    n_fit = n - max(1, int(round(n * GATE_HOLDOUT))) if budget is not None else n
+    if budget is not None and n - n_fit < 16:
+        raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
+                           f"{GATE_HOLDOUT:.0%} of the profile); {n} tokens were profiled: give a longer "
+                           "--calib text or a larger --calib-tokens")
+    rep.n_gate_fit = n_fit
+    table = QuantileTable(gate_magnitudes(prof.x[l][:n_fit], gate_matrix(l), dense.activation,
+                                          act_threshold=act_t) for l in range(n_layer))
+    if opts.keep_calibration:
+        rep.gate_table = table
+    ev = None
+    if budget is not None or opts.allocation == "greedy":
+        # one evaluation file (CPU-only index, placeholder frequencies); trials patch its thresholds
+        flat = [np.full(dense.n_ff, 0.5) for _ in range(n_layer)]
+        pl0 = solve_from_tensors(tensors, flat, n_layer, dense.n_embd_kv, ctx, 0, opts.group_size,
+                                 opts.min_layer_share, "greedy")
+        rep.gate_thresholds = [0.0] * n_layer
+        rep.gate_layer_sparsity = [0.0] * n_layer
+        eval_path, _ = write_out(os.path.join(tmpdir, "gate-eval.gguf"), flat, pl0,
+                                 _gate_kv(rep, None, opts), show=False)
+        ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads)  # the windows the profile ran in
+    costs = None
+    if opts.allocation == "greedy":
+        ids = [int(t) for t in prof.tokens[:min(n_fit, opts.greedy_tokens)]]
+        say(f"[3/5] greedy allocation: KL to dense of each layer alone at {ALLOCATION_GRID[0]:.0%}.."
+            f"{ALLOCATION_GRID[-1]:.0%} on {len(ids)} calibration tokens ({n_layer * len(ALLOCATION_GRID)} runs)")
+        costs = layer_costs(ev, ids, n_layer, table.threshold, ALLOCATION_GRID, progress, say)
+        rep.gate_costs = costs
+
+    def allocate(mean):
+        return greedy_allocation(costs, mean) if costs is not None else uniform_allocation(n_layer, mean)
+
+    if budget is not None:
+        ids = [int(t) for t in prof.tokens[n_fit:n_fit + opts.budget_tokens]]
+        say(f"[3/5] quality budget: the largest sparsity within {budget:.1%} of dense perplexity on "
+            f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
+
+        def ppl_at(s):
+            r = ev.measure(ids, table.thresholds(allocate(s)))
+            if bar is not None:
+                bar.update(1)
+            return r
+
+        try:
+            mean, rep.budget_result, rep.budget_tried = search_budget(ppl_at, budget, BUDGET_MAX_SPARSITY,
+                                                                      say=say)
+        finally:
+            if bar is not None:
+                bar.close()
+        r = rep.budget_result
+        say(f"[3/5] quality budget {budget:.1%}: sparsity {mean:.1%}"
+            + (f", held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%})"
+               if r else " (no level above 0 kept the budget)"))
+    else:
+        mean = float(opts.sparsity)
+    levels = allocate(mean)
+    rep.gate_sparsity, rep.gate_layer_sparsity, rep.gate_allocation = mean, levels, opts.allocation
+    rep.gate_thresholds = table.thresholds(levels)
+    freq = []
+    for l in range(n_layer):
+        mag = gate_magnitudes(prof.x[l], gate_matrix(l), dense.activation, act_threshold=act_t)
+        fr = (mag > rep.gate_thresholds[l]).mean(axis=0, dtype=np.float64)
+        freq.append(fr)
+        rep.gate_density.append(float(fr.mean()))
+    return freq
 
 
 def index_jobs(layer: int, freq: np.ndarray, hot: np.ndarray, n_ff: int) -> list:

@@ -1,6 +1,8 @@
 /* The tensor type table, fp16/bf16 conversions and the reference (scalar) quantizers.
- * Quantizers are byte-identical to ggml's reference ones (and to gguf-py's
- * gguf.quants, which the tests check against). */
+ * The Q8_0/Q4_0/BF16 quantizers are byte-identical to ggml's reference ones (and to
+ * gguf-py's gguf.quants, which the tests check against); the K-quant ones are our own
+ * (gguf.quants has none), as accurate as ggml's (docs/BENCHMARKS.md, "K-quant kernels"),
+ * and every dequantizer equals gguf.quants.dequantize bit for bit. */
 #include "types/types.h"
 #include "gguf/gguf.h"
 #include "cpu/kernels.h"

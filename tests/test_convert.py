@@ -424,7 +424,8 @@ def test_failure_while_writing_leaves_nothing(hf_dirs, tmp_path, monkeypatch):
 
 
 def test_cli(hf_dirs, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    from powerinfer_cpp._native import lib_path  # the child uses the library this process loaded
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), GH_LIBRARY=str(lib_path))
     out = tmp_path / "cli.gguf"
     p = subprocess.run([sys.executable, "-m", "powerinfer_cpp.convert", str(hf_dirs["relu_tied"]), "-o", str(out),
                         "--outtype", "q8_0", "-q", "--dense"], env=env, capture_output=True, text=True, timeout=120)

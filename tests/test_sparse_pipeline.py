@@ -537,7 +537,8 @@ def test_cli_sparse_errors(tmp_path):
     pytest.importorskip("torch")
     from hf_models import make_llama_model
 
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    from powerinfer_cpp._native import lib_path  # the child uses the library this process loaded
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), GH_LIBRARY=str(lib_path))
     silu = make_llama_model(tmp_path / "silu", act="silu", n_layer=1, d=32, n_ff=64)
     relu = make_llama_model(tmp_path / "relu", act="relu", n_layer=1, d=32, n_ff=64)
 

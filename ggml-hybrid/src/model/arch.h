@@ -37,7 +37,6 @@ typedef struct {
     int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
     int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
     /* sparse extension */
-    bool    pwri;              /* PowerInfer's file (PWRI magic, its keys, .gpuidx side file) */
     bool    pred_residual;     /* predictors read the residual stream before the FFN's norm
                                 * (PowerInfer's), not the normed input (ours) */
 } gh_hparams;

@@ -264,7 +264,6 @@ static gh_status load_hparams(gh_model * m) {
         hp->ffn_act = g->pwri ? GH_ACT_RELU : arch->default_act;
         hp->act_from_file = false;
     }
-    hp->pwri = g->pwri;
     if (hp->ffn_act == GH_ACT_FATRELU) {
         const char * tk = "powerinfer.ffn_act_threshold";
         float t;

@@ -127,18 +127,26 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
     """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json
     for a tiny tokenizer into ``path``. kind: "bpe" (byte-level, GPT-2
-    style), "bpe-qwen2" (byte-level after Qwen2's regex split) or "spm"
+    style), "bpe-qwen2" (byte-level after Qwen2's regex split), "bpe-falcon" (Falcon's published
+    pre-tokenizer, format.TOKENIZER_PRE_TOKENIZERS["falcon"]) or "spm"
     (LLaMA/SentencePiece style with byte fallback).
     Returns the folder. The tokenizer has at most ``vocab`` - 1 tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if kind in ("bpe", "bpe-qwen2"):
+    if kind in ("bpe", "bpe-qwen2", "bpe-falcon"):
         tok = _bpe_tokenizer(vocab - 1 - len(EXTRA_SPECIAL) - len(EXTRA_USER))
         if kind == "bpe-qwen2":
             from tokenizers import Regex, pre_tokenizers
             tok.pre_tokenizer = pre_tokenizers.Sequence([
                 pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        elif kind == "bpe-falcon":
+            from tokenizers import Regex, pre_tokenizers
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Punctuation(behavior="contiguous"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+                pre_tokenizers.Digits(individual_digits=False),
+                pre_tokenizers.Split(Regex("[0-9][0-9][0-9]"), behavior="isolated", invert=False)])
         pad = PAD
         cls = "PreTrainedTokenizerFast"
         extra = {}
@@ -334,7 +342,7 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
     elif family == "falcon":
         cfg = transformers.FalconConfig(**{**common, "ffn_hidden_size": 3 * kw["hidden_size"],
                                            "rope_theta": 10000.0, **kw})
-        _save(transformers.FalconForCausalLM, cfg, path, seed)
+        _save(transformers.FalconForCausalLM, cfg, path, seed, tokenizer="bpe-falcon")
     return path
 
 

@@ -215,7 +215,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                    F.arch_key(F.KEY_ROPE_FREQ_BASE, A): cfg["rope_parameters"]["rope_theta"],
                    F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A): d // nh, F.arch_key(F.KEY_KEY_LENGTH, A): None,
                    F.KEY_FFN_ACTIVATION: {"gelu": "gelu_erf", "relu": "relu"}[cfg["activation"]],
-                   F.KEY_TOKENIZER_PRE: "default"})
+                   F.KEY_TOKENIZER_PRE: "falcon"})
     return ok
 
 
@@ -303,8 +303,8 @@ def test_llama3_rope_freqs(hf_dirs, converted):
 
 
 def test_tokenizer_pre(hf_dirs, tmp_path):
-    """An unknown byte-level pre-tokenizer (Falcon's published one) is refused by name,
-    never stored as "default"."""
+    """An unknown byte-level pre-tokenizer (Falcon's without its split of digit runs into
+    threes) is refused by name, never stored as "default" or "falcon"."""
     d = tmp_path / "m"
     shutil.copytree(hf_dirs["falcon-7b"], d)
     tj = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
@@ -315,6 +315,32 @@ def test_tokenizer_pre(hf_dirs, tmp_path):
     (d / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
     with pytest.raises(ConvertError, match="pre_tokenizer .*Punctuation"):
         convert(d, tmp_path / "o.gguf", "f32", progress=False)
+
+
+FALCON_TEXTS = ["Hello world", "hello, world!! ...ok", "price: $12,345.67 (approx.)", "1234567 and 89",
+                "a+b<=c^d~e|f`g", "12\u00bd3456 \u00bd6789 x\u00b2y \u0663\u0664\u0665",
+                "\u043c and \u043c\u0438\u0440 999", "Don't stop at 3.14159265!", "  leading  and   spaces  ",
+                "tabs\there\nnewline 42\n\n", "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001F600", ""]
+
+
+def test_falcon_tokenizer_round_trip(hf_dirs, converted):
+    """A Falcon folder (Falcon's published pre-tokenizer) is stored as pre = falcon, and its
+    GGUF tokenizes exactly as transformers does: through the embedded tokenizer.json and
+    through the tokenizer rebuilt from the tokenizer.ggml.* keys alone (as for a file
+    from another tool)."""
+    import transformers
+
+    from powerinfer_cpp.tokenizer import load_tokenizer
+
+    kv, _ = read(converted["falcon-7b"])
+    assert kv[F.KEY_TOKENIZER_PRE] == F.TOKENIZER_PRE_FALCON
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dirs["falcon-7b"]))
+    embedded, rebuilt = (load_tokenizer(converted["falcon-7b"], use_hf_json=u) for u in (True, False))
+    for s in FALCON_TEXTS:
+        want = ref(s, add_special_tokens=False)["input_ids"]
+        assert embedded.encode(s, add_bos=False) == want, s
+        assert rebuilt.encode(s, add_bos=False) == want, s
+        assert rebuilt.decode(want) == ref.decode(want), s
 
 
 def test_opt_names_without_model_prefix(hf_dirs, converted, tmp_path):

@@ -208,10 +208,11 @@ def bpe_model(tmp_path_factory):
     return d, convert(d, root / "m.gguf", "f32", progress=False)
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "falcon"])
 def test_ggml_pre_tokenizers_match_hf(bpe_model, tmp_path, pre):
-    """tokenizer.ggml.pre is honoured: a file from another tool with Llama-3's (llama-bpe) or
-    Qwen2's split tokenizes as transformers does with that tokenizer.json pre-tokenizer."""
+    """tokenizer.ggml.pre is honoured: a file from another tool with Llama-3's (llama-bpe),
+    Qwen2's or Falcon's split tokenizes as transformers does with that tokenizer.json
+    pre-tokenizer."""
     import json
     import shutil
 
@@ -219,10 +220,17 @@ def test_ggml_pre_tokenizers_match_hf(bpe_model, tmp_path, pre):
     ref_dir = tmp_path / "ref"
     shutil.copytree(d, ref_dir)
     tj = json.loads((ref_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": F.TOKENIZER_PRE_SPLITS[pre]},
-         "behavior": "Isolated", "invert": False},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
+    if pre == "falcon":  # written out here, not taken from the table under test
+        tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Punctuation", "behavior": "Contiguous"},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            {"type": "Digits", "individual_digits": False},
+            {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}]}
+    else:
+        tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": F.TOKENIZER_PRE_SPLITS[pre]},
+             "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
     (ref_dir / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
     ref = transformers.AutoTokenizer.from_pretrained(str(ref_dir))
     meta = read_tokenizer_metadata(out)
@@ -231,13 +239,17 @@ def test_ggml_pre_tokenizers_match_hf(bpe_model, tmp_path, pre):
     p = tmp_path / "pre.gguf"
     _write_gguf(p, meta)
     t = load_tokenizer(p)
-    texts = TEXTS + ["I'M HERE, we'LL see 123456789 and 1,234,567", "x  \n\n  y\t\tz"]
+    texts = TEXTS + ["I'M HERE, we'LL see 123456789 and 1,234,567", "x  \n\n  y\t\tz",
+                     "hello!!! ...ok $+<=>^~|` (a) [b]", "12\u00bd3456 x\u00b2y \u043c\u0438\u0440 \u0663\u0664\u0665"]
     for s in texts:
         assert t.encode(s) == ref(s)["input_ids"], s
-    # the splits themselves: digit runs in threes (llama-bpe) or ones (qwen2), where GPT-2's
-    # default keeps the run whole
+    # the splits themselves: digit runs in threes (llama-bpe, falcon) or ones (qwen2), where
+    # GPT-2's default keeps the run whole
     pieces = [p for p, _ in t.hf_tokenizer.pre_tokenizer.pre_tokenize_str("123456789")]
-    assert pieces == (["123", "456", "789"] if pre == "llama-bpe" else list("123456789"))
+    assert pieces == (list("123456789") if pre == "qwen2" else ["123", "456", "789"])
+    if pre == "falcon":  # punctuation runs stand alone, even without a space before them
+        pieces = [p for p, _ in t.hf_tokenizer.pre_tokenizer.pre_tokenize_str("ok!!! a")]
+        assert pieces == ["ok", "!!!", "\u0120a"]
     meta[F.KEY_TOKENIZER_PRE] = F.TOKENIZER_PRE_DEFAULT
     _write_gguf(tmp_path / "default.gguf", meta)
     default = load_tokenizer(tmp_path / "default.gguf")

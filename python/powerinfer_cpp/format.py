@@ -115,16 +115,40 @@ KEY_TOKENIZER_CHAT_TEMPLATE = "tokenizer.chat_template"
 TOKENIZER_GPT2 = "gpt2"    # byte-level BPE (tokens + merges)
 TOKENIZER_LLAMA = "llama"  # SentencePiece-style BPE with byte fallback (tokens + scores)
 TOKENIZER_PRE_DEFAULT = "default"
-# Values of KEY_TOKENIZER_PRE this reader reproduces (llama.cpp's names) and the text-split
-# regex of each (the published pre-tokenizer patterns; "default" is GPT-2's own, applied by
-# the byte-level pre-tokenizer itself). Any other value is refused rather than tokenized
-# with the wrong split.
+TOKENIZER_PRE_FALCON = "falcon"
+# Values of KEY_TOKENIZER_PRE that are one regex split before a regex-free byte-level
+# step (llama.cpp's names) and the regex of each (the published pre-tokenizer patterns;
+# "default" is GPT-2's own, applied by the byte-level pre-tokenizer itself).
 TOKENIZER_PRE_SPLITS = {
     TOKENIZER_PRE_DEFAULT: None,
     "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
     "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+
+
+def _byte_level(use_regex: bool) -> dict:
+    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+
+
+# Every value of KEY_TOKENIZER_PRE this project reads and writes, as the tokenizer.json
+# `pre_tokenizer` it stands for (the converter names a tokenizer.json by it; the reader
+# rebuilds it for files without the embedded tokenizer.json). Any other value is refused
+# rather than tokenized with the wrong split. "falcon" is the Falcon models' published
+# chain: punctuation runs split off, GPT-2's byte-level regex, then digit runs, cut into
+# threes; the digit steps see the byte-level text, so the bytes that map to numeric
+# characters (e.g. 0xBD, "½") count as digits, as in the `tokenizers` library.
+TOKENIZER_PRE_TOKENIZERS = {
+    TOKENIZER_PRE_DEFAULT: _byte_level(True),
+    **{name: {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
+        _byte_level(False)]} for name, split in TOKENIZER_PRE_SPLITS.items() if split is not None},
+    TOKENIZER_PRE_FALCON: {"type": "Sequence", "pretokenizers": [
+        {"type": "Punctuation", "behavior": "Contiguous"},
+        _byte_level(True),
+        {"type": "Digits", "individual_digits": False},
+        {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}]},
 }
 
 # Values of KEY_TOKENIZER_TOKEN_TYPE (llama.cpp's enum)

@@ -10,8 +10,8 @@ equivalent ``tokenizers.Tokenizer`` is rebuilt from llama.cpp's standard
 ``tokenizer.ggml.*`` keys:
 
 * ``gpt2``: byte-level BPE from tokens + merges, split by the pre-tokenizer
-  ``tokenizer.ggml.pre`` names (default = GPT-2's, llama-bpe = Llama-3's, qwen2; any other
-  is refused);
+  ``tokenizer.ggml.pre`` names (default = GPT-2's, llama-bpe = Llama-3's, qwen2, falcon;
+  any other is refused);
 * ``llama``: SentencePiece-style BPE with byte fallback ("▁" prefix and
   space replacement done by the normalizer, as SentencePiece does). The merges are
   reconstructed from the scores: every split of a normal token into two
@@ -135,9 +135,34 @@ def _native_value(g, i: int, key: str) -> Any:
     return v[0]
 
 
+# tokenizer.json's split behaviour names -> the tokenizers library's
+_SPLIT_BEHAVIOR = {"Removed": "removed", "Isolated": "isolated", "MergedWithPrevious": "merged_with_previous",
+                   "MergedWithNext": "merged_with_next", "Contiguous": "contiguous"}
+
+
+def _pre_tokenizer(spec: dict):
+    """The ``tokenizers`` pre-tokenizer of a tokenizer.json ``pre_tokenizer`` entry of
+    format.TOKENIZER_PRE_TOKENIZERS (the node types those use)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    t = spec["type"]
+    if t == "Sequence":
+        return pre_tokenizers.Sequence([_pre_tokenizer(p) for p in spec["pretokenizers"]])
+    if t == "ByteLevel":
+        return pre_tokenizers.ByteLevel(add_prefix_space=spec["add_prefix_space"], use_regex=spec["use_regex"])
+    if t == "Split":
+        return pre_tokenizers.Split(Regex(spec["pattern"]["Regex"]), behavior=_SPLIT_BEHAVIOR[spec["behavior"]],
+                                    invert=spec["invert"])
+    if t == "Punctuation":
+        return pre_tokenizers.Punctuation(behavior=_SPLIT_BEHAVIOR[spec["behavior"]])
+    if t == "Digits":
+        return pre_tokenizers.Digits(individual_digits=spec["individual_digits"])
+    raise TokenizerError(f"pre-tokenizer node {t!r} has no builder")
+
+
 def build_tokenizer_from_ggml(meta: dict[str, Any]):
     """A ``tokenizers.Tokenizer`` equivalent to the ``tokenizer.ggml.*`` keys."""
-    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, normalizers
 
     kind = meta.get(F.KEY_TOKENIZER_MODEL)
     tokens = meta.get(F.KEY_TOKENIZER_TOKENS)
@@ -165,19 +190,12 @@ def build_tokenizer_from_ggml(meta: dict[str, Any]):
         except Exception as e:
             raise TokenizerError(f"invalid gpt2 vocabulary: {e}") from None
         pre = meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT
-        if pre not in F.TOKENIZER_PRE_SPLITS:
+        if pre not in F.TOKENIZER_PRE_TOKENIZERS:
             raise TokenizerError(
                 f"pre-tokenizer '{pre}' ({F.KEY_TOKENIZER_PRE}) is not supported (supported: "
-                f"{', '.join(F.TOKENIZER_PRE_SPLITS)}); its text would be split wrongly. Convert "
+                f"{', '.join(F.TOKENIZER_PRE_TOKENIZERS)}); its text would be split wrongly. Convert "
                 "the model from its Hugging Face folder, whose tokenizer.json is embedded")
-        split = F.TOKENIZER_PRE_SPLITS[pre]
-        if split is None:
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            from tokenizers import Regex
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = _pre_tokenizer(F.TOKENIZER_PRE_TOKENIZERS[pre])
         tok.decoder = decoders.ByteLevel()
     elif kind == F.TOKENIZER_LLAMA:
         scores = list(meta.get(F.KEY_TOKENIZER_SCORES) or [])

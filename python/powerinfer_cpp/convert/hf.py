@@ -170,31 +170,47 @@ def _token_content(v: Any) -> str | None:
     return None
 
 
+def _canonical_pre(node: Any) -> Any:
+    """A tokenizer.json pre-tokenizer reduced to what decides the split (defaults filled
+    in, offset-only options such as ByteLevel's trim_offsets dropped), so that two that
+    split alike compare equal."""
+    if not isinstance(node, dict):
+        return node
+    t = node.get("type")
+    if t == "Sequence":
+        return {"type": t, "pretokenizers": [_canonical_pre(p) for p in node.get("pretokenizers") or []]}
+    if t == "ByteLevel":
+        return {"type": t, "add_prefix_space": bool(node.get("add_prefix_space", True)),
+                "use_regex": bool(node.get("use_regex", True))}
+    if t == "Split":
+        return {"type": t, "pattern": node.get("pattern"), "behavior": node.get("behavior"),
+                "invert": bool(node.get("invert", False))}
+    if t == "Punctuation":
+        return {"type": t, "behavior": node.get("behavior", "Isolated")}
+    if t == "Digits":
+        return {"type": t, "individual_digits": bool(node.get("individual_digits", False))}
+    return node
+
+
 def _pre_tokenizer_name(pre: Any) -> str:
     """llama.cpp's tokenizer.ggml.pre name of a byte-level BPE's pre-tokenizer: GPT-2's
-    own split (a lone ByteLevel with its regex) is "default"; a Split by one of the
-    patterns of format.TOKENIZER_PRE_SPLITS followed by a regex-free ByteLevel is that
-    name. Anything else cannot be named, and a file naming the wrong one would be split
-    wrongly by every other GGUF tool: refused."""
+    own split (a lone ByteLevel with its regex) is "default"; one that splits exactly as
+    an entry of format.TOKENIZER_PRE_TOKENIZERS is that name. Anything else cannot be
+    named, and a file naming the wrong one would be split wrongly by every other GGUF
+    tool: refused."""
     if isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return F.TOKENIZER_PRE_DEFAULT
-    if isinstance(pre, dict) and pre.get("type") == "Sequence":
-        parts = pre.get("pretokenizers") or []
-        if (len(parts) == 2 and isinstance(parts[0], dict) and isinstance(parts[1], dict)
-                and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel"
-                and not parts[1].get("use_regex", True)):
-            pat = parts[0].get("pattern") or {}
-            regex = pat.get("Regex") if isinstance(pat, dict) else None
-            for name, split in F.TOKENIZER_PRE_SPLITS.items():
-                if split is not None and regex == split:
-                    return name
+    got = _canonical_pre(pre)
+    for name, spec in F.TOKENIZER_PRE_TOKENIZERS.items():
+        if name != F.TOKENIZER_PRE_DEFAULT and got == _canonical_pre(spec):
+            return name
     desc = json.dumps(pre)
     if len(desc) > 200:
         desc = desc[:200] + "..."
-    named = ", ".join(n for n, v in F.TOKENIZER_PRE_SPLITS.items() if v is not None)
+    named = ", ".join(n for n in F.TOKENIZER_PRE_TOKENIZERS if n != F.TOKENIZER_PRE_DEFAULT)
     raise ConvertError(f"unsupported tokenizer: tokenizer.json pre_tokenizer {desc} is none this "
                        f"converter can store as {F.KEY_TOKENIZER_PRE} (supported: GPT-2's ByteLevel, "
-                       f"and the {named} splits)")
+                       f"and the {named} pre-tokenizers)")
 
 
 def read_hf_tokenizer(hf_dir: str | os.PathLike, n_vocab: int, params: Any = None) -> TokenizerMeta:

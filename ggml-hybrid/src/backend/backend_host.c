@@ -100,6 +100,7 @@ typedef struct {
     const gh_dffn * f;
     int64_t n;        /* matmul tokens; hot_ffn rows */
     float * y;        /* host output */
+    int64_t * n_nonzero; /* hot_ffn: host output, may be NULL */
     int slot;         /* staging slot of x (and rows) */
 } host_op;
 
@@ -120,6 +121,7 @@ typedef struct {
     float * tmp;          /* one dequantized row */
     float * hid;          /* predictor hidden / hot gates, then activations */
     float * up;           /* hot ups */
+    uint8_t * pass;       /* hot rows that passed the gate test */
     double busy;          /* seconds of work since the last sync */
 } host_stream;
 
@@ -151,19 +153,25 @@ static void run_op(host_stream * s, const host_op * o) {
         const int32_t * rows = s->rows[o->slot];
         const int64_t d = f->down_t.cols;
         for (int64_t k = 0; k < o->n; k++) {
-            s->hid[k] = ref_dot(&f->gate, rows[k], x, s->tmp) + (f->gate_b ? f->gate_b[rows[k]] : 0.0f);
-            if (f->gated)
+            const float g = ref_dot(&f->gate, rows[k], x, s->tmp) + (f->gate_b ? f->gate_b[rows[k]] : 0.0f);
+            s->hid[k] = g;
+            s->pass[k] = !f->gate_test || g > f->gate_cut || (g > f->gate_lo && g < f->gate_hi);
+            s->up[k] = 0.0f;
+            if (f->gated && s->pass[k])
                 s->up[k] = ref_dot(&f->up, rows[k], x, s->tmp) + (f->up_b ? f->up_b[rows[k]] : 0.0f);
         }
         /* the CPU runtime's activation */
         gh_glu(f->act, f->act_t, s->hid, f->gated ? s->up : NULL, s->hid, o->n);
         for (int64_t c = 0; c < d; c++) o->y[c] = 0.0f;
+        int64_t nz = 0;
         for (int64_t k = 0; k < o->n; k++) {
-            if (s->hid[k] == 0.0f) continue;
+            if (!s->pass[k] || s->hid[k] == 0.0f) continue;
             gh_type_traits_get(f->down_t.type)->to_float(
                 (const uint8_t *) f->down_t.data + (size_t) rows[k] * f->down_t.row_bytes, s->tmp, d);
             for (int64_t c = 0; c < d; c++) o->y[c] += s->hid[k] * s->tmp[c];
+            nz++;
         }
+        if (o->n_nonzero) *o->n_nonzero = nz;
         break;
     }
     }
@@ -210,6 +218,7 @@ static void hs_free(gh_stream * st) {
     gh_aligned_free(s->tmp);
     gh_aligned_free(s->hid);
     gh_aligned_free(s->up);
+    gh_aligned_free(s->pass);
     free(s);
 }
 
@@ -231,7 +240,8 @@ static gh_status hs_new(gh_backend * b, const gh_stream_params * p, gh_stream **
     s->tmp = ok ? gh_aligned_alloc((size_t) wide * sizeof(float)) : NULL;
     s->hid = ok ? gh_aligned_alloc((size_t) GH_MAX(GH_MAX(p->max_hidden, nrow), 1) * sizeof(float)) : NULL;
     s->up = ok ? gh_aligned_alloc((size_t) nrow * sizeof(float)) : NULL;
-    if (!s->tmp || !s->hid || !s->up) {
+    s->pass = ok ? gh_aligned_alloc((size_t) nrow) : NULL;
+    if (!s->tmp || !s->hid || !s->up || !s->pass) {
         hs_free(&s->base);
         return gh_fail(GH_ERR_OOM, "host-device: out of memory for a stream's buffers");
     }
@@ -298,7 +308,7 @@ static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dwe
 }
 
 static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
-                            const int32_t * rows, int64_t n_rows, float * y) {
+                            const int32_t * rows, int64_t n_rows, float * y, int64_t * n_nonzero) {
     host_stream * s = (host_stream *) st;
     for (int64_t k = 0; k < n_rows; k++) {
         if (rows[k] < 0 || rows[k] >= f->n_hot) {
@@ -306,7 +316,7 @@ static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
                            rows[k], (long long) f->n_hot);
         }
     }
-    host_op o = { .op = OP_HOT_FFN, .f = f, .n = n_rows, .y = y };
+    host_op o = { .op = OP_HOT_FFN, .f = f, .n = n_rows, .y = y, .n_nonzero = n_nonzero };
     return enqueue(s, &o, x, f->gate.cols, rows, n_rows);
 }
 

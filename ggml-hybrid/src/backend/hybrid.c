@@ -199,16 +199,19 @@ static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t 
     const int64_t ff = m->hp.n_ff;
     D->bucket = malloc((size_t) n * sizeof(int32_t));
     D->row_of = malloc((size_t) ff * sizeof(int32_t));
+    D->cold = malloc((size_t) GH_MAX(ff - n, 1) * sizeof(int32_t));
     const size_t rb = GH_MAX(GH_MAX(GH_MAX(L->gate.row_bytes, L->up.row_bytes),
                                     L->down_t.row_bytes), sizeof(float));
     uint8_t * tmp = malloc((size_t) n * rb);
-    if (!D->bucket || !D->row_of || !tmp) {
+    if (!D->bucket || !D->row_of || !D->cold || !tmp) {
         free(tmp);
         return gh_fail(GH_ERR_OOM, "out of memory staging layer %d's hot neurons", il);
     }
     memcpy(D->bucket, ids, (size_t) n * sizeof(int32_t));
     for (int64_t i = 0; i < ff; i++) D->row_of[i] = -1;
     for (int64_t k = 0; k < n; k++) D->row_of[ids[k]] = (int32_t) k;
+    D->n_cold = 0;
+    for (int64_t i = 0; i < ff; i++) if (D->row_of[i] < 0) D->cold[D->n_cold++] = (int32_t) i;
     D->hot.n_hot = n;
     D->hot.gated = m->hp.gated;
     D->hot.act = m->hp.ffn_act;
@@ -221,6 +224,13 @@ static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t 
         st = put_rows(hy, &L->down_t, ids, n, tmp, &D->hot.down_t);
     }
     free(tmp);
+    D->hot_gate = D->hot;
+    if (L->has_gate_thr) {
+        D->hot_gate.gate_test = 1;
+        D->hot_gate.gate_cut = L->gate_cut;
+        D->hot_gate.gate_lo = L->gate_lo;
+        D->hot_gate.gate_hi = L->gate_hi;
+    }
     if (!st) {
         hy->info.hot_bytes += n * neuron_bytes(L);
         hy->info.n_hot += n;
@@ -350,6 +360,7 @@ void gh_hybrid_free(gh_hybrid * hy) {
     for (int il = 0; hy->layers && il < hy->n_layer; il++) {
         free(hy->layers[il].bucket);
         free(hy->layers[il].row_of);
+        free(hy->layers[il].cold);
     }
     free(hy->layers);
     gh_backend_free(hy->b);

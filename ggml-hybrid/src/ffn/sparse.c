@@ -200,6 +200,30 @@ static dot_src make_src(const gh_weight * w, const float * x, void * buf) {
     return s;
 }
 
+typedef struct {
+    dot_src         src;
+    const int32_t * ids;
+    int64_t         n;
+    float *         out;
+} rows_job;
+
+static void rows_task(void * arg, int ith, int nth) {
+    rows_job * job = arg;
+    const int64_t g = GLU_GROUP; /* chunk bounds as glu_task's */
+    const int64_t k0 = GH_MIN(job->n, job->n * ith / nth / g * g);
+    const int64_t k1 = ith == nth - 1 ? job->n : GH_MIN(job->n, job->n * (ith + 1) / nth / g * g);
+    if (k0 < k1) rows_dot(&job->src, job->ids, NULL, 0.0f, k0, k1, job->out);
+}
+
+/* out[k] = w[ids[k]] . x for k < n (xq: scratch for the converted x). */
+static void list_rows_dot(gh_threadpool * tp, const gh_weight * w, const float * x,
+                          const int32_t * ids, int64_t n, float * out, void * xq) {
+    if (n <= 0) return;
+    rows_job job = { .src = make_src(w, x, xq), .ids = ids, .n = n, .out = out };
+    if (!tp || (double) n * (double) w->row_bytes < GH_SPARSE_INLINE_BYTES) rows_task(&job, 0, 1);
+    else gh_threadpool_run(tp, rows_task, &job);
+}
+
 void gh_sparse_glu(gh_threadpool * tp, const gh_glu_spec * f, const float * x,
                    const float * gate_g, const int32_t * ids, int64_t n, float * a, float * gc,
                    float * uc, void * xq, int64_t * up_rows_read) {
@@ -380,6 +404,49 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
     return (double) n_up * (double) L->up.row_bytes + (double) n_down * (double) L->down_t.row_bytes;
 }
 
+/* The gate mode on a layer with hot neurons: each side computes the gate of its own
+ * neurons and thresholds it, the device then up/down of its active ones while the CPU does
+ * the same for its cold ones, and the device's part is added to y (overwritten). Returns the
+ * active neurons, *n_dev of them on the device; adds the weight bytes read to *bytes. */
+static int64_t gate_split(gh_context * c, const gh_layer * L, const gh_dlayer * D,
+                          const float * x, float * y, int64_t * n_dev, double * bytes) {
+    gh_sparse_state * s = c->sparse;
+    const gh_backend_ops * ops = c->model->hy->b->ops;
+    const int64_t nh = D->hot.n_hot;
+    for (int64_t k = 0; k < nh; k++) s->hot_rows[k] = (int32_t) k;
+    int64_t nz = 0;
+    gh_status st = ops->hot_ffn(c->stream, &D->hot_gate, x, s->hot_rows, nh, s->y_dev, &nz);
+    const double tc = gh_now();
+    list_rows_dot(c->tp, &L->gate, x, D->cold, D->n_cold, s->gc, s->scratch);
+    /* the CPU-only path's test on the cold gates (bias included), and g by neuron id for
+     * cpu_part */
+    const float cut = L->gate_cut, lo = L->gate_lo, hi = L->gate_hi;
+    int64_t n = 0;
+    for (int64_t k = 0; k < D->n_cold; k++) {
+        const int32_t i = D->cold[k];
+        const float g = s->gc[k] + (L->gate_b ? L->gate_b[i] : 0.0f);
+        s->g_dense[i] = g;
+        s->cold[n] = i;
+        n += (g > cut) | ((g > lo) & (g < hi));
+    }
+    *bytes += (double) D->n_cold * (double) L->gate.row_bytes +
+              cpu_part(c, L, x, s->g_dense, s->cold, n, y);
+    const double tw = gh_now();
+    s->t_cpu_ffn += tw - tc;
+    double dev = 0.0;
+    if (!st) st = ops->sync(c->stream, &dev);
+    if (st) nz = 0;
+    const double rows_b = (double) nh * (double) D->hot.gate.row_bytes +
+                          (double) nz * (double) (D->hot.up.row_bytes + D->hot.down_t.row_bytes);
+    gh_stats_device(c, dev, gh_now() - tw, (double) (L->gate.cols * 4 + nh * 4),
+                    (double) L->down_t.cols * 4 + 8, rows_b);
+    *bytes += rows_b;
+    if (st) c->dev_status = st;
+    else for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += s->y_dev[j];
+    *n_dev = nz;
+    return n + nz;
+}
+
 void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
@@ -392,7 +459,10 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid,
     const float * gate_g = NULL;
     double ffn_bytes = 0.0;
     double t1 = t0;
-    if (s->mode == GH_FFN_SPARSE) {
+    const bool split_gate = s->mode == GH_FFN_GATE && D && D->hot.n_hot > 0;
+    if (split_gate) {
+        /* each side computes its own neurons' gate (gate_split) */
+    } else if (s->mode == GH_FFN_SPARSE) {
         const float * px = m->hp.pred_residual ? resid : x;
         if (D && D->pred) {
             n = predict_device(c, D, px, m->info.sparse_threshold);
@@ -428,7 +498,9 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid,
         ffn_bytes += (double) ff * (double) L->gate.row_bytes;
     }
     int64_t n_hot = 0;
-    if (D && D->hot.n_hot > 0) {
+    if (split_gate) {
+        n = gate_split(c, L, D, x, y, &n_hot, &ffn_bytes);
+    } else if (D && D->hot.n_hot > 0) {
         /* neuron split: hot rows on the device while the CPU does the cold ones */
         int64_t n_cold = 0;
         for (int64_t k = 0; k < n; k++) {
@@ -438,7 +510,7 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid,
         }
         const gh_backend_ops * ops = m->hy->b->ops;
         gh_status st = GH_OK;
-        if (n_hot) st = ops->hot_ffn(c->stream, &D->hot, x, s->hot_rows, n_hot, s->y_dev);
+        if (n_hot) st = ops->hot_ffn(c->stream, &D->hot, x, s->hot_rows, n_hot, s->y_dev, NULL);
         const double tc = gh_now();
         ffn_bytes += cpu_part(c, L, x, gate_g, s->cold, n_cold, y);
         const double tw = gh_now();

@@ -88,7 +88,8 @@ __global__ void __launch_bounds__(MM_WARPS * WARP)
 k_hot_glu(const uint8_t * __restrict__ gate, const uint8_t * __restrict__ up, size_t row_bytes,
           int64_t cols, const float * __restrict__ x, const int32_t * __restrict__ rows,
           int64_t n_rows, const float * __restrict__ gate_b, const float * __restrict__ up_b,
-          int act, float act_t, float * __restrict__ a) {
+          int act, float act_t, int gate_test, float cut, float lo, float hi,
+          float * __restrict__ a) {
     const int lane = threadIdx.x % WARP;
     const int64_t k = (int64_t) blockIdx.x * MM_WARPS + threadIdx.x / WARP;
     if (k >= n_rows) return;
@@ -96,11 +97,30 @@ k_hot_glu(const uint8_t * __restrict__ gate, const uint8_t * __restrict__ up, si
     const size_t off = (size_t) r * row_bytes;
     float g[1] = {0.0f}, u[1] = {0.0f};
     row_dot<T, VEC, 1>(gate + off, cols, x, cols, 1, lane, g);
-    if (up) row_dot<T, VEC, 1>(up + off, cols, x, cols, 1, lane, u);
-    float gs = warp_sum(g[0]), us = up ? warp_sum(u[0]) : 1.0f;
+    float gs = warp_sum(g[0]); /* the butterfly leaves the same sum in every lane */
     if (gate_b) gs += __ldg(gate_b + r);
+    if (gate_test && !(gs > cut || (gs > lo && gs < hi))) { /* the whole warp */
+        if (lane == 0) a[k] = 0.0f;
+        return;
+    }
+    if (up) row_dot<T, VEC, 1>(up + off, cols, x, cols, 1, lane, u);
+    float us = up ? warp_sum(u[0]) : 1.0f;
     if (up && up_b) us += __ldg(up_b + r);
     if (lane == 0) a[k] = act_glu(act, act_t, gs, us);
+}
+
+/* *count = the number of a[k] != 0, k < n (one block: a fixed order, no atomics). */
+__global__ void k_count_nonzero(const float * __restrict__ a, int64_t n, float * __restrict__ count) {
+    __shared__ int part[256];
+    int c = 0;
+    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) c += a[k] != 0.0f;
+    part[threadIdx.x] = c;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if ((int) threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *count = (float) part[0]; /* exact below 2^24 rows */
 }
 
 /* part[s][c] = sum over k in slice s (in order) of a[k] * down[rows[k]][c], a[k] == 0
@@ -158,6 +178,7 @@ struct pending_copy {
     float * dst;   /* caller's host buffer */
     size_t off;    /* floats into the output staging */
     size_t n;      /* floats */
+    int64_t * count; /* instead of dst: one float staged, handed over as an integer */
 };
 
 struct cuda_stream {
@@ -362,7 +383,8 @@ gh_status cs_drain(cuda_stream * s) {
         return cuda_fail(s->be->device, e, "a queued op (found at cudaStreamSynchronize)");
     }
     for (size_t i = 0; i < s->n_pend; i++) {
-        memcpy(s->pend[i].dst, s->h_out + s->pend[i].off, s->pend[i].n * sizeof(float));
+        if (s->pend[i].count) *s->pend[i].count = (int64_t) s->h_out[s->pend[i].off];
+        else memcpy(s->pend[i].dst, s->h_out + s->pend[i].off, s->pend[i].n * sizeof(float));
     }
     s->n_pend = 0;
     s->in_used = s->out_used = 0;
@@ -412,7 +434,19 @@ gh_status stage_out(cuda_stream * s, float * dst, const float * dev_src, size_t 
                              s->st),
              "cudaMemcpyAsync (device to host)");
     s->out_used = off + n;
-    s->pend[s->n_pend++] = pending_copy{dst, off, n};
+    s->pend[s->n_pend++] = pending_copy{dst, off, n, NULL};
+    return GH_OK;
+}
+
+/* dev (one float, an exact count) -> *dst at the next drain. op_begin made the room for
+ * it and for the pending entry. */
+gh_status stage_out_count(cuda_stream * s, int64_t * dst, const float * dev_src) {
+    const size_t off = s->out_used;
+    CU_CHECK(s->be->device,
+             cudaMemcpyAsync(s->h_out + off, dev_src, sizeof(float), cudaMemcpyDeviceToHost, s->st),
+             "cudaMemcpyAsync (device to host)");
+    s->out_used = off + 1;
+    s->pend[s->n_pend++] = pending_copy{NULL, off, 1, dst};
     return GH_OK;
 }
 
@@ -542,7 +576,7 @@ gh_status cs_predict(gh_stream * gs, const gh_dweight * fc1, const gh_dweight * 
 }
 
 gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
-                     const int32_t * rows, int64_t n_rows, float * y) {
+                     const int32_t * rows, int64_t n_rows, float * y, int64_t * n_nonzero) {
     cuda_stream * s = reinterpret_cast<cuda_stream *>(gs);
     static const char fn[] = "hot_ffn";
     if (!f) return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: f is NULL");
@@ -570,7 +604,7 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
         return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: need x, y and a row list of n_rows >= 0");
     }
     const int64_t d_in = f->gate.cols, d_out = f->down_t.cols;
-    if (d_in > s->p.max_in || d_out > s->p.max_out || n_rows > s->p.max_rows) {
+    if (d_in > s->p.max_in || d_out + (n_nonzero ? 1 : 0) > s->p.max_out || n_rows > s->p.max_rows) {
         return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: %lld inputs, %lld outputs, %lld rows "
                        "exceed the stream's capacity (%lld, %lld, %lld)", (long long) d_in,
                        (long long) d_out, (long long) n_rows, (long long) s->p.max_in,
@@ -586,7 +620,15 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
     int64_t n_slices, chunk;
     down_slices(n_rows, d_out, &n_slices, &chunk);
     const size_t in_bytes = align_up((size_t) d_in * sizeof(float), 256) + (size_t) n_rows * sizeof(int32_t);
-    if ((st = op_begin(s, in_bytes, (size_t) d_out))) return st;
+    if ((st = op_begin(s, in_bytes, (size_t) d_out + (n_nonzero ? 1 : 0)))) return st;
+    if (n_nonzero && s->n_pend + 2 > s->cap_pend) {
+        /* op_begin left room for one pending entry; the count needs a second */
+        const size_t cap = s->cap_pend * 2;
+        pending_copy * p = static_cast<pending_copy *>(realloc(s->pend, cap * sizeof(pending_copy)));
+        if (!p) return gh_fail(GH_ERR_OOM, "cuda: out of host memory (pending copies)");
+        s->pend = p;
+        s->cap_pend = cap;
+    }
     const int dev = s->be->device;
     const size_t part_need = n_slices > 1 ? (size_t) (n_slices * d_out) : 0;
     if (part_need > s->part_cap) {
@@ -607,7 +649,9 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
         const uint8_t * u = f->gated ? static_cast<const uint8_t *>(f->up.data) : NULL;
         const float * gb = f->gate_b, * ub = f->up_b;
         const float t = f->act_t;
-#define L(T, V) { k_hot_glu<T, V><<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x, s->d_rows, n_rows, gb, ub, act, t, s->d_a); }
+        const int gt = f->gate_test;
+        const float cut = f->gate_cut, lo = f->gate_lo, hi = f->gate_hi;
+#define L(T, V) { k_hot_glu<T, V><<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x, s->d_rows, n_rows, gb, ub, act, t, gt, cut, lo, hi, s->d_a); }
         DISPATCH_TYPE(f->gate.type, vec, L)
 #undef L
         if ((st = check_launch(s, "hot_ffn gate/up kernel launch"))) return st;
@@ -624,6 +668,12 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
         const unsigned blocks = (unsigned) ((d_out + 255) / 256);
         k_sum_slices<<<blocks, 256, 0, s->st>>>(s->d_part, n_slices, d_out, s->d_y);
         if ((st = check_launch(s, "hot_ffn sum kernel launch"))) return st;
+    }
+    if (n_nonzero) {
+        /* the count rides behind y in d_y (max_out > d_out: the stream holds logits) */
+        k_count_nonzero<<<1, 256, 0, s->st>>>(s->d_a, n_rows, s->d_y + d_out);
+        if ((st = check_launch(s, "hot_ffn count kernel launch"))) return st;
+        if ((st = stage_out_count(s, n_nonzero, s->d_y + d_out))) return st;
     }
     return stage_out(s, y, s->d_y, (size_t) d_out);
 }

@@ -69,13 +69,17 @@ def tensors(reader) -> dict:
 
 
 def expected_type(kind: str, shape, outtype: str):
+    """The storage type of the small MODELS (rows of 32..128: a K-quant's rows always fall
+    back, so the _m mixes' per-layer choice is test_k_mix_types')."""
     if len(shape) == 1:
         return Q.F32
     t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
-         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[outtype]
+         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K}[outtype]
     if kind in (F.T_TOKEN_EMBD, F.T_OUTPUT):
         t = {Q.Q4_0: Q.Q8_0, Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K}.get(t, t)
-    if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % (256 if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32):
+    if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) and shape[-1] % 256:
+        t = Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16  # llama.cpp's fallback, as near as we have
+    elif t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % 32:
         t = Q.F16
     return t
 
@@ -104,7 +108,7 @@ def assert_no_leftovers(d: Path, allowed=()):
 # and the suite stays fast.
 @pytest.mark.parametrize("name,outtype", [
     (name, outtype) for name in MODELS for outtype in F.OUTTYPES
-    if not (outtype in ("bf16", "q8_0") and name in ("gelu_mistral", "drelu_spm"))])
+    if not (outtype in ("bf16", "q8_0", *F.OUTTYPE_MIXES) and name in ("gelu_mistral", "drelu_spm"))])
 def test_convert_outtypes(hf_dirs, tmp_path, name, outtype):
     kw = MODELS[name]
     d = hf_dirs[name]
@@ -250,6 +254,99 @@ def test_permuted_qk_normal_rope_matches_hf_logits(hf_dirs, tmp_path, name):
         ref = model(torch.tensor([ids])).logits[0].double().numpy()
     got = np_forward(out, ids)
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+
+
+# A model whose rows are whole K-blocks, 8 layers, GQA, untied head: llama.cpp's use_more_bits
+# layers of 8 are 0 and 7 (the first and last eighth) and 3, 6 (every third between).
+MIX_MODEL = dict(act="silu", tied=False, n_layer=8, d=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
+MORE_BITS_OF_8 = {0, 3, 6, 7}
+# nmse of Gaussian-ish weights per K-quant (tests/test_types_matmul.py: nrmse 0.0715, 0.0362, 0.0178)
+K_NMSE = {Q.Q4_K: 8e-3, Q.Q5_K: 2e-3, Q.Q6_K: 5e-4}
+
+
+@pytest.fixture(scope="module")
+def mix_dir(tmp_path_factory):
+    return make_llama_model(tmp_path_factory.mktemp("mix") / "m", **MIX_MODEL)
+
+
+@pytest.mark.parametrize("outtype,base", [("q4_k_m", Q.Q4_K), ("q5_k_m", Q.Q5_K)])
+def test_k_mix_types(mix_dir, tmp_path, outtype, base):
+    """q4_k_m / q5_k_m store each tensor as llama.cpp's mix does (written out here, not taken
+    from the converter): the head Q6_K, attn_v and ffn_down Q6_K in the use_more_bits layers,
+    every other matrix (the untied embedding too) the base K-quant; gguf's reader reads the
+    file, its values are the HF weights within each type's error, and the runtime computes
+    what the file's own (dequantized) weights give."""
+    from powerinfer_cpp import Model
+
+    out = convert(mix_dir, tmp_path / "m.gguf", outtype, progress=False)
+    r = gguf.GGUFReader(str(out))
+    assert fields(r)[F.KEY_GENERAL_FILE_TYPE] == {"q4_k_m": 15, "q5_k_m": 17}[outtype]
+    ts = tensors(r)
+    ref = hf_weights(mix_dir)
+    for tname, (ttype, shape, data) in ts.items():
+        kind, layer, _ = F.parse_tensor_name(tname)
+        if len(shape) == 1:
+            want = Q.F32
+        elif kind == F.T_OUTPUT or (kind in (F.T_ATTN_V, F.T_FFN_DOWN) and layer in MORE_BITS_OF_8):
+            want = Q.Q6_K
+        else:
+            want = base
+        assert ttype == want, (tname, ttype.name, want.name)
+        if len(shape) == 2 and kind not in (F.T_ATTN_Q, F.T_ATTN_K):  # q/k: permuted rows
+            w = ref[HF_NAME[kind].format(layer)]
+            nmse = float(np.sum((data - w) ** 2) / np.sum(w ** 2))
+            assert nmse <= K_NMSE[ttype], (tname, ttype.name, nmse)
+    counts = {}
+    for ttype, _, _ in ts.values():
+        counts[ttype] = counts.get(ttype, 0) + 1
+    assert counts == {Q.F32: 17, base: 8 * 7 - 8 + 1, Q.Q6_K: 9}, counts
+    from powerinfer_cpp.inspect import describe
+    text = describe(out)
+    assert f"file type: {fields(r)[F.KEY_GENERAL_FILE_TYPE]} (MOSTLY_{outtype.upper()})" in text
+    assert f"{base.name} x49" in text and "Q6_K x9" in text and "F32 x17" in text
+    ids = [1, 5, 77, 200, 3, 9, 120, 42, 300, 7, 11]
+    want = np_forward(out, ids)
+    with Model(out, n_ctx=32, n_threads=2, cache_type="f32") as model:
+        got = model.eval(ids, logits_all=True).astype(np.float64)
+    nrmse = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
+    # the activations' quantization (Q8_K / Q8_0 per block) on this random model: measured
+    # q4_k_m 1.8e-2, q5_k_m 1.7e-2 (a q4_k file 1.7e-2, q6_k 1.6e-2, q8_0 1.2e-2)
+    print(f"{outtype}: runtime vs the file's weights nrmse {nrmse:.3g}")
+    assert nrmse < 3e-2, nrmse
+
+
+def test_k_mix_rule():
+    """The mixes' other cases, from the rule as llama.cpp states it: Falcon's head Q8_0 and
+    its q4_k_m ffn_down (Q6_K in the first sixteenth, Q5_K where use_more_bits), a fused
+    attn_qkv one step up, a tied embedding as the head, the 70B LLaMA's attn_v, and rows
+    that are not whole K-blocks (Q8_0, then F16)."""
+    from powerinfer_cpp.gguf_write import QuantMix, storage_type, use_more_bits
+
+    assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
+                                                              28, 29, 30, 31]
+    assert [i for i in range(4) if use_more_bits(i, 4)] == [2, 3]
+    falcon = QuantMix(arch=F.ARCH_FALCON, n_layer=32, tied=True, n_head=64, n_head_kv=8)
+    st = lambda kind, layer, ot, mix, shape=(512, 256): storage_type(kind, shape, ot, layer, mix)[0]  # noqa: E731
+    assert st(F.T_TOKEN_EMBD, None, "q4_k_m", falcon) == Q.Q8_0
+    assert [st(F.T_FFN_DOWN, i, "q4_k_m", falcon) for i in (0, 1, 2, 5, 6, 31)] == [
+        Q.Q6_K, Q.Q6_K, Q.Q5_K, Q.Q4_K, Q.Q5_K, Q.Q5_K]
+    assert [st(F.T_FFN_DOWN, i, "q5_k_m", falcon) for i in (0, 2, 5)] == [Q.Q6_K, Q.Q6_K, Q.Q5_K]
+    assert st(F.T_ATTN_QKV, 5, "q4_k_m", falcon) == Q.Q5_K and st(F.T_ATTN_QKV, 5, "q5_k_m", falcon) == Q.Q6_K
+    assert st(F.T_ATTN_OUTPUT, 0, "q4_k_m", falcon) == Q.Q4_K and st(F.T_FFN_UP, 0, "q5_k_m", falcon) == Q.Q5_K
+    llama = QuantMix(arch=F.ARCH_LLAMA, n_layer=32, tied=True, n_head=32, n_head_kv=8)
+    assert st(F.T_TOKEN_EMBD, None, "q4_k_m", llama) == Q.Q6_K
+    assert st(F.T_TOKEN_EMBD, None, "q4_k_m", QuantMix(n_layer=32)) == Q.Q4_K  # untied: an ordinary matrix
+    assert [st(F.T_ATTN_V, i, "q4_k_m", llama) for i in (3, 4, 6)] == [Q.Q6_K, Q.Q4_K, Q.Q6_K]
+    l70 = QuantMix(arch=F.ARCH_LLAMA, n_layer=80, n_head=64, n_head_kv=8)
+    assert [st(F.T_ATTN_V, i, "q4_k_m", l70) for i in (0, 11)] == [Q.Q6_K, Q.Q5_K]
+    assert st(F.T_ATTN_V, 11, "q5_k_m", l70) == Q.Q5_K
+    assert st(F.T_ATTN_V, 11, "q4_k_m", QuantMix(n_layer=80, n_head=64, n_head_kv=64)) == Q.Q4_K  # 65B: MHA
+    assert st(F.T_FFN_DOWN, 3, "q4_k_m", llama, (256, 11008)) == Q.Q6_K  # 11008 = 43 blocks of 256
+    assert storage_type(F.T_FFN_DOWN, (256, 1000), "q4_k_m", 3, llama) == (
+        Q.F16, "row length 1000 is not a multiple of 256: stored as F16, not Q6_K")
+    assert storage_type(F.T_FFN_DOWN, (256, 800), "q4_k_m", 4, llama)[0] == Q.Q8_0
+    assert storage_type(F.T_OUTPUT, (384, 64), "q6_k")[0] == Q.Q8_0
+    assert st(F.T_ATTN_NORM, 0, "q4_k_m", llama, (256,)) == Q.F32
 
 
 def test_rope_linear_scaling_keys(hf_dirs, tmp_path):

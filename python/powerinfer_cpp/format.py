@@ -169,10 +169,14 @@ FILE_TYPE_MOSTLY_Q4_0 = 2
 FILE_TYPE_MOSTLY_Q8_0 = 7
 FILE_TYPE_MOSTLY_BF16 = 32
 FILE_TYPE_MOSTLY_Q4_K_S = 14
+FILE_TYPE_MOSTLY_Q4_K_M = 15
 FILE_TYPE_MOSTLY_Q5_K_S = 16
+FILE_TYPE_MOSTLY_Q5_K_M = 17
 FILE_TYPE_MOSTLY_Q6_K = 18
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+#: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule).
+OUTTYPE_MIXES = ("q4_k_m", "q5_k_m")
 OUTTYPE_FILE_TYPE = {
     "f32": FILE_TYPE_ALL_F32,
     "f16": FILE_TYPE_MOSTLY_F16,
@@ -183,12 +187,15 @@ OUTTYPE_FILE_TYPE = {
     "q4_k": FILE_TYPE_MOSTLY_Q4_K_S,
     "q5_k": FILE_TYPE_MOSTLY_Q5_K_S,
     "q6_k": FILE_TYPE_MOSTLY_Q6_K,
+    "q4_k_m": FILE_TYPE_MOSTLY_Q4_K_M,
+    "q5_k_m": FILE_TYPE_MOSTLY_Q5_K_M,
 }
 
 #: Block size of the quantized types we write (elements per block); rows whose
 #: length is not a multiple of it are stored as F16 instead.
 QUANT_BLOCK = 32
-#: The same for the K-quants (q4_k, q5_k, q6_k): ggml's QK_K.
+#: The same for the K-quants (q4_k, q5_k, q6_k and the mixes): ggml's QK_K; their rows
+#: that are not whole K-blocks fall back to Q8_0 (then F16).
 QUANT_BLOCK_K = 256
 
 # --------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import numpy as np
 from . import format as F
 from .scratch import remove_stale, scratch_file
 
-__all__ = ["ConvertError", "TensorJob", "KV", "storage_type", "encode_job", "encode_matrix",
-           "decode_matrix", "add_kv", "write_gguf", "check_output_path"]
+__all__ = ["ConvertError", "TensorJob", "KV", "QuantMix", "use_more_bits", "storage_type", "fit_rows",
+           "encode_job", "encode_matrix", "decode_matrix", "add_kv", "write_gguf", "check_output_path"]
 
 
 class ConvertError(Exception):
@@ -50,24 +50,87 @@ class TensorJob:
 KV = tuple
 
 
-def storage_type(kind: str, shape: tuple[int, ...], outtype: str):
-    """(GGML type, note) a dense tensor of this kind and numpy shape is stored as.
+@dataclass(frozen=True)
+class QuantMix:
+    """What llama.cpp's ``_m`` mixes look at besides a tensor's kind, layer and shape."""
+    arch: str = F.ARCH_LLAMA
+    n_layer: int = 1
+    tied: bool = False     # no output.weight: token_embd is the head as well
+    n_head: int = 1
+    n_head_kv: int = 1
+
+
+def use_more_bits(layer: int, n_layer: int) -> bool:
+    """The layers llama.cpp's _m mixes give more bits: the first and last eighth of the
+    layers and every third layer between them."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+_OUTTYPE_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K",
+                 "q5_k": "Q5_K", "q6_k": "Q6_K", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}
+
+
+def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | None = None,
+                 mix: QuantMix | None = None):
+    """(GGML type, note) a dense tensor of this kind, layer and numpy shape is stored as.
 
     1-D tensors (norms, biases, frequencies) are always F32. Q4_0 embeddings and heads
     are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
-    otherwise, as in llama.cpp); block-quantized rows need a length divisible by the block
-    size (32; K-quants 256), else F16."""
+    otherwise, as in llama.cpp). The mixes q4_k_m and q5_k_m choose per tensor as
+    llama.cpp's quantizer does (_mix_type; ``mix`` says the model's layer count, whether
+    the head is tied, ...). Block-quantized rows need a length divisible by the block size
+    (32; K-quants 256): other rows fall back to Q8_0 (K-quants) or F16."""
     from gguf import GGMLQuantizationType as Q
     if len(shape) == 1:
         return Q.F32, ""
-    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
-         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}[outtype]
-    if kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
+    t = Q[_OUTTYPE_TYPE[outtype]]
+    if outtype in F.OUTTYPE_MIXES:
+        t = _mix_type(kind, layer, t, mix or QuantMix())
+    elif kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
         t = {Q.Q4_0: Q.Q8_0, Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K}.get(t, t)
+    return fit_rows(t, shape[-1])
+
+
+def _mix_type(kind: str, layer: int | None, base, mix: QuantMix):
+    """llama.cpp's Q4_K_M / Q5_K_M choice (``base`` Q4_K / Q5_K) for one matrix, before
+    the row-length fallback. Its rule for a dense, non-MoE model: the head (the tied
+    embedding too) Q6_K, Falcon's Q8_0; attn_v Q6_K where use_more_bits; a fused attn_qkv
+    one step up (Q5_K / Q6_K); ffn_down Q6_K where use_more_bits, except Falcon's Q4_K_M
+    (Q6_K in the first sixteenth of the layers, Q5_K where use_more_bits); a 70B LLaMA's
+    (80 layers, grouped-query attention) other attn_v Q5_K in Q4_K_M; all else ``base``."""
+    from gguf import GGMLQuantizationType as Q
+    if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and mix.tied):
+        return Q.Q8_0 if mix.arch == F.ARCH_FALCON else Q.Q6_K
+    if layer is None:
+        return base
+    more = use_more_bits(layer, mix.n_layer)
+    if kind == F.T_ATTN_V:
+        if more:
+            return Q.Q6_K
+        if base == Q.Q4_K and mix.arch == F.ARCH_LLAMA and mix.n_layer == 80 and mix.n_head_kv < mix.n_head:
+            return Q.Q5_K
+        return base
+    if kind == F.T_ATTN_QKV:
+        return Q.Q5_K if base == Q.Q4_K else Q.Q6_K
+    if kind == F.T_FFN_DOWN:
+        if mix.arch == F.ARCH_FALCON and base == Q.Q4_K:
+            return Q.Q6_K if layer < mix.n_layer // 16 else Q.Q5_K if more else Q.Q4_K
+        return Q.Q6_K if more else base
+    return base
+
+
+def fit_rows(t, row_len: int):
+    """(type, note): ``t`` if rows of ``row_len`` are whole blocks of it, else the fallback:
+    a K-quant Q8_0 (llama.cpp falls back to Q5_0 / Q5_1 / Q8_0, this runtime has Q8_0 of
+    those), then F16."""
+    from gguf import GGMLQuantizationType as Q
+    if t in (Q.F32, Q.F16, Q.BF16):
+        return t, ""
     block = F.QUANT_BLOCK_K if t in k_quant_types() else F.QUANT_BLOCK
-    if t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % block:
-        return Q.F16, f"row length {shape[-1]} is not a multiple of {block}: stored as F16, not {t.name}"
-    return t, ""
+    if row_len % block == 0:
+        return t, ""
+    fb = Q.Q8_0 if t in k_quant_types() and row_len % F.QUANT_BLOCK == 0 else Q.F16
+    return fb, f"row length {row_len} is not a multiple of {block}: stored as {fb.name}, not {t.name}"
 
 
 def k_quant_types():

@@ -50,8 +50,12 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     def ak(t):
         return fields.get(F.arch_key(t, arch))
 
-    out.append(f"architecture: {arch}  name: {fields.get(F.KEY_GENERAL_NAME, '?')}  "
-               f"file type: {fields.get(F.KEY_GENERAL_FILE_TYPE, '?')}")
+    ftype = fields.get(F.KEY_GENERAL_FILE_TYPE, "?")
+    try:  # llama.cpp's name too: the mixes (MOSTLY_Q4_K_M) are told apart by it alone
+        ftype = f"{ftype} ({gguf.LlamaFileType(int(ftype)).name})"
+    except (ValueError, TypeError):
+        pass
+    out.append(f"architecture: {arch}  name: {fields.get(F.KEY_GENERAL_NAME, '?')}  file type: {ftype}")
     out.append(f"  layers {ak(F.KEY_BLOCK_COUNT)}, d {ak(F.KEY_EMBEDDING_LENGTH)}, n_ff {ak(F.KEY_FEED_FORWARD_LENGTH)}, "
                f"heads {ak(F.KEY_HEAD_COUNT)}/{ak(F.KEY_HEAD_COUNT_KV)} (kv), vocab {ak(F.KEY_VOCAB_SIZE)}, "
                f"context {ak(F.KEY_CONTEXT_LENGTH)}, activation "

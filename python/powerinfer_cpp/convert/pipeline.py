@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from .. import format as F
-from ..gguf_write import ConvertError, TensorJob, add_kv, check_output_path, storage_type, write_gguf
+from ..gguf_write import ConvertError, QuantMix, TensorJob, add_kv, check_output_path, storage_type, write_gguf
 from ..sparse.pipeline import DenseModel, SparseOptions, convert_sparse
 from .arch import Architecture, Config, HFParams
 from .hf import SafetensorsError, open_weights, read_config_json, read_hf_tokenizer
@@ -37,6 +37,11 @@ def read_model_config(hf_dir: str | os.PathLike) -> tuple[Architecture, HFParams
     cfg = read_config_json(hf_dir)
     arch, hf_class = lookup(cfg)
     return arch, arch.read_config(Config(cfg, os.fspath(hf_dir)), hf_class)
+
+
+def quant_mix(p: HFParams) -> QuantMix:
+    """What the _m outtypes' per-tensor rule needs to know of the model."""
+    return QuantMix(arch=p.arch, n_layer=p.n_layer, tied=p.tied, n_head=p.n_head, n_head_kv=p.n_head_kv)
 
 
 def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[TensorJob]:
@@ -64,7 +69,7 @@ def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[Ten
             got = tuple(src.shape(actual[name]))
             if got != tuple(shape):
                 raise ConvertError(f"shape mismatch: {actual[name]} is {list(got)}, config.json implies {list(shape)}")
-        qtype, note = storage_type(m.kind, m.shape, outtype)
+        qtype, note = storage_type(m.kind, m.shape, outtype, F.parse_tensor_name(m.name)[1], quant_mix(p))
 
         def load(m=m):
             arrays = [src.get(actual[s], np.float32) for s in m.sources]

@@ -1,11 +1,17 @@
 """Print what a GGUF file holds.
 
-    python -m powerinfer_cpp.inspect MODEL.gguf [--tensors]
+    python -m powerinfer_cpp.inspect MODEL.gguf [--tensors] [--plot OUT.png]
 
 Architecture and hyper-parameters, tensor types and sizes, and for sparse
 files (convert --sparse) the sparse metadata, per-layer predictor sizes and
 GPU neuron counts (read with the ``gguf`` package), and whether this runtime can load the
 file and its tokenizer, and if not, why (the native loader's and tokenizer's own messages).
+
+``--plot OUT.png`` (needs matplotlib) draws a sparse file's neuron statistics
+(``blk.N.ffn_freq``): each layer's firing frequency against the neuron's rank (log-log),
+and the share of the activations the GPU would serve against a VRAM budget, from the
+placement's own cost model (sparse.placement: dense parts first, then neuron groups by
+frequency per byte, the greedy rule the runtime also applies at load).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import numpy as np
 from . import format as F
 from .sizes import format_size
 
-__all__ = ["describe", "main"]
+__all__ = ["describe", "plot_statistics", "served_curve", "main"]
 
 
 def describe(path: str | os.PathLike, tensors: bool = False) -> str:
@@ -153,16 +159,126 @@ def loadable(path: str | os.PathLike) -> str:
     return "runtime: loads (weights and tokenizer)"
 
 
+class PlotError(ValueError):
+    """The plot cannot be drawn (no neuron statistics, or matplotlib missing)."""
+
+
+def _statistics(path: str) -> tuple[dict, dict]:
+    """(fields, placement inputs) of a file with neuron frequencies; PlotError otherwise."""
+    from .gguf_read import open_gguf
+    from .place import PlaceError, placement_inputs, read_fields
+
+    try:
+        r = open_gguf(path)
+    except OSError:
+        raise
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors on bad files
+        raise ValueError(f"not a valid GGUF file (truncated or corrupt: {e})") from None
+    fields = read_fields(r)
+    if not any(F.parse_tensor_name(t.name)[0] == F.T_FFN_FREQ for t in r.tensors):
+        raise PlotError(f"{path} has no neuron statistics (no {F.sparse_tensor_name(F.T_FFN_FREQ, 0)}): "
+                        "it is a dense file; convert the model with `python -m powerinfer_cpp.convert "
+                        "HF_DIR --sparse` (or --sparsity S) to profile its neurons")
+    try:
+        return fields, placement_inputs(r, fields, path)
+    except PlaceError as e:
+        raise PlotError(str(e)) from None
+
+
+def served_curve(pin: dict, budgets, group_size: int | None = None) -> np.ndarray:
+    """Share of the activation mass the GPU serves at each budget (bytes), by the greedy
+    placement of sparse.placement on the file's costs (model_costs) and frequencies."""
+    from .sparse.placement import greedy_placement, make_problem, model_costs
+
+    dense, per_neuron = model_costs(pin["tensors"], pin["n_layer"], pin["n_embd_kv"], pin["ctx"])
+    gs = group_size or pin["group_size"]
+    return np.array([greedy_placement(make_problem(pin["freq"], per_neuron, dense, int(b), gs)).served_share
+                     for b in budgets])
+
+
+def plot_statistics(path: str | os.PathLike, out: str | os.PathLike, points: int = 48) -> dict:
+    """Draw the file's neuron statistics into the PNG ``out`` (see the module docstring);
+    returns {"budgets": bytes, "served": shares, "total_bytes": everything on the GPU}."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                        "(or pip install 'powerinfer-cpp[plot]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .sparse.placement import model_costs
+
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError("it is a directory; pass a .gguf file")
+    fields, pin = _statistics(path)
+    dense, per_neuron = model_costs(pin["tensors"], pin["n_layer"], pin["n_embd_kv"], pin["ctx"])
+    dense_b = sum(d.nbytes for d in dense)
+    total = dense_b + sum(b * len(f) for b, f in zip(per_neuron, pin["freq"]))
+    budgets = np.linspace(0, total, points).astype(np.int64)
+    served = served_curve(pin, budgets)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    cmap = plt.get_cmap("viridis")
+    nl = pin["n_layer"]
+    for l, f in enumerate(pin["freq"]):
+        sf = np.sort(f)[::-1]
+        rank = np.arange(1, len(sf) + 1)
+        keep = sf > 0  # log axes: a neuron that never fired has no point
+        a1.loglog(rank[keep], sf[keep], color=cmap(l / max(nl - 1, 1)), lw=1.2, label=f"layer {l}")
+    a1.set_xlabel("neuron rank (by frequency)")
+    a1.set_ylabel("firing frequency (share of calibration tokens)")
+    gate = F.KEY_SPARSE_GATE_THRESHOLD in fields
+    a1.set_title("active = |act(gate)| above the threshold" if gate else "active = predicted / exact nonzero",
+                 fontsize=10)
+    a1.grid(True, which="both", alpha=0.3)
+    a1.legend(fontsize=7, ncol=2 if nl > 8 else 1, loc="lower left")
+
+    unit, uname = (1 << 30, "GiB") if total >= (1 << 30) else (1 << 20, "MiB")
+    a2.plot(budgets / unit, served, color="C3", lw=1.8, label="greedy placement (as the runtime's)")
+    a2.axvline(dense_b / unit, color="gray", ls="--", lw=1,
+               label=f"dense parts + KV cache ({format_size(dense_b)}, ctx {pin['ctx']})")
+    b = fields.get(F.KEY_GPU_VRAM_BUDGET)
+    if b is not None and int(b) > 0 and F.KEY_GPU_SERVED_SHARE in fields:
+        a2.plot([int(b) / unit], [float(fields[F.KEY_GPU_SERVED_SHARE])], "ko",
+                label=f"the file's index ({fields.get(F.KEY_GPU_SOLVER, '?')}, {format_size(int(b))})")
+    a2.set_xlabel(f"VRAM budget ({uname})")
+    a2.set_ylabel("share of activations served by the GPU")
+    a2.set_ylim(0, 1.02)
+    a2.grid(True, alpha=0.3)
+    a2.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"{os.path.basename(path)}: neuron statistics ({nl} layers x {pin['n_ff']} neurons)",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(os.fspath(out), dpi=110)
+    plt.close(fig)
+    return {"budgets": budgets, "served": served, "total_bytes": int(total), "dense_bytes": int(dense_b)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.inspect", description="Describe a GGUF file.")
     ap.add_argument("model")
     ap.add_argument("--tensors", action="store_true", help="also list every tensor")
+    ap.add_argument("--plot", metavar="OUT.png", help="draw the neuron statistics of a sparse file: firing "
+                    "frequency against rank per layer, and the activations served against a VRAM budget "
+                    "(needs matplotlib)")
     args = ap.parse_args(argv)
     try:
         print(describe(args.model, args.tensors))
     except (OSError, ValueError, KeyError) as e:
         print(f"error: cannot read {args.model}: {e}", file=sys.stderr)
         return 1
+    if args.plot:
+        try:
+            plot_statistics(args.model, args.plot)
+        except PlotError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:
+            print(f"error: cannot write {args.plot}: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote {os.path.abspath(args.plot)}")
     return 0
 
 

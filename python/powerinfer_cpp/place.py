@@ -28,7 +28,7 @@ from .sparse.placement import Placement
 
 log = logging.getLogger("powerinfer_cpp.place")
 
-__all__ = ["PlaceError", "replace_index", "read_fields", "main"]
+__all__ = ["PlaceError", "replace_index", "read_fields", "placement_inputs", "main"]
 
 
 class PlaceError(Exception):
@@ -38,6 +38,36 @@ class PlaceError(Exception):
 def read_fields(reader) -> dict:
     """{key: python value} of a GGUFReader's metadata (GGUF.* pseudo-keys left out)."""
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def placement_inputs(reader, fields: dict, path: str) -> dict:
+    """What the placement's cost model needs from a file: {n_layer, n_ff, n_embd_kv, ctx (the
+    stored one), group_size (stored), freq (per layer the ffn_freq, float64), tensors
+    ({name: (qtype, numpy shape)})}. PlaceError names what is missing."""
+    import gguf
+
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    try:
+        n_layer = int(fields[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
+        n_ff = int(fields[F.arch_key(F.KEY_FEED_FORWARD_LENGTH, arch)])
+        n_embd = int(fields[F.arch_key(F.KEY_EMBEDDING_LENGTH, arch)])
+        n_head = int(fields[F.arch_key(F.KEY_HEAD_COUNT, arch)])
+        n_head_kv = int(fields.get(F.arch_key(F.KEY_HEAD_COUNT_KV, arch), n_head))
+        head_dim = int(fields.get(F.arch_key(F.KEY_KEY_LENGTH, arch), n_embd // n_head))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise PlaceError(f"{path}: missing or bad hyper-parameter ({e})") from None
+    ctx = int(fields.get(F.KEY_GPU_CTX, fields.get(F.arch_key(F.KEY_CONTEXT_LENGTH, arch), 2048)))
+    by_name = {t.name: t for t in reader.tensors}
+    freq = []
+    for l in range(n_layer):
+        name = F.sparse_tensor_name(F.T_FFN_FREQ, l)
+        t = by_name.get(name)
+        if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(t.n_elements) != n_ff:
+            raise PlaceError(f"{path}: {name} missing or not F32[{n_ff}]")
+        freq.append(np.asarray(t.data, dtype=np.float64).reshape(n_ff))
+    tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
+    return {"n_layer": n_layer, "n_ff": n_ff, "n_embd_kv": n_head_kv * head_dim, "ctx": ctx,
+            "group_size": int(fields.get(F.KEY_GPU_GROUP_SIZE, 64)), "freq": freq, "tensors": tensors}
 
 
 def _copy_fields(reader, w, skip: set[str]) -> None:
@@ -87,35 +117,19 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
                          f"{F.KEY_SPARSE_GATE_THRESHOLD}); convert the model with "
                          "`python -m powerinfer_cpp.convert HF_DIR --sparse`")
     arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
-    try:
-        n_layer = int(fields[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
-        n_ff = int(fields[F.arch_key(F.KEY_FEED_FORWARD_LENGTH, arch)])
-        n_embd = int(fields[F.arch_key(F.KEY_EMBEDDING_LENGTH, arch)])
-        n_head = int(fields[F.arch_key(F.KEY_HEAD_COUNT, arch)])
-        n_head_kv = int(fields.get(F.arch_key(F.KEY_HEAD_COUNT_KV, arch), n_head))
-        head_dim = int(fields.get(F.arch_key(F.KEY_KEY_LENGTH, arch), n_embd // n_head))
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise PlaceError(f"{path}: missing or bad hyper-parameter ({e})") from None
-    if ctx is None:
-        ctx = int(fields.get(F.KEY_GPU_CTX, fields.get(F.arch_key(F.KEY_CONTEXT_LENGTH, arch), 2048)))
     if out_path != path or os.path.exists(out_path):
         try:
             check_output_path(os.path.abspath(out_path))
         except ConvertError as e:
             raise PlaceError(str(e)) from None
+    pin = placement_inputs(reader, fields, path)
+    n_layer, n_ff, freq, tensors = pin["n_layer"], pin["n_ff"], pin["freq"], pin["tensors"]
+    if ctx is None:
+        ctx = pin["ctx"]
     if group_size is None:
-        group_size = int(fields.get(F.KEY_GPU_GROUP_SIZE, 64))
-    tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
-    by_name = {t.name: t for t in reader.tensors}
-    freq = []
-    for l in range(n_layer):
-        name = F.sparse_tensor_name(F.T_FFN_FREQ, l)
-        t = by_name.get(name)
-        if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(t.n_elements) != n_ff:
-            raise PlaceError(f"{path}: {name} missing or not F32[{n_ff}]")
-        freq.append(np.asarray(t.data, dtype=np.float64).reshape(n_ff))
+        group_size = pin["group_size"]
     try:
-        pl = solve_from_tensors(tensors, freq, n_layer, n_head_kv * head_dim, ctx, budget, group_size,
+        pl = solve_from_tensors(tensors, freq, n_layer, pin["n_embd_kv"], ctx, budget, group_size,
                                 min_layer_share, method, time_limit)
     except KeyError as e:
         raise PlaceError(f"{path}: tensor {e} missing") from None

@@ -230,8 +230,8 @@ def plot_statistics(path: str | os.PathLike, out: str | os.PathLike, points: int
     a1.set_xlabel("neuron rank (by frequency)")
     a1.set_ylabel("firing frequency (share of calibration tokens)")
     gate = F.KEY_SPARSE_GATE_THRESHOLD in fields
-    a1.set_title("active = |act(gate)| above the threshold" if gate else "active = predicted / exact nonzero",
-                 fontsize=10)
+    a1.set_title("active: |act(gate)| above the layer's threshold" if gate
+                 else "active: a nonzero activation", fontsize=10)
     a1.grid(True, which="both", alpha=0.3)
     a1.legend(fontsize=7, ncol=2 if nl > 8 else 1, loc="lower left")
 
@@ -243,6 +243,9 @@ def plot_statistics(path: str | os.PathLike, out: str | os.PathLike, points: int
     if b is not None and int(b) > 0 and F.KEY_GPU_SERVED_SHARE in fields:
         a2.plot([int(b) / unit], [float(fields[F.KEY_GPU_SERVED_SHARE])], "ko",
                 label=f"the file's index ({fields.get(F.KEY_GPU_SOLVER, '?')}, {format_size(int(b))})")
+    a2.text(0.53, 0.45, "left of the dashed line the dense parts take\nthe budget in priority order (attention,\n"
+            "predictors, norms, head, KV cache) as long as\nthe next fits; what they leave goes to neurons",
+            transform=a2.transAxes, fontsize=7, va="top", color="0.3")
     a2.set_xlabel(f"VRAM budget ({uname})")
     a2.set_ylabel("share of activations served by the GPU")
     a2.set_ylim(0, 1.02)

@@ -10,14 +10,17 @@ real text: d=2048, 22 layers, 32 heads / 4 KV heads, n_ff=5632, vocab 32000; den
 type, and the sparse GGUF of the same weights from `convert --sparse`; --plain: the
 foundation's random 542M dense model, no sparse engine; --arch qwen2 | falcon | llama3:
 random dense models of those architectures at ~1B published shapes, no sparse engine;
---arch opt: the same sparse construction OPT-shaped, where llama.cpp, which has no OPT,
-gets a row saying so and the sparse engine is compared with ours dense instead; or any
+--swiglu: random weights at the same 1.1B shape with a SwiGLU FFN, its gate-mode file
+from `convert --sparsity 0.5` as the sparse one; --arch opt: the same sparse construction
+OPT-shaped, where llama.cpp, which has no OPT, gets a row saying so and the sparse engine is compared with ours dense instead; or any
 GGUF files with --model / --sparse-model):
 
 * Engines: `llama.cpp` on the dense GGUF; `ours` (dense FFN) on the same dense GGUF;
   `ours-sparse` on the sparse GGUF in sparse FFN mode (gh_context_set_ffn_mode
-  GH_FFN_SPARSE: predictor -> active neurons -> gate/up/down over those rows only; prompts
-  of more than the context's sparse batch limit run dense, as the runtime decides).
+  GH_FFN_SPARSE: predictor -> active neurons -> gate/up/down over those rows only; a
+  gate-threshold file, GH_FFN_GATE: the gate dense, up/down_t over the neurons whose
+  |act(gate)| passes the threshold; prompts of more than the context's sparse batch limit
+  run dense, as the runtime decides).
 * Tokens: real text (models/tiny-relu-kjv/heldout.txt through its tokenizer, from token 8192
   on: text the sparse model's predictors were not trained on), the same for every engine.
 * pp128: one 128-token batch eval into a fresh cache (after one untimed warm-up eval
@@ -115,7 +118,7 @@ def _native_fn(lib, name: str):
         return None
 
 
-FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2}
+FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2, "gate": 3}
 
 
 def _read_stats(ffi, lib, c, n_layer: int) -> dict | None:
@@ -189,7 +192,10 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = 
 
 
 def worker_ours_sparse(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
-    return worker_ours(model, threads, n_pp, n_tg, "sparse")
+    import gguf
+    # a gate-magnitude file (convert --sparsity: SwiGLU) has thresholds instead of predictors
+    gate = "powerinfer.sparse.gate_threshold" in gguf.GGUFReader(model).fields
+    return worker_ours(model, threads, n_pp, n_tg, "gate" if gate else "sparse")
 
 
 def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
@@ -510,10 +516,11 @@ def sparse_file_bytes(path: str, pred_density: list[float] | None) -> dict:
             pass
         else:
             out["other"] += nb
+    gate_mode = out["predictor"] == 0   # no predictors: gate thresholds, the gate read whole
     for il in sorted(layers):
         L = layers[il]
         td = float(L["freq"].mean()) if L.get("freq") is not None else 1.0
-        pd = pred_density[il] if pred_density and il < len(pred_density) else td
+        pd = 1.0 if gate_mode else pred_density[il] if pred_density and il < len(pred_density) else td
         true_d.append(td)
         pred_d.append(pd)
         down = L.get("ffn_down_t", L.get("ffn_down", 0))
@@ -927,6 +934,9 @@ def main(argv=None) -> int:
     elif constructed:
         kind_txt = ("synthetic LLaMA with ReGLU FFN, weights constructed for activation sparsity "
                     "(tools/make_bench_model.py; see \"The sparse benchmark model\")")
+    elif a.kind == "swiglu" and not given:
+        kind_txt = (f"synthetic LLaMA with SwiGLU FFN, random weights; ours-sparse runs the gate mode of "
+                    f"`convert --sparsity {a.sparsity:g}` (tools/make_bench_model.py --swiglu)")
     elif given:
         kind_txt = f"GGUF architecture {arch_txt}, files given with --model"
     else:
@@ -950,7 +960,8 @@ def main(argv=None) -> int:
           + ("; the head is tied (token_embd, read whole every step)" if any(tied.values()) else "")
           + ("; sparse files store the predictors in " + ", ".join(
               f"{predictor_types(spaths[t])} ({t.upper()} file)" for t in types if t in spaths) + "."
-             if sparse_eng else "."),
+             if sparse_eng and a.kind != "swiglu" else
+             "; the gate-mode files hold per-layer gate thresholds, no predictors." if sparse_eng else "."),
           f"- Memory read bandwidth (tools/membw.c, best of 5): {bw_line}. "
           f"Decode limit = bandwidth / bytes read per token"
           + (" (dense / sparse)" if sparse_eng else "") + f": {limits or '—'} tokens/s."

@@ -6,9 +6,10 @@
     python tools/make_bench_model.py --plain [--layers 8 ...]            # dense bench model
     python tools/make_bench_model.py --plain --arch qwen2|falcon|llama3  # dense ~1B of that shape
     python tools/make_bench_model.py --arch opt [...]                    # OPT-shaped issue-5 model
+    python tools/make_bench_model.py --swiglu [--sparsity 0.5]           # SwiGLU 1.1B, gate mode
     python tools/make_bench_model.py ... --hf-only                       # the HF folder, no GGUFs
 
-Two kinds of model, both written as a Hugging Face LLaMA folder (config.json,
+Three kinds of model, all written as a Hugging Face LLaMA folder (config.json,
 model.safetensors in fp16 written tensor by tensor with numpy, tokenizer.json +
 tokenizer_config.json) and converted by the project's converter
 (powerinfer_cpp.convert) into GGUF files next to it:
@@ -24,6 +25,22 @@ tokenizer_config.json) and converted by the project's converter
 * ``--plain``: the foundation's dense bench model: random weights (normal, std
   0.02, norms = 1, seeded), default d=2048, 8 layers, 16 heads (16 KV heads),
   n_ff=5632, vocab 32000, ReLU (~542M params); dense GGUFs only.
+* ``--swiglu``: random weights as ``--plain`` at the issue-5 shape with a SwiGLU FFN,
+  dense and gate-mode GGUFs (below).
+
+SwiGLU variant (``--swiglu``)
+----------------------------
+The 1.1B shape of the default model (d=2048, 22 layers, 32 heads / 4 KV heads, n_ff=5632,
+vocab 32000, untied) with a SiLU-gated FFN and random weights as ``--plain`` (std 0.02,
+norms 1): the dense GGUF per type (the same file names as ``--plain --act silu --layers 22
+--heads 32 --kv-heads 4``, so either command reuses the other's), and per type the
+gate-magnitude file ``convert --sparsity S`` (default ``--sparsity 0.5``: per layer the
+|silu(gate)| threshold that zeroes half the neurons on the first ``--calib-tokens`` tokens of
+the held-out text; no predictors), ``<name>-<type>-gate<S>.gguf``. Random weights have no
+quality to lose and a flat firing frequency (no hot neurons), so this model measures the gate
+mode's speed only (the dense gate, then up and down_t over the passing half), not what a
+trained SwiGLU model keeps at that sparsity (models/tiny-swiglu-kjv and
+tools/eval_sparsity.py measure that).
 
 Dense models of the other architectures (``--plain --arch qwen2 | falcon | llama3``)
 -------------------------------------------------------------------------------------
@@ -201,6 +218,7 @@ SHAPE_DEFAULTS = {
     ("sparse", "llama"): {**_BASE, "layers": 22, "heads": 32, "kv_heads": 4},
     ("sparse", "opt"): {**_BASE, "layers": 22, "heads": 32, "kv_heads": None},
     ("plain", "llama"): {**_BASE, "layers": 8, "heads": 16, "kv_heads": None},
+    ("swiglu", "llama"): {**_BASE, "layers": 22, "heads": 32, "kv_heads": 4, "act": "silu"},
     # Qwen2.5-1.5B
     ("plain", "qwen2"): {**_BASE, "d": 1536, "ff": 8960, "layers": 28, "heads": 12, "kv_heads": 2, "act": "silu",
                          "rope_theta": 1e6, "rms_eps": 1e-6, "tied": True, "max_pos": 32768},
@@ -221,7 +239,7 @@ def shape_name(a) -> str:
     kv = f"-kv{a.kv_heads}" if a.arch != "opt" else ""   # OPT: always one KV head per head
     base = (f"{a.arch}-d{a.d}-l{a.layers}-h{a.heads}{kv}-ff{a.ff}-v{a.vocab}"
             f"-{a.act}-s{a.seed}")
-    if a.kind == "plain":
+    if a.kind in ("plain", "swiglu"):
         return base
     return (base + f"-sc2-k{a.subspace}-r{a.density:g}-a{a.alpha:g}"   # sc2: construction version 2
             + (f"-c{a.const:g}" if a.const != 1.5 else "")
@@ -231,6 +249,8 @@ def shape_name(a) -> str:
 def sparse_name(a, t: str) -> str:
     """File name of the sparse GGUF of type t. Other predictor options than the defaults
     are part of it, so that a file made with other options is not reused."""
+    if a.kind == "swiglu":
+        return f"{shape_name(a)}-{t}-gate{a.sparsity:g}.gguf"
     opts = "" if (a.pred_type, a.pred_threshold) == (PRED_TYPE, PRED_THRESHOLD) else \
         f"-p{a.pred_type}-t{a.pred_threshold:g}"
     return f"{shape_name(a)}-{t}-sparse{opts}.gguf"
@@ -772,7 +792,7 @@ def make_hf(a, hf_dir: Path) -> dict:
     (hf_dir / "config.json").unlink(missing_ok=True)   # written last: marks a complete folder
     t0 = time.time()
     info: dict = {}
-    if a.kind == "plain":
+    if a.kind in ("plain", "swiglu"):
         n = write_plain_safetensors(hf_dir / "model.safetensors", hf_tensors(a), a.seed, a.std)
     else:
         print(f"constructing {hf_dir} (sparse construction, {a.layers} layers)", file=sys.stderr)
@@ -840,9 +860,12 @@ def ensure_models(a) -> dict[str, Path]:
 
 def ensure_sparse_models(a) -> dict[str, Path]:
     """Make (or reuse) one SPARSE GGUF per type (convert --sparse: profile, predictors,
-    placement); returns type -> path. Needs the HF folder (ensure_models)."""
+    placement; --swiglu: convert --sparsity, gate thresholds); returns type -> path. Needs the
+    HF folder (ensure_models)."""
     if a.kind == "plain":
         return {}
+    if a.kind == "swiglu":
+        return ensure_gate_models(a)
     root = model_root(a)
     hf_dir = root / "hf"
     sys.path.insert(0, str(REPO / "python"))
@@ -877,6 +900,41 @@ def ensure_sparse_models(a) -> dict[str, Path]:
                                 "pred_bytes": pb, "ffn_bytes": fb, "seconds": p.seconds}
                                for p, s, pb, fb in zip(r.predictors, r.stored_recall, r.pred_bytes,
                                                        r.ffn_bytes)],
+            }
+            _save_pipeline(root, pl)
+            print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB, {dt:.0f} s: "
+                  + ", ".join(f"{k} {v:.0f} s" for k, v in r.seconds.items()) + ")", file=sys.stderr)
+        out[t] = g
+    return out
+
+
+def ensure_gate_models(a) -> dict[str, Path]:
+    """Make (or reuse) one gate-magnitude GGUF per type (convert --sparsity a.sparsity);
+    returns type -> path."""
+    root = model_root(a)
+    hf_dir = root / "hf"
+    sys.path.insert(0, str(REPO / "python"))
+    out = {}
+    for t in a.types:
+        g = root / sparse_name(a, t)
+        if a.force or _stale(g, hf_dir / "config.json"):
+            import logging
+
+            from powerinfer_cpp.convert import convert  # noqa: E402
+            from powerinfer_cpp.sparse.pipeline import SparseOptions
+            logging.basicConfig(level=logging.INFO, format="%(message)s")
+            opts = SparseOptions(calib=str(HELDOUT), calib_tokens=a.calib_tokens, sparsity=a.sparsity,
+                                 vram_budget=0, n_threads=a.pipeline_threads)
+            rep: list = []
+            t0 = time.time()
+            convert(hf_dir, g, outtype=t, progress=a.progress, sparse=True, sparse_options=opts, report=rep)
+            dt = time.time() - t0
+            r = rep[0]
+            pl = _load_pipeline(root)
+            pl.setdefault("gate", {})[t] = {
+                "seconds_total": dt, "seconds": r.seconds, "bytes": g.stat().st_size, "sparsity": a.sparsity,
+                "calib_tokens": r.n_calib_tokens, "calib_source": r.calib_source,
+                "thresholds": list(map(float, r.gate_thresholds)), "density": list(map(float, r.gate_density)),
             }
             _save_pipeline(root, pl)
             print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB, {dt:.0f} s: "
@@ -940,6 +998,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
                       help="the issue-5 model with constructed activation sparsity (default)")
     kind.add_argument("--plain", dest="kind", action="store_const", const="plain",
                       help="the foundation's random dense bench model (8 layers, 16 heads by default)")
+    kind.add_argument("--swiglu", dest="kind", action="store_const", const="swiglu",
+                      help="random SwiGLU LLaMA at the default model's 1.1B shape: dense GGUFs and gate-mode "
+                           "ones (convert --sparsity, see --sparsity)")
     g.add_argument("--arch", choices=("llama", "opt") + PLAIN_ONLY, default="llama",
                    help="llama: ReGLU LLaMA (default); opt: pre-LN OPT, ungated ReLU FFN with biases, "
                         "LayerNorm, learned positions, MHA (--kv-heads = --heads); sparse construction only; "
@@ -990,6 +1051,8 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
                    help="train a predictor where the gate's low-rank approximation misses the recall "
                         "target (the converter's default; off here: see the module docstring)")
     s.add_argument("--pipeline-threads", type=int, default=0, help="threads for profiling (default: all)")
+    s.add_argument("--sparsity", type=float, default=0.5,
+                   help="--swiglu: gate-magnitude sparsity of the gate-mode files (convert --sparsity; default 0.5)")
 
 
 def finish_shape_args(a) -> None:
@@ -1000,6 +1063,10 @@ def finish_shape_args(a) -> None:
                  "made for --arch llama and opt")
     if a.arch == "opt" and a.kind == "plain":
         sys.exit("error: --arch opt is made by the sparse construction only (not --plain)")
+    if a.kind == "swiglu" and a.arch != "llama":
+        sys.exit("error: --swiglu is a LLaMA (--arch llama)")
+    if a.kind == "swiglu" and not 0 <= a.sparsity < 1:
+        sys.exit(f"error: --sparsity must be in [0, 1), got {a.sparsity:g}")
     dflt = SHAPE_DEFAULTS[(a.kind, a.arch)]
     for k in ("d", "layers", "heads", "act"):
         if getattr(a, k) is None:

@@ -202,6 +202,9 @@ typedef struct {
     float   sparse_threshold; /* powerinfer.sparse.threshold (0 when absent) */
     int32_t has_gate_threshold; /* 1: powerinfer.sparse.gate_threshold (gate-magnitude
                                  * sparsity, GH_FFN_GATE) is present */
+    int32_t has_input_sparsity; /* 1: every layer has attn_qkv_t / attn_output_t with their
+                                 * input thresholds and the file has output_t + output_in_thr
+                                 * (input-sparse projections, gh_context_set_input_sparse) */
 } gh_model_info;
 
 gh_status gh_model_load(const char * path, gh_model ** out);
@@ -302,6 +305,18 @@ int32_t gh_n_logit_rows(const gh_context * c);
 gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
                           float * ffn_in, int64_t ffn_in_stride,
                           uint8_t * mask, int64_t mask_stride);
+/* gh_eval_profile that also hands back the projections' inputs (input-sparsity
+ * calibration), each may be NULL:
+ *   attn_in[l * attn_in_stride + t * n_embd + j]   the attention norm's output (q/k/v input);
+ *   attn_out_in[l * attn_out_in_stride + t * dq + j]  the heads' outputs (o's input),
+ *                                                  dq = n_head * head_dim;
+ *   head_in[t * n_embd + j]                        the final norm's output of every token.
+ * Strides as for gh_eval_profile (0: packed). */
+gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                             float * ffn_in, int64_t ffn_in_stride,
+                             uint8_t * mask, int64_t mask_stride,
+                             float * attn_in, int64_t attn_in_stride,
+                             float * attn_out_in, int64_t attn_out_in_stride, float * head_in);
 
 /* ---- sparse FFN (sparse.c) ---- */
 
@@ -325,6 +340,18 @@ typedef enum {
  * token at a time; bigger batches (prompts) use the dense FFN. Profiling is always dense. */
 gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode);
 int32_t gh_context_get_ffn_mode(const gh_context * c);
+/* Input sparsity of the projections that the FFN modes leave dense: attention q/k/v (their
+ * shared input, the attention norm's output), o (the heads' concatenated outputs) and the
+ * head (the final norm's output). Input i is used iff |x_i| > its calibrated threshold, and
+ * only the rows of the transposed weights (attn_qkv_t, attn_output_t, output_t: one row per
+ * input channel) of the used inputs are read. It applies with the sparse and gate FFN modes
+ * to the batches they run (decode); dense and oracle stay exact. on = 1 needs a file
+ * converted with --input-sparsity (else GH_ERR_UNSUPPORTED with the reason); a new context
+ * has it on when the file has it. A site whose thresholds are all 0 runs the dense matmul
+ * (nothing to skip but exact zeros), so sparsity 0 equals dense exactly. On a device the
+ * attention and head placed there stay dense. */
+gh_status gh_context_set_input_sparse(gh_context * c, int32_t on);
+int32_t gh_context_get_input_sparse(const gh_context * c);
 /* Largest batch the sparse modes apply to (default 4, measured: README "Sparse FFN");
  * 0 = never (every batch dense). */
 gh_status gh_context_set_sparse_batch(gh_context * c, int32_t n_max);
@@ -364,6 +391,13 @@ typedef struct {
     double  t_device;          /* seconds the device worked (its own clock) */
     double  t_cpu_ffn;         /* seconds of the CPU half of hybrid FFNs (layers with hot neurons) */
     double  t_wait;            /* seconds the CPU waited for the device */
+    /* input-sparse projections (gh_context_set_input_sparse): input channels seen and used
+     * (|x_i| > threshold_i) by the attention's q/k/v and o projections, and by the head,
+     * summed over the tokens that ran them input-sparse */
+    int64_t n_attn_inputs, n_attn_inputs_used;
+    int64_t n_head_inputs, n_head_inputs_used;
+    double  attn_input_density; /* n_attn_inputs_used / n_attn_inputs; 0 if none */
+    double  head_input_density; /* n_head_inputs_used / n_head_inputs; 0 if none */
 } gh_context_stats;
 
 /* layer_density (may be NULL): n_layer >= the model's layer count values, each that
@@ -391,6 +425,16 @@ gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t
  * columns: the result does not depend on n_threads. */
 gh_status gh_op_sparse_down(int type, const void * w, int64_t rows, int64_t cols,
                             const int32_t * ids, const float * a, int64_t n, float * y,
+                            int n_threads);
+
+/* Input-sparse matvec through a transposed weight (the projections' sparse path):
+ * y[c] = sum over i < rows with |x[i]| > thr[i] of x[i] * W[i][c], for c < cols (W: rows =
+ * input channels x cols = outputs, of type; thr NULL: every nonzero x[i]; y overwritten);
+ * the inputs are added in ascending i. *n_used (may be NULL) = the inputs used. Threads split
+ * the columns: the result does not depend on n_threads; with thr NULL it equals
+ * gh_op_matmul_t of the one token bit for bit. */
+gh_status gh_op_sparse_cols(int type, const void * w, int64_t rows, int64_t cols,
+                            const float * x, const float * thr, float * y, int64_t * n_used,
                             int n_threads);
 
 /* ---- devices (the backends of the hybrid runtime) ---- */

@@ -400,3 +400,54 @@ def sparse_layer_tensor_names(layer: int, n_hot: int) -> list[str]:
     (ffn_down_t replaces ffn_down; gpu_bucket only when n_hot > 0)."""
     kinds = [T_FFN_DOWN_T, T_FC1, T_FC2, T_FFN_FREQ, T_GPU_IDX] + ([T_GPU_BUCKET] if n_hot else [])
     return [sparse_tensor_name(k, layer) for k in kinds]
+
+
+# --------------------------------------------------------------------------
+# Input sparsity of the projections (attention q/k/v and o, the output head)
+# --------------------------------------------------------------------------
+#
+# y = W x with most of x's entries skipped is a sum of W's columns: each projection whose
+# input is sparsified is stored a second time transposed (one contiguous row per input
+# channel, like ffn_down_t), next to a threshold per input channel: input i is used iff
+# |x_i| > thr[i]. The row-major tensors stay (the prompt path and the dense mode read
+# them). A file has every site of every layer and the head, or none
+# (docs/FORMAT.md "Input sparsity").
+
+#: blk.N.attn_qkv_t.weight [d, dq + 2 dkv]: q, k and v transposed into one matrix (row i:
+#: input i's contribution to q's outputs, then k's, then v's); every architecture.
+T_ATTN_QKV_T = "attn_qkv_t"
+#: blk.N.attn_output_t.weight [dq, d]: attn_output transposed.
+T_ATTN_OUTPUT_T = "attn_output_t"
+#: output_t.weight [d, n_vocab]: the head (output, or token_embd when tied) transposed.
+T_OUTPUT_T = "output_t"
+#: F32 per-input-channel thresholds, no suffix: blk.N.attn_qkv_in_thr [d],
+#: blk.N.attn_output_in_thr [dq], output_in_thr [d].
+T_ATTN_QKV_IN_THR = "attn_qkv_in_thr"
+T_ATTN_OUTPUT_IN_THR = "attn_output_in_thr"
+T_OUTPUT_IN_THR = "output_in_thr"
+INPUT_SPARSE_LAYER_TENSORS = (T_ATTN_QKV_T, T_ATTN_QKV_IN_THR, T_ATTN_OUTPUT_T, T_ATTN_OUTPUT_IN_THR)
+INPUT_SPARSE_GLOBAL_TENSORS = (T_OUTPUT_T, T_OUTPUT_IN_THR)
+#: The target share (f32, 0..1) of each site's inputs the thresholds were calibrated to skip.
+KEY_INPUT_SPARSITY = "powerinfer.input_sparsity.target"
+#: How the thresholds rank the inputs (string, one of INPUT_CRITERIA): "magnitude" (TEAL:
+#: |x_i|, one threshold per site), "wina" (|x_i| times the L2 norm of W's column i, stored
+#: as t / norm_i per channel).
+KEY_INPUT_CRITERION = "powerinfer.input_sparsity.criterion"
+INPUT_CRITERIA = ("magnitude", "wina")
+INPUT_KEYS = (KEY_INPUT_SPARSITY, KEY_INPUT_CRITERION)
+
+
+def input_sparse_tensor_name(kind: str, layer: int | None = None) -> str:
+    """Name of an input-sparsity tensor: ``blk.N.attn_qkv_t.weight``,
+    ``blk.N.attn_qkv_in_thr``, ``output_t.weight``, ``output_in_thr``."""
+    if kind in INPUT_SPARSE_LAYER_TENSORS:
+        if layer is None or int(layer) < 0:
+            raise ValueError(f"tensor kind {kind!r} needs a layer index")
+        base = f"{LAYER_PREFIX}.{int(layer)}.{kind}"
+    elif kind in INPUT_SPARSE_GLOBAL_TENSORS:
+        if layer is not None:
+            raise ValueError(f"tensor kind {kind!r} is global, not per-layer")
+        base = kind
+    else:
+        raise ValueError(f"{kind!r} is not an input-sparsity tensor kind")
+    return base if kind.endswith("_thr") else f"{base}.weight"

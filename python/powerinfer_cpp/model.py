@@ -59,6 +59,7 @@ class ModelInfo:
     has_down_t: int = 0          # number of layers whose down projection is ffn_down_t
     sparse_threshold: float = 0.0  # powerinfer.sparse.threshold
     has_gate_threshold: bool = False  # powerinfer.sparse.gate_threshold (the "gate" mode)
+    has_input_sparsity: bool = False  # input-sparse projections (attn_qkv_t, ..., output_t)
 
 
 @dataclass
@@ -142,6 +143,10 @@ class Model(_NativeHandle):
     for tests) or "auto" (sparse when the file has predictors in every layer, else
     dense). Contexts made by create_context() default to it too.
 
+    `input_sparse` (None: on when the file has it) runs the attention's and the head's
+    projections input-sparse in the sparse and gate FFN modes (files converted with
+    --input-sparsity; True for a file without it raises).
+
     `device` puts the model on a device: "cpu" (default), "cuda" / "cuda:N" (a build
     with nvcc) or "host-device" (a simulated device in host RAM that runs the whole
     hybrid path anywhere). `vram_budget` (bytes, or a size like "6G" / "512M"; None =
@@ -160,7 +165,8 @@ class Model(_NativeHandle):
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 0, n_threads: int = 0,
                  n_batch: int = 512, check_weights: bool = False, ffn: str = "auto",
                  device: str = "cpu", vram_budget: int | str | None = None,
-                 reset_gpu_index: bool = False, load: str = "auto", cache_type: str = "f16"):
+                 reset_gpu_index: bool = False, load: str = "auto", cache_type: str = "f16",
+                 input_sparse: bool | None = None):
         path = os.fspath(path)
         if load not in _LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(_LOAD_MODES)}, not {load!r}")
@@ -204,7 +210,12 @@ class Model(_NativeHandle):
             _ffn_mode(ffn)  # a bad name fails here, not at the first use
             _cache_type(cache_type)  # a bad name fails here, not at the first use
             self._ctx_defaults = dict(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
-                                      cache_type=cache_type)
+                                      cache_type=cache_type, input_sparse=input_sparse)
+            if input_sparse and not self.info.has_input_sparsity:
+                raise ValueError(
+                    f"{path}: input_sparse=True needs the input-sparse projections (transposed "
+                    "attention and head weights with calibrated input thresholds), which this "
+                    "file has not: convert the model with --input-sparsity S")
             self.ffn = ffn
             self._default_ctx: Context | None = None
         except BaseException:
@@ -281,14 +292,17 @@ class Model(_NativeHandle):
     # -- contexts ---------------------------------------------------------------
 
     def create_context(self, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
-                       ffn: str | None = None, cache_type: str | None = None) -> Context:
+                       ffn: str | None = None, cache_type: str | None = None,
+                       input_sparse: bool | None = None) -> Context:
         """A new context (own KV cache) over this model; n_ctx 0 = training context;
-        ffn / cache_type None = the model's setting."""
+        ffn / cache_type / input_sparse None = the model's setting."""
         with self._lock:  # not freed by a close() on another thread meanwhile
             return Context(self, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch,
                            ffn=self.ffn if ffn is None else ffn,
                            cache_type=(self._ctx_defaults["cache_type"] if cache_type is None
-                                       else cache_type))
+                                       else cache_type),
+                           input_sparse=(self._ctx_defaults["input_sparse"] if input_sparse is None
+                                         else input_sparse))
 
     @property
     def context(self) -> Context:
@@ -337,7 +351,8 @@ def _info_from_c(c) -> ModelInfo:
         eos_id=c.eos_id, weight_type=_TYPE_NAMES.get(c.weight_type, str(c.weight_type)),
         rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes,
         has_predictor=c.has_predictor, has_down_t=c.has_down_t,
-        sparse_threshold=c.sparse_threshold, has_gate_threshold=bool(c.has_gate_threshold))
+        sparse_threshold=c.sparse_threshold, has_gate_threshold=bool(c.has_gate_threshold),
+        has_input_sparsity=bool(c.has_input_sparsity))
 
 
 class _Detokenizer:
@@ -373,7 +388,7 @@ class Context(_NativeHandle):
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 0, n_threads: int = 0, n_batch: int = 512,
-                 ffn: str = "auto", cache_type: str = "f16"):
+                 ffn: str = "auto", cache_type: str = "f16", input_sparse: bool | None = None):
         self.model = model
         mode = _ffn_mode(ffn)
         p = lib.gh_context_default_params()
@@ -392,9 +407,12 @@ class Context(_NativeHandle):
         # not depend on what the context computed before (see _stream)
         self._n_exact = 0
         self._out = ffi.new("int32_t *")
-        if mode is not None:
+        if mode is not None or input_sparse is not None:
             try:
-                self.set_ffn_mode(ffn)
+                if mode is not None:
+                    self.set_ffn_mode(ffn)
+                if input_sparse is not None:
+                    self.input_sparse = input_sparse
             except BaseException:
                 self.close()
                 raise
@@ -472,6 +490,18 @@ class Context(_NativeHandle):
             check(lib.gh_context_set_ffn_mode(ptr, m))
 
     @property
+    def input_sparse(self) -> bool:
+        """Whether the sparse and gate FFN modes also run the attention's and the head's
+        projections input-sparse (on by default for a file converted with --input-sparsity)."""
+        with self._calling() as ptr:
+            return bool(lib.gh_context_get_input_sparse(ptr))
+
+    @input_sparse.setter
+    def input_sparse(self, on: bool) -> None:
+        with self._calling() as ptr:
+            check(lib.gh_context_set_input_sparse(ptr, 1 if on else 0))
+
+    @property
     def sparse_batch(self) -> int:
         """Largest batch (tokens per eval) that runs the sparse FFN; bigger ones run dense."""
         with self._calling() as ptr:
@@ -501,6 +531,11 @@ class Context(_NativeHandle):
             "n_down_rows": st.n_down_rows,
             "density": st.density,
             "layer_density": [dens[i] for i in range(n_layer)],
+            "input_sparse": {"attention_density": st.attn_input_density,
+                             "head_density": st.head_input_density,
+                             "attention_inputs": st.n_attn_inputs,
+                             "attention_inputs_used": st.n_attn_inputs_used,
+                             "head_inputs": st.n_head_inputs, "head_inputs_used": st.n_head_inputs_used},
             "bytes": {"attention": st.bytes_attention, "predictor": st.bytes_predictor,
                       "ffn": st.bytes_ffn, "head": st.bytes_head},
             "bytes_per_token": st.bytes_per_token,
@@ -530,7 +565,9 @@ class Context(_NativeHandle):
     def _eval_ids(self, ptr, ids: list[int], logits_all: bool) -> None:
         """Evaluate checked token ids after the cache (caller holds the lock)."""
         arr32 = np.asarray(ids, dtype=np.int32)
-        exact = (lib.gh_context_get_ffn_mode(ptr) != FFN_MODES["sparse"] or
+        mode = lib.gh_context_get_ffn_mode(ptr)
+        exact = (not (mode == FFN_MODES["sparse"] or
+                      (mode == FFN_MODES["gate"] and lib.gh_context_get_input_sparse(ptr))) or
                  len(ids) > lib.gh_context_get_sparse_batch(ptr))
         if exact and self._n_exact == len(self._cached):
             self._n_exact += len(ids)  # lowered below if the runtime keeps fewer

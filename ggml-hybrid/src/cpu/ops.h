@@ -43,6 +43,12 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
  * with the ids of its nonzero h, ascending, bit for bit. */
 void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * ids,
                       const float * a, int64_t n, float * y);
+/* Input-sparse matvec, the projections' sparse path: the inputs i with |x[i]| > thr[i]
+ * (thr NULL: x[i] != 0), gathered in ascending order into ids / a (w->rows capacity), then
+ * their rows of w (rows = input channels, a transposed projection) summed into y (w->cols,
+ * overwritten) by gh_matmul_t_list. Returns the number of inputs used. */
+int64_t gh_matvec_t_sparse(gh_threadpool * tp, const gh_weight * w, const float * x,
+                           const float * thr, int32_t * ids, float * a, float * y);
 
 /* AVX-512 axpy kernels (axpy_avx512.c): y[0..n) += s * row, and four rows at once;
  * NULL for a type without one. */

@@ -280,6 +280,7 @@ struct gh_sparse_state {
     int64_t   n_tokens, n_sparse_tokens, n_active, n_up_rows, n_down_rows;
     int64_t * layer_active;  /* [n_layer] active neurons summed over sparse tokens */
     int64_t   n_active_device;
+    int64_t   n_attn_in, n_attn_used, n_head_in, n_head_used; /* input-sparse projections */
     double    bytes_device, bytes_up, bytes_down, t_device, t_cpu_ffn, t_wait;
 };
 
@@ -355,7 +356,13 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
 
 bool gh_sparse_applies(const gh_context * c, int32_t n) {
     const gh_sparse_state * s = c->sparse;
-    return s && s->mode != GH_FFN_DENSE && n <= s->batch_max && !c->prof_x && !c->prof_mask;
+    return s && s->mode != GH_FFN_DENSE && n <= s->batch_max && !c->prof_x && !c->prof_mask &&
+           !c->prof_attn && !c->prof_attn_out && !c->prof_head;
+}
+
+bool gh_input_sparse_applies(const gh_context * c, int32_t n) {
+    /* oracle is the dense result by definition: its inputs stay whole */
+    return c->input_sparse && gh_sparse_applies(c, n) && c->sparse->mode != GH_FFN_ORACLE;
 }
 
 /* The predictor on the device: score comes back, the threshold is applied here. */
@@ -579,12 +586,23 @@ void gh_stats_dense_ffn(gh_context * c, int il, int32_t n, const float * h) {
     c->sparse->bytes[GH_STAGE_FFN] += bytes;
 }
 
-void gh_stats_tokens(gh_context * c, int32_t n, bool head, double seconds) {
+void gh_stats_tokens(gh_context * c, int32_t n, double seconds) {
     gh_sparse_state * s = c->sparse;
     if (!s) return;
     s->n_tokens += n;
     s->t_total += seconds;
-    if (head) s->bytes[GH_STAGE_OTHER] += (double) (c->model->output.rows * c->model->output.row_bytes);
+}
+
+void gh_stats_inputs(gh_context * c, bool head, int64_t n_in, int64_t n_used) {
+    gh_sparse_state * s = c->sparse;
+    if (!s) return;
+    if (head) {
+        s->n_head_in += n_in;
+        s->n_head_used += n_used;
+    } else {
+        s->n_attn_in += n_in;
+        s->n_attn_used += n_used;
+    }
 }
 
 /* ---------------------------------------------------------------- public API -- */
@@ -649,6 +667,27 @@ int32_t gh_context_get_sparse_batch(const gh_context * c) {
     return c && c->sparse ? c->sparse->batch_max : 0;
 }
 
+gh_status gh_context_set_input_sparse(gh_context * c, int32_t on) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (on != 0 && on != 1) return gh_fail(GH_ERR_INVALID_ARG, "input sparsity is 0 (off) or 1 (on), got %d", on);
+    if (on && !c->model->info.has_input_sparsity) {
+        return gh_fail(GH_ERR_UNSUPPORTED,
+                       "input-sparse projections need the transposed attention and head weights "
+                       "and their calibrated input thresholds (blk.N.attn_qkv_t.weight, "
+                       "blk.N.attn_qkv_in_thr, ...), but the file has none: convert the model "
+                       "with --input-sparsity S");
+    }
+    gh_status st = gh_ctx_enter(c, "gh_context_set_input_sparse");
+    if (st) return st;
+    c->input_sparse = on != 0;
+    gh_ctx_leave(c);
+    return GH_OK;
+}
+
+int32_t gh_context_get_input_sparse(const gh_context * c) {
+    return c && c->input_sparse ? 1 : 0;
+}
+
 gh_status gh_context_reset_stats(gh_context * c) {
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
     gh_status st = gh_ctx_enter(c, "gh_context_reset_stats");
@@ -659,6 +698,7 @@ gh_status gh_context_reset_stats(gh_context * c) {
     s->t_total = 0.0;
     s->n_tokens = s->n_sparse_tokens = s->n_active = s->n_up_rows = s->n_down_rows = 0;
     s->n_active_device = 0;
+    s->n_attn_in = s->n_attn_used = s->n_head_in = s->n_head_used = 0;
     s->bytes_device = s->bytes_up = s->bytes_down = s->t_device = s->t_cpu_ffn = s->t_wait = 0.0;
     memset(s->layer_active, 0, (size_t) c->model->hp.n_layer * sizeof(int64_t));
     gh_ctx_leave(c);
@@ -704,6 +744,12 @@ gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
     out->t_device = s->t_device;
     out->t_cpu_ffn = s->t_cpu_ffn;
     out->t_wait = s->t_wait;
+    out->n_attn_inputs = s->n_attn_in;
+    out->n_attn_inputs_used = s->n_attn_used;
+    out->n_head_inputs = s->n_head_in;
+    out->n_head_inputs_used = s->n_head_used;
+    out->attn_input_density = s->n_attn_in ? (double) s->n_attn_used / (double) s->n_attn_in : 0.0;
+    out->head_input_density = s->n_head_in ? (double) s->n_head_used / (double) s->n_head_in : 0.0;
     if (layer_density) {
         for (int il = 0; il < hp->n_layer; il++) {
             layer_density[il] = s->n_sparse_tokens > 0

@@ -65,6 +65,9 @@ void gh_sparse_state_free(gh_sparse_state * s);
 /* Whether the FFN of a batch of n tokens runs through gh_sparse_ffn (mode is sparse or
  * oracle and n <= the context's sparse batch limit). */
 bool gh_sparse_applies(const struct gh_context * c, int32_t n);
+/* Whether the projections of a batch of n tokens run input-sparse (the context has it on,
+ * the FFN runs sparse or gate for the batch). */
+bool gh_input_sparse_applies(const struct gh_context * c, int32_t n);
 /* One token's FFN of layer il in the context's mode: y = FFN(x) (x already normed; resid:
  * the residual stream x was normed from, which PowerInfer's predictors read). */
 void gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float * resid, float * y);
@@ -81,7 +84,11 @@ void gh_stats_device(struct gh_context * c, double device_s, double wait_s, doub
 /* A dense FFN pass over n tokens: counts its weight bytes (down_t: only rows that some
  * token's activation needs, found from h = [n][n_ff] activations). */
 void gh_stats_dense_ffn(struct gh_context * c, int il, int32_t n, const float * h);
-/* After each forward call: n tokens, whether logits were computed (head bytes). */
-void gh_stats_tokens(struct gh_context * c, int32_t n, bool head, double seconds);
+/* After each forward call: n tokens and the call's seconds (the head counts its own bytes,
+ * as a stage: gh_stats_add GH_STAGE_OTHER). */
+void gh_stats_tokens(struct gh_context * c, int32_t n, double seconds);
+/* Input-sparse projections: n_in input channels seen, n_used of them used, by the attention
+ * (head false) or the head. */
+void gh_stats_inputs(struct gh_context * c, bool head, int64_t n_in, int64_t n_used);
 
 #endif

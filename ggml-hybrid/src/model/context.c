@@ -29,6 +29,9 @@ void gh_context_free(gh_context * c) {
     if (!c) return;
     gh_threadpool_free(c->tp);
     gh_sparse_state_free(c->sparse);
+    gh_aligned_free(c->in_ids);
+    gh_aligned_free(c->in_a);
+    gh_aligned_free(c->in_qkv);
     if (c->stream) c->model->hy->b->ops->stream_free(c->stream);
     if (c->k_cache) for (int il = 0; il < c->model->hp.n_layer; il++) gh_aligned_free(c->k_cache[il]);
     if (c->v_cache) for (int il = 0; il < c->model->hp.n_layer; il++) gh_aligned_free(c->v_cache[il]);
@@ -137,8 +140,13 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->logits_cap = 1;
         c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
         c->sparse = gh_sparse_state_new(m);
+        const size_t nin = GH_MAX(d, dq);
+        c->in_ids = gh_aligned_alloc(nin * sizeof(int32_t));
+        c->in_a = gh_aligned_alloc(nin * sizeof(float));
+        c->in_qkv = gh_aligned_alloc((dq + 2 * dkv) * sizeof(float));
+        c->input_sparse = m->info.has_input_sparsity != 0;
         ok = c->x && c->xb && c->xb2 && c->xb3 && c->q && c->att && c->rope && c->hb && c->hb2 &&
-             c->mm_scratch && c->logits && c->sparse;
+             c->mm_scratch && c->logits && c->sparse && c->in_ids && c->in_a && c->in_qkv;
     }
     if (!ok) {
         gh_context_free(c);

@@ -77,9 +77,27 @@ static void profile_mask(gh_context * c, int il, int32_t n, const float * gate, 
     }
 }
 
+static double weight_bytes(const gh_weight * w) { return (double) w->rows * (double) w->row_bytes; }
+
+/* The input-sparse projection of n token rows x [n][w->rows] through the transposed w into
+ * y [n][ldy] (w->cols values each): per token only the rows of the inputs above thr.
+ * Returns the weight bytes read and counts the inputs (head: the head's stage). */
+static double sparse_proj(gh_context * c, const gh_weight * w, const float * thr, const float * x,
+                          int32_t n, float * y, int64_t ldy, bool head) {
+    int64_t used = 0;
+    for (int32_t t = 0; t < n; t++) {
+        used += gh_matvec_t_sparse(c->tp, w, x + (int64_t) t * w->rows, thr, c->in_ids, c->in_a,
+                                   y + (int64_t) t * ldy);
+    }
+    gh_stats_inputs(c, head, (int64_t) n * w->rows, used);
+    return (double) used * (double) w->row_bytes;
+}
+
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
- * cache, causal attention, output projection (+ bias) into out [n][n_embd]. */
-static void attention(gh_context * c, int il, int32_t n, float * out) {
+ * cache, causal attention, output projection (+ bias) into out [n][n_embd]; input-sparse
+ * projections when `insp` (and the layer's thresholds are not all 0). Returns the weight
+ * bytes read. */
+static double attention(gh_context * c, int il, int32_t n, float * out, bool insp) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_layer * L = &m->layers[il];
@@ -91,12 +109,31 @@ static void attention(gh_context * c, int il, int32_t n, float * out) {
     float * kc = kv_f32 ? (float *) c->k_cache[il] + (int64_t) p0 * dkv : c->k_cur;
     float * vc = kv_f32 ? (float *) c->v_cache[il] + (int64_t) p0 * dkv : c->v_cur;
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
-    if (D && D->att) {
+    if (c->prof_attn) {
+        memcpy(c->prof_attn + il * c->prof_attn_stride + (int64_t) c->prof_t0 * d, c->xb,
+               (size_t) n * d * sizeof(float));
+    }
+    /* a layer whose attention is on the device runs it densely there */
+    const bool dev_att = D && D->att;
+    double bytes = 0.0;
+    if (dev_att) {
         gh_hybrid_matmul_async(c, &D->wq, c->xb, n, c->q);
         gh_hybrid_matmul_async(c, &D->wk, c->xb, n, kc);
         gh_hybrid_matmul_async(c, &D->wv, c->xb, n, vc);
         gh_hybrid_sync(c);
+        bytes += weight_bytes(&L->wq) + weight_bytes(&L->wk) + weight_bytes(&L->wv);
+    } else if (insp && L->qkv_on) {
+        /* one row per used input covers its q, k and v columns; split after */
+        const int64_t nqkv = dq + 2 * dkv;
+        for (int32_t t = 0; t < n; t++) {
+            bytes += sparse_proj(c, &L->qkv_t, L->thr_qkv, c->xb + (int64_t) t * d, 1, c->in_qkv,
+                                 nqkv, false);
+            memcpy(c->q + (int64_t) t * dq, c->in_qkv, (size_t) dq * sizeof(float));
+            memcpy(kc + (int64_t) t * dkv, c->in_qkv + dq, (size_t) dkv * sizeof(float));
+            memcpy(vc + (int64_t) t * dkv, c->in_qkv + dq + dkv, (size_t) dkv * sizeof(float));
+        }
     } else {
+        bytes += weight_bytes(&L->wq) + weight_bytes(&L->wk) + weight_bytes(&L->wv);
         const gh_weight * ws[3] = { &L->wq, &L->wk, &L->wv };
         float * ys[3] = { c->q, kc, vc };
         const int64_t ld[3] = { dq, dkv, dkv };
@@ -123,11 +160,22 @@ static void attention(gh_context * c, int il, int32_t n, float * out) {
     }
     gh_attention(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
                  hp->n_head, hp->n_head_kv, (int) hd);
-    if (D && D->att) {
+    if (c->prof_attn_out) {
+        memcpy(c->prof_attn_out + il * c->prof_attn_out_stride + (int64_t) c->prof_t0 * dq, c->att,
+               (size_t) n * dq * sizeof(float));
+    }
+    if (dev_att) {
         gh_hybrid_matmul_async(c, &D->wo, c->att, n, out);
         gh_hybrid_sync(c);
-    } else gh_matmul(c->tp, &L->wo, c->att, n, out, d, c->mm_scratch);
+        bytes += weight_bytes(&L->wo);
+    } else if (insp && L->o_on) {
+        bytes += sparse_proj(c, &L->wo_t, L->thr_o, c->att, n, out, d, false);
+    } else {
+        gh_matmul(c->tp, &L->wo, c->att, n, out, d, c->mm_scratch);
+        bytes += weight_bytes(&L->wo);
+    }
     add_bias(out, L->bo, n, d, d);
+    return bytes;
 }
 
 /* The dense FFN of layer il over c->xb into c->xb2 (profiling its inputs and masks when
@@ -176,6 +224,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     const int32_t p0 = c->n_past;
 
     const bool sparse_ffn = gh_sparse_applies(c, n);
+    const bool insp = gh_input_sparse_applies(c, n);
     embed(m, tokens, n, p0, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
         for (int32_t t = 0; t < n; t++) {
@@ -190,18 +239,17 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
          * norm1(x) when there is no second norm) and add the attention's output after the
          * FFN; sequential ones norm the updated x */
+        double att_bytes;
         if (hp->parallel) {
-            attention(c, il, n, c->xb3);
+            att_bytes = attention(c, il, n, c->xb3, insp);
             if (L->ffn_norm) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         } else {
-            attention(c, il, n, c->xb2);
+            att_bytes = attention(c, il, n, c->xb2, insp);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
             norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         }
         const double t_ffn = gh_now();
-        gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att,
-                     (double) (L->wq.rows * L->wq.row_bytes + L->wk.rows * L->wk.row_bytes +
-                               L->wv.rows * L->wv.row_bytes + L->wo.rows * L->wo.row_bytes));
+        gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
 
         if (sparse_ffn) {
             /* one token at a time: predictor (or exact mask) -> active rows only; it
@@ -222,16 +270,30 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     }
 
     c->n_past += n;
+    if (c->prof_head) {
+        /* every token's head input (the logits stay the last token's) */
+        norm_rows(hp, m->output_norm, m->output_norm_b, c->x, n,
+                  c->prof_head + (int64_t) c->prof_t0 * d);
+    }
     if (which == LOGITS_NONE) return;
     /* head: only the rows whose logits are kept */
     const int32_t t0 = which == LOGITS_ALL ? 0 : n - 1;
     const int32_t nt = n - t0;
     norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
+    double bytes;
     if (m->hy && m->hy->head) {
         gh_hybrid_matmul_async(c, &m->hy->output, c->xb, nt, logits);
         gh_hybrid_sync(c);
-    } else gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
+        bytes = weight_bytes(&m->output);
+    } else if (insp && m->head_on) {
+        bytes = sparse_proj(c, &m->output_t, m->thr_head, c->xb, nt, logits, hp->n_vocab, true);
+    } else {
+        gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
+        bytes = weight_bytes(&m->output);
+    }
+    /* its time is in t_other (the rest of t_total), its bytes the head's */
+    gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
 }
 
 static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
@@ -266,7 +328,7 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
         c->prof_t0 = i;
         const double t0 = gh_now();
         forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
-        gh_stats_tokens(c, n, which != LOGITS_NONE, gh_now() - t0);
+        gh_stats_tokens(c, n, gh_now() - t0);
         if (c->dev_status) {
             /* a device op failed: these tokens are not in the cache, and no logits */
             c->n_past = n_past0;
@@ -299,19 +361,28 @@ const float * gh_get_logits(const gh_context * c, int32_t i) {
 
 int32_t gh_n_logit_rows(const gh_context * c) { return c ? c->n_logit_rows : 0; }
 
-gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
-                          float * ffn_in, int64_t ffn_in_stride,
-                          uint8_t * mask, int64_t mask_stride) {
+gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                             float * ffn_in, int64_t ffn_in_stride,
+                             uint8_t * mask, int64_t mask_stride,
+                             float * attn_in, int64_t attn_in_stride,
+                             float * attn_out_in, int64_t attn_out_in_stride, float * head_in) {
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
-    const int64_t d = c->model->hp.n_embd, ff = c->model->hp.n_ff;
+    const gh_hparams * hp = &c->model->hp;
+    const int64_t d = hp->n_embd, ff = hp->n_ff, dq = (int64_t) hp->n_head * hp->head_dim;
     const int64_t nt = GH_MAX(n_tokens, 0);
     if (ffn_in_stride == 0) ffn_in_stride = nt * d;
     if (mask_stride == 0) mask_stride = nt * ff;
-    if (ffn_in_stride < nt * d || mask_stride < nt * ff) {
+    if (attn_in_stride == 0) attn_in_stride = nt * d;
+    if (attn_out_in_stride == 0) attn_out_in_stride = nt * dq;
+    if (ffn_in_stride < nt * d || mask_stride < nt * ff || attn_in_stride < nt * d ||
+        attn_out_in_stride < nt * dq) {
         return gh_fail(GH_ERR_INVALID_ARG,
-                       "gh_eval_profile: layer strides (%lld, %lld) are smaller than one layer's "
-                       "data (%lld inputs, %lld mask bytes)", (long long) ffn_in_stride,
-                       (long long) mask_stride, (long long) (nt * d), (long long) (nt * ff));
+                       "gh_eval_profile: layer strides (%lld, %lld, %lld, %lld) are smaller than "
+                       "one layer's data (%lld inputs, %lld mask bytes, %lld attention inputs, "
+                       "%lld attention outputs)", (long long) ffn_in_stride,
+                       (long long) mask_stride, (long long) attn_in_stride,
+                       (long long) attn_out_in_stride, (long long) (nt * d), (long long) (nt * ff),
+                       (long long) (nt * d), (long long) (nt * dq));
     }
     gh_status st = gh_ctx_enter(c, "gh_eval_profile");
     if (st) return st;
@@ -319,10 +390,23 @@ gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_toke
     c->prof_x_stride = ffn_in_stride;
     c->prof_mask = mask;
     c->prof_mask_stride = mask_stride;
+    c->prof_attn = attn_in;
+    c->prof_attn_stride = attn_in_stride;
+    c->prof_attn_out = attn_out_in;
+    c->prof_attn_out_stride = attn_out_in_stride;
+    c->prof_head = head_in;
     st = eval_tokens(c, tokens, n_tokens, 0);
     c->prof_x = NULL;
     c->prof_mask = NULL;
+    c->prof_attn = c->prof_attn_out = c->prof_head = NULL;
     c->prof_t0 = 0;
     gh_ctx_leave(c);
     return st;
+}
+
+gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                          float * ffn_in, int64_t ffn_in_stride,
+                          uint8_t * mask, int64_t mask_stride) {
+    return gh_eval_profile_ex(c, tokens, n_tokens, ffn_in, ffn_in_stride, mask, mask_stride,
+                              NULL, 0, NULL, 0, NULL);
 }

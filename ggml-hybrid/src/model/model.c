@@ -566,6 +566,73 @@ static gh_status load_ffn_down_and_sparse(gh_model * m, int il, gh_layer * L) {
     return GH_OK;
 }
 
+/* One input-sparse site: the transposed weight `wname` [in rows][out cols] and its
+ * thresholds `tname` f32 [in] (each finite and >= 0), both or neither; *found says which. */
+static gh_status load_sparse_site(gh_model * m, const char * wname, const char * tname,
+                                  int64_t in, int64_t out, gh_weight * w, float ** thr, bool * on,
+                                  bool * found) {
+    const gh_gguf * g = m->gguf;
+    const gh_gguf_tensor * tw = gh_gguf_find_tensor(g, wname), * tt = gh_gguf_find_tensor(g, tname);
+    *found = tw != NULL;
+    if (!tw && !tt) return GH_OK;
+    if (!tw || !tt) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' without '%s' (an input-sparse projection needs "
+                       "both its transposed weight and its input thresholds)", tw ? wname : tname,
+                       tw ? tname : wname);
+    }
+    gh_status st = load_weight(g, wname, out, in, w);
+    if (st) return st;
+    if ((st = check_1d(tt, GH_TYPE_F32, in, "a threshold per input channel"))) return st;
+    if ((st = load_vector(m, tname, in, thr))) return st;
+    *on = false;
+    for (int64_t i = 0; i < in; i++) {
+        const float t = (*thr)[i];
+        if (!isfinite(t) || t < 0.0f) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': entry %lld is %g (must be finite and >= 0)",
+                           tname, (long long) i, t);
+        }
+        *on |= t > 0.0f;
+    }
+    return GH_OK;
+}
+
+/* Input sparsity (docs/FORMAT.md "Input sparsity"): per layer attn_qkv_t + attn_qkv_in_thr
+ * and attn_output_t + attn_output_in_thr, and output_t + output_in_thr; every site of every
+ * layer and the head, or none of them. */
+static gh_status load_input_sparse(gh_model * m) {
+    const gh_hparams * hp = &m->hp;
+    const int64_t d = hp->n_embd, dq = (int64_t) hp->n_head * hp->head_dim,
+                  dkv = (int64_t) hp->n_head_kv * hp->head_dim;
+    char wn[96], tn[96];
+    int n_found = 0, n_sites = 2 * hp->n_layer + 1;
+    gh_status st;
+    bool f;
+    for (int il = 0; il < hp->n_layer; il++) {
+        gh_layer * L = &m->layers[il];
+        snprintf(wn, sizeof wn, "blk.%d.attn_qkv_t.weight", il);
+        snprintf(tn, sizeof tn, "blk.%d.attn_qkv_in_thr", il);
+        if ((st = load_sparse_site(m, wn, tn, d, dq + 2 * dkv, &L->qkv_t, &L->thr_qkv, &L->qkv_on, &f)))
+            return st;
+        n_found += f;
+        bool f2;
+        snprintf(wn, sizeof wn, "blk.%d.attn_output_t.weight", il);
+        snprintf(tn, sizeof tn, "blk.%d.attn_output_in_thr", il);
+        if ((st = load_sparse_site(m, wn, tn, dq, d, &L->wo_t, &L->thr_o, &L->o_on, &f2))) return st;
+        n_found += f2;
+        L->has_in_sparse = f && f2;
+    }
+    if ((st = load_sparse_site(m, "output_t.weight", "output_in_thr", d, hp->n_vocab, &m->output_t,
+                               &m->thr_head, &m->head_on, &f))) return st;
+    n_found += f;
+    if (n_found && n_found != n_sites) {
+        return gh_fail(GH_ERR_FORMAT, "the file has %d of the %d input-sparse projections "
+                       "(attn_qkv_t and attn_output_t in each of %d layers, and output_t): a "
+                       "file has all of them or none", n_found, n_sites, hp->n_layer);
+    }
+    m->info.has_input_sparsity = n_found > 0;
+    return GH_OK;
+}
+
 /* The attention weights of layer il: attn_q/k/v, or attn_qkv viewed as its three row
  * ranges (q heads, k heads, v heads), each with an optional bias; attn_output (+ bias). */
 static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
@@ -760,6 +827,7 @@ static gh_status load_tensors(gh_model * m) {
         if ((st = load_block(m, il, &m->layers[il]))) return st;
     }
     if ((st = load_gate_thresholds(m))) return st;
+    if ((st = load_input_sparse(m))) return st;
     m->info.weight_type = m->layers[0].gate.type;
 
     int64_t n_params = 0, n_bytes = 0;

@@ -43,6 +43,16 @@ typedef struct {
      * cut points solved once at load so the per-token test needs no act() */
     bool      has_gate_thr;
     float     gate_thr, gate_cut, gate_lo, gate_hi;
+    /* input sparsity of the projections (optional, all or none; load_input_sparse):
+     * q/k/v transposed into one matrix (row i = input channel i's contribution to q's, then
+     * k's, then v's outputs) and o transposed, each with a threshold per input channel;
+     * *_on: some threshold is > 0 (else the site runs dense: nothing to skip) */
+    bool      has_in_sparse;
+    gh_weight qkv_t;       /* [n_embd rows][dq + 2 dkv cols] */
+    gh_weight wo_t;        /* [dq rows][n_embd cols] */
+    float *   thr_qkv;     /* [n_embd] */
+    float *   thr_o;       /* [dq] */
+    bool      qkv_on, o_on;
 } gh_layer;
 
 struct gh_model {
@@ -61,6 +71,9 @@ struct gh_model {
     size_t          pos_row_bytes;
     float *         output_norm, * output_norm_b; /* [n_embd] */
     gh_weight       output;      /* the head: output.weight or token_embd when tied */
+    gh_weight       output_t;    /* input sparsity: the head transposed [n_embd][n_vocab] */
+    float *         thr_head;    /* its per-input thresholds [n_embd] (NULL: none) */
+    bool            head_on;     /* some thr_head > 0 */
     gh_layer *      layers;
     char *          warnings;    /* non-fatal findings, one per line (gh_model_warnings) */
     void **         owned;       /* the vectors' f32 copies, freed with the model */
@@ -106,6 +119,18 @@ struct gh_context {
     uint8_t *       prof_mask;
     int64_t         prof_mask_stride;
     int32_t         prof_t0;
+    /* input-sparse projections (gh_context_set_input_sparse): on/off, the used inputs of
+     * one token (ids and values, [max(n_embd, dq)]) and its q|k|v outputs [dq + 2 dkv] */
+    bool            input_sparse;
+    int32_t *       in_ids;
+    float *         in_a;
+    float *         in_qkv;
+    /* profiling of the projections' inputs (gh_eval_profile_ex; NULL otherwise) */
+    float *         prof_attn;
+    int64_t         prof_attn_stride;
+    float *         prof_attn_out;
+    int64_t         prof_attn_out_stride;
+    float *         prof_head;
     /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
     struct gh_sparse_state * sparse;
     /* hybrid: the context's device stream (NULL on the CPU) and the first device error of

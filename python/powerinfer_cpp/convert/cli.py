@@ -17,6 +17,20 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+def _input_options(args) -> dict:
+    """SparseOptions' input-sparsity fields from the command line."""
+    if args.input_sparsity is None:
+        if args.input_criterion is not None:
+            raise ConvertError("--input-criterion ranks the inputs --input-sparsity S skips; pass S too")
+        return {}
+    if not 0.0 <= args.input_sparsity < 1.0:
+        raise ConvertError(f"--input-sparsity must be a share in [0, 1), got {args.input_sparsity}")
+    out = {"input_sparsity": args.input_sparsity}
+    if args.input_criterion is not None:
+        out["input_criterion"] = args.input_criterion
+    return out
+
+
     """The command line; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.convert",
                                  description="Convert a Hugging Face model folder (LLaMA, Mistral, Qwen2, "
@@ -72,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="context length whose KV cache the budget reserves (default: the model's)")
     sp.add_argument("--group-size", type=int, default=64, metavar="N", help="neurons per placement group (default 64)")
     sp.add_argument("--placement", choices=("ilp", "greedy"), default="ilp", help="placement solver (default ilp)")
+    sp.add_argument("--input-sparsity", type=float, default=None, metavar="S",
+                    help="also make the attention's q/k/v and o and the output head input-sparse: per "
+                         "layer and projection a threshold skipping the share S of its inputs (e.g. 0.25; "
+                         "stores those weights a second time, transposed; default off: see "
+                         "docs/BENCHMARKS.md 'Input sparsity')")
+    sp.add_argument("--input-criterion", choices=F.INPUT_CRITERIA, default=None,
+                    help="how --input-sparsity ranks inputs: wina (|x_i| times the weight column's "
+                         "norm, the default) or magnitude (|x_i|, TEAL)")
     sp.add_argument("--threads", type=int, default=0, help="threads for profiling (default: all cores)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
@@ -110,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not 0 <= args.threads <= 512:
                     raise ConvertError(f"--threads must be between 0 (all cores) and 512, "
                                        f"got {args.threads}")
-                sopts = SparseOptions(calib=args.calib, calib_tokens=args.calib_tokens,
+                sopts = SparseOptions(**_input_options(args), calib=args.calib, calib_tokens=args.calib_tokens,
                                       predictor_recall=args.predictor_recall, vram_budget=budget, ctx=args.ctx,
                                       group_size=args.group_size, placement=args.placement,
                                       n_threads=args.threads, predictor_type=args.predictor_type,

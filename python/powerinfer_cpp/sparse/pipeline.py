@@ -39,6 +39,8 @@ from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
+from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, InputSources, calibrate_inputs,
+                             input_kv)
 from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
                          greedy_allocation, uniform_allocation)
 
@@ -108,6 +110,10 @@ class SparseOptions:
 
     def __post_init__(self):
         checks = [
+    input_sparsity: float | None = None  # input-sparse attention and head (input_sparsity.py):
+                                      # the share of each projection's inputs to skip; None: off
+    input_criterion: str = DEFAULT_INPUT_CRITERION  # magnitude | wina (format.INPUT_CRITERIA)
+    input_tokens: int = DEFAULT_INPUT_TOKENS  # profiled tokens whose projection inputs calibrate
             (self.calib_tokens >= 2, f"calib_tokens must be >= 2, got {self.calib_tokens}"),
             (0 < self.predictor_recall <= 1, f"predictor_recall must be in (0, 1], got {self.predictor_recall}"),
             (0 <= self.vram_budget < 2**63, f"vram_budget must be in [0, 2^63) bytes, got {self.vram_budget}"),
@@ -137,6 +143,11 @@ class SparseOptions:
             (self.predictor_type in PREDICTOR_TYPES,
              f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
         ]
+            (self.input_sparsity is None or 0.0 <= self.input_sparsity < 1.0,
+             f"input_sparsity must be in [0, 1), got {self.input_sparsity}"),
+            (self.input_criterion in F.INPUT_CRITERIA,
+             f"input_criterion must be one of {', '.join(F.INPUT_CRITERIA)}, got {self.input_criterion!r}"),
+            (self.input_tokens >= 16, f"input_tokens must be >= 16, got {self.input_tokens}"),
         for ok, msg in checks:
             if not ok:
                 raise ConvertError(f"sparse options: {msg}")
@@ -167,6 +178,7 @@ class SparseReport:
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
+    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration
 PREDICTOR_TYPES = (None, "f32", "f16", "q8_0", "q4_0")
 
 
@@ -291,7 +303,8 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         from .profile import profile_model  # loads the native runtime: only a sparse conversion needs it
         try:
             prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
-                                 max_tokens=opts.calib_tokens, progress=progress)
+                                 max_tokens=opts.calib_tokens, progress=progress,
+                                 inputs=opts.input_tokens if opts.input_sparsity is not None else 0)
         except MemoryError as e:
             raise ConvertError(f"profiling: {e} (pass a smaller --calib-tokens)") from None
         rep.n_calib_tokens = prof.n_tokens
@@ -311,6 +324,13 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
         def gate_matrix(l):
             # the gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
+        in_src = InputSources(jobs, n_layer) if opts.input_sparsity is not None else None
+        if in_src is not None:
+            t1 = time.perf_counter()
+            rep.input_calibration = calibrate_inputs(prof, opts.input_sparsity, opts.input_criterion,
+                                                     in_src.weight_t)
+            say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s): "
+                f"{rep.input_calibration.summary()}")
             # fused gate/up ffn_up (phi3)
             t = dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
             if t is not None:
@@ -324,7 +344,7 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         for l in range(n_layer):
             tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q, (n_ff, d))
 
-        def write_out(path, freq, pl, gate_kv, show=progress):
+        def write_out(path, freq, pl, gate_kv, show=progress, inputs=True):
             # the extended file: dense tensors copied, ffn_down -> ffn_down_t, predictors,
             # the neuron index, the sparse keys
             new_jobs: list = []
@@ -361,9 +381,13 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                     w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
                 w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
                 w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
+                    if inputs and in_src is not None:
+                        new_jobs += in_src.layer_jobs(rep.input_calibration, il)
                 for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
                     w.add_key_value(k, v, ty)
 
+            if inputs and in_src is not None:
+                new_jobs += in_src.head_jobs(rep.input_calibration)
             return write_gguf(path, setup, new_jobs, show, arch=dense.arch), len(new_jobs)
 
         if gate_mode:
@@ -381,6 +405,8 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
             def gate_of(l):
                 # the gate as the runtime computes it (the stored, possibly quantized weights);
+                for k, v, ty in (input_kv(rep.input_calibration) if inputs and in_src is not None else []):
+                    w.add_key_value(k, v, ty)
                 # only ReGLU decides activity by the gate's sign alone
                 if not dense.gated or dense.activation != F.ACT_RELU or not opts.gate_init:
                     return None
@@ -476,7 +502,7 @@ def _calibrate_gates(dense: DenseModel, opts: SparseOptions, budget: float | Non
         rep.gate_thresholds = [0.0] * n_layer
         rep.gate_layer_sparsity = [0.0] * n_layer
         eval_path, _ = write_out(os.path.join(tmpdir, "gate-eval.gguf"), flat, pl0,
-                                 _gate_kv(rep, None, opts), show=False)
+                                 _gate_kv(rep, None, opts), show=False, inputs=False)
         ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads)  # the windows the profile ran in
     costs = None
     if opts.allocation == "greedy":
@@ -495,6 +521,7 @@ def _calibrate_gates(dense: DenseModel, opts: SparseOptions, budget: float | Non
             f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
         bar = None
         if progress:
+        # (without input sparsity: the budget is the FFN's alone)
             from tqdm.auto import tqdm
             bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
 

@@ -7,6 +7,10 @@ for every layer, the FFN input vectors and which FFN neurons were truly active.
     prof.mask[l]  # [N, n_ff] bool: neuron i of layer l active for token t
     prof.freq[l]  # [n_ff] float64: fraction of the N tokens each neuron fired for
 
+With ``inputs=K`` it also records, for the first K tokens (whole windows), the inputs of
+the projections that input sparsity thresholds (``attn_in[l]`` [K, n_embd]: q/k/v's,
+``attn_out_in[l]`` [K, n_head * head_dim]: o's, ``head_in`` [K, n_embd]: the head's).
+
 "Active" (the runtime's gh_eval_profile decides): ReGLU gate > 0; FATReLU gate > t; dReLU
 gate > 0 and up > 0; an ungated FFN (OPT, Falcon) act(up x + b) != 0; SwiGLU/GeGLU
 act(gate) * up != 0 (nearly every neuron: those FFNs are not sparse). This is what a
@@ -44,6 +48,14 @@ class Profile:
     ffn_act: str                # the model's activation kind (format.ACTIVATIONS)
     n_ctx: int                  # window length the text ran in
     meta: dict = field(default_factory=dict)
+    # the projections' inputs of the first n_input_tokens tokens (profile_model(inputs=K))
+    attn_in: np.ndarray | None = None      # [n_layer, K, n_embd]
+    attn_out_in: np.ndarray | None = None  # [n_layer, K, n_head * head_dim]
+    head_in: np.ndarray | None = None      # [K, n_embd]
+
+    @property
+    def n_input_tokens(self) -> int:
+        return 0 if self.head_in is None else int(self.head_in.shape[0])
 
     @property
     def n_tokens(self) -> int:
@@ -83,12 +95,13 @@ def _available_memory() -> int | None:
 
 def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int], *,
                   n_ctx: int = 512, n_threads: int = 0, n_batch: int = 512,
-                  max_tokens: int | None = None, progress: bool = True) -> Profile:
+                  max_tokens: int | None = None, progress: bool = True, inputs: int = 0) -> Profile:
     """Profile `model` (a GGUF path or a loaded Model) over `tokens` (token ids, or a text
     that is tokenized with the model's tokenizer, BOS included as the file says).
 
     Runs windows of n_ctx tokens (at most the model's training context); max_tokens caps the number profiled (the first ones).
-    progress shows a tqdm bar over tokens. Raises MemoryError when the profile would not
+    progress shows a tqdm bar over tokens. inputs > 0 also records the projections'
+    inputs of the first `inputs` tokens (rounded up to whole windows). Raises MemoryError when the profile would not
     fit in the available memory (lower max_tokens)."""
     own = not isinstance(model, Model)
     m = Model(model, n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch) if own else model
@@ -110,7 +123,12 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
         toks = arr.astype(np.int32)
         info = m.info
         n = toks.size
+        dq = info.n_head * info.head_dim
+        n_in = 0
+        if inputs > 0:
+            n_in = min(n, -(-int(inputs) // n_ctx) * n_ctx)
         need = profile_bytes(n, info.n_layer, info.n_embd, info.n_ff)
+        need += 4 * n_in * (info.n_layer * (info.n_embd + dq) + info.n_embd)
         avail = _available_memory()
         if avail is not None and need > 0.9 * avail:
             raise MemoryError(
@@ -120,6 +138,9 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
 
         x = np.empty((info.n_layer, n, info.n_embd), dtype=np.float32)
         mask = np.empty((info.n_layer, n, info.n_ff), dtype=np.uint8)
+        a_in = np.empty((info.n_layer, n_in, info.n_embd), dtype=np.float32) if n_in else None
+        a_out = np.empty((info.n_layer, n_in, dq), dtype=np.float32) if n_in else None
+        h_in = np.empty((n_in, info.n_embd), dtype=np.float32) if n_in else None
         ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
         window = ctx.n_ctx
         bar = None
@@ -128,14 +149,22 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
             bar = tqdm(total=n, desc="profiling", unit="tok", dynamic_ncols=True)
         try:
             x_stride, m_stride = n * info.n_embd, n * info.n_ff
+            n_rec = 0
             for start in range(0, n, window):
                 w = toks[start:start + window]
                 ctx.reset()
+                rec = start + w.size <= n_in  # this window's projection inputs too
+                n_rec = start + w.size if rec else n_rec
                 with ctx._calling() as ptr:  # a private context: its token list is not kept
-                    check(lib.gh_eval_profile(
+                    check(lib.gh_eval_profile_ex(
                         ptr, ffi.from_buffer("int32_t[]", w), int(w.size),
                         ffi.cast("float *", x[0, start:].ctypes.data), x_stride,
-                        ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride))
+                        ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride,
+                        ffi.cast("float *", a_in[0, start:].ctypes.data) if rec else ffi.NULL,
+                        n_in * info.n_embd,
+                        ffi.cast("float *", a_out[0, start:].ctypes.data) if rec else ffi.NULL,
+                        n_in * dq,
+                        ffi.cast("float *", h_in[start:].ctypes.data) if rec else ffi.NULL))
                 if bar is not None:
                     bar.update(int(w.size))
         finally:
@@ -145,7 +174,10 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
         maskb = mask.view(np.bool_)  # entries are 0/1
         freq = maskb.mean(axis=1, dtype=np.float64)
         return Profile(tokens=toks, x=x, mask=maskb, freq=freq, ffn_act=info.ffn_act,
-                       n_ctx=window, meta={"model": getattr(m, "path", None)})
+                       n_ctx=window, meta={"model": getattr(m, "path", None)},
+                       attn_in=a_in[:, :n_rec] if n_in else None,
+                       attn_out_in=a_out[:, :n_rec] if n_in else None,
+                       head_in=h_in[:n_rec] if n_in else None)
     finally:
         if own:
             m.close()

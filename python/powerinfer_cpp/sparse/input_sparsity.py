@@ -1,0 +1,188 @@
+"""Training-free input sparsity of the projections the FFN modes leave dense (TEAL / WINA):
+attention q/k/v (their shared input, the attention norm's output), o (the heads' outputs)
+and the output head (the final norm's output).
+
+``y = W x`` computed over the inputs i with ``|x_i| > thr_i`` only is a sum of W's columns;
+the runtime reads them as rows of the transposed copy (``attn_qkv_t``, ``attn_output_t``,
+``output_t``: docs/FORMAT.md "Input sparsity"). Per layer and site, a threshold reaching
+the target share of skipped inputs on the profiled calibration tokens:
+
+- ``magnitude`` (TEAL): the ``s`` quantile of ``|x_i|`` over the site's tokens and
+  channels, one value for every channel;
+- ``wina``: the ``s`` quantile of ``|x_i| * ||W[:, i]||`` (the input's magnitude times the
+  L2 norm of the weight column it multiplies: what it can add to the output), stored per
+  channel as ``t / ||W[:, i]||``, so the runtime's test stays one compare per input.
+
+Every site gets the same target (uniform); the thresholds come from the first
+``1 - HOLDOUT`` of the recorded tokens and the share they skip on the rest is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import format as F
+
+#: Share of the recorded tokens (the last ones) the thresholds are not fitted on.
+HOLDOUT = 0.2
+#: The criterion convert uses unless told (measured: docs/BENCHMARKS.md "Input sparsity").
+DEFAULT_INPUT_CRITERION = "wina"
+#: Tokens whose projection inputs the profile records by default (whole windows).
+DEFAULT_INPUT_TOKENS = 4096
+#: A channel whose weight column is all zero never contributes: a threshold no finite input
+#: passes, yet finite (the runtime refuses inf).
+NEVER = float(np.finfo(np.float32).max)
+SITE_QKV, SITE_O, SITE_HEAD = "qkv", "o", "head"
+
+
+@dataclass
+class InputCalibration:
+    """Per-channel thresholds of every site and what they skip on the held-out tokens."""
+    criterion: str
+    sparsity: float
+    qkv: list = field(default_factory=list)     # per layer f32 [n_embd]
+    o: list = field(default_factory=list)       # per layer f32 [n_head * head_dim]
+    head: np.ndarray | None = None              # f32 [n_embd]
+    heldout_sparsity: dict = field(default_factory=dict)  # site -> share skipped on held-out tokens
+    n_fit: int = 0
+
+    def summary(self) -> str:
+        """One line: criterion, target and the held-out shares per site."""
+        h = self.heldout_sparsity
+        return (f"{self.criterion}, target {self.sparsity:.0%}, fitted on {self.n_fit} tokens; skipped on "
+                f"held-out tokens: q/k/v {h.get(SITE_QKV, 0):.1%}, o {h.get(SITE_O, 0):.1%}, "
+                f"head {h.get(SITE_HEAD, 0):.1%}")
+
+
+def column_norms(w_t: np.ndarray) -> np.ndarray:
+    """||W[:, i]|| for the transposed weight w_t [in, out] (row i = column i of W)."""
+    return np.sqrt(np.einsum("ij,ij->i", w_t.astype(np.float64), w_t.astype(np.float64)))
+
+
+def site_thresholds(x: np.ndarray, sparsity: float, criterion: str,
+                    col_norm: np.ndarray | None = None) -> np.ndarray:
+    """Per-channel thresholds f32 [in] skipping the share ``sparsity`` of x [tokens, in]'s
+    entries under ``criterion`` (wina needs col_norm [in]); zeros at sparsity 0."""
+    if criterion not in F.INPUT_CRITERIA:
+        raise ValueError(f"criterion must be one of {', '.join(F.INPUT_CRITERIA)}, got {criterion!r}")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"input sparsity must be in [0, 1), got {sparsity}")
+    n_in = x.shape[1]
+    if sparsity == 0.0:
+        return np.zeros(n_in, np.float32)
+    mag = np.abs(x.astype(np.float32))
+    if criterion == "magnitude":
+        return np.full(n_in, np.quantile(mag, sparsity), np.float32)
+    if col_norm is None:
+        raise ValueError("the wina criterion needs the weight's column norms")
+    norm = np.asarray(col_norm, np.float64)
+    t = float(np.quantile(mag * norm.astype(np.float32), sparsity))
+    with np.errstate(divide="ignore"):
+        thr = np.where(norm > 0, t / np.maximum(norm, 1e-300), NEVER)
+    return np.minimum(thr, NEVER).astype(np.float32)
+
+
+def skipped_share(x: np.ndarray, thr: np.ndarray) -> float:
+    """Share of x [tokens, in]'s entries the runtime skips (|x_i| <= thr_i)."""
+    return float((np.abs(x) <= thr[None, :]).mean()) if x.size else 0.0
+
+
+def calibrate_inputs(prof, sparsity: float, criterion: str, weights_t) -> InputCalibration:
+    """Thresholds of every site from a profile recorded with inputs (profile_model(inputs=K)).
+    weights_t(site, layer) -> the site's transposed weight [in, out] as float (wina's column
+    norms; layer None for the head)."""
+    k = prof.n_input_tokens
+    if k < 2:
+        raise ValueError("the profile recorded no projection inputs (profile_model(..., inputs=K))")
+    n_fit = max(1, k - max(1, int(round(k * HOLDOUT))))
+    cal = InputCalibration(criterion=criterion, sparsity=float(sparsity), n_fit=n_fit)
+    held = {SITE_QKV: [], SITE_O: [], SITE_HEAD: []}
+
+    def fit(site, layer, x):
+        norm = column_norms(weights_t(site, layer)) if criterion == "wina" and sparsity > 0 else None
+        thr = site_thresholds(x[:n_fit], sparsity, criterion, norm)
+        held[site].append(skipped_share(x[n_fit:], thr))
+        return thr
+
+    for l in range(prof.n_layer):
+        cal.qkv.append(fit(SITE_QKV, l, prof.attn_in[l]))
+        cal.o.append(fit(SITE_O, l, prof.attn_out_in[l]))
+    cal.head = fit(SITE_HEAD, None, prof.head_in)
+    cal.heldout_sparsity = {s: float(np.mean(v)) for s, v in held.items()}
+    return cal
+
+
+class InputSources:
+    """The transposed projections of a dense plan (its TensorJobs): their float weights
+    (wina's column norms) and the jobs that write them with their thresholds."""
+
+    def __init__(self, jobs, n_layer: int):
+        self.by_name = {j.name: j for j in jobs}
+        self.n_layer = n_layer
+
+    def _job(self, kind: str, layer: int | None = None):
+        return self.by_name.get(F.tensor_name(kind, layer))
+
+    @staticmethod
+    def _float(job) -> np.ndarray:
+        from ..gguf_write import decode_matrix
+        a = job.load()
+        if job.raw:  # a GGUF input's tensor: its encoded bytes
+            a = decode_matrix(np.asarray(a), job.qtype, job.shape)
+        return np.asarray(a, dtype=np.float32)
+
+    def _sources(self, site: str, layer: int | None) -> list:
+        if site == SITE_QKV:
+            fused = self._job(F.T_ATTN_QKV, layer)
+            return [fused] if fused is not None else [self._job(k, layer) for k in
+                                                      (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V)]
+        if site == SITE_O:
+            return [self._job(F.T_ATTN_OUTPUT, layer)]
+        out = self._job(F.T_OUTPUT)
+        return [out if out is not None else self._job(F.T_TOKEN_EMBD)]  # tied: the embedding
+
+    def weight_t(self, site: str, layer: int | None) -> np.ndarray:
+        """The site's weight transposed [in, out] in float32 (q, k, v rows concatenated)."""
+        srcs = self._sources(site, layer)
+        if any(j is None for j in srcs):
+            raise ValueError(f"the dense plan lacks the {site} projection of layer {layer}")
+        w = np.concatenate([self._float(j) for j in srcs], axis=0)
+        return np.ascontiguousarray(w.T)
+
+    def qtype(self, site: str, layer: int | None, out_len: int):
+        """Storage of the transposed weight: its source's type, if the new rows (out_len
+        long) are whole blocks of it (else gguf_write.fit_rows's fallback)."""
+        from ..gguf_write import fit_rows
+        return fit_rows(self._sources(site, layer)[0].qtype, out_len)[0]
+
+    def _pair(self, site, layer, thr, wkind, tkind):
+        from gguf import GGMLQuantizationType as Q
+
+        from ..gguf_write import TensorJob
+        srcs = self._sources(site, layer)
+        out_len = sum(int(j.shape[0]) for j in srcs)
+        in_len = int(srcs[0].shape[1])
+        wname = F.input_sparse_tensor_name(wkind, layer)
+        tname = F.input_sparse_tensor_name(tkind, layer)
+        thr = np.ascontiguousarray(thr, dtype=np.float32)
+        return [TensorJob(wname, (in_len, out_len), self.qtype(site, layer, out_len),
+                          lambda s=site, l=layer: self.weight_t(s, l)),
+                TensorJob(tname, (in_len,), Q.F32, lambda a=thr: a)]
+
+    def layer_jobs(self, cal: InputCalibration, layer: int) -> list:
+        """attn_qkv_t, its thresholds, attn_output_t, its thresholds of one layer."""
+        return (self._pair(SITE_QKV, layer, cal.qkv[layer], F.T_ATTN_QKV_T, F.T_ATTN_QKV_IN_THR) +
+                self._pair(SITE_O, layer, cal.o[layer], F.T_ATTN_OUTPUT_T, F.T_ATTN_OUTPUT_IN_THR))
+
+    def head_jobs(self, cal: InputCalibration) -> list:
+        """output_t and its thresholds."""
+        return self._pair(SITE_HEAD, None, cal.head, F.T_OUTPUT_T, F.T_OUTPUT_IN_THR)
+
+
+def input_kv(cal: InputCalibration) -> list:
+    """(key, value, GGUFValueType) of an input-sparse file."""
+    from gguf import GGUFValueType as V
+    return [(F.KEY_INPUT_SPARSITY, float(cal.sparsity), V.FLOAT32),
+            (F.KEY_INPUT_CRITERION, cal.criterion, V.STRING)]

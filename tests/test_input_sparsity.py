@@ -1,0 +1,270 @@
+"""Input sparsity of the attention's and the head's projections (convert --input-sparsity,
+docs/FORMAT.md "Input sparsity"): the sparse column kernel against numpy for every type,
+SIMD level and thread count; on the shipped SwiGLU model the calibration's held-out
+sparsity, results independent of the thread count, sparsity 0 equal to dense, dense mode
+untouched (equal to a dense file's), the quality bound at the recommended level, the statistics; a file without the
+thresholds asked for the mode gives a clear error; FORMAT.md's section matches format.py."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from powerinfer_cpp import Model, NativeError  # noqa: E402
+from powerinfer_cpp import format as F  # noqa: E402
+from powerinfer_cpp._native import check, ffi, lib  # noqa: E402
+from powerinfer_cpp.convert import convert  # noqa: E402
+from powerinfer_cpp.sparse.gate_eval import patch_gate_thresholds  # noqa: E402
+from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
+
+from cbuf import fptr  # noqa: E402
+from conftest import SHIPPED_SWIGLU_DIR  # noqa: E402
+from opref import TYPES, block_cols, encode, vptr  # noqa: E402
+
+HELDOUT = SHIPPED_SWIGLU_DIR / "heldout.txt"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
+S_IN = 0.25       # the input sparsity the module's file is calibrated to (the recommended level)
+CALIB = 3072      # profiled tokens (the projections' inputs of the first INPUTS of them)
+INPUTS = 2048
+GH_ERR_UNSUPPORTED = 3
+
+
+def simd_levels():
+    return list(range(int(lib.gh_simd_supported()) + 1))
+
+
+def sparse_cols(t, raw, rows, cols, x, thr, n_threads):
+    y = np.full(cols, np.nan, dtype=np.float32)
+    n = ffi.new("int64_t *")
+    check(lib.gh_op_sparse_cols(t, vptr(raw), rows, cols, fptr(x), fptr(thr) if thr is not None else ffi.NULL,
+                                fptr(y), n, n_threads))
+    return y, int(n[0])
+
+
+# ---- the kernel: y = sum over |x_i| > thr_i of x_i * W[i] -------------------------------------
+
+
+@pytest.mark.parametrize("tname", list(TYPES))
+@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 96), (129, 544)])
+def test_sparse_cols_vs_numpy(tname, rows, cols):
+    t = TYPES[tname]
+    cols = block_cols(t, cols)
+    rng = np.random.default_rng(rows * 13 + cols)
+    raw, wd = encode(t, rng.standard_normal((rows, cols)))
+    x = rng.standard_normal(rows).astype(np.float32)
+    x[::5] = 0.0
+    one = np.full(rows, np.inf, np.float32)
+    one[rows // 2] = 0.0
+    x[rows // 2] = 1.5
+    cases = {"all": None, "empty": np.full(rows, 1e30, np.float32), "one": np.minimum(one, 1e30),
+             "half": np.full(rows, float(np.median(np.abs(x))), np.float32),
+             "per-channel": (rng.random(rows) * 1.5).astype(np.float32)}
+    for name, thr in cases.items():
+        used = np.abs(x) > (thr if thr is not None else 0.0)
+        ref = x[used].astype(np.float64) @ wd[used].astype(np.float64)
+        scale = np.abs(x[used]) @ np.abs(wd[used]) if used.any() else np.zeros(cols)
+        ys = []
+        for level in simd_levels():
+            prev = lib.gh_simd_get()
+            assert lib.gh_simd_set(level) != -2
+            try:
+                y1, n1 = sparse_cols(t, raw, rows, cols, x, thr, 1)
+                y2, n2 = sparse_cols(t, raw, rows, cols, x, thr, 2)
+                if thr is None:
+                    # every nonzero input: the transposed matmul of the token, bit for bit
+                    ym = np.empty(cols, np.float32)
+                    check(lib.gh_op_matmul_t(t, vptr(raw), rows, cols, fptr(x), 1, fptr(ym), 1))
+                    np.testing.assert_array_equal(y1, ym)
+            finally:
+                lib.gh_simd_set(prev)
+            np.testing.assert_array_equal(y1, y2)  # threads split the columns
+            assert n1 == n2 == int(used.sum()), name
+            assert np.all(np.abs(y1 - ref) <= 4e-7 * max(n1, 1) * scale + 1e-6), (name, level)
+            ys.append(y1)
+        for y in ys[1:]:  # the levels agree within their rounding
+            assert np.all(np.abs(y - ys[0]) <= 8e-7 * max(int(used.sum()), 1) * scale + 2e-6), name
+        if not used.any():
+            assert np.all(ys[0] == 0)
+
+
+def test_sparse_cols_bad_args():
+    x = np.ones(4, np.float32)
+    y = np.zeros(32, np.float32)
+    w = np.zeros((4, 32), np.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        check(lib.gh_op_sparse_cols(TYPES["q8_0"], vptr(w), 4, 33, fptr(x), ffi.NULL, fptr(y), ffi.NULL, 1))
+    with pytest.raises(ValueError, match="NULL"):
+        check(lib.gh_op_sparse_cols(0, vptr(w), 4, 32, ffi.NULL, ffi.NULL, fptr(y), ffi.NULL, 1))
+    with pytest.raises(ValueError, match="n_threads"):
+        check(lib.gh_op_sparse_cols(0, vptr(w), 4, 32, fptr(x), ffi.NULL, fptr(y), ffi.NULL, 0))
+
+
+# ---- the shipped SwiGLU model, gate FFN + input-sparse attention and head ----------------------
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("input-sparsity")
+    rep: list = []
+    path = convert(SHIPPED_SWIGLU_DIR, d / "in.gguf", "f16", progress=False, sparse=True, report=rep,
+                   sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=CALIB, profile_ctx=256,
+                                                sparsity=0.25, input_sparsity=S_IN, input_tokens=INPUTS,
+                                                n_threads=2))
+    # a gate file without input sparsity (its dense mode does not depend on the calibration)
+    plain = convert(SHIPPED_SWIGLU_DIR, d / "gate.gguf", "f16", progress=False, sparse=True,
+                    sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=512, profile_ctx=256,
+                                                 sparsity=0.25, n_threads=2))
+    with Model(path, n_ctx=16) as m:
+        later = m.tokenize(HELDOUT.read_text(encoding="utf-8"))[rep[0].n_calib_tokens:]
+    return {"path": Path(path), "plain": Path(plain), "rep": rep[0], "later": later, "dir": d}
+
+
+def _run(path, ids, threads=2, ffn="auto", input_sparse=None, window=256):
+    """Logits of ids (windows, every token in the file's sparse mode) and the stats."""
+    with Model(path, n_ctx=window, n_threads=threads, cache_type="f32") as m:
+        ctx = m.create_context(n_ctx=window, n_threads=threads, cache_type="f32", ffn=ffn,
+                               input_sparse=input_sparse)
+        ctx.sparse_batch = window
+        out = []
+        for s in range(0, len(ids), window):
+            ctx.reset()
+            out.append(ctx.eval(ids[s:s + window], logits_all=True).copy())
+        st = ctx.stats()
+        ctx.close()
+    return np.concatenate(out), st
+
+
+def test_file_and_heldout_sparsity(files):
+    rep = files["rep"].input_calibration
+    assert rep.criterion == "wina" and rep.sparsity == S_IN
+    r = gguf.GGUFReader(files["path"])
+    names = {t.name for t in r.tensors}
+    for l in range(4):
+        for k in F.INPUT_SPARSE_LAYER_TENSORS:
+            assert F.input_sparse_tensor_name(k, l) in names
+    assert {F.input_sparse_tensor_name(k) for k in F.INPUT_SPARSE_GLOBAL_TENSORS} <= names
+    assert F.tensor_name(F.T_ATTN_Q, 0) in names  # the row-major copies stay (prompts, dense)
+    assert str(bytes(r.fields[F.KEY_INPUT_CRITERION].parts[-1]), "utf-8") == "wina"
+    # held-out text (after the calibration tokens): the requested share within 3 points
+    _, st = _run(files["path"], files["later"][:1024])
+    dens = st["input_sparse"]
+    assert abs(dens["attention_density"] - (1 - S_IN)) <= 0.03, dens
+    assert abs(dens["head_density"] - (1 - S_IN)) <= 0.03, dens
+    # the bytes follow: q/k/v/o and the head read only the used inputs' rows
+    nb = {t.name: int(t.n_bytes) for t in r.tensors}
+    att = sum(nb[F.input_sparse_tensor_name(k, l)] for l in range(4)
+              for k in (F.T_ATTN_QKV_T, F.T_ATTN_OUTPUT_T))
+    head = nb[F.input_sparse_tensor_name(F.T_OUTPUT_T)]
+    for stage, full, density in (("attention", att, dens["attention_density"]),
+                                 ("head", head, dens["head_density"])):
+        ratio = st["bytes_per_token_stage"][stage] / full
+        assert abs(ratio - density) < 0.05, (stage, ratio, density)
+
+
+def test_threads_and_dense_unchanged(files):
+    ids = files["later"][:300]
+    l1, _ = _run(files["path"], ids, threads=1)
+    l2, _ = _run(files["path"], ids, threads=2)
+    np.testing.assert_array_equal(l1, l2)
+    d_in, _ = _run(files["path"], ids, ffn="dense")
+    d_plain, _ = _run(files["plain"], ids, ffn="dense")
+    np.testing.assert_array_equal(d_in, d_plain)  # dense mode reads the row-major tensors only
+    off, st = _run(files["path"], ids, input_sparse=False)
+    assert st["input_sparse"]["attention_inputs"] == 0 and st["ffn_mode"] == "gate"
+    assert not np.array_equal(l1, off)
+
+
+def test_sparsity_zero_equals_dense(files):
+    z = files["dir"] / "zero.gguf"
+    shutil.copy(files["path"], z)
+    patch_gate_thresholds(str(z), [0.0] * 4)
+    r = gguf.GGUFReader(z, "r+")
+    for t in r.tensors:
+        if t.name.endswith("_in_thr"):
+            t.data[:] = 0.0
+    r.data.flush()
+    del r
+    ids = files["later"][:200]
+    zs, st = _run(z, ids)
+    assert st["ffn_mode"] == "gate"
+    zd, _ = _run(z, ids, ffn="dense")
+    np.testing.assert_array_equal(zs, zd)
+
+
+def test_quality_bound(files):
+    """At the recommended level (docs/BENCHMARKS.md "Input sparsity") on top of the gate FFN,
+    held-out perplexity stays within 2% of the gate FFN alone and top-1 agreement >= 90%."""
+    ids = files["later"][:1025]
+    tgt = np.asarray(ids[1:])
+
+    def nll(lg):
+        z = lg[:-1].astype(np.float64)
+        z -= z.max(axis=1, keepdims=True)
+        lp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return -lp[np.arange(len(tgt)), tgt].mean(), lp.argmax(1)
+
+    on, _ = _run(files["path"], ids)
+    off, _ = _run(files["path"], ids, input_sparse=False)
+    (a, ta), (b, tb) = nll(on), nll(off)
+    inc = np.exp(a - b) - 1
+    print(f"input sparsity {S_IN:.0%} (wina) over the gate FFN: ppl {np.exp(a):.3f} vs {np.exp(b):.3f} "
+          f"({inc:+.2%}), top-1 {np.mean(ta == tb):.1%}")
+    assert inc < 0.02 and np.mean(ta == tb) >= 0.90
+
+
+def test_file_without_thresholds_is_a_clear_error(files):
+    with pytest.raises(ValueError, match="--input-sparsity"):
+        Model(files["plain"], n_ctx=16, input_sparse=True)
+    with Model(files["plain"], n_ctx=16) as m:
+        ctx = m.create_context(n_ctx=16)
+        assert ctx.input_sparse is False
+        with pytest.raises(NativeError, match="--input-sparsity") as e:
+            ctx.input_sparse = True
+        assert e.value.status == GH_ERR_UNSUPPORTED
+
+
+def test_partial_file_is_refused(files, tmp_path):
+    from gguf_rewrite import rewrite_gguf
+    bad = tmp_path / "partial.gguf"
+    rewrite_gguf(files["path"], bad, drop=[F.input_sparse_tensor_name(F.T_OUTPUT_IN_THR)])
+    with pytest.raises(NativeError, match="output_t.weight' without 'output_in_thr"):
+        Model(bad, n_ctx=16)
+
+
+def test_format_doc_section():
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index("## Input sparsity\n")
+    nxt = text.find("\n## ", start + 1)
+    sec = text[start:nxt if nxt >= 0 else len(text)]
+    keys = set(re.findall(r"^\| `(powerinfer\.[a-z0-9_.]+)` \|", sec, re.M))
+    assert keys == set(F.INPUT_KEYS)
+    names = set(re.findall(r"^\| `((?:blk\.N\.)?[a-z0-9_]+(?:\.weight)?)` \|", sec, re.M))
+    want = {F.input_sparse_tensor_name(k, 0).replace("blk.0.", "blk.N.") for k in F.INPUT_SPARSE_LAYER_TENSORS}
+    want |= {F.input_sparse_tensor_name(k) for k in F.INPUT_SPARSE_GLOBAL_TENSORS}
+    assert names == want
+    for c in F.INPUT_CRITERIA:
+        assert f"`{c}`" in sec
+
+
+def test_host_device_stays_correct(files):
+    """On a device the attention and head placed there run dense: with all of them placed,
+    the hybrid run equals the CPU with input sparsity off."""
+    ids = files["later"][:64]
+    cpu, _ = _run(files["path"], ids, input_sparse=False, window=64)
+    with Model(files["path"], n_ctx=64, n_threads=2, cache_type="f32", device="host-device",
+               vram_budget="256M") as m:
+        info = m.device_info()
+        assert info["attention_layers"] == 4 and info["head_on_device"]
+        ctx = m.create_context(n_ctx=64, n_threads=2, cache_type="f32")
+        assert ctx.input_sparse
+        ctx.sparse_batch = 64
+        dev = ctx.eval(ids, logits_all=True).copy()
+        st = ctx.stats()
+    np.testing.assert_allclose(dev, cpu, rtol=1e-5, atol=1e-5)
+    assert st["input_sparse"]["attention_inputs"] == 0 and st["input_sparse"]["head_inputs"] == 0

@@ -81,6 +81,8 @@ sys.path.insert(0, str(TOOLS))
 LLAMA_HINT = ('llama-cpp-python is not installed; to compare with llama.cpp install it from source '
               '(~10 minutes on 2 cores):\n    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python')
 N_TG_PROMPT = 8
+#: Tokens already in the KV cache when the timed decode starts (--depth; llama-bench's -d).
+DEPTH = 0
 BEGIN, END = "<!-- BENCH-BEGIN (written by tools/bench.py --write-docs) -->", "<!-- BENCH-END -->"
 
 
@@ -137,6 +139,12 @@ def _read_stats(ffi, lib, c, n_layer: int) -> dict | None:
     return out
 
 
+def _n_ctx(n_tg: int) -> int:
+    """Context length of a measurement: 512, or what --depth needs, rounded up to 256."""
+    need = N_TG_PROMPT + DEPTH + n_tg + 1
+    return max(512, -(-need // 256) * 256)
+
+
 def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = "dense") -> dict:
     from powerinfer_cpp._native import check, ffi, lib
     t0 = time.perf_counter()
@@ -144,7 +152,7 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = 
     check(lib.gh_model_load(model.encode(), mp))
     m = mp[0]
     p = lib.gh_context_default_params()
-    p.n_ctx, p.n_batch, p.n_threads = 512, 512, threads
+    p.n_ctx, p.n_batch, p.n_threads = _n_ctx(n_tg), 512, threads
     cp = ffi.new("gh_context **")
     check(lib.gh_context_new(m, ffi.new("gh_context_params *", p), cp))
     c = cp[0]
@@ -158,7 +166,8 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = 
     n_layer = info.n_layer
     load_s = time.perf_counter() - t0
     pp = ffi.new("int32_t[]", _tokens(n_pp, 1))
-    tg = ffi.new("int32_t[]", _tokens(N_TG_PROMPT + n_tg, 2))
+    n0 = N_TG_PROMPT + DEPTH
+    tg = ffi.new("int32_t[]", _tokens(n0 + n_tg, 2))
     ev, trunc = lib.gh_eval, lib.gh_context_truncate
 
     check(ev(c, pp, n_pp, 0))                 # warm-up: faults the weights in
@@ -168,12 +177,13 @@ def worker_ours(model: str, threads: int, n_pp: int, n_tg: int, ffn_mode: str = 
     pp_s = time.perf_counter() - t
     check(trunc(c, 0))
 
-    check(ev(c, tg, N_TG_PROMPT, 0))
+    for i in range(0, n0, 512):
+        check(ev(c, tg + i, min(512, n0 - i), 0))
     reset = _native_fn(lib, "gh_context_reset_stats")
     if reset is not None:
         check(reset(c))
     t = time.perf_counter()
-    for i in range(N_TG_PROMPT, N_TG_PROMPT + n_tg):
+    for i in range(n0, n0 + n_tg):
         st = ev(c, tg + i, 1, 0)
         if st:
             check(st)
@@ -214,7 +224,7 @@ def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     if not m:
         raise RuntimeError(f"llama.cpp cannot load {model}")
     cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = 512, 512, 512
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = _n_ctx(n_tg), 512, 512
     cp.n_threads, cp.n_threads_batch = threads, threads
     cp.no_perf = True
     c = L.llama_init_from_model(m, cp)
@@ -223,7 +233,8 @@ def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     mem = L.llama_get_memory(c)
     load_s = time.perf_counter() - t0
     pp_arr = (L.llama_token * n_pp)(*_tokens(n_pp, 1))
-    tg_list = _tokens(N_TG_PROMPT + n_tg, 2)
+    n0 = N_TG_PROMPT + DEPTH
+    tg_list = _tokens(n0 + n_tg, 2)
     tg_arr = (L.llama_token * len(tg_list))(*tg_list)
     tok_size = ctypes.sizeof(L.llama_token)
     base = ctypes.addressof(tg_arr)
@@ -244,10 +255,11 @@ def worker_llama(model: str, threads: int, n_pp: int, n_tg: int) -> dict:
     pp_s = time.perf_counter() - t
     L.llama_memory_clear(mem, True)
 
-    decode(get_one(tg_arr, N_TG_PROMPT))
+    for i in range(0, n0, 512):
+        decode(get_one(one[i], min(512, n0 - i)))
     sync(c)
     t = time.perf_counter()
-    for i in range(N_TG_PROMPT, N_TG_PROMPT + n_tg):
+    for i in range(n0, n0 + n_tg):
         decode(get_one(one[i], 1))
     sync(c)
     tg_s = time.perf_counter() - t
@@ -354,7 +366,7 @@ def run_worker(engine: str, model: str, threads: int, n_pp: int, n_tg: int, time
     if OUR_SIMD and engine != "llama.cpp":
         env["GH_SIMD"] = OUR_SIMD
     cmd = [python, str(Path(__file__).resolve()), "--worker", engine, "--model", model,
-           "--worker-threads", str(threads), "--n-pp", str(n_pp), "--n-tg", str(n_tg)]
+           "--worker-threads", str(threads), "--n-pp", str(n_pp), "--n-tg", str(n_tg), "--depth", str(DEPTH)]
     busy0, total0 = _cpu_jiffies()
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     w0 = time.perf_counter()
@@ -751,6 +763,8 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="passes, engines alternating (default 3)")
     ap.add_argument("--n-pp", type=int, default=128, help="prompt batch (default 128)")
     ap.add_argument("--n-tg", type=int, default=128, help="decode steps (default 128)")
+    ap.add_argument("--depth", type=int, default=0, metavar="D",
+                    help="tokens in the KV cache before the timed decode steps (llama-bench -d; default 0)")
     ap.add_argument("--engines", default=",".join(ENGINES),
                     help="llama.cpp,ours,ours-sparse (default all three; --plain: no ours-sparse)")
     ap.add_argument("--model", action="append", default=[], metavar="TYPE=PATH",
@@ -780,6 +794,10 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
 
+    global DEPTH
+    if a.depth < 0:
+        sys.exit("error: --depth must be >= 0")
+    DEPTH = a.depth
     if a.worker:
         res = WORKERS[a.worker](a.model[0], a.worker_threads, a.n_pp, a.n_tg)
         print(json.dumps(res))
@@ -972,7 +990,9 @@ def main(argv=None) -> int:
                                                     "noisy and re-run on a quiet machine.**"),
           f"- {a.passes} passes, engines alternating, each measurement in a fresh process; median (min–max) "
           f"tokens/s; pp{a.n_pp} = one {a.n_pp}-token batch into an empty cache, tg{a.n_tg} = {a.n_tg} "
-          f"single-token steps after an {N_TG_PROMPT}-token prompt. Run time {elapsed / 60:.1f} min.",
+          f"single-token steps after an {N_TG_PROMPT + DEPTH}-token prompt"
+          + (f" (decode at a depth of {DEPTH} tokens of context; both engines keep an F16 KV cache)" if DEPTH else "")
+          + f". Run time {elapsed / 60:.1f} min.",
           "", table, ""]
     sst = sparse_stats_md(results, types, threads) if sparse_eng else ""
     if sst:

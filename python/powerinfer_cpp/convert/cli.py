@@ -11,12 +11,12 @@ from .. import format as F
 from ..gguf_write import ConvertError
 from ..sparse.pipeline import SparseOptions
 from ..sparse.placement import parse_size
+from .from_gguf import convert_from_gguf, dense_from_gguf, is_gguf_file
 from .pipeline import convert, read_hf_config
 
 __all__ = ["main"]
 
 
-def main(argv: list[str] | None = None) -> int:
 def _input_options(args) -> dict:
     """SparseOptions' input-sparsity fields from the command line."""
     if args.input_sparsity is None:
@@ -31,13 +31,20 @@ def _input_options(args) -> dict:
     return out
 
 
+def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.convert",
                                  description="Convert a Hugging Face model folder (LLaMA, Mistral, Qwen2, "
-                                             "Falcon, OPT and their ReLU variants) to GGUF.")
-    ap.add_argument("hf_dir", help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
-    ap.add_argument("-o", "--outfile", help="output GGUF path (default: HF_DIR/model-OUTTYPE.gguf)")
-    ap.add_argument("--outtype", default="f16", help="f32 | f16 | bf16 | q8_0 | q4_0 (default f16)")
+                                             "Falcon, OPT and their ReLU variants) to GGUF, or make a GGUF "
+                                             "file (llama.cpp's, PowerInfer's, ours) sparse, keeping its "
+                                             "tensor types.")
+    ap.add_argument("hf_dir", metavar="MODEL",
+                    help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a "
+                         "GGUF file (then --calib is needed and the output is sparse)")
+    ap.add_argument("-o", "--outfile", help="output GGUF path (default: HF_DIR/model-OUTTYPE.gguf; for a "
+                                            "GGUF input MODEL-sparse.gguf next to it)")
+    ap.add_argument("--outtype", default=None,
+                    help=f"{' | '.join(F.OUTTYPES)} (default f16; a GGUF input keeps its own types)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info messages")
     sp = ap.add_argument_group("sparse conversion (the default: predictors for ReLU-family models, relu, "
                                "drelu, fatrelu; gate thresholds within a 2%% perplexity budget for "
@@ -79,13 +86,6 @@ def _input_options(args) -> dict:
                          "(greedy: n_layer x 9 extra runs over --greedy-tokens)")
     sp.add_argument("--greedy-tokens", type=int, default=512, metavar="N",
                     help="calibration tokens of the greedy allocation's measurements (default 512)")
-    sp.add_argument("--vram-budget", default="0", metavar="SIZE",
-                    help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
-                         "re-solve later with python -m powerinfer_cpp.place)")
-    sp.add_argument("--ctx", type=int, default=None, metavar="N",
-                    help="context length whose KV cache the budget reserves (default: the model's)")
-    sp.add_argument("--group-size", type=int, default=64, metavar="N", help="neurons per placement group (default 64)")
-    sp.add_argument("--placement", choices=("ilp", "greedy"), default="ilp", help="placement solver (default ilp)")
     sp.add_argument("--input-sparsity", type=float, default=None, metavar="S",
                     help="also make the attention's q/k/v and o and the output head input-sparse: per "
                          "layer and projection a threshold skipping the share S of its inputs (e.g. 0.25; "
@@ -94,12 +94,33 @@ def _input_options(args) -> dict:
     sp.add_argument("--input-criterion", choices=F.INPUT_CRITERIA, default=None,
                     help="how --input-sparsity ranks inputs: wina (|x_i| times the weight column's "
                          "norm, the default) or magnitude (|x_i|, TEAL)")
+    sp.add_argument("--vram-budget", default="0", metavar="SIZE",
+                    help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
+                         "re-solve later with python -m powerinfer_cpp.place)")
+    sp.add_argument("--ctx", type=int, default=None, metavar="N",
+                    help="context length whose KV cache the budget reserves (default: the model's)")
+    sp.add_argument("--group-size", type=int, default=64, metavar="N", help="neurons per placement group (default 64)")
+    sp.add_argument("--placement", choices=("ilp", "greedy"), default="ilp", help="placement solver (default ilp)")
     sp.add_argument("--threads", type=int, default=0, help="threads for profiling (default: all cores)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    out = args.outfile or os.path.join(args.hf_dir, f"model-{args.outtype}.gguf")
+    from_gguf = os.path.isfile(args.hf_dir) and is_gguf_file(args.hf_dir)
+    if from_gguf:
+        out = args.outfile or os.path.splitext(args.hf_dir)[0] + "-sparse.gguf"
+    else:
+        out = args.outfile or os.path.join(args.hf_dir, f"model-{args.outtype or 'f16'}.gguf")
     try:
         sparse = args.sparse
+        dense = None
+        if from_gguf:
+            if args.outtype is not None:
+                raise ConvertError("a GGUF input keeps its tensor types (--outtype is for Hugging Face "
+                                   "folders); quantize it with llama.cpp's llama-quantize first, or convert "
+                                   "the Hugging Face folder with --outtype")
+            if sparse is False:
+                raise ConvertError("a GGUF input is converted to a sparse file; it is dense already "
+                                   "(drop --dense)")
+            dense = dense_from_gguf(args.hf_dir)
         sopts = None
         gate_opts = [o for o, v in (("--sparsity", args.sparsity), ("--max-ppl-increase", args.max_ppl_increase),
                                     ("--sparsity-allocation", args.sparsity_allocation)) if v is not None]
@@ -109,12 +130,13 @@ def _input_options(args) -> dict:
         if gate_opts and sparse is False:
             raise ConvertError(f"{gate_opts[0]} calibrates a sparse file; it cannot be combined with --dense")
         if sparse is not False:
-            params = read_hf_config(args.hf_dir)
-            relu = params.activation in F.SPARSE_ACTIVATIONS
+            act, gated = ((dense.activation, dense.gated) if dense is not None else
+                          (lambda p: (p.activation, p.gated))(read_hf_config(args.hf_dir)))
+            relu = act in F.SPARSE_ACTIVATIONS
             if sparse is None:
                 # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors
-                sparse = relu or bool(gate_opts) or params.gated
-            gate = args.sparsity is not None or args.max_ppl_increase is not None or (params.gated and not relu)
+                sparse = relu or bool(gate_opts) or gated or dense is not None
+            gate = args.sparsity is not None or args.max_ppl_increase is not None or (gated and not relu)
             if args.sparsity_allocation is not None and not gate:
                 raise ConvertError("--sparsity-allocation shares a gate-magnitude sparsity among the layers; "
                                    "this conversion trains predictors (pass --sparsity S or "
@@ -140,8 +162,12 @@ def _input_options(args) -> dict:
                                       max_ppl_increase=args.max_ppl_increase,
                                       allocation=args.sparsity_allocation or SparseOptions.allocation,
                                       greedy_tokens=args.greedy_tokens)
-        path = convert(args.hf_dir, out, args.outtype, progress=not args.quiet, sparse=bool(sparse),
-                       sparse_options=sopts)
+        if dense is not None:
+            path = convert_from_gguf(args.hf_dir, out, progress=not args.quiet, sparse_options=sopts,
+                                     dense=dense)
+        else:
+            path = convert(args.hf_dir, out, args.outtype or "f16", progress=not args.quiet,
+                           sparse=bool(sparse), sparse_options=sopts)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -35,6 +35,7 @@ import numpy as np
 from .. import format as F
 from ..gguf_write import (ConvertError, TensorJob, add_kv, decode_matrix, encode_matrix, storage_type,
                           write_gguf)
+from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
@@ -75,6 +76,9 @@ class DenseModel:
     gated: bool               # the FFN has ffn_gate
     hf_dir: str = ""          # the model folder (its heldout.txt is the default calibration text)
     act_threshold: float | None = None  # fatrelu's t
+    path: str = ""            # a GGUF input (convert/from_gguf.py): profiled and copied as is,
+                              # no dense file is written; jobs then hold its raw tensors
+    down_types: list | None = None  # per layer ffn_down_t's type (None: storage_type's rule)
 
 
 @dataclass
@@ -107,13 +111,13 @@ class SparseOptions:
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
     keep_calibration: bool = False    # gate mode: keep the quantile table in the report
                                       # (tools/eval_sparsity.py reuses one calibration)
-
-    def __post_init__(self):
-        checks = [
     input_sparsity: float | None = None  # input-sparse attention and head (input_sparsity.py):
                                       # the share of each projection's inputs to skip; None: off
     input_criterion: str = DEFAULT_INPUT_CRITERION  # magnitude | wina (format.INPUT_CRITERIA)
     input_tokens: int = DEFAULT_INPUT_TOKENS  # profiled tokens whose projection inputs calibrate
+
+    def __post_init__(self):
+        checks = [
             (self.calib_tokens >= 2, f"calib_tokens must be >= 2, got {self.calib_tokens}"),
             (0 < self.predictor_recall <= 1, f"predictor_recall must be in (0, 1], got {self.predictor_recall}"),
             (0 <= self.vram_budget < 2**63, f"vram_budget must be in [0, 2^63) bytes, got {self.vram_budget}"),
@@ -140,14 +144,14 @@ class SparseOptions:
              f"got {self.sparsity}"),
             (self.budget_tokens >= 16, f"budget_tokens must be >= 16, got {self.budget_tokens}"),
             (self.greedy_tokens >= 16, f"greedy_tokens must be >= 16, got {self.greedy_tokens}"),
-            (self.predictor_type in PREDICTOR_TYPES,
-             f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
-        ]
             (self.input_sparsity is None or 0.0 <= self.input_sparsity < 1.0,
              f"input_sparsity must be in [0, 1), got {self.input_sparsity}"),
             (self.input_criterion in F.INPUT_CRITERIA,
              f"input_criterion must be one of {', '.join(F.INPUT_CRITERIA)}, got {self.input_criterion!r}"),
             (self.input_tokens >= 16, f"input_tokens must be >= 16, got {self.input_tokens}"),
+            (self.predictor_type in PREDICTOR_TYPES,
+             f"predictor_type must be one of {', '.join(str(t) for t in PREDICTOR_TYPES)}, got {self.predictor_type!r}"),
+        ]
         for ok, msg in checks:
             if not ok:
                 raise ConvertError(f"sparse options: {msg}")
@@ -175,10 +179,10 @@ class SparseReport:
     budget_tried: list = field(default_factory=list)     # quality budget: (sparsity, measurement)
     budget_result: dict | None = None  # the chosen level's held-out measurement
     n_gate_fit: int = 0               # profiled tokens the thresholds were calibrated on
+    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
-    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration
 PREDICTOR_TYPES = (None, "f32", "f16", "q8_0", "q4_0")
 
 
@@ -206,6 +210,9 @@ def calib_source_string(path: str) -> str:
 
 def resolve_calib(hf_dir: str, calib: str | None, why: str = "sparse conversion") -> str:
     """The calibration text file: ``calib``, or the folder's heldout.txt."""
+    if calib is None and not hf_dir:
+        raise ConvertError(f"{why} needs calibration text: pass --calib FILE (plain text in the model's "
+                           "language and domain, a few thousand tokens or more)")
     if calib is None:
         cand = os.path.join(hf_dir, HELDOUT_FILE)
         if not os.path.isfile(cand):
@@ -293,10 +300,15 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
     try:
         # 1. dense file
         t0 = time.perf_counter()
-        dense_path = os.path.join(tmpdir, "dense.gguf")
-        write_gguf(dense_path, lambda w: add_kv(w, dense.kv), jobs, progress, arch=dense.arch)
+        if dense.path:
+            dense_path = dense.path
+            say(f"[1/5] input GGUF {dense_path} ({len(jobs)} tensors kept in their types)")
+        else:
+            dense_path = os.path.join(tmpdir, "dense.gguf")
+            write_gguf(dense_path, lambda w: add_kv(w, dense.kv), jobs, progress, arch=dense.arch)
+            say(f"[1/5] dense GGUF written ({outtype}, {len(jobs)} tensors, "
+                f"{time.perf_counter() - t0:.1f} s)")
         rep.seconds["dense"] = time.perf_counter() - t0
-        say(f"[1/5] dense GGUF written ({outtype}, {len(jobs)} tensors, {rep.seconds['dense']:.1f} s)")
 
         # 2. profile
         t0 = time.perf_counter()
@@ -313,17 +325,6 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         if prof.n_tokens < 16:
             raise ConvertError(f"calibration text {calib} gave only {prof.n_tokens} tokens; need at least 16")
         say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
-
-        # 3. predictors, or (gate mode) the gate thresholds
-        t0 = time.perf_counter()
-        reader = gguf.GGUFReader(dense_path)
-        dense_t = {t.name: t for t in reader.tensors}
-        preds: list = []
-        pred_enc: list = []
-        down_q, _ = storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)
-        ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
-        def gate_matrix(l):
-            # the gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
         in_src = InputSources(jobs, n_layer) if opts.input_sparsity is not None else None
         if in_src is not None:
             t1 = time.perf_counter()
@@ -331,6 +332,17 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                                                      in_src.weight_t)
             say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s): "
                 f"{rep.input_calibration.summary()}")
+
+        # 3. predictors, or (gate mode) the gate thresholds
+        t0 = time.perf_counter()
+        reader = open_gguf(dense_path)  # a PWRI input too
+        dense_t = {t.name: t for t in reader.tensors}
+        preds: list = []
+        pred_enc: list = []
+        down_q = dense.down_types or [storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)[0]] * n_layer
+        ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
+        def gate_matrix(l):
+            # the gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
             # fused gate/up ffn_up (phi3)
             t = dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
             if t is not None:
@@ -339,10 +351,13 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
 
         tensors: dict[str, tuple] = {}
+        kept = {j.name for j in jobs}   # a sparse input's old predictors and index are not
         for t in reader.tensors:
-            tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+            if t.name in kept:
+                tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
         for l in range(n_layer):
-            tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q, (n_ff, d))
+            tensors.pop(F.tensor_name(F.T_FFN_DOWN, l), None)
+            tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q[l], (n_ff, d))
 
         def write_out(path, freq, pl, gate_kv, show=progress, inputs=True):
             # the extended file: dense tensors copied, ffn_down -> ffn_down_t, predictors,
@@ -351,21 +366,29 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             src_names = {j.name: j for j in jobs}
             for j in jobs:
                 kind, il, suffix = F.parse_tensor_name(j.name)
-                if kind == F.T_FFN_DOWN and il is not None and suffix == "weight":
-                    src_job = src_names[j.name]
+                if kind in (F.T_FFN_DOWN, F.T_FFN_DOWN_T) and il is not None and suffix == "weight":
+                    if kind == F.T_FFN_DOWN_T:  # a sparse input's: its bytes as they are
+                        new_jobs.append(_raw_job(j.name, j.shape, j.qtype, dense_t[j.name].data))
+                    else:
+                        src_job = src_names[j.name]
 
-                    def load_t(src_job=src_job):
-                        return np.ascontiguousarray(src_job.load().T)
+                        def load_t(src_job=src_job):
+                            return np.ascontiguousarray(src_job.load().T)
 
-                    new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d), down_q, load_t))
+                        new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d),
+                                                  down_q[il], load_t))
                     if not gate_mode:
                         q1, e1, q2, e2 = pred_enc[il]
                         new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
                         new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
                     new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
+                    if inputs and in_src is not None:
+                        new_jobs += in_src.layer_jobs(rep.input_calibration, il)
                 else:
                     rt = dense_t[j.name]
                     new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+            if inputs and in_src is not None:
+                new_jobs += in_src.head_jobs(rep.input_calibration)
 
             def setup(w):
                 from gguf import GGUFValueType as V
@@ -381,13 +404,11 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                     w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
                 w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
                 w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
-                    if inputs and in_src is not None:
-                        new_jobs += in_src.layer_jobs(rep.input_calibration, il)
                 for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
                     w.add_key_value(k, v, ty)
+                for k, v, ty in (input_kv(rep.input_calibration) if inputs and in_src is not None else []):
+                    w.add_key_value(k, v, ty)
 
-            if inputs and in_src is not None:
-                new_jobs += in_src.head_jobs(rep.input_calibration)
             return write_gguf(path, setup, new_jobs, show, arch=dense.arch), len(new_jobs)
 
         if gate_mode:
@@ -405,8 +426,6 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
             def gate_of(l):
                 # the gate as the runtime computes it (the stored, possibly quantized weights);
-                for k, v, ty in (input_kv(rep.input_calibration) if inputs and in_src is not None else []):
-                    w.add_key_value(k, v, ty)
                 # only ReGLU decides activity by the gate's sign alone
                 if not dense.gated or dense.activation != F.ACT_RELU or not opts.gate_init:
                     return None
@@ -426,7 +445,9 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                 rep.stored_recall.append((rec, prec, dens))
                 pred_enc.append((q1, e1, q2, e2))
                 rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
-                ffn = sum(int(dense_t[F.tensor_name(k, l)].n_bytes) for k in ffn_kinds)
+                ffn = sum(int(dense_t[n].n_bytes) for n in (F.tensor_name(k, l) for k in ffn_kinds)
+                          if n in dense_t) + (0 if F.tensor_name(F.T_FFN_DOWN, l) in dense_t else int(
+                              dense_t[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)].n_bytes))
                 rep.ffn_bytes.append(ffn)
             say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
                 f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
@@ -501,6 +522,7 @@ def _calibrate_gates(dense: DenseModel, opts: SparseOptions, budget: float | Non
                                  opts.min_layer_share, "greedy")
         rep.gate_thresholds = [0.0] * n_layer
         rep.gate_layer_sparsity = [0.0] * n_layer
+        # (without input sparsity: the budget is the FFN's alone)
         eval_path, _ = write_out(os.path.join(tmpdir, "gate-eval.gguf"), flat, pl0,
                                  _gate_kv(rep, None, opts), show=False, inputs=False)
         ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads)  # the windows the profile ran in
@@ -521,7 +543,6 @@ def _calibrate_gates(dense: DenseModel, opts: SparseOptions, budget: float | Non
             f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
         bar = None
         if progress:
-        # (without input sparsity: the budget is the FFN's alone)
             from tqdm.auto import tqdm
             bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
 

@@ -1,0 +1,175 @@
+"""A GGUF made elsewhere (llama.cpp's, PowerInfer's PWRI, or one of ours) as the sparse
+pipeline's starting point: ``python -m powerinfer_cpp.convert model.gguf -o sparse.gguf``.
+
+The input is checked by loading it with the native runtime (so whatever the runtime
+cannot compute with is refused here, by name, before any work), then described as a
+``DenseModel`` whose tensors are the input's own bytes: every tensor keeps its type (a
+Q4_K_M file in, a sparse Q4_K_M file out). The one tensor that changes is the down
+projection, which the sparse FFN reads transposed (``ffn_down_t``): a file that has it
+already (PowerInfer's, a sparse file of ours) keeps its bytes; otherwise ``ffn_down`` is
+dequantized, transposed and quantized again in its own type, the only re-quantization
+(K-quant rows need n_embd % 256 == 0, else the next type down: Q8_0, F16).
+
+Whatever a previous sparse conversion added (predictors, neuron statistics, the GPU index,
+their keys, PowerInfer's threshold) is dropped and made anew from the calibration text; a
+PWRI file's implicit ReLU and a llama.cpp file's implicit SiLU become an explicit
+``powerinfer.ffn_activation`` key, so the output means what the input meant.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from .. import format as F
+from ..gguf_read import is_pwri, open_gguf
+from ..gguf_write import ConvertError, TensorJob, decode_matrix, k_quant_types, storage_type
+from ..sparse.pipeline import DenseModel
+
+log = logging.getLogger("powerinfer_cpp.convert")
+
+__all__ = ["is_gguf_file", "dense_from_gguf", "convert_from_gguf"]
+
+#: Keys a sparse conversion writes anew (and PowerInfer's own threshold key).
+_SPARSE_KEY_PREFIXES = ("powerinfer.sparse.", "powerinfer.gpu.")
+#: Keys the writer makes itself, or that describe the input's own layout.
+_WRITER_KEYS = (F.KEY_GENERAL_ARCHITECTURE, F.KEY_GENERAL_ALIGNMENT)
+#: Per-layer tensors a previous sparse conversion added (ffn_down_t is kept).
+_DROPPED_TENSORS = tuple(k for k in F.SPARSE_LAYER_TENSORS if k != F.T_FFN_DOWN_T)
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether path is a file starting with the GGUF (or PowerInfer's PWRI) magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) in (b"GGUF", b"PWRI")
+    except OSError:
+        return False
+
+
+def _kv_entries(reader) -> list:
+    """The input's metadata as gguf_write.KV entries, minus what the output makes anew."""
+    from gguf import GGUFValueType as V
+    out = []
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in _WRITER_KEYS or key == F.KEY_PWRI_SPARSE_THRESHOLD:
+            continue
+        if key.startswith(_SPARSE_KEY_PREFIXES):
+            continue
+        vtype = field.types[0]
+        if vtype == V.ARRAY:
+            sub = field.types[1] if len(field.types) > 1 else V.INT32
+            out.append((key, list(field.contents()), V.ARRAY, sub))
+        else:
+            out.append((key, field.contents(), vtype, None))
+    return out
+
+
+def _down_t_type(qtype, n_embd: int):
+    """Storage of a transposed down projection whose input is in qtype: the same type
+    when its rows (n_embd long) are whole blocks, else the next one that fits."""
+    from gguf import GGMLQuantizationType as Q
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        return qtype
+    block = F.QUANT_BLOCK_K if qtype in k_quant_types() else F.QUANT_BLOCK
+    if n_embd % block == 0:
+        return qtype
+    fallback = Q.Q8_0 if n_embd % F.QUANT_BLOCK == 0 else Q.F16
+    log.warning("ffn_down is %s but its transposed rows (n_embd = %d) are not whole %d-blocks: "
+                "ffn_down_t is stored as %s", qtype.name, n_embd, block, fallback.name)
+    return fallback
+
+
+def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
+    """The sparse pipeline's DenseModel of a GGUF file (checked by loading it natively)."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFValueType as V
+
+    from .._native import NativeError
+    from ..model import Model
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise ConvertError(f"model file not found: {path}")
+    try:
+        with Model(path, load="mmap") as m:
+            info = m.info
+    except (NativeError, ValueError) as e:
+        raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be made sparse: {e}") from None
+    try:
+        reader = open_gguf(path)
+    except (ValueError, OSError) as e:
+        raise ConvertError(f"{path}: not a readable GGUF file: {e}") from None
+    pwri = is_pwri(path)
+    tensors = {t.name: t for t in reader.tensors}
+    n_layer, d, n_ff = info.n_layer, info.n_embd, info.n_ff
+
+    jobs: list[TensorJob] = []
+    down_types: list = [None] * n_layer
+    for t in reader.tensors:
+        kind, il, suffix = F.parse_tensor_name(t.name)
+        if il is not None and kind in _DROPPED_TENSORS:
+            continue
+        qtype = Q(t.tensor_type)
+        shape = tuple(int(v) for v in reversed(t.shape))
+        if il is not None and kind == F.T_FFN_DOWN and suffix == "weight":
+            dq = _down_t_type(qtype, d)
+            down_types[il] = dq
+
+            def load(t=t, qtype=qtype, shape=shape):  # float rows, for the transposition
+                return decode_matrix(np.asarray(t.data), qtype, shape)
+
+            jobs.append(TensorJob(t.name, shape, qtype, load))
+            continue
+        if il is not None and kind == F.T_FFN_DOWN_T:
+            down_types[il] = qtype
+        jobs.append(TensorJob(t.name, shape, qtype, lambda t=t: t.data, raw=True))
+    missing = [il for il, q in enumerate(down_types) if q is None]
+    if missing:
+        raise ConvertError(f"{path}: layer {missing[0]} has neither ffn_down nor ffn_down_t")
+
+    keys = set(reader.fields)
+    kv = _kv_entries(reader)
+    act = info.ffn_act
+    if act not in F.ACTIVATIONS:
+        raise ConvertError(f"{path}: FFN activation {act!r} cannot be made sparse here")
+    if F.KEY_FFN_ACTIVATION not in keys:
+        # implicit in the input (PWRI: ReLU; llama.cpp: the architecture's own): explicit in ours
+        kv.append((F.KEY_FFN_ACTIVATION, act, V.STRING, None))
+    if F.KEY_FORMAT_VERSION not in keys:
+        kv.append((F.KEY_FORMAT_VERSION, F.FORMAT_VERSION, V.UINT32, None))
+    act_t = None
+    if act == F.ACT_FATRELU and F.KEY_FFN_ACT_THRESHOLD in keys:
+        act_t = float(reader.fields[F.KEY_FFN_ACT_THRESHOLD].contents())
+    gate = tensors.get(F.tensor_name(F.T_FFN_GATE, 0))
+    up = tensors.get(F.tensor_name(F.T_FFN_UP, 0))
+    fused_up = up is not None and int(up.shape[-1]) == 2 * n_ff  # phi3: gate and up rows in one
+    outtype = str(info.weight_type).lower()  # the FFN weights' type name (the predictors' storage rule)
+    log.info("%s: %s%s, %d layers, d=%d, n_ff=%d, act=%s, FFN weights %s, %d tensors", path, info.arch,
+             " (PowerInfer PWRI file)" if pwri else "", n_layer, d, n_ff, act, outtype.upper(), len(jobs))
+    return DenseModel(arch=info.arch, kv=kv, jobs=jobs, outtype=outtype, n_layer=n_layer, n_embd=d,
+                      n_ff=n_ff, n_embd_kv=info.n_head_kv * info.head_dim, n_ctx=info.n_ctx_train,
+                      activation=act, gated=gate is not None or fused_up, hf_dir="",
+                      act_threshold=act_t, path=path, down_types=down_types)
+
+
+def convert_from_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, progress: bool = True,
+                      sparse_options=None, report: list | None = None,
+                      dense: DenseModel | None = None) -> str:
+    """Make the GGUF at ``in_path`` sparse (sparse.pipeline.convert_sparse with
+    ``sparse_options``), keeping its tensor types; returns the output path. ``dense`` is
+    its DenseModel when the caller already built it."""
+    from ..gguf_write import check_output_path
+    from ..sparse.pipeline import SparseOptions, convert_sparse
+
+    in_path = os.path.abspath(os.fspath(in_path))
+    out_path = os.path.abspath(os.fspath(out_path))
+    inputs = [in_path] + ([os.fspath(sparse_options.calib)] if getattr(sparse_options, "calib", None) else [])
+    check_output_path(out_path, inputs)
+    dense = dense or dense_from_gguf(in_path)
+    path, rep = convert_sparse(dense, out_path, sparse_options or SparseOptions(), progress)
+    if report is not None:
+        report.append(rep)
+    return path

@@ -1,0 +1,182 @@
+"""GGUF -> sparse GGUF (`python -m powerinfer_cpp.convert model.gguf -o sparse.gguf`): a file
+made elsewhere (llama.cpp's layout: no powerinfer.* keys; PowerInfer's PWRI; a sparse file of
+ours) becomes one extended file of ours, every tensor in its input type and bytes except the
+down projection, which is transposed (re-quantized in its own type when it was not stored
+transposed already)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gguf
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as VT
+
+from conftest import SHIPPED_DIR, SHIPPED_SWIGLU_DIR
+from gguf_rewrite import rewrite_gguf
+
+from powerinfer_cpp import Model
+from powerinfer_cpp import format as F
+from powerinfer_cpp.convert import ConvertError, convert, main
+from powerinfer_cpp.convert.from_gguf import convert_from_gguf, dense_from_gguf
+from powerinfer_cpp.gguf_read import open_gguf
+from powerinfer_cpp.sparse.pipeline import SparseOptions
+
+CALIB = str(SHIPPED_DIR / "heldout.txt")
+IDS = [int(t) for t in np.random.default_rng(3).integers(3, 384, size=24)]
+
+
+def _opts(**kw):
+    return SparseOptions(calib=CALIB, calib_tokens=800, profile_ctx=100, n_threads=2, **kw)
+
+
+def _decode(path, mode):
+    with Model(str(path)) as m:
+        ctx = m.create_context(n_ctx=64, ffn=mode, cache_type="f32")
+        return np.stack([ctx.eval([t]) for t in IDS])
+
+
+def _tensors(path):
+    return {t.name: t for t in open_gguf(path).tensors}
+
+
+def _nrms(a, b):
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.ptp(b))
+
+
+def _llama_cpp_layout(src, dst):
+    """Our dense file as llama.cpp writes one: none of our powerinfer.* keys."""
+    keys = [f for f in gguf.GGUFReader(str(src)).fields if f.startswith("powerinfer.")]
+    return rewrite_gguf(src, dst, drop_kv=keys)
+
+
+@pytest.fixture(scope="module")
+def relu_q4k(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf2sparse")
+    dense = convert(SHIPPED_DIR, d / "relu-q4_k.gguf", "q4_k", progress=False)
+    rep = []
+    sparse = convert_from_gguf(dense, d / "relu-q4_k-sparse.gguf", progress=False, sparse_options=_opts(),
+                               report=rep)
+    return {"dense": dense, "sparse": sparse, "report": rep[0], "dir": d}
+
+
+def test_types_and_bytes_kept_down_transposed_in_its_type(relu_q4k):
+    src, out = _tensors(relu_q4k["dense"]), _tensors(relu_q4k["sparse"])
+    n_layer = sum(1 for n in src if n.endswith(".ffn_down.weight"))
+    for name, t in src.items():
+        if name.endswith(".ffn_down.weight"):
+            assert name not in out
+            continue
+        assert out[name].tensor_type == t.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(out[name].data), np.asarray(t.data), err_msg=name)
+    for il in range(n_layer):
+        down = src[F.tensor_name(F.T_FFN_DOWN, il)]
+        down_t = out[F.sparse_tensor_name(F.T_FFN_DOWN_T, il)]
+        assert down_t.tensor_type == down.tensor_type == Q.Q4_K
+        assert tuple(down_t.shape) == tuple(reversed(down.shape))
+        # re-quantized once, in its own type: the transposed values within Q4_K's error
+        a = gguf.quants.dequantize(np.asarray(down.data), Q.Q4_K).reshape(tuple(int(s) for s in reversed(down.shape)))
+        b = gguf.quants.dequantize(np.asarray(down_t.data), Q.Q4_K).reshape(a.T.shape)
+        assert _nrms(b, a.T) < 0.01
+        for kind in (F.T_FC1, F.T_FC2, F.T_FFN_FREQ, F.T_GPU_IDX):
+            assert F.sparse_tensor_name(kind, il) in out
+    fields = gguf.GGUFReader(str(relu_q4k["sparse"])).fields
+    assert fields[F.KEY_SPARSE_CALIB_TOKENS].contents() == relu_q4k["report"].n_calib_tokens
+    src_fields = gguf.GGUFReader(str(relu_q4k["dense"])).fields
+    assert fields[F.KEY_TOKENIZER_TOKENS].contents() == src_fields[F.KEY_TOKENIZER_TOKENS].contents()
+
+
+def test_sparse_file_from_gguf_runs_exactly(relu_q4k):
+    dense_in = _decode(relu_q4k["dense"], "dense")
+    dense, oracle, sparse = (_decode(relu_q4k["sparse"], m) for m in ("dense", "oracle", "sparse"))
+    np.testing.assert_allclose(oracle, dense, rtol=0, atol=1e-5 * np.ptp(dense))
+    # the one re-quantization (down) moves the logits little
+    assert _nrms(dense, dense_in) < 5e-3
+    assert (dense.argmax(1) == dense_in.argmax(1)).mean() >= 0.9
+    assert _nrms(sparse, dense) < 5e-3
+
+
+def test_f16_input_is_transposed_losslessly(tmp_path):
+    """F16 rows transpose without loss: the sparse file's dense mode is the input's up to
+    the summation order."""
+    dense = convert(SHIPPED_DIR, tmp_path / "relu-f16.gguf", "f16", progress=False)
+    sparse = convert_from_gguf(dense, tmp_path / "relu-f16-sparse.gguf", progress=False, sparse_options=_opts())
+    a, b = _decode(dense, "dense"), _decode(sparse, "dense")
+    np.testing.assert_allclose(b, a, rtol=0, atol=2e-5 * np.ptp(a))
+
+
+def test_llama_cpp_swiglu_file_gets_gate_thresholds(tmp_path):
+    """A SwiGLU file in llama.cpp's layout (no activation key: SiLU) takes gate thresholds, and
+    the output names its activation."""
+    ours = convert(SHIPPED_SWIGLU_DIR, tmp_path / "swiglu-q8.gguf", "q8_0", progress=False)
+    lcpp = _llama_cpp_layout(ours, tmp_path / "swiglu-llamacpp.gguf")
+    dm = dense_from_gguf(lcpp)
+    assert dm.activation == F.ACT_SILU and dm.gated
+    out = tmp_path / "swiglu-sparse.gguf"
+    assert main([str(lcpp), "-o", str(out), "--calib", str(SHIPPED_SWIGLU_DIR / "heldout.txt"),
+                 "--calib-tokens", "800", "--sparsity", "0.5", "--threads", "2", "-q"]) == 0
+    fields = gguf.GGUFReader(str(out)).fields
+    assert fields[F.KEY_FFN_ACTIVATION].contents() == F.ACT_SILU
+    assert len(fields[F.KEY_SPARSE_GATE_THRESHOLD].contents()) == dm.n_layer
+    assert _tensors(out)["blk.0.ffn_down_t.weight"].tensor_type == Q.Q8_0
+    with Model(str(out)) as m:
+        assert m.context.ffn_mode == "gate"
+        ctx = m.create_context(n_ctx=64, cache_type="f32")
+        for t in IDS:
+            ctx.eval([t])
+        assert 0.3 < 1 - ctx.stats()["density"] < 0.7
+
+
+def test_pwri_input_keeps_down_t_and_makes_relu_explicit(tmp_path):
+    """PowerInfer's file (PWRI magic, no activation key = ReLU, its own predictors and
+    threshold key): the output is a GGUF of ours whose activation says relu, whose
+    ffn_down_t are the input's bytes, and whose predictors are new."""
+    sparse_ours = convert(SHIPPED_DIR, tmp_path / "ours.gguf", "f16", progress=False, sparse=True,
+                          sparse_options=_opts())
+    r = gguf.GGUFReader(str(sparse_ours))
+    pwri = rewrite_gguf(sparse_ours, tmp_path / "model.powerinfer.gguf",
+                        drop=[t.name for t in r.tensors if t.name.endswith((".gpu_idx", ".gpu_bucket", ".ffn_freq"))],
+                        drop_kv=[f for f in r.fields if f.startswith("powerinfer.")],
+                        kv={F.KEY_PWRI_SPARSE_THRESHOLD: (0.0, VT.FLOAT32)})
+    with open(pwri, "r+b") as f:
+        f.write(b"PWRI")
+    out = tmp_path / "from-pwri.gguf"
+    assert main([str(pwri), "-o", str(out), "--calib", CALIB, "--calib-tokens", "800", "--threads", "2",
+                 "-q"]) == 0
+    with open(out, "rb") as f:
+        assert f.read(4) == b"GGUF"
+    fields = gguf.GGUFReader(str(out)).fields
+    assert fields[F.KEY_FFN_ACTIVATION].contents() == F.ACT_RELU
+    assert F.KEY_PWRI_SPARSE_THRESHOLD not in fields
+    src, got = _tensors(pwri), _tensors(out)
+    np.testing.assert_array_equal(np.asarray(got["blk.1.ffn_down_t.weight"].data),
+                                  np.asarray(src["blk.1.ffn_down_t.weight"].data))
+    # the layer's tensors: the input's (fc1, fc2 trained anew) plus our neuron statistics and index
+    assert {n for n in got if n.startswith("blk.0.")} == {n for n in src if n.startswith("blk.0.")} | {
+        F.sparse_tensor_name(F.T_FFN_FREQ, 0), F.sparse_tensor_name(F.T_GPU_IDX, 0)}
+    with Model(str(out)) as m:
+        assert m.info.ffn_act == "relu" and m.context.ffn_mode == "sparse"
+    np.testing.assert_array_equal(_decode(out, "dense"), _decode(pwri, "dense"))
+    np.testing.assert_allclose(_decode(out, "oracle"), _decode(out, "dense"), rtol=0, atol=1e-5)
+
+
+def test_bad_inputs_are_clear_errors(relu_q4k, tmp_path, capsys):
+    dense = str(relu_q4k["dense"])
+    assert main([dense, "--outtype", "q4_0", "--calib", CALIB]) == 1
+    assert "keeps its tensor types" in capsys.readouterr().err
+    assert main([dense, "--dense"]) == 1
+    assert "dense already" in capsys.readouterr().err
+    with pytest.raises(ConvertError, match="--calib FILE"):
+        convert_from_gguf(dense, tmp_path / "x.gguf", progress=False, sparse_options=SparseOptions())
+    with pytest.raises(ConvertError, match="input files"):
+        convert_from_gguf(dense, dense, progress=False, sparse_options=_opts())
+    # a file the runtime cannot load is refused before any work, by the runtime's reason
+    bad = rewrite_gguf(dense, tmp_path / "bad.gguf", drop=["blk.1.ffn_up.weight"])
+    with pytest.raises(ConvertError, match=r"cannot load it.*blk\.1\.ffn_up"):
+        convert_from_gguf(bad, tmp_path / "y.gguf", progress=False, sparse_options=_opts())
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(open(dense, "rb").read()[:5000])
+    assert main([str(trunc), "-o", str(tmp_path / "z.gguf"), "--calib", CALIB]) == 1
+    assert "cannot load it" in capsys.readouterr().err
+    assert not (tmp_path / "y.gguf").exists() and not (tmp_path / "z.gguf").exists()

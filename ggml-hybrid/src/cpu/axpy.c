@@ -553,53 +553,6 @@ static void matmul_t_task(void * arg, int ith, int nth) {
                 const float * ht = job->h + t * job->ldh;
                 float * yt = job->y + t * job->ldy + cs;
                 for (int64_t k = 0; k < nk; k++) {
-
-gh_status gh_op_sparse_cols(int type, const void * w, int64_t rows, int64_t cols,
-                            const float * x, const float * thr, float * y, int64_t * n_used,
-                            int n_threads) {
-    static const char fn[] = "gh_op_sparse_cols";
-    if (!axpy_for(type)) return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown type %d", fn, type);
-    if (rows <= 0 || cols <= 0 || rows > INT32_MAX) {
-        return gh_fail(GH_ERR_INVALID_ARG, "%s: bad sizes (rows %lld, cols %lld)", fn,
-                       (long long) rows, (long long) cols);
-    }
-    if (cols % gh_type_block_size(type)) {
-        return gh_fail(GH_ERR_INVALID_ARG, "%s: cols %lld is not a multiple of %s's block size "
-                       "%lld", fn, (long long) cols, gh_type_name(type),
-                       (long long) gh_type_block_size(type));
-    }
-    if (!w || !x || !y) return gh_fail(GH_ERR_INVALID_ARG, "%s: NULL buffer", fn);
-    if (n_threads < 1 || n_threads > 512) {
-        return gh_fail(GH_ERR_INVALID_ARG, "%s: n_threads %d out of range [1, 512]", fn, n_threads);
-    }
-    uint64_t wbytes;
-    if (!gh_mul_ok((uint64_t) rows, gh_row_size(type, cols), &wbytes) ||
-        wbytes > (uint64_t) PTRDIFF_MAX) {
-        return gh_fail(GH_ERR_INVALID_ARG, "%s: sizes overflow", fn);
-    }
-    int32_t * ids = malloc((size_t) rows * sizeof(int32_t));
-    float * a = malloc((size_t) rows * sizeof(float));
-    if (!ids || !a) {
-        free(ids);
-        free(a);
-        return gh_fail(GH_ERR_OOM, "%s: out of memory", fn);
-    }
-    gh_weight wt = { .type = type, .rows = rows, .cols = cols, .data = w,
-                     .row_bytes = gh_row_size(type, cols) };
-    gh_threadpool * tp;
-    bool kept;
-    if (gh_op_pool_acquire(n_threads, &tp, &kept)) {
-        free(ids);
-        free(a);
-        return GH_ERR_OOM; /* message set */
-    }
-    const int64_t n = gh_matvec_t_sparse(tp, &wt, x, thr, ids, a, y);
-    gh_op_pool_release(tp, kept);
-    if (n_used) *n_used = n;
-    free(ids);
-    free(a);
-    return GH_OK;
-}
                     const float s = ht[rows[k]];
                     if (s != 0.0f) job->axpy_f(n, s, buf + k * AXPY_SEG, yt);
                 }
@@ -705,5 +658,52 @@ gh_status gh_op_matmul_t(int type, const void * w, int64_t rows, int64_t cols, c
     if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
     gh_matmul_t(tp, &wt, h, n_tokens, rows, y, cols);
     gh_op_pool_release(tp, kept);
+    return GH_OK;
+}
+
+gh_status gh_op_sparse_cols(int type, const void * w, int64_t rows, int64_t cols,
+                            const float * x, const float * thr, float * y, int64_t * n_used,
+                            int n_threads) {
+    static const char fn[] = "gh_op_sparse_cols";
+    if (!axpy_for(type)) return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown type %d", fn, type);
+    if (rows <= 0 || cols <= 0 || rows > INT32_MAX) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: bad sizes (rows %lld, cols %lld)", fn,
+                       (long long) rows, (long long) cols);
+    }
+    if (cols % gh_type_block_size(type)) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: cols %lld is not a multiple of %s's block size "
+                       "%lld", fn, (long long) cols, gh_type_name(type),
+                       (long long) gh_type_block_size(type));
+    }
+    if (!w || !x || !y) return gh_fail(GH_ERR_INVALID_ARG, "%s: NULL buffer", fn);
+    if (n_threads < 1 || n_threads > 512) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: n_threads %d out of range [1, 512]", fn, n_threads);
+    }
+    uint64_t wbytes;
+    if (!gh_mul_ok((uint64_t) rows, gh_row_size(type, cols), &wbytes) ||
+        wbytes > (uint64_t) PTRDIFF_MAX) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: sizes overflow", fn);
+    }
+    int32_t * ids = malloc((size_t) rows * sizeof(int32_t));
+    float * a = malloc((size_t) rows * sizeof(float));
+    if (!ids || !a) {
+        free(ids);
+        free(a);
+        return gh_fail(GH_ERR_OOM, "%s: out of memory", fn);
+    }
+    gh_weight wt = { .type = type, .rows = rows, .cols = cols, .data = w,
+                     .row_bytes = gh_row_size(type, cols) };
+    gh_threadpool * tp;
+    bool kept;
+    if (gh_op_pool_acquire(n_threads, &tp, &kept)) {
+        free(ids);
+        free(a);
+        return GH_ERR_OOM; /* message set */
+    }
+    const int64_t n = gh_matvec_t_sparse(tp, &wt, x, thr, ids, a, y);
+    gh_op_pool_release(tp, kept);
+    if (n_used) *n_used = n;
+    free(ids);
+    free(a);
     return GH_OK;
 }

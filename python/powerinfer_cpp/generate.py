@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "gate (gate-magnitude thresholds; a file converted with --sparsity), "
                         "dense, oracle (exact active set; testing), auto = the file's sparse mode "
                         "(default)")
+    p.add_argument("--input-sparse", choices=["auto", "on", "off"], default="auto",
+                   help="input-sparse attention and head in the sparse/gate modes (a file converted "
+                        "with --input-sparsity): auto = on when the file has it (default)")
     p.add_argument("--device", default="cpu",
                    help="where to run: cpu (default), cuda, cuda:N (a build with nvcc), or "
                         "host-device (a simulated device in host RAM; runs the hybrid path "
@@ -88,6 +91,10 @@ def _stats_summary(st: dict, n_layer: int) -> str:
     lines.append(f"weights     = {st['bytes_per_token'] / 1e6:10.2f} MB read per token "
                  f"(attention {bt['attention'] / 1e6:.2f}, predictor {bt['predictor'] / 1e6:.2f}, "
                  f"ffn {bt['ffn'] / 1e6:.2f}, head {bt['head'] / 1e6:.2f})")
+    ins = st["input_sparse"]
+    if ins["attention_inputs"] or ins["head_inputs"]:
+        lines.append(f"inputs      = {ins['attention_density']:10.2%} of the attention's projection inputs "
+                     f"used, {ins['head_density']:.2%} of the head's")
     lines.append("stages      = " + ", ".join(
         f"{k} {t[k] / total:.0%}" for k in ("attention", "predictor", "ffn", "other")))
     dv = st["device"]
@@ -143,7 +150,8 @@ def _run(args, Model) -> int:
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
                       device=args.device, vram_budget=args.vram_budget,
                       reset_gpu_index=args.reset_gpu_index, load=args.load,
-                      cache_type=args.cache_type)
+                      cache_type=args.cache_type,
+                      input_sparse={"auto": None, "on": True, "off": False}[args.input_sparse])
         dinfo = model.device_info()
         if dinfo["note"]:
             print(f"note: {dinfo['note']}", file=sys.stderr)

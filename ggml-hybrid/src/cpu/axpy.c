@@ -271,104 +271,6 @@ AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, 
     }
 }
 
-/* K-quants, one sub-block (32 values; Q6_K: 16) at a time: value = d * sc * q - dmin * m
- * (Q6_K: d * sc * (q - 32)) with the row's scale s folded into the sub-block's two
- * floats, one FMA per 8 values, then added to y. The four-row form adds the rows' values
- * in order 0..3 per vector of y, like the scalar and one-row forms. */
-enum { AK_Q4, AK_Q5, AK_Q6 };
-
-/* Values 8u .. 8u + 7 (u < 4) of sub-block j of a Q4_K/Q5_K block, as int32 0..31. */
-AVX2_INLINE __m256i k4_vals8(const bool is_q5, const uint8_t * qs, const uint8_t * qh, int j, int u) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 32 * (j / 2) + 8 * u)));
-    __m256i v = _mm256_and_si256(_mm256_srli_epi32(b, 4 * (j & 1)), _mm256_set1_epi32(0x0f));
-    if (is_q5) {
-        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qh + 8 * u)));
-        v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, j), _mm256_set1_epi32(1)), 4));
-    }
-    return v;
-}
-
-/* Values 8u .. 8u + 7 (u < 2) of sub-block j < 16 of a Q6_K block, as int32 q - 32. */
-AVX2_INLINE __m256i k6_vals8(const block_q6_K * b, int j, int u) {
-    const int v0 = 16 * j + 8 * u, h = v0 / 128, g = (v0 % 128) / 32, l = v0 % 32;
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (b->ql + 64 * h + l + 32 * (g & 1))));
-    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (b->qh + 32 * h + l)));
-    const __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lo, 4 * (g >> 1)), _mm256_set1_epi32(0x0f)),
-                                      _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 2 * g), _mm256_set1_epi32(3)), 4));
-    return _mm256_sub_epi32(q, _mm256_set1_epi32(32));
-}
-
-/* Sub-block j of block b (of kind) times s: values 8u.. as floats, for u < 4 (Q6_K: 2). */
-AVX2_INLINE void k_sub_vals(const int kind, const uint8_t * b, int j, float s, __m256 out[4]) {
-    if (kind == AK_Q6) {
-        const block_q6_K * q = (const block_q6_K *) b;
-        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(q->d) * (float) q->scales[j]);
-        for (int u = 0; u < 2; u++) out[u] = _mm256_mul_ps(ds, _mm256_cvtepi32_ps(k6_vals8(q, j, u)));
-        return;
-    }
-    const bool is_q5 = kind == AK_Q5;
-    uint16_t dh, dmh;
-    memcpy(&dh, b, 2);
-    memcpy(&dmh, b + 2, 2);
-    uint8_t sc, m;
-    gh_k4_scale_min(b + 4, j, &sc, &m);
-    const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(dh) * (float) sc);
-    const __m256 nm = _mm256_set1_ps(-s * _cvtsh_ss(dmh) * (float) m);
-    const uint8_t * qh = b + 4 + K_SCALE_SIZE;
-    const uint8_t * qs = qh + (is_q5 ? QK_K / 8 : 0);
-    for (int u = 0; u < 4; u++) out[u] = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(k4_vals8(is_q5, qs, qh, j, u)), nm);
-}
-
-AVX2_INLINE size_t k_block_bytes(const int kind) {
-    return kind == AK_Q4 ? sizeof(block_q4_K) : kind == AK_Q5 ? sizeof(block_q5_K) : sizeof(block_q6_K);
-}
-
-AVX2_INLINE void axpy_k_avx2(const int kind, int64_t n, float s, const void * row, float * restrict y) {
-    const size_t bs = k_block_bytes(kind);
-    const int nsub = kind == AK_Q6 ? 16 : 8, sub = QK_K / nsub;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        const uint8_t * b = (const uint8_t *) row + i * bs;
-        for (int j = 0; j < nsub; j++, y += sub) {
-            __m256 v[4];
-            k_sub_vals(kind, b, j, s, v);
-            for (int u = 0; u < sub / 8; u++) _mm256_storeu_ps(y + 8 * u, _mm256_add_ps(_mm256_loadu_ps(y + 8 * u), v[u]));
-        }
-    }
-}
-
-AVX2_INLINE void axpy4_k_avx2(const int kind, int64_t n, const float * s, const void * const * row,
-                              const void * const * pf, float * restrict y) {
-    const size_t bs = k_block_bytes(kind);
-    const int nsub = kind == AK_Q6 ? 16 : 8, sub = QK_K / nsub;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        if (pf) {
-            for (int k = 0; k < 4; k++)
-                for (size_t o = 0; o < bs + 63; o += 64)
-                    _mm_prefetch((const char *) pf[k] + i * bs + GH_MIN(o, bs - 1), _MM_HINT_T1);
-        }
-        for (int j = 0; j < nsub; j++, y += sub) {
-            __m256 acc[4];
-            for (int u = 0; u < sub / 8; u++) acc[u] = _mm256_loadu_ps(y + 8 * u);
-            for (int k = 0; k < 4; k++) {
-                __m256 v[4];
-                k_sub_vals(kind, (const uint8_t *) row[k] + i * bs, j, s[k], v);
-                for (int u = 0; u < sub / 8; u++) acc[u] = _mm256_add_ps(acc[u], v[u]);
-            }
-            for (int u = 0; u < sub / 8; u++) _mm256_storeu_ps(y + 8 * u, acc[u]);
-        }
-    }
-}
-
-AVX2_FN static void axpy_q4_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_k_avx2(AK_Q4, n, s, row, y);
-}
-AVX2_FN static void axpy_q5_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_k_avx2(AK_Q5, n, s, row, y);
-}
-AVX2_FN static void axpy_q6_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_k_avx2(AK_Q6, n, s, row, y);
-}
-
 #define DEFINE_AXPY4_AVX2(name, BODY, ARG)                                                   \
     AVX2_FN static void name(int64_t n, const float * s, const void * const * row,         \
                              float * restrict y) {                                         \
@@ -384,9 +286,6 @@ DEFINE_AXPY4_AVX2(axpy4_f16_avx2, axpy4_float_avx2, GH_TYPE_F16)
 DEFINE_AXPY4_AVX2(axpy4_bf16_avx2, axpy4_float_avx2, GH_TYPE_BF16)
 DEFINE_AXPY4_AVX2(axpy4_q8_0_avx2, axpy4_quant_avx2, false)
 DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, true)
-DEFINE_AXPY4_AVX2(axpy4_q4_K_avx2, axpy4_k_avx2, AK_Q4)
-DEFINE_AXPY4_AVX2(axpy4_q5_K_avx2, axpy4_k_avx2, AK_Q5)
-DEFINE_AXPY4_AVX2(axpy4_q6_K_avx2, axpy4_k_avx2, AK_Q6)
 
 static gh_axpy4pf_fn axpy4pf_avx2(int type) {
     switch (type) {
@@ -395,10 +294,7 @@ static gh_axpy4pf_fn axpy4pf_avx2(int type) {
         case GH_TYPE_BF16: return axpy4_bf16_avx2pf;
         case GH_TYPE_Q8_0: return axpy4_q8_0_avx2pf;
         case GH_TYPE_Q4_0: return axpy4_q4_0_avx2pf;
-        case GH_TYPE_Q4_K: return axpy4_q4_K_avx2pf;
-        case GH_TYPE_Q5_K: return axpy4_q5_K_avx2pf;
-        case GH_TYPE_Q6_K: return axpy4_q6_K_avx2pf;
-        default:           return NULL;
+        default:           return gh_axpy4pf_kq_avx2(type);
     }
 }
 #endif
@@ -414,10 +310,7 @@ static axpy4_fn axpy4_for(int type) {
             case GH_TYPE_BF16: return axpy4_bf16_avx2;
             case GH_TYPE_Q8_0: return axpy4_q8_0_avx2;
             case GH_TYPE_Q4_0: return axpy4_q4_0_avx2;
-            case GH_TYPE_Q4_K: return axpy4_q4_K_avx2;
-            case GH_TYPE_Q5_K: return axpy4_q5_K_avx2;
-            case GH_TYPE_Q6_K: return axpy4_q6_K_avx2;
-            default:           break;
+            default:           return gh_axpy4_kq_avx2(type);
         }
     }
 #endif
@@ -435,9 +328,9 @@ static axpy_fn axpy_for(int type) {
             case GH_TYPE_BF16: return axpy_bf16_avx2;
             case GH_TYPE_Q8_0: return axpy_q8_0_avx2;
             case GH_TYPE_Q4_0: return axpy_q4_0_avx2;
-            case GH_TYPE_Q4_K: return axpy_q4_K_avx2;
-            case GH_TYPE_Q5_K: return axpy_q5_K_avx2;
-            case GH_TYPE_Q6_K: return axpy_q6_K_avx2;
+            case GH_TYPE_Q4_K:
+            case GH_TYPE_Q5_K:
+            case GH_TYPE_Q6_K: return gh_axpy_kq_avx2(type);
             default:           break;
         }
     }

@@ -11,6 +11,8 @@
 
 #include "types/types.h"
 
+#include <string.h>
+
 /* Internal activation type for Q4_0 and Q8_0 weights (never in files; gh_type_valid
  * says no, gh_type_traits_get returns NULL for it; gh_row_size knows its size).
  * A row is quantized like Q8_0 (per 32 values: d = amax / 127, q = round(x / d)), then
@@ -73,6 +75,20 @@ bool gh_kernels_avx512(int type, gh_kernel_set * ks);
 /* Detect the CPU once (thread-safe) and select the kernels; called by every entry
  * point that uses the kernel table. */
 void gh_simd_ensure_init(void);
+
+/* The eight 6-bit scales and mins of a Q4_K/Q5_K block (gh_k4_scale_min for j = 0..7)
+ * at once, as bytes: sub-block j's scale is byte j of sm[0..2), its min byte j of sm[2..4)
+ * (little-endian words of the 12 scale bytes: the low 6 bits of bytes 0..3 / 4..7 are
+ * sub-blocks 0..3's scales / mins, bytes 8..11 the low nibbles of 4..7's, whose top two
+ * bits sit in the top bits of bytes 0..3 / 4..7). */
+static inline void gh_k4_scales_mins(const uint8_t * q, uint32_t sm[4]) {
+    uint32_t w[3];
+    memcpy(w, q, sizeof(w));
+    sm[0] = w[0] & 0x3f3f3f3fu;
+    sm[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    sm[2] = w[1] & 0x3f3f3f3fu;
+    sm[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+}
 
 /* Scalar helpers shared by the kernel files. */
 void gh_quantize_row_q8_x4_ref(const float * x, void * y, int64_t n);

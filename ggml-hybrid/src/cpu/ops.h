@@ -62,6 +62,11 @@ gh_axpy4_fn gh_axpy4_avx512(int type);
 typedef void (*gh_axpy4pf_fn)(int64_t n, const float * s, const void * const * row,
                               const void * const * pf, float * y);
 gh_axpy4pf_fn gh_axpy4pf_avx512(int type);
+/* The K-quants' AVX2 axpy kernels (avx2/axpy_avx2.c), the same three forms; NULL for
+ * the other types (axpy.c has theirs). */
+gh_axpy_fn gh_axpy_kq_avx2(int type);
+gh_axpy4_fn gh_axpy4_kq_avx2(int type);
+gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type);
 
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 /* b may be NULL (no bias). */

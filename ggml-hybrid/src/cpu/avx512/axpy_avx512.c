@@ -1,14 +1,17 @@
 /* AVX-512 axpy kernels of the transposed matmul (axpy.c picks them when the SIMD level is
- * AVX-512): y[0..n) += s * row, and the four-row form y += s0*r0 + s1*r1 + s2*r2 + s3*r3
- * (one load and store of y per four rows). Rows start at a block boundary; n is a
- * multiple of the block size (quantized types) or any length (float types: masked tail).
- * The four-row forms add the rows in order 0, 1, 2, 3 into y, like the AVX2 and scalar
- * kernels, so the SIMD levels agree up to FMA rounding. */
+ * AVX-512; every weight type, K-quants included): y[0..n) += s * row, and the four-row
+ * form y += s0*r0 + s1*r1 + s2*r2 + s3*r3 (one load and store of y per four rows). Rows
+ * start at a block boundary; n is a multiple of the block size (quantized types) or any
+ * length (float types: masked tail). The four-row forms add the rows in order 0, 1, 2, 3
+ * into y (the K-quants add the four rows' mins first, see below), like the AVX2 and
+ * scalar kernels, so the SIMD levels agree up to rounding. */
 #include "cpu/ops.h"
 #include "types/types.h"
 
 #if defined(GH_X86)
 #include <immintrin.h>
+
+#include "cpu/avx2/kq_unpack.h"
 
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
@@ -188,6 +191,93 @@ DEFINE_AXPY_QUANT_PF(axpy_q8_0_avx512, block_q8_0, q8_0_vals)
 DEFINE_AXPY_QUANT(axpy_q8_0_avx512, block_q8_0, q8_0_vals)
 DEFINE_AXPY_QUANT(axpy_q4_0_avx512, block_q4_0, q4_0_vals)
 
+/* ---- K-quants: as avx2/axpy_avx2.c (the block taken apart once by kq_unpack.h; one row:
+ * y + (f q + g); four rows: y + the rows' g, then f_k q_k for k = 0..3), 16 values per
+ * vector: one widening load, one conversion and one FMA each. */
+
+AVX512_FN static inline __m512 ld16q(const uint8_t * q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) q)));
+}
+
+AVX512_FN static inline __attribute__((always_inline)) void
+axpy_kq(const int kind, int64_t n, float s, const void * row, float * restrict y) {
+    const size_t bs = kq_bytes(kind);
+    const int sub = kq_sub_len(kind);
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        const uint8_t * b = (const uint8_t *) row + i * bs;
+        uint8_t q[QK_K];
+        float f[16], g[16];
+        kq_factors(kind, b, s, f, g);
+        kq_unpack(kind, b, q);
+        for (int j = 0; j < QK_K / sub; j++) {
+            const __m512 fj = _mm512_set1_ps(f[j]), gj = _mm512_set1_ps(g[j]);
+            for (int p = sub * j; p < sub * (j + 1); p += 16) {
+                _mm512_storeu_ps(y + p, _mm512_add_ps(_mm512_loadu_ps(y + p), _mm512_fmadd_ps(fj, ld16q(q + p), gj)));
+            }
+        }
+    }
+}
+
+AVX512_FN static inline __attribute__((always_inline)) void
+axpy4_kq(const int kind, int64_t n, const float * s, const void * const * row, const void * const * pf,
+         float * restrict y) {
+    const size_t bs = kq_bytes(kind);
+    const int sub = kq_sub_len(kind), nsub = QK_K / sub;
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        if (pf) {
+            for (int r = 0; r < 4; r++)
+                for (size_t o = 0; o < bs + 63; o += 64)
+                    _mm_prefetch((const char *) pf[r] + i * bs + GH_MIN(o, bs - 1), _MM_HINT_T1);
+        }
+        uint8_t q[4][QK_K];
+        float f[4][16], g[4][16], gs[16];
+        for (int r = 0; r < 4; r++) {
+            const uint8_t * b = (const uint8_t *) row[r] + i * bs;
+            kq_factors(kind, b, s[r], f[r], g[r]);
+            kq_unpack(kind, b, q[r]);
+        }
+        if (kind == KQ6) {
+            const __m512 g01 = _mm512_add_ps(_mm512_loadu_ps(g[0]), _mm512_loadu_ps(g[1]));
+            const __m512 g23 = _mm512_add_ps(_mm512_loadu_ps(g[2]), _mm512_loadu_ps(g[3]));
+            _mm512_storeu_ps(gs, _mm512_add_ps(g01, g23));
+        } else {
+            const __m256 g01 = _mm256_add_ps(_mm256_loadu_ps(g[0]), _mm256_loadu_ps(g[1]));
+            const __m256 g23 = _mm256_add_ps(_mm256_loadu_ps(g[2]), _mm256_loadu_ps(g[3]));
+            _mm256_storeu_ps(gs, _mm256_add_ps(g01, g23));
+        }
+        for (int j = 0; j < nsub; j++) {
+            const __m512 f0 = _mm512_set1_ps(f[0][j]), f1 = _mm512_set1_ps(f[1][j]);
+            const __m512 f2 = _mm512_set1_ps(f[2][j]), f3 = _mm512_set1_ps(f[3][j]);
+            const __m512 gj = _mm512_set1_ps(gs[j]);
+            for (int p = sub * j; p < sub * (j + 1); p += 16) {
+                __m512 acc = _mm512_add_ps(_mm512_loadu_ps(y + p), gj);
+                acc = _mm512_fmadd_ps(f0, ld16q(q[0] + p), acc);
+                acc = _mm512_fmadd_ps(f1, ld16q(q[1] + p), acc);
+                acc = _mm512_fmadd_ps(f2, ld16q(q[2] + p), acc);
+                acc = _mm512_fmadd_ps(f3, ld16q(q[3] + p), acc);
+                _mm512_storeu_ps(y + p, acc);
+            }
+        }
+    }
+}
+
+#define DEFINE_AXPY_KQ(name, kind)                                                           \
+    AVX512_FN static void name(int64_t n, float s, const void * row, float * restrict y) {   \
+        axpy_kq(kind, n, s, row, y);                                                         \
+    }                                                                                        \
+    AVX512_FN static void name##_4(int64_t n, const float * s, const void * const * row,    \
+                                   float * restrict y) {                                     \
+        axpy4_kq(kind, n, s, row, NULL, y);                                                  \
+    }                                                                                        \
+    AVX512_FN static void name##_4pf(int64_t n, const float * s, const void * const * row,  \
+                                     const void * const * pf, float * restrict y) {          \
+        axpy4_kq(kind, n, s, row, pf, y);                                                    \
+    }
+
+DEFINE_AXPY_KQ(axpy_q4_K_avx512, KQ4)
+DEFINE_AXPY_KQ(axpy_q5_K_avx512, KQ5)
+DEFINE_AXPY_KQ(axpy_q6_K_avx512, KQ6)
+
 gh_axpy_fn gh_axpy_avx512(int type) {
     switch (type) {
         case GH_TYPE_F32:  return axpy_f32_avx512;
@@ -195,6 +285,9 @@ gh_axpy_fn gh_axpy_avx512(int type) {
         case GH_TYPE_BF16: return axpy_bf16_avx512;
         case GH_TYPE_Q8_0: return axpy_q8_0_avx512;
         case GH_TYPE_Q4_0: return axpy_q4_0_avx512;
+        case GH_TYPE_Q4_K: return axpy_q4_K_avx512;
+        case GH_TYPE_Q5_K: return axpy_q5_K_avx512;
+        case GH_TYPE_Q6_K: return axpy_q6_K_avx512;
         default:           return NULL;
     }
 }
@@ -206,6 +299,9 @@ gh_axpy4_fn gh_axpy4_avx512(int type) {
         case GH_TYPE_BF16: return axpy_bf16_avx512_4;
         case GH_TYPE_Q8_0: return axpy_q8_0_avx512_4;
         case GH_TYPE_Q4_0: return axpy_q4_0_avx512_4;
+        case GH_TYPE_Q4_K: return axpy_q4_K_avx512_4;
+        case GH_TYPE_Q5_K: return axpy_q5_K_avx512_4;
+        case GH_TYPE_Q6_K: return axpy_q6_K_avx512_4;
         default:           return NULL;
     }
 }
@@ -217,6 +313,9 @@ gh_axpy4pf_fn gh_axpy4pf_avx512(int type) {
         case GH_TYPE_BF16: return axpy_bf16_avx512_4pf;
         case GH_TYPE_Q8_0: return axpy_q8_0_avx512_4pf;
         case GH_TYPE_Q4_0: return axpy_q4_0_avx512_4pf;
+        case GH_TYPE_Q4_K: return axpy_q4_K_avx512_4pf;
+        case GH_TYPE_Q5_K: return axpy_q5_K_avx512_4pf;
+        case GH_TYPE_Q6_K: return axpy_q6_K_avx512_4pf;
         default:           return NULL;
     }
 }

@@ -165,20 +165,26 @@ def test_shipped_model_each_outtype(tmp_path, shipped_reference, outtype, bound,
     assert agree >= top1, f"{outtype}: top-1 agreement {agree:.3f} < {top1}"
 
 
-def test_shipped_model_sparse_q4_k(tmp_path, shipped_reference):
-    """The sparse pipeline in q4_k: predictors (Q8_0) and ffn_down_t (Q4_K) written, the
-    oracle FFN equals the dense one of the same file, and the sparse FFN stays close to
-    transformers. Measured: sparse nrmse 1.08e-2, top-1 0.979 (dense q4_k: 1.05e-2 / 0.979)."""
+@pytest.mark.parametrize("outtype", ["q4_k", "q4_k_m"])
+def test_shipped_model_sparse_q4_k(tmp_path, shipped_reference, outtype):
+    """The sparse pipeline in q4_k: predictors (Q8_0) and ffn_down_t (Q4_K; in q4_k_m the
+    layer's ffn_down type, Q6_K in the use_more_bits layers 2 and 3) written, the oracle FFN
+    equals the dense one of the same file, and the sparse FFN stays close to transformers.
+    Measured: sparse nrmse 1.08e-2, top-1 0.979 (dense q4_k: 1.05e-2 / 0.979); q4_k_m
+    1.07e-2 / 0.979."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFReader
 
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     hf_dir, _, ids, want = shipped_reference
-    out = convert(hf_dir, tmp_path / "sparse-q4_k.gguf", outtype="q4_k", progress=False, sparse=True,
+    out = convert(hf_dir, tmp_path / f"sparse-{outtype}.gguf", outtype=outtype, progress=False, sparse=True,
                   sparse_options=SparseOptions(calib_tokens=4096))
     types = {t.name: t.tensor_type for t in GGUFReader(out).tensors}
-    assert types["blk.0.ffn_down_t.weight"] == Q.Q4_K and types["blk.0.ffn_gate.weight"] == Q.Q4_K
+    high = (2, 3) if outtype == "q4_k_m" else ()
+    for il in range(4):
+        assert types[f"blk.{il}.ffn_down_t.weight"] == (Q.Q6_K if il in high else Q.Q4_K), il
+    assert types["blk.0.ffn_gate.weight"] == Q.Q4_K
     assert types["blk.0.fc1.weight"] == Q.Q8_0 and types["token_embd.weight"] == Q.Q6_K
     got = {}
     with Model(out, n_ctx=128, n_threads=2, cache_type="f32") as model:
@@ -188,7 +194,7 @@ def test_shipped_model_sparse_q4_k(tmp_path, shipped_reference):
     np.testing.assert_allclose(got["oracle"], got["dense"], rtol=0, atol=1e-4 * np.abs(got["dense"]).max())
     nrmse = np.sqrt(((got["sparse"] - want) ** 2).mean() / (want ** 2).mean())
     agree = (got["sparse"].argmax(1) == want.argmax(1)).mean()
-    print(f"sparse q4_k: nrmse {nrmse:.3g} top-1 {agree:.3f}")
+    print(f"sparse {outtype}: nrmse {nrmse:.3g} top-1 {agree:.3f}")
     assert nrmse < 4e-2 and agree >= 0.9, (nrmse, agree)
 
 

@@ -140,7 +140,10 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
                     arch=params.arch, kv=kv, jobs=jobs, outtype=outtype, n_layer=params.n_layer,
                     n_embd=params.n_embd, n_ff=params.n_ff, n_embd_kv=params.n_head_kv * params.head_dim,
                     n_ctx=params.n_ctx, activation=params.activation, gated=params.gated, hf_dir=hf_dir,
-                    act_threshold=params.act_threshold)
+                    act_threshold=params.act_threshold,
+                    # ffn_down_t follows its layer's ffn_down rule (the _m mixes vary it), for rows of d
+                    down_types=[storage_type(F.T_FFN_DOWN, (params.n_ff, params.n_embd), outtype, il,
+                                             quant_mix(params))[0] for il in range(params.n_layer)])
                 path, rep = convert_sparse(dense, out_path, sparse_options or SparseOptions(), progress)
                 if report is not None:
                     report.append(rep)

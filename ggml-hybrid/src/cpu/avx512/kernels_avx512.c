@@ -21,9 +21,10 @@
  * tile GH_PF_TILES ahead into L2, as one linear stream: a tile's rows are four short
  * streams (1-11 KB) that the hardware prefetcher picks up late.
  *
- * F16 decode with short rows (f16_row) is the exception: it reads a tile's rows one
- * after the other, without software prefetch, so the weights are one linear stream that
- * the hardware prefetcher follows across rows (AMD Zen 4, 1 thread, 2048 columns: 26-31
+ * F16 decode with short rows (f16_row; AMD only, see f16_rows_streamed) is the exception:
+ * it reads a tile's rows one after the other, without software prefetch, so the weights
+ * are one linear stream that the hardware prefetcher follows across rows (AMD Zen 4, 1
+ * thread, 2048 columns: 26-31
  * GB/s against 24-25 for the interleaved tile; the 22-layer bench model decodes ~12%
  * faster). It needs x and the row being read to stay in L1; with longer rows the f32 x
  * is evicted by the weight stream every row and the interleaved tile is faster (2048 x
@@ -582,16 +583,29 @@ DEFINE_GEMM(gemm_q4_0, 4, 4, tile_q, true,)
 
 DEFINE_DOT(vec_dot_f32, gemm_f32)
 DEFINE_DOT(vec_dot_f16, gemm_f16)
+DEFINE_DOT(vec_dot_f16_tiles, gemm_f16_tiles)
 DEFINE_DOT(vec_dot_bf16, gemm_bf16)
 DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
 DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
 static bool gh_kernels_avx512_k(int type, gh_kernel_set * ks);
 
+/* Whether F16 decode reads short rows one after another (f16_row): measured faster on AMD
+ * Zen 4 (26-31 against 24-25 GB/s) but 1.5-2.5x slower than the interleaved tile on the
+ * Intel Xeon of docs/BENCHMARKS.md's AVX-512 runs (its prefetcher does not follow the row
+ * stream), so only AMD parts take it. Both sum each row in the same order: same values. */
+static bool f16_rows_streamed(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+}
+
 bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
     switch (type) {
         case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32 }; return true;
-        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6, 4, dot4_f16 }; return true;
+        case GH_TYPE_F16:
+            *ks = f16_rows_streamed() ? (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6, 4, dot4_f16 }
+                                      : (gh_kernel_set) { vec_dot_f16_tiles, NULL, gemm_f16_tiles, 4, 6, 4, dot4_f16 };
+            return true;
         case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, NULL }; return true;
         case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0 }; return true;
         case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0 }; return true;

@@ -30,7 +30,7 @@ def test_every_architecture_transposed_layout(variant, tmp_path):
     hf = make_hf_model(variant, tmp_path / "hf", seed=3)
     path = convert(hf, tmp_path / "in.gguf", "f32", progress=False, sparse=True,
                    sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=256, profile_ctx=64,
-                                                input_sparsity=0.5, input_tokens=64, n_threads=2,
+                                                input_sparsity=0.5, input_tokens=64, n_threads=1,
                                                 **ARCH_VARIANTS[variant]))
     r = gguf.GGUFReader(path, "r+")
     for t in r.tensors:
@@ -64,7 +64,7 @@ def test_every_weight_type(outtype, tmp_path):
     hf = make_hf_model("llama", tmp_path / "hf", seed=4, d=256, n_ff=512)
     path = convert(hf, tmp_path / "in.gguf", outtype, progress=False, sparse=True,
                    sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=256, profile_ctx=64,
-                                                sparsity=0.0, input_sparsity=0.5, input_tokens=64, n_threads=2))
+                                                sparsity=0.0, input_sparsity=0.5, input_tokens=64, n_threads=1))
     want_w, want_head, bound = OUTTYPES[outtype]
     r = gguf.GGUFReader(path, "r+")
     types = {t.name: t.tensor_type.name for t in r.tensors}

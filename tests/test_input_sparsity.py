@@ -269,3 +269,27 @@ def test_host_device_stays_correct(files):
         st = ctx.stats()
     np.testing.assert_allclose(dev, cpu, rtol=1e-5, atol=1e-5)
     assert st["input_sparse"]["attention_inputs"] == 0 and st["input_sparse"]["head_inputs"] == 0
+
+
+def test_bad_thresholds_are_refused(files, tmp_path):
+    from gguf_rewrite import rewrite_gguf
+    bad = tmp_path / "negative.gguf"
+    name = F.input_sparse_tensor_name(F.T_ATTN_OUTPUT_IN_THR, 2)
+    rewrite_gguf(files["path"], bad, tensors={name: lambda a: np.where(np.arange(a.size) == 7, -1.0, a)})
+    with pytest.raises(NativeError, match=r"blk\.2\.attn_output_in_thr': entry 7 is -1"):
+        Model(bad, n_ctx=16)
+
+
+def test_cli(tmp_path):
+    from powerinfer_cpp.convert import main
+    base = [str(SHIPPED_SWIGLU_DIR), "-q", "--threads", "1", "--calib-tokens", "512", "--sparsity", "0.5"]
+    assert main(base + ["-o", str(tmp_path / "a.gguf"), "--input-criterion", "wina"]) == 1
+    assert main(base + ["-o", str(tmp_path / "a.gguf"), "--input-sparsity", "1.5"]) == 1
+    assert not (tmp_path / "a.gguf").exists()
+    out = tmp_path / "m.gguf"
+    assert main(base + ["-o", str(out), "--input-sparsity", "0.3", "--input-criterion", "magnitude"]) == 0
+    r = gguf.GGUFReader(out)
+    assert str(bytes(r.fields[F.KEY_INPUT_CRITERION].parts[-1]), "utf-8") == "magnitude"
+    assert abs(float(r.fields[F.KEY_INPUT_SPARSITY].parts[-1][0]) - 0.3) < 1e-6
+    thr = {t.name: np.asarray(t.data) for t in r.tensors if t.name.endswith("_in_thr")}
+    assert len(thr) == 2 * 4 + 1 and all(np.all(v == v[0]) for v in thr.values())  # one value per site

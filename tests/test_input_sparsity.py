@@ -293,3 +293,5 @@ def test_cli(tmp_path):
     assert abs(float(r.fields[F.KEY_INPUT_SPARSITY].parts[-1][0]) - 0.3) < 1e-6
     thr = {t.name: np.asarray(t.data) for t in r.tensors if t.name.endswith("_in_thr")}
     assert len(thr) == 2 * 4 + 1 and all(np.all(v == v[0]) for v in thr.values())  # one value per site
+    from powerinfer_cpp.inspect import describe
+    assert "input sparsity: attention q/k/v, o and head, criterion magnitude, target 0.3" in describe(out)

@@ -107,6 +107,12 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
                        f"served activation mass {float(fields.get(F.KEY_GPU_SERVED_SHARE, 0)):.1%}")
     by_name = {t.name: t for t in r.tensors}
     n_layer = int(ak(F.KEY_BLOCK_COUNT) or 0)
+    if F.KEY_INPUT_CRITERION in fields:
+        copies = sum(int(t.n_bytes) for t in r.tensors if F.parse_tensor_name(t.name)[0] in
+                     (F.T_ATTN_QKV_T, F.T_ATTN_OUTPUT_T, F.T_OUTPUT_T))
+        out.append(f"input sparsity: attention q/k/v, o and head, criterion {fields[F.KEY_INPUT_CRITERION]}, "
+                   f"target {float(fields.get(F.KEY_INPUT_SPARSITY, 'nan')):.3g}; transposed copies "
+                   f"{format_size(copies)}")
     if sparse and n_layer:
         out.append("layer  predictor h  pred bytes  pred/FFN  types(fc1,fc2)  mean freq  GPU neurons")
         for l in range(n_layer):

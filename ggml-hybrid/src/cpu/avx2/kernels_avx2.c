@@ -506,28 +506,25 @@ bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
 #define KNT 4
 #define K_PF_BYTES 1024 /* software prefetch distance along the row stream */
 
-/* The 6-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block. */
+/* The 6-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block, in the
+ * vector unit: with a, b, c the words of the 12 scale bytes, [a & 3f.., (c & 0f..) |
+ * ((a >> 2) & 30..), b & 3f.., ((c >> 4) & 0f..) | ((b >> 2) & 30..)] (gh_k4_scale_min's
+ * rule). The load reads four bytes past the scales, inside the block. */
 GH_INLINE __m128i k4_scales_mins(const uint8_t * q) {
-    uint32_t a, b, c;
-    memcpy(&a, q, 4);
-    memcpy(&b, q + 4, 4);
-    memcpy(&c, q + 8, 4);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
-    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    return _mm_setr_epi32((int) sc_lo, (int) sc_hi, (int) m_lo, (int) m_hi);
+    const __m128i v = _mm_loadu_si128((const __m128i *) q);
+    const __m128i t1 = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* a, c, b, c */
+    const __m128i t2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)); /* a, a, b, b */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(t1, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(t2, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
 }
 
-/* sum_j m[j] * (bsums[2j] + bsums[2j + 1]) for the mins m (bytes 8..15 of sm). */
-GH_INLINE int k4_min_dot(__m128i sm, const block_q8_K * y) {
-    const __m128i b0 = _mm_loadu_si128((const __m128i *) y->bsums);
-    const __m128i b1 = _mm_loadu_si128((const __m128i *) (y->bsums + 8));
-    const __m128i pairs = _mm_hadd_epi16(b0, b1);
-    const __m128i m16 = _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8));
-    __m128i s = _mm_madd_epi16(pairs, m16);
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+/* The mins (bytes 8..15 of sm) as 16 words, min j in words 2j and 2j + 1: one madd with a
+ * token's 16 bsums gives the 8 sums min_j * (bsums[2j] + bsums[2j + 1]). */
+GH_INLINE __m256i k4_mins16(__m128i sm) {
+    const __m128i m = _mm_srli_si128(sm, 8);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
 }
 
 /* The 256 weights of a block as 8 vectors of 32 unsigned bytes, vector j = sub-block j
@@ -540,12 +537,12 @@ GH_INLINE void k4_unpack(const bool is_q5, const uint8_t * qs, const uint8_t * q
         const __m256i q = _mm256_loadu_si256((const __m256i *) (qs + 32 * c));
         v[2 * c] = _mm256_and_si256(q, m4);
         v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (is_q5) {
-            const __m256i b0 = _mm256_set1_epi8((char) (1 << (2 * c)));
-            const __m256i b1 = _mm256_set1_epi8((char) (1 << (2 * c + 1)));
+        if (is_q5) { /* bit j of qh to bit 4 (16-bit shifts: what crosses bytes is masked off) */
             const __m256i s16 = _mm256_set1_epi8(16);
-            v[2 * c] = _mm256_or_si256(v[2 * c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b0), b0), s16));
-            v[2 * c + 1] = _mm256_or_si256(v[2 * c + 1], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, b1), b1), s16));
+            const __m256i h0 = c < 2 ? _mm256_slli_epi16(hb, 4 - 2 * c) : _mm256_srli_epi16(hb, 2 * c - 4);
+            const __m256i h1 = c < 2 ? _mm256_slli_epi16(hb, 3 - 2 * c) : _mm256_srli_epi16(hb, 2 * c - 3);
+            v[2 * c] = _mm256_or_si256(v[2 * c], _mm256_and_si256(h0, s16));
+            v[2 * c + 1] = _mm256_or_si256(v[2 * c + 1], _mm256_and_si256(h1, s16));
         }
     }
 }
@@ -555,12 +552,8 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
                       const char * x, size_t xs, float * y, int64_t ldy) {
     const size_t bs = is_q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
     __m256 acc[KNT];
-    float macc[KNT];
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) {
-        acc[t] = _mm256_setzero_ps();
-        macc[t] = 0.0f;
-    }
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / QK_K; i++) {
         const uint8_t * b = w + i * bs;
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
@@ -571,6 +564,7 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
         memcpy(&dmh, b + 2, 2);
         const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(dmh);
         const __m128i sm = k4_scales_mins(b + 4);
+        const __m256i m16 = k4_mins16(sm);
         __m256i v[8];
         k4_unpack(is_q5, b + 4 + K_SCALE_SIZE + (is_q5 ? QK_K / 8 : 0), b + 4 + K_SCALE_SIZE, v);
         /* scale j into every word: one byte shuffle each (a broadcast would take three) */
@@ -587,12 +581,14 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
                 const __m256i a = _mm256_loadu_si256((const __m256i *) (yb->qs + 32 * j));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v[j], a), sc[j]));
             }
+            /* the mins in the same vector: - dmin * sum_j m_j * (the sub-block's activation sum) */
+            const __m256i ms = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), m16);
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb->d), _mm256_cvtepi32_ps(s), acc[t]);
-            macc[t] += dmin * yb->d * (float) k4_min_dot(sm, yb);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * yb->d), _mm256_cvtepi32_ps(ms), acc[t]);
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]) - macc[t];
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
 }
 
 /* One Q6_K row against NT tokens. */

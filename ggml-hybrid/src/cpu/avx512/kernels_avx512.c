@@ -624,24 +624,22 @@ bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
 #define KNT 4
 #define K_PF_BYTES 1024
 
+/* Scales (bytes 0..7) and mins (8..15), decoded in the vector unit as avx2/kernels_avx2.c
+ * does (the load reads four bytes past the scales, inside the block). */
 GH_INLINE __m128i k4_scales_mins(const uint8_t * q) {
-    uint32_t a, b, c;
-    memcpy(&a, q, 4);
-    memcpy(&b, q + 4, 4);
-    memcpy(&c, q + 8, 4);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
-    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    return _mm_setr_epi32((int) sc_lo, (int) sc_hi, (int) m_lo, (int) m_hi);
+    const __m128i v = _mm_loadu_si128((const __m128i *) q);
+    const __m128i t1 = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* a, c, b, c */
+    const __m128i t2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)); /* a, a, b, b */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(t1, _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(t2, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(lo, hi);
 }
 
-GH_INLINE int k4_min_dot(__m128i sm, const block_q8_K * y) {
-    const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) y->bsums),
-                                         _mm_loadu_si128((const __m128i *) (y->bsums + 8)));
-    __m128i s = _mm_madd_epi16(pairs, _mm_cvtepu8_epi16(_mm_srli_si128(sm, 8)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+/* The mins as 16 words, min j in words 2j and 2j + 1 (one madd with a token's bsums). */
+GH_INLINE __m256i k4_mins16(__m128i sm) {
+    const __m128i m = _mm_srli_si128(sm, 8);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
 }
 
 /* word w of register c: sub-block 2c + w / 16 (Q4_K, Q5_K); 4c + w / 8 (Q6_K) */
@@ -661,11 +659,11 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
                       const char * x, size_t xs, float * y, int64_t ldy) {
     const size_t bs = is_q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
     __m512 acc[KNT];
-    float macc[KNT];
+    __m256 macc[KNT];
 #pragma GCC unroll 4
     for (int t = 0; t < NT; t++) {
         acc[t] = _mm512_setzero_ps();
-        macc[t] = 0.0f;
+        macc[t] = _mm256_setzero_ps();
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t i = 0; i < n / QK_K; i++) {
@@ -678,6 +676,7 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
         memcpy(&dmh, b + 2, 2);
         const float d = _cvtsh_ss(dh), dmin = _cvtsh_ss(dmh);
         const __m128i sm = k4_scales_mins(b + 4);
+        const __m256i m16 = k4_mins16(sm);
         const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
         const uint8_t * qs = b + 4 + K_SCALE_SIZE + (is_q5 ? QK_K / 8 : 0);
         __m512i v[4], sc[4];
@@ -704,11 +703,18 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
                 s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(v[c], a), sc[c]));
             }
             acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yb->d), _mm512_cvtepi32_ps(s), acc[t]);
-            macc[t] += dmin * yb->d * (float) k4_min_dot(sm, yb);
+            const __m256i ms = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), m16);
+            macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * yb->d), _mm256_cvtepi32_ps(ms), macc[t]);
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]) - macc[t];
+    for (int t = 0; t < NT; t++) {
+        const __m256 m = macc[t];
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        y[t * ldy] = _mm512_reduce_add_ps(acc[t]) - _mm_cvtss_f32(h);
+    }
 }
 
 GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t * pf, const char * x,

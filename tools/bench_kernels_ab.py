@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Interleaved A/B of two builds of the runtime in one process (not a test).
+
+Each library is dlopen'ed separately (the cdef of the one header serves both) and their
+calls alternate in short batches (8 calls each, the order swapped every round); the best
+batch per library gives its time per call, 1 thread. Other processes on the cores slow
+both sides alike, so on a busy machine the ratio B/A stays meaningful where two separate
+runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share reads ~1.00x).
+
+  op dot:  gh_op_matmul of one token: "hot" 512 x 2048 (the weights stay in L2), "cold"
+           2048 x 5632 with 4 copies cycled (DRAM)
+  op down: gh_op_sparse_down over a sorted id list: "hot" all 256 rows of 256 x 2048,
+           "cold" 10% of 5632 x 2048 with 8 copies cycled
+GB/s = weight bytes read per call / time.
+
+    PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down q4_0,q4_k,q5_k,q6_k [ROUNDS=60]
+"""
+import sys
+import time
+
+import numpy as np
+
+from powerinfer_cpp._native import ffi
+
+libs = [ffi.dlopen(sys.argv[1]), ffi.dlopen(sys.argv[2])]
+simd, op, types = int(sys.argv[3]), sys.argv[4], sys.argv[5].split(",")
+rounds = int(sys.argv[6]) if len(sys.argv) > 6 else 60
+TYPES = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+for L in libs:
+    assert L.gh_simd_set(simd) != -2, f"SIMD level {simd} not supported here"
+
+
+def P(a, t="void *"):
+    return ffi.cast(t, a.ctypes.data)
+
+
+
+rng = np.random.default_rng(1)
+for name in types:
+    t = TYPES[name]
+    out = []
+    for mode in ("hot", "cold"):
+        if op == "dot":
+            rows, cols, nc = (512, 2048, 1) if mode == "hot" else (2048, 5632, 4)
+        else:
+            rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 8)
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        rs = libs[0].gh_type_row_size(t, cols)
+        q = np.empty((rows, rs), dtype=np.uint8)
+        libs[0].gh_quantize_row(t, P(w, "float *"), P(q), w.size)
+        ws = [q] + [q.copy() for _ in range(nc - 1)]
+        x = rng.standard_normal(cols).astype(np.float32)
+        nact = rows if mode == "hot" else rows // 10
+        ids = [np.sort(rng.choice(rows, nact, replace=False)).astype(np.int32) for _ in range(8)]
+        a = rng.standard_normal(nact).astype(np.float32)
+        y = np.empty(max(rows, cols), dtype=np.float32)
+        def call(L, i):
+            if op == "dot":
+                L.gh_op_matmul(t, P(ws[i % nc]), rows, cols, P(x, "float *"), 1, P(y, "float *"), 1)
+            else:
+                L.gh_op_sparse_down(t, P(ws[i % nc]), rows, cols, P(ids[i % 8], "int32_t *"), P(a, "float *"), nact, P(y, "float *"), 1)
+        best = [1e9, 1e9]
+        nb = 8
+        for r in range(rounds):
+            for k in (0, 1) if r % 2 == 0 else (1, 0):
+                t0 = time.perf_counter()
+                for i in range(nb): call(libs[k], i + r)
+                best[k] = min(best[k], (time.perf_counter() - t0) / nb)
+        byt = q.nbytes * (nact / rows if op == "down" else 1)
+        out.append(f"{mode}: A {best[0]*1e6:6.1f} us {byt/best[0]/1e9:5.1f} GB/s, B {best[1]*1e6:6.1f} us {byt/best[1]/1e9:5.1f} GB/s ({best[0]/best[1]:.2f}x)")
+    print(f"{name} simd{simd} {op}: " + " | ".join(out), flush=True)

@@ -51,7 +51,7 @@ def matmul_t(t: int, raw: np.ndarray, rows: int, cols: int, h: np.ndarray, n_thr
 
 @pytest.mark.parametrize("tname", list(TYPES))
 @pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96), (130, 544), (67, 4096 + 32)])
-@pytest.mark.parametrize("n_tokens", [1, 3, 9])
+@pytest.mark.parametrize("n_tokens", [1, 3, 9, 70])
 @pytest.mark.parametrize("zeros", [0.0, 0.9, 1.0])
 def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
     t = TYPES[tname]

@@ -10,7 +10,8 @@
  *
  * Decode (one token): each active row's segment is dequantized and accumulated in one
  * pass (a fused axpy per type). Batches: a block of rows is dequantized once into a
- * small buffer and then added into every token whose activation is nonzero. */
+ * small buffer and then added into every token whose activation is nonzero, or, when most
+ * of the block's activations are nonzero (a SwiGLU prompt), multiplied in register tiles. */
 #include "cpu/ops.h"
 #include "types/types.h"
 

@@ -614,3 +614,20 @@ def test_shipped_model_pipeline(tmp_path):
         assert rec >= 0.98, lines[-1]
     print("\n".join(lines))
     m.close()
+
+
+def test_profile_memory_check_counts_the_page_cache(monkeypatch, tmp_path):
+    """The profile's memory check uses what can be allocated (MemAvailable: free memory plus
+    droppable page cache), not the free pages alone, which after reading a model file can be
+    a small share of memory; and it refuses a profile that does not fit, saying what to do."""
+    import os
+
+    from powerinfer_cpp.convert import convert
+    from powerinfer_cpp.sparse import profile as P
+
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert P._available_memory() >= free
+    monkeypatch.setattr(P, "_available_memory", lambda: 1 << 20)
+    path = convert(SHIPPED, tmp_path / "m.gguf", "f32", progress=False)
+    with pytest.raises(MemoryError, match="smaller max_tokens"):
+        P.profile_model(path, list(range(3, 300)), n_ctx=64, progress=False)

@@ -87,6 +87,16 @@ def profile_bytes(n_tokens: int, n_layer: int, n_embd: int, n_ff: int) -> int:
 
 
 def _available_memory() -> int | None:
+    """Bytes that can be allocated without swapping: Linux's MemAvailable (free memory plus
+    the page cache it can drop; after reading a model file most memory is page cache, which
+    "free" pages alone would count as used), else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -180,3 +180,23 @@ def test_bad_inputs_are_clear_errors(relu_q4k, tmp_path, capsys):
     assert main([str(trunc), "-o", str(tmp_path / "z.gguf"), "--calib", CALIB]) == 1
     assert "cannot load it" in capsys.readouterr().err
     assert not (tmp_path / "y.gguf").exists() and not (tmp_path / "z.gguf").exists()
+
+
+def test_sparse_input_with_input_sparsity_is_made_anew(tmp_path):
+    """A sparse file with input sparsity as input: its transposed copies, thresholds and keys
+    go with the old predictors, and come back only when asked for (once)."""
+    src = convert(SHIPPED_DIR, tmp_path / "in.gguf", "f16", progress=False, sparse=True,
+                  sparse_options=_opts(input_sparsity=0.25))
+    names = set(_tensors(src))
+    assert "blk.0.attn_qkv_t.weight" in names and "output_in_thr" in names
+    plain = convert_from_gguf(src, tmp_path / "plain.gguf", progress=False, sparse_options=_opts())
+    got = set(_tensors(plain))
+    assert not any(n.endswith(("attn_qkv_t.weight", "_in_thr", "attn_output_t.weight")) or n == "output_t.weight"
+                   for n in got)
+    assert not any(k.startswith("powerinfer.input_sparsity.") for k in gguf.GGUFReader(str(plain)).fields)
+    again = convert_from_gguf(src, tmp_path / "again.gguf", progress=False,
+                              sparse_options=_opts(input_sparsity=0.25))
+    assert set(_tensors(again)) == names
+    with Model(str(again)) as m:
+        assert m.create_context(n_ctx=32).input_sparse
+    np.testing.assert_allclose(_decode(plain, "dense"), _decode(src, "dense"), rtol=0, atol=1e-6)

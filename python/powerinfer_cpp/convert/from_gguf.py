@@ -11,7 +11,8 @@ dequantized, transposed and quantized again in its own type, the only re-quantiz
 (K-quant rows need n_embd % 256 == 0, else the next type down: Q8_0, F16).
 
 Whatever a previous sparse conversion added (predictors, neuron statistics, the GPU index,
-their keys, PowerInfer's threshold) is dropped and made anew from the calibration text; a
+input sparsity's transposed copies and thresholds, their keys, PowerInfer's threshold) is
+dropped and made anew from the calibration text; a
 PWRI file's implicit ReLU and a llama.cpp file's implicit SiLU become an explicit
 ``powerinfer.ffn_activation`` key, so the output means what the input meant.
 """
@@ -33,11 +34,13 @@ log = logging.getLogger("powerinfer_cpp.convert")
 __all__ = ["is_gguf_file", "dense_from_gguf", "convert_from_gguf"]
 
 #: Keys a sparse conversion writes anew (and PowerInfer's own threshold key).
-_SPARSE_KEY_PREFIXES = ("powerinfer.sparse.", "powerinfer.gpu.")
+_SPARSE_KEY_PREFIXES = ("powerinfer.sparse.", "powerinfer.gpu.", "powerinfer.input_sparsity.")
 #: Keys the writer makes itself, or that describe the input's own layout.
 _WRITER_KEYS = (F.KEY_GENERAL_ARCHITECTURE, F.KEY_GENERAL_ALIGNMENT)
-#: Per-layer tensors a previous sparse conversion added (ffn_down_t is kept).
-_DROPPED_TENSORS = tuple(k for k in F.SPARSE_LAYER_TENSORS if k != F.T_FFN_DOWN_T)
+#: Tensors a previous sparse conversion added (ffn_down_t is kept): predictors, neuron
+#: statistics, GPU index, and input sparsity's transposed copies and thresholds.
+_DROPPED_TENSORS = (tuple(k for k in F.SPARSE_LAYER_TENSORS if k != F.T_FFN_DOWN_T)
+                    + F.INPUT_SPARSE_LAYER_TENSORS + F.INPUT_SPARSE_GLOBAL_TENSORS)
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -110,7 +113,7 @@ def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
     down_types: list = [None] * n_layer
     for t in reader.tensors:
         kind, il, suffix = F.parse_tensor_name(t.name)
-        if il is not None and kind in _DROPPED_TENSORS:
+        if kind in _DROPPED_TENSORS:
             continue
         qtype = Q(t.tensor_type)
         shape = tuple(int(v) for v in reversed(t.shape))

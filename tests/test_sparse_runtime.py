@@ -73,6 +73,11 @@ def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
             y1 = matmul_t(t, raw, rows, cols, h, 1)
             y2 = matmul_t(t, raw, rows, cols, h, 2)
             np.testing.assert_array_equal(y1, y2)  # threads split columns: same sums, same order
+            if n_tokens > 1 and tname in ("f32", "f16", "bf16"):
+                # a batch (dense blocks in register tiles) sums as its tokens one by one (float
+                # rows dequantize exactly; quantized ones are scaled in another order there)
+                one = np.concatenate([matmul_t(t, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
+                np.testing.assert_array_equal(y1, one)
             assert np.all(np.abs(y1 - ref) <= 4e-7 * rows * scale + 1e-6), (level, np.max(np.abs(y1 - ref)))
             if zeros == 1.0:
                 assert np.all(y1 == 0)

@@ -378,8 +378,10 @@ static size_t col_offset(const gh_type_traits * tt, int64_t c) {
 /* A dense block of the batch path (most activations nonzero: SwiGLU prompts) in register
  * tiles of 4 tokens x 16 columns: the block's dequantized rows stream through while the
  * tile's sums stay in registers, so each weight value is loaded once per 4 tokens and y
- * once per block, where the axpy loop loads and stores y once per (row, token). Each
- * column sums the block's rows in row order (one FMA chain) and adds that to y. */
+ * once per block, where the axpy loop loads and stores y once per (row, token). Each y
+ * value goes through the same FMAs in the same row order as in the axpy loop (a zero
+ * activation's FMA adds nothing), so the results are the same bit for bit: a batch equals
+ * its tokens run one by one. */
 __attribute__((target("avx2,fma")))
 static void block_tiles_avx2(const matmul_t_job * job, const float * buf, const int32_t * rows, int64_t nk,
                              int64_t n, int64_t cs) {
@@ -394,7 +396,11 @@ static void block_tiles_avx2(const matmul_t_job * job, const float * buf, const 
         int64_t c = 0;
         for (; c + 16 <= n; c += 16) {
             __m256 acc[4][2];
-            for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+            for (int t = 0; t < 4; t++) {  /* the tokens past the batch's end are never stored */
+                const float * yt = job->y + (t0 + GH_MIN(t, ntt - 1)) * job->ldy + cs + c;
+                acc[t][0] = _mm256_loadu_ps(yt);
+                acc[t][1] = _mm256_loadu_ps(yt + 8);
+            }
             for (int64_t k = 0; k < nk; k++) {
                 const __m256 b0 = _mm256_loadu_ps(buf + k * AXPY_SEG + c);
                 const __m256 b1 = _mm256_loadu_ps(buf + k * AXPY_SEG + c + 8);
@@ -406,15 +412,17 @@ static void block_tiles_avx2(const matmul_t_job * job, const float * buf, const 
             }
             for (int t = 0; t < ntt; t++) {
                 float * yt = job->y + (t0 + t) * job->ldy + cs + c;
-                _mm256_storeu_ps(yt, _mm256_add_ps(_mm256_loadu_ps(yt), acc[t][0]));
-                _mm256_storeu_ps(yt + 8, _mm256_add_ps(_mm256_loadu_ps(yt + 8), acc[t][1]));
+                _mm256_storeu_ps(yt, acc[t][0]);
+                _mm256_storeu_ps(yt + 8, acc[t][1]);
             }
         }
         for (; c < n; c++) {  /* the last few columns of a row that is not a multiple of 16 */
             for (int t = 0; t < ntt; t++) {
-                float sum = 0.0f;
-                for (int64_t k = 0; k < nk; k++) sum = fmaf(hk[k * 4 + t], buf[k * AXPY_SEG + c], sum);
-                job->y[(t0 + t) * job->ldy + cs + c] += sum;
+                float * yc = job->y + (t0 + t) * job->ldy + cs + c;
+                for (int64_t k = 0; k < nk; k++) {
+                    const float a = hk[k * 4 + t];
+                    if (a != 0.0f) *yc += a * buf[k * AXPY_SEG + c];  /* as the axpy's tail */
+                }
             }
         }
     }

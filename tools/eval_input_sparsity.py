@@ -31,6 +31,7 @@ import numpy as np
 from powerinfer_cpp import Model
 from powerinfer_cpp import format as F
 from powerinfer_cpp.convert import convert
+from powerinfer_cpp.sparse.gate_eval import log_softmax
 from powerinfer_cpp.sparse.input_sparsity import calibrate_inputs
 from powerinfer_cpp.sparse.pipeline import HELDOUT_FILE, SparseOptions
 from powerinfer_cpp.sparse.profile import profile_model
@@ -48,12 +49,6 @@ def patch_thresholds(path: str, cal) -> None:
         r.data.flush()
     finally:
         del r
-
-
-def log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
 
 
 def logprobs(path: str, ids: list[int], ffn: str, input_sparse: bool, threads: int, window: int = 512):

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from powerinfer_cpp import Model  # noqa: E402
 from powerinfer_cpp.convert import convert  # noqa: E402
+from powerinfer_cpp.sparse.gate_eval import log_softmax  # noqa: E402
 
 
 def log_probs(path: str, ids: list[int], window: int, threads: int) -> np.ndarray:
@@ -37,9 +38,7 @@ def log_probs(path: str, ids: list[int], window: int, threads: int) -> np.ndarra
             if len(w) < 2:
                 break
             ctx.reset()
-            z = ctx.eval(w[:-1], logits_all=True).astype(np.float64)
-            z -= z.max(axis=1, keepdims=True)
-            rows.append(z - np.log(np.exp(z).sum(axis=1, keepdims=True)))
+            rows.append(log_softmax(ctx.eval(w[:-1], logits_all=True)))
         ctx.close()
     return np.concatenate(rows)
 

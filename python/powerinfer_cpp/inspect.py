@@ -38,14 +38,9 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError("it is a directory; pass a .gguf file")
-    from .gguf_read import is_pwri, open_gguf
+    from .gguf_read import is_pwri
 
-    try:
-        r = open_gguf(path)
-    except OSError:
-        raise
-    except Exception as e:  # gguf raises ValueError, IndexError, struct errors on bad files
-        raise ValueError(f"not a valid GGUF file (truncated or corrupt: {e})") from None
+    r = _open(path)
     fields = read_fields(r)
     arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, "?")
     pwri = is_pwri(path)
@@ -169,17 +164,23 @@ class PlotError(ValueError):
     """The plot cannot be drawn (no neuron statistics, or matplotlib missing)."""
 
 
-def _statistics(path: str) -> tuple[dict, dict]:
-    """(fields, placement inputs) of a file with neuron frequencies; PlotError otherwise."""
+def _open(path: str):
+    """The file's gguf reader (PWRI magic too); a corrupt file is a ValueError saying so."""
     from .gguf_read import open_gguf
-    from .place import PlaceError, placement_inputs, read_fields
 
     try:
-        r = open_gguf(path)
+        return open_gguf(path)
     except OSError:
         raise
     except Exception as e:  # gguf raises ValueError, IndexError, struct errors on bad files
         raise ValueError(f"not a valid GGUF file (truncated or corrupt: {e})") from None
+
+
+def _statistics(path: str) -> tuple[dict, dict]:
+    """(fields, placement inputs) of a file with neuron frequencies; PlotError otherwise."""
+    from .place import PlaceError, placement_inputs, read_fields
+
+    r = _open(path)
     fields = read_fields(r)
     if not any(F.parse_tensor_name(t.name)[0] == F.T_FFN_FREQ for t in r.tensors):
         raise PlotError(f"{path} has no neuron statistics (no {F.sparse_tensor_name(F.T_FFN_FREQ, 0)}): "

@@ -47,7 +47,8 @@ def patch_gate_thresholds(path: str, values: Sequence[float]) -> None:
         del r
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Rows of log-probabilities (float64) of logit rows."""
     z = logits.astype(np.float64)
     z -= z.max(axis=1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
@@ -77,7 +78,7 @@ class GateEvaluator:
                 if len(w) < 2:
                     break
                 ctx.reset()
-                rows.append(_log_softmax(ctx.eval(w[:-1], logits_all=True)))
+                rows.append(log_softmax(ctx.eval(w[:-1], logits_all=True)))
             density = ctx.stats()["density"] if thresholds is not None else 1.0
             ctx.close()
         return np.concatenate(rows), float(density)

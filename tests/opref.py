@@ -90,3 +90,36 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
     """Root-mean-square error normalised by the reference's RMS."""
     den = float(np.sqrt(np.mean(np.square(ref, dtype=np.float64))))
     return float(np.sqrt(np.mean(np.square(got - ref, dtype=np.float64)))) / max(den, 1e-30)
+
+
+#: Rows per group of the int8 axpy form (cpu/avx2/axpy_avx2.c: Q4_0 at the AVX2 level and up).
+AXPY_INT8_GROUP = 16
+
+
+def axpy_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, ids, a) -> np.ndarray:
+    """Per output column, the most the one-token transposed matmul sum_k a[k] * W[ids[k]]
+    can differ from exact by the int8 form's rounding: 0 where that form is not used (other
+    types, the scalar level). The form takes the nonzero a's in list order in groups of
+    16 (the rest go through the float forms) and, per group and block b, rounds each
+    a_k * d_k,b to a multiple of S = max_k |a_k * d_k,b| / 127: at most S / 2 times
+    |q - 8| = |W_k,c| / d_k,b per row and value."""
+    ids = np.asarray(ids)
+    a = np.asarray(a, dtype=np.float64)
+    cols = wd.shape[1]
+    bound = np.zeros(cols)
+    if t != Q4_0 or level < 1:
+        return bound
+    nz = np.flatnonzero(a != 0.0)
+    nz = nz[: nz.size // AXPY_INT8_GROUP * AXPY_INT8_GROUP]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
+    d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
+    for g in range(0, nz.size, AXPY_INT8_GROUP):
+        sel = nz[g:g + AXPY_INT8_GROUP]
+        rows = ids[sel]
+        c = a[sel, None] * d[rows]                                   # [16, blocks]
+        s_half = np.abs(c).max(axis=0) / 127.0 / 2.0                 # [blocks]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(d[rows] != 0, 1.0 / np.abs(d[rows]), 0.0)   # |q - 8| = |W / d| (d may be < 0)
+        per = np.repeat(s_half[None, :] * q, 32, axis=1)             # [16, cols]
+        bound += (per * np.abs(wd[rows].astype(np.float64))).sum(axis=0)
+    return bound * 1.001 + 1e-6

@@ -25,7 +25,7 @@ from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
 
 from cbuf import fptr  # noqa: E402
 from conftest import SHIPPED_SWIGLU_DIR  # noqa: E402
-from opref import TYPES, block_cols, encode, vptr  # noqa: E402
+from opref import TYPES, axpy_int8_bound, block_cols, encode, vptr  # noqa: E402
 
 HELDOUT = SHIPPED_SWIGLU_DIR / "heldout.txt"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
@@ -85,12 +85,13 @@ def test_sparse_cols_vs_numpy(tname, rows, cols):
                 lib.gh_simd_set(prev)
             np.testing.assert_array_equal(y1, y2)  # threads split the columns
             assert n1 == n2 == int(used.sum()), name
-            assert np.all(np.abs(y1 - ref) <= 4e-7 * max(n1, 1) * scale + 1e-6), (name, level)
-            ys.append(y1)
-        for y in ys[1:]:  # the levels agree within their rounding
-            assert np.all(np.abs(y - ys[0]) <= 8e-7 * max(int(used.sum()), 1) * scale + 2e-6), name
+            int8 = axpy_int8_bound(t, level, raw, wd, np.flatnonzero(used), x[used])  # Q4_0's int8 form
+            assert np.all(np.abs(y1 - ref) <= 4e-7 * max(n1, 1) * scale + 1e-6 + int8), (name, level)
+            ys.append((y1, int8))
+        for y, int8 in ys[1:]:  # the levels agree within their rounding
+            assert np.all(np.abs(y - ys[0][0]) <= 8e-7 * max(int(used.sum()), 1) * scale + 2e-6 + int8 + ys[0][1]), name
         if not used.any():
-            assert np.all(ys[0] == 0)
+            assert np.all(ys[0][0] == 0)
 
 
 def test_sparse_cols_bad_args():

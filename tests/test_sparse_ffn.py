@@ -21,7 +21,7 @@ from powerinfer_cpp.sparse.profile import profile_model
 from conftest import SHIPPED_DIR
 from cbuf import fptr, iptr  # noqa: E402
 from opref import (BF16, DRELU, F16, F32, GELU, GELU_ERF, K_QUANTS, Q4_0, Q8_0, RELU, SILU,  # noqa: E402
-                   TYPES, act_ref, block_cols, encode, id_lists, vptr)
+                   TYPES, act_ref, axpy_int8_bound, block_cols, encode, id_lists, nrmse, vptr)
 
 GH_ERR_INVALID_ARG, GH_ERR_UNSUPPORTED, GH_ERR_RANGE = 4, 3, 6
 HELDOUT = SHIPPED_DIR / "heldout.txt"
@@ -74,8 +74,11 @@ def test_sparse_down_vs_numpy(tname, rows, cols):
             # threads split the columns and each sums the whole list in order: equal
             np.testing.assert_array_equal(y1, y2)
             np.testing.assert_array_equal(y1, y3)
-            assert np.all(np.abs(y1 - ref) <= 4e-7 * max(ids.size, 1) * scale + 1e-6), \
+            int8 = axpy_int8_bound(t, level, raw, wd, ids, a)  # Q4_0's int8 form: its rounding
+            assert np.all(np.abs(y1 - ref) <= 4e-7 * max(ids.size, 1) * scale + 1e-6 + int8), \
                 (name, level, np.max(np.abs(y1 - ref)))
+            if int8.any():  # the bound is the worst case; typically the error is far below it
+                assert nrmse(y1, ref) < 2e-2, (name, level, nrmse(y1, ref))
             if ids.size == 0:
                 assert np.all(y1 == 0)
 
@@ -362,13 +365,16 @@ def test_oracle_equals_dense(shipped_sparse, outtype):
         ctx.set_ffn_mode("oracle")
         oracle = step_logits(ctx, toks)
         np.testing.assert_allclose(oracle, dense, rtol=0, atol=2e-4 * np.abs(dense).max())
-        np.testing.assert_allclose(dense_batch, dense, rtol=0, atol=2e-3 * np.abs(dense).max())
+        # a step's down_t runs through q4_0's int8 form (axpy_avx2.c), a batch's in f32: their
+        # difference is that form's rounding too (measured KL 1.5e-5, docs/BENCHMARKS.md)
+        step_tol = 6e-3 if outtype == "q4_0" and lib.gh_simd_get() >= 1 else 2e-3
+        np.testing.assert_allclose(dense_batch, dense, rtol=0, atol=step_tol * np.abs(dense).max())
         # a batch of <= sparse_batch tokens runs the sparse path token by token
         ctx.reset()
         ctx.sparse_batch = 1000
         # (attention of a batch sums in another order than step by step: as dense_batch)
         np.testing.assert_allclose(ctx.eval(toks, logits_all=True), dense_batch, rtol=0,
-                                   atol=2e-3 * np.abs(dense).max())
+                                   atol=step_tol * np.abs(dense).max())
         st = ctx.stats()
         assert st["n_sparse_tokens"] == 2 * len(toks)
         # 1 and 2 threads: the same logits

@@ -300,6 +300,15 @@ static gh_axpy4pf_fn axpy4pf_avx2(int type) {
 }
 #endif
 
+/* The sixteen-row form at this level, or NULL (groups of four). */
+static gh_axpy16_fn axpy16_for(int type) {
+#if defined(GH_X86)
+    if (gh_simd_get() >= GH_SIMD_AVX2) return gh_axpy16_avx2(type);
+#endif
+    (void) type;
+    return NULL;
+}
+
 /* NULL: no four-row kernel at this level (the caller runs the one-row axpy 4 times). */
 static axpy4_fn axpy4_for(int type) {
 #if defined(GH_X86)
@@ -361,6 +370,7 @@ typedef struct {
     axpy_fn           axpy_f;    /* f32 axpy (batch path: accumulates dequantized rows) */
     axpy4_fn          axpy4;     /* the weight type's four-row axpy, or NULL */
     gh_axpy4pf_fn     axpy4pf;   /* list path: the four-row axpy with prefetch, or NULL */
+    gh_axpy16_fn      axpy16;    /* one token: the sixteen-row form, or NULL */
     bool              tiles;    /* batch path: dense blocks in AVX2 register tiles */
     const int32_t *   active;   /* batch path: rows with a nonzero h for some token */
     const int32_t *   ids;      /* list path (gh_matmul_t_list): rows ids[k] scaled by a[k] */
@@ -445,11 +455,14 @@ static void matmul_t_task(void * arg, int ith, int nth) {
     const char * wd = w->data;
 
     if (job->n_tokens == 1) {
-        /* Active rows in groups of four (one pass over y per group), in row order (list
-         * path: in list order). */
+        /* Active rows in groups of sixteen where the type has that form, else of four (one
+         * pass over y per group), then the rest of four and one, in row order (list path:
+         * in list order). The grouping depends on the list alone, so the dense form and the
+         * list form of one token sum alike, whatever the thread count. */
         const size_t off = col_offset(tt, c0);
-        float s[4];
-        const void * rows[4];
+        const int gsize = job->axpy16 ? 16 : 4;
+        float s[16];
+        const void * rows[16];
         int k = 0;
         const int64_t n_rows = job->ids ? job->n_ids : w->rows;
         const size_t seg = col_offset(tt, c1 - c0 + tt->block_size - 1);
@@ -459,31 +472,42 @@ static void matmul_t_task(void * arg, int ith, int nth) {
             if (hr == 0.0f) continue;
             s[k] = hr;
             rows[k] = wd + r * w->row_bytes + off;
-            if (job->ids && !job->axpy4pf && i + AXPY_PF_ROWS < n_rows) {
+            if (job->ids && !job->axpy4pf && !job->axpy16 && i + AXPY_PF_ROWS < n_rows) {
                 /* list rows are scattered: fetch this column range of a row ahead (into
                  * L2: into L1 they would evict the rows being added) */
                 const char * next = wd + job->ids[i + AXPY_PF_ROWS] * w->row_bytes + off;
                 for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(next + o, 0, 2);
             }
-            if (++k == 4) {
-                if (job->axpy4pf) {
-                    /* the kernel prefetches the rows of the group AXPY_PF_GROUPS ahead
-                     * (by list position; past the end: the last row again) */
-                    const void * pf[4];
-                    for (int j = 0; j < 4; j++) {
-                        const int64_t ip = GH_MIN(n_rows - 1, i + 1 + 4 * (AXPY_PF_GROUPS - 1) + j);
-                        pf[j] = wd + job->ids[ip] * w->row_bytes + off;
+            if (++k < gsize) continue;
+            k = 0;
+            if (job->axpy16) {
+                /* the kernel prefetches the next sixteen rows of the list (past the end:
+                 * the last row again) */
+                const void * pf[16];
+                if (job->ids) {
+                    for (int j = 0; j < 16; j++) {
+                        pf[j] = wd + job->ids[GH_MIN(n_rows - 1, i + 1 + j)] * w->row_bytes + off;
                     }
-                    job->axpy4pf(c1 - c0, s, rows, pf, job->y + c0);
-                } else if (job->axpy4) {
-                    job->axpy4(c1 - c0, s, rows, job->y + c0);
-                } else {
-                    for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
                 }
-                k = 0;
+                job->axpy16(c1 - c0, s, rows, job->ids ? pf : NULL, job->y + c0);
+            } else if (job->axpy4pf) {
+                /* the kernel prefetches the rows of the group AXPY_PF_GROUPS ahead (by list
+                 * position; past the end: the last row again) */
+                const void * pf[4];
+                for (int j = 0; j < 4; j++) {
+                    const int64_t ip = GH_MIN(n_rows - 1, i + 1 + 4 * (AXPY_PF_GROUPS - 1) + j);
+                    pf[j] = wd + job->ids[ip] * w->row_bytes + off;
+                }
+                job->axpy4pf(c1 - c0, s, rows, pf, job->y + c0);
+            } else if (job->axpy4) {
+                job->axpy4(c1 - c0, s, rows, job->y + c0);
+            } else {
+                for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
             }
         }
-        for (int j = 0; j < k; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
+        int j = 0;
+        for (; job->axpy4 && j + 4 <= k; j += 4) job->axpy4(c1 - c0, s + j, rows + j, job->y + c0);
+        for (; j < k; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
         return;
     }
 
@@ -528,7 +552,7 @@ void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * i
                       const float * a, int64_t n, float * y) {
     matmul_t_job job = {
         .w = w, .n_tokens = 1, .y = y, .ldy = w->cols, .axpy = axpy_for(w->type),
-        .axpy4 = axpy4_for(w->type), .ids = ids, .a = a, .n_ids = n,
+        .axpy4 = axpy4_for(w->type), .axpy16 = axpy16_for(w->type), .ids = ids, .a = a, .n_ids = n,
     };
 #if defined(GH_X86)
     if (gh_simd_get() >= GH_SIMD_AVX512) job.axpy4pf = gh_axpy4pf_avx512(w->type);
@@ -543,6 +567,7 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
     matmul_t_job job = {
         .w = w, .h = h, .n_tokens = n_tokens, .ldh = ldh, .y = y, .ldy = ldy,
         .axpy = axpy_for(w->type), .axpy_f = axpy_for(GH_TYPE_F32), .axpy4 = axpy4_for(w->type),
+        .axpy16 = n_tokens == 1 ? axpy16_for(w->type) : NULL,
 #if defined(GH_X86)
         .tiles = gh_simd_get() >= GH_SIMD_AVX2,
 #endif

@@ -67,6 +67,13 @@ gh_axpy4pf_fn gh_axpy4pf_avx512(int type);
 gh_axpy_fn gh_axpy_kq_avx2(int type);
 gh_axpy4_fn gh_axpy4_kq_avx2(int type);
 gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type);
+/* Sixteen rows at once, y[0..n) += s[0] * row[0] + ... + s[15] * row[15], with the
+ * rows pf[0..16) prefetched (pf may be NULL): the decode list's groups of 16, in int8
+ * (avx2/axpy_avx2.c: the scaled rows are quantized like the int8 dots' activations, so
+ * the sums differ from the float forms' by that rounding). NULL for a type without one. */
+typedef void (*gh_axpy16_fn)(int64_t n, const float * s, const void * const * row,
+                             const void * const * pf, float * y);
+gh_axpy16_fn gh_axpy16_avx2(int type);
 
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 /* b may be NULL (no bias). */

@@ -143,6 +143,11 @@ gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) {
  * non-finite product makes its block's outputs NaN (the float form's inf - inf or NaN). */
 #define CHUNK_BLOCKS 32
 
+/* s times the eight fp16 scales at d. */
+AVX2_INLINE __m256 scaled8(float s, const uint16_t * d) {
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) d)), _mm256_set1_ps(s));
+}
+
 AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * row, const void * const * pf,
                              float * restrict y) {
     const size_t bs = sizeof(block_q4_0);
@@ -168,26 +173,27 @@ AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * ro
             }
         }
         for (int j = 0; j < nc; j += 8) {
-            __m256 c[16];
-            __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            /* two sweeps over the rows (the products made twice) rather than sixteen live
+             * vectors, which would spill: the max in two chains, then the int8 values */
+            __m256 mx[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
+            __m256 bad = _mm256_setzero_ps();
             for (int k = 0; k < 16; k++) {
-                c[k] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) &d[k][j])),
-                                     _mm256_set1_ps(s[k]));
-                const __m256 a = _mm256_and_ps(c[k], absm);
+                const __m256 a = _mm256_and_ps(scaled8(s[k], &d[k][j]), absm);
                 bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* inf or NaN */
-                mx = _mm256_max_ps(mx, a);
+                mx[k & 1] = _mm256_max_ps(mx[k & 1], a);
             }
-            const __m256 live = _mm256_andnot_ps(bad, _mm256_cmp_ps(mx, _mm256_setzero_ps(), _CMP_GT_OQ));
-            const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), mx));
-            _mm256_storeu_ps(scale + j, _mm256_blendv_ps(_mm256_div_ps(mx, _mm256_set1_ps(127.0f)),
+            const __m256 top = _mm256_max_ps(mx[0], mx[1]);
+            const __m256 live = _mm256_andnot_ps(bad, _mm256_cmp_ps(top, _mm256_setzero_ps(), _CMP_GT_OQ));
+            const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), top));
+            _mm256_storeu_ps(scale + j, _mm256_blendv_ps(_mm256_div_ps(top, _mm256_set1_ps(127.0f)),
                                                          _mm256_set1_ps(NAN), bad));
             __m256i msum = _mm256_setzero_si256();
             const __m256i lo8 = _mm256_set1_epi32(0xff);
             for (int k = 0; k < 16; k += 4) {
-                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(c[k], inv));
-                const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(c[k + 1], inv));
-                const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(c[k + 2], inv));
-                const __m256i f = _mm256_cvtps_epi32(_mm256_mul_ps(c[k + 3], inv));
+                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k], &d[k][j]), inv));
+                const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 1], &d[k + 1][j]), inv));
+                const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 2], &d[k + 2][j]), inv));
+                const __m256i f = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 3], &d[k + 3][j]), inv));
                 msum = _mm256_add_epi32(msum, _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(e, f)));
                 const __m256i w0 = _mm256_or_si256(_mm256_and_si256(a, lo8), _mm256_slli_epi32(_mm256_and_si256(b, lo8), 8));
                 const __m256i w1 = _mm256_or_si256(_mm256_and_si256(e, lo8), _mm256_slli_epi32(_mm256_and_si256(f, lo8), 8));

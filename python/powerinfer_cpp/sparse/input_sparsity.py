@@ -15,6 +15,9 @@ the target share of skipped inputs on the profiled calibration tokens:
 
 Every site gets the same target (uniform); the thresholds come from the first
 ``1 - HOLDOUT`` of the recorded tokens and the share they skip on the rest is reported.
+The profile runs densely, so these are dense-mode inputs; input_eval.refit then moves each
+site's threshold to the target on the inputs it sees in the sparse mode (o's input, the
+attention output, shrinks when q/k/v are input-sparse).
 """
 
 from __future__ import annotations
@@ -39,14 +42,59 @@ SITE_QKV, SITE_O, SITE_HEAD = "qkv", "o", "head"
 
 @dataclass
 class InputCalibration:
-    """Per-channel thresholds of every site and what they skip on the held-out tokens."""
+    """Per-channel thresholds of every site and what they skip on the held-out tokens.
+
+    A site's thresholds are ``t / gain_i`` (gain: wina's column norms, 1 for magnitude)
+    for one criterion threshold ``t``; ``grid`` keeps the quantiles of the site's scores on
+    the fit tokens, so that ``t`` can be moved to another level later (input_eval.refit)
+    without the profile."""
     criterion: str
     sparsity: float
     qkv: list = field(default_factory=list)     # per layer f32 [n_embd]
     o: list = field(default_factory=list)       # per layer f32 [n_head * head_dim]
     head: np.ndarray | None = None              # f32 [n_embd]
     heldout_sparsity: dict = field(default_factory=dict)  # site -> share skipped on held-out tokens
-    n_fit: int = 0
+    n_fit: int = 0                              # the first n_fit recorded tokens (prof.input_ids)
+    t: dict = field(default_factory=dict)       # (site, layer or None) -> criterion threshold
+    gain: dict = field(default_factory=dict)    # (site, layer) -> [in] float64, or None (magnitude)
+    grid: dict = field(default_factory=dict)    # (site, layer) -> scores' quantiles at GRID_LEVELS
+    # input_eval.refit: (site, layer) -> (share skipped in the runtime's sparse mode with the
+    # dense-mode fit, after the refit), on the fit tokens
+    sparse_mode: dict = field(default_factory=dict)
+    max_ppl_increase: float | None = None       # the budget the level was chosen by (auto)
+    ppl_increase: float | None = None           # the file's held-out increase measured with it
+
+    def keys(self) -> list:
+        """Every site's key in forward order: (qkv, 0), (o, 0), (qkv, 1), ..., (head, None)."""
+        return [(s, l) for l in range(len(self.qkv)) for s in (SITE_QKV, SITE_O)] + [(SITE_HEAD, None)]
+
+    def thresholds(self, key) -> np.ndarray:
+        """The stored thresholds of one site."""
+        site, layer = key
+        return self.head if site == SITE_HEAD else (self.qkv if site == SITE_QKV else self.o)[layer]
+
+    def at(self, key, t: float) -> np.ndarray:
+        """The site's per-channel thresholds for criterion threshold t."""
+        return _per_channel(t, self.gain[key], self.thresholds(key).size)
+
+    def set_t(self, key, t: float) -> None:
+        """Move one site to criterion threshold t."""
+        self.t[key] = float(t)
+        thr = self.at(key, t)
+        site, layer = key
+        if site == SITE_HEAD:
+            self.head = thr
+        else:
+            (self.qkv if site == SITE_QKV else self.o)[layer] = thr
+
+    def t_for_share(self, key, share: float) -> float:
+        """The criterion threshold skipping ``share`` of the site's fit-token scores."""
+        return float(np.interp(share, GRID_LEVELS, self.grid[key]))
+
+    def share_at(self, key, t: float) -> float:
+        """The share of the site's fit-token scores at or below t (the grid's inverse)."""
+        g = self.grid[key]
+        return float(np.interp(t, g, GRID_LEVELS)) if g[-1] > g[0] else float(t >= g[0])
 
     def summary(self) -> str:
         """One line: criterion, target and the held-out shares per site."""
@@ -56,9 +104,29 @@ class InputCalibration:
                 f"head {h.get(SITE_HEAD, 0):.1%}")
 
 
+#: Quantile levels an InputCalibration keeps of each site's scores.
+GRID_LEVELS = np.linspace(0.0, 1.0, 1001)
+
+
+def _per_channel(t: float, gain: np.ndarray | None, n_in: int) -> np.ndarray:
+    """thr_i = t / gain_i (t for every channel without gains; NEVER for a zero gain)."""
+    if t <= 0.0:
+        return np.zeros(n_in, np.float32)
+    if gain is None:
+        return np.full(n_in, t, np.float32)
+    with np.errstate(divide="ignore"):
+        thr = np.where(gain > 0, t / np.maximum(gain, 1e-300), NEVER)
+    return np.minimum(thr, NEVER).astype(np.float32)
+
+
 def column_norms(w_t: np.ndarray) -> np.ndarray:
     """||W[:, i]|| for the transposed weight w_t [in, out] (row i = column i of W)."""
     return np.sqrt(np.einsum("ij,ij->i", w_t.astype(np.float64), w_t.astype(np.float64)))
+
+
+def _scores(x: np.ndarray, criterion: str, gain: np.ndarray | None) -> np.ndarray:
+    mag = np.abs(x.astype(np.float32))
+    return mag if gain is None else mag * gain.astype(np.float32)
 
 
 def site_thresholds(x: np.ndarray, sparsity: float, criterion: str,
@@ -69,19 +137,12 @@ def site_thresholds(x: np.ndarray, sparsity: float, criterion: str,
         raise ValueError(f"criterion must be one of {', '.join(F.INPUT_CRITERIA)}, got {criterion!r}")
     if not 0.0 <= sparsity < 1.0:
         raise ValueError(f"input sparsity must be in [0, 1), got {sparsity}")
-    n_in = x.shape[1]
     if sparsity == 0.0:
-        return np.zeros(n_in, np.float32)
-    mag = np.abs(x.astype(np.float32))
-    if criterion == "magnitude":
-        return np.full(n_in, np.quantile(mag, sparsity), np.float32)
-    if col_norm is None:
+        return np.zeros(x.shape[1], np.float32)
+    if criterion == "wina" and col_norm is None:
         raise ValueError("the wina criterion needs the weight's column norms")
-    norm = np.asarray(col_norm, np.float64)
-    t = float(np.quantile(mag * norm.astype(np.float32), sparsity))
-    with np.errstate(divide="ignore"):
-        thr = np.where(norm > 0, t / np.maximum(norm, 1e-300), NEVER)
-    return np.minimum(thr, NEVER).astype(np.float32)
+    gain = np.asarray(col_norm, np.float64) if criterion == "wina" else None
+    return _per_channel(float(np.quantile(_scores(x, criterion, gain), sparsity)), gain, x.shape[1])
 
 
 def skipped_share(x: np.ndarray, thr: np.ndarray) -> float:
@@ -93,25 +154,44 @@ def calibrate_inputs(prof, sparsity: float, criterion: str, weights_t) -> InputC
     """Thresholds of every site from a profile recorded with inputs (profile_model(inputs=K)).
     weights_t(site, layer) -> the site's transposed weight [in, out] as float (wina's column
     norms; layer None for the head)."""
+    return calibrate_input_levels(prof, [sparsity], criterion, weights_t)[0]
+
+
+def calibrate_input_levels(prof, levels, criterion: str, weights_t) -> list[InputCalibration]:
+    """calibrate_inputs at several levels at once (each site's scores sorted once)."""
     k = prof.n_input_tokens
     if k < 2:
         raise ValueError("the profile recorded no projection inputs (profile_model(..., inputs=K))")
+    levels = [float(s) for s in levels]
+    for s in levels:
+        if not 0.0 <= s < 1.0:
+            raise ValueError(f"input sparsity must be in [0, 1), got {s}")
     n_fit = max(1, k - max(1, int(round(k * HOLDOUT))))
-    cal = InputCalibration(criterion=criterion, sparsity=float(sparsity), n_fit=n_fit)
-    held = {SITE_QKV: [], SITE_O: [], SITE_HEAD: []}
+    cals = [InputCalibration(criterion=criterion, sparsity=s, n_fit=n_fit) for s in levels]
+    held: list = [{SITE_QKV: [], SITE_O: [], SITE_HEAD: []} for _ in levels]
+    qs = np.concatenate([np.asarray(levels), GRID_LEVELS])
 
     def fit(site, layer, x):
-        norm = column_norms(weights_t(site, layer)) if criterion == "wina" and sparsity > 0 else None
-        thr = site_thresholds(x[:n_fit], sparsity, criterion, norm)
-        held[site].append(skipped_share(x[n_fit:], thr))
-        return thr
+        gain = column_norms(weights_t(site, layer)) if criterion == "wina" else None
+        q = np.quantile(_scores(x[:n_fit], criterion, gain), qs).astype(np.float64)
+        key = (site, layer)
+        for i, (cal, s) in enumerate(zip(cals, levels)):
+            cal.gain[key], cal.grid[key] = gain, q[len(levels):]
+            cal.t[key] = float(q[i]) if s > 0 else 0.0
+            thr = _per_channel(cal.t[key], gain, x.shape[1])
+            held[i][site].append(skipped_share(x[n_fit:k], thr))
+            yield thr
 
     for l in range(prof.n_layer):
-        cal.qkv.append(fit(SITE_QKV, l, prof.attn_in[l]))
-        cal.o.append(fit(SITE_O, l, prof.attn_out_in[l]))
-    cal.head = fit(SITE_HEAD, None, prof.head_in)
-    cal.heldout_sparsity = {s: float(np.mean(v)) for s, v in held.items()}
-    return cal
+        for cal, thr in zip(cals, fit(SITE_QKV, l, prof.attn_in[l][:k])):
+            cal.qkv.append(thr)
+        for cal, thr in zip(cals, fit(SITE_O, l, prof.attn_out_in[l][:k])):
+            cal.o.append(thr)
+    for cal, thr in zip(cals, fit(SITE_HEAD, None, prof.head_in[:k])):
+        cal.head = thr
+    for cal, h in zip(cals, held):
+        cal.heldout_sparsity = {s: float(np.mean(v)) for s, v in h.items()}
+    return cals
 
 
 class InputSources:
@@ -184,5 +264,9 @@ class InputSources:
 def input_kv(cal: InputCalibration) -> list:
     """(key, value, GGUFValueType) of an input-sparse file."""
     from gguf import GGUFValueType as V
-    return [(F.KEY_INPUT_SPARSITY, float(cal.sparsity), V.FLOAT32),
-            (F.KEY_INPUT_CRITERION, cal.criterion, V.STRING)]
+    kv = [(F.KEY_INPUT_SPARSITY, float(cal.sparsity), V.FLOAT32),
+          (F.KEY_INPUT_CRITERION, cal.criterion, V.STRING)]
+    if cal.max_ppl_increase is not None:
+        kv.append((F.KEY_INPUT_MAX_PPL_INCREASE, float(cal.max_ppl_increase), V.FLOAT32))
+        kv.append((F.KEY_INPUT_PPL_INCREASE, float(cal.ppl_increase or 0.0), V.FLOAT32))
+    return kv

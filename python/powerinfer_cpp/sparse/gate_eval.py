@@ -47,6 +47,32 @@ def patch_gate_thresholds(path: str, values: Sequence[float]) -> None:
         del r
 
 
+def decode_weight_bytes(path: str) -> dict:
+    """Weight bytes a dense decoded token reads from the file at path, per stage: attention
+    (the row-major q/k/v/o), ffn (gate, up, down or down_t), head (output, or the tied
+    embedding)."""
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    try:
+        nb = {t.name: int(t.n_bytes) for t in r.tensors}
+    finally:
+        del r
+    att_kinds = (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_QKV, F.T_ATTN_OUTPUT)
+    ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN, F.T_FFN_DOWN_T)
+    out = {"attention": 0, "ffn": 0}
+    for name, b in nb.items():
+        kind, layer, suffix = F.parse_tensor_name(name)
+        if layer is None or suffix != "weight":
+            continue
+        if kind in att_kinds:
+            out["attention"] += b
+        elif kind in ffn_kinds:
+            out["ffn"] += b
+    out["head"] = nb.get(F.tensor_name(F.T_OUTPUT), nb.get(F.tensor_name(F.T_TOKEN_EMBD), 0))
+    return out
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Rows of log-probabilities (float64) of logit rows."""
     z = logits.astype(np.float64)
@@ -55,22 +81,31 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class GateEvaluator:
-    """Perplexity and KL divergence to dense of one evaluation file at given thresholds."""
+    """Perplexity and KL divergence to dense of one evaluation file in its sparse FFN mode
+    (ffn: "gate" at given thresholds, or "sparse": the file's predictors), with or without
+    input sparsity at a given calibration."""
 
-    def __init__(self, path: str, window: int, n_threads: int = 0):
-        self.path, self.window, self.n_threads = path, int(window), n_threads
+    def __init__(self, path: str, window: int, n_threads: int = 0, ffn: str = "gate"):
+        self.path, self.window, self.n_threads, self.ffn = path, int(window), n_threads, ffn
         self._dense: dict = {}
+        self._weights = decode_weight_bytes(path)
 
-    def _logprobs(self, ids: Sequence[int], thresholds: Sequence[float] | None) -> tuple[np.ndarray, float]:
-        """log p rows for ids[:-1] (windows of self.window) and the gate mode's density
-        (thresholds None: the dense FFN, density 1)."""
+    def _logprobs(self, ids: Sequence[int], thresholds: Sequence[float] | None, dense: bool = False,
+                  inputs=None) -> tuple[np.ndarray, dict]:
+        """log p rows for ids[:-1] (windows of self.window) and the run's stats: the dense
+        FFN, or self.ffn with the gate thresholds patched in (None: the file's) and, when
+        inputs (an input_sparsity.InputCalibration) is given, input-sparse at its thresholds."""
         from ..model import Model
+        from .input_eval import patch_calibration
 
         if thresholds is not None:
             patch_gate_thresholds(self.path, thresholds)
+        if inputs is not None:
+            patch_calibration(self.path, inputs)
         with Model(self.path, n_ctx=self.window, n_threads=self.n_threads, cache_type="f32") as m:
             ctx = m.create_context(n_ctx=self.window, n_threads=self.n_threads, cache_type="f32",
-                                   ffn="dense" if thresholds is None else "gate")
+                                   ffn="dense" if dense else self.ffn,
+                                   input_sparse=(inputs is not None) if m.info.has_input_sparsity else None)
             ctx.sparse_batch = self.window
             rows = []
             for s in range(0, len(ids) - 1, self.window):
@@ -79,32 +114,51 @@ class GateEvaluator:
                     break
                 ctx.reset()
                 rows.append(log_softmax(ctx.eval(w[:-1], logits_all=True)))
-            density = ctx.stats()["density"] if thresholds is not None else 1.0
+            st = ctx.stats()
             ctx.close()
-        return np.concatenate(rows), float(density)
+        return np.concatenate(rows), st
+
+    def _dense_run(self, ids: Sequence[int]) -> tuple[np.ndarray, float]:
+        key = tuple(int(t) for t in ids)
+        if key not in self._dense:
+            self._dense[key] = (self._logprobs(ids, None, dense=True)[0], float(sum(self._weights.values())))
+        return self._dense[key]
+
+    def _decode_bytes(self, st: dict, inputs) -> float:
+        """Weight bytes a decoded token reads. The runtime counts a batch's dense matmul once
+        for all its tokens (the evaluation runs windows as one batch), but the sparse paths
+        (the FFN modes, input-sparse projections) per token: so the dense attention and head
+        count whole, the rest as measured."""
+        per = st["bytes_per_token_stage"]
+        on = inputs is not None
+        return (per["ffn"] + per["predictor"] + (per["attention"] if on else self._weights["attention"])
+                + (per["head"] if on else self._weights["head"]))
 
     def dense(self, ids: Sequence[int]) -> np.ndarray:
         """Dense log-probs of ids (cached per token list)."""
-        key = tuple(int(t) for t in ids)
-        if key not in self._dense:
-            self._dense[key] = self._logprobs(ids, None)[0]
-        return self._dense[key]
+        return self._dense_run(ids)[0]
 
-    def measure(self, ids: Sequence[int], thresholds: Sequence[float]) -> dict:
-        """ppl (gate and dense), the ppl increase's upper bound (ppl_increase_ub), mean
-        KL(dense || gate), top-1 agreement and density on ids."""
-        ld = self.dense(ids)
-        lg, density = self._logprobs(ids, thresholds)
+    def measure(self, ids: Sequence[int], thresholds: Sequence[float] | None, inputs=None) -> dict:
+        """ppl (sparse and dense), the ppl increase's upper bound (ppl_increase_ub), mean
+        KL(dense || sparse), top-1 agreement, the FFN's density, weight bytes per token
+        (bytes_per_token, and the dense run's bytes_per_token_dense) and the input densities
+        on ids; thresholds: the gate's (None: the file's), inputs as for _logprobs."""
+        ld, dense_bpt = self._dense_run(ids)
+        lg, st = self._logprobs(ids, thresholds, inputs=inputs)
         tgt = np.asarray(ids[1:len(lg) + 1])
         idx = np.arange(len(tgt))
-        loss = ld[idx, tgt] - lg[idx, tgt]  # per-token nll(gate) - nll(dense)
+        loss = ld[idx, tgt] - lg[idx, tgt]  # per-token nll(sparse) - nll(dense)
         nb = len(loss) // BLOCK
         se = (float(loss[:nb * BLOCK].reshape(nb, BLOCK).mean(axis=1).std(ddof=1)) / math.sqrt(nb)
               if nb >= 2 else float(loss.std()))
+        ins = st["input_sparse"]
         return {"ppl": math.exp(-lg[idx, tgt].mean()), "ppl_dense": math.exp(-ld[idx, tgt].mean()),
                 "ppl_increase_ub": math.exp(float(loss.mean()) + 2.0 * se) - 1.0,
                 "kl": float((np.exp(ld) * (ld - lg)).sum(axis=1).mean()),
-                "top1": float((ld.argmax(1) == lg.argmax(1)).mean()), "density": density}
+                "top1": float((ld.argmax(1) == lg.argmax(1)).mean()), "density": float(st["density"]),
+                "bytes_per_token": self._decode_bytes(st, inputs), "bytes_per_token_dense": dense_bpt,
+                "attention_input_density": float(ins["attention_density"]) if ins["attention_inputs"] else 1.0,
+                "head_input_density": float(ins["head_density"]) if ins["head_inputs"] else 1.0}
 
 
 def layer_costs(ev: GateEvaluator, ids: Sequence[int], n_layer: int, threshold: Callable[[int, float], float],

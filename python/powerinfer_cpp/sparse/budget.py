@@ -1,0 +1,114 @@
+"""One quality budget for FFN and input sparsity (``--max-ppl-increase P`` with
+``--input-sparsity auto``): the (gate level, input level) combination that reads the fewest
+weight bytes per token among those whose held-out perplexity bound stays within P of dense.
+
+The search, over a small grid of input levels (INPUT_GRID):
+
+1. the gate alone: the largest gate level within P (gate_eval.search_budget's bisection);
+2. each input level, ascending: its thresholds refit in the sparse mode (input_eval.refit),
+   then the largest gate level within P with those inputs on, searched below the previous
+   level's gate level (more input sparsity leaves less headroom: the bound grows with both),
+   down to gate 0; the walk stops at the first input level over P even with an exact FFN;
+3. the candidate with the fewest bytes per token (the runtime's own count: gate, up/down rows
+   read, attention and head rows read) wins; ties go to the lower input level (a file without
+   input sparsity does not store the transposed copies).
+
+A file with predictors has no gate level: step 2 measures each input level over the
+predictor FFN, and the largest level within P wins (fewer bytes is more sparsity there).
+The refit runs with the FFN at the gate level the search starts from for that input level,
+so that the thresholds measured are the ones written: the file's bound is what was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from .gate_eval import search_budget
+
+#: Input levels --input-sparsity auto tries (0 = off is always a candidate).
+INPUT_GRID = (0.1, 0.2, 0.25, 0.3, 0.4)
+
+
+@dataclass
+class Candidate:
+    """One measured combination."""
+    gate: float | None       # mean gate sparsity (None: a predictor FFN)
+    inputs: float            # input sparsity (0: off)
+    result: dict             # GateEvaluator.measure's
+    cal: Any = None          # its InputCalibration (None when off)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return float(self.result["bytes_per_token"])
+
+
+def _ub(r: dict) -> float:
+    return float(r.get("ppl_increase_ub", r["ppl"] / r["ppl_dense"] - 1.0))
+
+
+def search_levels(measure: Callable[[float | None, Any], dict], make_inputs: Callable[[float, float | None], Any],
+                  budget: float, levels: Sequence[float], gate_hi: float | None, include_off: bool = True,
+                  resolution: float = 0.025, say: Callable[[str], None] | None = None
+                  ) -> tuple[Candidate, list[Candidate]]:
+    """The cheapest combination within the budget (see the module's docstring).
+
+    measure(gate level or None, input calibration or None) -> a GateEvaluator.measure dict;
+    make_inputs(input level, gate level or None) -> the (refit) calibration at that level;
+    gate_hi: the largest gate level tried (None: the FFN has predictors, no gate level);
+    include_off: input sparsity off is a candidate (else only the levels given: when the
+    user fixed one, it is kept even over the budget, with gate 0).
+    Returns (the chosen candidate, every candidate measured: the best gate level of each
+    input level walked, and the first over the budget)."""
+    say = say or (lambda s: None)
+    gated = gate_hi is not None
+    cands: list[Candidate] = []
+
+    def note(c: Candidate, why: str = "") -> None:
+        r = c.result
+        g = "" if c.gate is None else f"gate {c.gate:.1%}, "
+        say(f"  {g}input {c.inputs:.0%}: ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} "
+            f"(bound {_ub(r):+.2%}), {r['bytes_per_token'] / 1e6:.3f} MB/token{why}")
+
+    def gate_search(cal) -> tuple[float, dict | None]:
+        lvl, r, _ = search_budget(lambda s: measure(s, cal), budget, hi, resolution,
+                                  say=lambda m: say("  " + m))
+        return lvl, r
+
+    hi = gate_hi
+    if gated:
+        hi, r0 = gate_search(None)
+        if r0 is None:
+            r0 = measure(0.0, None)
+        off = Candidate(hi, 0.0, r0)
+    else:
+        off = Candidate(None, 0.0, measure(None, None))
+    note(off, " (input sparsity off)")
+    tried = [off]
+    if include_off:
+        cands.append(off)
+    chosen_over = None
+    for s in sorted(float(v) for v in levels if v > 0):
+        cal = make_inputs(s, hi)
+        r = None
+        if gated and hi > 0:
+            g, r = gate_search(cal)
+        if r is None:
+            g = 0.0 if gated else None
+            r = measure(g, cal)
+            if _ub(r) > budget:
+                over = Candidate(g, s, r, cal)
+                note(over, ": over the budget")
+                tried.append(over)
+                if not include_off and not cands:
+                    chosen_over = over
+                break
+        c = Candidate(g, s, r, cal)
+        note(c)
+        cands.append(c)
+        tried.append(c)
+        hi = g
+    if not cands:
+        return chosen_over, tried
+    best = min(cands, key=lambda c: (c.bytes_per_token, c.inputs))
+    return best, tried

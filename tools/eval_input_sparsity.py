@@ -6,8 +6,8 @@ agreement, as a markdown table.
 For each criterion (magnitude, wina) the model folder is converted once (the file's sparse
 FFN mode: predictors for ReLU models, gate thresholds at --ffn-sparsity for gated non-ReLU
 ones), its projections' inputs are profiled once, and each level's thresholds (the same
-calibration as convert's: input_sparsity.calibrate_inputs) are patched into the file's
-threshold tensors in place. The held-out tokens are those of the calibration text after the
+calibration as convert's: input_sparsity.calibrate_inputs, then refit in the sparse mode by
+input_eval.refit unless --no-refit) are patched into the file's threshold tensors in place. The held-out tokens are those of the calibration text after the
 profiled ones; every one runs the sparse mode (one token at a time, as decode), against the
 dense mode of the same file, f32 KV cache for both. The "FFN only" rows are the file's FFN
 mode with input sparsity off.
@@ -32,23 +32,10 @@ from powerinfer_cpp import Model
 from powerinfer_cpp import format as F
 from powerinfer_cpp.convert import convert
 from powerinfer_cpp.sparse.gate_eval import log_softmax
+from powerinfer_cpp.sparse.input_eval import patch_calibration, refit, refit_tokens
 from powerinfer_cpp.sparse.input_sparsity import calibrate_inputs
 from powerinfer_cpp.sparse.pipeline import HELDOUT_FILE, SparseOptions
 from powerinfer_cpp.sparse.profile import profile_model
-
-
-def patch_thresholds(path: str, cal) -> None:
-    """Overwrite the file's input thresholds in place with cal's."""
-    r = gguf.GGUFReader(path, "r+")
-    try:
-        t = {x.name: x for x in r.tensors}
-        for l in range(len(cal.qkv)):
-            t[F.input_sparse_tensor_name(F.T_ATTN_QKV_IN_THR, l)].data[:] = cal.qkv[l]
-            t[F.input_sparse_tensor_name(F.T_ATTN_OUTPUT_IN_THR, l)].data[:] = cal.o[l]
-        t[F.input_sparse_tensor_name(F.T_OUTPUT_IN_THR)].data[:] = cal.head
-        r.data.flush()
-    finally:
-        del r
 
 
 def logprobs(path: str, ids: list[int], ffn: str, input_sparse: bool, threads: int, window: int = 512):
@@ -89,6 +76,8 @@ def main() -> int:
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens to score")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-refit", action="store_true",
+                    help="keep the thresholds fitted on the dense profile (no refit in the sparse mode)")
     args = ap.parse_args()
     levels = [float(v) for v in args.sparsity.split(",")]
     heldout = os.path.join(args.model, HELDOUT_FILE)
@@ -102,7 +91,8 @@ def main() -> int:
             kw = {} if relu else {"sparsity": args.ffn_sparsity}
             path = convert(args.model, os.path.join(tmp, f"{crit}.gguf"), args.outtype, progress=False,
                            sparse=True, report=rep,
-                           sparse_options=SparseOptions(input_sparsity=0.5, input_criterion=crit,
+                           # (input_refit off: each level below gets its own thresholds)
+                           sparse_options=SparseOptions(input_sparsity=0.5, input_criterion=crit, input_refit=False,
                                                         n_threads=args.threads, calib_tokens=args.calib_tokens,
                                                         **kw))
             n_cal = rep[0].n_calib_tokens
@@ -142,7 +132,10 @@ def main() -> int:
             cals = [calibrate_inputs(prof, s, crit, weights_t) for s in levels]
             del rd, tw
             for s, cal in zip(levels, cals):
-                patch_thresholds(path, cal)
+                if not args.no_refit and s > 0:
+                    refit(path, cal, refit_tokens(prof.input_ids, cal.n_fit, 512), 512, args.threads,
+                          say=lambda m: print(m, flush=True))
+                patch_calibration(path, cal)
                 lg, st = logprobs(path, ids, ffn, True, args.threads)
                 r = compare(ld, lg, ids)
                 r.update(criterion=crit, sparsity=s, att=st["input_sparse"]["attention_density"],

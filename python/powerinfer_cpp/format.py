@@ -434,7 +434,12 @@ KEY_INPUT_SPARSITY = "powerinfer.input_sparsity.target"
 #: as t / norm_i per channel).
 KEY_INPUT_CRITERION = "powerinfer.input_sparsity.criterion"
 INPUT_CRITERIA = ("magnitude", "wina")
-INPUT_KEYS = (KEY_INPUT_SPARSITY, KEY_INPUT_CRITERION)
+#: Only when the target was chosen by a quality budget (convert --input-sparsity auto): the
+#: budget P (f32, relative), and the relative held-out perplexity increase measured with the
+#: file's thresholds, FFN and input sparsity together (f32).
+KEY_INPUT_MAX_PPL_INCREASE = "powerinfer.input_sparsity.max_ppl_increase"
+KEY_INPUT_PPL_INCREASE = "powerinfer.input_sparsity.heldout_ppl_increase"
+INPUT_KEYS = (KEY_INPUT_SPARSITY, KEY_INPUT_CRITERION, KEY_INPUT_MAX_PPL_INCREASE, KEY_INPUT_PPL_INCREASE)
 
 
 def input_sparse_tensor_name(kind: str, layer: int | None = None) -> str:

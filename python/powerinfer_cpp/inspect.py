@@ -105,8 +105,11 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     if F.KEY_INPUT_CRITERION in fields:
         copies = sum(int(t.n_bytes) for t in r.tensors if F.parse_tensor_name(t.name)[0] in
                      (F.T_ATTN_QKV_T, F.T_ATTN_OUTPUT_T, F.T_OUTPUT_T))
+        budget = fields.get(F.KEY_INPUT_MAX_PPL_INCREASE)
+        chosen = (f" (chosen by the quality budget {float(budget):.1%}: held-out ppl "
+                  f"{float(fields.get(F.KEY_INPUT_PPL_INCREASE, 'nan')):+.2%})" if budget is not None else "")
         out.append(f"input sparsity: attention q/k/v, o and head, criterion {fields[F.KEY_INPUT_CRITERION]}, "
-                   f"target {float(fields.get(F.KEY_INPUT_SPARSITY, 'nan')):.3g}; transposed copies "
+                   f"target {float(fields.get(F.KEY_INPUT_SPARSITY, 'nan')):.3g}{chosen}; transposed copies "
                    f"{format_size(copies)}")
     if sparse and n_layer:
         out.append("layer  predictor h  pred bytes  pred/FFN  types(fc1,fc2)  mean freq  GPU neurons")

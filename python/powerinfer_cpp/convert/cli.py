@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -21,11 +22,24 @@ def _input_options(args) -> dict:
     """SparseOptions' input-sparsity fields from the command line."""
     if args.input_sparsity is None:
         if args.input_criterion is not None:
-            raise ConvertError("--input-criterion ranks the inputs --input-sparsity S skips; pass S too")
+            raise ConvertError("--input-criterion ranks the inputs --input-sparsity S (or auto) skips; "
+                               "pass it too")
         return {}
-    if not 0.0 <= args.input_sparsity < 1.0:
-        raise ConvertError(f"--input-sparsity must be a share in [0, 1), got {args.input_sparsity}")
-    out = {"input_sparsity": args.input_sparsity}
+    if args.input_sparsity == "auto":
+        if args.sparsity is not None:
+            raise ConvertError("--input-sparsity auto chooses the input level by the quality budget, and "
+                               "--sparsity S fixes the gate level without one: pass --max-ppl-increase P "
+                               "instead of --sparsity (the budget then chooses both levels), or a fixed "
+                               "--input-sparsity S")
+        out = {"input_sparsity": "auto"}
+    else:
+        try:
+            value = float(args.input_sparsity)
+        except ValueError:
+            value = math.nan
+        if not 0.0 <= value < 1.0:
+            raise ConvertError(f"--input-sparsity must be a share in [0, 1) or 'auto', got {args.input_sparsity}")
+        out = {"input_sparsity": value}
     if args.input_criterion is not None:
         out["input_criterion"] = args.input_criterion
     return out
@@ -86,11 +100,15 @@ def main(argv: list[str] | None = None) -> int:
                          "(greedy: n_layer x 9 extra runs over --greedy-tokens)")
     sp.add_argument("--greedy-tokens", type=int, default=512, metavar="N",
                     help="calibration tokens of the greedy allocation's measurements (default 512)")
-    sp.add_argument("--input-sparsity", type=float, default=None, metavar="S",
+    sp.add_argument("--input-sparsity", default=None, metavar="S|auto",
                     help="also make the attention's q/k/v and o and the output head input-sparse: per "
                          "layer and projection a threshold skipping the share S of its inputs (e.g. 0.25; "
                          "stores those weights a second time, transposed; default off: see "
-                         "docs/BENCHMARKS.md 'Input sparsity')")
+                         "docs/BENCHMARKS.md 'Input sparsity'); 'auto': the level (0 = off, or "
+                         "10-40%%) that, with the gate level, reads the fewest bytes per token within "
+                         "the quality budget (--max-ppl-increase P, for SwiGLU models the default 0.02; "
+                         "with predictors the budget is 0.02, spent on input sparsity alone). With a "
+                         "budget a fixed S shares it too: the gate gets what S leaves")
     sp.add_argument("--input-criterion", choices=F.INPUT_CRITERIA, default=None,
                     help="how --input-sparsity ranks inputs: wina (|x_i| times the weight column's "
                          "norm, the default) or magnitude (|x_i|, TEAL)")
@@ -129,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                                "budget: pass one of them")
         if gate_opts and sparse is False:
             raise ConvertError(f"{gate_opts[0]} calibrates a sparse file; it cannot be combined with --dense")
+        if args.input_sparsity is not None and sparse is False:
+            raise ConvertError("--input-sparsity makes a sparse file's attention and head input-sparse (in its "
+                               "sparse FFN modes); it cannot be combined with --dense")
         if sparse is not False:
             act, gated = ((dense.activation, dense.gated) if dense is not None else
                           (lambda p: (p.activation, p.gated))(read_hf_config(args.hf_dir)))

@@ -20,6 +20,12 @@ the dense ones scaled) until the share is within REFIT_TOL of the target: one to
 a site. Every threshold keeps the criterion's form t / gain_i, so the result is the
 threshold a profile of the sparse-mode inputs would give, to REFIT_TOL.
 
+Cost: 2-4 runs per layer over the refit's tokens, so it grows with n_layer squared in
+compute. One profile pass would do if the runtime recorded the projections' inputs in the
+sparse modes: gh_sparse_applies (ffn/sparse.c) turns them off whenever any profile buffer is
+set, though only ffn_in and the mask need the dense FFN (attention() and the head record
+theirs on either path).
+
 The runtime reads the thresholds when it loads a file, so each run patches them in place
 (patch_input_thresholds: same sizes, only values change) and reloads (an mmap).
 """

@@ -8,7 +8,9 @@ or ungated (ffn_up, ffn_down, OPT and Falcon), with or without biases.
     2. profile it with the native runtime over calibration text (profile.py),
     3. train a predictor per layer (predictor.py), or (gate mode, any gated FFN)
        calibrate the gate thresholds (thresholds.py) to a sparsity or to a quality
-       budget measured by the runtime on the held-out part of the profile (gate_eval.py),
+       budget measured by the runtime on the held-out part of the profile (gate_eval.py);
+       input sparsity's thresholds (input_sparsity.py) refit in the sparse mode
+       (input_eval.py), their level fixed or chosen with the gate's by the budget (budget.py),
     4. solve the GPU placement for the VRAM budget (placement.py),
     5. write ONE extended GGUF: the dense tensors (copied byte for byte from the
        profiled file) with ffn_down replaced by ffn_down_t, plus per layer the
@@ -40,8 +42,11 @@ from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
-from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, InputSources, calibrate_inputs,
+from .gate_eval import GateEvaluator, layer_costs, patch_gate_thresholds, search_budget
+from .input_eval import DEFAULT_REFIT_TOKENS, refit, refit_summary, refit_tokens
+from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, InputSources, calibrate_input_levels,
                              input_kv)
+from .budget import INPUT_GRID, search_levels
 from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
                          greedy_allocation, uniform_allocation)
 
@@ -111,10 +116,15 @@ class SparseOptions:
     keep_predictors: bool = False     # keep the trained weights in the report (tests)
     keep_calibration: bool = False    # gate mode: keep the quantile table in the report
                                       # (tools/eval_sparsity.py reuses one calibration)
-    input_sparsity: float | None = None  # input-sparse attention and head (input_sparsity.py):
-                                      # the share of each projection's inputs to skip; None: off
+    input_sparsity: float | str | None = None  # input-sparse attention and head (input_sparsity.py):
+                                      # the share of each projection's inputs to skip; "auto": the
+                                      # level chosen by the quality budget with the FFN's (budget.py);
+                                      # None: off
     input_criterion: str = DEFAULT_INPUT_CRITERION  # magnitude | wina (format.INPUT_CRITERIA)
     input_tokens: int = DEFAULT_INPUT_TOKENS  # profiled tokens whose projection inputs calibrate
+    input_refit: bool = True          # refit the thresholds on the sparse mode's inputs (input_eval.py)
+    input_refit_tokens: int = DEFAULT_REFIT_TOKENS  # fit tokens the refit's runs cover
+    input_grid: tuple = INPUT_GRID    # "auto": the input levels tried
 
     def __post_init__(self):
         checks = [
@@ -144,8 +154,16 @@ class SparseOptions:
              f"got {self.sparsity}"),
             (self.budget_tokens >= 16, f"budget_tokens must be >= 16, got {self.budget_tokens}"),
             (self.greedy_tokens >= 16, f"greedy_tokens must be >= 16, got {self.greedy_tokens}"),
-            (self.input_sparsity is None or 0.0 <= self.input_sparsity < 1.0,
-             f"input_sparsity must be in [0, 1), got {self.input_sparsity}"),
+            (self.input_sparsity is None or self.input_sparsity == "auto"
+             or (not isinstance(self.input_sparsity, str) and 0.0 <= self.input_sparsity < 1.0),
+             f"input_sparsity must be a share in [0, 1) or 'auto', got {self.input_sparsity!r}"),
+            (self.input_sparsity != "auto" or self.sparsity is None or self.max_ppl_increase is not None,
+             "input_sparsity 'auto' chooses the input level by the quality budget, and sparsity fixes "
+             "the gate level without one: pass max_ppl_increase P instead of sparsity (the budget then "
+             "chooses both levels), or a fixed input_sparsity S"),
+            (all(0.0 < float(v) < 1.0 for v in self.input_grid) and len(self.input_grid) > 0,
+             f"input_grid must be input levels in (0, 1), got {self.input_grid!r}"),
+            (self.input_refit_tokens >= 16, f"input_refit_tokens must be >= 16, got {self.input_refit_tokens}"),
             (self.input_criterion in F.INPUT_CRITERIA,
              f"input_criterion must be one of {', '.join(F.INPUT_CRITERIA)}, got {self.input_criterion!r}"),
             (self.input_tokens >= 16, f"input_tokens must be >= 16, got {self.input_tokens}"),
@@ -179,7 +197,10 @@ class SparseReport:
     budget_tried: list = field(default_factory=list)     # quality budget: (sparsity, measurement)
     budget_result: dict | None = None  # the chosen level's held-out measurement
     n_gate_fit: int = 0               # profiled tokens the thresholds were calibrated on
-    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration
+    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration (None: off,
+                                      # or "auto" chose 0)
+    input_tried: list = field(default_factory=list)  # quality budget with input sparsity:
+                                      # budget.Candidate of every combination measured
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
@@ -278,6 +299,10 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         raise ConvertError(f"--calib-tokens must be at least 16, got {opts.calib_tokens}")
     if opts.group_size < 1:
         raise ConvertError("--group-size must be >= 1")
+    in_req, in_auto = opts.input_sparsity is not None, opts.input_sparsity == "auto"
+    # the budget input sparsity is measured against: the gate's, shared; with predictors
+    # (no gate budget) only "auto" has one, the default's
+    in_budget = budget if gate_mode else (DEFAULT_MAX_PPL_INCREASE if in_auto else None)
     why = "sparse conversion"
     if gate_mode and opts.sparsity is None:
         why = (f"the quality budget (--max-ppl-increase {budget:g}"
@@ -316,7 +341,9 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         try:
             prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
                                  max_tokens=opts.calib_tokens, progress=progress,
-                                 inputs=opts.input_tokens if opts.input_sparsity is not None else 0)
+                                 inputs=opts.input_tokens if in_req else 0,
+                                 # under a budget the input thresholds never see its held-out tokens
+                                 inputs_span=1.0 - GATE_HOLDOUT if in_budget is not None else 1.0)
         except MemoryError as e:
             raise ConvertError(f"profiling: {e} (pass a smaller --calib-tokens)") from None
         rep.n_calib_tokens = prof.n_tokens
@@ -325,13 +352,21 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         if prof.n_tokens < 16:
             raise ConvertError(f"calibration text {calib} gave only {prof.n_tokens} tokens; need at least 16")
         say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
-        in_src = InputSources(jobs, n_layer) if opts.input_sparsity is not None else None
-        if in_src is not None:
+        in_src = InputSources(jobs, n_layer) if in_req else None
+        n_hold = prof.n_tokens - max(1, int(round(prof.n_tokens * GATE_HOLDOUT)))  # a budget's held-out start
+        if in_budget is not None and prof.n_tokens - n_hold < 16:
+            raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
+                               f"{GATE_HOLDOUT:.0%} of the profile); {prof.n_tokens} tokens were profiled: give a "
+                               "longer --calib text or a larger --calib-tokens")
+        in_levels: list = []
+        cals: dict = {}
+        if in_req:
             t1 = time.perf_counter()
-            rep.input_calibration = calibrate_inputs(prof, opts.input_sparsity, opts.input_criterion,
-                                                     in_src.weight_t)
-            say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s): "
-                f"{rep.input_calibration.summary()}")
+            in_levels = sorted({float(v) for v in opts.input_grid}) if in_auto else [float(opts.input_sparsity)]
+            fitted = calibrate_input_levels(prof, [0.0] + in_levels, opts.input_criterion, in_src.weight_t)
+            cals = dict(zip([0.0] + in_levels, fitted))
+            say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s, on dense-mode inputs): "
+                + "; ".join(cals[v].summary() for v in in_levels))
 
         # 3. predictors, or (gate mode) the gate thresholds
         t0 = time.perf_counter()
@@ -359,7 +394,7 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             tensors.pop(F.tensor_name(F.T_FFN_DOWN, l), None)
             tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q[l], (n_ff, d))
 
-        def write_out(path, freq, pl, gate_kv, show=progress, inputs=True):
+        def write_out(path, freq, pl, gate_kv, show=progress, inputs=None):
             # the extended file: dense tensors copied, ffn_down -> ffn_down_t, predictors,
             # the neuron index, the sparse keys
             new_jobs: list = []
@@ -382,13 +417,13 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                         new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
                         new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
                     new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
-                    if inputs and in_src is not None:
-                        new_jobs += in_src.layer_jobs(rep.input_calibration, il)
+                    if inputs is not None:
+                        new_jobs += in_src.layer_jobs(inputs, il)
                 else:
                     rt = dense_t[j.name]
                     new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
-            if inputs and in_src is not None:
-                new_jobs += in_src.head_jobs(rep.input_calibration)
+            if inputs is not None:
+                new_jobs += in_src.head_jobs(inputs)
 
             def setup(w):
                 from gguf import GGUFValueType as V
@@ -406,19 +441,13 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                 w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
                 for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
                     w.add_key_value(k, v, ty)
-                for k, v, ty in (input_kv(rep.input_calibration) if inputs and in_src is not None else []):
+                for k, v, ty in (input_kv(inputs) if inputs is not None else []):
                     w.add_key_value(k, v, ty)
 
             return write_gguf(path, setup, new_jobs, show, arch=dense.arch), len(new_jobs)
 
         if gate_mode:
-            freq = _calibrate_gates(dense, opts, budget, prof, gate_matrix, rep, tmpdir, tensors, ctx,
-                                    write_out, progress, say)
-            rep.seconds["thresholds"] = time.perf_counter() - t0
-            say(f"[3/5] gate thresholds ({rep.gate_allocation}, mean sparsity {rep.gate_sparsity:.1%}, "
-                f"{rep.seconds['thresholds']:.1f} s): " + ", ".join(
-                    f"L{l} {sl:.0%} t={t:.3g} density {dn:.1%}" for l, (sl, t, dn) in enumerate(
-                        zip(rep.gate_layer_sparsity, rep.gate_thresholds, rep.gate_density))))
+            table = _gate_table(dense, opts, budget, prof, gate_matrix, rep)
         else:
             pcfg = opts.predictor or PredictorConfig()
             pcfg.recall_target = opts.predictor_recall
@@ -456,6 +485,87 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             rep.predictors = list(preds) if opts.keep_predictors else [_strip(p) for p in preds]
             freq = [np.asarray(prof.freq[l], dtype=np.float64) for l in range(n_layer)]
 
+        # one evaluation file (CPU-only index, placeholder frequencies, input thresholds 0) for
+        # what the runtime measures: the budget, greedy's costs, the input refit; each trial
+        # patches its thresholds
+        ev = None
+        if ((gate_mode and (budget is not None or opts.allocation == "greedy"))
+                or (any(v > 0 for v in in_levels) and (opts.input_refit or in_budget is not None))):
+            flat = [np.full(n_ff, 0.5) for _ in range(n_layer)]
+            pl0 = solve_from_tensors(tensors, flat, n_layer, dense.n_embd_kv, ctx, 0, opts.group_size,
+                                     opts.min_layer_share, "greedy")
+            if gate_mode:
+                rep.gate_thresholds = [0.0] * n_layer
+                rep.gate_layer_sparsity = [0.0] * n_layer
+            eval_path, _ = write_out(os.path.join(tmpdir, "eval.gguf"), flat, pl0,
+                                     _gate_kv(rep, None, opts) if gate_mode else [], show=False,
+                                     inputs=cals.get(0.0))
+            ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads, ffn="gate" if gate_mode else "sparse")
+        if gate_mode:
+            allocate = _gate_allocation(dense, opts, prof, rep, table, ev, n_hold if budget is not None else
+                                        prof.n_tokens, progress, say)
+        held_ids = [int(t) for t in prof.tokens[n_hold:n_hold + opts.budget_tokens]]
+
+        def gate_thr(g):
+            return table.thresholds(allocate(g)) if gate_mode else None
+
+        def make_inputs(level, gate_level):
+            cal = cals[level]
+            if opts.input_refit and level > 0:
+                if gate_mode:
+                    patch_gate_thresholds(ev.path, gate_thr(gate_level))
+                ids = refit_tokens(prof.input_ids, cal.n_fit, prof.n_ctx, opts.input_refit_tokens)
+                refit(ev.path, cal, ids, prof.n_ctx, opts.n_threads, say=say)
+            return cal
+
+        def measure(g, cal):
+            return ev.measure(held_ids, gate_thr(g), inputs=cal)
+
+        cal = None
+        mean = None
+        joint = in_req and in_budget is not None and (in_auto or in_levels[0] > 0)
+        if joint:
+            say(f"[3/5] quality budget {in_budget:.1%} " + ("shared by the gate FFN and " if gate_mode else
+                                                          "(the predictors' loss included) for ")
+                + f"input sparsity at {', '.join(f'{v:.0%}' for v in in_levels)}"
+                + (" (or off)" if in_auto else "") + f", on {len(held_ids)} held-out tokens")
+            best, rep.input_tried = search_levels(measure, make_inputs, in_budget, in_levels,
+                                                  BUDGET_MAX_SPARSITY if gate_mode else None, include_off=in_auto,
+                                                  say=say)
+            mean, cal, rep.budget_result = best.gate, best.cal, best.result
+            r = best.result
+            if cal is not None and in_auto:
+                cal.max_ppl_increase, cal.ppl_increase = in_budget, r["ppl"] / r["ppl_dense"] - 1.0
+            over = r["ppl_increase_ub"] > in_budget
+            why_over = (f"input sparsity {best.inputs:.0%} alone (kept: it was asked for)" if best.inputs > 0
+                        else "the predictor FFN alone")
+            say("[3/5] chosen: " + (f"gate sparsity {mean:.1%}, " if gate_mode else "")
+                + f"input sparsity {best.inputs:.0%}"
+                + (" (off: the file stores no transposed copies)" if cal is None else "")
+                + f": held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%}, "
+                  f"bound {r['ppl_increase_ub']:+.2%}), {r['bytes_per_token'] / 1e6:.3f} of "
+                  f"{r['bytes_per_token_dense'] / 1e6:.3f} MB/token"
+                + (f"; over the budget: {why_over}" if over else ""))
+            if over:
+                log.warning("over the %.1f%% quality budget: %s", 100 * in_budget, why_over)
+        elif gate_mode and budget is not None:
+            mean = _budget_gate(ev, held_ids, gate_thr, budget, n_hold, rep, progress, say)
+        elif gate_mode:
+            mean = float(opts.sparsity)
+        if in_req and not joint:
+            cal = make_inputs(in_levels[0], mean)  # the FFN final: its inputs are the file's
+        rep.input_calibration = cal
+        if gate_mode:
+            freq = _gate_final(dense, opts, prof, gate_matrix, rep, table, allocate(mean), mean)
+            rep.seconds["thresholds"] = time.perf_counter() - t0
+            say(f"[3/5] gate thresholds ({rep.gate_allocation}, mean sparsity {rep.gate_sparsity:.1%}, "
+                f"{rep.seconds['thresholds']:.1f} s): " + ", ".join(
+                    f"L{l} {sl:.0%} t={t:.3g} density {dn:.1%}" for l, (sl, t, dn) in enumerate(
+                        zip(rep.gate_layer_sparsity, rep.gate_thresholds, rep.gate_density))))
+
+        if cal is not None and cal.sparse_mode:
+            say(f"[3/5] input thresholds, {refit_summary(cal)}")
+
         # 4. placement
         t0 = time.perf_counter()
         for l, (q1, e1, q2, e2) in enumerate(pred_enc):
@@ -470,7 +580,8 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
         # 5. the extended file
         t0 = time.perf_counter()
-        out, n_jobs = write_out(out_path, freq, pl, _gate_kv(rep, budget, opts) if gate_mode else [])
+        out, n_jobs = write_out(out_path, freq, pl, _gate_kv(rep, budget, opts) if gate_mode else [],
+                                inputs=rep.input_calibration)
         del reader, dense_t
         rep.seconds["write"] = time.perf_counter() - t0
         size = os.path.getsize(out)
@@ -494,81 +605,78 @@ def _gate_kv(rep: SparseReport, budget: float | None, opts: SparseOptions) -> li
     return kv
 
 
-def _calibrate_gates(dense: DenseModel, opts: SparseOptions, budget: float | None, prof, gate_matrix,
-                     rep: SparseReport, tmpdir: str, tensors: dict, ctx: int, write_out, progress: bool,
-                     say) -> list[np.ndarray]:
-    """Gate mode's step 3: thresholds per layer (into rep) for opts.sparsity or the largest
-    sparsity within the quality budget; returns the per-layer neuron frequencies."""
-    from .gate_eval import GateEvaluator, layer_costs, search_budget
-
+def _gate_table(dense: DenseModel, opts: SparseOptions, budget: float | None, prof, gate_matrix,
+                rep: SparseReport) -> QuantileTable:
+    """Gate mode's quantile table of |act(gate)| per layer, on the calibration tokens (the
+    profile's first ones: a budget is measured on the rest)."""
     n_layer, n = dense.n_layer, prof.n_tokens
-    act_t = dense.act_threshold or 0.0
-    # the budget is measured on the profile's last tokens, which the thresholds never see
     n_fit = n - max(1, int(round(n * GATE_HOLDOUT))) if budget is not None else n
     if budget is not None and n - n_fit < 16:
         raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
                            f"{GATE_HOLDOUT:.0%} of the profile); {n} tokens were profiled: give a longer "
                            "--calib text or a larger --calib-tokens")
     rep.n_gate_fit = n_fit
+    act_t = dense.act_threshold or 0.0
     table = QuantileTable(gate_magnitudes(prof.x[l][:n_fit], gate_matrix(l), dense.activation,
                                           act_threshold=act_t) for l in range(n_layer))
     if opts.keep_calibration:
         rep.gate_table = table
-    ev = None
-    if budget is not None or opts.allocation == "greedy":
-        # one evaluation file (CPU-only index, placeholder frequencies); trials patch its thresholds
-        flat = [np.full(dense.n_ff, 0.5) for _ in range(n_layer)]
-        pl0 = solve_from_tensors(tensors, flat, n_layer, dense.n_embd_kv, ctx, 0, opts.group_size,
-                                 opts.min_layer_share, "greedy")
-        rep.gate_thresholds = [0.0] * n_layer
-        rep.gate_layer_sparsity = [0.0] * n_layer
-        # (without input sparsity: the budget is the FFN's alone)
-        eval_path, _ = write_out(os.path.join(tmpdir, "gate-eval.gguf"), flat, pl0,
-                                 _gate_kv(rep, None, opts), show=False, inputs=False)
-        ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads)  # the windows the profile ran in
-    costs = None
-    if opts.allocation == "greedy":
-        ids = [int(t) for t in prof.tokens[:min(n_fit, opts.greedy_tokens)]]
-        say(f"[3/5] greedy allocation: KL to dense of each layer alone at {ALLOCATION_GRID[0]:.0%}.."
-            f"{ALLOCATION_GRID[-1]:.0%} on {len(ids)} calibration tokens ({n_layer * len(ALLOCATION_GRID)} runs)")
-        costs = layer_costs(ev, ids, n_layer, table.threshold, ALLOCATION_GRID, progress, say)
-        rep.gate_costs = costs
+    return table
 
-    def allocate(mean):
-        return greedy_allocation(costs, mean) if costs is not None else uniform_allocation(n_layer, mean)
 
-    if budget is not None:
-        ids = [int(t) for t in prof.tokens[n_fit:n_fit + opts.budget_tokens]]
-        say(f"[3/5] quality budget: the largest sparsity within {budget:.1%} of dense perplexity on "
-            f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
+def _gate_allocation(dense: DenseModel, opts: SparseOptions, prof, rep: SparseReport, table: QuantileTable,
+                     ev, n_fit: int, progress: bool, say) -> Callable[[float], list]:
+    """The allocation: mean sparsity -> per-layer levels (greedy: from each layer's measured
+    KL, into rep.gate_costs)."""
+    n_layer = dense.n_layer
+    if opts.allocation != "greedy":
+        return lambda mean: uniform_allocation(n_layer, mean)
+    ids = [int(t) for t in prof.tokens[:min(n_fit, opts.greedy_tokens)]]
+    say(f"[3/5] greedy allocation: KL to dense of each layer alone at {ALLOCATION_GRID[0]:.0%}.."
+        f"{ALLOCATION_GRID[-1]:.0%} on {len(ids)} calibration tokens ({n_layer * len(ALLOCATION_GRID)} runs)")
+    costs = layer_costs(ev, ids, n_layer, table.threshold, ALLOCATION_GRID, progress, say)
+    rep.gate_costs = costs
+    return lambda mean: greedy_allocation(costs, mean)
 
-        def ppl_at(s):
-            r = ev.measure(ids, table.thresholds(allocate(s)))
-            if bar is not None:
-                bar.update(1)
-            return r
 
-        try:
-            mean, rep.budget_result, rep.budget_tried = search_budget(ppl_at, budget, BUDGET_MAX_SPARSITY,
-                                                                      say=say)
-        finally:
-            if bar is not None:
-                bar.close()
-        r = rep.budget_result
-        say(f"[3/5] quality budget {budget:.1%}: sparsity {mean:.1%}"
-            + (f", held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%})"
-               if r else " (no level above 0 kept the budget)"))
-    else:
-        mean = float(opts.sparsity)
-    levels = allocate(mean)
+def _budget_gate(ev, ids: list, gate_thr, budget: float, n_fit: int, rep: SparseReport, progress: bool,
+                 say) -> float:
+    """The largest mean gate sparsity within the budget on the held-out ids (into rep)."""
+    say(f"[3/5] quality budget: the largest sparsity within {budget:.1%} of dense perplexity on "
+        f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
+
+    def ppl_at(s):
+        r = ev.measure(ids, gate_thr(s))
+        if bar is not None:
+            bar.update(1)
+        return r
+
+    try:
+        mean, rep.budget_result, rep.budget_tried = search_budget(ppl_at, budget, BUDGET_MAX_SPARSITY, say=say)
+    finally:
+        if bar is not None:
+            bar.close()
+    r = rep.budget_result
+    say(f"[3/5] quality budget {budget:.1%}: sparsity {mean:.1%}"
+        + (f", held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%})"
+           if r else " (no level above 0 kept the budget)"))
+    return mean
+
+
+def _gate_final(dense: DenseModel, opts: SparseOptions, prof, gate_matrix, rep: SparseReport,
+                table: QuantileTable, levels: list, mean: float) -> list[np.ndarray]:
+    """Gate mode's result into rep (levels, thresholds, densities); returns the per-layer
+    neuron frequencies on every profiled token."""
     rep.gate_sparsity, rep.gate_layer_sparsity, rep.gate_allocation = mean, levels, opts.allocation
     rep.gate_thresholds = table.thresholds(levels)
+    act_t = dense.act_threshold or 0.0
     freq = []
-    for l in range(n_layer):
+    rep.gate_density = []
+    for l in range(dense.n_layer):
         mag = gate_magnitudes(prof.x[l], gate_matrix(l), dense.activation, act_threshold=act_t)
         fr = (mag > rep.gate_thresholds[l]).mean(axis=0, dtype=np.float64)
         freq.append(fr)

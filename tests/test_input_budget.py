@@ -207,6 +207,8 @@ def test_auto_on_the_shipped_relu_model(tmp_path):
     (["--input-sparsity", "most"], "a share in [0, 1) or 'auto'"),
     (["--input-sparsity", "1.0"], "a share in [0, 1) or 'auto'"),
     (["--input-criterion", "wina"], "--input-sparsity S (or auto)"),
+    (["--no-input-refit"], "--input-sparsity S (or auto)"),
+    (["--input-sparsity", "0.25", "--input-refit-tokens", "8"], "--input-refit-tokens must be at least 16"),
 ])
 def test_bad_input_options_are_clear_errors(argv, words, tmp_path, capsys):
     out = tmp_path / "x.gguf"

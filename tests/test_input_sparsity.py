@@ -296,3 +296,11 @@ def test_cli(tmp_path):
     assert len(thr) == 2 * 4 + 1 and all(np.all(v == v[0]) for v in thr.values())  # one value per site
     from powerinfer_cpp.inspect import describe
     assert "input sparsity: attention q/k/v, o and head, criterion magnitude, target 0.3" in describe(out)
+    # --no-input-refit keeps the dense-mode fit: the sites whose inputs the sparse modes
+    # change (o, later layers, the head) get other thresholds than the refit gave them
+    plain = tmp_path / "plain.gguf"
+    assert main(base + ["-o", str(plain), "--input-sparsity", "0.3", "--input-criterion", "magnitude",
+                        "--no-input-refit"]) == 0
+    thr_plain = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(plain).tensors if t.name.endswith("_in_thr")}
+    assert thr_plain.keys() == thr.keys()
+    assert any(not np.array_equal(thr_plain[n], thr[n]) for n in thr)

@@ -21,9 +21,12 @@ __all__ = ["main"]
 def _input_options(args) -> dict:
     """SparseOptions' input-sparsity fields from the command line."""
     if args.input_sparsity is None:
-        if args.input_criterion is not None:
-            raise ConvertError("--input-criterion ranks the inputs --input-sparsity S (or auto) skips; "
-                               "pass it too")
+        for flag, given in (("--input-criterion", args.input_criterion is not None),
+                            ("--no-input-refit", args.no_input_refit),
+                            ("--input-refit-tokens", args.input_refit_tokens is not None)):
+            if given:
+                raise ConvertError(f"{flag} applies to the input sparsity --input-sparsity S (or auto) "
+                                   "asks for; pass it too")
         return {}
     if args.input_sparsity == "auto":
         if args.sparsity is not None:
@@ -42,6 +45,12 @@ def _input_options(args) -> dict:
         out = {"input_sparsity": value}
     if args.input_criterion is not None:
         out["input_criterion"] = args.input_criterion
+    if args.no_input_refit:
+        out["input_refit"] = False
+    if args.input_refit_tokens is not None:
+        if args.input_refit_tokens < 16:
+            raise ConvertError(f"--input-refit-tokens must be at least 16, got {args.input_refit_tokens}")
+        out["input_refit_tokens"] = args.input_refit_tokens
     return out
 
 
@@ -112,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--input-criterion", choices=F.INPUT_CRITERIA, default=None,
                     help="how --input-sparsity ranks inputs: wina (|x_i| times the weight column's "
                          "norm, the default) or magnitude (|x_i|, TEAL)")
+    sp.add_argument("--no-input-refit", action="store_true",
+                    help="keep the input thresholds fitted on the dense-mode profile instead of refitting "
+                         "each site on the inputs it sees in the sparse mode (the refit runs the runtime "
+                         "1-3 times per site over --input-refit-tokens tokens: tens of minutes on a 1B model)")
+    sp.add_argument("--input-refit-tokens", type=int, default=None, metavar="N",
+                    help="calibration tokens each refit run covers (default 1024)")
     sp.add_argument("--vram-budget", default="0", metavar="SIZE",
                     help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
                          "re-solve later with python -m powerinfer_cpp.place)")

@@ -155,14 +155,26 @@ def site_shares(path: str, ids: Sequence[int], window: int, cal: InputCalibratio
 
 
 def refit(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_threads: int = 0,
-          tol: float = REFIT_TOL, max_runs: int = REFIT_MAX_RUNS, say: Callable[[str], None] | None = None) -> int:
+          tol: float = REFIT_TOL, max_runs: int = REFIT_MAX_RUNS, say: Callable[[str], None] | None = None,
+          progress: bool = False) -> int:
     """Move every site of cal (in place) to its target share in the sparse mode of the file
     at path, measured on ids; records (share before, after) per site in cal.sparse_mode and
     leaves the file with the new thresholds. Returns the number of runtime runs."""
+    from tqdm import tqdm
+
     target = cal.sparsity
     meter = SiteMeter(path, ids, window, n_threads)
+    # 1-3 runs of len(ids) sparse-mode tokens per site, 2 n_layer + 1 sites: minutes on a
+    # large model, so it shows its progress
+    bar = tqdm(total=len(list(cal.keys())), desc=f"input refit {target:.0%}", unit="site", disable=not progress)
 
     def choose(key, share_at):
+        try:
+            return _choose(key, share_at)
+        finally:
+            bar.update(1)
+
+    def _choose(key, share_at):
         t = cal.t[key]
         lo, hi = 0.0, np.inf
         tried = []
@@ -186,7 +198,10 @@ def refit(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_t
         cal.sparse_mode[key] = (tried[0][2], best[2])
         return best[1]
 
-    walk_sites(meter, cal, choose)
+    try:
+        walk_sites(meter, cal, choose)
+    finally:
+        bar.close()
     patch_calibration(path, cal)
     if say:
         say("  " + refit_summary(cal) + f" ({meter.runs} runs on {len(ids)} tokens)")

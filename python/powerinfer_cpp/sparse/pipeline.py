@@ -515,7 +515,7 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                 if gate_mode:
                     patch_gate_thresholds(ev.path, gate_thr(gate_level))
                 ids = refit_tokens(prof.input_ids, cal.n_fit, prof.n_ctx, opts.input_refit_tokens)
-                refit(ev.path, cal, ids, prof.n_ctx, opts.n_threads, say=say)
+                refit(ev.path, cal, ids, prof.n_ctx, opts.n_threads, say=say, progress=progress)
             return cal
 
         def measure(g, cal):

@@ -21,6 +21,19 @@ ARCH_VARIANTS = {"llama": {"sparsity": 0.0}, "qwen2": {"sparsity": 0.0}, "phi3":
                  "opt": {}, "falcon-relu": {}}
 
 
+def _every_input_passes(path) -> list[int]:
+    """Set every input threshold of the file at path to 1e-30 (> 0: the sites run
+    input-sparse, yet every input passes); returns the test's prompt as tokens."""
+    r = gguf.GGUFReader(path, "r+")
+    for t in r.tensors:
+        if t.name.endswith("_in_thr"):
+            t.data[:] = 1e-30
+    r.data.flush()
+    del r
+    with Model(path, n_ctx=64) as m:
+        return m.tokenize("In the beginning God created the heaven and the earth.")[:24]
+
+
 @pytest.mark.parametrize("variant", list(ARCH_VARIANTS))
 def test_every_architecture_transposed_layout(variant, tmp_path):
     """With thresholds below every input the input-sparse path uses every input: its logits
@@ -32,14 +45,7 @@ def test_every_architecture_transposed_layout(variant, tmp_path):
                    sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=256, profile_ctx=64,
                                                 input_sparsity=0.5, input_tokens=64, n_threads=1,
                                                 **ARCH_VARIANTS[variant]))
-    r = gguf.GGUFReader(path, "r+")
-    for t in r.tensors:
-        if t.name.endswith("_in_thr"):
-            t.data[:] = 1e-30  # > 0: the sites run input-sparse, yet every input passes
-    r.data.flush()
-    del r
-    with Model(path, n_ctx=64) as m:
-        ids = m.tokenize("In the beginning God created the heaven and the earth.")[:24]
+    ids = _every_input_passes(path)
     on, st = _run(path, ids, input_sparse=True, window=32)
     off, _ = _run(path, ids, input_sparse=False, window=32)
     assert st["input_sparse"]["attention_density"] > 0.99 and st["input_sparse"]["head_density"] > 0.99
@@ -66,17 +72,10 @@ def test_every_weight_type(outtype, tmp_path):
                    sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=256, profile_ctx=64,
                                                 sparsity=0.0, input_sparsity=0.5, input_tokens=64, n_threads=1))
     want_w, want_head, bound = OUTTYPES[outtype]
-    r = gguf.GGUFReader(path, "r+")
-    types = {t.name: t.tensor_type.name for t in r.tensors}
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_qkv_t.weight"] == types["blk.0.attn_output_t.weight"] == want_w
     assert types["output_t.weight"] == want_head
-    for t in r.tensors:
-        if t.name.endswith("_in_thr"):
-            t.data[:] = 1e-30
-    r.data.flush()
-    del r
-    with Model(path, n_ctx=64) as m:
-        ids = m.tokenize("In the beginning God created the heaven and the earth.")[:24]
+    ids = _every_input_passes(path)
     on, _ = _run(path, ids, input_sparse=True, window=32)
     off, _ = _run(path, ids, input_sparse=False, window=32)
     err = float(np.sqrt(np.mean((on - off) ** 2)) / np.sqrt(np.mean(off ** 2)))

@@ -20,6 +20,7 @@
  * up late); the gathered tiles prefetch the rows they are given, a slice per step. */
 #pragma GCC target("avx2,fma,f16c")
 
+#include "cpu/avx2/k4_scales.h"
 #include "cpu/kernels.h"
 
 #include <immintrin.h>
@@ -505,27 +506,6 @@ bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
 
 #define KNT 4
 #define K_PF_BYTES 1024 /* software prefetch distance along the row stream */
-
-/* The 6-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K/Q5_K block, in the
- * vector unit: with a, b, c the words of the 12 scale bytes, [a & 3f.., (c & 0f..) |
- * ((a >> 2) & 30..), b & 3f.., ((c >> 4) & 0f..) | ((b >> 2) & 30..)] (gh_k4_scale_min's
- * rule). The load reads four bytes past the scales, inside the block. */
-GH_INLINE __m128i k4_scales_mins(const uint8_t * q) {
-    const __m128i v = _mm_loadu_si128((const __m128i *) q);
-    const __m128i t1 = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* a, c, b, c */
-    const __m128i t2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)); /* a, a, b, b */
-    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(t1, _mm_setr_epi32(0, 0, 0, 4)),
-                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi32(t2, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-    return _mm_or_si128(lo, hi);
-}
-
-/* The mins (bytes 8..15 of sm) as 16 words, min j in words 2j and 2j + 1: one madd with a
- * token's 16 bsums gives the 8 sums min_j * (bsums[2j] + bsums[2j + 1]). */
-GH_INLINE __m256i k4_mins16(__m128i sm) {
-    const __m128i m = _mm_srli_si128(sm, 8);
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
-}
 
 /* The 256 weights of a block as 8 vectors of 32 unsigned bytes, vector j = sub-block j
  * (Q4_K, Q5_K), and the sub-block scales as int16 words. */

@@ -33,6 +33,7 @@
  * Four accumulators per row were no faster and slower at some alignments of x. */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")
 
+#include "cpu/avx2/k4_scales.h"
 #include "cpu/kernels.h"
 
 #include <immintrin.h>
@@ -623,24 +624,6 @@ bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
 
 #define KNT 4
 #define K_PF_BYTES 1024
-
-/* Scales (bytes 0..7) and mins (8..15), decoded in the vector unit as avx2/kernels_avx2.c
- * does (the load reads four bytes past the scales, inside the block). */
-GH_INLINE __m128i k4_scales_mins(const uint8_t * q) {
-    const __m128i v = _mm_loadu_si128((const __m128i *) q);
-    const __m128i t1 = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* a, c, b, c */
-    const __m128i t2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)); /* a, a, b, b */
-    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(t1, _mm_setr_epi32(0, 0, 0, 4)),
-                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi32(t2, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
-    return _mm_or_si128(lo, hi);
-}
-
-/* The mins as 16 words, min j in words 2j and 2j + 1 (one madd with a token's bsums). */
-GH_INLINE __m256i k4_mins16(__m128i sm) {
-    const __m128i m = _mm_srli_si128(sm, 8);
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
-}
 
 /* word w of register c: sub-block 2c + w / 16 (Q4_K, Q5_K); 4c + w / 8 (Q6_K) */
 static const uint16_t K4_SC_IDX[4][32] __attribute__((aligned(64))) = {

@@ -96,30 +96,50 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
 AXPY_INT8_GROUP = 16
 
 
+def _int8_groups_bound(raw: np.ndarray, wd: np.ndarray, groups) -> np.ndarray:
+    """Per output column, the int8 form's rounding bound summed over groups of (rows, a):
+    per group and block b each a_k * d_k,b is rounded to a multiple of
+    S = max_k |a_k * d_k,b| / 127, at most S / 2 times |q - 8| = |W_k,c| / d_k,b per row and value."""
+    bound = np.zeros(wd.shape[1])
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
+    d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(d != 0, 1.0 / np.abs(d), 0.0)                   # |q - 8| = |W / d| (d may be < 0)
+    for rows, a in groups:
+        c = np.asarray(a, dtype=np.float64)[:, None] * d[rows]         # [<= 16, blocks]
+        s_half = np.abs(c).max(axis=0) / 127.0 / 2.0                   # [blocks]
+        per = np.repeat(s_half[None, :] * inv[rows], 32, axis=1)       # [<= 16, cols]
+        bound += (per * np.abs(wd[rows].astype(np.float64))).sum(axis=0)
+    return bound * 1.001 + 1e-6
+
+
 def axpy_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, ids, a) -> np.ndarray:
     """Per output column, the most the one-token transposed matmul sum_k a[k] * W[ids[k]]
     can differ from exact by the int8 form's rounding: 0 where that form is not used (other
     types, the scalar level). The form takes the nonzero a's in list order in groups of
-    16 (the rest go through the float forms) and, per group and block b, rounds each
-    a_k * d_k,b to a multiple of S = max_k |a_k * d_k,b| / 127: at most S / 2 times
-    |q - 8| = |W_k,c| / d_k,b per row and value."""
+    16 (the rest go through the float forms)."""
     ids = np.asarray(ids)
     a = np.asarray(a, dtype=np.float64)
-    cols = wd.shape[1]
-    bound = np.zeros(cols)
     if t != Q4_0 or level < 1:
-        return bound
+        return np.zeros(wd.shape[1])
     nz = np.flatnonzero(a != 0.0)
     nz = nz[: nz.size // AXPY_INT8_GROUP * AXPY_INT8_GROUP]
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
-    d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
-    for g in range(0, nz.size, AXPY_INT8_GROUP):
-        sel = nz[g:g + AXPY_INT8_GROUP]
-        rows = ids[sel]
-        c = a[sel, None] * d[rows]                                   # [16, blocks]
-        s_half = np.abs(c).max(axis=0) / 127.0 / 2.0                 # [blocks]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            q = np.where(d[rows] != 0, 1.0 / np.abs(d[rows]), 0.0)   # |q - 8| = |W / d| (d may be < 0)
-        per = np.repeat(s_half[None, :] * q, 32, axis=1)             # [16, cols]
-        bound += (per * np.abs(wd[rows].astype(np.float64))).sum(axis=0)
-    return bound * 1.001 + 1e-6
+    groups = [(ids[nz[g:g + AXPY_INT8_GROUP]], a[nz[g:g + AXPY_INT8_GROUP]])
+              for g in range(0, nz.size, AXPY_INT8_GROUP)]
+    return _int8_groups_bound(raw, wd, groups)
+
+
+def matmul_t_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per token and output column, the same bound for a batch (h [n_tokens, rows], more than
+    one token) of gh_matmul_t: its dense blocks take the rows some token needs in groups of
+    16, the last one short, each token with its own factors (blocks that run in floats
+    instead are within the bound too)."""
+    h = np.asarray(h, dtype=np.float64)
+    out = np.zeros((h.shape[0], wd.shape[1]))
+    if t != Q4_0 or level < 1 or h.shape[0] < 2:
+        return out
+    active = np.flatnonzero((h != 0.0).any(axis=0))
+    sel = [active[g:g + AXPY_INT8_GROUP] for g in range(0, active.size, AXPY_INT8_GROUP)]
+    for i in range(h.shape[0]):
+        out[i] = _int8_groups_bound(raw, wd, [(rows, h[i, rows]) for rows in sel])
+    return out

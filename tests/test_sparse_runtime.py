@@ -23,7 +23,8 @@ from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
 from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q8_0, TYPES,  # noqa: E402
-                   axpy_int8_bound, block_cols, native_quantize)
+                   axpy_int8_bound, block_cols, matmul_t_int8_bound,
+                   native_quantize)
 
 GH_ERR_INVALID_ARG = 4
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 100, 383, 12, 64]
@@ -78,11 +79,33 @@ def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
                 # rows dequantize exactly; quantized ones are scaled in another order there)
                 one = np.concatenate([matmul_t(t, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
                 np.testing.assert_array_equal(y1, one)
-            # one token: Q4_0's int8 form rounds too (a batch's blocks are dequantized to f32)
-            int8 = axpy_int8_bound(t, level, raw, wd, np.arange(rows), h[0]) if n_tokens == 1 else 0.0
+            # Q4_0's int8 forms round too: one token's groups of 16 nonzero rows, a batch's
+            # groups of 16 rows some token needs
+            int8 = (axpy_int8_bound(t, level, raw, wd, np.arange(rows), h[0]) if n_tokens == 1
+                    else matmul_t_int8_bound(t, level, raw, wd, h))
             assert np.all(np.abs(y1 - ref) <= 4e-7 * rows * scale + 1e-6 + int8), (level, np.max(np.abs(y1 - ref)))
             if zeros == 1.0:
                 assert np.all(y1 == 0)
+    finally:
+        lib.gh_simd_set(prev)
+
+
+def test_matmul_t_q4_0_batch_equals_tokens():
+    """Q4_0's int8 batch form: each token of a dense batch sums as the one-token form does
+    over the same groups of 16 rows, bit for bit (rows a multiple of 16, no zero h)."""
+    rng = np.random.default_rng(11)
+    rows, cols, n_tokens = 96, 544, 9
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    data, wd = encode(Q4_0, w)
+    raw = np.ascontiguousarray(data[0] if isinstance(data, tuple) else data)
+    h = rng.standard_normal((n_tokens, rows)).astype(np.float32)
+    prev = lib.gh_simd_get()
+    try:
+        for level in range(1, int(lib.gh_simd_supported()) + 1):
+            assert lib.gh_simd_set(level) != -2
+            batch = matmul_t(Q4_0, raw, rows, cols, h, 2)
+            one = np.concatenate([matmul_t(Q4_0, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
+            np.testing.assert_array_equal(batch, one)
     finally:
         lib.gh_simd_set(prev)
 
@@ -188,6 +211,10 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
     got, info = logits_of(sparse)
     assert info.has_down_t == info.n_layer == 2 and info.has_predictor == 2
     assert info.sparse_threshold == pytest.approx(0.25)
+    # Q4_0's down_t runs through the int8 forms (a step's groups of 16 nonzero rows, a
+    # batch's of 16 rows some token needs), which round the scaled rows
+    int8 = t == Q4_0 and lib.gh_simd_get() >= 1
+    tol = 3e-3 * np.abs(got).max() if int8 else 1e-4
     if t == F32:
         np.testing.assert_allclose(got, dense_logits, rtol=0, atol=1e-4)
     else:
@@ -198,19 +225,17 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
             F.tensor_name(F.T_FFN_DOWN, il): (lambda a, il=il: np.ascontiguousarray(deq[il].T))
             for il in range(n_layer)})
         ref = logits_of(ref_path)[0]
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
         err = np.abs(got - dense_logits).max() / np.abs(dense_logits).max()
         assert err < {F16: 1e-2, BF16: 3e-2, Q8_0: 3e-2, Q4_0: 0.2}[t]
     # thread count does not change the result, and neither does the batch split
     np.testing.assert_array_equal(logits_of(sparse, n_threads=1)[0], got)
     # (dense FFN: the file's predictors are random; the sparse modes: test_sparse_ffn.py)
     with Model(sparse, n_ctx=64, n_threads=2, n_batch=5, ffn="dense") as m:
-        np.testing.assert_allclose(m.eval(PROMPT, logits_all=True), got, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(m.eval(PROMPT, logits_all=True), got, rtol=0, atol=tol)
         m.context.reset()
         step = np.stack([m.eval([tok]) for tok in PROMPT])
-        # (a step's Q4_0 down_t runs through the int8 form, which rounds the scaled rows)
-        int8 = t == Q4_0 and lib.gh_simd_get() >= 1
-        np.testing.assert_allclose(step, got, rtol=0, atol=3e-3 * np.abs(got).max() if int8 else 1e-4)
+        np.testing.assert_allclose(step, got, rtol=0, atol=tol)
 
 
 def test_dense_file_info(random_gguf):

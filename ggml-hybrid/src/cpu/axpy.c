@@ -11,7 +11,8 @@
  * Decode (one token): each active row's segment is dequantized and accumulated in one
  * pass (a fused axpy per type). Batches: a block of rows is dequantized once into a
  * small buffer and then added into every token whose activation is nonzero, or, when most
- * of the block's activations are nonzero (a SwiGLU prompt), multiplied in register tiles. */
+ * of the block's activations are nonzero (a SwiGLU prompt), multiplied in register tiles
+ * (Q4_0: in the int8 groups of 16 rows of the decode form, each token's factors its own). */
 #include "cpu/ops.h"
 #include "types/types.h"
 
@@ -371,8 +372,10 @@ typedef struct {
     axpy4_fn          axpy4;     /* the weight type's four-row axpy, or NULL */
     gh_axpy4pf_fn     axpy4pf;   /* list path: the four-row axpy with prefetch, or NULL */
     gh_axpy16_fn      axpy16;    /* one token: the sixteen-row form, or NULL */
+    gh_matmul16_fn    mm16;      /* batch path: dense groups of sixteen rows in int8, or NULL */
     bool              tiles;    /* batch path: dense blocks in AVX2 register tiles */
     const int32_t *   active;   /* batch path: rows with a nonzero h for some token */
+    const int32_t *   nzc;      /* batch path: per active row, the tokens whose h is nonzero */
     const int32_t *   ids;      /* list path (gh_matmul_t_list): rows ids[k] scaled by a[k] */
     const float *     a;
     int64_t           n_ids;
@@ -512,36 +515,48 @@ static void matmul_t_task(void * arg, int ith, int nth) {
     }
 
     float buf[AXPY_RB * AXPY_SEG];
+    /* blocks of rows: four int8 groups of 16 where the type has that form */
+    const int64_t rb = job->mm16 ? 64 : AXPY_RB;
     for (int64_t cs = c0; cs < c1; cs += AXPY_SEG) {
         const int64_t n = GH_MIN((int64_t) AXPY_SEG, c1 - cs);
         const size_t off = col_offset(tt, cs);
-        for (int64_t k0 = 0; k0 < job->n_active; k0 += AXPY_RB) {
-            const int64_t nk = GH_MIN((int64_t) AXPY_RB, job->n_active - k0);
+        for (int64_t k0 = 0; k0 < job->n_active; k0 += rb) {
+            const int64_t nk = GH_MIN(rb, job->n_active - k0);
             const int32_t * rows = job->active + k0;
-            /* dequantize: 0 + 1 * x is exact, and the axpy is the fastest converter */
-            memset(buf, 0, (size_t) nk * AXPY_SEG * sizeof(float));
-            for (int64_t k = 0; k < nk; k++) {
-                job->axpy(n, 1.0f, wd + rows[k] * w->row_bytes + off, buf + k * AXPY_SEG);
-            }
-#if defined(GH_X86)
-            if (job->tiles) {
+            bool dense = false;  /* mostly nonzero (a SwiGLU prompt): the tiles or int8 groups */
+            if (job->nzc) {
                 int64_t nz = 0;
-                for (int64_t t = 0; t < job->n_tokens; t++) {
-                    for (int64_t k = 0; k < nk; k++) nz += job->h[t * job->ldh + rows[k]] != 0.0f;
+                for (int64_t k = 0; k < nk; k++) nz += job->nzc[k0 + k];
+                dense = nz * 4 > job->n_tokens * nk;
+            }
+            if (dense && job->mm16) {
+                const void * rp[64];
+                for (int64_t k = 0; k < nk; k++) rp[k] = wd + rows[k] * w->row_bytes + off;
+                job->mm16(n, job->n_tokens, job->h, job->ldh, rows, (int) nk, rp, job->y + cs, job->ldy);
+                continue;
+            }
+            for (int64_t j0 = 0; j0 < nk; j0 += AXPY_RB) {  /* (an int8 block: in parts) */
+                const int64_t nj = GH_MIN((int64_t) AXPY_RB, nk - j0);
+                const int32_t * rj = rows + j0;
+                /* dequantize: 0 + 1 * x is exact, and the axpy is the fastest converter */
+                memset(buf, 0, (size_t) nj * AXPY_SEG * sizeof(float));
+                for (int64_t k = 0; k < nj; k++) {
+                    job->axpy(n, 1.0f, wd + rj[k] * w->row_bytes + off, buf + k * AXPY_SEG);
                 }
-                if (nz * 4 > job->n_tokens * nk) {  /* mostly nonzero: the register tiles */
-                    block_tiles_avx2(job, buf, rows, nk, n, cs);
+#if defined(GH_X86)
+                if (dense && job->tiles) {
+                    block_tiles_avx2(job, buf, rj, nj, n, cs);
                     continue;
                 }
-            }
 #endif
-            /* (a ReLU FFN's block is mostly zeros: only its nonzero (token, row) pairs) */
-            for (int64_t t = 0; t < job->n_tokens; t++) {
-                const float * ht = job->h + t * job->ldh;
-                float * yt = job->y + t * job->ldy + cs;
-                for (int64_t k = 0; k < nk; k++) {
-                    const float s = ht[rows[k]];
-                    if (s != 0.0f) job->axpy_f(n, s, buf + k * AXPY_SEG, yt);
+                /* (a ReLU FFN's block is mostly zeros: only its nonzero (token, row) pairs) */
+                for (int64_t t = 0; t < job->n_tokens; t++) {
+                    const float * ht = job->h + t * job->ldh;
+                    float * yt = job->y + t * job->ldy + cs;
+                    for (int64_t k = 0; k < nj; k++) {
+                        const float s = ht[rj[k]];
+                        if (s != 0.0f) job->axpy_f(n, s, buf + k * AXPY_SEG, yt);
+                    }
                 }
             }
         }
@@ -572,10 +587,15 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
         .tiles = gh_simd_get() >= GH_SIMD_AVX2,
 #endif
     };
+#if defined(GH_X86)
+    if (n_tokens > 1 && gh_simd_get() >= GH_SIMD_AVX512) job.mm16 = gh_matmul16_avx512(w->type);
+    if (n_tokens > 1 && !job.mm16 && gh_simd_get() >= GH_SIMD_AVX2) job.mm16 = gh_matmul16_avx2(w->type);
+#endif
     int32_t * active = NULL;
     if (n_tokens > 1) {
-        /* The rows some token needs, found once for all threads. */
-        active = malloc((size_t) w->rows * sizeof(int32_t));
+        /* The rows some token needs, and (for the dense blocks' choice) how many, found once
+         * for all threads. */
+        active = malloc((size_t) w->rows * 2 * sizeof(int32_t));
         if (!active) {
             /* No memory for the list: one token at a time (that path allocates nothing). */
             for (int64_t t = 0; t < n_tokens; t++) {
@@ -587,6 +607,16 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
             int64_t t = 0;
             while (t < n_tokens && h[t * ldh + r] == 0.0f) t++;
             if (t < n_tokens) active[job.n_active++] = (int32_t) r;
+        }
+        if (job.tiles || job.mm16) {
+            int32_t * cnt = active + w->rows;
+            memset(cnt, 0, (size_t) w->rows * sizeof(int32_t));
+            for (int64_t t = 0; t < n_tokens; t++) {
+                for (int64_t r = 0; r < w->rows; r++) cnt[r] += h[t * ldh + r] != 0.0f;
+            }
+            /* in place: active[k] >= k, so cnt[active[k]] is read before cnt[k] is written */
+            for (int64_t k = 0; k < job.n_active; k++) cnt[k] = cnt[active[k]];
+            job.nzc = cnt;
         }
     }
     job.active = active;

@@ -74,6 +74,17 @@ gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type);
 typedef void (*gh_axpy16_fn)(int64_t n, const float * s, const void * const * row,
                              const void * const * pf, float * y);
 gh_axpy16_fn gh_axpy16_avx2(int type);
+/* The batch form of up to four groups of 16 rows (avx2/axpy_avx2.c): for t < n_tokens,
+ * y[t * ldy + 0..n) += sum_{k < nk} h[t * ldh + hc[k]] * row[k][0..n), nk <= 64, each token's
+ * sums those of the gh_axpy16_fn over the rows 16 at a time in order (the last group padded
+ * as if with rows whose h is 0). A prompt's dense blocks of the transposed matmul. NULL for
+ * a type without one. */
+typedef void (*gh_matmul16_fn)(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                               const int32_t * hc, int nk, const void * const * row, float * y,
+                               int64_t ldy);
+gh_matmul16_fn gh_matmul16_avx2(int type);
+/* The same in VNNI (avx512/axpy_avx512.c), equal to the AVX2 form bit for bit. */
+gh_matmul16_fn gh_matmul16_avx512(int type);
 
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 /* b may be NULL (no bias). */

@@ -1,5 +1,6 @@
-/* AVX2 axpy kernels of the K-quants, and Q4_0's sixteen-row int8 form (at the end; axpy.c
- * picks them at the AVX2 level, and has the other types' AVX2 axpy forms).
+/* AVX2 axpy kernels of the K-quants, and Q4_0's sixteen-row int8 forms, one token and a
+ * batch (at the end; axpy.c picks them at the AVX2 level, and has the other types' AVX2
+ * axpy forms).
  *
  * K-quants: y[0..n) += s * row and the four-row forms, rows starting at a block boundary,
  * n a multiple of 256. Each block is taken apart once (avx2/kq_unpack.h: its quants as bytes, its sub-blocks'
@@ -13,6 +14,7 @@
 
 #if defined(GH_X86)
 #include "cpu/avx2/kq_unpack.h"
+#include "cpu/avx2/q4_0_int8.h"
 
 #include <math.h>
 #include <string.h>
@@ -126,16 +128,10 @@ gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) {
 
 /* ---- Q4_0, sixteen rows per pass in int8 (the decode list's groups of 16) ----
  *
- * y[c] += sum_k s_k d_k,b (q_k,c - 8) over the 16 rows, per block b of 32 columns. The
- * float form (axpy.c) widens every nibble to a float and spends an FMA on it; here the 16
- * products c_k = s_k d_k,b of a block are quantized to int8 against their largest,
- * m_k = round(127 c_k / M_b), so a block's sum is M_b / 127 * sum_k m_k (q_k - 8): the
- * nibbles of two rows, interleaved, meet a pair (m_k, m_k+1) in one vpmaddubsw, and the
- * int16 sums of the 16 rows are widened and converted once. That is the activation
- * quantization of the int8 dots (Q8 blocks, here of 16 rows instead of 32 values):
- * errors up to M_b / 254 per row and value, ~0.5% of a sum (nRMS) on random data.
- * The true sum is within 16 * 127 * 8 < 2^15, so the int16 sums may wrap on the way
- * (two's-complement adds) and still end exact.
+ * The arithmetic: avx2/q4_0_int8.h. The float form (axpy.c) widens every nibble to a float
+ * and spends an FMA on it; here the nibbles of two rows, interleaved, meet a pair
+ * (m_k, m_k+1) in one vpmaddubsw, and the int16 sums of the 16 rows are widened and
+ * converted once per block.
  *
  * Per chunk of CHUNK_BLOCKS blocks: the rows' scales are copied out (which also brings
  * the chunk's bytes into L1 for the pass after), the m_k and M_b of 8 blocks at a time are
@@ -143,19 +139,10 @@ gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) {
  * non-finite product makes its block's outputs NaN (the float form's inf - inf or NaN). */
 #define CHUNK_BLOCKS 32
 
-/* s times the eight fp16 scales at d. */
-AVX2_INLINE __m256 scaled8(float s, const uint16_t * d) {
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) d)), _mm256_set1_ps(s));
-}
-
 AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * row, const void * const * pf,
                              float * restrict y) {
     const size_t bs = sizeof(block_q4_0);
     const int64_t nb = n / QK4_0;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* lane 0: low nibbles, 1: high */
-    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 inf = _mm256_set1_ps(INFINITY);
     for (int64_t i0 = 0; i0 < nb; i0 += CHUNK_BLOCKS) {
         const int nc = (int) GH_MIN((int64_t) CHUNK_BLOCKS, nb - i0);
         uint16_t d[16][CHUNK_BLOCKS];      /* the rows' block scales, fp16 */
@@ -172,60 +159,19 @@ AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * ro
                 _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
             }
         }
-        for (int j = 0; j < nc; j += 8) {
-            /* two sweeps over the rows (the products made twice) rather than sixteen live
-             * vectors, which would spill: the max in two chains, then the int8 values */
-            __m256 mx[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
-            __m256 bad = _mm256_setzero_ps();
-            for (int k = 0; k < 16; k++) {
-                const __m256 a = _mm256_and_ps(scaled8(s[k], &d[k][j]), absm);
-                bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* inf or NaN */
-                mx[k & 1] = _mm256_max_ps(mx[k & 1], a);
-            }
-            const __m256 top = _mm256_max_ps(mx[0], mx[1]);
-            const __m256 live = _mm256_andnot_ps(bad, _mm256_cmp_ps(top, _mm256_setzero_ps(), _CMP_GT_OQ));
-            const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), top));
-            _mm256_storeu_ps(scale + j, _mm256_blendv_ps(_mm256_div_ps(top, _mm256_set1_ps(127.0f)),
-                                                         _mm256_set1_ps(NAN), bad));
-            __m256i msum = _mm256_setzero_si256();
-            const __m256i lo8 = _mm256_set1_epi32(0xff);
-            for (int k = 0; k < 16; k += 4) {
-                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k], &d[k][j]), inv));
-                const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 1], &d[k + 1][j]), inv));
-                const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 2], &d[k + 2][j]), inv));
-                const __m256i f = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 3], &d[k + 3][j]), inv));
-                msum = _mm256_add_epi32(msum, _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(e, f)));
-                const __m256i w0 = _mm256_or_si256(_mm256_and_si256(a, lo8), _mm256_slli_epi32(_mm256_and_si256(b, lo8), 8));
-                const __m256i w1 = _mm256_or_si256(_mm256_and_si256(e, lo8), _mm256_slli_epi32(_mm256_and_si256(f, lo8), 8));
-                const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(w0, w1), 0xd8);
-                _mm_storeu_si128((__m128i *) &mp[k / 2][j], _mm256_castsi256_si128(w));
-                _mm_storeu_si128((__m128i *) &mp[k / 2 + 1][j], _mm256_extracti128_si256(w, 1));
-            }
-            _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(msum, _mm256_set1_epi32(-8)));
-        }
+        for (int j = 0; j < nc; j += 8) q4_0_factors8(s, &d[0][0], CHUNK_BLOCKS, j, &mp[0][0], 0, scale, bias);
         float * yb = y + i0 * QK4_0;
         for (int i = 0; i < nc; i++, yb += QK4_0) {
             const size_t off = (size_t) (i0 + i) * bs + 2;
             __m256i lo = _mm256_set1_epi16((int16_t) bias[i]), hi = lo;
             for (int k = 0; k < 16; k += 2) {
-                const __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) ((const uint8_t *) row[k] + off)));
-                const __m256i xb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) ((const uint8_t *) row[k + 1] + off)));
-                const __m256i va = _mm256_and_si256(_mm256_srlv_epi32(xa, nib), m4); /* values 0..31 */
-                const __m256i vb = _mm256_and_si256(_mm256_srlv_epi32(xb, nib), m4);
+                __m256i u[2];
+                q4_0_pair((const uint8_t *) row[k] + off, (const uint8_t *) row[k + 1] + off, u);
                 const __m256i pair = _mm256_set1_epi16(mp[k / 2][i]);
-                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(va, vb), pair));
-                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(va, vb), pair));
+                lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[0], pair));
+                hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[1], pair));
             }
-            /* lo: values 0..7 | 16..23, hi: 8..15 | 24..31 */
-            const __m256 sc = _mm256_set1_ps(scale[i]);
-            const __m256i v0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo));
-            const __m256i v1 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi));
-            const __m256i v2 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1));
-            const __m256i v3 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1));
-            _mm256_storeu_ps(yb, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v0), _mm256_loadu_ps(yb)));
-            _mm256_storeu_ps(yb + 8, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v1), _mm256_loadu_ps(yb + 8)));
-            _mm256_storeu_ps(yb + 16, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v2), _mm256_loadu_ps(yb + 16)));
-            _mm256_storeu_ps(yb + 24, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v3), _mm256_loadu_ps(yb + 24)));
+            q4_0_store32(scale[i], lo, hi, yb);
         }
     }
 }
@@ -233,6 +179,83 @@ AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * ro
 AVX2_FN static void axpy16_q4_0_avx2(int64_t n, const float * s, const void * const * row,
                                      const void * const * pf, float * restrict y) {
     axpy16_q4_0(n, s, row, pf, y);
+}
+
+/* The batch form (gh_matmul16_fn): per chunk of 8 blocks the rows' nibbles are unpacked
+ * once into pairs and their scales copied out, then every token makes its own factors
+ * (q4_0_factors8, as the one-token form does) and runs the pass over the unpacked pairs.
+ * The up to four groups of a call meet each 32 values of y in one load and store, added
+ * group after group: a token's sums are those of axpy16_q4_0 over the same groups in
+ * order, bit for bit, and y stays in L1 across them (the unpacked rows, 16 KB, too).
+ * Rows past nk are padding with scale 0 and product 0. */
+#define BATCH_BLOCKS 8
+
+AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                       const int32_t * hc, int nk, const void * const * row,
+                                       float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q4_0);
+    const int64_t nb = n / QK4_0;
+    const int ng = (nk + 15) / 16;
+    static const uint8_t zero[QK4_0 / 2];
+    for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
+        const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
+        uint16_t d[4][16][BATCH_BLOCKS];
+        __m256i u[4][BATCH_BLOCKS][8][2];
+        for (int k = 0; k < ng * 16; k++) {
+            const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs : NULL;
+            for (int i = 0; i < BATCH_BLOCKS; i++) {
+                if (b && i < nc) memcpy(&d[k / 16][k % 16][i], b + i * bs, 2);
+                else d[k / 16][k % 16][i] = 0;
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            for (int i = 0; i < nc; i++) {
+                const size_t off = (size_t) (i0 + i) * bs + 2;
+                for (int k = 16 * g; k < 16 * g + 16; k += 2) {
+                    q4_0_pair(k < nk ? (const uint8_t *) row[k] + off : zero,
+                              k + 1 < nk ? (const uint8_t *) row[k + 1] + off : zero, u[g][i][(k % 16) / 2]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float * ht = h + t * ldh;
+            int16_t mp[4][8][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS];
+            int32_t bias[4][BATCH_BLOCKS];
+            for (int g = 0; g < ng; g++) {
+                float s[16];
+                for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+                q4_0_factors8(s, &d[g][0][0], BATCH_BLOCKS, 0, &mp[g][0][0], 0, scale[g], bias[g]);
+            }
+            float * yb = y + t * ldy + i0 * QK4_0;
+            for (int i = 0; i < nc; i++, yb += QK4_0) {
+                __m256 y0 = _mm256_loadu_ps(yb), y1 = _mm256_loadu_ps(yb + 8);
+                __m256 y2 = _mm256_loadu_ps(yb + 16), y3 = _mm256_loadu_ps(yb + 24);
+                for (int g = 0; g < ng; g++) {
+                    __m256i lo = _mm256_set1_epi16((int16_t) bias[g][i]), hi = lo;
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i pair = _mm256_set1_epi16(mp[g][p][i]);
+                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[g][i][p][0], pair));
+                        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[g][i][p][1], pair));
+                    }
+                    /* as q4_0_store32, with y in registers */
+                    const __m256 sc = _mm256_set1_ps(scale[g][i]);
+                    y0 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), y0);
+                    y1 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), y1);
+                    y2 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), y2);
+                    y3 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), y3);
+                }
+                _mm256_storeu_ps(yb, y0);
+                _mm256_storeu_ps(yb + 8, y1);
+                _mm256_storeu_ps(yb + 16, y2);
+                _mm256_storeu_ps(yb + 24, y3);
+            }
+        }
+    }
+}
+
+gh_matmul16_fn gh_matmul16_avx2(int type) {
+    return type == GH_TYPE_Q4_0 ? matmul16_q4_0_avx2 : NULL;
 }
 
 gh_axpy16_fn gh_axpy16_avx2(int type) {
@@ -245,5 +268,6 @@ gh_axpy_fn gh_axpy_kq_avx2(int type) { (void) type; return NULL; }
 gh_axpy4_fn gh_axpy4_kq_avx2(int type) { (void) type; return NULL; }
 gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) { (void) type; return NULL; }
 gh_axpy16_fn gh_axpy16_avx2(int type) { (void) type; return NULL; }
+gh_matmul16_fn gh_matmul16_avx2(int type) { (void) type; return NULL; }
 
 #endif

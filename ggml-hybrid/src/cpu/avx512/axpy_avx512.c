@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "cpu/avx2/kq_unpack.h"
+#include "cpu/avx2/q4_0_int8.h"
 
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
@@ -320,8 +321,100 @@ gh_axpy4pf_fn gh_axpy4pf_avx512(int type) {
     }
 }
 
+/* ---- Q4_0's batch form in VNNI (gh_matmul16_fn) ----
+ *
+ * As the AVX2 form (avx2/axpy_avx2.c: the same factors, q4_0_factors8, per token and
+ * group), with four rows per vpdpbusd: a quad of rows' block is transposed once (vpermb)
+ * so that dword c holds the four rows' nibbles of column c, and meets the dword
+ * (m_4p .. m_4p+3); the int32 sums are the AVX2 form's int16 ones (both exact), widened
+ * and scaled alike, so the two levels agree bit for bit. */
+#define AVX512_VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+#define BATCH_BLOCKS 8
+
+/* byte 4c + r of a quad's vector: byte c of row r (lane r as loaded) */
+static const uint8_t quad_tr[64] = {
+    0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+    6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+    12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63,
+};
+
+AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                              const int32_t * hc, int nk, const void * const * row,
+                                              float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q4_0);
+    const int64_t nb = n / QK4_0;
+    const int ng = (nk + 15) / 16;
+    static const uint8_t zero[QK4_0 / 2];
+    const __m512i tr = _mm512_loadu_si512(quad_tr);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
+        const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
+        uint16_t d[4][16][BATCH_BLOCKS];
+        __m512i u[4][BATCH_BLOCKS][4][2]; /* group, block, quad, columns 0..15 | 16..31 */
+        for (int k = 0; k < ng * 16; k++) {
+            const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs : NULL;
+            for (int i = 0; i < BATCH_BLOCKS; i++) {
+                if (b && i < nc) memcpy(&d[k / 16][k % 16][i], b + i * bs, 2);
+                else d[k / 16][k % 16][i] = 0;
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            for (int i = 0; i < nc; i++) {
+                const size_t off = (size_t) (i0 + i) * bs + 2;
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t * q[4];
+                    for (int r = 0; r < 4; r++) {
+                        const int k = 16 * g + 4 * j + r;
+                        q[r] = k < nk ? (const uint8_t *) row[k] + off : zero;
+                    }
+                    __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *) q[0]));
+                    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) q[1]), 1);
+                    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) q[2]), 2);
+                    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) q[3]), 3);
+                    x = _mm512_permutexvar_epi8(tr, x);
+                    u[g][i][j][0] = _mm512_and_si512(x, m4);
+                    u[g][i][j][1] = _mm512_and_si512(_mm512_srli_epi16(x, 4), m4);
+                }
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float * ht = h + t * ldh;
+            int32_t mq[4][4][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS];
+            int32_t bias[4][BATCH_BLOCKS];
+            for (int g = 0; g < ng; g++) {
+                float s[16];
+                for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+                q4_0_factors8(s, &d[g][0][0], BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], bias[g]);
+            }
+            float * yb = y + t * ldy + i0 * QK4_0;
+            for (int i = 0; i < nc; i++, yb += QK4_0) {
+                __m512 y0 = _mm512_loadu_ps(yb), y1 = _mm512_loadu_ps(yb + 16);
+                for (int g = 0; g < ng; g++) {
+                    __m512i a0 = _mm512_set1_epi32(bias[g][i]), a1 = a0;
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i m = _mm512_set1_epi32(mq[g][j][i]);
+                        a0 = _mm512_dpbusd_epi32(a0, u[g][i][j][0], m);
+                        a1 = _mm512_dpbusd_epi32(a1, u[g][i][j][1], m);
+                    }
+                    const __m512 sc = _mm512_set1_ps(scale[g][i]);
+                    y0 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), y0);
+                    y1 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a1), y1);
+                }
+                _mm512_storeu_ps(yb, y0);
+                _mm512_storeu_ps(yb + 16, y1);
+            }
+        }
+    }
+}
+
+gh_matmul16_fn gh_matmul16_avx512(int type) {
+    return type == GH_TYPE_Q4_0 ? matmul16_q4_0_avx512 : NULL;
+}
+
 #else
 
+gh_matmul16_fn gh_matmul16_avx512(int type) { (void) type; return NULL; }
 gh_axpy4pf_fn gh_axpy4pf_avx512(int type) { (void) type; return NULL; }
 gh_axpy_fn gh_axpy_avx512(int type) { (void) type; return NULL; }
 gh_axpy4_fn gh_axpy4_avx512(int type) { (void) type; return NULL; }

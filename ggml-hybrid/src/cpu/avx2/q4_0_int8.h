@@ -1,0 +1,100 @@
+/* Q4_0's int8 forms of the transposed matmul, their shared parts (included by
+ * avx2/axpy_avx2.c and avx512/axpy_avx512.c; AVX2 code, which the AVX-512 functions
+ * inline too).
+ *
+ * y[c] += sum_k s_k d_k,b (q_k,c - 8) over a group of 16 rows, per block b of 32 columns:
+ * the 16 products c_k = s_k d_k,b of a block are quantized to int8 against their largest,
+ * m_k = round(127 c_k / M_b), so a block's sum is M_b / 127 * sum_k m_k (q_k - 8), an
+ * integer sum of unsigned nibbles times signed bytes (vpmaddubsw, vpdpbusd). That is the
+ * activation quantization of the int8 dots (Q8 blocks, here of 16 rows instead of 32
+ * values): errors up to M_b / 254 per row and value, ~0.5% of a sum (nRMS) on random data.
+ * The true sum is within 16 * 127 * 8 < 2^15, so int16 sums may wrap on the way
+ * (two's-complement adds) and still end exact, and int32 sums are the same integers. */
+#ifndef GH_Q4_0_INT8_H
+#define GH_Q4_0_INT8_H
+
+#include "types/types.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define Q4I_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+/* s times the eight fp16 scales at d. */
+Q4I_INLINE __m256 scaled8(float s, const uint16_t * d) {
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) d)), _mm256_set1_ps(s));
+}
+
+/* The int8 factors of 8 blocks from j: the rows' fp16 scales d[k * ld + j ..] times s[k],
+ * quantized per block against their largest (scale[j ..] = M_b / 127, NaN where a product
+ * is not finite; bias[j ..] = -8 sum_k m_k), the m_k packed for the kernel: quads == 0,
+ * mp[p * ld + j ..] = (m_2p, m_2p+1) as the bytes of a word (int16_t); quads == 1,
+ * mp[p * ld + j ..] = (m_4p .. m_4p+3) as the bytes of a dword (int32_t). */
+Q4I_INLINE void q4_0_factors8(const float * s, const uint16_t * d, int ld, int j, void * mp,
+                              const int quads, float * scale, int32_t * bias) {
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    /* two sweeps over the rows (the products made twice) rather than sixteen live
+     * vectors, which would spill: the max in two chains, then the int8 values */
+    __m256 mx[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
+    __m256 bad = _mm256_setzero_ps();
+    for (int k = 0; k < 16; k++) {
+        const __m256 a = _mm256_and_ps(scaled8(s[k], d + k * ld + j), absm);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* inf or NaN */
+        mx[k & 1] = _mm256_max_ps(mx[k & 1], a);
+    }
+    const __m256 top = _mm256_max_ps(mx[0], mx[1]);
+    const __m256 live = _mm256_andnot_ps(bad, _mm256_cmp_ps(top, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), top));
+    _mm256_storeu_ps(scale + j, _mm256_blendv_ps(_mm256_div_ps(top, _mm256_set1_ps(127.0f)),
+                                                 _mm256_set1_ps(NAN), bad));
+    __m256i msum = _mm256_setzero_si256();
+    const __m256i lo8 = _mm256_set1_epi32(0xff);
+    for (int k = 0; k < 16; k += 4) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k], d + k * ld + j), inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 1], d + (k + 1) * ld + j), inv));
+        const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 2], d + (k + 2) * ld + j), inv));
+        const __m256i f = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 3], d + (k + 3) * ld + j), inv));
+        msum = _mm256_add_epi32(msum, _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(e, f)));
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(a, lo8), _mm256_slli_epi32(_mm256_and_si256(b, lo8), 8));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(e, lo8), _mm256_slli_epi32(_mm256_and_si256(f, lo8), 8));
+        if (quads) {
+            _mm256_storeu_si256((__m256i *) ((int32_t *) mp + (k / 4) * ld + j),
+                                _mm256_or_si256(w0, _mm256_slli_epi32(w1, 16)));
+        } else {
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(w0, w1), 0xd8);
+            _mm_storeu_si128((__m128i *) ((int16_t *) mp + (k / 2) * ld + j), _mm256_castsi256_si128(w));
+            _mm_storeu_si128((__m128i *) ((int16_t *) mp + (k / 2 + 1) * ld + j), _mm256_extracti128_si256(w, 1));
+        }
+    }
+    _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(msum, _mm256_set1_epi32(-8)));
+}
+
+/* The two unpacked vectors of a pair of rows' block (the nibbles at q of rows a and b,
+ * interleaved byte by byte: u[0] holds values 0..7 | 16..23, u[1] 8..15 | 24..31). */
+Q4I_INLINE void q4_0_pair(const uint8_t * qa, const uint8_t * qb, __m256i * u) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4); /* lane 0: low nibbles, 1: high */
+    const __m256i xa = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) qa));
+    const __m256i xb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) qb));
+    const __m256i va = _mm256_and_si256(_mm256_srlv_epi32(xa, nib), m4); /* values 0..31 */
+    const __m256i vb = _mm256_and_si256(_mm256_srlv_epi32(xb, nib), m4);
+    u[0] = _mm256_unpacklo_epi8(va, vb);
+    u[1] = _mm256_unpackhi_epi8(va, vb);
+}
+
+/* y[0..32) += scale * (the int16 sums lo, hi in q4_0_pair's order, widened). */
+Q4I_INLINE void q4_0_store32(float scale, __m256i lo, __m256i hi, float * yb) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    const __m256i v0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo));
+    const __m256i v1 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi));
+    const __m256i v2 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1));
+    const __m256i v3 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1));
+    _mm256_storeu_ps(yb, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v0), _mm256_loadu_ps(yb)));
+    _mm256_storeu_ps(yb + 8, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v1), _mm256_loadu_ps(yb + 8)));
+    _mm256_storeu_ps(yb + 16, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v2), _mm256_loadu_ps(yb + 16)));
+    _mm256_storeu_ps(yb + 24, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v3), _mm256_loadu_ps(yb + 24)));
+}
+
+#endif

@@ -1,8 +1,9 @@
 """Input sparsity under the quality budget and in the sparse mode (issue 14): the refit of
 every site's thresholds on the sparse mode's inputs (o's held-out share within 3 points of
 the target at 40% and 50% on the shipped SwiGLU model), ``--input-sparsity auto`` on the
-shipped SwiGLU (gate budget shared) and ReLU (predictors) models, the search's rules on a
-synthetic cost model, and the options' errors."""
+shipped SwiGLU (gate budget shared) and ReLU (predictors) models, ranked by the estimated
+decode time (in Q4_0 the input-sparse axpy's dearer bytes reject what F16 takes), the search's
+rules on a synthetic cost model, and the options' errors."""
 
 from __future__ import annotations
 
@@ -89,6 +90,23 @@ def test_search_levels_rules():
     assert best.gate is None and best.inputs == 0.3 and [c.inputs for c in cands] == [0.0, 0.1, 0.2, 0.3, 0.4]
 
 
+def test_search_levels_ranks_by_the_cost():
+    """With a cost model the estimated time decides, not the bytes; equal times go to the lower
+    input level."""
+    levels = (0.1, 0.2, 0.3, 0.4)
+    measure, make_inputs, _ = _model(gate_w=0.0, in_w=0.2)
+    # 80 of the 100 bytes are the FFN's, the rest the projections', whose bytes take 1.5x a
+    # dense byte's time when read input-sparse: every level reads less and runs slower
+    def slow(r):
+        b = r["bytes_per_token"]
+        return b if b == 100 else 80 + 1.5 * (b - 80)
+    best, cands = search_levels(measure, make_inputs, 0.02, levels, None, cost=slow)
+    assert best.inputs == 0.0 and best.time == 100 and all(c.time > 100 for c in cands[1:-1])
+    assert min(cands[:-1], key=lambda c: c.bytes_per_token).inputs == 0.3
+    best, _ = search_levels(measure, make_inputs, 0.02, levels, None, cost=lambda r: 1.0)
+    assert best.inputs == 0.0
+
+
 # ---- the refit: o's share on held-out text ---------------------------------------------------
 
 
@@ -125,21 +143,22 @@ def test_refit_reaches_the_target_on_heldout_text(level, tmp_path):
 # ---- --input-sparsity auto on the shipped models ---------------------------------------------
 
 
-def _auto(model_dir, tmp_path, grid):
+def _auto(model_dir, tmp_path, grid, outtype="f16"):
     rep: list = []
     opts = SparseOptions(calib=str(model_dir / "heldout.txt"), calib_tokens=4096, input_sparsity="auto",
                          input_grid=grid, input_tokens=2048, input_refit_tokens=512, budget_tokens=1024,
                          n_threads=2)
-    path = convert(model_dir, tmp_path / "auto.gguf", "f16", progress=False, sparse=True, report=rep,
+    path = convert(model_dir, tmp_path / "auto.gguf", outtype, progress=False, sparse=True, report=rep,
                    sparse_options=opts)
     return Path(path), rep[0]
 
 
 def _check_choice(rep, budget):
-    """The written combination is the cheapest measured one within the budget."""
+    """The written combination is the fastest (estimated) measured one within the budget."""
     tried = rep.input_tried
+    assert all(c.time is not None for c in tried)
     within = [c for c in tried if c.result["ppl_increase_ub"] <= budget]
-    best = min(within, key=lambda c: (c.bytes_per_token, c.inputs))
+    best = min(within, key=lambda c: (c.time, c.inputs))
     cal = rep.input_calibration
     assert (cal.sparsity if cal is not None else 0.0) == best.inputs
     assert rep.budget_result is best.result
@@ -148,7 +167,7 @@ def _check_choice(rep, budget):
 
 def test_auto_on_the_shipped_swiglu_model(tmp_path):
     """The default budget (2%) shared by the gate FFN and input sparsity: the gate alone is
-    measured first, the chosen combination reads the fewest bytes of those within the budget,
+    measured first, the chosen combination is the fastest (estimated) of those within the budget,
     the file's keys record both levels and the measured increase, and on text after the
     calibration the file stays within the budget."""
     path, rep = _auto(SHIPPED_SWIGLU_DIR, tmp_path, (0.25,))
@@ -157,9 +176,10 @@ def test_auto_on_the_shipped_swiglu_model(tmp_path):
     best = _check_choice(rep, 0.02)
     for c in rep.input_tried:
         print(f"gate {c.gate:.1%} input {c.inputs:.0%}: bound {c.result['ppl_increase_ub']:+.2%}, "
-              f"{c.bytes_per_token / 1e6:.3f} MB/token")
-    # input sparsity pays here: 25% on top of (nearly) the same gate level is within the budget
-    assert best.inputs > 0 and best.bytes_per_token < off.bytes_per_token
+              f"{c.bytes_per_token / 1e6:.3f} MB/token, est. {c.time / 1e6:.3f}")
+    # input sparsity pays here: 25% on top of (nearly) the same gate level is within the budget,
+    # and in F16 the axpy's bytes are cheaper than the row dot's too
+    assert best.inputs > 0 and best.bytes_per_token < off.bytes_per_token and best.time < off.time
     assert best.result["bytes_per_token"] < best.result["bytes_per_token_dense"]
     f = gguf.GGUFReader(str(path)).fields
     inc = best.result["ppl"] / best.result["ppl_dense"] - 1
@@ -195,6 +215,25 @@ def test_auto_on_the_shipped_relu_model(tmp_path):
     with Model(path, n_ctx=16) as m:
         ctx = m.create_context(n_ctx=16)
         assert ctx.ffn_mode == "sparse" and ctx.input_sparse
+
+
+def test_auto_q4_0_rejects_input_sparsity_that_is_slower(tmp_path):
+    """In Q4_0 (head Q8_0) the input-sparse axpy costs ~1.44x a row dot's time per byte
+    (decode_cost.py): 25% input sparsity reads fewer bytes than off but estimates slower, so
+    auto writes no input sparsity where F16 writes the level (the test above)."""
+    path, rep = _auto(SHIPPED_DIR, tmp_path, (0.25,), "q4_0")
+    off, s25 = rep.input_tried[:2]
+    for c in rep.input_tried:
+        print(f"input {c.inputs:.0%}: bound {c.result['ppl_increase_ub']:+.2%}, "
+              f"{c.bytes_per_token / 1e6:.3f} MB/token, est. {c.time / 1e6:.3f}")
+    assert s25.inputs == 0.25 and s25.result["ppl_increase_ub"] <= 0.02
+    assert s25.bytes_per_token < off.bytes_per_token and s25.time > off.time
+    best = _check_choice(rep, 0.02)
+    assert best is off and rep.input_calibration is None
+    f = gguf.GGUFReader(str(path)).fields
+    assert F.KEY_INPUT_SPARSITY not in f
+    with Model(path, n_ctx=16) as m:
+        assert not m.info.has_input_sparsity
 
 
 # ---- errors -----------------------------------------------------------------------------------

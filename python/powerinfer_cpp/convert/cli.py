@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                          "layer and projection a threshold skipping the share S of its inputs (e.g. 0.25; "
                          "stores those weights a second time, transposed; default off: see "
                          "docs/BENCHMARKS.md 'Input sparsity'); 'auto': the level (0 = off, or "
-                         "10-40%%) that, with the gate level, reads the fewest bytes per token within "
+                         "10-40%%) that, with the gate level, has the shortest estimated decode time (bytes "
+                         "per token weighted by each path's measured cost per byte in its type) within "
                          "the quality budget (--max-ppl-increase P, for SwiGLU models the default 0.02; "
                          "with predictors the budget is 0.02, spent on input sparsity alone). With a "
                          "budget a fixed S shares it too: the gate gets what S leaves")
@@ -123,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                          "norm, the default) or magnitude (|x_i|, TEAL)")
     sp.add_argument("--no-input-refit", action="store_true",
                     help="keep the input thresholds fitted on the dense-mode profile instead of refitting "
-                         "each site on the inputs it sees in the sparse mode (the refit runs the runtime "
-                         "1-3 times per site over --input-refit-tokens tokens: tens of minutes on a 1B model)")
+                         "each site on the inputs it sees in the sparse mode (the refit decodes "
+                         "--input-refit-tokens tokens once in the sparse mode, recording those inputs)")
     sp.add_argument("--input-refit-tokens", type=int, default=None, metavar="N",
-                    help="calibration tokens each refit run covers (default 1024)")
+                    help="calibration tokens the refit's profile pass covers (default 1024)")
     sp.add_argument("--vram-budget", default="0", metavar="SIZE",
                     help="GPU memory for the model, e.g. 4G, 512M (default 0: CPU only; "
                          "re-solve later with python -m powerinfer_cpp.place)")

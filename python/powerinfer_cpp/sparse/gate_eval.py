@@ -124,15 +124,16 @@ class GateEvaluator:
             self._dense[key] = (self._logprobs(ids, None, dense=True)[0], float(sum(self._weights.values())))
         return self._dense[key]
 
-    def _decode_bytes(self, st: dict, inputs) -> float:
-        """Weight bytes a decoded token reads. The runtime counts a batch's dense matmul once
-        for all its tokens (the evaluation runs windows as one batch), but the sparse paths
-        (the FFN modes, input-sparse projections) per token: so the dense attention and head
-        count whole, the rest as measured."""
+    def _decode_bytes(self, st: dict, inputs) -> dict:
+        """Weight bytes a decoded token reads, per stage. The runtime counts a batch's dense
+        matmul once for all its tokens (the evaluation runs windows as one batch), but the
+        sparse paths (the FFN modes, input-sparse projections) per token: so the dense
+        attention and head count whole, the rest as measured."""
         per = st["bytes_per_token_stage"]
         on = inputs is not None
-        return (per["ffn"] + per["predictor"] + (per["attention"] if on else self._weights["attention"])
-                + (per["head"] if on else self._weights["head"]))
+        return {"attention": per["attention"] if on else self._weights["attention"],
+                "predictor": per["predictor"], "ffn": per["ffn"],
+                "head": per["head"] if on else self._weights["head"]}
 
     def dense(self, ids: Sequence[int]) -> np.ndarray:
         """Dense log-probs of ids (cached per token list)."""
@@ -141,8 +142,11 @@ class GateEvaluator:
     def measure(self, ids: Sequence[int], thresholds: Sequence[float] | None, inputs=None) -> dict:
         """ppl (sparse and dense), the ppl increase's upper bound (ppl_increase_ub), mean
         KL(dense || sparse), top-1 agreement, the FFN's density, weight bytes per token
-        (bytes_per_token, and the dense run's bytes_per_token_dense) and the input densities
-        on ids; thresholds: the gate's (None: the file's), inputs as for _logprobs."""
+        (bytes_per_token, per stage bytes_per_token_stage, and the dense run's
+        bytes_per_token_dense), the FFN rows read per token (ffn_rows_per_token: up and
+        down_t, what decode_cost splits the FFN's bytes by), whether the projections ran
+        input-sparse (input_sparse) and the input densities on ids; thresholds: the gate's
+        (None: the file's), inputs as for _logprobs."""
         ld, dense_bpt = self._dense_run(ids)
         lg, st = self._logprobs(ids, thresholds, inputs=inputs)
         tgt = np.asarray(ids[1:len(lg) + 1])
@@ -152,11 +156,16 @@ class GateEvaluator:
         se = (float(loss[:nb * BLOCK].reshape(nb, BLOCK).mean(axis=1).std(ddof=1)) / math.sqrt(nb)
               if nb >= 2 else float(loss.std()))
         ins = st["input_sparse"]
+        stage = self._decode_bytes(st, inputs)
+        n = max(int(st["n_tokens"]), 1)
         return {"ppl": math.exp(-lg[idx, tgt].mean()), "ppl_dense": math.exp(-ld[idx, tgt].mean()),
                 "ppl_increase_ub": math.exp(float(loss.mean()) + 2.0 * se) - 1.0,
                 "kl": float((np.exp(ld) * (ld - lg)).sum(axis=1).mean()),
                 "top1": float((ld.argmax(1) == lg.argmax(1)).mean()), "density": float(st["density"]),
-                "bytes_per_token": self._decode_bytes(st, inputs), "bytes_per_token_dense": dense_bpt,
+                "bytes_per_token": float(sum(stage.values())), "bytes_per_token_stage": stage,
+                "bytes_per_token_dense": dense_bpt,
+                "ffn_rows_per_token": {"up": st["n_up_rows"] / n, "down": st["n_down_rows"] / n},
+                "input_sparse": inputs is not None,
                 "attention_input_density": float(ins["attention_density"]) if ins["attention_inputs"] else 1.0,
                 "head_input_density": float(ins["head_density"]) if ins["head_inputs"] else 1.0}
 

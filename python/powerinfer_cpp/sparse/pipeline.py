@@ -46,7 +46,8 @@ from .gate_eval import GateEvaluator, layer_costs, patch_gate_thresholds, search
 from .input_eval import DEFAULT_REFIT_TOKENS, refit, refit_summary, refit_tokens
 from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, InputSources, calibrate_input_levels,
                              input_kv)
-from .budget import INPUT_GRID, search_levels
+from .budget import INPUT_GRID, describe_time, search_levels
+from .decode_cost import DecodeCost
 from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
                          greedy_allocation, uniform_allocation)
 
@@ -529,9 +530,11 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                                                           "(the predictors' loss included) for ")
                 + f"input sparsity at {', '.join(f'{v:.0%}' for v in in_levels)}"
                 + (" (or off)" if in_auto else "") + f", on {len(held_ids)} held-out tokens")
+            # ranked by estimated decode time: the file's types decide what a byte costs
+            dcost = DecodeCost.from_file(ev.path, ev.ffn)
             best, rep.input_tried = search_levels(measure, make_inputs, in_budget, in_levels,
                                                   BUDGET_MAX_SPARSITY if gate_mode else None, include_off=in_auto,
-                                                  say=say)
+                                                  say=say, cost=dcost.estimate, dense_time=dcost.dense)
             mean, cal, rep.budget_result = best.gate, best.cal, best.result
             r = best.result
             if cal is not None and in_auto:
@@ -544,7 +547,7 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                 + (" (off: the file stores no transposed copies)" if cal is None else "")
                 + f": held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%}, "
                   f"bound {r['ppl_increase_ub']:+.2%}), {r['bytes_per_token'] / 1e6:.3f} of "
-                  f"{r['bytes_per_token_dense'] / 1e6:.3f} MB/token"
+                  f"{r['bytes_per_token_dense'] / 1e6:.3f} MB/token, est. time {describe_time(best.time, dcost.dense)}"
                 + (f"; over the budget: {why_over}" if over else ""))
             if over:
                 log.warning("over the %.1f%% quality budget: %s", 100 * in_budget, why_over)

@@ -1,0 +1,184 @@
+"""Estimated decode time of a sparse file's candidates: what ``--input-sparsity auto``
+ranks by (sparse/budget.py), instead of the bytes read.
+
+Bytes alone favour input sparsity in every type, but the input-sparse path reads the
+transposed copies (``*_t``) through the list axpy, which costs more per byte than the
+dense row dot in the quantized types: in Q4_0 and Q8_0 input sparsity only breaks even
+near 30%, in Q4_K near 64%, while in F16 the axpy beats the dot even at full density. So
+each byte is weighted by the cost of the path that reads it, in its tensor's type:
+
+    time ~ sum over stages and paths of bytes x COSTS[type].dot x COSTS[type].<path>
+
+The unit is the time a bandwidth-bound dense row dot (F16, Q8_0, Q4_0) takes per byte, so
+an estimate reads as "MB of dense row dot per token", and a dense file's decode estimates
+at about its bytes.
+
+Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios within one run):
+
+* ``dot``: the dense row dot of every type is bound by the bytes except the K-quants', which
+  are bound by instructions ("AVX2 kernels": "Decode matvec, every type: bytes"). K-quants:
+  "The K-quant axpy rewrite", A/B table, AVX2 cold dot after, Q4_0's GB/s over the type's
+  (19.6 over Q4_K 14.3, Q5_K 13.4, Q6_K 16.6).
+* ``cols``, the input-sparse column axpy over ``*_t``, per byte against the type's dense
+  matvec in the same run, the mean over the measured input densities: F16, Q8_0, Q4_K from
+  "Speed of the kernels, and the default" (q/k/v 2560 x 2048 from DRAM, densities
+  100/75/50/25%: F16 0.63/0.67/0.68/0.59, Q8_0 1.34/1.40/1.43/1.57, Q4_K 2.74/2.62/2.75/3.04);
+  Q4_0 from "The Q4_0 axpy in int8" (its int8 axpy replaced the float form that table
+  measured: the input-sparse q/k/v after, two runs each, 549/621, 298/387, 159/155 us at
+  100/50/25% against the dense matvec's 407-474 us: 1.33/1.56/1.43).
+* ``rows``, gathered rows through the row dot (up; the gate's rows in the predictor mode),
+  and ``down``, the gathered ``ffn_down_t`` rows through the axpy, per byte against the
+  dense matvec: F16, Q8_0, Q4_0 from "AVX2 kernels" (the sparse FFN layer's glu/down us at
+  1 thread after, 563 rows of 2048 each, over the dense table's 1-thread 2048 x 5632 rate:
+  F16 465/170 us against 13.0 GB/s, Q8_0 230/118 against 12.2, Q4_0 161/111 against 11.7),
+  Q4_0's down then scaled by the int8 axpy's gain on the same stage ("The Q4_0 axpy in int8",
+  sparse down at 8% of the rows, 98/94 -> 68/81 us: x0.78); the K-quants from "The K-quant
+  axpy rewrite" (bench_kernels, AVX2 1 thread after: dense / glu / down GB/s Q4_K
+  10.3/10.8/5.9, Q5_K 8.0/8.9/5.9, Q6_K 9.9/11.6/7.6).
+
+Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
+(the same float kernels, with another conversion or none); Q5_K's and Q6_K's ``cols`` Q4_K's
+(their ``down``, the same axpy over gathered rows, is 1.3-1.4x cheaper per byte than Q4_K's,
+so this overstates their input-sparse cost somewhat). The figures carry the benchmarks' noise
+(15-30% per run on the loaded 2-core machine): the model decides between candidates that
+differ by more than that, and near a break-even it may pick either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from .. import format as F
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Time per byte of one tensor type's decode paths (see the module's docstring)."""
+    dot: float    # the dense row dot, against a bandwidth-bound one
+    cols: float   # the input-sparse column axpy over *_t, against this type's dot
+    rows: float   # gathered rows through the row dot, against this type's dot
+    down: float   # gathered ffn_down_t rows through the axpy, against this type's dot
+
+
+_F16 = PathCost(dot=1.0, cols=0.64, rows=1.31, down=0.96)
+_Q4_K_COLS = 2.79
+
+#: Per GGML type name: the factors of each path (the module's docstring gives the sources).
+COSTS: dict[str, PathCost] = {
+    "F16": _F16,
+    "BF16": _F16,   # not measured: F16's
+    "F32": _F16,    # not measured: F16's
+    "Q8_0": PathCost(dot=1.0, cols=1.44, rows=1.15, down=1.17),
+    "Q4_0": PathCost(dot=1.0, cols=1.44, rows=1.45, down=1.55),
+    "Q4_K": PathCost(dot=1.37, cols=_Q4_K_COLS, rows=0.95, down=1.75),
+    "Q5_K": PathCost(dot=1.46, cols=_Q4_K_COLS, rows=0.90, down=1.36),  # cols: Q4_K's
+    "Q6_K": PathCost(dot=1.18, cols=_Q4_K_COLS, rows=0.85, down=1.30),  # cols: Q4_K's
+}
+
+PATHS = ("dot", "cols", "rows", "down")
+
+
+def cost_per_byte(type_name: str, path: str) -> float:
+    """Time per byte of a tensor of this GGML type read through path, in dense-dot bytes."""
+    c = COSTS.get(type_name)
+    if c is None:
+        raise ValueError(f"no decode cost for tensor type {type_name} (the runtime's types: {', '.join(COSTS)})")
+    if path not in PATHS:
+        raise ValueError(f"unknown path {path!r} (one of {', '.join(PATHS)})")
+    return c.dot if path == "dot" else c.dot * getattr(c, path)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """What the cost model needs of a file's tensor."""
+    name: str
+    type: str      # GGML type name ("Q4_0", ...)
+    n_bytes: int
+    n_rows: int    # rows as the runtime reads them (GGUF ne[1] x ...)
+
+
+def _mean(ts: list[Tensor], path: str) -> float:
+    """The bytes-weighted cost per byte of tensors read through one path (0 without bytes)."""
+    nb = sum(t.n_bytes for t in ts)
+    return sum(t.n_bytes * cost_per_byte(t.type, path) for t in ts) / nb if nb else 0.0
+
+
+def _row_bytes(ts: list[Tensor], share: float = 1.0) -> float:
+    """Mean bytes of one row over tensors (share: the part of each tensor's rows that are
+    one kind's, as for a fused gate + up)."""
+    n = sum(t.n_rows * share for t in ts)
+    return sum(t.n_bytes * share for t in ts) / n if n else 0.0
+
+
+class DecodeCost:
+    """The estimated decode time per token of one file's candidates (estimate(result))."""
+
+    def __init__(self, tensors: Iterable[Tensor], ffn: str = "gate"):
+        if ffn not in ("gate", "sparse"):
+            raise ValueError(f"ffn must be 'gate' or 'sparse', not {ffn!r}")
+        self.ffn = ffn
+        by: dict[str, list[Tensor]] = {}
+        for t in tensors:
+            kind, layer, suffix = F.parse_tensor_name(t.name)
+            if suffix == "weight":
+                by.setdefault(kind, []).append(t)
+        att = [t for k in (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_QKV, F.T_ATTN_OUTPUT) for t in by.get(k, [])]
+        head = by.get(F.T_OUTPUT) or by.get(F.T_TOKEN_EMBD, [])
+        gate, up = by.get(F.T_FFN_GATE, []), by.get(F.T_FFN_UP, [])
+        down_t = by.get(F.T_FFN_DOWN_T, [])
+        n_ff_rows = sum(t.n_rows for t in down_t)
+        # the runtime's up: ffn_up beside ffn_gate, or the second half of a fused ffn_up
+        # (phi3); an ungated FFN's ffn_up is its gate (model.c), and it counts no up rows
+        fused = not gate and bool(up) and sum(t.n_rows for t in up) == 2 * n_ff_rows
+        gate_ts = gate or up
+        up_ts = up if (gate or fused) else []
+        self.factor = {
+            "attention": _mean(att, "dot"),
+            "attention_t": _mean(by.get(F.T_ATTN_QKV_T, []) + by.get(F.T_ATTN_OUTPUT_T, []), "cols"),
+            "head": _mean(head, "dot"),
+            "head_t": _mean(by.get(F.T_OUTPUT_T, []), "cols"),
+            "predictor": _mean(by.get(F.T_FC1, []) + by.get(F.T_FC2, []), "dot"),
+            "gate": _mean(gate_ts, "dot" if ffn == "gate" else "rows"),
+            "up": _mean(up_ts, "rows"),
+            "down": _mean(down_t, "down"),
+        }
+        self.up_row_bytes = _row_bytes(up_ts, 0.5 if fused else 1.0)
+        self.down_row_bytes = _row_bytes(down_t)
+        ffn_rm = gate_ts + up_ts if not fused else up
+        down = by.get(F.T_FFN_DOWN, []) or down_t
+        # a dense file's decode: every matrix once through the row dot
+        self.dense = sum(t.n_bytes * cost_per_byte(t.type, "dot") for t in att + head + ffn_rm + down)
+
+    @classmethod
+    def from_file(cls, path: str, ffn: str = "gate") -> "DecodeCost":
+        """The cost model of the GGUF file at path, whose sparse FFN mode is ffn."""
+        import gguf
+
+        r = gguf.GGUFReader(path)
+        try:
+            ts = [Tensor(t.name, t.tensor_type.name, int(t.n_bytes),
+                         int(t.n_elements // max(int(t.shape[0]), 1)) if len(t.shape) else 1) for t in r.tensors]
+        finally:
+            del r
+        return cls(ts, ffn)
+
+    def breakdown(self, result: dict) -> dict:
+        """Estimated time per token, per stage (attention, predictor, ffn, head), of a
+        GateEvaluator.measure result, in dense-dot bytes."""
+        st = result["bytes_per_token_stage"]
+        on = bool(result.get("input_sparse"))
+        f = self.factor
+        rows = result.get("ffn_rows_per_token", {})
+        up = float(rows.get("up", 0.0)) * self.up_row_bytes
+        down = float(rows.get("down", 0.0)) * self.down_row_bytes
+        gate = max(float(st["ffn"]) - up - down, 0.0)
+        return {"attention": float(st["attention"]) * f["attention_t" if on else "attention"],
+                "predictor": float(st["predictor"]) * f["predictor"],
+                "ffn": gate * f["gate"] + up * f["up"] + down * f["down"],
+                "head": float(st["head"]) * f["head_t" if on else "head"]}
+
+    def estimate(self, result: dict) -> float:
+        """Estimated time per decoded token of a GateEvaluator.measure result, in the bytes a
+        dense row dot reads in that time."""
+        return sum(self.breakdown(result).values())

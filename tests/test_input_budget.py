@@ -105,6 +105,11 @@ def test_search_levels_ranks_by_the_cost():
     assert min(cands[:-1], key=lambda c: c.bytes_per_token).inputs == 0.3
     best, _ = search_levels(measure, make_inputs, 0.02, levels, None, cost=lambda r: 1.0)
     assert best.inputs == 0.0
+    # a level must beat off by INPUT_MIN_GAIN: 4% faster is not enough, 6% is
+    for gain, want in ((0.04, 0.0), (0.06, 0.1)):  # (equal times: the lowest level)
+        best, _ = search_levels(measure, make_inputs, 0.02, levels, None,
+                                cost=lambda r, gain=gain: 100.0 if r["bytes_per_token"] == 100 else 100.0 * (1 - gain))
+        assert best.inputs == want, gain
 
 
 # ---- the refit: o's share on held-out text ---------------------------------------------------

@@ -14,8 +14,9 @@ The search, over a small grid of input levels (INPUT_GRID):
    byte costs on its path in its tensor's type (decode_cost.DecodeCost: the input-sparse
    projections read the transposed copies through the list axpy, cheaper per byte than the
    dense row dot in F16 but ~1.4x dearer in Q4_0/Q8_0 and ~2.8x in Q4_K, so fewer bytes can
-   be slower); ties go to the lower input level (a file without input sparsity does not store
-   the transposed copies). Without a cost model, the fewest bytes win.
+   be slower); ties go to the lower input level, and an input level must beat off by
+   INPUT_MIN_GAIN (a file without input sparsity does not store the transposed copies).
+   Without a cost model, the fewest bytes win (with the same margin).
 
 A file with predictors has no gate level: step 2 measures each input level over the
 predictor FFN, and the fastest within P wins (in F16 the largest level: fewer bytes and
@@ -33,6 +34,10 @@ from .gate_eval import search_budget
 
 #: Input levels --input-sparsity auto tries (0 = off is always a candidate).
 INPUT_GRID = (0.1, 0.2, 0.25, 0.3, 0.4)
+#: What an input level must gain on input sparsity off, in estimated time (or bytes), to be
+#: chosen by auto: its file stores the transposed copies (+25-37% size), and the cost
+#: factors are single measurements with 15-30% noise (decode_cost.py).
+INPUT_MIN_GAIN = 0.05
 
 
 @dataclass
@@ -134,4 +139,7 @@ def search_levels(measure: Callable[[float | None, Any], dict], make_inputs: Cal
     if not cands:
         return chosen_over, tried
     best = min(cands, key=lambda c: c.rank)
+    if include_off and best.inputs > 0 and best.rank[0] > (1.0 - INPUT_MIN_GAIN) * off.rank[0]:
+        say(f"  input {best.inputs:.0%} gains less than {INPUT_MIN_GAIN:.0%} on off: off")
+        best = off
     return best, tried

@@ -92,24 +92,52 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(got - ref, dtype=np.float64)))) / max(den, 1e-30)
 
 
-#: Rows per group of the int8 axpy form (cpu/avx2/axpy_avx2.c: Q4_0 at the AVX2 level and up).
+#: Rows per group of the int8 axpy forms (cpu/avx2/axpy_avx2.c: at the AVX2 level and up).
 AXPY_INT8_GROUP = 16
+#: The types whose one-token transposed matmul has the int8 form.
+AXPY_INT8_TYPES = (Q4_0, Q4_K)
 
 
-def _int8_groups_bound(raw: np.ndarray, wd: np.ndarray, groups) -> np.ndarray:
-    """Per output column, the int8 form's rounding bound summed over groups of (rows, a):
-    per group and block b each a_k * d_k,b is rounded to a multiple of
-    S = max_k |a_k * d_k,b| / 127, at most S / 2 times |q - 8| = |W_k,c| / d_k,b per row and value."""
-    bound = np.zeros(wd.shape[1])
+def _q4_k_fields(raw: np.ndarray):
+    """Per row of Q4_K blocks: D = d * sc per sub-block of 32 [rows, sub-blocks] and |q - 8|
+    of the quants q (0..15) per value [rows, cols] (ggml's layout: per 64 values, 32 bytes
+    whose low nibbles are the first sub-block, high nibbles the second)."""
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 144)
+    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+    sc8 = b[:, :, 4:16].astype(np.int32)
+    sc = np.empty(d.shape + (8,), np.int32)
+    for j in range(8):
+        if j < 4:
+            sc[..., j] = sc8[..., j] & 63
+        else:
+            sc[..., j] = (sc8[..., j + 4] & 0xF) | ((sc8[..., j - 4] >> 6) << 4)
+    D = (d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1).astype(np.float64)
+    qs = b[:, :, 16:].reshape(raw.shape[0], -1, 4, 32)
+    q = np.stack([qs & 0xF, qs >> 4], axis=3)                       # [rows, blocks, 4, 2, 32]
+    return D, np.abs(q.reshape(raw.shape[0], -1).astype(np.float64) - 8.0)  # (the form rounds the centred q - 8)
+
+
+def _int8_operands(t: int, raw: np.ndarray, wd: np.ndarray):
+    """The int8 forms' per-block scales D [rows, blocks of 32] and |quants| [rows, cols]."""
+    if t == Q4_K:
+        return _q4_k_fields(raw)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
     d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(d != 0, 1.0 / np.abs(d), 0.0)                   # |q - 8| = |W / d| (d may be < 0)
+    return d, np.repeat(inv, 32, axis=1) * np.abs(wd.astype(np.float64))
+
+
+def _int8_groups_bound(t: int, raw: np.ndarray, wd: np.ndarray, groups) -> np.ndarray:
+    """Per output column, the int8 form's rounding bound summed over groups of (rows, a):
+    per group and block b of 32 each a_k * D_k,b is rounded to a multiple of
+    S = max_k |a_k * D_k,b| / 127, at most S / 2 times |q| per row and value."""
+    bound = np.zeros(wd.shape[1])
+    D, qabs = _int8_operands(t, raw, wd)
     for rows, a in groups:
-        c = np.asarray(a, dtype=np.float64)[:, None] * d[rows]         # [<= 16, blocks]
+        c = np.asarray(a, dtype=np.float64)[:, None] * D[rows]         # [<= 16, blocks]
         s_half = np.abs(c).max(axis=0) / 127.0 / 2.0                   # [blocks]
-        per = np.repeat(s_half[None, :] * inv[rows], 32, axis=1)       # [<= 16, cols]
-        bound += (per * np.abs(wd[rows].astype(np.float64))).sum(axis=0)
+        bound += (np.repeat(s_half, 32)[None, :] * qabs[rows]).sum(axis=0)
     return bound * 1.001 + 1e-6
 
 
@@ -120,13 +148,13 @@ def axpy_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, ids, a)
     16 (the rest go through the float forms)."""
     ids = np.asarray(ids)
     a = np.asarray(a, dtype=np.float64)
-    if t != Q4_0 or level < 1:
+    if t not in AXPY_INT8_TYPES or level < 1:
         return np.zeros(wd.shape[1])
     nz = np.flatnonzero(a != 0.0)
     nz = nz[: nz.size // AXPY_INT8_GROUP * AXPY_INT8_GROUP]
     groups = [(ids[nz[g:g + AXPY_INT8_GROUP]], a[nz[g:g + AXPY_INT8_GROUP]])
               for g in range(0, nz.size, AXPY_INT8_GROUP)]
-    return _int8_groups_bound(raw, wd, groups)
+    return _int8_groups_bound(t, raw, wd, groups)
 
 
 def matmul_t_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -136,10 +164,10 @@ def matmul_t_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, h: 
     instead are within the bound too)."""
     h = np.asarray(h, dtype=np.float64)
     out = np.zeros((h.shape[0], wd.shape[1]))
-    if t != Q4_0 or level < 1 or h.shape[0] < 2:
+    if t != Q4_0 or level < 1 or h.shape[0] < 2:  # (the batch form: Q4_0 only)
         return out
     active = np.flatnonzero((h != 0.0).any(axis=0))
     sel = [active[g:g + AXPY_INT8_GROUP] for g in range(0, active.size, AXPY_INT8_GROUP)]
     for i in range(h.shape[0]):
-        out[i] = _int8_groups_bound(raw, wd, [(rows, h[i, rows]) for rows in sel])
+        out[i] = _int8_groups_bound(t, raw, wd, [(rows, h[i, rows]) for rows in sel])
     return out

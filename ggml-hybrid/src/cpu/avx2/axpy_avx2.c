@@ -14,9 +14,10 @@
 
 #if defined(GH_X86)
 #include "cpu/avx2/kq_unpack.h"
-#include "cpu/avx2/q4_0_int8.h"
+#include "cpu/avx2/axpy_int8.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <string.h>
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
@@ -128,7 +129,7 @@ gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) {
 
 /* ---- Q4_0, sixteen rows per pass in int8 (the decode list's groups of 16) ----
  *
- * The arithmetic: avx2/q4_0_int8.h. The float form (axpy.c) widens every nibble to a float
+ * The arithmetic: avx2/axpy_int8.h. The float form (axpy.c) widens every nibble to a float
  * and spends an FMA on it; here the nibbles of two rows, interleaved, meet a pair
  * (m_k, m_k+1) in one vpmaddubsw, and the int16 sums of the 16 rows are widened and
  * converted once per block.
@@ -159,7 +160,7 @@ AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * ro
                 _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
             }
         }
-        for (int j = 0; j < nc; j += 8) q4_0_factors8(s, &d[0][0], CHUNK_BLOCKS, j, &mp[0][0], 0, scale, bias);
+        for (int j = 0; j < nc; j += 8) int8_factors8(s, &d[0][0], 0, CHUNK_BLOCKS, j, &mp[0][0], 0, scale, bias);
         float * yb = y + i0 * QK4_0;
         for (int i = 0; i < nc; i++, yb += QK4_0) {
             const size_t off = (size_t) (i0 + i) * bs + 2;
@@ -181,9 +182,95 @@ AVX2_FN static void axpy16_q4_0_avx2(int64_t n, const float * s, const void * co
     axpy16_q4_0(n, s, row, pf, y);
 }
 
+/* ---- Q4_K, sixteen rows per pass in int8 (the decode list's groups of 16) ----
+ *
+ * As Q4_0's form per sub-block of 32 values: its factors are the 16 products
+ * c_k = s_k d_k sc_k,j (kq_factors with s = 1, then int8_factors8 over 8 sub-blocks at a
+ * time). The quants q are unsigned (0..15) with a min: sum_k c_k q_k = sum_k c_k (q_k - 8)
+ * + 8 sum_k c_k, and only the first, centred, part takes the int8 rounding (Q4_0's bias
+ * -8 sum_k m_k), which halves its error against rounding c_k q_k (1.3% -> 0.5% nRMS on
+ * random rows); the second and the mins' term sum_k s_k (-dmin_k m_k,j) are one float per
+ * sub-block, added with the block's sum. A chunk is KCHUNK super-blocks. */
+#define KCHUNK 4
+
+/* y[0..32) += g + scale * (the int16 sums lo, hi in q4_0_pair's order, widened). */
+AVX2_INLINE void q4_K_store32(float scale, float g, __m256i lo, __m256i hi, float * yb) {
+    const __m256 sc = _mm256_set1_ps(scale), gv = _mm256_set1_ps(g);
+    const __m256i v0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo));
+    const __m256i v1 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi));
+    const __m256i v2 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1));
+    const __m256i v3 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1));
+    _mm256_storeu_ps(yb, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v0), _mm256_add_ps(_mm256_loadu_ps(yb), gv)));
+    _mm256_storeu_ps(yb + 8, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v1), _mm256_add_ps(_mm256_loadu_ps(yb + 8), gv)));
+    _mm256_storeu_ps(yb + 16, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v2), _mm256_add_ps(_mm256_loadu_ps(yb + 16), gv)));
+    _mm256_storeu_ps(yb + 24, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v3), _mm256_add_ps(_mm256_loadu_ps(yb + 24), gv)));
+}
+
+AVX2_FN static void axpy16_q4_K_avx2(int64_t n, const float * s, const void * const * row,
+                                     const void * const * pf, float * restrict y) {
+    const size_t bs = sizeof(block_q4_K);
+    const size_t qs = offsetof(block_q4_K, qs);
+    const int64_t nb = n / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t i0 = 0; i0 < nb; i0 += KCHUNK) {
+        const int nc = (int) GH_MIN((int64_t) KCHUNK, nb - i0);
+        float D[16][KCHUNK * 8];           /* d sc per row and sub-block */
+        float G[16][KCHUNK * 8];           /* 8 d sc - dmin m */
+        int16_t mp[8][KCHUNK * 8];         /* (m_2p, m_2p+1) as the bytes of one word */
+        float scale[KCHUNK * 8], gs[KCHUNK * 8];
+        int32_t bias[KCHUNK * 8];          /* -8 sum_k m_k */
+        for (int k = 0; k < 16; k++) {
+            const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
+            for (int i = 0; i < KCHUNK; i++) {
+                if (i < nc) {
+                    kq_factors(KQ4, b + i * bs, 1.0f, &D[k][8 * i], &G[k][8 * i]);
+                    _mm256_storeu_ps(&G[k][8 * i], _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(&D[k][8 * i]),
+                                                                   _mm256_loadu_ps(&G[k][8 * i])));
+                } else {
+                    memset(&D[k][8 * i], 0, 8 * sizeof(float));
+                    memset(&G[k][8 * i], 0, 8 * sizeof(float));
+                }
+            }
+            if (pf) {
+                const char * p = (const char *) pf[k] + i0 * bs;
+                for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+                _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
+            }
+        }
+        for (int j = 0; j < nc * 8; j += 8) {
+            int8_factors8(s, &D[0][0], 1, KCHUNK * 8, j, &mp[0][0], 0, scale, bias);
+            __m256 g = _mm256_setzero_ps();
+            for (int k = 0; k < 16; k++) g = _mm256_fmadd_ps(_mm256_set1_ps(s[k]), _mm256_loadu_ps(&G[k][j]), g);
+            _mm256_storeu_ps(gs + j, g);
+        }
+        float * yb = y + i0 * QK_K;
+        for (int i = 0; i < nc; i++, yb += QK_K) {
+            const size_t off = (size_t) (i0 + i) * bs + qs;
+            for (int jp = 0; jp < 4; jp++) {
+                const int j0 = 8 * i + 2 * jp, j1 = j0 + 1; /* sub-blocks: low and high nibbles */
+                __m256i l0 = _mm256_set1_epi16((int16_t) bias[j0]), h0 = l0;
+                __m256i l1 = _mm256_set1_epi16((int16_t) bias[j1]), h1 = l1;
+                for (int p = 0; p < 8; p++) {
+                    const __m256i xa = _mm256_loadu_si256((const __m256i *) ((const uint8_t *) row[2 * p] + off + 32 * jp));
+                    const __m256i xb = _mm256_loadu_si256((const __m256i *) ((const uint8_t *) row[2 * p + 1] + off + 32 * jp));
+                    const __m256i alo = _mm256_and_si256(xa, m4), ahi = _mm256_and_si256(_mm256_srli_epi16(xa, 4), m4);
+                    const __m256i blo = _mm256_and_si256(xb, m4), bhi = _mm256_and_si256(_mm256_srli_epi16(xb, 4), m4);
+                    const __m256i pa = _mm256_set1_epi16(mp[p][j0]), pb = _mm256_set1_epi16(mp[p][j1]);
+                    l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), pa));
+                    h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), pa));
+                    l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), pb));
+                    h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), pb));
+                }
+                q4_K_store32(scale[j0], gs[j0], l0, h0, yb + 64 * jp);
+                q4_K_store32(scale[j1], gs[j1], l1, h1, yb + 64 * jp + 32);
+            }
+        }
+    }
+}
+
 /* The batch form (gh_matmul16_fn): per chunk of 8 blocks the rows' nibbles are unpacked
  * once into pairs and their scales copied out, then every token makes its own factors
- * (q4_0_factors8, as the one-token form does) and runs the pass over the unpacked pairs.
+ * (int8_factors8, as the one-token form does) and runs the pass over the unpacked pairs.
  * The up to four groups of a call meet each 32 values of y in one load and store, added
  * group after group: a token's sums are those of axpy16_q4_0 over the same groups in
  * order, bit for bit, and y stays in L1 across them (the unpacked rows, 16 KB, too).
@@ -225,7 +312,7 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
             for (int g = 0; g < ng; g++) {
                 float s[16];
                 for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
-                q4_0_factors8(s, &d[g][0][0], BATCH_BLOCKS, 0, &mp[g][0][0], 0, scale[g], bias[g]);
+                int8_factors8(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mp[g][0][0], 0, scale[g], bias[g]);
             }
             float * yb = y + t * ldy + i0 * QK4_0;
             for (int i = 0; i < nc; i++, yb += QK4_0) {
@@ -259,7 +346,11 @@ gh_matmul16_fn gh_matmul16_avx2(int type) {
 }
 
 gh_axpy16_fn gh_axpy16_avx2(int type) {
-    return type == GH_TYPE_Q4_0 ? axpy16_q4_0_avx2 : NULL;
+    switch (type) {
+        case GH_TYPE_Q4_0: return axpy16_q4_0_avx2;
+        case GH_TYPE_Q4_K: return axpy16_q4_K_avx2;
+        default:           return NULL;
+    }
 }
 
 #else

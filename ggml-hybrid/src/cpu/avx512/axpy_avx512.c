@@ -12,7 +12,7 @@
 #include <immintrin.h>
 
 #include "cpu/avx2/kq_unpack.h"
-#include "cpu/avx2/q4_0_int8.h"
+#include "cpu/avx2/axpy_int8.h"
 
 #define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 
@@ -323,7 +323,7 @@ gh_axpy4pf_fn gh_axpy4pf_avx512(int type) {
 
 /* ---- Q4_0's batch form in VNNI (gh_matmul16_fn) ----
  *
- * As the AVX2 form (avx2/axpy_avx2.c: the same factors, q4_0_factors8, per token and
+ * As the AVX2 form (avx2/axpy_avx2.c: the same factors, int8_factors8, per token and
  * group), with four rows per vpdpbusd: a quad of rows' block is transposed once (vpermb)
  * so that dword c holds the four rows' nibbles of column c, and meets the dword
  * (m_4p .. m_4p+3); the int32 sums are the AVX2 form's int16 ones (both exact), widened
@@ -385,7 +385,7 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
             for (int g = 0; g < ng; g++) {
                 float s[16];
                 for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
-                q4_0_factors8(s, &d[g][0][0], BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], bias[g]);
+                int8_factors8(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], bias[g]);
             }
             float * yb = y + t * ldy + i0 * QK4_0;
             for (int i = 0; i < nc; i++, yb += QK4_0) {

@@ -1,17 +1,19 @@
-/* Q4_0's int8 forms of the transposed matmul, their shared parts (included by
+/* The int8 forms of the transposed matmul (Q4_0, Q4_K), their shared parts (included by
  * avx2/axpy_avx2.c and avx512/axpy_avx512.c; AVX2 code, which the AVX-512 functions
  * inline too).
  *
- * y[c] += sum_k s_k d_k,b (q_k,c - 8) over a group of 16 rows, per block b of 32 columns:
- * the 16 products c_k = s_k d_k,b of a block are quantized to int8 against their largest,
- * m_k = round(127 c_k / M_b), so a block's sum is M_b / 127 * sum_k m_k (q_k - 8), an
- * integer sum of unsigned nibbles times signed bytes (vpmaddubsw, vpdpbusd). That is the
- * activation quantization of the int8 dots (Q8 blocks, here of 16 rows instead of 32
- * values): errors up to M_b / 254 per row and value, ~0.5% of a sum (nRMS) on random data.
- * The true sum is within 16 * 127 * 8 < 2^15, so int16 sums may wrap on the way
- * (two's-complement adds) and still end exact, and int32 sums are the same integers. */
-#ifndef GH_Q4_0_INT8_H
-#define GH_Q4_0_INT8_H
+ * y[c] += sum_k s_k D_k,b q_k,c over a group of 16 rows, per block b of 32 columns (Q4_0:
+ * D = d, q - 8 for q; Q4_K: D = d sc of the sub-block, q - 8 for q, the rest in floats,
+ * see axpy_avx2.c): the 16 products c_k = s_k D_k,b of a block are quantized to int8 against their
+ * largest, m_k = round(127 c_k / M_b), so a block's sum is M_b / 127 * sum_k m_k q_k, an
+ * integer sum of unsigned nibbles times signed bytes (vpmaddubsw, vpdpbusd; the offset as
+ * the bias -8 sum_k m_k). That is the activation quantization of the int8 dots (Q8
+ * blocks, here of 16 rows instead of 32 values): errors up to M_b / 254 per row and value,
+ * ~0.5% of a sum (nRMS) on random data. The true sums are within 16 * 127 * 8 < 2^15, so
+ * int16 sums may wrap on the way (two's-complement adds) and still end exact, and int32
+ * sums are the same integers. */
+#ifndef GH_AXPY_INT8_H
+#define GH_AXPY_INT8_H
 
 #include "types/types.h"
 
@@ -21,17 +23,20 @@
 
 #define Q4I_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
-/* s times the eight fp16 scales at d. */
-Q4I_INLINE __m256 scaled8(float s, const uint16_t * d) {
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) d)), _mm256_set1_ps(s));
+/* s times the eight scales at d + i (f32 == 0: fp16 scales; 1: floats). */
+Q4I_INLINE __m256 scaled8(float s, const void * d, ptrdiff_t i, const int f32) {
+    const __m256 v = f32 ? _mm256_loadu_ps((const float *) d + i)
+                         : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const uint16_t *) d + i)));
+    return _mm256_mul_ps(v, _mm256_set1_ps(s));
 }
 
-/* The int8 factors of 8 blocks from j: the rows' fp16 scales d[k * ld + j ..] times s[k],
- * quantized per block against their largest (scale[j ..] = M_b / 127, NaN where a product
- * is not finite; bias[j ..] = -8 sum_k m_k), the m_k packed for the kernel: quads == 0,
- * mp[p * ld + j ..] = (m_2p, m_2p+1) as the bytes of a word (int16_t); quads == 1,
- * mp[p * ld + j ..] = (m_4p .. m_4p+3) as the bytes of a dword (int32_t). */
-Q4I_INLINE void q4_0_factors8(const float * s, const uint16_t * d, int ld, int j, void * mp,
+/* The int8 factors of 8 blocks from j: the rows' scales D[k * ld + j ..] (fp16, or floats
+ * with f32) times s[k], quantized per block against their largest (scale[j ..] = M_b / 127,
+ * NaN where a product is not finite; bias[j ..] = -8 sum_k m_k, the quants' offset, unless
+ * bias is NULL), the m_k packed for the kernel: quads == 0, mp[p * ld + j ..] = (m_2p, m_2p+1)
+ * as the bytes of a word (int16_t); quads == 1, mp[p * ld + j ..] = (m_4p .. m_4p+3) as the
+ * bytes of a dword (int32_t). */
+Q4I_INLINE void int8_factors8(const float * s, const void * d, const int f32, int ld, int j, void * mp,
                               const int quads, float * scale, int32_t * bias) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inf = _mm256_set1_ps(INFINITY);
@@ -40,7 +45,7 @@ Q4I_INLINE void q4_0_factors8(const float * s, const uint16_t * d, int ld, int j
     __m256 mx[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
     __m256 bad = _mm256_setzero_ps();
     for (int k = 0; k < 16; k++) {
-        const __m256 a = _mm256_and_ps(scaled8(s[k], d + k * ld + j), absm);
+        const __m256 a = _mm256_and_ps(scaled8(s[k], d, k * ld + j, f32), absm);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ)); /* inf or NaN */
         mx[k & 1] = _mm256_max_ps(mx[k & 1], a);
     }
@@ -52,10 +57,10 @@ Q4I_INLINE void q4_0_factors8(const float * s, const uint16_t * d, int ld, int j
     __m256i msum = _mm256_setzero_si256();
     const __m256i lo8 = _mm256_set1_epi32(0xff);
     for (int k = 0; k < 16; k += 4) {
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k], d + k * ld + j), inv));
-        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 1], d + (k + 1) * ld + j), inv));
-        const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 2], d + (k + 2) * ld + j), inv));
-        const __m256i f = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 3], d + (k + 3) * ld + j), inv));
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k], d, k * ld + j, f32), inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 1], d, (k + 1) * ld + j, f32), inv));
+        const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 2], d, (k + 2) * ld + j, f32), inv));
+        const __m256i f = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 3], d, (k + 3) * ld + j, f32), inv));
         msum = _mm256_add_epi32(msum, _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(e, f)));
         const __m256i w0 = _mm256_or_si256(_mm256_and_si256(a, lo8), _mm256_slli_epi32(_mm256_and_si256(b, lo8), 8));
         const __m256i w1 = _mm256_or_si256(_mm256_and_si256(e, lo8), _mm256_slli_epi32(_mm256_and_si256(f, lo8), 8));
@@ -68,7 +73,7 @@ Q4I_INLINE void q4_0_factors8(const float * s, const uint16_t * d, int ld, int j
             _mm_storeu_si128((__m128i *) ((int16_t *) mp + (k / 2 + 1) * ld + j), _mm256_extracti128_si256(w, 1));
         }
     }
-    _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(msum, _mm256_set1_epi32(-8)));
+    if (bias) _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(msum, _mm256_set1_epi32(-8)));
 }
 
 /* The two unpacked vectors of a pair of rows' block (the nibbles at q of rows a and b,

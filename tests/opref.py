@@ -164,7 +164,7 @@ def matmul_t_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, h: 
     instead are within the bound too)."""
     h = np.asarray(h, dtype=np.float64)
     out = np.zeros((h.shape[0], wd.shape[1]))
-    if t != Q4_0 or level < 1 or h.shape[0] < 2:  # (the batch form: Q4_0 only)
+    if t not in AXPY_INT8_TYPES or level < 1 or h.shape[0] < 2:
         return out
     active = np.flatnonzero((h != 0.0).any(axis=0))
     sel = [active[g:g + AXPY_INT8_GROUP] for g in range(0, active.size, AXPY_INT8_GROUP)]

@@ -22,7 +22,7 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
-from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q8_0, TYPES,  # noqa: E402
+from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_K, Q8_0, TYPES,  # noqa: E402
                    axpy_int8_bound, block_cols, matmul_t_int8_bound,
                    native_quantize)
 
@@ -90,21 +90,22 @@ def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
         lib.gh_simd_set(prev)
 
 
-def test_matmul_t_q4_0_batch_equals_tokens():
-    """Q4_0's int8 batch form: each token of a dense batch sums as the one-token form does
+@pytest.mark.parametrize("t", [Q4_0, Q4_K])
+def test_matmul_t_int8_batch_equals_tokens(t):
+    """The int8 batch forms: each token of a dense batch sums as the one-token form does
     over the same groups of 16 rows, bit for bit (rows a multiple of 16, no zero h)."""
     rng = np.random.default_rng(11)
-    rows, cols, n_tokens = 96, 544, 9
+    rows, cols, n_tokens = 96, block_cols(t, 544), 9
     w = rng.standard_normal((rows, cols)).astype(np.float32)
-    data, wd = encode(Q4_0, w)
+    data, wd = encode(t, w)
     raw = np.ascontiguousarray(data[0] if isinstance(data, tuple) else data)
     h = rng.standard_normal((n_tokens, rows)).astype(np.float32)
     prev = lib.gh_simd_get()
     try:
         for level in range(1, int(lib.gh_simd_supported()) + 1):
             assert lib.gh_simd_set(level) != -2
-            batch = matmul_t(Q4_0, raw, rows, cols, h, 2)
-            one = np.concatenate([matmul_t(Q4_0, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
+            batch = matmul_t(t, raw, rows, cols, h, 2)
+            one = np.concatenate([matmul_t(t, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
             np.testing.assert_array_equal(batch, one)
     finally:
         lib.gh_simd_set(prev)

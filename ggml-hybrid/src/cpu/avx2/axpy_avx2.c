@@ -341,8 +341,94 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
     }
 }
 
+/* Q4_K's batch form: as Q4_0's, per super-block (8 sub-blocks: one factor vector), with
+ * Q4_K's one-token arithmetic (axpy16_q4_K_avx2: the centred quants in int8, the rest a
+ * float per sub-block), so a token's sums are that form's over the same groups, bit for bit. */
+AVX2_FN static void matmul16_q4_K_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                       const int32_t * hc, int nk, const void * const * row,
+                                       float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q4_K);
+    const size_t qs = offsetof(block_q4_K, qs);
+    const int64_t nb = n / QK_K;
+    const int ng = (nk + 15) / 16;
+    static const uint8_t zero[32];
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t i = 0; i < nb; i++) {
+        float D[4][16][8], G[4][16][8];
+        __m256i u[4][4][8][4]; /* group, sub-block pair, row pair, (low: 0..7|16..23, 8..15|24..31; high: the same) */
+        for (int k = 0; k < ng * 16; k++) {
+            float * dk = D[k / 16][k % 16], * gk = G[k / 16][k % 16];
+            if (k < nk) {
+                kq_factors(KQ4, (const uint8_t *) row[k] + i * bs, 1.0f, dk, gk);
+                _mm256_storeu_ps(gk, _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(dk), _mm256_loadu_ps(gk)));
+            } else {
+                memset(dk, 0, 8 * sizeof(float));
+                memset(gk, 0, 8 * sizeof(float));
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            for (int jp = 0; jp < 4; jp++) {
+                for (int p = 0; p < 8; p++) {
+                    const int ka = 16 * g + 2 * p, kb = ka + 1;
+                    const uint8_t * qa = ka < nk ? (const uint8_t *) row[ka] + i * bs + qs + 32 * jp : zero;
+                    const uint8_t * qb = kb < nk ? (const uint8_t *) row[kb] + i * bs + qs + 32 * jp : zero;
+                    const __m256i xa = _mm256_loadu_si256((const __m256i *) qa), xb = _mm256_loadu_si256((const __m256i *) qb);
+                    const __m256i alo = _mm256_and_si256(xa, m4), ahi = _mm256_and_si256(_mm256_srli_epi16(xa, 4), m4);
+                    const __m256i blo = _mm256_and_si256(xb, m4), bhi = _mm256_and_si256(_mm256_srli_epi16(xb, 4), m4);
+                    u[g][jp][p][0] = _mm256_unpacklo_epi8(alo, blo);
+                    u[g][jp][p][1] = _mm256_unpackhi_epi8(alo, blo);
+                    u[g][jp][p][2] = _mm256_unpacklo_epi8(ahi, bhi);
+                    u[g][jp][p][3] = _mm256_unpackhi_epi8(ahi, bhi);
+                }
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float * ht = h + t * ldh;
+            int16_t mp[4][8][8];
+            float scale[4][8], gs[4][8];
+            int32_t bias[4][8];
+            for (int g = 0; g < ng; g++) {
+                float s[16];
+                for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+                int8_factors8(s, &D[g][0][0], 1, 8, 0, &mp[g][0][0], 0, scale[g], bias[g]);
+                __m256 gv = _mm256_setzero_ps();
+                for (int k = 0; k < 16; k++) gv = _mm256_fmadd_ps(_mm256_set1_ps(s[k]), _mm256_loadu_ps(G[g][k]), gv);
+                _mm256_storeu_ps(gs[g], gv);
+            }
+            float * yb = y + t * ldy + i * QK_K;
+            for (int sb = 0; sb < 8; sb++, yb += 32) {
+                const int jp = sb / 2, hv = 2 * (sb % 2);
+                __m256 y0 = _mm256_loadu_ps(yb), y1 = _mm256_loadu_ps(yb + 8);
+                __m256 y2 = _mm256_loadu_ps(yb + 16), y3 = _mm256_loadu_ps(yb + 24);
+                for (int g = 0; g < ng; g++) {
+                    __m256i lo = _mm256_set1_epi16((int16_t) bias[g][sb]), hi = lo;
+                    for (int p = 0; p < 8; p++) {
+                        const __m256i pair = _mm256_set1_epi16(mp[g][p][sb]);
+                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[g][jp][p][hv], pair));
+                        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[g][jp][p][hv + 1], pair));
+                    }
+                    /* as q4_K_store32, with y in registers */
+                    const __m256 sc = _mm256_set1_ps(scale[g][sb]), gv = _mm256_set1_ps(gs[g][sb]);
+                    y0 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), _mm256_add_ps(y0, gv));
+                    y1 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), _mm256_add_ps(y1, gv));
+                    y2 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), _mm256_add_ps(y2, gv));
+                    y3 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), _mm256_add_ps(y3, gv));
+                }
+                _mm256_storeu_ps(yb, y0);
+                _mm256_storeu_ps(yb + 8, y1);
+                _mm256_storeu_ps(yb + 16, y2);
+                _mm256_storeu_ps(yb + 24, y3);
+            }
+        }
+    }
+}
+
 gh_matmul16_fn gh_matmul16_avx2(int type) {
-    return type == GH_TYPE_Q4_0 ? matmul16_q4_0_avx2 : NULL;
+    switch (type) {
+        case GH_TYPE_Q4_0: return matmul16_q4_0_avx2;
+        case GH_TYPE_Q4_K: return matmul16_q4_K_avx2;
+        default:           return NULL;
+    }
 }
 
 gh_axpy16_fn gh_axpy16_avx2(int type) {

@@ -67,8 +67,8 @@ def test_predictor_file_and_types():
         "attention": 1400 * k4.dot * k4.cols, "predictor": 1000 * 1.0,
         "ffn": 800 * k4.dot * k4.rows + 400 * k4.dot * k4.rows + 400 * k4.dot * k4.down,
         "head": 1400 * k6.dot * k6.cols})
-    assert COSTS["BF16"] == COSTS["F32"] == COSTS["F16"] and COSTS["Q5_K"].cols == COSTS["Q4_K"].cols
-    assert cost_per_byte("Q4_0", "dot") == 1.0 and cost_per_byte("Q4_K", "cols") == pytest.approx(1.37 * 2.79)
+    assert COSTS["BF16"] == COSTS["F32"] == COSTS["F16"] and COSTS["Q5_K"].cols == COSTS["Q6_K"].cols
+    assert cost_per_byte("Q4_0", "dot") == 1.0 and cost_per_byte("Q4_K", "cols") == pytest.approx(1.37 * 1.24)
     with pytest.raises(ValueError, match="no decode cost for tensor type Q2_K"):
         cost_per_byte("Q2_K", "dot")
     with pytest.raises(ValueError, match="ffn must be"):

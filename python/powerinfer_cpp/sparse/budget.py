@@ -13,7 +13,7 @@ The search, over a small grid of input levels (INPUT_GRID):
    of each stage (gate, up/down rows read, attention and head rows read) weighted by what a
    byte costs on its path in its tensor's type (decode_cost.DecodeCost: the input-sparse
    projections read the transposed copies through the list axpy, cheaper per byte than the
-   dense row dot in F16 but ~1.4x dearer in Q4_0/Q8_0 and ~2.8x in Q4_K, so fewer bytes can
+   dense row dot in F16 but ~1.4x dearer in Q4_0/Q8_0 and ~1.2x in Q4_K, so fewer bytes can
    be slower); ties go to the lower input level, and an input level must beat off by
    INPUT_MIN_GAIN (a file without input sparsity does not store the transposed copies).
    Without a cost model, the fewest bytes win (with the same margin).

@@ -4,7 +4,7 @@ ranks by (sparse/budget.py), instead of the bytes read.
 Bytes alone favour input sparsity in every type, but the input-sparse path reads the
 transposed copies (``*_t``) through the list axpy, which costs more per byte than the
 dense row dot in the quantized types: in Q4_0 and Q8_0 input sparsity only breaks even
-near 30%, in Q4_K near 64%, while in F16 the axpy beats the dot even at full density. So
+near 30%, in Q4_K near 20%, while in F16 the axpy beats the dot even at full density. So
 each byte is weighted by the cost of the path that reads it, in its tensor's type:
 
     time ~ sum over stages and paths of bytes x COSTS[type].dot x COSTS[type].<path>
@@ -20,12 +20,15 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   "The K-quant axpy rewrite", A/B table, AVX2 cold dot after, Q4_0's GB/s over the type's
   (19.6 over Q4_K 14.3, Q5_K 13.4, Q6_K 16.6).
 * ``cols``, the input-sparse column axpy over ``*_t``, per byte against the type's dense
-  matvec in the same run, the mean over the measured input densities: F16, Q8_0, Q4_K from
+  matvec in the same run, the mean over the measured input densities: F16, Q8_0 from
   "Speed of the kernels, and the default" (q/k/v 2560 x 2048 from DRAM, densities
-  100/75/50/25%: F16 0.63/0.67/0.68/0.59, Q8_0 1.34/1.40/1.43/1.57, Q4_K 2.74/2.62/2.75/3.04);
-  Q4_0 from "The Q4_0 axpy in int8" (its int8 axpy replaced the float form that table
-  measured: the input-sparse q/k/v after, two runs each, 549/621, 298/387, 159/155 us at
-  100/50/25% against the dense matvec's 407-474 us: 1.33/1.56/1.43).
+  100/75/50/25%: F16 0.63/0.67/0.68/0.59, Q8_0 1.34/1.40/1.43/1.57); Q4_0 from "The Q4_0
+  axpy in int8" (its int8 axpy replaced the float form that table measured: the input-sparse
+  q/k/v after, two runs each, 549/621, 298/387, 159/155 us at 100/50/25% against the dense
+  matvec's 407-474 us: 1.33/1.56/1.43); Q4_K from "The Q4_K axpy in int8" (the same
+  benchmark, two runs each of the float and the int8 forms: 1.28/1.38/1.45/1.36 and
+  1.85/1.92/1.99/2.08 before, mean 1.66; 1.05/1.13/1.13/0.99 and 1.27/1.34/1.45/1.53 after,
+  mean 1.24).
 * ``rows``, gathered rows through the row dot (up; the gate's rows in the predictor mode),
   and ``down``, the gathered ``ffn_down_t`` rows through the axpy, per byte against the
   dense matvec: F16, Q8_0, Q4_0 from "AVX2 kernels" (the sparse FFN layer's glu/down us at
@@ -34,12 +37,14 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   Q4_0's down then scaled by the int8 axpy's gain on the same stage ("The Q4_0 axpy in int8",
   sparse down at 8% of the rows, 98/94 -> 68/81 us: x0.78); the K-quants from "The K-quant
   axpy rewrite" (bench_kernels, AVX2 1 thread after: dense / glu / down GB/s Q4_K
-  10.3/10.8/5.9, Q5_K 8.0/8.9/5.9, Q6_K 9.9/11.6/7.6).
+  10.3/10.8/5.9, Q5_K 8.0/8.9/5.9, Q6_K 9.9/11.6/7.6), Q4_K's down then scaled as its cols
+  by its int8 axpy (1.24 / 1.66: x0.75).
 
 Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
 (the same float kernels, with another conversion or none); Q5_K's and Q6_K's ``cols`` Q4_K's
-(their ``down``, the same axpy over gathered rows, is 1.3-1.4x cheaper per byte than Q4_K's,
-so this overstates their input-sparse cost somewhat). The figures carry the benchmarks' noise
+float form's (1.66: they have no int8 form; their ``down``, the same float axpy over gathered
+rows, is 1.3-1.4x cheaper per byte than Q4_K's float one, so this overstates their
+input-sparse cost somewhat). The figures carry the benchmarks' noise
 (15-30% per run on the loaded 2-core machine): the model decides between candidates that
 differ by more than that, and near a break-even it may pick either.
 """
@@ -62,7 +67,7 @@ class PathCost:
 
 
 _F16 = PathCost(dot=1.0, cols=0.64, rows=1.31, down=0.96)
-_Q4_K_COLS = 2.79
+_K_FLOAT_COLS = 1.66  # the K-quants' float column axpy (Q4_K's before its int8 form)
 
 #: Per GGML type name: the factors of each path (the module's docstring gives the sources).
 COSTS: dict[str, PathCost] = {
@@ -71,9 +76,9 @@ COSTS: dict[str, PathCost] = {
     "F32": _F16,    # not measured: F16's
     "Q8_0": PathCost(dot=1.0, cols=1.44, rows=1.15, down=1.17),
     "Q4_0": PathCost(dot=1.0, cols=1.44, rows=1.45, down=1.55),
-    "Q4_K": PathCost(dot=1.37, cols=_Q4_K_COLS, rows=0.95, down=1.75),
-    "Q5_K": PathCost(dot=1.46, cols=_Q4_K_COLS, rows=0.90, down=1.36),  # cols: Q4_K's
-    "Q6_K": PathCost(dot=1.18, cols=_Q4_K_COLS, rows=0.85, down=1.30),  # cols: Q4_K's
+    "Q4_K": PathCost(dot=1.37, cols=1.24, rows=0.95, down=1.31),
+    "Q5_K": PathCost(dot=1.46, cols=_K_FLOAT_COLS, rows=0.90, down=1.36),  # cols: Q4_K's float form's
+    "Q6_K": PathCost(dot=1.18, cols=_K_FLOAT_COLS, rows=0.85, down=1.30),  # cols: Q4_K's float form's
 }
 
 PATHS = ("dot", "cols", "rows", "down")

@@ -3,7 +3,9 @@ docs/FORMAT.md "Input sparsity"): the sparse column kernel against numpy for eve
 SIMD level and thread count; on the shipped SwiGLU model the calibration's held-out
 sparsity, results independent of the thread count, sparsity 0 equal to dense, dense mode
 untouched (equal to a dense file's), the quality bound at the recommended level, the statistics; a file without the
-thresholds asked for the mode gives a clear error; FORMAT.md's section matches format.py."""
+thresholds asked for the mode gives a clear error; FORMAT.md's section matches format.py; a
+profile of the projections' inputs alone runs the sparse mode and records what its thresholds
+compare (the FFN's recording forces dense)."""
 
 from __future__ import annotations
 
@@ -270,6 +272,89 @@ def test_host_device_stays_correct(files):
         st = ctx.stats()
     np.testing.assert_allclose(dev, cpu, rtol=1e-5, atol=1e-5)
     assert st["input_sparse"]["attention_inputs"] == 0 and st["input_sparse"]["head_inputs"] == 0
+
+
+def _file_tensors(path):
+    """The file's tensors as float arrays in their logical shape (rows first)."""
+    from powerinfer_cpp.gguf_write import decode_matrix
+    out = {}
+    for t in gguf.GGUFReader(path).tensors:
+        shape = tuple(int(v) for v in reversed(t.shape))
+        a = np.asarray(t.data)
+        out[t.name] = (decode_matrix(a, t.tensor_type, shape) if len(shape) == 2 else a).astype(np.float64)
+    return out
+
+
+def _profile(path, ids, window, ffn="auto", record_ffn=False):
+    """profile_inputs in the file's mode (ffn), or gh_eval_profile_ex with the FFN's input
+    recorded too (record_ffn, one window); the recorded inputs and the stats."""
+    from powerinfer_cpp.sparse.profile import profile_inputs
+    with Model(path, n_ctx=window, n_threads=1, cache_type="f32") as m:
+        ctx = m.create_context(n_ctx=window, n_threads=1, cache_type="f32", ffn=ffn)
+        ctx.sparse_batch = window
+        if not record_ffn:
+            rec = profile_inputs(ctx, ids, window)
+        else:
+            info = m.info
+            n, dq = len(ids), info.n_head * info.head_dim
+            x = np.empty((info.n_layer, n, info.n_embd), np.float32)
+            rec = (np.empty((info.n_layer, n, info.n_embd), np.float32),
+                   np.empty((info.n_layer, n, dq), np.float32), np.empty((n, info.n_embd), np.float32))
+            with ctx._calling() as ptr:
+                check(lib.gh_eval_profile_ex(ptr, ffi.from_buffer("int32_t[]", np.asarray(ids, np.int32)), n,
+                                             fptr(x), 0, ffi.NULL, 0, fptr(rec[0]), 0, fptr(rec[1]), 0,
+                                             fptr(rec[2])))
+        st = ctx.stats()
+        ctx.close()
+    return rec, st
+
+
+def test_profile_records_the_sparse_mode_inputs(files):
+    """Without the FFN's recording, a profile runs the file's sparse mode and records the
+    inputs each input-sparse site compares with its thresholds there: the runtime's used
+    counts follow from them, o's input of a lone token is the v the sparse q/k/v projection
+    makes (numpy), the head's reproduces the sparse forward's logits, and they differ from the
+    dense mode's. Recording the FFN's input forces the dense path."""
+    path, ids = files["path"], files["later"][:64]
+    w = _file_tensors(path)
+    thr = {(s, l): w[F.input_sparse_tensor_name(k, l)] for l in range(4)
+           for s, k in (("qkv", F.T_ATTN_QKV_IN_THR), ("o", F.T_ATTN_OUTPUT_IN_THR))}
+    thr_head = w[F.input_sparse_tensor_name(F.T_OUTPUT_IN_THR)]
+    (a_in, a_out, h_in), st = _profile(path, ids, 64)
+    assert st["ffn_mode"] == "gate" and st["n_sparse_tokens"] == 64
+    used = sum(int((np.abs(x) > thr[(s, l)]).sum()) for l in range(4) for s, x in (("qkv", a_in[l]), ("o", a_out[l])))
+    assert st["input_sparse"]["attention_inputs_used"] == used
+    assert st["input_sparse"]["head_inputs_used"] == int((np.abs(h_in[-1]) > thr_head).sum())  # the last token's
+    (d_in, d_out, d_head), st_d = _profile(path, ids, 64, ffn="dense")
+    assert st_d["input_sparse"]["attention_inputs"] == 0
+    np.testing.assert_array_equal(a_in[0], d_in[0])  # the embedding: no site before it
+    for l in range(4):
+        assert not np.allclose(a_out[l], d_out[l], rtol=1e-3, atol=1e-3), l
+    assert not np.allclose(h_in, d_head, rtol=1e-3, atol=1e-3)
+    # the head: the sparse forward's logits of the last token from its recorded input
+    head_t = w[F.input_sparse_tensor_name(F.T_OUTPUT_T)]
+    keep = np.abs(h_in[-1]) > thr_head
+    with Model(path, n_ctx=64, n_threads=1, cache_type="f32") as m:
+        ctx = m.create_context(n_ctx=64, n_threads=1, cache_type="f32")
+        ctx.sparse_batch = 64
+        logits = ctx.eval(ids, logits_all=False).copy().reshape(-1)
+        ctx.close()
+    ref = h_in[-1][keep].astype(np.float64) @ head_t[keep]
+    np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # o's input at position 0 (windows of one token): each head's v from the used inputs
+    (b_in, b_out, _), _ = _profile(path, ids[:8], 1)
+    n_head, n_kv, hd = 8, 4, 32
+    qkv_t = w[F.input_sparse_tensor_name(F.T_ATTN_QKV_T, 0)]
+    for t in range(8):
+        keep = np.abs(b_in[0][t]) > thr[("qkv", 0)]
+        v = (b_in[0][t][keep].astype(np.float64) @ qkv_t[keep])[n_head * hd + n_kv * hd:]
+        ref = np.repeat(v.reshape(n_kv, hd), n_head // n_kv, axis=0).reshape(-1)
+        np.testing.assert_allclose(b_out[0][t], ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # the FFN's input recorded: dense throughout, the same inputs as the dense mode's
+    (f_in, f_out, f_head), st_f = _profile(path, ids, 64, record_ffn=True)
+    assert st_f["n_sparse_tokens"] == 0 and st_f["input_sparse"]["attention_inputs"] == 0
+    np.testing.assert_array_equal(f_out, d_out)
+    np.testing.assert_array_equal(f_head, d_head)
 
 
 def test_bad_thresholds_are_refused(files, tmp_path):

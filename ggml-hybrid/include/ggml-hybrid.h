@@ -311,7 +311,10 @@ gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_toke
  *   attn_out_in[l * attn_out_in_stride + t * dq + j]  the heads' outputs (o's input),
  *                                                  dq = n_head * head_dim;
  *   head_in[t * n_embd + j]                        the final norm's output of every token.
- * Strides as for gh_eval_profile (0: packed). */
+ * Strides as for gh_eval_profile (0: packed). With ffn_in and mask both NULL the batch runs in
+ * the context's FFN mode and input sparsity (the sparse batch limit applies as in gh_eval),
+ * and these are the inputs each projection sees there, before its thresholds are applied
+ * (what they are compared against); with either set, the whole call runs dense. */
 gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_tokens,
                              float * ffn_in, int64_t ffn_in_stride,
                              uint8_t * mask, int64_t mask_stride,
@@ -337,7 +340,9 @@ typedef enum {
  * predictors and ffn_down_t in every layer, else gate when it has thresholds and
  * ffn_down_t, else dense. The sparse
  * modes apply to batches of up to gh_context_get_sparse_batch tokens (decode), run one
- * token at a time; bigger batches (prompts) use the dense FFN. Profiling is always dense. */
+ * token at a time; bigger batches (prompts) use the dense FFN. Profiling the FFN (ffn_in or
+ * mask of gh_eval_profile) runs dense; profiling only the projections' inputs keeps the
+ * context's modes (gh_eval_profile_ex). */
 gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode);
 int32_t gh_context_get_ffn_mode(const gh_context * c);
 /* Input sparsity of the projections that the FFN modes leave dense: attention q/k/v (their

@@ -356,8 +356,10 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
 
 bool gh_sparse_applies(const gh_context * c, int32_t n) {
     const gh_sparse_state * s = c->sparse;
-    return s && s->mode != GH_FFN_DENSE && n <= s->batch_max && !c->prof_x && !c->prof_mask &&
-           !c->prof_attn && !c->prof_attn_out && !c->prof_head;
+    /* the FFN's recording (its input, the true mask) is of the dense FFN; the projections'
+     * inputs are recorded on either path, so that one profile pass in the sparse modes gives
+     * each input-sparse site the inputs it sees there (input_eval.refit) */
+    return s && s->mode != GH_FFN_DENSE && n <= s->batch_max && !c->prof_x && !c->prof_mask;
 }
 
 bool gh_input_sparse_applies(const gh_context * c, int32_t n) {

@@ -62,8 +62,9 @@ typedef struct gh_sparse_state gh_sparse_state;
 gh_sparse_state * gh_sparse_state_new(const struct gh_model * m);
 void gh_sparse_state_free(gh_sparse_state * s);
 
-/* Whether the FFN of a batch of n tokens runs through gh_sparse_ffn (mode is sparse or
- * oracle and n <= the context's sparse batch limit). */
+/* Whether the FFN of a batch of n tokens runs through gh_sparse_ffn (mode is not dense,
+ * n <= the context's sparse batch limit and the FFN's input and mask are not being
+ * profiled). */
 bool gh_sparse_applies(const struct gh_context * c, int32_t n);
 /* Whether the projections of a batch of n tokens run input-sparse (the context has it on,
  * the FFN runs sparse or gate for the batch). */

@@ -15,6 +15,10 @@ its first ``inputs_span`` share), not its first K tokens: o's inputs follow the 
 (on the shipped SwiGLU model's heldout.txt, epistles then Revelation, thresholds fitted on
 the first 4096 tokens skipped ~4 points more of o's inputs on Revelation at 50%).
 
+``profile_inputs`` records only those projection inputs, in the context's own modes (the
+runtime runs the FFN dense only while it records the FFN): what each input-sparse site sees in
+the sparse mode (input_eval.refit).
+
 "Active" (the runtime's gh_eval_profile decides): ReGLU gate > 0; FATReLU gate > t; dReLU
 gate > 0 and up > 0; an ungated FFN (OPT, Falcon) act(up x + b) != 0; SwiGLU/GeGLU
 act(gate) * up != 0 (nearly every neuron: those FFNs are not sparse). This is what a
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -207,3 +211,30 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
     finally:
         if own:
             m.close()
+
+
+def profile_inputs(ctx, ids: Sequence[int], window: int,
+                   progress: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The projections' inputs of ids, run in windows of `window` tokens (cache cleared
+    between them) in ctx's FFN mode and input sparsity: attn_in [n_layer, N, n_embd],
+    attn_out_in [n_layer, N, n_head * head_dim], head_in [N, n_embd]; progress(n) after
+    each window."""
+    info = ctx.model.info
+    toks = np.asarray(ids, dtype=np.int32)
+    n, dq = toks.size, info.n_head * info.head_dim
+    a_in = np.empty((info.n_layer, n, info.n_embd), dtype=np.float32)
+    a_out = np.empty((info.n_layer, n, dq), dtype=np.float32)
+    h_in = np.empty((n, info.n_embd), dtype=np.float32)
+    for start in range(0, n, window):
+        w = toks[start:start + window]
+        ctx.reset()
+        with ctx._calling() as ptr:  # the token list is not kept: the window is reset after
+            check(lib.gh_eval_profile_ex(
+                ptr, ffi.from_buffer("int32_t[]", w), int(w.size), ffi.NULL, 0, ffi.NULL, 0,
+                ffi.cast("float *", a_in[0, start:].ctypes.data), n * info.n_embd,
+                ffi.cast("float *", a_out[0, start:].ctypes.data), n * dq,
+                ffi.cast("float *", h_in[start:].ctypes.data)))
+        if progress is not None:
+            progress(int(w.size))
+    ctx.reset()
+    return a_in, a_out, h_in

@@ -5,7 +5,7 @@ sparsity, results independent of the thread count, sparsity 0 equal to dense, de
 untouched (equal to a dense file's), the quality bound at the recommended level, the statistics; a file without the
 thresholds asked for the mode gives a clear error; FORMAT.md's section matches format.py; a
 profile of the projections' inputs alone runs the sparse mode and records what its thresholds
-compare (the FFN's recording forces dense)."""
+compare (the FFN's recording forces dense), and the refit's passes reach the target."""
 
 from __future__ import annotations
 
@@ -355,6 +355,31 @@ def test_profile_records_the_sparse_mode_inputs(files):
     assert st_f["n_sparse_tokens"] == 0 and st_f["input_sparse"]["attention_inputs"] == 0
     np.testing.assert_array_equal(f_out, d_out)
     np.testing.assert_array_equal(f_head, d_head)
+
+
+def test_refit_passes_reach_the_target(files, tmp_path):
+    """Near the target (the file's thresholds, refit on other tokens) one profile pass leaves
+    every site within the refit's tolerance when a fresh pass measures it on the same tokens
+    (the sites before it having moved too); from far off (every criterion threshold x1.3) the
+    second pass refits again where the first fell short and reaches it too."""
+    import copy
+
+    from powerinfer_cpp.sparse.input_eval import REFIT_TOL, refit, site_shares
+
+    ids = files["later"][1024:1536]
+    for scale, passes in ((1.0, 1), (1.3, 2)):
+        path = tmp_path / f"refit-{scale}.gguf"
+        shutil.copy(files["path"], path)
+        cal = copy.deepcopy(files["rep"].input_calibration)
+        for key in cal.keys():
+            cal.set_t(key, cal.t[key] * scale)
+        assert refit(str(path), cal, ids, 256, 1, max_passes=2 if scale > 1 else 1) == passes
+        shares = site_shares(str(path), ids, 256, cal, 1)
+        assert set(shares) == set(cal.sparse_mode) == set(cal.keys())
+        for key, v in shares.items():
+            assert abs(v - S_IN) <= REFIT_TOL, (scale, key, v, cal.sparse_mode[key])
+        if scale > 1:
+            assert min(before for before, _ in cal.sparse_mode.values()) > S_IN + 0.05
 
 
 def test_bad_thresholds_are_refused(files, tmp_path):

@@ -1,48 +1,52 @@
-"""Input sparsity measured by the native runtime in its sparse mode: the share each site
-skips, and the refit that moves every site's threshold to the target on the inputs it sees
-there.
+"""Input sparsity measured in the native runtime's sparse mode: the share each site skips,
+and the refit that moves every site's threshold to the target on the inputs it sees there.
 
-Why a refit: the profile runs densely, so the thresholds of input_sparsity.calibrate_inputs
-are fitted on dense-mode inputs. In the sparse mode o's input (the attention output) is
-computed from input-sparse q/k/v and shrinks (a flatter softmax), so o's dense-fitted
-thresholds skip more than asked: on tiny-relu-kjv at 50%, o skipped ~7 points more on
-held-out text with q/k/v sparse, 1.5 alone (docs/BENCHMARKS.md "Input sparsity").
+Why a refit: the thresholds of input_sparsity.calibrate_inputs are fitted on the main
+profile's inputs, which are dense-mode ones (recording the FFN's inputs and masks needs the
+dense FFN, so that profile runs dense throughout). In the sparse mode a site's input comes from
+the input-sparse sites (and sparse FFNs) before it: o's input (the attention output) is computed
+from input-sparse q/k/v and shrinks (a flatter softmax), so o's dense-fitted thresholds skip
+more than asked: on tiny-relu-kjv at 50%, o skipped ~7 points more on held-out text with q/k/v
+sparse, 1.5 alone (docs/BENCHMARKS.md "Input sparsity").
 
-How, without recording sparse-mode inputs (the runtime's profiling always runs dense): a
-site's count of used inputs is part of the context's statistics (attention: q/k/v and o of
-every layer summed; head apart). A site's inputs depend only on the sites before it in the
-forward pass (q/k/v of layer l, then o of l, then layer l + 1, ..., the head last), so with
-the sites after it off (thresholds all 0: the dense matmul, not counted), the count it adds
-to the one of the sites before it is its count in the full sparse mode. The refit walks the
-sites in that order; at each, the runtime measures the share its threshold t skips, and t
-moves by the quantile map of the site's dense-mode scores (the sparse-mode inputs taken as
-the dense ones scaled) until the share is within REFIT_TOL of the target: one to three runs
-a site. Every threshold keeps the criterion's form t / gain_i, so the result is the
-threshold a profile of the sparse-mode inputs would give, to REFIT_TOL.
+How: the runtime records the projections' inputs in its sparse modes when it is not asked
+for the FFN's (profile.profile_inputs; gh_eval_profile_ex with ffn_in and mask NULL), each one
+as the site's threshold test reads it. The refit runs that profile pass over the refit's
+tokens with the file's current thresholds, then moves every site's criterion threshold t to
+the target quantile of its recorded scores (|x_i| * gain_i, the form calibrate_inputs fits:
+thr_i = t / gain_i). A site's inputs depend on the sites before it, whose thresholds the
+refit just moved too, so a second pass would record slightly different inputs; measured from
+the dense-mode fit, the sites stayed within 0.2 points of the target on them, so the refit
+runs one pass (REFIT_PASSES; with more, a further pass refits again when the one before left
+a site more than REFIT_TOL off the target).
 
-Cost: 2-4 runs per layer over the refit's tokens, so it grows with n_layer squared in
-compute. One profile pass would do if the runtime recorded the projections' inputs in the
-sparse modes: gh_sparse_applies (ffn/sparse.c) turns them off whenever any profile buffer is
-set, though only ffn_in and the mask need the dense FFN (attention() and the head record
-theirs on either path).
+Cost: one sparse-mode decode of the refit's tokens per pass (the old site-by-site refit ran
+2-4 per layer, so it grew with n_layer squared), and memory for their inputs:
+tokens x (n_layer x (n_embd + n_head x head_dim) + n_embd) floats, e.g. 1024 tokens of a
+22-layer d=2048 model: 0.37 GB.
 
-The runtime reads the thresholds when it loads a file, so each run patches them in place
+The runtime reads the thresholds when it loads a file, so each pass patches them in place
 (patch_input_thresholds: same sizes, only values change) and reloads (an mmap).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .. import format as F
-from .input_sparsity import SITE_HEAD, SITE_O, SITE_QKV, InputCalibration
+from .input_sparsity import SITE_HEAD, SITE_O, SITE_QKV, InputCalibration, criterion_t, skipped_share
 
 #: Target tolerance of the refit: the share a site skips in the sparse mode, on the fit tokens.
 REFIT_TOL = 0.005
-#: Runtime runs per site at most.
-REFIT_MAX_RUNS = 4
+#: Profile passes the refit runs at most. One from the dense-mode fit: on tiny-swiglu-kjv (gate
+#: FFN 25%, wina, 40/50%) a second pass found every site within 0.2 points of the target with
+#: the first pass's thresholds, the held-out shares the same (docs/BENCHMARKS.md "Refit in the
+#: sparse mode"). Far from the target (every t x1.3: 33-37% skipped at 25%) one pass left o
+#: 0.7 points off, and a second is needed.
+REFIT_PASSES = 1
 #: Fit tokens the refit runs over by default.
 DEFAULT_REFIT_TOKENS = 1024
 
@@ -69,143 +73,84 @@ def patch_calibration(path: str, cal: InputCalibration) -> None:
     patch_input_thresholds(path, cal.qkv, cal.o, cal.head)
 
 
-class SiteMeter:
-    """Used-input counts of the sparse mode of one file (the one it loads by default:
-    predictors or gate) over fixed tokens, in windows as the profile ran them."""
+def sparse_inputs(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_threads: int = 0,
+                  progress: Callable[[int], None] | None = None) -> dict:
+    """Per site key, the inputs [tokens, in] it sees on ids (windows of `window` tokens) in
+    the sparse mode of the file at path (the one it loads by default: predictors or gate)
+    with cal's thresholds, which the file is left with."""
+    from ..model import Model
+    from .profile import profile_inputs
 
-    def __init__(self, path: str, ids: Sequence[int], window: int, n_threads: int = 0):
-        self.path, self.ids, self.window, self.n_threads = path, [int(t) for t in ids], int(window), n_threads
-        self.runs = 0
-
-    def count(self, qkv, o, head, logits: bool) -> dict:
-        """The stats' input counts with these thresholds (logits: every token's head runs)."""
-        from ..model import Model
-
-        patch_input_thresholds(self.path, qkv, o, head)
-        with Model(self.path, n_ctx=self.window, n_threads=self.n_threads, cache_type="f32") as m:
-            ctx = m.create_context(n_ctx=self.window, n_threads=self.n_threads, cache_type="f32",
-                                   input_sparse=True)
-            ctx.sparse_batch = self.window
-            for s in range(0, len(self.ids), self.window):
-                ctx.reset()
-                ctx.eval(self.ids[s:s + self.window], logits_all=logits)
-            st = ctx.stats()
+    patch_calibration(path, cal)
+    with Model(path, n_ctx=window, n_threads=n_threads, cache_type="f32") as m:
+        ctx = m.create_context(n_ctx=window, n_threads=n_threads, cache_type="f32", input_sparse=True)
+        try:
+            ctx.sparse_batch = window  # every window's tokens in the sparse mode
+            a_in, a_out, h_in = profile_inputs(ctx, ids, window, progress)
+            ran = ctx.stats()["n_sparse_tokens"]
+        finally:
             ctx.close()
-        self.runs += 1
-        return {"tokens": int(st["n_sparse_tokens"]), **st["input_sparse"]}
-
-
-def _off(cal: InputCalibration):
-    return ([np.zeros_like(v) for v in cal.qkv], [np.zeros_like(v) for v in cal.o], np.zeros_like(cal.head))
-
-
-def _set(state, key, thr) -> None:
-    qkv, o, _ = state
-    site, layer = key
-    if site == SITE_HEAD:
-        state[2] = thr
-    else:
-        (qkv if site == SITE_QKV else o)[layer] = thr
-
-
-def walk_sites(meter: SiteMeter, cal: InputCalibration,
-               choose: Callable[[tuple, Callable[[float], float]], float] | None = None) -> dict:
-    """The share each site of cal skips in the sparse mode, sites enabled in forward order.
-    choose(key, share_at_t) -> t, given a function measuring the site's share at a criterion
-    threshold t, picks the site's threshold (None: keep cal's); returns key -> share at the
-    chosen t."""
-    state = list(_off(cal))
-    base = 0
-    out: dict = {}
-    for key in cal.keys():
-        if not np.any(cal.thresholds(key)):
-            out[key] = 0.0  # off: runs dense, counts nothing
-            continue
-        head = key[0] == SITE_HEAD
-        n_in = cal.thresholds(key).size
-        seen: dict = {}
-
-        def share_at(t, key=key, head=head, n_in=n_in, seen=seen):
-            _set(state, key, cal.at(key, t) if t is not None else cal.thresholds(key))
-            c = meter.count(state[0], state[1], state[2], logits=head)
-            used = c["head_inputs_used"] if head else c["attention_inputs_used"] - base
-            n = c["head_inputs"] if head else c["tokens"] * n_in
-            seen[t] = (1.0 - used / max(n, 1), c["attention_inputs_used"])
-            return seen[t][0]
-
-        t = None if choose is None else choose(key, share_at)  # None: the stored thresholds
-        if t not in seen:
-            share_at(t)
-        _set(state, key, cal.at(key, t) if t is not None else cal.thresholds(key))
-        out[key], used_all = seen[t]
-        if not head:
-            base = used_all
-        if choose is not None:
-            cal.set_t(key, t)
+    if ran != len(ids):  # a runtime older than the recording in the sparse modes: dense inputs
+        raise RuntimeError(f"the native runtime ran {ran} of {len(ids)} tokens of the input profile in the "
+                           "sparse mode; it needs a build that records the projections' inputs there")
+    out = {(SITE_HEAD, None): h_in}
+    for l in range(a_in.shape[0]):
+        out[(SITE_QKV, l)], out[(SITE_O, l)] = a_in[l], a_out[l]
     return out
+
+
+def _shares(x: dict, cal: InputCalibration) -> dict:
+    return {key: skipped_share(x[key], cal.thresholds(key)) for key in cal.keys()}
 
 
 def site_shares(path: str, ids: Sequence[int], window: int, cal: InputCalibration, n_threads: int = 0) -> dict:
     """Per site, the share of its inputs the file's sparse mode skips on ids with cal's
-    thresholds (2 n_layer + 1 runs); the file is left with cal's thresholds."""
-    meter = SiteMeter(path, ids, window, n_threads)
-    out = walk_sites(meter, cal)
-    patch_calibration(path, cal)
-    return out
+    thresholds (one profile pass); the file is left with cal's thresholds."""
+    return _shares(sparse_inputs(path, cal, ids, window, n_threads), cal)
 
 
 def refit(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_threads: int = 0,
-          tol: float = REFIT_TOL, max_runs: int = REFIT_MAX_RUNS, say: Callable[[str], None] | None = None,
+          tol: float = REFIT_TOL, max_passes: int = REFIT_PASSES, say: Callable[[str], None] | None = None,
           progress: bool = False) -> int:
     """Move every site of cal (in place) to its target share in the sparse mode of the file
-    at path, measured on ids; records (share before, after) per site in cal.sparse_mode and
-    leaves the file with the new thresholds. Returns the number of runtime runs."""
+    at path, on the inputs a profile pass over ids records there; a further pass (up to
+    max_passes) when the one before left a site more than tol off the target. Records
+    (share before, after) per site in cal.sparse_mode and leaves the file with the new
+    thresholds. Returns the number of passes."""
     from tqdm import tqdm
 
+    t0 = time.perf_counter()
     target = cal.sparsity
-    meter = SiteMeter(path, ids, window, n_threads)
-    # 1-3 runs of len(ids) sparse-mode tokens per site, 2 n_layer + 1 sites: minutes on a
-    # large model, so it shows its progress
-    bar = tqdm(total=len(list(cal.keys())), desc=f"input refit {target:.0%}", unit="site", disable=not progress)
-
-    def choose(key, share_at):
-        try:
-            return _choose(key, share_at)
-        finally:
-            bar.update(1)
-
-    def _choose(key, share_at):
-        t = cal.t[key]
-        lo, hi = 0.0, np.inf
-        tried = []
-        for _ in range(max_runs):
-            s = share_at(t)
-            tried.append((abs(s - target), t, s))
-            if abs(s - target) <= tol:
-                break
-            if s < target:
-                lo = max(lo, t)
-            else:
-                hi = min(hi, t)
-            # the sparse-mode scores as the dense ones times a: s = F(t / a), so the target
-            # is at a * F^-1(target)
-            q = cal.t_for_share(key, s)
-            nxt = t * cal.t_for_share(key, target) / q if q > 0 else 2.0 * t
-            if not lo < nxt < hi:
-                nxt = 2.0 * t if hi == np.inf else (0.5 * (lo + hi) if lo > 0 else 0.5 * hi)
-            t = nxt
-        best = min(tried)
-        cal.sparse_mode[key] = (tried[0][2], best[2])
-        return best[1]
-
+    keys = [k for k in cal.keys() if cal.t.get(k, 0.0) > 0.0]  # a site at 0 runs dense
+    # a pass decodes len(ids) tokens in the sparse mode: minutes on a large model
+    bar = tqdm(total=len(ids), desc=f"input refit {target:.0%}", unit="tok", disable=not progress)
+    before = after = None
+    passes = 0
     try:
-        walk_sites(meter, cal, choose)
+        while passes < max_passes:
+            if passes:
+                bar.total += len(ids)
+                bar.refresh()
+            x = sparse_inputs(path, cal, ids, window, n_threads, bar.update)
+            passes += 1
+            now = _shares(x, cal)
+            if before is None:
+                before = now
+            elif all(abs(now[k] - target) <= tol for k in keys):
+                after = now
+                break
+            for k in keys:
+                cal.set_t(k, criterion_t(x[k], target, cal.gain[k]))
+            after = _shares(x, cal)
+            del x
     finally:
         bar.close()
+    cal.sparse_mode = {k: (before[k], after[k]) for k in keys}
     patch_calibration(path, cal)
     if say:
-        say("  " + refit_summary(cal) + f" ({meter.runs} runs on {len(ids)} tokens)")
-    return meter.runs
+        say("  " + refit_summary(cal) + f" ({passes} profile pass{'es' if passes > 1 else ''} on {len(ids)} "
+            f"tokens, {time.perf_counter() - t0:.1f} s)")
+    return passes
 
 
 def refit_tokens(input_ids: Sequence[int], n_fit: int, window: int, n_tokens: int = DEFAULT_REFIT_TOKENS) -> list[int]:

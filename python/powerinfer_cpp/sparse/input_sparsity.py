@@ -16,8 +16,8 @@ the target share of skipped inputs on the profiled calibration tokens:
 Every site gets the same target (uniform); the thresholds come from the first
 ``1 - HOLDOUT`` of the recorded tokens and the share they skip on the rest is reported.
 The profile runs densely, so these are dense-mode inputs; input_eval.refit then moves each
-site's threshold to the target on the inputs it sees in the sparse mode (o's input, the
-attention output, shrinks when q/k/v are input-sparse).
+site's threshold to the target on the inputs a profile pass in the sparse mode records (o's
+input, the attention output, shrinks when q/k/v are input-sparse).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ class InputCalibration:
     """Per-channel thresholds of every site and what they skip on the held-out tokens.
 
     A site's thresholds are ``t / gain_i`` (gain: wina's column norms, 1 for magnitude)
-    for one criterion threshold ``t``; ``grid`` keeps the quantiles of the site's scores on
-    the fit tokens, so that ``t`` can be moved to another level later (input_eval.refit)
-    without the profile."""
+    for one criterion threshold ``t``, so that ``t`` can be refit later on other inputs
+    (input_eval.refit) without the weights."""
     criterion: str
     sparsity: float
     qkv: list = field(default_factory=list)     # per layer f32 [n_embd]
@@ -57,9 +56,8 @@ class InputCalibration:
     n_fit: int = 0                              # the first n_fit recorded tokens (prof.input_ids)
     t: dict = field(default_factory=dict)       # (site, layer or None) -> criterion threshold
     gain: dict = field(default_factory=dict)    # (site, layer) -> [in] float64, or None (magnitude)
-    grid: dict = field(default_factory=dict)    # (site, layer) -> scores' quantiles at GRID_LEVELS
     # input_eval.refit: (site, layer) -> (share skipped in the runtime's sparse mode with the
-    # dense-mode fit, after the refit), on the fit tokens
+    # dense-mode fit, after the refit: on the last profile pass's inputs), on the fit tokens
     sparse_mode: dict = field(default_factory=dict)
     max_ppl_increase: float | None = None       # the budget the level was chosen by (auto)
     ppl_increase: float | None = None           # the file's held-out increase measured with it
@@ -87,25 +85,12 @@ class InputCalibration:
         else:
             (self.qkv if site == SITE_QKV else self.o)[layer] = thr
 
-    def t_for_share(self, key, share: float) -> float:
-        """The criterion threshold skipping ``share`` of the site's fit-token scores."""
-        return float(np.interp(share, GRID_LEVELS, self.grid[key]))
-
-    def share_at(self, key, t: float) -> float:
-        """The share of the site's fit-token scores at or below t (the grid's inverse)."""
-        g = self.grid[key]
-        return float(np.interp(t, g, GRID_LEVELS)) if g[-1] > g[0] else float(t >= g[0])
-
     def summary(self) -> str:
         """One line: criterion, target and the held-out shares per site."""
         h = self.heldout_sparsity
         return (f"{self.criterion}, target {self.sparsity:.0%}, fitted on {self.n_fit} tokens; skipped on "
                 f"held-out tokens: q/k/v {h.get(SITE_QKV, 0):.1%}, o {h.get(SITE_O, 0):.1%}, "
                 f"head {h.get(SITE_HEAD, 0):.1%}")
-
-
-#: Quantile levels an InputCalibration keeps of each site's scores.
-GRID_LEVELS = np.linspace(0.0, 1.0, 1001)
 
 
 def _per_channel(t: float, gain: np.ndarray | None, n_in: int) -> np.ndarray:
@@ -124,9 +109,15 @@ def column_norms(w_t: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", w_t.astype(np.float64), w_t.astype(np.float64)))
 
 
-def _scores(x: np.ndarray, criterion: str, gain: np.ndarray | None) -> np.ndarray:
+def _scores(x: np.ndarray, gain: np.ndarray | None) -> np.ndarray:
     mag = np.abs(x.astype(np.float32))
     return mag if gain is None else mag * gain.astype(np.float32)
+
+
+def criterion_t(x: np.ndarray, sparsity: float, gain: np.ndarray | None) -> float:
+    """The criterion threshold t skipping the share ``sparsity`` of x [tokens, in]'s scores
+    (|x_i| * gain_i; |x_i| without gains)."""
+    return float(np.quantile(_scores(x, gain), sparsity))
 
 
 def site_thresholds(x: np.ndarray, sparsity: float, criterion: str,
@@ -142,7 +133,7 @@ def site_thresholds(x: np.ndarray, sparsity: float, criterion: str,
     if criterion == "wina" and col_norm is None:
         raise ValueError("the wina criterion needs the weight's column norms")
     gain = np.asarray(col_norm, np.float64) if criterion == "wina" else None
-    return _per_channel(float(np.quantile(_scores(x, criterion, gain), sparsity)), gain, x.shape[1])
+    return _per_channel(criterion_t(x, sparsity, gain), gain, x.shape[1])
 
 
 def skipped_share(x: np.ndarray, thr: np.ndarray) -> float:
@@ -169,14 +160,13 @@ def calibrate_input_levels(prof, levels, criterion: str, weights_t) -> list[Inpu
     n_fit = max(1, k - max(1, int(round(k * HOLDOUT))))
     cals = [InputCalibration(criterion=criterion, sparsity=s, n_fit=n_fit) for s in levels]
     held: list = [{SITE_QKV: [], SITE_O: [], SITE_HEAD: []} for _ in levels]
-    qs = np.concatenate([np.asarray(levels), GRID_LEVELS])
 
     def fit(site, layer, x):
         gain = column_norms(weights_t(site, layer)) if criterion == "wina" else None
-        q = np.quantile(_scores(x[:n_fit], criterion, gain), qs).astype(np.float64)
+        q = np.quantile(_scores(x[:n_fit], gain), levels).astype(np.float64)
         key = (site, layer)
         for i, (cal, s) in enumerate(zip(cals, levels)):
-            cal.gain[key], cal.grid[key] = gain, q[len(levels):]
+            cal.gain[key] = gain
             cal.t[key] = float(q[i]) if s > 0 else 0.0
             thr = _per_channel(cal.t[key], gain, x.shape[1])
             held[i][site].append(skipped_share(x[n_fit:k], thr))

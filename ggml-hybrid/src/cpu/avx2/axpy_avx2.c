@@ -172,7 +172,7 @@ AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * ro
                 lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[0], pair));
                 hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[1], pair));
             }
-            q4_0_store32(scale[i], lo, hi, yb);
+            int8_store32(scale[i], NULL, lo, hi, yb);
         }
     }
 }
@@ -192,19 +192,6 @@ AVX2_FN static void axpy16_q4_0_avx2(int64_t n, const float * s, const void * co
  * random rows); the second and the mins' term sum_k s_k (-dmin_k m_k,j) are one float per
  * sub-block, added with the block's sum. A chunk is KCHUNK super-blocks. */
 #define KCHUNK 4
-
-/* y[0..32) += g + scale * (the int16 sums lo, hi in q4_0_pair's order, widened). */
-AVX2_INLINE void q4_K_store32(float scale, float g, __m256i lo, __m256i hi, float * yb) {
-    const __m256 sc = _mm256_set1_ps(scale), gv = _mm256_set1_ps(g);
-    const __m256i v0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo));
-    const __m256i v1 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi));
-    const __m256i v2 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1));
-    const __m256i v3 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1));
-    _mm256_storeu_ps(yb, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v0), _mm256_add_ps(_mm256_loadu_ps(yb), gv)));
-    _mm256_storeu_ps(yb + 8, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v1), _mm256_add_ps(_mm256_loadu_ps(yb + 8), gv)));
-    _mm256_storeu_ps(yb + 16, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v2), _mm256_add_ps(_mm256_loadu_ps(yb + 16), gv)));
-    _mm256_storeu_ps(yb + 24, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v3), _mm256_add_ps(_mm256_loadu_ps(yb + 24), gv)));
-}
 
 AVX2_FN static void axpy16_q4_K_avx2(int64_t n, const float * s, const void * const * row,
                                      const void * const * pf, float * restrict y) {
@@ -261,8 +248,8 @@ AVX2_FN static void axpy16_q4_K_avx2(int64_t n, const float * s, const void * co
                     l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), pb));
                     h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), pb));
                 }
-                q4_K_store32(scale[j0], gs[j0], l0, h0, yb + 64 * jp);
-                q4_K_store32(scale[j1], gs[j1], l1, h1, yb + 64 * jp + 32);
+                int8_store32(scale[j0], &gs[j0], l0, h0, yb + 64 * jp);
+                int8_store32(scale[j1], &gs[j1], l1, h1, yb + 64 * jp + 32);
             }
         }
     }
@@ -288,13 +275,7 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
         const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
         uint16_t d[4][16][BATCH_BLOCKS];
         __m256i u[4][BATCH_BLOCKS][8][2];
-        for (int k = 0; k < ng * 16; k++) {
-            const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs : NULL;
-            for (int i = 0; i < BATCH_BLOCKS; i++) {
-                if (b && i < nc) memcpy(&d[k / 16][k % 16][i], b + i * bs, 2);
-                else d[k / 16][k % 16][i] = 0;
-            }
-        }
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, &d[0][0][0]);
         for (int g = 0; g < ng; g++) {
             for (int i = 0; i < nc; i++) {
                 const size_t off = (size_t) (i0 + i) * bs + 2;
@@ -309,15 +290,11 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
             int16_t mp[4][8][BATCH_BLOCKS];
             float scale[4][BATCH_BLOCKS];
             int32_t bias[4][BATCH_BLOCKS];
-            for (int g = 0; g < ng; g++) {
-                float s[16];
-                for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
-                int8_factors8(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mp[g][0][0], 0, scale[g], bias[g]);
-            }
+            q4_0_batch_factors(ht, hc, nk, ng, BATCH_BLOCKS, &d[0][0][0], &mp[0][0][0], 0, &scale[0][0], &bias[0][0]);
             float * yb = y + t * ldy + i0 * QK4_0;
             for (int i = 0; i < nc; i++, yb += QK4_0) {
-                __m256 y0 = _mm256_loadu_ps(yb), y1 = _mm256_loadu_ps(yb + 8);
-                __m256 y2 = _mm256_loadu_ps(yb + 16), y3 = _mm256_loadu_ps(yb + 24);
+                __m256 yv[4];
+                for (int v = 0; v < 4; v++) yv[v] = _mm256_loadu_ps(yb + 8 * v);
                 for (int g = 0; g < ng; g++) {
                     __m256i lo = _mm256_set1_epi16((int16_t) bias[g][i]), hi = lo;
                     for (int p = 0; p < 8; p++) {
@@ -325,17 +302,9 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
                         lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[g][i][p][0], pair));
                         hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[g][i][p][1], pair));
                     }
-                    /* as q4_0_store32, with y in registers */
-                    const __m256 sc = _mm256_set1_ps(scale[g][i]);
-                    y0 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), y0);
-                    y1 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), y1);
-                    y2 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), y2);
-                    y3 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), y3);
+                    int8_acc32(yv, scale[g][i], NULL, lo, hi);
                 }
-                _mm256_storeu_ps(yb, y0);
-                _mm256_storeu_ps(yb + 8, y1);
-                _mm256_storeu_ps(yb + 16, y2);
-                _mm256_storeu_ps(yb + 24, y3);
+                for (int v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, yv[v]);
             }
         }
     }
@@ -398,8 +367,8 @@ AVX2_FN static void matmul16_q4_K_avx2(int64_t n, int64_t n_tokens, const float 
             float * yb = y + t * ldy + i * QK_K;
             for (int sb = 0; sb < 8; sb++, yb += 32) {
                 const int jp = sb / 2, hv = 2 * (sb % 2);
-                __m256 y0 = _mm256_loadu_ps(yb), y1 = _mm256_loadu_ps(yb + 8);
-                __m256 y2 = _mm256_loadu_ps(yb + 16), y3 = _mm256_loadu_ps(yb + 24);
+                __m256 yv[4];
+                for (int v = 0; v < 4; v++) yv[v] = _mm256_loadu_ps(yb + 8 * v);
                 for (int g = 0; g < ng; g++) {
                     __m256i lo = _mm256_set1_epi16((int16_t) bias[g][sb]), hi = lo;
                     for (int p = 0; p < 8; p++) {
@@ -407,17 +376,9 @@ AVX2_FN static void matmul16_q4_K_avx2(int64_t n, int64_t n_tokens, const float 
                         lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[g][jp][p][hv], pair));
                         hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[g][jp][p][hv + 1], pair));
                     }
-                    /* as q4_K_store32, with y in registers */
-                    const __m256 sc = _mm256_set1_ps(scale[g][sb]), gv = _mm256_set1_ps(gs[g][sb]);
-                    y0 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), _mm256_add_ps(y0, gv));
-                    y1 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), _mm256_add_ps(y1, gv));
-                    y2 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), _mm256_add_ps(y2, gv));
-                    y3 = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), _mm256_add_ps(y3, gv));
+                    int8_acc32(yv, scale[g][sb], &gs[g][sb], lo, hi);
                 }
-                _mm256_storeu_ps(yb, y0);
-                _mm256_storeu_ps(yb + 8, y1);
-                _mm256_storeu_ps(yb + 16, y2);
-                _mm256_storeu_ps(yb + 24, y3);
+                for (int v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, yv[v]);
             }
         }
     }

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define Q4I_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 
@@ -89,17 +90,53 @@ Q4I_INLINE void q4_0_pair(const uint8_t * qa, const uint8_t * qb, __m256i * u) {
     u[1] = _mm256_unpackhi_epi8(va, vb);
 }
 
-/* y[0..32) += scale * (the int16 sums lo, hi in q4_0_pair's order, widened). */
-Q4I_INLINE void q4_0_store32(float scale, __m256i lo, __m256i hi, float * yb) {
+/* yv[0..4) (32 values of y) += g (unless NULL) then + scale * the int16 sums lo, hi in
+ * q4_0_pair's order, widened: y in registers across a batch's groups. */
+Q4I_INLINE void int8_acc32(__m256 * yv, float scale, const float * g, __m256i lo, __m256i hi) {
     const __m256 sc = _mm256_set1_ps(scale);
-    const __m256i v0 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo));
-    const __m256i v1 = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi));
-    const __m256i v2 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1));
-    const __m256i v3 = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1));
-    _mm256_storeu_ps(yb, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v0), _mm256_loadu_ps(yb)));
-    _mm256_storeu_ps(yb + 8, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v1), _mm256_loadu_ps(yb + 8)));
-    _mm256_storeu_ps(yb + 16, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v2), _mm256_loadu_ps(yb + 16)));
-    _mm256_storeu_ps(yb + 24, _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(v3), _mm256_loadu_ps(yb + 24)));
+    if (g) {
+        for (int i = 0; i < 4; i++) yv[i] = _mm256_add_ps(yv[i], _mm256_set1_ps(*g));
+    }
+    yv[0] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo))), yv[0]);
+    yv[1] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi))), yv[1]);
+    yv[2] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(lo, 1))), yv[2]);
+    yv[3] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(hi, 1))), yv[3]);
+}
+
+/* The same on y[0..32) in memory (the one-token forms). */
+Q4I_INLINE void int8_store32(float scale, const float * g, __m256i lo, __m256i hi, float * yb) {
+    __m256 yv[4];
+    for (int i = 0; i < 4; i++) yv[i] = _mm256_loadu_ps(yb + 8 * i);
+    int8_acc32(yv, scale, g, lo, hi);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(yb + 8 * i, yv[i]);
+}
+
+/* Q4_0's batch forms: the fp16 block scales of blocks i0 .. i0 + nb8 (nc of them present) of
+ * ng groups of 16 rows (nk present) into d[g][k][0..nb8), 0 where absent. */
+Q4I_INLINE void q4_0_batch_scales(const void * const * row, int nk, int ng, int64_t i0, int nc, int nb8,
+                                  uint16_t * d) {
+    const size_t bs = sizeof(block_q4_0);
+    for (int k = 0; k < ng * 16; k++) {
+        const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs : NULL;
+        for (int i = 0; i < nb8; i++) {
+            if (b && i < nc) memcpy(&d[k * nb8 + i], b + i * bs, 2);
+            else d[k * nb8 + i] = 0;
+        }
+    }
+}
+
+/* One token's factors for every group of a batch call (ht: its row of h; per group g, d at
+ * d + g * 16 * nb8, mp at mp + g * 8 * nb8 (pairs, int16) or g * 4 * nb8 (quads, int32),
+ * scale and bias at g * nb8); rows past nk have s = 0. */
+Q4I_INLINE void q4_0_batch_factors(const float * ht, const int32_t * hc, int nk, int ng, int nb8,
+                                   const uint16_t * d, void * mp, const int quads, float * scale,
+                                   int32_t * bias) {
+    for (int g = 0; g < ng; g++) {
+        float s[16];
+        for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+        void * mpg = quads ? (void *) ((int32_t *) mp + g * 4 * nb8) : (void *) ((int16_t *) mp + g * 8 * nb8);
+        int8_factors8(s, d + g * 16 * nb8, 0, nb8, 0, mpg, quads, scale + g * nb8, bias + g * nb8);
+    }
 }
 
 #endif

@@ -351,13 +351,7 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
         const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
         uint16_t d[4][16][BATCH_BLOCKS];
         __m512i u[4][BATCH_BLOCKS][4][2]; /* group, block, quad, columns 0..15 | 16..31 */
-        for (int k = 0; k < ng * 16; k++) {
-            const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs : NULL;
-            for (int i = 0; i < BATCH_BLOCKS; i++) {
-                if (b && i < nc) memcpy(&d[k / 16][k % 16][i], b + i * bs, 2);
-                else d[k / 16][k % 16][i] = 0;
-            }
-        }
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, &d[0][0][0]);
         for (int g = 0; g < ng; g++) {
             for (int i = 0; i < nc; i++) {
                 const size_t off = (size_t) (i0 + i) * bs + 2;
@@ -382,11 +376,7 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
             int32_t mq[4][4][BATCH_BLOCKS];
             float scale[4][BATCH_BLOCKS];
             int32_t bias[4][BATCH_BLOCKS];
-            for (int g = 0; g < ng; g++) {
-                float s[16];
-                for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
-                int8_factors8(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], bias[g]);
-            }
+            q4_0_batch_factors(ht, hc, nk, ng, BATCH_BLOCKS, &d[0][0][0], &mq[0][0][0], 1, &scale[0][0], &bias[0][0]);
             float * yb = y + t * ldy + i0 * QK4_0;
             for (int i = 0; i < nc; i++, yb += QK4_0) {
                 __m512 y0 = _mm512_loadu_ps(yb), y1 = _mm512_loadu_ps(yb + 16);

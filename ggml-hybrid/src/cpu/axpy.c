@@ -605,20 +605,27 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
             }
             return;
         }
-        for (int64_t r = 0; r < w->rows; r++) {
-            int64_t t = 0;
-            while (t < n_tokens && h[t * ldh + r] == 0.0f) t++;
-            if (t < n_tokens) active[job.n_active++] = (int32_t) r;
-        }
         if (job.tiles || job.mm16) {
+            /* the counts first (token by token, in h's order); the active rows follow from them */
             int32_t * cnt = active + w->rows;
             memset(cnt, 0, (size_t) w->rows * sizeof(int32_t));
             for (int64_t t = 0; t < n_tokens; t++) {
                 for (int64_t r = 0; r < w->rows; r++) cnt[r] += h[t * ldh + r] != 0.0f;
             }
-            /* in place: active[k] >= k, so cnt[active[k]] is read before cnt[k] is written */
-            for (int64_t k = 0; k < job.n_active; k++) cnt[k] = cnt[active[k]];
+            /* in place: r >= n_active, so cnt[r] is read before cnt[n_active] is written */
+            for (int64_t r = 0; r < w->rows; r++) {
+                if (cnt[r]) {
+                    active[job.n_active] = (int32_t) r;
+                    cnt[job.n_active++] = cnt[r];
+                }
+            }
             job.nzc = cnt;
+        } else {
+            for (int64_t r = 0; r < w->rows; r++) {
+                int64_t t = 0;
+                while (t < n_tokens && h[t * ldh + r] == 0.0f) t++;
+                if (t < n_tokens) active[job.n_active++] = (int32_t) r;
+            }
         }
     }
     job.active = active;

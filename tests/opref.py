@@ -95,32 +95,57 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
 #: Rows per group of the int8 axpy forms (cpu/avx2/axpy_avx2.c: at the AVX2 level and up).
 AXPY_INT8_GROUP = 16
 #: The types whose one-token transposed matmul has the int8 form.
-AXPY_INT8_TYPES = (Q4_0, Q4_K)
+AXPY_INT8_TYPES = (Q4_0, Q4_K, Q5_K, Q6_K)
 
 
-def _q4_k_fields(raw: np.ndarray):
-    """Per row of Q4_K blocks: D = d * sc per sub-block of 32 [rows, sub-blocks] and |q - 8|
-    of the quants q (0..15) per value [rows, cols] (ggml's layout: per 64 values, 32 bytes
-    whose low nibbles are the first sub-block, high nibbles the second)."""
-    b = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 144)
-    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-    sc8 = b[:, :, 4:16].astype(np.int32)
-    sc = np.empty(d.shape + (8,), np.int32)
+def _k4_scales_mins(sc8: np.ndarray):
+    """The 6-bit scales and mins of Q4_K/Q5_K's 12 packed bytes [..., 12] -> two [..., 8]."""
+    sc8 = sc8.astype(np.int32)
+    sc = np.empty(sc8.shape[:-1] + (8,), np.int32)
+    mn = np.empty_like(sc)
     for j in range(8):
         if j < 4:
             sc[..., j] = sc8[..., j] & 63
+            mn[..., j] = sc8[..., j + 4] & 63
         else:
             sc[..., j] = (sc8[..., j + 4] & 0xF) | ((sc8[..., j - 4] >> 6) << 4)
-    D = (d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1).astype(np.float64)
-    qs = b[:, :, 16:].reshape(raw.shape[0], -1, 4, 32)
-    q = np.stack([qs & 0xF, qs >> 4], axis=3)                       # [rows, blocks, 4, 2, 32]
-    return D, np.abs(q.reshape(raw.shape[0], -1).astype(np.float64) - 8.0)  # (the form rounds the centred q - 8)
+            mn[..., j] = (sc8[..., j + 4] >> 4) | ((sc8[..., j] >> 6) << 4)
+    return sc, mn
+
+
+def _k_fields(t: int, raw: np.ndarray):
+    """Per row of K-quant blocks: D = d * sc per sub-block [rows, sub-blocks] and |q - off|
+    of the quants per value [rows, cols] (ggml's layouts; off 8 / 16 / 32 for Q4_K / Q5_K /
+    Q6_K, the centring the int8 forms round)."""
+    n = raw.shape[0]
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[t]
+    b = np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1, size)
+    if t == Q6_K:
+        d = b[:, :, 208:210].copy().view(np.float16)[:, :, 0].astype(np.float64)
+        sc = b[:, :, 192:208].view(np.int8).astype(np.float64)           # per 16 values
+        D = (d[..., None] * sc).reshape(n, -1)
+        ql = b[:, :, 0:128].astype(np.int32).reshape(n, -1, 2, 64)       # [rows, blocks, half, 64]
+        qh = b[:, :, 128:192].astype(np.int32).reshape(n, -1, 2, 32)
+        lo, hi = ql[..., :32], ql[..., 32:]
+        q = np.stack([(lo & 0xF) | ((qh & 3) << 4), (hi & 0xF) | (((qh >> 2) & 3) << 4),
+                      (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=3)
+        return D, np.abs(q.reshape(n, -1).astype(np.float64) - 32.0)
+    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float64)
+    sc, _ = _k4_scales_mins(b[:, :, 4:16])
+    D = (d[..., None] * sc).reshape(n, -1)
+    qs = b[:, :, size - 128:].astype(np.int32).reshape(n, -1, 4, 32)
+    q = np.stack([qs & 0xF, qs >> 4], axis=3)                          # [rows, blocks, 4, 2, 32]
+    if t == Q5_K:
+        qh = b[:, :, 16:48].astype(np.int32)                             # [rows, blocks, 32]
+        bits = np.stack([(qh >> j) & 1 for j in range(8)], axis=2).reshape(n, -1, 4, 2, 32)
+        q = q | (bits << 4)
+    return D, np.abs(q.reshape(n, -1).astype(np.float64) - (16.0 if t == Q5_K else 8.0))
 
 
 def _int8_operands(t: int, raw: np.ndarray, wd: np.ndarray):
-    """The int8 forms' per-block scales D [rows, blocks of 32] and |quants| [rows, cols]."""
-    if t == Q4_K:
-        return _q4_k_fields(raw)
+    """The int8 forms' per-sub-block scales D [rows, sub-blocks] and |quants| [rows, cols]."""
+    if t in K_QUANTS:
+        return _k_fields(t, raw)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
     d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -130,14 +155,15 @@ def _int8_operands(t: int, raw: np.ndarray, wd: np.ndarray):
 
 def _int8_groups_bound(t: int, raw: np.ndarray, wd: np.ndarray, groups) -> np.ndarray:
     """Per output column, the int8 form's rounding bound summed over groups of (rows, a):
-    per group and block b of 32 each a_k * D_k,b is rounded to a multiple of
-    S = max_k |a_k * D_k,b| / 127, at most S / 2 times |q| per row and value."""
+    per group and sub-block b (32 values, Q6_K's 16) each a_k * D_k,b is rounded to a multiple
+    of S = max_k |a_k * D_k,b| / 127, at most S / 2 times |q| per row and value."""
     bound = np.zeros(wd.shape[1])
     D, qabs = _int8_operands(t, raw, wd)
+    sub = wd.shape[1] // D.shape[1]
     for rows, a in groups:
-        c = np.asarray(a, dtype=np.float64)[:, None] * D[rows]         # [<= 16, blocks]
-        s_half = np.abs(c).max(axis=0) / 127.0 / 2.0                   # [blocks]
-        bound += (np.repeat(s_half, 32)[None, :] * qabs[rows]).sum(axis=0)
+        c = np.asarray(a, dtype=np.float64)[:, None] * D[rows]         # [<= 16, sub-blocks]
+        s_half = np.abs(c).max(axis=0) / 127.0 / 2.0                   # [sub-blocks]
+        bound += (np.repeat(s_half, sub)[None, :] * qabs[rows]).sum(axis=0)
     return bound * 1.001 + 1e-6
 
 

@@ -22,7 +22,7 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
-from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_K, Q8_0, TYPES,  # noqa: E402
+from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_K, Q8_0, TYPES,  # noqa: E402
                    axpy_int8_bound, block_cols, matmul_t_int8_bound,
                    native_quantize)
 
@@ -90,7 +90,7 @@ def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
         lib.gh_simd_set(prev)
 
 
-@pytest.mark.parametrize("t", [Q4_0, Q4_K])
+@pytest.mark.parametrize("t", AXPY_INT8_TYPES)
 def test_matmul_t_int8_batch_equals_tokens(t):
     """The int8 batch forms: each token of a dense batch sums as the one-token form does
     over the same groups of 16 rows, bit for bit (rows a multiple of 16, no zero h)."""

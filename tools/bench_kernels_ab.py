@@ -11,10 +11,12 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
            2048 x 5632 with 4 copies cycled (DRAM)
   op down: gh_op_sparse_down over a sorted id list: "hot" all 256 rows of 256 x 2048,
            "cold" 10% of 5632 x 2048 with 8 copies cycled
+  op batch: gh_op_matmul_t of a dense batch (a prompt's down_t): "hot" 16 tokens over
+           256 x 2048, "cold" 128 tokens over 5632 x 2048
 GB/s = weight bytes read per call / time.
 
     PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
-        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down q4_0,q4_k,q5_k,q6_k [ROUNDS=60]
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch q4_0,q4_k,q5_k,q6_k [ROUNDS=60]
 """
 import sys
 import time
@@ -43,8 +45,10 @@ for name in types:
     for mode in ("hot", "cold"):
         if op == "dot":
             rows, cols, nc = (512, 2048, 1) if mode == "hot" else (2048, 5632, 4)
-        else:
+        elif op == "down":
             rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 8)
+        else:
+            rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 1)
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         rs = libs[0].gh_type_row_size(t, cols)
         q = np.empty((rows, rs), dtype=np.uint8)
@@ -54,10 +58,14 @@ for name in types:
         nact = rows if mode == "hot" else rows // 10
         ids = [np.sort(rng.choice(rows, nact, replace=False)).astype(np.int32) for _ in range(8)]
         a = rng.standard_normal(nact).astype(np.float32)
-        y = np.empty(max(rows, cols), dtype=np.float32)
+        nt = (16 if mode == "hot" else 128) if op == "batch" else 1
+        h = rng.standard_normal((nt, rows)).astype(np.float32)
+        y = np.empty(max(rows, cols) * nt, dtype=np.float32)
         def call(L, i):
             if op == "dot":
                 L.gh_op_matmul(t, P(ws[i % nc]), rows, cols, P(x, "float *"), 1, P(y, "float *"), 1)
+            elif op == "batch":
+                L.gh_op_matmul_t(t, P(ws[i % nc]), rows, cols, P(h, "float *"), nt, P(y, "float *"), 1)
             else:
                 L.gh_op_sparse_down(t, P(ws[i % nc]), rows, cols, P(ids[i % 8], "int32_t *"), P(a, "float *"), nact, P(y, "float *"), 1)
         best = [1e9, 1e9]
@@ -68,5 +76,7 @@ for name in types:
                 for i in range(nb): call(libs[k], i + r)
                 best[k] = min(best[k], (time.perf_counter() - t0) / nb)
         byt = q.nbytes * (nact / rows if op == "down" else 1)
+        if op == "batch":  # per token
+            best = [b / nt for b in best]
         out.append(f"{mode}: A {best[0]*1e6:6.1f} us {byt/best[0]/1e9:5.1f} GB/s, B {best[1]*1e6:6.1f} us {byt/best[1]/1e9:5.1f} GB/s ({best[0]/best[1]:.2f}x)")
     print(f"{name} simd{simd} {op}: " + " | ".join(out), flush=True)

@@ -12,8 +12,8 @@
  * pass (a fused axpy per type). Batches: a block of rows is dequantized once into a
  * small buffer and then added into every token whose activation is nonzero, or, when most
  * of the block's activations are nonzero (a SwiGLU prompt), multiplied in register tiles
- * (Q4_0, Q4_K: in the int8 groups of 16 rows of the decode form, each token's factors its
- * own). */
+ * (Q4_0 and the K-quants: in the int8 groups of 16 rows of the decode form, each token's
+ * factors its own). */
 #include "cpu/ops.h"
 #include "types/types.h"
 
@@ -589,7 +589,7 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
 #endif
     };
 #if defined(GH_X86)
-    /* (Q4_K's AVX2 form serves the AVX-512 level too) */
+    /* (the K-quants' AVX2 forms serve the AVX-512 level too) */
     if (n_tokens > 1 && gh_simd_get() >= GH_SIMD_AVX512) job.mm16 = gh_matmul16_avx512(w->type);
     if (n_tokens > 1 && !job.mm16 && gh_simd_get() >= GH_SIMD_AVX2) job.mm16 = gh_matmul16_avx2(w->type);
 #endif

@@ -28,7 +28,9 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   matvec's 407-474 us: 1.33/1.56/1.43); Q4_K from "The Q4_K axpy in int8" (the same
   benchmark, two runs each of the float and the int8 forms: 1.28/1.38/1.45/1.36 and
   1.85/1.92/1.99/2.08 before, mean 1.66; 1.05/1.13/1.13/0.99 and 1.27/1.34/1.45/1.53 after,
-  mean 1.24).
+  mean 1.24); Q5_K and Q6_K from "The Q5_K and Q6_K axpy in int8" (the same benchmark, two
+  runs each of the int8 forms: Q5_K 1.37/1.39/1.63/1.73 and 1.41/1.48/1.74/2.08, mean 1.60;
+  Q6_K 1.51/1.62/1.86/2.06 and 1.78/1.68/1.97/2.25, mean 1.84).
 * ``rows``, gathered rows through the row dot (up; the gate's rows in the predictor mode),
   and ``down``, the gathered ``ffn_down_t`` rows through the axpy, per byte against the
   dense matvec: F16, Q8_0, Q4_0 from "AVX2 kernels" (the sparse FFN layer's glu/down us at
@@ -37,14 +39,12 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   Q4_0's down then scaled by the int8 axpy's gain on the same stage ("The Q4_0 axpy in int8",
   sparse down at 8% of the rows, 98/94 -> 68/81 us: x0.78); the K-quants from "The K-quant
   axpy rewrite" (bench_kernels, AVX2 1 thread after: dense / glu / down GB/s Q4_K
-  10.3/10.8/5.9, Q5_K 8.0/8.9/5.9, Q6_K 9.9/11.6/7.6), Q4_K's down then scaled as its cols
-  by its int8 axpy (1.24 / 1.66: x0.75).
+  10.3/10.8/5.9, Q5_K 8.0/8.9/5.9, Q6_K 9.9/11.6/7.6), their down then scaled by their int8
+  axpy's gain: Q4_K as its cols (1.24 / 1.66: x0.75), Q5_K and Q6_K by the sparse down's A/B
+  of the two forms at AVX2, 10% of 5632 x 2048 from DRAM (1.39x and 1.16x: x0.72, x0.86).
 
 Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
-(the same float kernels, with another conversion or none); Q5_K's and Q6_K's ``cols`` Q4_K's
-float form's (1.66: they have no int8 form; their ``down``, the same float axpy over gathered
-rows, is 1.3-1.4x cheaper per byte than Q4_K's float one, so this overstates their
-input-sparse cost somewhat). The figures carry the benchmarks' noise
+(the same float kernels, with another conversion or none). The figures carry the benchmarks' noise
 (15-30% per run on the loaded 2-core machine): the model decides between candidates that
 differ by more than that, and near a break-even it may pick either.
 """
@@ -67,7 +67,6 @@ class PathCost:
 
 
 _F16 = PathCost(dot=1.0, cols=0.64, rows=1.31, down=0.96)
-_K_FLOAT_COLS = 1.66  # the K-quants' float column axpy (Q4_K's before its int8 form)
 
 #: Per GGML type name: the factors of each path (the module's docstring gives the sources).
 COSTS: dict[str, PathCost] = {
@@ -77,8 +76,8 @@ COSTS: dict[str, PathCost] = {
     "Q8_0": PathCost(dot=1.0, cols=1.44, rows=1.15, down=1.17),
     "Q4_0": PathCost(dot=1.0, cols=1.44, rows=1.45, down=1.55),
     "Q4_K": PathCost(dot=1.37, cols=1.24, rows=0.95, down=1.31),
-    "Q5_K": PathCost(dot=1.46, cols=_K_FLOAT_COLS, rows=0.90, down=1.36),  # cols: Q4_K's float form's
-    "Q6_K": PathCost(dot=1.18, cols=_K_FLOAT_COLS, rows=0.85, down=1.30),  # cols: Q4_K's float form's
+    "Q5_K": PathCost(dot=1.46, cols=1.60, rows=0.90, down=0.98),
+    "Q6_K": PathCost(dot=1.18, cols=1.84, rows=0.85, down=1.12),
 }
 
 PATHS = ("dot", "cols", "rows", "down")

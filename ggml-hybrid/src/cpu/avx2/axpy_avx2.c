@@ -1,6 +1,6 @@
-/* AVX2 axpy kernels of the K-quants, and Q4_0's sixteen-row int8 forms, one token and a
- * batch (at the end; axpy.c picks them at the AVX2 level, and has the other types' AVX2
- * axpy forms).
+/* AVX2 axpy kernels of the K-quants, and the sixteen-row int8 forms of Q4_0 and the
+ * K-quants, one token and a batch (at the end; axpy.c picks them at the AVX2 level, and
+ * has the other types' AVX2 axpy forms).
  *
  * K-quants: y[0..n) += s * row and the four-row forms, rows starting at a block boundary,
  * n a multiple of 256. Each block is taken apart once (avx2/kq_unpack.h: its quants as bytes, its sub-blocks'
@@ -182,79 +182,6 @@ AVX2_FN static void axpy16_q4_0_avx2(int64_t n, const float * s, const void * co
     axpy16_q4_0(n, s, row, pf, y);
 }
 
-/* ---- Q4_K, sixteen rows per pass in int8 (the decode list's groups of 16) ----
- *
- * As Q4_0's form per sub-block of 32 values: its factors are the 16 products
- * c_k = s_k d_k sc_k,j (kq_factors with s = 1, then int8_factors8 over 8 sub-blocks at a
- * time). The quants q are unsigned (0..15) with a min: sum_k c_k q_k = sum_k c_k (q_k - 8)
- * + 8 sum_k c_k, and only the first, centred, part takes the int8 rounding (Q4_0's bias
- * -8 sum_k m_k), which halves its error against rounding c_k q_k (1.3% -> 0.5% nRMS on
- * random rows); the second and the mins' term sum_k s_k (-dmin_k m_k,j) are one float per
- * sub-block, added with the block's sum. A chunk is KCHUNK super-blocks. */
-#define KCHUNK 4
-
-AVX2_FN static void axpy16_q4_K_avx2(int64_t n, const float * s, const void * const * row,
-                                     const void * const * pf, float * restrict y) {
-    const size_t bs = sizeof(block_q4_K);
-    const size_t qs = offsetof(block_q4_K, qs);
-    const int64_t nb = n / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t i0 = 0; i0 < nb; i0 += KCHUNK) {
-        const int nc = (int) GH_MIN((int64_t) KCHUNK, nb - i0);
-        float D[16][KCHUNK * 8];           /* d sc per row and sub-block */
-        float G[16][KCHUNK * 8];           /* 8 d sc - dmin m */
-        int16_t mp[8][KCHUNK * 8];         /* (m_2p, m_2p+1) as the bytes of one word */
-        float scale[KCHUNK * 8], gs[KCHUNK * 8];
-        int32_t bias[KCHUNK * 8];          /* -8 sum_k m_k */
-        for (int k = 0; k < 16; k++) {
-            const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
-            for (int i = 0; i < KCHUNK; i++) {
-                if (i < nc) {
-                    kq_factors(KQ4, b + i * bs, 1.0f, &D[k][8 * i], &G[k][8 * i]);
-                    _mm256_storeu_ps(&G[k][8 * i], _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(&D[k][8 * i]),
-                                                                   _mm256_loadu_ps(&G[k][8 * i])));
-                } else {
-                    memset(&D[k][8 * i], 0, 8 * sizeof(float));
-                    memset(&G[k][8 * i], 0, 8 * sizeof(float));
-                }
-            }
-            if (pf) {
-                const char * p = (const char *) pf[k] + i0 * bs;
-                for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-                _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
-            }
-        }
-        for (int j = 0; j < nc * 8; j += 8) {
-            int8_factors8(s, &D[0][0], 1, KCHUNK * 8, j, &mp[0][0], 0, scale, bias);
-            __m256 g = _mm256_setzero_ps();
-            for (int k = 0; k < 16; k++) g = _mm256_fmadd_ps(_mm256_set1_ps(s[k]), _mm256_loadu_ps(&G[k][j]), g);
-            _mm256_storeu_ps(gs + j, g);
-        }
-        float * yb = y + i0 * QK_K;
-        for (int i = 0; i < nc; i++, yb += QK_K) {
-            const size_t off = (size_t) (i0 + i) * bs + qs;
-            for (int jp = 0; jp < 4; jp++) {
-                const int j0 = 8 * i + 2 * jp, j1 = j0 + 1; /* sub-blocks: low and high nibbles */
-                __m256i l0 = _mm256_set1_epi16((int16_t) bias[j0]), h0 = l0;
-                __m256i l1 = _mm256_set1_epi16((int16_t) bias[j1]), h1 = l1;
-                for (int p = 0; p < 8; p++) {
-                    const __m256i xa = _mm256_loadu_si256((const __m256i *) ((const uint8_t *) row[2 * p] + off + 32 * jp));
-                    const __m256i xb = _mm256_loadu_si256((const __m256i *) ((const uint8_t *) row[2 * p + 1] + off + 32 * jp));
-                    const __m256i alo = _mm256_and_si256(xa, m4), ahi = _mm256_and_si256(_mm256_srli_epi16(xa, 4), m4);
-                    const __m256i blo = _mm256_and_si256(xb, m4), bhi = _mm256_and_si256(_mm256_srli_epi16(xb, 4), m4);
-                    const __m256i pa = _mm256_set1_epi16(mp[p][j0]), pb = _mm256_set1_epi16(mp[p][j1]);
-                    l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(alo, blo), pa));
-                    h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(alo, blo), pa));
-                    l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ahi, bhi), pb));
-                    h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ahi, bhi), pb));
-                }
-                int8_store32(scale[j0], &gs[j0], l0, h0, yb + 64 * jp);
-                int8_store32(scale[j1], &gs[j1], l1, h1, yb + 64 * jp + 32);
-            }
-        }
-    }
-}
-
 /* The batch form (gh_matmul16_fn): per chunk of 8 blocks the rows' nibbles are unpacked
  * once into pairs and their scales copied out, then every token makes its own factors
  * (int8_factors8, as the one-token form does) and runs the pass over the unpacked pairs.
@@ -310,84 +237,202 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
     }
 }
 
-/* Q4_K's batch form: as Q4_0's, per super-block (8 sub-blocks: one factor vector), with
- * Q4_K's one-token arithmetic (axpy16_q4_K_avx2: the centred quants in int8, the rest a
- * float per sub-block), so a token's sums are that form's over the same groups, bit for bit. */
-AVX2_FN static void matmul16_q4_K_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
-                                       const int32_t * hc, int nk, const void * const * row,
-                                       float * y, int64_t ldy) {
-    const size_t bs = sizeof(block_q4_K);
-    const size_t qs = offsetof(block_q4_K, qs);
-    const int64_t nb = n / QK_K;
-    const int ng = (nk + 15) / 16;
-    static const uint8_t zero[32];
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    for (int64_t i = 0; i < nb; i++) {
-        float D[4][16][8], G[4][16][8];
-        __m256i u[4][4][8][4]; /* group, sub-block pair, row pair, (low: 0..7|16..23, 8..15|24..31; high: the same) */
-        for (int k = 0; k < ng * 16; k++) {
-            float * dk = D[k / 16][k % 16], * gk = G[k / 16][k % 16];
-            if (k < nk) {
-                kq_factors(KQ4, (const uint8_t *) row[k] + i * bs, 1.0f, dk, gk);
-                _mm256_storeu_ps(gk, _mm256_fmadd_ps(_mm256_set1_ps(8.0f), _mm256_loadu_ps(dk), _mm256_loadu_ps(gk)));
-            } else {
-                memset(dk, 0, 8 * sizeof(float));
-                memset(gk, 0, 8 * sizeof(float));
+/* ---- The K-quants, sixteen rows per pass in int8: one token and a batch ----
+ *
+ * As Q4_0's forms per sub-block, on the quants as bytes (avx2/kq_unpack.h): the factors are
+ * the 16 products c_k = s_k d_k sc_k,j (int8_factors8_off over 8 sub-blocks at a time).
+ * The quants are unsigned with an offset or a min: sum_k c_k q_k = sum_k c_k (q_k - off)
+ * + off sum_k c_k (off: Q4_K 8, Q5_K 16, Q6_K 32), and only the first, centred, part takes
+ * the int8 rounding (the bias -off sum_k m_k), which halves its error against rounding
+ * c_k q_k (Q4_K: 1.3% -> 0.5% nRMS on random rows); the second and the mins' term
+ * sum_k s_k (-dmin_k m_k,j) are one float per sub-block (gs), added with the block's sum
+ * (Q6_K's f (q - 32) is all of its value: no gs). The pass takes a chunk of 32 values,
+ * rows 2p and 2p+1 interleaved in u[p] (q4_0_pair's order: values 0..7 | 16..23, 8..15 |
+ * 24..31). Q4_K's and Q5_K's sums stay within 16 * 127 * 16 < 2^15 and run in one int16
+ * sum; Q6_K's sub-blocks are 16 values, so a chunk holds two (the factor pair differs by
+ * lane), and its sums reach 16 * 127 * 32: rows 0..7 and 8..15 run in two int16 sums (each
+ * within 2^15), widened and added in int32. */
+AVX2_INLINE int kq_int8_off(const int kind) { return kind == KQ4 ? 8 : kind == KQ5 ? 16 : 32; }
+
+/* Chunk c's 8 interleaved row pairs of two rows' quant bytes qa, qb. */
+AVX2_INLINE void kq_int8_pairs(const uint8_t * qa, const uint8_t * qb, int c, __m256i * u) {
+    const __m256i xa = _mm256_loadu_si256((const __m256i *) (qa + 32 * c));
+    const __m256i xb = _mm256_loadu_si256((const __m256i *) (qb + 32 * c));
+    u[0] = _mm256_unpacklo_epi8(xa, xb);
+    u[1] = _mm256_unpackhi_epi8(xa, xb);
+}
+
+/* Two words broadcast by lane: w[0] in the low 128 bits, w[1] in the high (Q6_K's pair of
+ * sub-blocks in one chunk). */
+AVX2_INLINE __m256i kq_int8_lanes16(const int16_t * w) {
+    int32_t v;
+    memcpy(&v, w, 4);
+    const __m256i sel = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                         2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(_mm256_set1_epi32(v), sel);
+}
+
+/* yv (chunk c's 32 values of y) += one group's sums: u its 8 row pairs, mp[p * 16 + j] the
+ * factor pairs of sub-block j, scale / bias / bias_hi / gs per sub-block (gs NULL: Q6_K). */
+AVX2_INLINE void kq_int8_chunk(const int kind, const __m256i (*u)[2], const int16_t * mp, int c,
+                               const float * scale, const int32_t * bias, const int32_t * bias_hi,
+                               const float * gs, __m256 * yv) {
+    if (kind != KQ6) {
+        __m256i lo = _mm256_set1_epi16((int16_t) bias[c]), hi = lo;
+        for (int p = 0; p < 8; p++) {
+            const __m256i pair = _mm256_set1_epi16(mp[p * 16 + c]);
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[p][0], pair));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[p][1], pair));
+        }
+        int8_acc32(yv, scale[c], &gs[c], lo, hi);
+        return;
+    }
+    const int16_t b0[2] = { (int16_t) bias[2 * c], (int16_t) bias[2 * c + 1] };
+    const int16_t b1[2] = { (int16_t) bias_hi[2 * c], (int16_t) bias_hi[2 * c + 1] };
+    __m256i l0 = kq_int8_lanes16(b0), h0 = l0, l1 = kq_int8_lanes16(b1), h1 = l1;
+    for (int p = 0; p < 4; p++) {
+        const __m256i pa = kq_int8_lanes16(mp + p * 16 + 2 * c), pb = kq_int8_lanes16(mp + (p + 4) * 16 + 2 * c);
+        l0 = _mm256_add_epi16(l0, _mm256_maddubs_epi16(u[p][0], pa));
+        h0 = _mm256_add_epi16(h0, _mm256_maddubs_epi16(u[p][1], pa));
+        l1 = _mm256_add_epi16(l1, _mm256_maddubs_epi16(u[p + 4][0], pb));
+        h1 = _mm256_add_epi16(h1, _mm256_maddubs_epi16(u[p + 4][1], pb));
+    }
+#define KQ6_W(a, b, half) _mm256_cvtepi32_ps(_mm256_add_epi32(                              \
+        _mm256_cvtepi16_epi32(half ? _mm256_extracti128_si256(a, 1) : _mm256_castsi256_si128(a)), \
+        _mm256_cvtepi16_epi32(half ? _mm256_extracti128_si256(b, 1) : _mm256_castsi256_si128(b))))
+    const __m256 s0 = _mm256_set1_ps(scale[2 * c]), s1 = _mm256_set1_ps(scale[2 * c + 1]);
+    yv[0] = _mm256_fmadd_ps(s0, KQ6_W(l0, l1, 0), yv[0]);
+    yv[1] = _mm256_fmadd_ps(s0, KQ6_W(h0, h1, 0), yv[1]);
+    yv[2] = _mm256_fmadd_ps(s1, KQ6_W(l0, l1, 1), yv[2]);
+    yv[3] = _mm256_fmadd_ps(s1, KQ6_W(h0, h1, 1), yv[3]);
+#undef KQ6_W
+}
+
+/* A row's factors for the int8 forms: D[j] = d sc of sub-block j, G[j] = off D[j] + g[j]
+ * (the part of f q + g outside the centred quants; 0 for Q6_K); zeros for a padding row. */
+AVX2_INLINE void kq_int8_row(const int kind, const uint8_t * b, float * D, float * G) {
+    if (!b) {
+        memset(D, 0, 16 * sizeof(float));
+        memset(G, 0, 16 * sizeof(float));
+        return;
+    }
+    kq_factors(kind, b, 1.0f, D, G);
+    const __m256 off = _mm256_set1_ps((float) kq_int8_off(kind));
+    for (int j = 0; j < QK_K / kq_sub_len(kind); j += 8)
+        _mm256_storeu_ps(G + j, _mm256_fmadd_ps(off, _mm256_loadu_ps(D + j), _mm256_loadu_ps(G + j)));
+}
+
+/* One group's factors of a super-block from the 16 rows' D, G [16][16] and s. */
+AVX2_INLINE void kq_int8_factors(const int kind, const float * s, const float * D, const float * G,
+                                 int16_t * mp, float * scale, int32_t * bias, int32_t * bias_hi, float * gs) {
+    const int nsub = QK_K / kq_sub_len(kind);
+    for (int j = 0; j < nsub; j += 8) {
+        int8_factors8_off(s, D, 1, 16, j, mp, 0, scale, bias, kq_int8_off(kind), kind == KQ6 ? bias_hi : NULL);
+        if (kind == KQ6) continue;
+        __m256 g = _mm256_setzero_ps();
+        for (int k = 0; k < 16; k++) g = _mm256_fmadd_ps(_mm256_set1_ps(s[k]), _mm256_loadu_ps(G + 16 * k + j), g);
+        _mm256_storeu_ps(gs + j, g);
+    }
+}
+
+AVX2_INLINE void axpy16_kq(const int kind, int64_t n, const float * s, const void * const * row,
+                           const void * const * pf, float * restrict y) {
+    const size_t bs = kq_bytes(kind);
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        float D[16][16], G[16][16], scale[16], gs[16];
+        uint8_t q[16][QK_K];
+        int16_t mp[8][16];
+        int32_t bias[16], bias_hi[16];
+        for (int k = 0; k < 16; k++) {
+            const uint8_t * b = (const uint8_t *) row[k] + i * bs;
+            kq_int8_row(kind, b, D[k], G[k]);
+            kq_unpack(kind, b, q[k]);
+            if (pf) {
+                const char * p = (const char *) pf[k] + i * bs;
+                for (size_t o = 0; o < bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+                _mm_prefetch(p + bs - 1, _MM_HINT_T1);
             }
         }
+        kq_int8_factors(kind, s, &D[0][0], &G[0][0], &mp[0][0], scale, bias, bias_hi, gs);
+        for (int c = 0; c < QK_K / 32; c++) {
+            __m256i u[8][2];
+            for (int p = 0; p < 8; p++) kq_int8_pairs(q[2 * p], q[2 * p + 1], c, u[p]);
+            __m256 yv[4];
+            for (int v = 0; v < 4; v++) yv[v] = _mm256_loadu_ps(y + 32 * c + 8 * v);
+            kq_int8_chunk(kind, (const __m256i (*)[2]) u, &mp[0][0], c, scale, bias, bias_hi, gs, yv);
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(y + 32 * c + 8 * v, yv[v]);
+        }
+    }
+}
+
+/* The batch form: per super-block the up to four groups' rows unpacked once into pairs (16 KB)
+ * and their D, G made, then per token the factors and the pass, groups added in order into y
+ * in registers, as kq_int8_chunk does for one token: a token's sums are axpy16_kq's over
+ * the same groups, bit for bit. Rows past nk are padding (scale 0, quants 0). */
+AVX2_INLINE void matmul16_kq(const int kind, int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                             const int32_t * hc, int nk, const void * const * row, float * y, int64_t ldy) {
+    const size_t bs = kq_bytes(kind);
+    const int ng = (nk + 15) / 16;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        float D[4][16][16], G[4][16][16];
+        __m256i u[4][QK_K / 32][8][2];
         for (int g = 0; g < ng; g++) {
-            for (int jp = 0; jp < 4; jp++) {
-                for (int p = 0; p < 8; p++) {
-                    const int ka = 16 * g + 2 * p, kb = ka + 1;
-                    const uint8_t * qa = ka < nk ? (const uint8_t *) row[ka] + i * bs + qs + 32 * jp : zero;
-                    const uint8_t * qb = kb < nk ? (const uint8_t *) row[kb] + i * bs + qs + 32 * jp : zero;
-                    const __m256i xa = _mm256_loadu_si256((const __m256i *) qa), xb = _mm256_loadu_si256((const __m256i *) qb);
-                    const __m256i alo = _mm256_and_si256(xa, m4), ahi = _mm256_and_si256(_mm256_srli_epi16(xa, 4), m4);
-                    const __m256i blo = _mm256_and_si256(xb, m4), bhi = _mm256_and_si256(_mm256_srli_epi16(xb, 4), m4);
-                    u[g][jp][p][0] = _mm256_unpacklo_epi8(alo, blo);
-                    u[g][jp][p][1] = _mm256_unpackhi_epi8(alo, blo);
-                    u[g][jp][p][2] = _mm256_unpacklo_epi8(ahi, bhi);
-                    u[g][jp][p][3] = _mm256_unpackhi_epi8(ahi, bhi);
+            for (int p = 0; p < 8; p++) {
+                uint8_t q[2][QK_K];
+                for (int r = 0; r < 2; r++) {
+                    const int k = 16 * g + 2 * p + r;
+                    const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i * bs : NULL;
+                    kq_int8_row(kind, b, D[g][2 * p + r], G[g][2 * p + r]);
+                    if (b) kq_unpack(kind, b, q[r]);
+                    else memset(q[r], 0, QK_K);
                 }
+                for (int c = 0; c < QK_K / 32; c++) kq_int8_pairs(q[0], q[1], c, u[g][c][p]);
             }
         }
         for (int64_t t = 0; t < n_tokens; t++) {
             const float * ht = h + t * ldh;
-            int16_t mp[4][8][8];
-            float scale[4][8], gs[4][8];
-            int32_t bias[4][8];
+            int16_t mp[4][8][16];
+            float scale[4][16], gs[4][16];
+            int32_t bias[4][16], bias_hi[4][16];
             for (int g = 0; g < ng; g++) {
                 float s[16];
                 for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
-                int8_factors8(s, &D[g][0][0], 1, 8, 0, &mp[g][0][0], 0, scale[g], bias[g]);
-                __m256 gv = _mm256_setzero_ps();
-                for (int k = 0; k < 16; k++) gv = _mm256_fmadd_ps(_mm256_set1_ps(s[k]), _mm256_loadu_ps(G[g][k]), gv);
-                _mm256_storeu_ps(gs[g], gv);
+                kq_int8_factors(kind, s, &D[g][0][0], &G[g][0][0], &mp[g][0][0], scale[g], bias[g], bias_hi[g], gs[g]);
             }
             float * yb = y + t * ldy + i * QK_K;
-            for (int sb = 0; sb < 8; sb++, yb += 32) {
-                const int jp = sb / 2, hv = 2 * (sb % 2);
+            for (int c = 0; c < QK_K / 32; c++, yb += 32) {
                 __m256 yv[4];
                 for (int v = 0; v < 4; v++) yv[v] = _mm256_loadu_ps(yb + 8 * v);
-                for (int g = 0; g < ng; g++) {
-                    __m256i lo = _mm256_set1_epi16((int16_t) bias[g][sb]), hi = lo;
-                    for (int p = 0; p < 8; p++) {
-                        const __m256i pair = _mm256_set1_epi16(mp[g][p][sb]);
-                        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[g][jp][p][hv], pair));
-                        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[g][jp][p][hv + 1], pair));
-                    }
-                    int8_acc32(yv, scale[g][sb], &gs[g][sb], lo, hi);
-                }
+                for (int g = 0; g < ng; g++)
+                    kq_int8_chunk(kind, (const __m256i (*)[2]) u[g][c], &mp[g][0][0], c, scale[g], bias[g],
+                                  bias_hi[g], gs[g], yv);
                 for (int v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, yv[v]);
             }
         }
     }
 }
 
+#define DEFINE_KQ_INT8_AVX2(type, kind)                                                        \
+    AVX2_FN static void axpy16_##type##_avx2(int64_t n, const float * s, const void * const * row, \
+                                             const void * const * pf, float * restrict y) {    \
+        axpy16_kq(kind, n, s, row, pf, y);                                                     \
+    }                                                                                          \
+    AVX2_FN static void matmul16_##type##_avx2(int64_t n, int64_t n_tokens, const float * h,   \
+                                               int64_t ldh, const int32_t * hc, int nk,        \
+                                               const void * const * row, float * y, int64_t ldy) { \
+        matmul16_kq(kind, n, n_tokens, h, ldh, hc, nk, row, y, ldy);                           \
+    }
+
+DEFINE_KQ_INT8_AVX2(q4_K, KQ4)
+DEFINE_KQ_INT8_AVX2(q5_K, KQ5)
+DEFINE_KQ_INT8_AVX2(q6_K, KQ6)
+
 gh_matmul16_fn gh_matmul16_avx2(int type) {
     switch (type) {
         case GH_TYPE_Q4_0: return matmul16_q4_0_avx2;
         case GH_TYPE_Q4_K: return matmul16_q4_K_avx2;
+        case GH_TYPE_Q5_K: return matmul16_q5_K_avx2;
+        case GH_TYPE_Q6_K: return matmul16_q6_K_avx2;
         default:           return NULL;
     }
 }
@@ -396,6 +441,8 @@ gh_axpy16_fn gh_axpy16_avx2(int type) {
     switch (type) {
         case GH_TYPE_Q4_0: return axpy16_q4_0_avx2;
         case GH_TYPE_Q4_K: return axpy16_q4_K_avx2;
+        case GH_TYPE_Q5_K: return axpy16_q5_K_avx2;
+        case GH_TYPE_Q6_K: return axpy16_q6_K_avx2;
         default:           return NULL;
     }
 }

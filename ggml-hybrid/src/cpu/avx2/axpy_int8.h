@@ -1,17 +1,17 @@
-/* The int8 forms of the transposed matmul (Q4_0, Q4_K), their shared parts (included by
+/* The int8 forms of the transposed matmul (Q4_0, Q4_K, Q5_K, Q6_K), their shared parts (included by
  * avx2/axpy_avx2.c and avx512/axpy_avx512.c; AVX2 code, which the AVX-512 functions
  * inline too).
  *
  * y[c] += sum_k s_k D_k,b q_k,c over a group of 16 rows, per block b of 32 columns (Q4_0:
- * D = d, q - 8 for q; Q4_K: D = d sc of the sub-block, q - 8 for q, the rest in floats,
- * see axpy_avx2.c): the 16 products c_k = s_k D_k,b of a block are quantized to int8 against their
+ * D = d, q - 8 for q; the K-quants: D = d sc of the sub-block, 16 columns in Q6_K's, the
+ * quants centred, the rest in floats, see axpy_avx2.c): the 16 products c_k = s_k D_k,b of a block are quantized to int8 against their
  * largest, m_k = round(127 c_k / M_b), so a block's sum is M_b / 127 * sum_k m_k q_k, an
  * integer sum of unsigned nibbles times signed bytes (vpmaddubsw, vpdpbusd; the offset as
  * the bias -8 sum_k m_k). That is the activation quantization of the int8 dots (Q8
  * blocks, here of 16 rows instead of 32 values): errors up to M_b / 254 per row and value,
- * ~0.5% of a sum (nRMS) on random data. The true sums are within 16 * 127 * 8 < 2^15, so
- * int16 sums may wrap on the way (two's-complement adds) and still end exact, and int32
- * sums are the same integers. */
+ * ~0.5% of a sum (nRMS) on random data. The true sums of 4-bit quants are within
+ * 16 * 127 * 8 < 2^15, so int16 sums may wrap on the way (two's-complement adds) and still
+ * end exact, and int32 sums are the same integers (Q5_K's and Q6_K's bounds: axpy_avx2.c). */
 #ifndef GH_AXPY_INT8_H
 #define GH_AXPY_INT8_H
 
@@ -33,12 +33,14 @@ Q4I_INLINE __m256 scaled8(float s, const void * d, ptrdiff_t i, const int f32) {
 
 /* The int8 factors of 8 blocks from j: the rows' scales D[k * ld + j ..] (fp16, or floats
  * with f32) times s[k], quantized per block against their largest (scale[j ..] = M_b / 127,
- * NaN where a product is not finite; bias[j ..] = -8 sum_k m_k, the quants' offset, unless
- * bias is NULL), the m_k packed for the kernel: quads == 0, mp[p * ld + j ..] = (m_2p, m_2p+1)
- * as the bytes of a word (int16_t); quads == 1, mp[p * ld + j ..] = (m_4p .. m_4p+3) as the
- * bytes of a dword (int32_t). */
-Q4I_INLINE void int8_factors8(const float * s, const void * d, const int f32, int ld, int j, void * mp,
-                              const int quads, float * scale, int32_t * bias) {
+ * NaN where a product is not finite; bias[j ..] = -off sum_k m_k, the quants' offset, unless
+ * bias is NULL; off: the quants' offset, 8 for 4-bit quants), the m_k packed for the kernel:
+ * quads == 0, mp[p * ld + j ..] = (m_2p, m_2p+1) as the bytes of a word (int16_t); quads == 1,
+ * mp[p * ld + j ..] = (m_4p .. m_4p+3) as the bytes of a dword (int32_t). With bias_hi the
+ * bias is split by rows: bias gets rows 0..7's, bias_hi rows 8..15's (Q6_K's two int16 sums). */
+Q4I_INLINE void int8_factors8_off(const float * s, const void * d, const int f32, int ld, int j, void * mp,
+                                  const int quads, float * scale, int32_t * bias, const int off,
+                                  int32_t * bias_hi) {
     const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inf = _mm256_set1_ps(INFINITY);
     /* two sweeps over the rows (the products made twice) rather than sixteen live
@@ -55,9 +57,10 @@ Q4I_INLINE void int8_factors8(const float * s, const void * d, const int f32, in
     const __m256 inv = _mm256_and_ps(live, _mm256_div_ps(_mm256_set1_ps(127.0f), top));
     _mm256_storeu_ps(scale + j, _mm256_blendv_ps(_mm256_div_ps(top, _mm256_set1_ps(127.0f)),
                                                  _mm256_set1_ps(NAN), bad));
-    __m256i msum = _mm256_setzero_si256();
+    __m256i msum = _mm256_setzero_si256(), mlow = msum;
     const __m256i lo8 = _mm256_set1_epi32(0xff);
     for (int k = 0; k < 16; k += 4) {
+        if (k == 8) mlow = msum;
         const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k], d, k * ld + j, f32), inv));
         const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 1], d, (k + 1) * ld + j, f32), inv));
         const __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(scaled8(s[k + 2], d, (k + 2) * ld + j, f32), inv));
@@ -74,7 +77,19 @@ Q4I_INLINE void int8_factors8(const float * s, const void * d, const int f32, in
             _mm_storeu_si128((__m128i *) ((int16_t *) mp + (k / 2 + 1) * ld + j), _mm256_extracti128_si256(w, 1));
         }
     }
-    if (bias) _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(msum, _mm256_set1_epi32(-8)));
+    const __m256i moff = _mm256_set1_epi32(-off);
+    if (bias_hi) {
+        _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(mlow, moff));
+        _mm256_storeu_si256((__m256i *) (bias_hi + j), _mm256_mullo_epi32(_mm256_sub_epi32(msum, mlow), moff));
+    } else if (bias) {
+        _mm256_storeu_si256((__m256i *) (bias + j), _mm256_mullo_epi32(msum, moff));
+    }
+}
+
+/* The 4-bit quants' factors (offset 8, one bias). */
+Q4I_INLINE void int8_factors8(const float * s, const void * d, const int f32, int ld, int j, void * mp,
+                              const int quads, float * scale, int32_t * bias) {
+    int8_factors8_off(s, d, f32, ld, j, mp, quads, scale, bias, 8, NULL);
 }
 
 /* The two unpacked vectors of a pair of rows' block (the nibbles at q of rows a and b,

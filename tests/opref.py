@@ -98,19 +98,16 @@ AXPY_INT8_GROUP = 16
 AXPY_INT8_TYPES = (Q4_0, Q4_K, Q5_K, Q6_K)
 
 
-def _k4_scales_mins(sc8: np.ndarray):
-    """The 6-bit scales and mins of Q4_K/Q5_K's 12 packed bytes [..., 12] -> two [..., 8]."""
+def _k4_scales(sc8: np.ndarray) -> np.ndarray:
+    """The 6-bit sub-block scales of Q4_K/Q5_K's 12 packed bytes [..., 12] -> [..., 8]."""
     sc8 = sc8.astype(np.int32)
     sc = np.empty(sc8.shape[:-1] + (8,), np.int32)
-    mn = np.empty_like(sc)
     for j in range(8):
         if j < 4:
             sc[..., j] = sc8[..., j] & 63
-            mn[..., j] = sc8[..., j + 4] & 63
         else:
             sc[..., j] = (sc8[..., j + 4] & 0xF) | ((sc8[..., j - 4] >> 6) << 4)
-            mn[..., j] = (sc8[..., j + 4] >> 4) | ((sc8[..., j] >> 6) << 4)
-    return sc, mn
+    return sc
 
 
 def _k_fields(t: int, raw: np.ndarray):
@@ -131,7 +128,7 @@ def _k_fields(t: int, raw: np.ndarray):
                       (lo >> 4) | (((qh >> 4) & 3) << 4), (hi >> 4) | (((qh >> 6) & 3) << 4)], axis=3)
         return D, np.abs(q.reshape(n, -1).astype(np.float64) - 32.0)
     d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float64)
-    sc, _ = _k4_scales_mins(b[:, :, 4:16])
+    sc = _k4_scales(b[:, :, 4:16])
     D = (d[..., None] * sc).reshape(n, -1)
     qs = b[:, :, size - 128:].astype(np.int32).reshape(n, -1, 4, 32)
     q = np.stack([qs & 0xF, qs >> 4], axis=3)                          # [rows, blocks, 4, 2, 32]

@@ -396,7 +396,7 @@ AVX2_INLINE void matmul16_kq(const int kind, int64_t n, int64_t n_tokens, const 
             int32_t bias[4][16], bias_hi[4][16];
             for (int g = 0; g < ng; g++) {
                 float s[16];
-                for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+                batch_s16(ht, hc, nk, g, s);
                 kq_int8_factors(kind, s, &D[g][0][0], &G[g][0][0], &mp[g][0][0], scale[g], bias[g], bias_hi[g], gs[g]);
             }
             float * yb = y + t * ldy + i * QK_K;

@@ -140,6 +140,11 @@ Q4I_INLINE void q4_0_batch_scales(const void * const * row, int nk, int ng, int6
     }
 }
 
+/* Group g's 16 activations of one token of a batch call (ht: its row of h; rows past nk: 0). */
+Q4I_INLINE void batch_s16(const float * ht, const int32_t * hc, int nk, int g, float * s) {
+    for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+}
+
 /* One token's factors for every group of a batch call (ht: its row of h; per group g, d at
  * d + g * 16 * nb8, mp at mp + g * 8 * nb8 (pairs, int16) or g * 4 * nb8 (quads, int32),
  * scale and bias at g * nb8); rows past nk have s = 0. */
@@ -148,7 +153,7 @@ Q4I_INLINE void q4_0_batch_factors(const float * ht, const int32_t * hc, int nk,
                                    int32_t * bias) {
     for (int g = 0; g < ng; g++) {
         float s[16];
-        for (int k = 0; k < 16; k++) s[k] = 16 * g + k < nk ? ht[hc[16 * g + k]] : 0.0f;
+        batch_s16(ht, hc, nk, g, s);
         void * mpg = quads ? (void *) ((int32_t *) mp + g * 4 * nb8) : (void *) ((int16_t *) mp + g * 8 * nb8);
         int8_factors8(s, d + g * 16 * nb8, 0, nb8, 0, mpg, quads, scale + g * nb8, bias + g * nb8);
     }

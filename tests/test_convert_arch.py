@@ -257,6 +257,36 @@ def test_biases_are_nonzero(hf_dirs):
     assert all(np.abs(v).max() > 0.01 for k, v in sd.items() if k.endswith("bias"))
 
 
+def _hf_falcon_qkv(att, w: torch.Tensor, x: torch.Tensor):
+    """(q, k, v) as transformers' FalconAttention splits them out of query_key_value · x:
+    its _split_heads where it has one (transformers 4), else the states its forward hands
+    to the attention function (transformers 5; at position 0 RoPE is the identity)."""
+    if hasattr(att, "_split_heads"):
+        return att._split_heads(x @ w.T)
+    from transformers.models.falcon import modeling_falcon as mf
+
+    att = att.double()
+    att.query_key_value.weight.data.copy_(w)
+    if att.query_key_value.bias is not None:
+        att.query_key_value.bias.data.zero_()
+    seen = {}
+
+    def capture(module, q, k, v, *args, **kwargs):
+        seen["qkv"] = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype), None
+
+    hd = att.head_dim
+    pos = (torch.ones(1, 1, hd, dtype=torch.float64), torch.zeros(1, 1, hd, dtype=torch.float64))
+    orig = mf.ALL_ATTENTION_FUNCTIONS.get_interface
+    mf.ALL_ATTENTION_FUNCTIONS.get_interface = lambda *a, **k: capture
+    try:
+        with torch.no_grad():
+            att(x, None, position_embeddings=pos)
+    finally:
+        mf.ALL_ATTENTION_FUNCTIONS.get_interface = orig
+    return seen["qkv"]
+
+
 def test_falcon_qkv_rows_match_hf_split(hf_dirs, converted):
     """attn_qkv · x split into (all q, all k, all v) equals what HF's own attention splits out
     of query_key_value · x, for the three fused layouts."""
@@ -269,7 +299,7 @@ def test_falcon_qkv_rows_match_hf_split(hf_dirs, converted):
         sd = state_dict(hf_dirs[variant])
         w = torch.from_numpy(sd["transformer.h.0.self_attention.query_key_value.weight"])
         x = torch.randn(1, 1, cfg.hidden_size, dtype=torch.float64)
-        q, k, v = att._split_heads((x @ w.double().T))
+        q, k, v = _hf_falcon_qkv(att, w.double(), x)
         n_kv = cfg.num_kv_heads if cfg.new_decoder_architecture else (1 if cfg.multi_query else cfg.num_attention_heads)
         hd = cfg.hidden_size // cfg.num_attention_heads
         _, ts = read(converted[variant])

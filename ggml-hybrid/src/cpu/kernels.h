@@ -1,5 +1,5 @@
-/* CPU kernels per type and SIMD level (internal). types.c owns the table of the kernels
- * selected for the current level; the matmul reads it through gh_kernels_get().
+/* CPU kernels per type and SIMD level (internal): the kernel table. cpu/simd.c selects
+ * the rows of the current level; every op reads them through gh_kernels_get().
  *
  * Every weight type has one kernel shape, a register tile ("gemm"): it computes
  *     y[t * ldy + r] = W[r] . X[t]      for r < nr, t < nt
@@ -13,35 +13,6 @@
 
 #include <string.h>
 
-/* Internal activation type for Q4_0 and Q8_0 weights (never in files; gh_type_valid
- * says no, gh_type_traits_get returns NULL for it; gh_row_size knows its size).
- * A row is quantized like Q8_0 (per 32 values: d = amax / 127, q = round(x / d)), then
- * stored in groups of four blocks (128 values), laid out for 128-bit-lane SIMD:
- * lane i of qa/qb is block i's first/second 16 values. Rows are padded with zero
- * blocks to a multiple of 128 values. */
-#define GH_TYPE_Q8_X4 1000
-#define QK8_X4 128
-
-typedef struct {
-    int8_t  qa[64];    /* bytes 16i..16i+15: block i, values 0..15 */
-    int8_t  qb[64];    /* bytes 16i..16i+15: block i, values 16..31 */
-    int32_t nsum[16];  /* lanes 4i..4i+3: -sum(q) of block i */
-    float   d[16];     /* lanes 4i..4i+3: scale of block i */
-} block_q8_x4;
-
-/* Internal activation type of the K-quant weights (ggml's Q8_K layout and id; never a
- * weight: gh_type_valid says no). Per 256 values: d = amax / 127, q = round(x / d) (as
- * Q8_0), and the sums of each 16 consecutive q, which carry the K-quants' per-sub-block
- * mins (Q4_K, Q5_K) and zero point (Q6_K) at one multiply per sub-block. */
-#define GH_TYPE_Q8_K 15
-
-typedef struct {
-    float   d;
-    int8_t  qs[QK_K];
-    int16_t bsums[QK_K / 16];
-} block_q8_K;
-GH_STATIC_ASSERT(sizeof(block_q8_K) == 292, "block_q8_K layout");
-
 typedef void (*gh_gemm_fn)(int64_t n, const void * w, size_t w_stride, int nr,
                            const void * x, size_t x_stride, int nt, float * y, int64_t ldy);
 
@@ -52,6 +23,48 @@ typedef void (*gh_gemm_fn)(int64_t n, const void * w, size_t w_stride, int nr,
 typedef void (*gh_dot4_fn)(int64_t n, const void * const * rows, const void * const * pf,
                            const void * x, float * y);
 
+/* The transposed matmul's forms (cpu/axpy.c runs them; each ISA file fills its rows).
+ * y[0..n) += s * row, the row in the weight's type from a block boundary, n a multiple of
+ * the block size. */
+typedef void (*gh_axpy_fn)(int64_t n, float s, const void * row, float * y);
+/* y[0..n) += s[0] * row[0] + ... + s[3] * row[3]: four rows per pass over y (decode). */
+typedef void (*gh_axpy4_fn)(int64_t n, const float * s, const void * const * row, float * y);
+/* The four-row form that also prefetches the same column range of the rows pf[0..4) into
+ * L2, a slice per step (scattered list rows stream in while these are added); the sums
+ * are those of the gh_axpy4_fn, bit for bit. */
+typedef void (*gh_axpy4pf_fn)(int64_t n, const float * s, const void * const * row,
+                              const void * const * pf, float * y);
+/* Sixteen rows at once, y[0..n) += s[0] * row[0] + ... + s[15] * row[15], with the rows
+ * pf[0..16) prefetched (pf may be NULL): the decode list's groups of 16, in int8 (the
+ * scaled rows are quantized like the int8 dots' activations, so the sums differ from the
+ * float forms' by that rounding; avx2/axpy_int8.h). */
+typedef void (*gh_axpy16_fn)(int64_t n, const float * s, const void * const * row,
+                             const void * const * pf, float * y);
+/* The batch form of up to four groups of 16 rows: for t < n_tokens,
+ * y[t * ldy + 0..n) += sum_{k < nk} h[t * ldh + hc[k]] * row[k][0..n), nk <= 64, each
+ * token's sums those of the gh_axpy16_fn over the rows 16 at a time in order (the last
+ * group padded as if with rows whose h is 0): a prompt's dense blocks. */
+typedef void (*gh_matmul16_fn)(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                               const int32_t * hc, int nk, const void * const * row, float * y,
+                               int64_t ldy);
+/* A dense block of a batch over rows already dequantized to f32 (buf, rows ldb floats
+ * apart): y[t * ldy + c] += sum_{k < nk} h[t * ldh + rows[k]] * buf[k * ldb + c] for c < n,
+ * t < n_tokens, each value through the same FMAs in the same row order as the f32 axpy
+ * (so a batch equals its tokens bit for bit). The F32 row's form only. */
+typedef void (*gh_tiles_fn)(int64_t n_tokens, const float * h, int64_t ldh, const int32_t * rows,
+                            int64_t nk, const float * buf, int64_t ldb, int64_t n, float * y,
+                            int64_t ldy);
+
+/* A type's row of CPU kernels. Each ISA folder fills rows of two partial tables (its dot
+ * file the dot family, its axpy file the axpy family; unnamed fields stay NULL), and
+ * cpu/simd.c, the one place that detects the CPU and selects, builds the row in use:
+ * the scalar rows, then each level up to the selected one laid over them —
+ *   the dot family as one group (vec_dot, from_float_x, gemm and its tile sizes, dot4:
+ *   the activation format goes with the kernels that read it), from the highest level
+ *   whose row has a gemm;
+ *   each axpy form on its own, from the highest level that has it (NULL at every level:
+ *   the caller uses the next smaller form).
+ * Adding a type: its row in types/types.c, and at each ISA its kernels and their rows. */
 typedef struct {
     gh_vec_dot_fn    vec_dot;
     gh_from_float_fn from_float_x;  /* NULL when vec_dot_type is F32 (no conversion) */
@@ -60,17 +73,33 @@ typedef struct {
     int              nt;            /* max tokens of a tile */
     int              mr1;           /* max rows of a one-token tile (decode) */
     gh_dot4_fn       dot4;          /* gathered four-row tile, or NULL (vec_dot per row) */
+
+    gh_axpy_fn       axpy;          /* every type has one (the scalar row at least) */
+    gh_axpy4_fn      axpy4;
+    gh_axpy4pf_fn    axpy4pf;
+    gh_axpy16_fn     axpy16;
+    gh_matmul16_fn   matmul16;
+    gh_tiles_fn      tiles;
 } gh_kernel_set;
+
+/* A row of a dot table. */
+#define GH_DOT_ROW(dot, from_x, tile, MR, NT, MR1, d4) \
+    { .vec_dot = dot, .from_float_x = from_x, .gemm = tile, .mr = MR, .nt = NT, .mr1 = MR1, .dot4 = d4 }
+
+/* The partial tables, indexed by type id (cpu/scalar, cpu/avx2, cpu/avx512). */
+extern const gh_kernel_set gh_dot_rows_scalar[GH_TYPE_COUNT];
+extern const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT];
+extern const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT];
+extern const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT];
+extern const gh_kernel_set gh_dot_rows_avx512[GH_TYPE_COUNT];
+extern const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT];
+/* AVX-512 F16 rows read one after another instead of the interleaved tile (the
+ * selection takes it on AMD parts; see kernels_avx512.c). */
+extern const gh_kernel_set gh_dot_row_avx512_f16_streamed;
 
 /* The kernels for `type` at the current SIMD level (initialises SIMD on first use);
  * NULL for a type without kernels. */
 const gh_kernel_set * gh_kernels_get(int type);
-
-/* Fill *ks with this level's kernels for `type`; false if the level has none for it
- * (the caller keeps the lower level's). */
-bool gh_kernels_scalar(int type, gh_kernel_set * ks);
-bool gh_kernels_avx2(int type, gh_kernel_set * ks);
-bool gh_kernels_avx512(int type, gh_kernel_set * ks);
 
 /* Detect the CPU once (thread-safe) and select the kernels; called by every entry
  * point that uses the kernel table. */

@@ -27,26 +27,9 @@
  * SIMD level
  * ---------------------------------------------------------------------------------- */
 
-/* The level the kernels of this file use: the forced/selected level, never above what
- * this CPU can run. */
-static int ops_simd_level(void) {
-#if OPS_X86
-    static atomic_int cpu_level = -1; /* detected once; a racing first call is harmless */
-    int cpu = atomic_load_explicit(&cpu_level, memory_order_relaxed);
-    if (cpu < 0) {
-        __builtin_cpu_init();
-        cpu = GH_SIMD_SCALAR;
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) cpu = GH_SIMD_AVX2;
-        if (cpu == GH_SIMD_AVX2 && __builtin_cpu_supports("avx512f")) cpu = GH_SIMD_AVX512;
-        atomic_store_explicit(&cpu_level, cpu, memory_order_relaxed);
-    }
-    int level = gh_simd_get();
-    if (level < 0 || level > cpu) level = cpu;
-    return level;
-#else
-    return GH_SIMD_SCALAR;
-#endif
-}
+/* The level the kernels of this file use: the selected level (cpu/simd.c), never above
+ * what this CPU can run. */
+static int ops_simd_level(void) { return gh_simd_get(); }
 
 /* ------------------------------------------------------------------------------------
  * Scalar kernels (the reference)

@@ -50,42 +50,6 @@ void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * i
 int64_t gh_matvec_t_sparse(gh_threadpool * tp, const gh_weight * w, const float * x,
                            const float * thr, int32_t * ids, float * a, float * y);
 
-/* AVX-512 axpy kernels (axpy_avx512.c): y[0..n) += s * row, and four rows at once;
- * NULL for a type without one. */
-typedef void (*gh_axpy_fn)(int64_t n, float s, const void * row, float * y);
-typedef void (*gh_axpy4_fn)(int64_t n, const float * s, const void * const * row, float * y);
-gh_axpy_fn gh_axpy_avx512(int type);
-gh_axpy4_fn gh_axpy4_avx512(int type);
-/* The four-row form that also prefetches the same column range of the rows pf[0..4) into
- * L2, a slice per step (scattered list rows stream in while these are added); the sums
- * are those of the gh_axpy4_fn, bit for bit. NULL where the level has none. */
-typedef void (*gh_axpy4pf_fn)(int64_t n, const float * s, const void * const * row,
-                              const void * const * pf, float * y);
-gh_axpy4pf_fn gh_axpy4pf_avx512(int type);
-/* The K-quants' AVX2 axpy kernels (avx2/axpy_avx2.c), the same three forms; NULL for
- * the other types (axpy.c has theirs). */
-gh_axpy_fn gh_axpy_kq_avx2(int type);
-gh_axpy4_fn gh_axpy4_kq_avx2(int type);
-gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type);
-/* Sixteen rows at once, y[0..n) += s[0] * row[0] + ... + s[15] * row[15], with the
- * rows pf[0..16) prefetched (pf may be NULL): the decode list's groups of 16, in int8
- * (avx2/axpy_avx2.c: the scaled rows are quantized like the int8 dots' activations, so
- * the sums differ from the float forms' by that rounding). NULL for a type without one. */
-typedef void (*gh_axpy16_fn)(int64_t n, const float * s, const void * const * row,
-                             const void * const * pf, float * y);
-gh_axpy16_fn gh_axpy16_avx2(int type);
-/* The batch form of up to four groups of 16 rows (avx2/axpy_avx2.c): for t < n_tokens,
- * y[t * ldy + 0..n) += sum_{k < nk} h[t * ldh + hc[k]] * row[k][0..n), nk <= 64, each token's
- * sums those of the gh_axpy16_fn over the rows 16 at a time in order (the last group padded
- * as if with rows whose h is 0). A prompt's dense blocks of the transposed matmul. NULL for
- * a type without one. */
-typedef void (*gh_matmul16_fn)(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
-                               const int32_t * hc, int nk, const void * const * row, float * y,
-                               int64_t ldy);
-gh_matmul16_fn gh_matmul16_avx2(int type);
-/* The same in VNNI (avx512/axpy_avx512.c), equal to the AVX2 form bit for bit. */
-gh_matmul16_fn gh_matmul16_avx512(int type);
-
 void gh_rmsnorm(const float * x, const float * w, int64_t n, float eps, float * y);
 /* b may be NULL (no bias). */
 void gh_layernorm(const float * x, const float * w, const float * b, int64_t n, float eps,

@@ -1,11 +1,11 @@
-/* CPU feature detection and the SIMD level the kernels run at.
+/* CPU feature detection, the SIMD level the kernels run at, and the selection of the
+ * kernel table (cpu/kernels.h): the one place that asks what this CPU can do.
  *
  * Levels: scalar (always), AVX2 (AVX2 + FMA + F16C, OS saves YMM state), AVX-512
  * (F, BW, VL, DQ, VNNI, VBMI, BF16, GFNI, OS saves ZMM state). The environment variable
  * GH_SIMD=scalar|avx2|avx512 caps the level chosen at start-up; gh_simd_set changes
  * it later (tests). */
 #include "core/common.h"
-#include "types/types.h"
 #include "cpu/kernels.h"
 
 #include <pthread.h>
@@ -49,9 +49,65 @@ static int detect_level(void) {
     if (zmm_state && f && dq && bw && vl && vbmi && vnni && bf16 && gfni) level = GH_SIMD_AVX512;
     return level;
 }
+
+static bool detect_amd(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+}
 #else
 static int detect_level(void) { return GH_SIMD_SCALAR; }
+static bool detect_amd(void) { return false; }
 #endif
+
+/* ---- the kernel table in use ---- */
+
+static gh_kernel_set g_kernels[GH_TYPE_COUNT];
+static bool g_amd;
+
+/* Lay one level's row over the row built so far (the rules: cpu/kernels.h). */
+static void overlay(gh_kernel_set * k, const gh_kernel_set * l) {
+    if (l->gemm) {
+        k->vec_dot = l->vec_dot;
+        k->from_float_x = l->from_float_x;
+        k->gemm = l->gemm;
+        k->mr = l->mr;
+        k->nt = l->nt;
+        k->mr1 = l->mr1;
+        k->dot4 = l->dot4;
+    }
+    if (l->axpy) k->axpy = l->axpy;
+    if (l->axpy4) k->axpy4 = l->axpy4;
+    if (l->axpy4pf) k->axpy4pf = l->axpy4pf;
+    if (l->axpy16) k->axpy16 = l->axpy16;
+    if (l->matmul16) k->matmul16 = l->matmul16;
+    if (l->tiles) k->tiles = l->tiles;
+}
+
+static void select_kernels(int level) {
+    for (int t = 0; t < GH_TYPE_COUNT; t++) {
+        gh_kernel_set k = { 0 };
+        overlay(&k, &gh_dot_rows_scalar[t]);
+        overlay(&k, &gh_axpy_rows_scalar[t]);
+#if defined(GH_X86)
+        if (level >= GH_SIMD_AVX2) {
+            overlay(&k, &gh_dot_rows_avx2[t]);
+            overlay(&k, &gh_axpy_rows_avx2[t]);
+        }
+        if (level >= GH_SIMD_AVX512) {
+            overlay(&k, t == GH_TYPE_F16 && g_amd ? &gh_dot_row_avx512_f16_streamed : &gh_dot_rows_avx512[t]);
+            overlay(&k, &gh_axpy_rows_avx512[t]);
+        }
+#endif
+        g_kernels[t] = k;
+    }
+}
+
+const gh_kernel_set * gh_kernels_get(int type) {
+    if (!gh_type_traits_get(type)) return NULL;
+    gh_simd_ensure_init();
+    return g_kernels[type].gemm ? &g_kernels[type] : NULL;
+}
 
 static int g_supported = GH_SIMD_SCALAR;
 static atomic_int g_level = GH_SIMD_SCALAR;
@@ -60,6 +116,7 @@ static pthread_mutex_t g_set_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 static void simd_init(void) {
     g_supported = detect_level();
+    g_amd = detect_amd();
     int level = g_supported;
     const char * env = getenv("GH_SIMD");
     if (env) {
@@ -70,7 +127,7 @@ static void simd_init(void) {
         if (want >= 0 && want < level) level = want;
     }
     atomic_store(&g_level, level);
-    gh_types_select_kernels(level);
+    select_kernels(level);
 }
 
 void gh_simd_ensure_init(void) { pthread_once(&g_once, simd_init); }
@@ -92,7 +149,7 @@ int gh_simd_set(int level) {
     if (level < GH_SIMD_SCALAR || level > g_supported) return -2;
     pthread_mutex_lock(&g_set_mutex);
     int prev = atomic_exchange(&g_level, level);
-    gh_types_select_kernels(level);
+    select_kernels(level);
     pthread_mutex_unlock(&g_set_mutex);
     return prev;
 }

@@ -13,6 +13,7 @@
  * counts are checked against the bytes left before any array is allocated for them.
  * Errors free everything through gh_gguf_close (which accepts a half-built handle). */
 #include "gguf/gguf.h"
+#include "types/types.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -34,27 +35,6 @@
  * tensor: name length (8) + 1 name byte + n_dims (4) + one ne (8) + type (4) + offset (8). */
 #define GGUF_MIN_KV_BYTES     14u
 #define GGUF_MIN_TENSOR_BYTES 33u
-
-/* Tensor types the runtime supports, with their block geometry. Kept here (rather
- * than asking types.c) so the reader, and the fuzz driver built from it, depend on
- * nothing but common.c. Must agree with types.c's table, except for I32, which only
- * index tensors use: the model loader reads those itself and never as a weight. */
-static const struct {
-    int          type;
-    const char * name;
-    uint64_t     block_size;  /* elements per block */
-    uint64_t     type_size;   /* bytes per block */
-} k_tensor_types[] = {
-    { GH_TYPE_F32,  "f32",  1,  4 },
-    { GH_TYPE_F16,  "f16",  1,  2 },
-    { GH_TYPE_Q4_0, "q4_0", 32, 18 },
-    { GH_TYPE_Q8_0, "q8_0", 32, 34 },
-    { GH_TYPE_Q4_K, "Q4_K", 256, 144 },
-    { GH_TYPE_Q5_K, "Q5_K", 256, 176 },
-    { GH_TYPE_Q6_K, "Q6_K", 256, 210 },
-    { GH_TYPE_BF16, "bf16", 1,  2 },
-    { GH_TYPE_I32,  "i32",  1,  4 },  /* index tensors (gpu_idx, gpu_bucket); no matmul */
-};
 
 static const char * const k_vtype_names[] = {
     "uint8", "int8", "uint16", "int16", "uint32", "int32", "float32", "bool",
@@ -326,23 +306,6 @@ static gh_status parse_kvs(cursor * c, gh_gguf * g) {
 
 /* ---- tensor infos ---- */
 
-/* ggml's names of the tensor type ids this runtime cannot compute with, so that a refusal
- * names the type a user knows ("Q6_K", not "type 14"); the reader runs without the type
- * table (types.c), which asks here for the names it lacks. */
-static const char * const k_ggml_names[] = {
-    [3] = "Q4_1", [6] = "Q5_0", [7] = "Q5_1", [9] = "Q8_1", [10] = "Q2_K", [11] = "Q3_K",
-    [12] = "Q4_K", [13] = "Q5_K", [14] = "Q6_K", [15] = "Q8_K", [16] = "IQ2_XXS",
-    [17] = "IQ2_XS", [18] = "IQ3_XXS", [19] = "IQ1_S", [20] = "IQ4_NL", [21] = "IQ3_S",
-    [22] = "IQ2_S", [23] = "IQ4_XS", [24] = "I8", [25] = "I16", [26] = "I32", [27] = "I64",
-    [28] = "F64", [29] = "IQ1_M", [34] = "TQ1_0", [35] = "TQ2_0", [39] = "MXFP4",
-};
-
-const char * gh_ggml_type_name(int type) {
-    if (type >= 0 && type < (int) (sizeof k_ggml_names / sizeof k_ggml_names[0]) && k_ggml_names[type])
-        return k_ggml_names[type];
-    return "unknown";
-}
-
 static gh_status parse_tensors(cursor * c, gh_gguf * g) {
     gh_status st;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -377,21 +340,20 @@ static gh_status parse_tensors(cursor * c, gh_gguf * g) {
         }
         uint32_t type;
         if ((st = rd_u32(c, &type, "a tensor type")) != GH_OK) return st;
-        int k = -1;
-        for (int j = 0; j < (int) (sizeof k_tensor_types / sizeof k_tensor_types[0]); j++)
-            if ((uint32_t) k_tensor_types[j].type == type) k = j;
-        if (k < 0)
+        /* a type the runtime reads (the type table), or I32: index tensors, which the model
+         * loader reads itself and never as a weight */
+        const gh_type_traits * tt = type < GH_TYPE_COUNT ? gh_type_layout((int) type) : NULL;
+        if (!tt || (!tt->to_float && type != GH_TYPE_I32))
             return perr(c, GH_ERR_UNSUPPORTED, "tensor '%.200s' has type %s (id %u), which this "
-                        "runtime does not read (it reads f32, f16, bf16, q8_0, q4_0 and i32)",
-                        t->name, gh_ggml_type_name(type > INT32_MAX ? -1 : (int) type), type);
+                        "runtime does not read (it reads %s)", t->name,
+                        tt ? tt->name : "unknown", type, gh_types_read_list());
         t->type = (int) type;
-        uint64_t bs = k_tensor_types[k].block_size;
+        const uint64_t bs = (uint64_t) tt->block_size;
         if ((uint64_t) t->ne[0] % bs != 0)
             return perr(c, GH_ERR_FORMAT,
                         "tensor '%.200s': ne[0] = %lld is not a multiple of the %s block size %llu",
-                        t->name, (long long) t->ne[0], k_tensor_types[k].name,
-                        (unsigned long long) bs);
-        if (!gh_mul_ok(nelem / bs, k_tensor_types[k].type_size, &t->nbytes))
+                        t->name, (long long) t->ne[0], tt->name, (unsigned long long) bs);
+        if (!gh_mul_ok(nelem / bs, tt->type_size, &t->nbytes))
             return perr(c, GH_ERR_FORMAT, "tensor '%.200s': byte size overflows", t->name);
         if ((st = rd_uint(c, 8, &t->offset, "a tensor offset")) != GH_OK) return st;
         if (t->offset % g->alignment != 0)

@@ -79,8 +79,6 @@ int64_t gh_gguf_get_arr_n(const gh_gguf * g, const char * key);
 
 /* Name of a GGUF value type ("uint32", "string", ...); "unknown" for a bad id. */
 const char * gh_gguf_vtype_name(int type);
-/* ggml's name of a tensor type id this runtime does not compute with ("Q6_K", "IQ1_M",
- * "I64", ...); "unknown" for an id ggml does not have either. */
-const char * gh_ggml_type_name(int type);
+
 
 #endif

@@ -4,10 +4,10 @@
  * (gguf.quants has none), as accurate as ggml's (docs/BENCHMARKS.md, "K-quant kernels"),
  * and every dequantizer equals gguf.quants.dequantize bit for bit. */
 #include "types/types.h"
-#include "gguf/gguf.h"
-#include "cpu/kernels.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 /* ---- fp16 / bf16 ---- */
@@ -394,64 +394,46 @@ static void q6_K_from_float(const float * src, void * dst, int64_t n) {
 
 /* ---- the table ---- */
 
-enum { T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_0, T_Q4_K, T_Q5_K, T_Q6_K, T_COUNT };
+#define ROW(nm, bs, sz, q, to, from, vdt) { nm, bs, sz, q, to, from, vdt }
+#define LAYOUT(nm, bs, sz) { nm, bs, sz, true, NULL, NULL, 0 }
 
-static gh_type_traits g_traits[T_COUNT] = {
-    [T_F32] = { "f32", 1, sizeof(float), false, f32_to_float, f32_from_float,
-                GH_TYPE_F32, NULL, NULL },
-    [T_F16] = { "f16", 1, sizeof(uint16_t), false, f16_to_float, f16_from_float,
-                GH_TYPE_F32, NULL, NULL },
-    [T_BF16] = { "bf16", 1, sizeof(uint16_t), false, bf16_to_float, bf16_from_float,
-                 GH_TYPE_BF16, NULL, NULL },
-    [T_Q8_0] = { "q8_0", QK8_0, sizeof(block_q8_0), true, q8_0_to_float, q8_0_from_float,
-                 GH_TYPE_Q8_X4, NULL, NULL },
-    [T_Q4_0] = { "q4_0", QK4_0, sizeof(block_q4_0), true, q4_0_to_float, q4_0_from_float,
-                 GH_TYPE_Q8_X4, NULL, NULL },
-    [T_Q4_K] = { "Q4_K", QK_K, sizeof(block_q4_K), true, q4_K_to_float, q4_K_from_float,
-                 GH_TYPE_Q8_K, NULL, NULL },
-    [T_Q5_K] = { "Q5_K", QK_K, sizeof(block_q5_K), true, q5_K_to_float, q5_K_from_float,
-                 GH_TYPE_Q8_K, NULL, NULL },
-    [T_Q6_K] = { "Q6_K", QK_K, sizeof(block_q6_K), true, q6_K_to_float, q6_K_from_float,
-                 GH_TYPE_Q8_K, NULL, NULL },
+/* Indexed by ggml's type id. The rows with a to_float are the types this runtime reads;
+ * the others name a type (and its block) so that a file holding one is refused by name. */
+static const gh_type_traits k_types[GH_TYPE_COUNT] = {
+    [GH_TYPE_F32]  = ROW("f32", 1, sizeof(float), false, f32_to_float, f32_from_float, GH_TYPE_F32),
+    [GH_TYPE_F16]  = ROW("f16", 1, sizeof(uint16_t), false, f16_to_float, f16_from_float, GH_TYPE_F32),
+    [GH_TYPE_BF16] = ROW("bf16", 1, sizeof(uint16_t), false, bf16_to_float, bf16_from_float, GH_TYPE_BF16),
+    [GH_TYPE_Q8_0] = ROW("q8_0", QK8_0, sizeof(block_q8_0), true, q8_0_to_float, q8_0_from_float, GH_TYPE_Q8_X4),
+    [GH_TYPE_Q4_0] = ROW("q4_0", QK4_0, sizeof(block_q4_0), true, q4_0_to_float, q4_0_from_float, GH_TYPE_Q8_X4),
+    [GH_TYPE_Q4_K] = ROW("Q4_K", QK_K, sizeof(block_q4_K), true, q4_K_to_float, q4_K_from_float, GH_TYPE_Q8_K),
+    [GH_TYPE_Q5_K] = ROW("Q5_K", QK_K, sizeof(block_q5_K), true, q5_K_to_float, q5_K_from_float, GH_TYPE_Q8_K),
+    [GH_TYPE_Q6_K] = ROW("Q6_K", QK_K, sizeof(block_q6_K), true, q6_K_to_float, q6_K_from_float, GH_TYPE_Q8_K),
+    /* index tensors (gpu_idx, gpu_bucket): the loader reads them itself, never as a weight */
+    [GH_TYPE_I32]  = { "i32", 1, 4, false, NULL, NULL, 0 },
+    /* the rest of ggml's types (ids and blocks as gguf.constants.GGML_QUANT_SIZES) */
+    [3] = LAYOUT("Q4_1", 32, 20), [6] = LAYOUT("Q5_0", 32, 22), [7] = LAYOUT("Q5_1", 32, 24),
+    [9] = LAYOUT("Q8_1", 32, 40), [10] = LAYOUT("Q2_K", 256, 84), [11] = LAYOUT("Q3_K", 256, 110),
+    [15] = LAYOUT("Q8_K", 256, 292), [16] = LAYOUT("IQ2_XXS", 256, 66),
+    [17] = LAYOUT("IQ2_XS", 256, 74), [18] = LAYOUT("IQ3_XXS", 256, 98),
+    [19] = LAYOUT("IQ1_S", 256, 50), [20] = LAYOUT("IQ4_NL", 32, 18), [21] = LAYOUT("IQ3_S", 256, 110),
+    [22] = LAYOUT("IQ2_S", 256, 82), [23] = LAYOUT("IQ4_XS", 256, 136),
+    [24] = { "I8", 1, 1, false, NULL, NULL, 0 }, [25] = { "I16", 1, 2, false, NULL, NULL, 0 },
+    [27] = { "I64", 1, 8, false, NULL, NULL, 0 }, [28] = { "F64", 1, 8, false, NULL, NULL, 0 },
+    [29] = LAYOUT("IQ1_M", 256, 56), [34] = LAYOUT("TQ1_0", 256, 54), [35] = LAYOUT("TQ2_0", 256, 66),
+    [39] = LAYOUT("MXFP4", 32, 17), [40] = LAYOUT("NVFP4", 64, 36), [41] = LAYOUT("Q1_0", 128, 18),
 };
 
-static const int g_type_ids[T_COUNT] = {
-    [T_F32] = GH_TYPE_F32, [T_F16] = GH_TYPE_F16, [T_BF16] = GH_TYPE_BF16,
-    [T_Q8_0] = GH_TYPE_Q8_0, [T_Q4_0] = GH_TYPE_Q4_0, [T_Q4_K] = GH_TYPE_Q4_K,
-    [T_Q5_K] = GH_TYPE_Q5_K, [T_Q6_K] = GH_TYPE_Q6_K,
-};
-
-static gh_kernel_set g_kernels[T_COUNT];
-
-static int type_index(int type) {
-    switch (type) {
-        case GH_TYPE_F32:  return T_F32;
-        case GH_TYPE_F16:  return T_F16;
-        case GH_TYPE_BF16: return T_BF16;
-        case GH_TYPE_Q8_0: return T_Q8_0;
-        case GH_TYPE_Q4_0: return T_Q4_0;
-        case GH_TYPE_Q4_K: return T_Q4_K;
-        case GH_TYPE_Q5_K: return T_Q5_K;
-        case GH_TYPE_Q6_K: return T_Q6_K;
-        default:           return -1;
-    }
+const gh_type_traits * gh_type_layout(int type) {
+    if (type < 0 || type >= GH_TYPE_COUNT || !k_types[type].name) return NULL;
+    return &k_types[type];
 }
-
-bool gh_type_valid(int type) { return type_index(type) >= 0; }
 
 const gh_type_traits * gh_type_traits_get(int type) {
-    int i = type_index(type);
-    if (i < 0) return NULL;
-    gh_simd_ensure_init();
-    return &g_traits[i];
+    const gh_type_traits * t = gh_type_layout(type);
+    return t && t->to_float ? t : NULL;
 }
 
-const gh_kernel_set * gh_kernels_get(int type) {
-    int i = type_index(type);
-    if (i < 0) return NULL;
-    gh_simd_ensure_init();
-    return &g_kernels[i];
-}
+bool gh_type_valid(int type) { return gh_type_traits_get(type) != NULL; }
 
 size_t gh_row_size(int type, int64_t n) {
     if (n < 0) return 0;
@@ -460,26 +442,27 @@ size_t gh_row_size(int type, int64_t n) {
         return (size_t) ((n + QK8_X4 - 1) / QK8_X4) * sizeof(block_q8_x4);
     }
     if (type == GH_TYPE_Q8_K) return n % QK_K ? 0 : (size_t) (n / QK_K) * sizeof(block_q8_K);
-    int i = type_index(type);
-    if (i < 0 || n % g_traits[i].block_size) return 0;
-    return (size_t) (n / g_traits[i].block_size) * g_traits[i].type_size;
+    const gh_type_traits * t = gh_type_traits_get(type);
+    if (!t || n % t->block_size) return 0;
+    return (size_t) (n / t->block_size) * t->type_size;
 }
 
-void gh_types_select_kernels(int level) {
-    for (int i = 0; i < T_COUNT; i++) {
-        gh_kernel_set ks;
-        gh_kernels_scalar(g_type_ids[i], &ks);
-#if defined(GH_X86)
-        gh_kernel_set k2;
-        if (level >= GH_SIMD_AVX2 && gh_kernels_avx2(g_type_ids[i], &k2)) ks = k2;
-        if (level >= GH_SIMD_AVX512 && gh_kernels_avx512(g_type_ids[i], &k2)) ks = k2;
-#else
-        (void) level;
-#endif
-        g_kernels[i] = ks;
-        g_traits[i].vec_dot = ks.vec_dot;
-        g_traits[i].from_float_x = ks.from_float_x;
+static char g_read_list[256];
+static pthread_once_t g_read_list_once = PTHREAD_ONCE_INIT;
+
+static void make_read_list(void) {
+    size_t len = 0;
+    for (int i = 0; i < GH_TYPE_COUNT; i++) {
+        if (!gh_type_traits_get(i)) continue;
+        len += (size_t) snprintf(g_read_list + len, sizeof g_read_list - len, "%s, ", k_types[i].name);
+        if (len >= sizeof g_read_list) break;
     }
+    if (len < sizeof g_read_list) snprintf(g_read_list + len, sizeof g_read_list - len, "and i32");
+}
+
+const char * gh_types_read_list(void) {
+    pthread_once(&g_read_list_once, make_read_list);
+    return g_read_list;
 }
 
 /* ---- public API ---- */
@@ -489,23 +472,23 @@ size_t gh_type_row_size(int type, int64_t n) {
 }
 
 int64_t gh_type_block_size(int type) {
-    int i = type_index(type);
-    return i < 0 ? 0 : g_traits[i].block_size;
+    const gh_type_traits * t = gh_type_traits_get(type);
+    return t ? t->block_size : 0;
 }
 
 const char * gh_type_name(int type) {
-    int i = type_index(type);
-    return i >= 0 ? g_traits[i].name : gh_ggml_type_name(type);
+    const gh_type_traits * t = gh_type_layout(type);
+    return t ? t->name : "unknown";
 }
 
 static gh_status check_row_args(const char * fn, int type, const void * src, const void * dst,
                                 int64_t n) {
-    int i = type_index(type);
-    if (i < 0) return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown tensor type %d", fn, type);
+    const gh_type_traits * t = gh_type_traits_get(type);
+    if (!t) return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown tensor type %d", fn, type);
     if (n < 0) return gh_fail(GH_ERR_INVALID_ARG, "%s: negative length %lld", fn, (long long) n);
-    if (n % g_traits[i].block_size) {
+    if (n % t->block_size) {
         return gh_fail(GH_ERR_INVALID_ARG, "%s: length %lld is not a multiple of %s's block size %lld",
-                       fn, (long long) n, g_traits[i].name, (long long) g_traits[i].block_size);
+                       fn, (long long) n, t->name, (long long) t->block_size);
     }
     if (n > 0 && (!src || !dst)) return gh_fail(GH_ERR_INVALID_ARG, "%s: NULL buffer", fn);
     return GH_OK;
@@ -514,13 +497,13 @@ static gh_status check_row_args(const char * fn, int type, const void * src, con
 gh_status gh_quantize_row(int type, const float * src, void * dst, int64_t n) {
     gh_status st = check_row_args("gh_quantize_row", type, src, dst, n);
     if (st != GH_OK) return st;
-    if (n > 0) g_traits[type_index(type)].from_float(src, dst, n);
+    if (n > 0) gh_type_traits_get(type)->from_float(src, dst, n);
     return GH_OK;
 }
 
 gh_status gh_dequantize_row(int type, const void * src, float * dst, int64_t n) {
     gh_status st = check_row_args("gh_dequantize_row", type, src, dst, n);
     if (st != GH_OK) return st;
-    if (n > 0) g_traits[type_index(type)].to_float(src, dst, n);
+    if (n > 0) gh_type_traits_get(type)->to_float(src, dst, n);
     return GH_OK;
 }

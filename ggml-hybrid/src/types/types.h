@@ -46,6 +46,35 @@ GH_STATIC_ASSERT(sizeof(block_q4_K) == 144, "block_q4_K layout");
 GH_STATIC_ASSERT(sizeof(block_q5_K) == 176, "block_q5_K layout");
 GH_STATIC_ASSERT(sizeof(block_q6_K) == 210, "block_q6_K layout");
 
+/* Internal activation type of the 32-value block weights (Q4_0, Q8_0, ...) (never in files; gh_type_valid
+ * says no, gh_type_traits_get returns NULL for it; gh_row_size knows its size).
+ * A row is quantized like Q8_0 (per 32 values: d = amax / 127, q = round(x / d)), then
+ * stored in groups of four blocks (128 values), laid out for 128-bit-lane SIMD:
+ * lane i of qa/qb is block i's first/second 16 values. Rows are padded with zero
+ * blocks to a multiple of 128 values. */
+#define GH_TYPE_Q8_X4 1000
+#define QK8_X4 128
+
+typedef struct {
+    int8_t  qa[64];    /* bytes 16i..16i+15: block i, values 0..15 */
+    int8_t  qb[64];    /* bytes 16i..16i+15: block i, values 16..31 */
+    int32_t nsum[16];  /* lanes 4i..4i+3: -sum(q) of block i */
+    float   d[16];     /* lanes 4i..4i+3: scale of block i */
+} block_q8_x4;
+
+/* Internal activation type of the K-quant weights (ggml's Q8_K layout and id; never a
+ * weight: gh_type_valid says no). Per 256 values: d = amax / 127, q = round(x / d) (as
+ * Q8_0), and the sums of each 16 consecutive q, which carry the K-quants' per-sub-block
+ * mins (Q4_K, Q5_K) and zero point (Q6_K) at one multiply per sub-block. */
+#define GH_TYPE_Q8_K 15
+
+typedef struct {
+    float   d;
+    int8_t  qs[QK_K];
+    int16_t bsums[QK_K / 16];
+} block_q8_K;
+GH_STATIC_ASSERT(sizeof(block_q8_K) == 292, "block_q8_K layout");
+
 /* Scale and min (6 bits each) of sub-block j < 8 of a Q4_K/Q5_K block: bytes 0..3 hold
  * the scales of sub-blocks 0..3 in their low 6 bits, bytes 4..7 the mins; sub-blocks 4..7
  * keep their low 4 bits in bytes 8..11 (scale low nibble, min high nibble) and their top
@@ -71,31 +100,38 @@ typedef void (*gh_vec_dot_fn)(int64_t n, float * s, const void * w, const void *
 typedef void (*gh_to_float_fn)(const void * src, float * dst, int64_t n);
 typedef void (*gh_from_float_fn)(const float * src, void * dst, int64_t n);
 
+/* ggml's type ids are below this (the table is indexed by id). */
+#define GH_TYPE_COUNT 42
+
+/* A row of the type table: the layout of a type (ggml's ids, names and block sizes, for
+ * every type a GGUF file can hold) and, for the types this runtime reads, its reference
+ * conversions. The kernels are cpu/'s table (cpu/kernels.h). */
 typedef struct {
     const char *     name;
     int64_t          block_size;   /* elements per block */
     size_t           type_size;    /* bytes per block */
     bool             is_quantized;
-    gh_to_float_fn   to_float;     /* dequantize a row */
+    gh_to_float_fn   to_float;     /* dequantize a row; NULL: a type this runtime does not read */
     gh_from_float_fn from_float;   /* quantize a row (reference) */
     int              vec_dot_type; /* type activations are converted to before dot: F32
-                                    * for F32/F16, BF16 for BF16, for Q4_0/Q8_0 the
-                                    * internal GH_TYPE_Q8_X4 and for the K-quants the
-                                    * internal GH_TYPE_Q8_K (cpu/kernels.h), which
-                                    * gh_type_traits_get does not know: size buffers
+                                    * for F32/F16, BF16 for BF16, for the 32-value block
+                                    * types the internal GH_TYPE_Q8_X4 and for the
+                                    * K-quants the internal GH_TYPE_Q8_K (cpu/kernels.h),
+                                    * which gh_type_traits_get does not know: size buffers
                                     * with gh_row_size(vec_dot_type, n) */
-    gh_from_float_fn from_float_x; /* fast conversion of activations to vec_dot_type;
-                                    * NULL when vec_dot_type is F32 (use x as it is) */
-    gh_vec_dot_fn    vec_dot;      /* best kernel for the current SIMD level */
 } gh_type_traits;
 
-/* NULL for an unknown type id (untrusted: comes from files). */
+/* The row of a type this runtime reads; NULL for any other id (untrusted: comes from
+ * files). */
 const gh_type_traits * gh_type_traits_get(int type);
+/* The row of any type ggml defines (its name, block and bytes), read or not; NULL for an
+ * id ggml does not use. */
+const gh_type_traits * gh_type_layout(int type);
 bool gh_type_valid(int type);
 /* Bytes of n elements of type; 0 if n is not a multiple of the block size. */
 size_t gh_row_size(int type, int64_t n);
-
-/* Called once (and by gh_simd_set) to point the table at the kernels for `level`. */
-void gh_types_select_kernels(int level);
+/* "f32, f16, ... and i32": the names of the types this runtime reads (from the table),
+ * for messages. */
+const char * gh_types_read_list(void);
 
 #endif

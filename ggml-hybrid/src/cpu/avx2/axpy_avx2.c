@@ -1,6 +1,6 @@
-/* AVX2 axpy kernels of the K-quants, and the sixteen-row int8 forms of Q4_0 and the
- * K-quants, one token and a batch (at the end; axpy.c picks them at the AVX2 level, and
- * has the other types' AVX2 axpy forms).
+/* AVX2 axpy kernels of the transposed matmul: one row and four rows for every type, the
+ * sixteen-row int8 forms of Q4_0 and the K-quants (one token and a batch), and the F32
+ * row's dense-block tiles; the table of them is at the end.
  *
  * K-quants: y[0..n) += s * row and the four-row forms, rows starting at a block boundary,
  * n a multiple of 256. Each block is taken apart once (avx2/kq_unpack.h: its quants as bytes, its sub-blocks'
@@ -9,10 +9,8 @@
  * to y; the four-row forms start each vector from y plus the four rows' g and add f_k q_k
  * for k = 0..3, so they differ from four one-row calls by rounding only. The forms with
  * and without prefetch share one body and agree bit for bit. */
-#include "cpu/ops.h"
-#include "types/types.h"
+#include "cpu/kernels.h"
 
-#if defined(GH_X86)
 #include "cpu/avx2/kq_unpack.h"
 #include "cpu/avx2/axpy_int8.h"
 
@@ -22,6 +20,191 @@
 
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE AVX2_FN static inline __attribute__((always_inline))
+
+/* ---- float types, Q8_0 and Q4_0: one row and four rows ---- */
+
+
+AVX2_FN static void axpy_f32_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const float * x = row;
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 y0 = _mm256_fmadd_ps(vs, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i));
+        __m256 y1 = _mm256_fmadd_ps(vs, _mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(y + i + 8));
+        _mm256_storeu_ps(y + i, y0);
+        _mm256_storeu_ps(y + i + 8, y1);
+    }
+    for (; i < n; i++) y[i] += s * x[i];
+}
+
+AVX2_FN static void axpy_f16_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const uint16_t * x = row;
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m256 x0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i)));
+        __m256 x1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (x + i + 8)));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vs, x0, _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i + 8, _mm256_fmadd_ps(vs, x1, _mm256_loadu_ps(y + i + 8)));
+    }
+    for (; i < n; i++) y[i] += s * gh_fp16_to_fp32(x[i]);
+}
+
+AVX2_FN static void axpy_bf16_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    const uint16_t * x = row;
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) (x + i)));
+        __m256 xf = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vs, xf, _mm256_loadu_ps(y + i)));
+    }
+    for (; i < n; i++) y[i] += s * gh_bf16_to_fp32(x[i]);
+}
+
+/* The AVX2 four-row forms: y[0..n) += s[0] * row[0] + ... + s[3] * row[3], rows added in
+ * order 0..3 per vector of y. Each is one inline body with and without prefetch (pf NULL:
+ * none; else the same column range of the rows pf[0..4) into L2, a slice per step), so
+ * the two forms sum bit for bit alike. */
+
+AVX2_INLINE __m256 ld8_f32(const void * p, int64_t i) { return _mm256_loadu_ps((const float *) p + i); }
+AVX2_INLINE __m256 ld8_f16(const void * p, int64_t i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i)));
+}
+AVX2_INLINE __m256 ld8_bf16(const void * p, int64_t i) {
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+AVX2_INLINE float ld1(int kind, const void * p, int64_t i) {
+    switch (kind) {
+        case GH_TYPE_F16:  return gh_fp16_to_fp32(((const uint16_t *) p)[i]);
+        case GH_TYPE_BF16: return gh_bf16_to_fp32(((const uint16_t *) p)[i]);
+        default:           return ((const float *) p)[i];
+    }
+}
+
+AVX2_INLINE void axpy4_float_avx2(const int kind, int64_t n, const float * s, const void * const * row,
+                                  const void * const * pf, float * restrict y) {
+    const size_t wsz = kind == GH_TYPE_F32 ? 4 : 2;
+    const __m256 vs[4] = { _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]), _mm256_set1_ps(s[2]),
+                           _mm256_set1_ps(s[3]) };
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        if (pf && ((i * wsz) & 63) == 0) {
+            for (int k = 0; k < 4; k++) _mm_prefetch((const char *) pf[k] + i * wsz, _MM_HINT_T1);
+        }
+        __m256 acc = _mm256_loadu_ps(y + i);
+        for (int k = 0; k < 4; k++) {
+            const __m256 w = kind == GH_TYPE_F16 ? ld8_f16(row[k], i)
+                           : kind == GH_TYPE_BF16 ? ld8_bf16(row[k], i) : ld8_f32(row[k], i);
+            acc = _mm256_fmadd_ps(vs[k], w, acc);
+        }
+        _mm256_storeu_ps(y + i, acc);
+    }
+    for (; i < n; i++) {
+        for (int k = 0; k < 4; k++) y[i] += s[k] * ld1(kind, row[k], i);
+    }
+}
+
+/* Block i's four scales times s, ds[k] = s[k] * d_k: one conversion for the four rows (the
+ * products are the scalar s[k] * fp16_to_fp32(d) exactly). */
+AVX2_INLINE void block_scales4(const float * s, uint16_t d0, uint16_t d1, uint16_t d2, uint16_t d3,
+                               float * ds) {
+    const __m128i h = _mm_cvtsi64_si128((long long) (d0 | (uint64_t) d1 << 16 | (uint64_t) d2 << 32 |
+                                                     (uint64_t) d3 << 48));
+    _mm_storeu_ps(ds, _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(s)));
+}
+
+/* Every fourth block prefetches those four blocks' bytes of the pf rows (Q4_0: 72 bytes,
+ * their first and last byte cover their lines; Q8_0: 136 bytes, the middle line too). */
+AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs) {
+    for (int k = 0; k < 4; k++) {
+        _mm_prefetch((const char *) pf[k] + i * bs, _MM_HINT_T1);
+        if (bs > 64) _mm_prefetch((const char *) pf[k] + i * bs + 64, _MM_HINT_T1);
+        _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);
+    }
+}
+
+/* The values of a block widened straight from memory (the loads fold into vpmovzxbd /
+ * vpmovsxbd, two or four per block instead of a load, shifts and four register widenings
+ * on the shuffle port): v[j] = values 8j..8j+7 as int32. Q4_0: bytes 0..7 and 8..15 widened
+ * once each give values 0..15 (low nibbles) and 16..31 (high nibbles). */
+AVX2_INLINE void block_i32(const bool is_q4, const uint8_t * qs, __m256i v[4]) {
+    if (is_q4) {
+        const __m256i m4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8)));
+        v[0] = _mm256_sub_epi32(_mm256_and_si256(b0, m4), eight);
+        v[1] = _mm256_sub_epi32(_mm256_and_si256(b1, m4), eight);
+        v[2] = _mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight);
+        v[3] = _mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight);
+    } else {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8 * j)));
+    }
+}
+
+/* One row: y[0..32) += s * d * (a block's values), per block. */
+AVX2_INLINE void axpy_quant_avx2(const bool is_q4, int64_t n, float s, const void * row, float * restrict y) {
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * b = row;
+    for (int64_t i = 0; i < n / 32; i++, y += 32) {
+        uint16_t d;
+        memcpy(&d, b + i * bs, 2);
+        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(d));
+        __m256i v[4];
+        block_i32(is_q4, b + i * bs + 2, v);
+        for (int j = 0; j < 4; j++) {
+            _mm256_storeu_ps(y + 8 * j, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(v[j]), _mm256_loadu_ps(y + 8 * j)));
+        }
+    }
+}
+
+AVX2_FN static void axpy_q8_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_quant_avx2(false, n, s, row, y);
+}
+AVX2_FN static void axpy_q4_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_quant_avx2(true, n, s, row, y);
+}
+
+AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, const void * const * row,
+                                  const void * const * pf, float * restrict y) {
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
+    for (int64_t i = 0; i < n / 32; i++, y += 32) {
+        if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs);
+        uint16_t d[4];
+        for (int k = 0; k < 4; k++) memcpy(&d[k], b[k] + i * bs, 2);
+        float ds[4];
+        block_scales4(s, d[0], d[1], d[2], d[3], ds);
+        __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
+                          _mm256_loadu_ps(y + 24) };
+        for (int k = 0; k < 4; k++) {
+            const __m256 vd = _mm256_broadcast_ss(&ds[k]);
+            __m256i v[4];
+            block_i32(is_q4, b[k] + i * bs + 2, v);
+            for (int j = 0; j < 4; j++) acc[j] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(v[j]), acc[j]);
+        }
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
+    }
+}
+
+#define DEFINE_AXPY4_AVX2(name, BODY, ARG)                                                   \
+    AVX2_FN static void name(int64_t n, const float * s, const void * const * row,         \
+                             float * restrict y) {                                         \
+        BODY(ARG, n, s, row, NULL, y);                                                      \
+    }                                                                                       \
+    AVX2_FN static void name##pf(int64_t n, const float * s, const void * const * row,     \
+                                 const void * const * pf, float * restrict y) {             \
+        BODY(ARG, n, s, row, pf, y);                                                        \
+    }
+
+DEFINE_AXPY4_AVX2(axpy4_f32_avx2, axpy4_float_avx2, GH_TYPE_F32)
+DEFINE_AXPY4_AVX2(axpy4_f16_avx2, axpy4_float_avx2, GH_TYPE_F16)
+DEFINE_AXPY4_AVX2(axpy4_bf16_avx2, axpy4_float_avx2, GH_TYPE_BF16)
+DEFINE_AXPY4_AVX2(axpy4_q8_0_avx2, axpy4_quant_avx2, false)
+DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, true)
+
+/* ---- K-quants ---- */
 
 AVX2_INLINE __m256 ld8q(const uint8_t * q) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) q)));
@@ -99,33 +282,6 @@ AVX2_INLINE void axpy4_kq(const int kind, int64_t n, const float * s, const void
 DEFINE_KQ_AVX2(axpy_q4_K_avx2, KQ4)
 DEFINE_KQ_AVX2(axpy_q5_K_avx2, KQ5)
 DEFINE_KQ_AVX2(axpy_q6_K_avx2, KQ6)
-
-gh_axpy_fn gh_axpy_kq_avx2(int type) {
-    switch (type) {
-        case GH_TYPE_Q4_K: return axpy_q4_K_avx2;
-        case GH_TYPE_Q5_K: return axpy_q5_K_avx2;
-        case GH_TYPE_Q6_K: return axpy_q6_K_avx2;
-        default:           return NULL;
-    }
-}
-
-gh_axpy4_fn gh_axpy4_kq_avx2(int type) {
-    switch (type) {
-        case GH_TYPE_Q4_K: return axpy_q4_K_avx2_4;
-        case GH_TYPE_Q5_K: return axpy_q5_K_avx2_4;
-        case GH_TYPE_Q6_K: return axpy_q6_K_avx2_4;
-        default:           return NULL;
-    }
-}
-
-gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) {
-    switch (type) {
-        case GH_TYPE_Q4_K: return axpy_q4_K_avx2_4pf;
-        case GH_TYPE_Q5_K: return axpy_q5_K_avx2_4pf;
-        case GH_TYPE_Q6_K: return axpy_q6_K_avx2_4pf;
-        default:           return NULL;
-    }
-}
 
 /* ---- Q4_0, sixteen rows per pass in int8 (the decode list's groups of 16) ----
  *
@@ -427,32 +583,73 @@ DEFINE_KQ_INT8_AVX2(q4_K, KQ4)
 DEFINE_KQ_INT8_AVX2(q5_K, KQ5)
 DEFINE_KQ_INT8_AVX2(q6_K, KQ6)
 
-gh_matmul16_fn gh_matmul16_avx2(int type) {
-    switch (type) {
-        case GH_TYPE_Q4_0: return matmul16_q4_0_avx2;
-        case GH_TYPE_Q4_K: return matmul16_q4_K_avx2;
-        case GH_TYPE_Q5_K: return matmul16_q5_K_avx2;
-        case GH_TYPE_Q6_K: return matmul16_q6_K_avx2;
-        default:           return NULL;
+/* ---- the F32 row's dense-block tiles (gh_tiles_fn) ----
+ *
+ * A dense block of the batch path (most activations nonzero: SwiGLU prompts) in register
+ * tiles of 4 tokens x 16 columns: the block's dequantized rows stream through while the
+ * tile's sums stay in registers, so each weight value is loaded once per 4 tokens and y
+ * once per block, where the axpy loop loads and stores y once per (row, token). Each y
+ * value goes through the same FMAs in the same row order as in the axpy loop (a zero
+ * activation's FMA adds nothing), so the results are the same bit for bit: a batch equals
+ * its tokens run one by one. */
+AVX2_FN static void tiles_f32_avx2(int64_t n_tokens, const float * h, int64_t ldh, const int32_t * rows,
+                                   int64_t nk, const float * buf, int64_t ldb, int64_t n, float * y,
+                                   int64_t ldy) {
+    float hk[64 * 4];
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += 4) {
+        const int ntt = (int) GH_MIN((int64_t) 4, n_tokens - t0);
+        for (int64_t k = 0; k < nk; k++) {
+            for (int t = 0; t < 4; t++) hk[k * 4 + t] = t < ntt ? h[(t0 + t) * ldh + rows[k]] : 0.0f;
+        }
+        int64_t c = 0;
+        for (; c + 16 <= n; c += 16) {
+            __m256 acc[4][2];
+            for (int t = 0; t < 4; t++) {  /* the tokens past the batch's end are never stored */
+                const float * yt = y + (t0 + GH_MIN(t, ntt - 1)) * ldy + c;
+                acc[t][0] = _mm256_loadu_ps(yt);
+                acc[t][1] = _mm256_loadu_ps(yt + 8);
+            }
+            for (int64_t k = 0; k < nk; k++) {
+                const __m256 b0 = _mm256_loadu_ps(buf + k * ldb + c);
+                const __m256 b1 = _mm256_loadu_ps(buf + k * ldb + c + 8);
+                for (int t = 0; t < 4; t++) {
+                    const __m256 a = _mm256_broadcast_ss(hk + k * 4 + t);
+                    acc[t][0] = _mm256_fmadd_ps(a, b0, acc[t][0]);
+                    acc[t][1] = _mm256_fmadd_ps(a, b1, acc[t][1]);
+                }
+            }
+            for (int t = 0; t < ntt; t++) {
+                float * yt = y + (t0 + t) * ldy + c;
+                _mm256_storeu_ps(yt, acc[t][0]);
+                _mm256_storeu_ps(yt + 8, acc[t][1]);
+            }
+        }
+        for (; c < n; c++) {  /* the last few columns of a row that is not a multiple of 16 */
+            for (int t = 0; t < ntt; t++) {
+                float * yc = y + (t0 + t) * ldy + c;
+                for (int64_t k = 0; k < nk; k++) {
+                    const float a = hk[k * 4 + t];
+                    if (a != 0.0f) *yc += a * buf[k * ldb + c];  /* as the axpy's tail */
+                }
+            }
+        }
     }
 }
 
-gh_axpy16_fn gh_axpy16_avx2(int type) {
-    switch (type) {
-        case GH_TYPE_Q4_0: return axpy16_q4_0_avx2;
-        case GH_TYPE_Q4_K: return axpy16_q4_K_avx2;
-        case GH_TYPE_Q5_K: return axpy16_q5_K_avx2;
-        case GH_TYPE_Q6_K: return axpy16_q6_K_avx2;
-        default:           return NULL;
-    }
-}
+/* ---- the AVX2 rows of the axpy family (cpu/kernels.h) ---- */
 
-#else
-
-gh_axpy_fn gh_axpy_kq_avx2(int type) { (void) type; return NULL; }
-gh_axpy4_fn gh_axpy4_kq_avx2(int type) { (void) type; return NULL; }
-gh_axpy4pf_fn gh_axpy4pf_kq_avx2(int type) { (void) type; return NULL; }
-gh_axpy16_fn gh_axpy16_avx2(int type) { (void) type; return NULL; }
-gh_matmul16_fn gh_matmul16_avx2(int type) { (void) type; return NULL; }
-
-#endif
+const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
+    [GH_TYPE_F32]  = { .axpy = axpy_f32_avx2, .axpy4 = axpy4_f32_avx2, .axpy4pf = axpy4_f32_avx2pf,
+                       .tiles = tiles_f32_avx2 },
+    [GH_TYPE_F16]  = { .axpy = axpy_f16_avx2, .axpy4 = axpy4_f16_avx2, .axpy4pf = axpy4_f16_avx2pf },
+    [GH_TYPE_BF16] = { .axpy = axpy_bf16_avx2, .axpy4 = axpy4_bf16_avx2, .axpy4pf = axpy4_bf16_avx2pf },
+    [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx2, .axpy4 = axpy4_q8_0_avx2, .axpy4pf = axpy4_q8_0_avx2pf },
+    [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx2, .axpy4 = axpy4_q4_0_avx2, .axpy4pf = axpy4_q4_0_avx2pf,
+                       .axpy16 = axpy16_q4_0_avx2, .matmul16 = matmul16_q4_0_avx2 },
+    [GH_TYPE_Q4_K] = { .axpy = axpy_q4_K_avx2, .axpy4 = axpy_q4_K_avx2_4, .axpy4pf = axpy_q4_K_avx2_4pf,
+                       .axpy16 = axpy16_q4_K_avx2, .matmul16 = matmul16_q4_K_avx2 },
+    [GH_TYPE_Q5_K] = { .axpy = axpy_q5_K_avx2, .axpy4 = axpy_q5_K_avx2_4, .axpy4pf = axpy_q5_K_avx2_4pf,
+                       .axpy16 = axpy16_q5_K_avx2, .matmul16 = matmul16_q5_K_avx2 },
+    [GH_TYPE_Q6_K] = { .axpy = axpy_q6_K_avx2, .axpy4 = axpy_q6_K_avx2_4, .axpy4pf = axpy_q6_K_avx2_4pf,
+                       .axpy16 = axpy16_q6_K_avx2, .matmul16 = matmul16_q6_K_avx2 },
+};

@@ -482,19 +482,6 @@ DEFINE_DOT(vec_dot_bf16, gemm_bf16)
 DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
 DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
-static bool gh_kernels_avx2_k(int type, gh_kernel_set * ks);
-
-bool gh_kernels_avx2(int type, gh_kernel_set * ks) {
-    switch (type) {
-        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32 }; return true;
-        case GH_TYPE_F16:  *ks = (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16 }; return true;
-        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0 }; return true;
-        default: return gh_kernels_avx2_k(type, ks);
-    }
-}
-
 /* ------------------------------------------------------------------ K-quants x Q8_K
  *
  * One row at a time (rows are read in order: one linear stream), each block's weights
@@ -716,11 +703,16 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
     }
 }
 
-static bool gh_kernels_avx2_k(int type, gh_kernel_set * ks) {
-    switch (type) {
-        case GH_TYPE_Q4_K: *ks = (gh_kernel_set) { vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K }; return true;
-        case GH_TYPE_Q5_K: *ks = (gh_kernel_set) { vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K }; return true;
-        case GH_TYPE_Q6_K: *ks = (gh_kernel_set) { vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K }; return true;
-        default: return false;
-    }
-}
+/* ------------------------------------------------------------------ the table */
+
+/* The AVX2 rows of the dot family (cpu/kernels.h). */
+const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
+    [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32),
+    [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16),
+    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL),
+    [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0),
+    [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0),
+    [GH_TYPE_Q4_K] = GH_DOT_ROW(vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K),
+    [GH_TYPE_Q5_K] = GH_DOT_ROW(vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K),
+    [GH_TYPE_Q6_K] = GH_DOT_ROW(vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K),
+};

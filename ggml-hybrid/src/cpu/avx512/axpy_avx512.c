@@ -5,10 +5,8 @@
  * length (float types: masked tail). The four-row forms add the rows in order 0, 1, 2, 3
  * into y (the K-quants add the four rows' mins first, see below), like the AVX2 and
  * scalar kernels, so the SIMD levels agree up to rounding. */
-#include "cpu/ops.h"
-#include "types/types.h"
+#include "cpu/kernels.h"
 
-#if defined(GH_X86)
 #include <immintrin.h>
 
 #include "cpu/avx2/kq_unpack.h"
@@ -279,48 +277,6 @@ DEFINE_AXPY_KQ(axpy_q4_K_avx512, KQ4)
 DEFINE_AXPY_KQ(axpy_q5_K_avx512, KQ5)
 DEFINE_AXPY_KQ(axpy_q6_K_avx512, KQ6)
 
-gh_axpy_fn gh_axpy_avx512(int type) {
-    switch (type) {
-        case GH_TYPE_F32:  return axpy_f32_avx512;
-        case GH_TYPE_F16:  return axpy_f16_avx512;
-        case GH_TYPE_BF16: return axpy_bf16_avx512;
-        case GH_TYPE_Q8_0: return axpy_q8_0_avx512;
-        case GH_TYPE_Q4_0: return axpy_q4_0_avx512;
-        case GH_TYPE_Q4_K: return axpy_q4_K_avx512;
-        case GH_TYPE_Q5_K: return axpy_q5_K_avx512;
-        case GH_TYPE_Q6_K: return axpy_q6_K_avx512;
-        default:           return NULL;
-    }
-}
-
-gh_axpy4_fn gh_axpy4_avx512(int type) {
-    switch (type) {
-        case GH_TYPE_F32:  return axpy_f32_avx512_4;
-        case GH_TYPE_F16:  return axpy_f16_avx512_4;
-        case GH_TYPE_BF16: return axpy_bf16_avx512_4;
-        case GH_TYPE_Q8_0: return axpy_q8_0_avx512_4;
-        case GH_TYPE_Q4_0: return axpy_q4_0_avx512_4;
-        case GH_TYPE_Q4_K: return axpy_q4_K_avx512_4;
-        case GH_TYPE_Q5_K: return axpy_q5_K_avx512_4;
-        case GH_TYPE_Q6_K: return axpy_q6_K_avx512_4;
-        default:           return NULL;
-    }
-}
-
-gh_axpy4pf_fn gh_axpy4pf_avx512(int type) {
-    switch (type) {
-        case GH_TYPE_F32:  return axpy_f32_avx512_4pf;
-        case GH_TYPE_F16:  return axpy_f16_avx512_4pf;
-        case GH_TYPE_BF16: return axpy_bf16_avx512_4pf;
-        case GH_TYPE_Q8_0: return axpy_q8_0_avx512_4pf;
-        case GH_TYPE_Q4_0: return axpy_q4_0_avx512_4pf;
-        case GH_TYPE_Q4_K: return axpy_q4_K_avx512_4pf;
-        case GH_TYPE_Q5_K: return axpy_q5_K_avx512_4pf;
-        case GH_TYPE_Q6_K: return axpy_q6_K_avx512_4pf;
-        default:           return NULL;
-    }
-}
-
 /* ---- Q4_0's batch form in VNNI (gh_matmul16_fn) ----
  *
  * As the AVX2 form (avx2/axpy_avx2.c: the same factors, int8_factors8, per token and
@@ -398,15 +354,20 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
     }
 }
 
-gh_matmul16_fn gh_matmul16_avx512(int type) {
-    return type == GH_TYPE_Q4_0 ? matmul16_q4_0_avx512 : NULL;
-}
+/* ---- the AVX-512 rows of the axpy family (cpu/kernels.h; the K-quants' sixteen-row
+ * forms are AVX2's, which the selection keeps at this level) ---- */
 
-#else
+#define AXPY_ROW(sfx) { .axpy = axpy_##sfx##_avx512, .axpy4 = axpy_##sfx##_avx512_4, \
+                        .axpy4pf = axpy_##sfx##_avx512_4pf }
 
-gh_matmul16_fn gh_matmul16_avx512(int type) { (void) type; return NULL; }
-gh_axpy4pf_fn gh_axpy4pf_avx512(int type) { (void) type; return NULL; }
-gh_axpy_fn gh_axpy_avx512(int type) { (void) type; return NULL; }
-gh_axpy4_fn gh_axpy4_avx512(int type) { (void) type; return NULL; }
-
-#endif
+const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT] = {
+    [GH_TYPE_F32]  = AXPY_ROW(f32),
+    [GH_TYPE_F16]  = AXPY_ROW(f16),
+    [GH_TYPE_BF16] = AXPY_ROW(bf16),
+    [GH_TYPE_Q8_0] = AXPY_ROW(q8_0),
+    [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx512, .axpy4 = axpy_q4_0_avx512_4,
+                       .axpy4pf = axpy_q4_0_avx512_4pf, .matmul16 = matmul16_q4_0_avx512 },
+    [GH_TYPE_Q4_K] = AXPY_ROW(q4_K),
+    [GH_TYPE_Q5_K] = AXPY_ROW(q5_K),
+    [GH_TYPE_Q6_K] = AXPY_ROW(q6_K),
+};

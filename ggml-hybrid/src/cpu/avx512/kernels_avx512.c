@@ -589,31 +589,6 @@ DEFINE_DOT(vec_dot_bf16, gemm_bf16)
 DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
 DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
 
-static bool gh_kernels_avx512_k(int type, gh_kernel_set * ks);
-
-/* Whether F16 decode reads short rows one after another (f16_row): measured faster on AMD
- * Zen 4 (26-31 against 24-25 GB/s) but 1.5-2.5x slower than the interleaved tile on the
- * Intel Xeon of docs/BENCHMARKS.md's AVX-512 runs (its prefetcher does not follow the row
- * stream), so only AMD parts take it. Both sum each row in the same order: same values. */
-static bool f16_rows_streamed(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd");
-}
-
-bool gh_kernels_avx512(int type, gh_kernel_set * ks) {
-    switch (type) {
-        case GH_TYPE_F32:  *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32 }; return true;
-        case GH_TYPE_F16:
-            *ks = f16_rows_streamed() ? (gh_kernel_set) { vec_dot_f16, NULL, gemm_f16, 4, 6, 4, dot4_f16 }
-                                      : (gh_kernel_set) { vec_dot_f16_tiles, NULL, gemm_f16_tiles, 4, 6, 4, dot4_f16 };
-            return true;
-        case GH_TYPE_BF16: *ks = (gh_kernel_set) { vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, NULL }; return true;
-        case GH_TYPE_Q8_0: *ks = (gh_kernel_set) { vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0 }; return true;
-        case GH_TYPE_Q4_0: *ks = (gh_kernel_set) { vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0 }; return true;
-        default: return gh_kernels_avx512_k(type, ks);
-    }
-}
-
 /* ------------------------------------------------------------------ K-quants x Q8_K
  *
  * The AVX2 scheme (cpu/avx2/kernels_avx2.c, "K-quants") at 64 values per register: two
@@ -814,11 +789,23 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
     }
 }
 
-static bool gh_kernels_avx512_k(int type, gh_kernel_set * ks) {
-    switch (type) {
-        case GH_TYPE_Q4_K: *ks = (gh_kernel_set) { vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K }; return true;
-        case GH_TYPE_Q5_K: *ks = (gh_kernel_set) { vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K }; return true;
-        case GH_TYPE_Q6_K: *ks = (gh_kernel_set) { vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K }; return true;
-        default: return false;
-    }
-}
+/* ------------------------------------------------------------------ the table */
+
+/* The AVX-512 rows of the dot family (cpu/kernels.h). F16 decode: the interleaved tile;
+ * the selection takes gh_dot_row_avx512_f16_streamed (rows read one after another)
+ * instead on AMD parts: measured faster on Zen 4 (26-31 against 24-25 GB/s) but 1.5-2.5x
+ * slower than the tile on the Intel Xeon of docs/BENCHMARKS.md's AVX-512 runs (its
+ * prefetcher does not follow the row stream). Both sum each row in the same order: same
+ * values. */
+const gh_kernel_set gh_dot_rows_avx512[GH_TYPE_COUNT] = {
+    [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32),
+    [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16_tiles, NULL, gemm_f16_tiles, 4, 6, 4, dot4_f16),
+    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, NULL),
+    [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0),
+    [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0),
+    [GH_TYPE_Q4_K] = GH_DOT_ROW(vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K),
+    [GH_TYPE_Q5_K] = GH_DOT_ROW(vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K),
+    [GH_TYPE_Q6_K] = GH_DOT_ROW(vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K),
+};
+
+const gh_kernel_set gh_dot_row_avx512_f16_streamed = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16, 4, 6, 4, dot4_f16);

@@ -213,33 +213,15 @@ DEFINE_GEMM(gemm_q4_K, vec_dot_q4_K_q8_K)
 DEFINE_GEMM(gemm_q5_K, vec_dot_q5_K_q8_K)
 DEFINE_GEMM(gemm_q6_K, vec_dot_q6_K_q8_K)
 
-bool gh_kernels_scalar(int type, gh_kernel_set * ks) {
-    switch (type) {
-        case GH_TYPE_F32:
-            *ks = (gh_kernel_set) { vec_dot_f32, NULL, gemm_f32, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_F16:
-            *ks = (gh_kernel_set) { vec_dot_f16_f32, NULL, gemm_f16, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_BF16:
-            *ks = (gh_kernel_set) { vec_dot_bf16_bf16, bf16_from_float_x, gemm_bf16, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_Q8_0:
-            *ks = (gh_kernel_set) { vec_dot_q8_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q8_0, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_Q4_0:
-            *ks = (gh_kernel_set) { vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_Q4_K:
-            *ks = (gh_kernel_set) { vec_dot_q4_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q4_K, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_Q5_K:
-            *ks = (gh_kernel_set) { vec_dot_q5_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q5_K, 1, 1, 1, NULL };
-            return true;
-        case GH_TYPE_Q6_K:
-            *ks = (gh_kernel_set) { vec_dot_q6_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q6_K, 1, 1, 1, NULL };
-            return true;
-        default:
-            return false;
-    }
-}
+#define DOT_ROW(dot, from_x, tile) GH_DOT_ROW(dot, from_x, tile, 1, 1, 1, NULL)
+
+const gh_kernel_set gh_dot_rows_scalar[GH_TYPE_COUNT] = {
+    [GH_TYPE_F32]  = DOT_ROW(vec_dot_f32, NULL, gemm_f32),
+    [GH_TYPE_F16]  = DOT_ROW(vec_dot_f16_f32, NULL, gemm_f16),
+    [GH_TYPE_BF16] = DOT_ROW(vec_dot_bf16_bf16, bf16_from_float_x, gemm_bf16),
+    [GH_TYPE_Q8_0] = DOT_ROW(vec_dot_q8_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q8_0),
+    [GH_TYPE_Q4_0] = DOT_ROW(vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0),
+    [GH_TYPE_Q4_K] = DOT_ROW(vec_dot_q4_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q4_K),
+    [GH_TYPE_Q5_K] = DOT_ROW(vec_dot_q5_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q5_K),
+    [GH_TYPE_Q6_K] = DOT_ROW(vec_dot_q6_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q6_K),
+};

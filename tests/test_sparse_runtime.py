@@ -22,7 +22,8 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
-from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_K, Q8_0, TYPES,  # noqa: E402
+from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_1, Q4_K,  # noqa: E402
+                   Q5_0, Q5_1, Q8_0, TYPES,
                    axpy_int8_bound, block_cols, matmul_t_int8_bound,
                    native_quantize)
 
@@ -228,7 +229,7 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
         ref = logits_of(ref_path)[0]
         np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
         err = np.abs(got - dense_logits).max() / np.abs(dense_logits).max()
-        assert err < {F16: 1e-2, BF16: 3e-2, Q8_0: 3e-2, Q4_0: 0.2}[t]
+        assert err < {F16: 1e-2, BF16: 3e-2, Q8_0: 3e-2, Q4_0: 0.2, Q4_1: 0.2, Q5_0: 0.1, Q5_1: 0.1}[t]
     # thread count does not change the result, and neither does the batch split
     np.testing.assert_array_equal(logits_of(sparse, n_threads=1)[0], got)
     # (dense FFN: the file's predictors are random; the sparse modes: test_sparse_ffn.py)

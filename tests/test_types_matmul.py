@@ -34,14 +34,15 @@ from gguf import quants
 from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr  # noqa: E402
 
-from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_K, Q5_K, Q6_K,  # noqa: E402
-                   Q8_0, TYPES, block_cols)
+from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,  # noqa: E402
+                   Q5_K, Q6_K, Q8_0, TYPES, block_cols)
 
-NAME = {F32: "f32", F16: "f16", BF16: "bf16", Q8_0: "q8_0", Q4_0: "q4_0", Q4_K: "Q4_K",
-        Q5_K: "Q5_K", Q6_K: "Q6_K"}
-TYPE_SIZE = {F32: 4, F16: 2, BF16: 2, Q8_0: 34, Q4_0: 18, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-NMSE_BOUND = {F32: 1e-10, F16: 1e-10, BF16: 1e-4, Q8_0: 1e-3, Q4_0: 1e-3, Q4_K: 1e-3, Q5_K: 1e-3,
-              Q6_K: 1e-3}
+NAME = {F32: "f32", F16: "f16", BF16: "bf16", Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1",
+        Q5_0: "q5_0", Q5_1: "q5_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+TYPE_SIZE = {F32: 4, F16: 2, BF16: 2, Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q4_K: 144,
+             Q5_K: 176, Q6_K: 210}
+NMSE_BOUND = {F32: 1e-10, F16: 1e-10, BF16: 1e-4, Q8_0: 1e-3, Q4_0: 1e-3, Q4_1: 1e-3, Q5_0: 1e-3,
+              Q5_1: 1e-3, Q4_K: 1e-3, Q5_K: 1e-3, Q6_K: 1e-3}
 # quantizer error (RMS error / RMS) on Gaussian rows: ggml's reference quantizer measured
 # 0.0715 / 0.0362 / 0.0178 on such data (ours: 0.0719 / 0.0360 / 0.0170)
 K_NRMSE = {Q4_K: 0.0715 * 1.03, Q5_K: 0.0362 * 1.03, Q6_K: 0.0178 * 1.03}
@@ -148,7 +149,7 @@ def special_values(n: int, rng) -> np.ndarray:
     return a
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "bf16"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "bf16"])
 def test_quantize_matches_gguf(name):
     t = TYPES[name]
     rng = np.random.default_rng(1)

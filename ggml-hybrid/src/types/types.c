@@ -392,6 +392,106 @@ static void q6_K_from_float(const float * src, void * dst, int64_t n) {
     }
 }
 
+/* ---- Q4_1, Q5_0, Q5_1 (ggml's reference quantizers, as gguf.quants computes them) ---- */
+
+static void q4_1_to_float(const void * src, float * dst, int64_t n) {
+    const block_q4_1 * b = src;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d), m = gh_fp16_to_fp32(b[i].m);
+        float * y = dst + i * 32;
+        for (int j = 0; j < 16; j++) {
+            y[j] = d * (float) (b[i].qs[j] & 0x0f) + m;
+            y[j + 16] = d * (float) (b[i].qs[j] >> 4) + m;
+        }
+    }
+}
+
+/* min and max of a block: d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)). */
+static void q4_1_from_float(const float * src, void * dst, int64_t n) {
+    block_q4_1 * b = dst;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float * x = src + i * 32;
+        float min = x[0], max = x[0];
+        for (int j = 1; j < 32; j++) {
+            min = fminf(min, x[j]);
+            max = fmaxf(max, x[j]);
+        }
+        const float d = (max - min) / 15.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[i].d = gh_fp32_to_fp16(d);
+        b[i].m = gh_fp32_to_fp16(min);
+        for (int j = 0; j < 16; j++) {
+            const int q0 = GH_MIN(15, (int) ((x[j] - min) * id + 0.5f));
+            const int q1 = GH_MIN(15, (int) ((x[j + 16] - min) * id + 0.5f));
+            b[i].qs[j] = (uint8_t) (q0 | (q1 << 4));
+        }
+    }
+}
+
+static void q5_pack(const int * q, uint8_t * qs, uint8_t * qh) {
+    uint32_t h = 0;
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t) ((q[j] & 0x0f) | ((q[j + 16] & 0x0f) << 4));
+    for (int j = 0; j < 32; j++) h |= (uint32_t) (q[j] >> 4) << j;
+    for (int k = 0; k < 4; k++) qh[k] = (uint8_t) (h >> (8 * k));
+}
+
+static void q5_0_to_float(const void * src, float * dst, int64_t n) {
+    const block_q5_0 * b = src;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int j = 0; j < 32; j++) dst[i * 32 + j] = d * (float) (gh_q5_value(b[i].qs, b[i].qh, j) - 16);
+    }
+}
+
+/* As Q4_0 with 32 levels: the value of largest magnitude maps to -16, d = max / -16,
+ * q = min(31, trunc(x / d + 16.5)). */
+static void q5_0_from_float(const float * src, void * dst, int64_t n) {
+    block_q5_0 * b = dst;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float * x = src + i * 32;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            if (amax < fabsf(x[j])) {
+                amax = fabsf(x[j]);
+                max = x[j];
+            }
+        }
+        const float d = max / -16.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[i].d = gh_fp32_to_fp16(d);
+        int q[32];
+        for (int j = 0; j < 32; j++) q[j] = GH_MIN(31, (int) (x[j] * id + 16.5f));
+        q5_pack(q, b[i].qs, b[i].qh);
+    }
+}
+
+static void q5_1_to_float(const void * src, float * dst, int64_t n) {
+    const block_q5_1 * b = src;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d), m = gh_fp16_to_fp32(b[i].m);
+        for (int j = 0; j < 32; j++) dst[i * 32 + j] = d * (float) gh_q5_value(b[i].qs, b[i].qh, j) + m;
+    }
+}
+
+static void q5_1_from_float(const float * src, void * dst, int64_t n) {
+    block_q5_1 * b = dst;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float * x = src + i * 32;
+        float min = x[0], max = x[0];
+        for (int j = 1; j < 32; j++) {
+            min = fminf(min, x[j]);
+            max = fmaxf(max, x[j]);
+        }
+        const float d = (max - min) / 31.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[i].d = gh_fp32_to_fp16(d);
+        b[i].m = gh_fp32_to_fp16(min);
+        int q[32];
+        for (int j = 0; j < 32; j++) q[j] = GH_MIN(31, (int) ((x[j] - min) * id + 0.5f));
+        q5_pack(q, b[i].qs, b[i].qh);
+    }
+}
+
 /* ---- the table ---- */
 
 #define ROW(nm, bs, sz, q, to, from, vdt) { nm, bs, sz, q, to, from, vdt }
@@ -405,13 +505,15 @@ static const gh_type_traits k_types[GH_TYPE_COUNT] = {
     [GH_TYPE_BF16] = ROW("bf16", 1, sizeof(uint16_t), false, bf16_to_float, bf16_from_float, GH_TYPE_BF16),
     [GH_TYPE_Q8_0] = ROW("q8_0", QK8_0, sizeof(block_q8_0), true, q8_0_to_float, q8_0_from_float, GH_TYPE_Q8_X4),
     [GH_TYPE_Q4_0] = ROW("q4_0", QK4_0, sizeof(block_q4_0), true, q4_0_to_float, q4_0_from_float, GH_TYPE_Q8_X4),
+    [GH_TYPE_Q4_1] = ROW("q4_1", 32, sizeof(block_q4_1), true, q4_1_to_float, q4_1_from_float, GH_TYPE_Q8_X4),
+    [GH_TYPE_Q5_0] = ROW("q5_0", 32, sizeof(block_q5_0), true, q5_0_to_float, q5_0_from_float, GH_TYPE_Q8_X4),
+    [GH_TYPE_Q5_1] = ROW("q5_1", 32, sizeof(block_q5_1), true, q5_1_to_float, q5_1_from_float, GH_TYPE_Q8_X4),
     [GH_TYPE_Q4_K] = ROW("Q4_K", QK_K, sizeof(block_q4_K), true, q4_K_to_float, q4_K_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_Q5_K] = ROW("Q5_K", QK_K, sizeof(block_q5_K), true, q5_K_to_float, q5_K_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_Q6_K] = ROW("Q6_K", QK_K, sizeof(block_q6_K), true, q6_K_to_float, q6_K_from_float, GH_TYPE_Q8_K),
     /* index tensors (gpu_idx, gpu_bucket): the loader reads them itself, never as a weight */
     [GH_TYPE_I32]  = { "i32", 1, 4, false, NULL, NULL, 0 },
     /* the rest of ggml's types (ids and blocks as gguf.constants.GGML_QUANT_SIZES) */
-    [3] = LAYOUT("Q4_1", 32, 20), [6] = LAYOUT("Q5_0", 32, 22), [7] = LAYOUT("Q5_1", 32, 24),
     [9] = LAYOUT("Q8_1", 32, 40), [10] = LAYOUT("Q2_K", 256, 84), [11] = LAYOUT("Q3_K", 256, 110),
     [15] = LAYOUT("Q8_K", 256, 292), [16] = LAYOUT("IQ2_XXS", 256, 66),
     [17] = LAYOUT("IQ2_XS", 256, 74), [18] = LAYOUT("IQ3_XXS", 256, 98),

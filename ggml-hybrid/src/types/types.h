@@ -4,6 +4,10 @@
  *   Q8_0: { fp16 d; int8 qs[32] }               x = d * q
  *   Q4_0: { fp16 d; uint8 qs[16] }              x = d * (nibble - 8); element j < 16 is
  *          the low nibble of qs[j], element j + 16 the high nibble of qs[j].
+ *   Q4_1: { fp16 d, m; uint8 qs[16] }           x = d * nibble + m (nibbles as Q4_0)
+ *   Q5_0: { fp16 d; uint8 qh[4]; uint8 qs[16] } x = d * (q - 16), q = nibble | bit j of
+ *          the little-endian word qh << 4 (element j < 32)
+ *   Q5_1: { fp16 d, m; uint8 qh[4]; uint8 qs[16] }  x = d * q + m, q as Q5_0's
  * K-quants: super-blocks of QK_K = 256 values.
  *   Q4_K: { fp16 d, dmin; uint8 scales[12]; uint8 qs[128] }        144 bytes
  *          8 sub-blocks of 32: x = d * sc[j] * q - dmin * m[j], q = 0..15, sc and m
@@ -25,6 +29,9 @@
 
 typedef struct { uint16_t d; int8_t  qs[QK8_0]; } block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[QK4_0 / 2]; } block_q4_0;
+typedef struct { uint16_t d, m; uint8_t qs[16]; } block_q4_1;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } block_q5_0;
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } block_q5_1;
 
 #define QK_K 256
 #define K_SCALE_SIZE 12
@@ -42,6 +49,9 @@ typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K 
 #else
 #define GH_STATIC_ASSERT _Static_assert
 #endif
+GH_STATIC_ASSERT(sizeof(block_q4_1) == 20, "block_q4_1 layout");
+GH_STATIC_ASSERT(sizeof(block_q5_0) == 22, "block_q5_0 layout");
+GH_STATIC_ASSERT(sizeof(block_q5_1) == 24, "block_q5_1 layout");
 GH_STATIC_ASSERT(sizeof(block_q4_K) == 144, "block_q4_K layout");
 GH_STATIC_ASSERT(sizeof(block_q5_K) == 176, "block_q5_K layout");
 GH_STATIC_ASSERT(sizeof(block_q6_K) == 210, "block_q6_K layout");
@@ -74,6 +84,14 @@ typedef struct {
     int16_t bsums[QK_K / 16];
 } block_q8_K;
 GH_STATIC_ASSERT(sizeof(block_q8_K) == 292, "block_q8_K layout");
+
+/* The 5-bit value j (< 32) of a Q5_0/Q5_1 block from its nibbles and high bits. */
+static inline int gh_q5_value(const uint8_t * qs, const uint8_t * qh, int j) {
+    const uint32_t h = (uint32_t) qh[0] | (uint32_t) qh[1] << 8 | (uint32_t) qh[2] << 16 |
+                       (uint32_t) qh[3] << 24;
+    const int lo = j < 16 ? (qs[j] & 0x0f) : (qs[j - 16] >> 4);
+    return lo | (int) ((h >> j) & 1u) << 4;
+}
 
 /* Scale and min (6 bits each) of sub-block j < 8 of a Q4_K/Q5_K block: bytes 0..3 hold
  * the scales of sub-blocks 0..3 in their low 6 bits, bytes 4..7 the mins; sub-blocks 4..7

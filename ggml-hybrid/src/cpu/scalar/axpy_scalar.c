@@ -60,6 +60,9 @@ static inline void axpy_blocks(int type, int64_t n, float s, const void * row, f
         axpy_blocks(type, n, s, row, y);                                                     \
     }
 
+DEFINE_AXPY_BLOCKS(axpy_q4_1, GH_TYPE_Q4_1)
+DEFINE_AXPY_BLOCKS(axpy_q5_0, GH_TYPE_Q5_0)
+DEFINE_AXPY_BLOCKS(axpy_q5_1, GH_TYPE_Q5_1)
 DEFINE_AXPY_BLOCKS(axpy_q4_K, GH_TYPE_Q4_K)
 DEFINE_AXPY_BLOCKS(axpy_q5_K, GH_TYPE_Q5_K)
 DEFINE_AXPY_BLOCKS(axpy_q6_K, GH_TYPE_Q6_K)
@@ -70,6 +73,9 @@ const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_BF16] = { .axpy = axpy_bf16 },
     [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0 },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0 },
+    [GH_TYPE_Q4_1] = { .axpy = axpy_q4_1 },
+    [GH_TYPE_Q5_0] = { .axpy = axpy_q5_0 },
+    [GH_TYPE_Q5_1] = { .axpy = axpy_q5_1 },
     [GH_TYPE_Q4_K] = { .axpy = axpy_q4_K },
     [GH_TYPE_Q5_K] = { .axpy = axpy_q5_K },
     [GH_TYPE_Q6_K] = { .axpy = axpy_q6_K },

@@ -123,6 +123,62 @@ static void vec_dot_q4_0_q8_x4(int64_t n, float * s, const void * w, const void 
     *s = (float) sum;
 }
 
+/* The other 32-value block types against Q8_X4: a block's integer values q (zero point
+ * taken out) and its scale d and min m (x = d q + m; m = 0 for the symmetric types); the
+ * min meets the activations' block sum. */
+typedef void (*block32_fn)(const uint8_t * b, int * q, float * d, float * m);
+
+static void block32_q4_1(const uint8_t * p, int * q, float * d, float * m) {
+    const block_q4_1 * b = (const block_q4_1 *) p;
+    for (int j = 0; j < 16; j++) {
+        q[j] = b->qs[j] & 0x0f;
+        q[j + 16] = b->qs[j] >> 4;
+    }
+    *d = gh_fp16_to_fp32(b->d);
+    *m = gh_fp16_to_fp32(b->m);
+}
+
+static void block32_q5_0(const uint8_t * p, int * q, float * d, float * m) {
+    const block_q5_0 * b = (const block_q5_0 *) p;
+    for (int j = 0; j < 32; j++) q[j] = gh_q5_value(b->qs, b->qh, j) - 16;
+    *d = gh_fp16_to_fp32(b->d);
+    *m = 0.0f;
+}
+
+static void block32_q5_1(const uint8_t * p, int * q, float * d, float * m) {
+    const block_q5_1 * b = (const block_q5_1 *) p;
+    for (int j = 0; j < 32; j++) q[j] = gh_q5_value(b->qs, b->qh, j);
+    *d = gh_fp16_to_fp32(b->d);
+    *m = gh_fp16_to_fp32(b->m);
+}
+
+static inline void vec_dot_b32(block32_fn unpack, size_t bs, int64_t n, float * s, const void * w,
+                               const void * x) {
+    const block_q8_x4 * g = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        const block_q8_x4 * y = &g[b / 4];
+        const int i = (int) (b % 4);
+        int q[32];
+        float d, m;
+        unpack((const uint8_t *) w + b * bs, q, &d, &m);
+        int isum = 0;
+        for (int j = 0; j < 32; j++) isum += q[j] * q8_x4_at(y, i, j);
+        sum += (double) d * y->d[4 * i] * isum - (double) m * y->d[4 * i] * y->nsum[4 * i];
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_q4_1_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    vec_dot_b32(block32_q4_1, sizeof(block_q4_1), n, s, w, x);
+}
+static void vec_dot_q5_0_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    vec_dot_b32(block32_q5_0, sizeof(block_q5_0), n, s, w, x);
+}
+static void vec_dot_q5_1_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    vec_dot_b32(block32_q5_1, sizeof(block_q5_1), n, s, w, x);
+}
+
 /* K-quants against Q8_K: exact integer sums per block, the mins (zero point) through
  * the activations' 16-value sums. */
 static void vec_dot_q4_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
@@ -209,6 +265,9 @@ DEFINE_GEMM(gemm_f16, vec_dot_f16_f32)
 DEFINE_GEMM(gemm_bf16, vec_dot_bf16_bf16)
 DEFINE_GEMM(gemm_q8_0, vec_dot_q8_0_q8_x4)
 DEFINE_GEMM(gemm_q4_0, vec_dot_q4_0_q8_x4)
+DEFINE_GEMM(gemm_q4_1, vec_dot_q4_1_q8_x4)
+DEFINE_GEMM(gemm_q5_0, vec_dot_q5_0_q8_x4)
+DEFINE_GEMM(gemm_q5_1, vec_dot_q5_1_q8_x4)
 DEFINE_GEMM(gemm_q4_K, vec_dot_q4_K_q8_K)
 DEFINE_GEMM(gemm_q5_K, vec_dot_q5_K_q8_K)
 DEFINE_GEMM(gemm_q6_K, vec_dot_q6_K_q8_K)
@@ -221,6 +280,9 @@ const gh_kernel_set gh_dot_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_BF16] = DOT_ROW(vec_dot_bf16_bf16, bf16_from_float_x, gemm_bf16),
     [GH_TYPE_Q8_0] = DOT_ROW(vec_dot_q8_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q8_0),
     [GH_TYPE_Q4_0] = DOT_ROW(vec_dot_q4_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_0),
+    [GH_TYPE_Q4_1] = DOT_ROW(vec_dot_q4_1_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q4_1),
+    [GH_TYPE_Q5_0] = DOT_ROW(vec_dot_q5_0_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q5_0),
+    [GH_TYPE_Q5_1] = DOT_ROW(vec_dot_q5_1_q8_x4, gh_quantize_row_q8_x4_ref, gemm_q5_1),
     [GH_TYPE_Q4_K] = DOT_ROW(vec_dot_q4_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q4_K),
     [GH_TYPE_Q5_K] = DOT_ROW(vec_dot_q5_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q5_K),
     [GH_TYPE_Q6_K] = DOT_ROW(vec_dot_q6_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q6_K),

@@ -119,7 +119,7 @@ def _spm_tokenizer(vocab_size: int):
     return tok
 
 
-#: Qwen2's published text split (format.TOKENIZER_PRE_SPLITS["qwen2"]).
+#: Qwen2's published text split (the "qwen2" row of format.TOKENIZER_PRE_TOKENIZERS).
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 

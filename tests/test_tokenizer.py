@@ -9,7 +9,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from hf_models import EXTRA_SPECIAL, TRAIN_TEXT, make_llama_model  # noqa: E402
+from hf_models import EXTRA_SPECIAL, QWEN2_SPLIT, TRAIN_TEXT, make_llama_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
@@ -208,6 +208,11 @@ def bpe_model(tmp_path_factory):
     return d, convert(d, root / "m.gguf", "f32", progress=False)
 
 
+#: Llama-3's published text split
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "falcon"])
 def test_ggml_pre_tokenizers_match_hf(bpe_model, tmp_path, pre):
     """tokenizer.ggml.pre is honoured: a file from another tool with Llama-3's (llama-bpe),
@@ -228,7 +233,7 @@ def test_ggml_pre_tokenizers_match_hf(bpe_model, tmp_path, pre):
             {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}]}
     else:
         tj["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": F.TOKENIZER_PRE_SPLITS[pre]},
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT if pre == "qwen2" else LLAMA3_SPLIT},
              "behavior": "Isolated", "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
     (ref_dir / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
@@ -260,8 +265,8 @@ def test_unknown_pre_tokenizer_is_refused(bpe_model, tmp_path):
     _, out = bpe_model
     meta = read_tokenizer_metadata(out)
     del meta[F.KEY_TOKENIZER_HF_JSON]
-    meta[F.KEY_TOKENIZER_PRE] = "deepseek-coder"
+    meta[F.KEY_TOKENIZER_PRE] = "kimi-k2"
     p = tmp_path / "unknown.gguf"
     _write_gguf(p, meta)
-    with pytest.raises(TokenizerError, match="pre-tokenizer 'deepseek-coder'.*not supported"):
+    with pytest.raises(TokenizerError, match="pre-tokenizer 'kimi-k2'.*not supported"):
         load_tokenizer(p)

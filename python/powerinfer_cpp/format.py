@@ -12,6 +12,8 @@ we write stay readable by every GGUF tool.  Our own additions live under the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # --------------------------------------------------------------------------
 # Architectures
 # --------------------------------------------------------------------------
@@ -116,39 +118,181 @@ TOKENIZER_GPT2 = "gpt2"    # byte-level BPE (tokens + merges)
 TOKENIZER_LLAMA = "llama"  # SentencePiece-style BPE with byte fallback (tokens + scores)
 TOKENIZER_PRE_DEFAULT = "default"
 TOKENIZER_PRE_FALCON = "falcon"
-# Values of KEY_TOKENIZER_PRE that are one regex split before a regex-free byte-level
-# step (llama.cpp's names) and the regex of each (the published pre-tokenizer patterns;
-# "default" is GPT-2's own, applied by the byte-level pre-tokenizer itself).
-TOKENIZER_PRE_SPLITS = {
-    TOKENIZER_PRE_DEFAULT: None,
-    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-}
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """What a ``tokenizer.ggml.pre`` name stands for in a byte-level BPE (gpt2) file."""
+
+    #: the tokenizer.json ``pre_tokenizer`` that splits text as the name says (the
+    #: converter names a tokenizer.json by it; the reader rebuilds it for files without
+    #: the embedded tokenizer.json)
+    split: dict
+    #: a pre-token found whole in the vocabulary is one token, whatever the merges say
+    #: (llama.cpp's ignore_merges for the name; tokenizer.json's ``model.ignore_merges``)
+    ignore_merges: bool = False
+    #: BOS is prepended when the file has no tokenizer.ggml.add_bos_token (llama.cpp's
+    #: default for the name)
+    add_bos: bool = False
 
 
 def _byte_level(use_regex: bool) -> dict:
     return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
 
 
-# Every value of KEY_TOKENIZER_PRE this project reads and writes, as the tokenizer.json
-# `pre_tokenizer` it stands for (the converter names a tokenizer.json by it; the reader
-# rebuilds it for files without the embedded tokenizer.json). Any other value is refused
-# rather than tokenized with the wrong split. "falcon" is the Falcon models' published
-# chain: punctuation runs split off, GPT-2's byte-level regex, then digit runs, cut into
-# threes; the digit steps see the byte-level text, so the bytes that map to numeric
-# characters (e.g. 0xBD, "½") count as digits, as in the `tokenizers` library.
+def _splits(*patterns: str, digits: bool | None = None, byte_regex: bool = False) -> dict:
+    """Each regex isolates its matches in turn (llama.cpp's list of regexes for a name),
+    then optionally every numeric character (``digits=True``) or run (False) stands
+    alone, then the byte-level mapping, with GPT-2's own regex when ``byte_regex``."""
+    steps = [{"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+             for p in patterns]
+    if digits is not None:
+        steps.append({"type": "Digits", "individual_digits": digits})
+    return {"type": "Sequence", "pretokenizers": steps + [_byte_level(byte_regex)]}
+
+
+def _char_class(ranges: tuple) -> str:
+    return "".join(chr(r) if isinstance(r, int) else f"{chr(r[0])}-{chr(r[1])}" for r in ranges)
+
+
+# The published split regexes (each model's tokenizer.json; llama.cpp's comments keep
+# the originals where its own std::regex needs a rewrite), in the `tokenizers` syntax.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+           r"\s+(?!\S)|\s+")
+_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+          r"\s+(?!\S)|\s+")
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_JAIS2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+          + "|".join(rf"\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4))
+          + r"|\s{1,2}(?!\S)|\s{1}")
+_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]"
+_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}|"
+           r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|"
+          rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?|\p{{N}}{{1,3}}|"
+          r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TINY_AYA = r"\d{1,3}(?=(?:\d{3})*\b)"
+_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|"
+               r"\s+(?!\S)|\s+")
+_YOUTU = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|"
+          r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_YOUTU_CJK = r"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥぀-ゟ゠-ヿ]+"
+_BAILING = r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+_EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+")
+_MINICPM5 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+             r"\s+(?!\S)|\s+")
+_UFAKZEKA = r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# DeepSeek-V3's (and Hunyuan's): digit runs in threes, Han and kana runs, then a word regex
+# where one ASCII punctuation mark may lead a Latin word
+_DEEPSEEK3_WORDS = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+                    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPARK25_WORDS = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+                  r" ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+")
+_HAN_KANA = r"[一-龥぀-ゟ゠-ヿ]+"
+# DeepSeek LLM's letter class: the cased letters (Lu, Ll, Lt) of the Unicode version its
+# tokenizer was made with, as code point ranges
+_DEEPSEEK_LETTERS = _char_class((
+    (0x41, 0x5A), (0x61, 0x7A), 0xB5, (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x1BA), (0x1BC, 0x1BF),
+    (0x1C4, 0x293), (0x295, 0x2AF), (0x370, 0x373), 0x376, 0x377, (0x37B, 0x37D), 0x37F, 0x386,
+    (0x388, 0x38A), 0x38C, (0x38E, 0x3A1), (0x3A3, 0x3F5), (0x3F7, 0x481), (0x48A, 0x52F),
+    (0x531, 0x556), (0x10A0, 0x10C5), (0x13A0, 0x13F5), (0x13F8, 0x13FD), (0x1C90, 0x1CBA),
+    (0x1CBD, 0x1CBF), (0x1D00, 0x1D2B), (0x1D6B, 0x1D77), (0x1D79, 0x1D9A), (0x1E00, 0x1F15),
+    (0x1F18, 0x1F1D), (0x1F20, 0x1F45), (0x1F48, 0x1F4D), (0x1F50, 0x1F57), 0x1F59, 0x1F5B, 0x1F5D,
+    (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4), (0x1FB6, 0x1FBC), 0x1FBE, (0x1FC2, 0x1FC4), (0x1FC6, 0x1FCC),
+    (0x1FD0, 0x1FD3), (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC), (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC), 0x2102,
+    0x2107, (0x210A, 0x2113), 0x2115, (0x2119, 0x211D), 0x2124, 0x2126, 0x2128, (0x212A, 0x212D),
+    (0x212F, 0x2134), 0x2139, (0x213C, 0x213F), (0x2145, 0x2149), 0x214E, 0x2183, 0x2184,
+    (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4), (0x2CEB, 0x2CEE), 0x2CF2, 0x2CF3, (0xA640, 0xA66D),
+    (0xA680, 0xA69B), (0xA722, 0xA76F), (0xA771, 0xA787), (0xA78B, 0xA78E), (0xAB70, 0xABBF),
+    (0xFB00, 0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A), (0x10400, 0x1044F),
+    (0x104B0, 0x104D3), (0x104D8, 0x104FB), (0x10C80, 0x10CB2), (0x10CC0, 0x10CF2), (0x118A0, 0x118DF),
+    (0x1E900, 0x1E943)))
+_DEEPSEEK_CJK = r"[一-龥ࠀ-一가-퟿]+"
+
+_GPT2 = _byte_level(True)  # GPT-2's split, applied by the byte-level step itself
+_LLAMA3_SPLIT = _splits(_LLAMA3)
+_QWEN2_SPLIT = _splits(_QWEN2)
+_GPT4O_SPLIT = _splits(_GPT4O)
+_DEEPSEEK3_SPLIT = _splits(r"\p{N}{1,3}", _HAN_KANA, _DEEPSEEK3_WORDS)
+_DIGITS_GPT2 = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _GPT2]}
+_BLOOM_SPLIT = _splits(r" ?[^(\s|.,!?…。，、।۔،)]+")
+
+# Every value of KEY_TOKENIZER_PRE this project reads, from llama.cpp's list of the names
+# its converter writes (src/llama-vocab.cpp), and what each stands for. Names that share
+# a split are one row each, so a name never maps to two things; the converter names a
+# tokenizer.json by the first row that splits as it does. Any other value is refused
+# (TOKENIZER_PRE_REFUSED says why for the known ones) rather than tokenized with the
+# wrong split. "falcon" is the Falcon models' published chain: punctuation runs split
+# off, GPT-2's byte-level regex, then digit runs, cut into threes; the digit steps see
+# the byte-level text, so the bytes that map to numeric characters (e.g. 0xBD, "½") count
+# as digits, as in the `tokenizers` library.
 TOKENIZER_PRE_TOKENIZERS = {
-    TOKENIZER_PRE_DEFAULT: _byte_level(True),
-    **{name: {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False},
-        _byte_level(False)]} for name, split in TOKENIZER_PRE_SPLITS.items() if split is not None},
-    TOKENIZER_PRE_FALCON: {"type": "Sequence", "pretokenizers": [
+    TOKENIZER_PRE_DEFAULT: PreTokenizer(_GPT2),
+    # Llama-3's split; BOS by default and whole-word lookup, as Llama-3's tokenizer.json
+    **{n: PreTokenizer(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
+       for n in ("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                 "jina-v5-nano")},
+    **{n: PreTokenizer(_LLAMA3_SPLIT) for n in ("dbrx", "smaug-bpe", "chatglm-bpe", "glm4")},
+    "jais-2": PreTokenizer(_splits(_JAIS2)),
+    **{n: PreTokenizer(_QWEN2_SPLIT) for n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez",
+                                                 "stablelm2", "hunyuan", "solar-open", "grok-2")},
+    "qwen35": PreTokenizer(_splits(_QWEN35)),
+    "ufakzeka": PreTokenizer(_splits(_UFAKZEKA)),
+    "seed-coder": PreTokenizer(_splits(_SEED_CODER)),
+    "exaone-moe": PreTokenizer(_splits(_EXAONE_MOE)),
+    "minicpm5": PreTokenizer(_splits(r"\p{N}{1,3}", _MINICPM5), ignore_merges=True),
+    "laguna": PreTokenizer(_splits(r"[^\n]+|[\n]+", _QWEN2)),
+    **{n: PreTokenizer(_splits(_BAILING)) for n in ("bailingmoe", "bailingmoe2", "llada-moe")},
+    "tekken": PreTokenizer(_splits(_TEKKEN), ignore_merges=True, add_bos=True),
+    **{n: PreTokenizer(_GPT4O_SPLIT) for n in ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2")},
+    **{n: PreTokenizer(_splits(_TINY_AYA, _GPT4O)) for n in ("tiny_aya", "cohere2moe")},
+    "youtu": PreTokenizer(_splits(_YOUTU_CJK, _YOUTU), ignore_merges=True),
+    "deepseek-llm": PreTokenizer(_splits(r"[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+                                         r"\s+$", _DEEPSEEK_CJK, r"\p{N}+")),
+    "deepseek-coder": PreTokenizer(_splits(r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")),
+    **{n: PreTokenizer(_DEEPSEEK3_SPLIT) for n in ("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4")},
+    "spark2_5": PreTokenizer(_splits(r"\p{N}{1,3}", _HAN_KANA, _SPARK25_WORDS, r"\p{N}")),
+    # StarCoder's: every digit alone, then GPT-2's split (SmolLM, Command-R, EXAONE, ...)
+    **{n: PreTokenizer(_DIGITS_GPT2) for n in ("smollm", "starcoder", "refact", "command-r", "codeshell",
+                                                "exaone", "minerva-7b", "mellum2")},
+    # GPT-2's own split
+    **{n: PreTokenizer(_GPT2) for n in ("gpt-2", "phi-2", "olmo", "mpt", "jais", "trillion", "granite-docling",
+                                         "gigachat", "a.x-4.0", "mellum", "modern-bert", "exaone4", "jina-es",
+                                         "jina-de", "jina-v2-es", "jina-v2-de")},
+    # Bloom's: runs of anything but whitespace and a few punctuation marks
+    **{n: PreTokenizer(_BLOOM_SPLIT) for n in ("bloom", "gpt3-finnish", "poro-chat")},
+    "viking": PreTokenizer(_splits(r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}")),
+    "chameleon": PreTokenizer(_splits(r"<sentinel:[0-9]+>", r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+                                      r"([\t\n]|    |  )", r"\p{N}", r"[\p{P}!-/:-@\[-`{-~]",
+                                      r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"),
+                              add_bos=True),
+    TOKENIZER_PRE_FALCON: PreTokenizer({"type": "Sequence", "pretokenizers": [
         {"type": "Punctuation", "behavior": "Contiguous"},
         _byte_level(True),
         {"type": "Digits", "individual_digits": False},
-        {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}]},
+        {"type": "Split", "pattern": {"Regex": "[0-9][0-9][0-9]"}, "behavior": "Isolated", "invert": False}]}),
+}
+
+# The names llama.cpp reads that this project refuses, and why: each needs machinery the
+# byte-level BPE here lacks.
+TOKENIZER_PRE_REFUSED = {
+    **{n: "SentencePiece-style BPE on raw UTF-8 (spaces as U+2581, <0xXX> byte tokens), not byte-level"
+       for n in ("gemma4", "granite-embed-multi-311m", "sarvam-moe")},
+    "whitespace": "a whitespace split without the byte-level mapping (an embedding model's vocabulary)",
+    **{n: "an encoder vocabulary: llama.cpp appends a SEP token (add_sep), which this tokenizer does not"
+       for n in ("jina-v1-en", "jina-v2-code", "roberta-bpe")},
+    "kimi-k2": "llama.cpp splits it with a hand-written handler (letters without Han), not a published regex",
+    "afmoe": "llama.cpp groups digits with a hand-written handler, not a published regex",
+    "superbpe": "its digit split is a zero-width regex (cuts between digits), which `tokenizers` cannot split by",
+    "granite-embed-multi-97m": "llama.cpp's regex is its own approximation, with no published pattern to "
+                               "follow",
 }
 
 # Values of KEY_TOKENIZER_TOKEN_TYPE (llama.cpp's enum)

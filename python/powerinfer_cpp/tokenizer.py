@@ -9,9 +9,19 @@ If the file carries the original Hugging Face ``tokenizer.huggingface.json``
 equivalent ``tokenizers.Tokenizer`` is rebuilt from llama.cpp's standard
 ``tokenizer.ggml.*`` keys:
 
-* ``gpt2``: byte-level BPE from tokens + merges, split by the pre-tokenizer
-  ``tokenizer.ggml.pre`` names (default = GPT-2's, llama-bpe = Llama-3's, qwen2, falcon;
-  any other is refused);
+* ``gpt2``: byte-level BPE from tokens + merges, split as the pre-tokenizer name
+  ``tokenizer.ggml.pre`` says: every name llama.cpp reads whose split is regexes, digit
+  splits and the byte-level mapping (smollm, llama-bpe, qwen2, deepseek-*, gpt-4o,
+  tekken, starcoder, command-r, bloom, falcon, ...: the rows of
+  ``format.TOKENIZER_PRE_TOKENIZERS``, which also say where llama.cpp looks a whole
+  pre-token up before merging and where BOS is prepended by default). Refused, by name
+  and reason (``format.TOKENIZER_PRE_REFUSED``): gemma4, sarvam-moe and
+  granite-embed-multi-311m (SentencePiece-style BPE on raw UTF-8, not byte-level),
+  whitespace (no byte-level mapping), jina-v1-en, jina-v2-code and roberta-bpe (encoder
+  vocabularies that append SEP), kimi-k2 and afmoe (split by hand-written code in
+  llama.cpp, not a published regex), superbpe (a zero-width split) and
+  granite-embed-multi-97m (llama.cpp's own approximation, no published pattern); any
+  other name is refused too;
 * ``llama``: SentencePiece-style BPE with byte fallback ("▁" prefix and
   space replacement done by the normalizer, as SentencePiece does). The merges are
   reconstructed from the scores: every split of a normal token into two
@@ -32,7 +42,7 @@ from typing import Any, Iterable, Sequence
 from . import format as F
 
 __all__ = ["TokenizerError", "Tokenizer", "load_tokenizer", "read_tokenizer_metadata",
-           "tokenizer_from_metadata", "build_tokenizer_from_ggml"]
+           "tokenizer_from_metadata", "build_tokenizer_from_ggml", "pre_tokenizer_row"]
 
 
 class TokenizerError(ValueError):
@@ -160,6 +170,21 @@ def _pre_tokenizer(spec: dict):
     raise TokenizerError(f"pre-tokenizer node {t!r} has no builder")
 
 
+def pre_tokenizer_row(meta: dict[str, Any]) -> F.PreTokenizer:
+    """The format.TOKENIZER_PRE_TOKENIZERS row of a gpt2 file's tokenizer.ggml.pre (none
+    = default); a name without one is refused, naming why where that is known."""
+    pre = meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT
+    row = F.TOKENIZER_PRE_TOKENIZERS.get(pre)
+    if row is None:
+        why = F.TOKENIZER_PRE_REFUSED.get(pre)
+        why = f": {why}" if why else " (a name this table does not know)"
+        raise TokenizerError(
+            f"pre-tokenizer '{pre}' ({F.KEY_TOKENIZER_PRE}) is not supported{why}; its text would be "
+            f"split wrongly. Supported: {', '.join(F.TOKENIZER_PRE_TOKENIZERS)}. Convert the model "
+            "from its Hugging Face folder, whose tokenizer.json is embedded")
+    return row
+
+
 def build_tokenizer_from_ggml(meta: dict[str, Any]):
     """A ``tokenizers.Tokenizer`` equivalent to the ``tokenizer.ggml.*`` keys."""
     from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, normalizers
@@ -185,17 +210,12 @@ def build_tokenizer_from_ggml(meta: dict[str, Any]):
             if not sep:
                 raise TokenizerError(f"malformed merge {m!r}")
             merges.append((a, b))
+        row = pre_tokenizer_row(meta)
         try:
-            tok = HFTok(models.BPE(vocab=vocab, merges=merges))
+            tok = HFTok(models.BPE(vocab=vocab, merges=merges, ignore_merges=row.ignore_merges))
         except Exception as e:
             raise TokenizerError(f"invalid gpt2 vocabulary: {e}") from None
-        pre = meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT
-        if pre not in F.TOKENIZER_PRE_TOKENIZERS:
-            raise TokenizerError(
-                f"pre-tokenizer '{pre}' ({F.KEY_TOKENIZER_PRE}) is not supported (supported: "
-                f"{', '.join(F.TOKENIZER_PRE_TOKENIZERS)}); its text would be split wrongly. Convert "
-                "the model from its Hugging Face folder, whose tokenizer.json is embedded")
-        tok.pre_tokenizer = _pre_tokenizer(F.TOKENIZER_PRE_TOKENIZERS[pre])
+        tok.pre_tokenizer = _pre_tokenizer(row.split)
         tok.decoder = decoders.ByteLevel()
     elif kind == F.TOKENIZER_LLAMA:
         scores = list(meta.get(F.KEY_TOKENIZER_SCORES) or [])
@@ -413,8 +433,10 @@ def tokenizer_from_metadata(meta: dict[str, Any], use_hf_json: bool = True) -> T
         return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
 
     add_bos = meta.get(F.KEY_TOKENIZER_ADD_BOS)
-    if add_bos is None:
-        add_bos = kind == F.TOKENIZER_LLAMA and tid(F.KEY_TOKENIZER_BOS_ID) is not None
+    if add_bos is None:  # llama.cpp's default: SentencePiece files and some pre-tokenizers
+        row = F.TOKENIZER_PRE_TOKENIZERS.get(meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT)
+        by_pre = kind == F.TOKENIZER_GPT2 and row is not None and row.add_bos
+        add_bos = (kind == F.TOKENIZER_LLAMA or by_pre) and tid(F.KEY_TOKENIZER_BOS_ID) is not None
     return Tokenizer(
         tok, bos_id=tid(F.KEY_TOKENIZER_BOS_ID), eos_id=tid(F.KEY_TOKENIZER_EOS_ID),
         pad_id=tid(F.KEY_TOKENIZER_PAD_ID), unk_id=tid(F.KEY_TOKENIZER_UNK_ID),

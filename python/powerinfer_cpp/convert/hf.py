@@ -195,14 +195,14 @@ def _canonical_pre(node: Any) -> Any:
 def _pre_tokenizer_name(pre: Any) -> str:
     """llama.cpp's tokenizer.ggml.pre name of a byte-level BPE's pre-tokenizer: GPT-2's
     own split (a lone ByteLevel with its regex) is "default"; one that splits exactly as
-    an entry of format.TOKENIZER_PRE_TOKENIZERS is that name. Anything else cannot be
+    a row of format.TOKENIZER_PRE_TOKENIZERS is that row's name. Anything else cannot be
     named, and a file naming the wrong one would be split wrongly by every other GGUF
     tool: refused."""
     if isinstance(pre, dict) and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         return F.TOKENIZER_PRE_DEFAULT
     got = _canonical_pre(pre)
-    for name, spec in F.TOKENIZER_PRE_TOKENIZERS.items():
-        if name != F.TOKENIZER_PRE_DEFAULT and got == _canonical_pre(spec):
+    for name, row in F.TOKENIZER_PRE_TOKENIZERS.items():
+        if name != F.TOKENIZER_PRE_DEFAULT and got == _canonical_pre(row.split):
             return name
     desc = json.dumps(pre)
     if len(desc) > 200:

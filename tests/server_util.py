@@ -19,22 +19,24 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model, *args: str, timeout: float = 60.0):
+def running_server(model, *args: str, timeout: float = 60.0, log_path=None):
     """Yield the base URL of a server for `model` started with extra `args`; the server
-    is terminated (then killed) when the block ends, and its log is shown on failure."""
+    is terminated (then killed) when the block ends, and its log is shown on failure
+    (or written to `log_path`, for tests that read it)."""
     port = free_port()
     log = open(os.devnull, "w") if os.environ.get("PI_QUIET_SERVER") else None
+    out = open(log_path, "w") if log_path is not None else subprocess.PIPE
     proc = subprocess.Popen(
         [sys.executable, "-m", "powerinfer_cpp.server", "-m", str(model), "--host", "127.0.0.1",
          "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}:\n"
-                                   f"{proc.stdout.read()}")
+                text = proc.stdout.read() if proc.stdout else open(log_path).read()
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{text}")
             try:
                 if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                     break
@@ -53,6 +55,8 @@ def running_server(model, *args: str, timeout: float = 60.0):
             proc.wait()
         if log is not None:
             log.close()
+        if log_path is not None:
+            out.close()
 
 
 def metric(text: str, name: str) -> float:

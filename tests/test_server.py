@@ -172,8 +172,9 @@ def _error(r, status, code=None, param=None):
 
 def test_bad_requests_get_openai_errors(server):
     url = server + "/v1/completions"
-    _error(httpx.post(url, content=b'{"prompt": "x", '), 400)
-    _error(httpx.post(url, content=b'[1, 2]'), 400)
+    js = {"Content-Type": "application/json"}
+    _error(httpx.post(url, content=b'{"prompt": "x", ', headers=js), 400)
+    _error(httpx.post(url, content=b'[1, 2]', headers=js), 400)
     _error(httpx.post(url, json={"prompt": "x", "max_tokens": "8"}), 400, param="max_tokens")
     _error(httpx.post(url, json={"prompt": "x", "temperature": "hot"}), 400, param="temperature")
     _error(httpx.post(url, json={"prompt": "x", "stream": 1}), 400, param="stream")
@@ -208,7 +209,8 @@ def test_api_key_and_body_limit(small):
             yield b"x" * 1000
         yield b'"}'
 
-    _error(httpx.post(url, content=chunked(), headers=auth), 413)
+    _error(httpx.post(url, content=chunked(),
+                      headers={**auth, "Content-Type": "application/json"}), 413)
 
 
 def _wait_idle(url, auth, timeout=10.0):

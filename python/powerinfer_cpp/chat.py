@@ -20,12 +20,21 @@ import json
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ChatTemplateError", "ChatTemplate", "normalize_messages"]
+__all__ = ["ChatTemplateError", "ChatTemplateLimitError", "ChatTemplate", "normalize_messages"]
 
 
 class ChatTemplateError(ValueError):
     """A chat template is missing, does not compile, fails while rendering, or raised
     an error itself (``raise_exception``)."""
+
+
+class ChatTemplateLimitError(ChatTemplateError):
+    """A render went past a limit it was given (output size here; the server's worker
+    adds time and memory); ``limit`` names it."""
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
 
 
 def _raise_exception(message: str = "the chat template raised an error"):
@@ -45,14 +54,53 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                       separators=separators, sort_keys=sort_keys)
 
 
+# The largest string, list or integer (in digits) one operator may make: a prompt never
+# needs more, and {{ 'a' * 300000000 }} is a single C call nothing can interrupt.
+MAX_OPERATION_SIZE = 10_000_000
+
+
+def _result_size(op: str, left, right) -> int:
+    """How big `left op right` would be (characters, items, or decimal digits), worked out
+    without computing it; 0 when it is small by nature."""
+    sized = (str, list, tuple)
+    if op == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, sized) and isinstance(n, int):
+                return len(seq) * max(n, 0)
+        if isinstance(left, int) and isinstance(right, int):
+            return (abs(left).bit_length() + abs(right).bit_length()) * 30 // 100
+    if op == "+" and isinstance(left, sized) and isinstance(right, sized):
+        return len(left) + len(right)
+    if op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        return abs(left).bit_length() * right * 30 // 100
+    return 0
+
+
+def _environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Env(ImmutableSandboxedEnvironment):
+        # Intercepted: checked in call_binop before they run (and never folded at compile
+        # time, where the server would compute them itself).
+        intercepted_binops = frozenset({"*", "+", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if _result_size(operator, left, right) > MAX_OPERATION_SIZE:
+                raise ChatTemplateLimitError(
+                    f"the chat template's '{operator}' would make a value larger than the "
+                    f"sandbox's limit of {MAX_OPERATION_SIZE} characters/items",
+                    "operation size")
+            return super().call_binop(context, operator, left, right)
+
+    return Env(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+
 @functools.lru_cache(maxsize=32)
 def _compile(source: str):
     """The compiled template (cached: a server renders the same template per request)."""
     import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = _environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -100,17 +148,27 @@ class ChatTemplate:
     """A compiled chat template plus the special tokens it is rendered with."""
 
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "",
-                 special_tokens: Mapping[str, str] | None = None):
+                 special_tokens: Mapping[str, str] | None = None, compile: bool = True):
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError("the chat template is empty")
         self.source = source
         self.tokens = dict(special_tokens or {})
         self.tokens["bos_token"] = bos_token
         self.tokens["eos_token"] = eos_token
-        self._template = _compile(source)
+        # Compiling runs template code: jinja evaluates constant expressions and filters
+        # then ({{ 'a'|center(300000000) }} takes seconds and 300 MB in whoever compiles).
+        # compile=False leaves it to the first render (the server's render worker).
+        self._compiled = _compile(source) if compile else None
+
+    @property
+    def _template(self):
+        if self._compiled is None:
+            self._compiled = _compile(self.source)
+        return self._compiled
 
     @classmethod
-    def from_model(cls, model, template: str | None = None) -> "ChatTemplate":
+    def from_model(cls, model, template: str | None = None,
+                   compile: bool = True) -> "ChatTemplate":
         """The template of a loaded Model (``template`` overrides the file's); a clear error
         when the file has none and none is given."""
         tok = model.tokenizer
@@ -127,12 +185,13 @@ class ChatTemplate:
 
         special = {"unk_token": piece(tok.unk_id), "pad_token": piece(tok.pad_id)}
         return cls(source, bos_token=piece(tok.bos_id), eos_token=piece(tok.eos_id),
-                   special_tokens=special)
+                   special_tokens=special, compile=compile)
 
     def render(self, messages: Iterable[Mapping], add_generation_prompt: bool = True,
-               **extra) -> str:
+               max_chars: int | None = None, **extra) -> str:
         """The prompt text for ``messages`` (``extra`` become template variables, e.g.
-        ``tools`` or ``date_string``)."""
+        ``tools`` or ``date_string``). ``max_chars``: stop as soon as the output grows
+        past it (ChatTemplateLimitError) instead of building all of it."""
         import jinja2
 
         msgs = normalize_messages(list(messages) if not isinstance(messages, Sequence)
@@ -140,7 +199,19 @@ class ChatTemplate:
         variables = {**self.tokens, **extra, "messages": msgs,
                      "add_generation_prompt": bool(add_generation_prompt)}
         try:
-            return self._template.render(**variables)
+            if max_chars is None:
+                return self._template.render(**variables)
+            # generate() hands the output over piece by piece, so a template that writes
+            # without end is stopped at the cap rather than when memory runs out.
+            out, n = [], 0
+            for piece in self._template.generate(**variables):
+                n += len(piece)
+                if n > max_chars:
+                    raise ChatTemplateLimitError(
+                        f"the chat template's output exceeds the cap of {max_chars} "
+                        "characters", "output size")
+                out.append(piece)
+            return "".join(out)
         except ChatTemplateError:
             raise
         except jinja2.exceptions.SecurityError as e:

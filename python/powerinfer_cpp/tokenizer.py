@@ -300,6 +300,10 @@ class Tokenizer:
         """The underlying ``tokenizers.Tokenizer``."""
         return self._tok
 
+    # Texts at least this long are encoded without holding the GIL (below it, the
+    # batch call's thread hand-over costs more than the encoding).
+    GIL_FREE_CHARS = 4096
+
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True,
                add_eos: bool | None = False) -> list[int]:
         """Token ids of ``text``. ``add_bos``/``add_eos``: None = what the
@@ -316,7 +320,12 @@ class Tokenizer:
         with self._lock:
             self._tok.encode_special_tokens = not special
             try:
-                ids = self._tok.encode(text, add_special_tokens=False).ids
+                if len(text) < self.GIL_FREE_CHARS:
+                    ids = self._tok.encode(text, add_special_tokens=False).ids
+                else:
+                    # Same result; encode() holds the GIL for the whole text (a 1 MB
+                    # prompt stalled a server's event loop ~1 s), encode_batch releases it.
+                    ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
             finally:
                 self._tok.encode_special_tokens = False
         if add_bos:

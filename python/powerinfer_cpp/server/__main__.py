@@ -11,7 +11,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m powerinfer_cpp.server",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /health, /metrics) and a web chat page at /.")
+                    "/v1/models, /health, /metrics) and a web chat page at /.",
+        epilog="Without --api-key the server protects itself from web pages the user visits: "
+               "it answers only requests whose Host is a loopback name, the --host address or "
+               "an --allow-host name (any, when bound to 0.0.0.0 or ::), refuses browser "
+               "requests from other origins unless --allow-origin names them, and takes POST "
+               "bodies only as Content-Type: application/json.")
     p.add_argument("-m", "--model", help="GGUF model file (default: the shipped tiny model)")
     p.add_argument("--alias", help="model name the API reports and accepts (default: the "
                                    "file name without .gguf)")
@@ -41,6 +46,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device memory the model may use, e.g. 6G (a bare number is GiB)")
     p.add_argument("--chat-template-file", help="a jinja chat template to use instead of the "
                                                 "file's tokenizer.chat_template")
+    p.add_argument("--template-timeout", type=float, default=2.0, metavar="S",
+                   help="a chat template's render deadline (default 2 s; past it: 400, or at "
+                        "load: chat disabled)")
+    p.add_argument("--template-memory", type=int, default=256, metavar="MiB",
+                   help="memory a chat template's render may use (default 256 MiB)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeatable; '*': any "
+                        "name). Loopback names and the --host address always are")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. https://app.example) call the API "
+                        "(repeatable; '*': any). Others get 403")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="time a request's line and headers may take to arrive, and a new "
+                        "connection may stay silent (default 10 s)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="time a request body may take to arrive (default 30 s; then 408)")
+    p.add_argument("--keep-alive", type=float, default=5.0, metavar="S",
+                   help="idle keep-alive connections are closed after this (default 5 s)")
+    p.add_argument("--max-connections", type=int, default=0, metavar="N",
+                   help="open connections at most; more get 503 and a log line (default: "
+                        "half the open-file limit, at most 1000)")
+    p.add_argument("--max-header-bytes", type=int, default=16384, metavar="N",
+                   help="largest request line + headers (default 16384; larger: 400)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
@@ -60,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the server needs FastAPI and uvicorn ({e.name} is missing): "
               'pip install "powerinfer-cpp[server]"', file=sys.stderr)
         return 1
+    for name in ("template_timeout", "header_timeout", "body_timeout", "keep_alive"):
+        if not getattr(args, name) > 0:
+            print(f"error: --{name.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 1
     try:
         template = None
         if args.chat_template_file:
@@ -76,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens, max_body=args.max_body,
             api_key=args.api_key or os.environ.get("POWERINFER_API_KEY") or None,
             ffn=args.ffn, device=args.device, vram_budget=args.vram_budget,
-            chat_template=template)
+            chat_template=template, chat_template_from_flag=template is not None,
+            template_timeout=args.template_timeout, template_memory=args.template_memory,
+            body_timeout=args.body_timeout, allow_hosts=tuple(args.allow_host),
+            allow_origins=tuple(args.allow_origin))
         app = create_app(settings)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -85,11 +120,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
               "address can use the model", file=sys.stderr)
+    if srv.template_warning:
+        print(f"warning: {srv.template_warning}", file=sys.stderr)
     print(f"powerinfer-server: {srv.name} ({settings.parallel} slot(s) x {srv.n_ctx} tokens) "
           f"on http://{args.host}:{args.port}/", file=sys.stderr, flush=True)
+    from .connection import protocol_class
+
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, timeout_keep_alive=args.keep_alive,
+                h11_max_incomplete_event_size=args.max_header_bytes,
+                http=protocol_class(args.header_timeout,
+                                    args.max_connections or _default_max_connections()))
     return 0
+
+
+def _default_max_connections() -> int:
+    """Half the open-file limit (the rest is for the model, logs and the accept itself),
+    at most 1000: past the limit a server can accept nothing, not even /health."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 1000
+    if soft == resource.RLIM_INFINITY:
+        return 1000
+    return max(16, min(1000, soft // 2))
 
 
 if __name__ == "__main__":

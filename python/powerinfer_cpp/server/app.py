@@ -2,14 +2,16 @@
 
 Every slot is a Context over ONE shared Model; a generation runs in a worker thread of
 its own and sends its text pieces back to the event loop, so the loop keeps serving
-other requests (and notices a client that went away) while tokens are computed.
+other requests (and notices a client that went away) while tokens are computed. What
+happens before a request reaches a slot (checks, template, tokens) is in prepare.py;
+what happens before it reaches a route (host, origin, key, body) in guard.py; the
+connection limits under both in connection.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import json
 import os
 import time
@@ -24,11 +26,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
-from ..chat import ChatTemplate, ChatTemplateError
+from ..chat import ChatTemplate, ChatTemplateError, ChatTemplateLimitError, normalize_messages
+from .errors import APIError, error_response
+from .guard import Guard
 from .metrics import Metrics
+from .prepare import PromptPreparer, check_logit_bias, parse_json
 from .slots import Job, QueueFull, Slot, SlotPool
+from .templates import TemplateCompileError, TemplateRunner
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+# The page's files, fixed when the server starts: /static/{name} serves these names and
+# nothing else (no path is built from a request, so none can be malformed or too long).
+STATIC_FILES = frozenset(p.name for p in STATIC_DIR.iterdir() if p.is_file())
 
 
 @dataclass
@@ -50,30 +59,23 @@ class Settings:
     device: str = "cpu"
     vram_budget: str | None = None
     chat_template: str | None = None
-
-
-class APIError(Exception):
-    """An error answered as OpenAI does: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (status, message, type,
-                                                                       param, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def error_response(status: int, message: str, type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    """An OpenAI-style error as a JSON response."""
-    return JSONResponse(APIError(status, message, type, param, code).body(), status_code=status)
+    chat_template_from_flag: bool = False  # --chat-template-file: over a limit, refuse to start
+    template_timeout: float = 2.0    # s: a chat template's render deadline
+    template_memory: int = 256       # MiB a template worker may grow by
+    tokenize_timeout: float = 10.0   # s: a long prompt's tokenizing
+    body_timeout: float = 30.0       # s: a POST body's arrival, from its headers
+    allow_hosts: tuple[str, ...] = ()
+    allow_origins: tuple[str, ...] = ()
 
 
 # -- request bodies ---------------------------------------------------------------------
-# strict: "16" is not an integer and 1 is not a bool, as OpenAI's API answers them with 400
+# strict: "16" is not an integer and 1 is not a bool, as OpenAI's API answers them with 400.
+# The sampling ranges are the native sampler's (gh_sampler_new), checked here so that a
+# streamed request is refused with a 400 before its stream starts, as an unstreamed one is.
+
+
+def _temperature(default: float):
+    return Field(default, ge=0, allow_inf_nan=False)
 
 
 class _Body(BaseModel):
@@ -81,11 +83,11 @@ class _Body(BaseModel):
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    temperature: float = _temperature(0.8)
+    top_p: float = Field(0.95, gt=0, allow_inf_nan=False)
+    top_k: int = Field(40, ge=-2**31, lt=2**31)
+    min_p: float = Field(0.05, ge=0, le=1, allow_inf_nan=False)
+    repeat_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
     stop: Union[str, list[str], None] = None
     seed: Optional[int] = None
     stream: bool = False
@@ -115,7 +117,7 @@ class Message(BaseModel):
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
-    temperature: float = 0.2
+    temperature: float = _temperature(0.2)
     max_completion_tokens: Optional[int] = None
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
@@ -147,9 +149,15 @@ class Server:
         self.n_ctx = self.slots[0].ctx.n_ctx
         self.max_tokens = s.max_tokens or self.n_ctx
         self.name = s.alias or Path(s.model).name.removesuffix(".gguf")
+        self.preparer = PromptPreparer(self.model, self.n_ctx, s.tokenize_timeout)
+        self.runner: TemplateRunner | None = None
+        self.template_stops: list[str] = []
+        self.template_warning = ""  # a template over a limit at load, for the startup line
         try:
-            self.template: ChatTemplate | None = ChatTemplate.from_model(self.model,
-                                                                         s.chat_template)
+            # compile=False: only the render worker runs the template's code (see
+            # templates.py); here it is needed for its special tokens.
+            self.template: ChatTemplate | None = ChatTemplate.from_model(
+                self.model, s.chat_template, compile=False)
             self.template_error = ""
         except ChatTemplateError as e:
             self.template, self.template_error = None, str(e)
@@ -159,12 +167,48 @@ class Server:
         self.metrics = Metrics()
         self.jobs: set[Job] = set()
         self.created = int(time.time())
+        if self.template is not None:
+            self._start_template()
+
+    def _start_template(self) -> None:
+        """The template's workers, and a trial render: a template over a limit for a
+        one-message chat is found now, not by the first request. From the file, it leaves
+        the server without chat (each chat request says why); from --chat-template-file,
+        it stops the server from starting."""
+        s = self.settings
+        # The output cap is what the context could hold: longer text cannot be a prompt.
+        self.runner = TemplateRunner(self.template, s.template_timeout, s.template_memory,
+                                     self.preparer.max_chars)
+        self.preparer.runner = self.runner
+        try:
+            self.template_stops = self.runner.trial()
+        except TemplateCompileError as e:
+            if s.chat_template_from_flag:
+                self.close()
+                raise ValueError(f"--chat-template-file: {e}") from None
+            self.runner.close()
+            self.template, self.runner, self.template_error = None, None, str(e)
+        except ChatTemplateLimitError as e:
+            msg = f"{e} (at load, for a one-message chat: chat completions are disabled)"
+            if s.chat_template_from_flag:
+                self.close()
+                raise ValueError(f"--chat-template-file: {e}") from None
+            self.runner.close()
+            self.template, self.runner, self.template_error = None, None, msg
+            self.template_warning = msg
+        except ChatTemplateError:
+            # Some templates refuse some chats; requests meet that themselves.
+            self.template_stops = [self.template.tokens["eos_token"]] \
+                if self.template.tokens.get("eos_token") else []
 
     def close(self) -> None:
         """Stop every generation, wait for the workers, free the model."""
         for job in list(self.jobs):
             job.cancel.set()
         self.executor.shutdown(wait=True)
+        self.preparer.close()
+        if self.runner is not None:
+            self.runner.close()
         self.model.close()
 
     # -- request handling ------------------------------------------------------------
@@ -174,8 +218,8 @@ class Server:
             raise APIError(404, f"The model '{name}' does not exist (this server has "
                            f"'{self.name}')", param="model", code="model_not_found")
 
-    def sampling(self, body: _Body, n_prompt: int, max_tokens: int | None) -> dict:
-        """ctx.stream keyword arguments from a request, with the server's limits."""
+    def check_request(self, body: _Body, max_tokens: int | None) -> None:
+        """What can be refused before the prompt is looked at."""
         if body.n != 1:
             raise APIError(400, "only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -188,6 +232,11 @@ class Server:
                            f"{self.max_tokens}", param="max_tokens")
         if max_tokens is not None and max_tokens < 0:
             raise APIError(400, "max_tokens must be >= 0", param="max_tokens")
+        check_logit_bias(body.logit_bias, self.model.n_vocab)
+
+    def sampling(self, body: _Body, n_prompt: int, max_tokens: int | None) -> dict:
+        """ctx.stream keyword arguments from a request, with the server's limits."""
+        self.check_request(body, max_tokens)
         if n_prompt >= self.n_ctx:
             raise APIError(400, f"This model's maximum context length is {self.n_ctx} tokens, "
                            f"but the prompt has {n_prompt} tokens", param="messages"
@@ -198,9 +247,10 @@ class Server:
                   top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                   repeat_penalty=body.repeat_penalty, seed=body.seed,
                   ignore_eos=body.ignore_eos)
-        if body.logit_bias:
+        bias = check_logit_bias(body.logit_bias, self.model.n_vocab)
+        if bias:
             try:
-                proc = api.make_logits_processor(self.model.eos_id, logit_bias=body.logit_bias)
+                proc = api.make_logits_processor(self.model.eos_id, logit_bias=bias)
             except (TypeError, ValueError) as e:
                 raise APIError(400, str(e), param="logit_bias") from None
             kw["logits_processor"] = proc
@@ -396,7 +446,7 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(title="powerinfer-cpp", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
-    app.add_middleware(_Guard, server=server)
+    app.add_middleware(Guard, server=server)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -450,14 +500,20 @@ def create_app(settings: Settings) -> FastAPI:
         server.check_model(body.model)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
+        server.check_request(body, body.max_tokens)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids, text = server.model.tokenize(prompt), prompt
+            ids = await server.preparer.tokenize(prompt, "prompt", server.model.tokenize)
+            text = prompt
         else:
+            if len(prompt) >= server.n_ctx:  # before a pass over up to a body's worth of ids
+                raise APIError(400, f"This model's maximum context length is {server.n_ctx} "
+                               f"tokens, but the prompt has {len(prompt)} tokens",
+                               param="prompt", code="context_length_exceeded")
             bad = [t for t in prompt if not 0 <= t < server.model.n_vocab]
             if bad or not prompt:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary" if bad
@@ -482,43 +538,41 @@ def create_app(settings: Settings) -> FastAPI:
         if body.response_format not in (None, {"type": "text"}):
             raise APIError(400, "only response_format {'type': 'text'} is supported",
                            param="response_format")
-        messages = [m.model_dump(exclude_none=False) for m in body.messages]
-        try:
-            prompt = server.template.render(messages, add_generation_prompt=True)
-        except (ChatTemplateError, TypeError, ValueError) as e:
-            raise APIError(400, str(e), param="messages") from None
-        ids = server.template.tokenize(server.model, prompt)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
+        server.check_request(body, max_tokens)
+        try:
+            messages = normalize_messages([m.model_dump(exclude_none=False)
+                                           for m in body.messages])
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="messages") from None
+        template = server.template
+        prompt = await server.preparer.render(messages)
+        ids = await server.preparer.tokenize(prompt, "messages",
+                                             lambda t: template.tokenize(server.model, t))
         kw = server.sampling(body, len(ids), max_tokens)
         stops = _stops(body.stop)
-        kw["stop"] = stops + [s for s in server.template.stop_strings() if s not in stops]
+        kw["stop"] = stops + [s for s in server.template_stops if s not in stops]
         return await server.run(request, ids, kw, body.stream, _ChatFormat(server, body))
 
     @app.get("/")
     async def index():
         return FileResponse(STATIC_DIR / "index.html")
 
-    @app.get("/static/{name}")
+    @app.get("/static/{name:path}")
     async def static(name: str):
-        path = (STATIC_DIR / name).resolve()
-        if path.parent != STATIC_DIR or not path.is_file():
-            raise APIError(404, f"no such file: {name}", type="not_found_error")
-        return FileResponse(path)
+        if name not in STATIC_FILES:
+            shown = name if len(name) <= 80 else name[:80] + "..."
+            raise APIError(404, f"no such file: {shown!r}", type="not_found_error")
+        return FileResponse(STATIC_DIR / name)
 
     return app
 
 
 async def _parse(request: Request, model: type[BaseModel]):
-    """The JSON body as `model` (whatever the Content-Type says, as OpenAI's API reads it);
+    """The JSON body as `model` (the guard has checked its Content-Type and size);
     APIError 400 for malformed JSON, a wrong type or a missing field."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
+    data = parse_json(await request.body())
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -534,78 +588,3 @@ def _stops(stop) -> list[str]:
         return api.stop_list(stop)
     except TypeError as e:
         raise APIError(400, str(e), param="stop") from None
-
-
-class _Guard:
-    """ASGI middleware in front of every route: the API key (Bearer) on /v1 and /metrics,
-    the body-size limit (413 before the route reads anything), and request counting."""
-
-    OPEN = ("/", "/health")
-
-    def __init__(self, app, server: Server):
-        self.app, self.server = app, server
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        s = self.server.settings
-        status_seen = {}
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                status_seen["status"] = message["status"]
-            await send(message)
-
-        try:
-            if s.api_key and path not in self.OPEN and not path.startswith("/static/"):
-                auth = _header(scope, b"authorization")
-                token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(token.encode(), s.api_key.encode()):
-                    resp = error_response(401, "Incorrect API key provided (send it as "
-                                          "'Authorization: Bearer KEY')",
-                                          code="invalid_api_key")
-                    return await resp(scope, receive, counting_send)
-            length = _header(scope, b"content-length")
-            if length.isdigit() and int(length) > s.max_body:
-                return await _too_large(s.max_body)(scope, receive, counting_send)
-            if scope.get("method") in ("POST", "PUT", "PATCH"):
-                # Read the body here, bounded, so a chunked upload cannot exceed the limit.
-                chunks, size = [], 0
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > s.max_body:
-                        return await _too_large(s.max_body)(scope, receive, counting_send)
-                    chunks.append(chunk)
-                    if not message.get("more_body"):
-                        break
-                body = b"".join(chunks)
-                replayed = False
-
-                async def replay():
-                    nonlocal replayed
-                    if not replayed:
-                        replayed = True
-                        return {"type": "http.request", "body": body, "more_body": False}
-                    return await receive()
-
-                return await self.app(scope, replay, counting_send)
-            return await self.app(scope, receive, counting_send)
-        finally:
-            self.server.metrics.count(path, status_seen.get("status", 0))
-
-
-def _too_large(limit: int) -> JSONResponse:
-    return error_response(413, f"the request body is larger than this server's limit of "
-                          f"{limit} bytes", code="request_too_large")
-
-
-def _header(scope, name: bytes) -> str:
-    for k, v in scope.get("headers", ()):
-        if k.lower() == name:
-            return v.decode("latin-1")
-    return ""

@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Normalized squared error bounds ||deq - ref||^2 / ||ref||^2 per storage type.
 # (f16 ~ 2^-11 relative rounding, bf16 ~ 2^-8; q8_0 step = absmax/127 and
 # q4_0 step = absmax/8 per 32-block of Gaussian-ish weights.)
-NMSE_BOUND = {Q.F32: 0.0, Q.F16: 1e-6, Q.BF16: 3e-5, Q.Q8_0: 1e-4, Q.Q4_0: 1.5e-2}
+NMSE_BOUND = {Q.F32: 0.0, Q.F16: 1e-6, Q.BF16: 3e-5, Q.Q8_0: 1e-4, Q.Q4_0: 1.5e-2, Q.Q4_1: 1.5e-2,
+              Q.Q5_0: 4e-3, Q.Q5_1: 4e-3}
 
 # name -> make_llama_model kwargs
 MODELS = {
@@ -68,17 +69,28 @@ def tensors(reader) -> dict:
     return out
 
 
-def expected_type(kind: str, shape, outtype: str):
+def expected_type(kind: str, shape, outtype: str, layer=None, n_layer=0, tied=False):
     """The storage type of the small MODELS (rows of 32..128: a K-quant's rows always fall
-    back, so the _m mixes' per-layer choice is test_k_mix_types')."""
+    back; the _m mixes' rule itself is test_k_mix_types')."""
+    from powerinfer_cpp.gguf_write import use_more_bits
     if len(shape) == 1:
         return Q.F32
-    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k": Q.Q4_K,
-         "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q4_k_m": Q.Q4_K, "q5_k_m": Q.Q5_K}[outtype]
+    if outtype in F.OUTTYPE_MIXES:
+        more = layer is not None and use_more_bits(layer, n_layer)
+        outtype = outtype[:-2]  # the base K-quant
+        if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and tied) or (
+                kind in (F.T_ATTN_V, F.T_FFN_DOWN) and more):
+            outtype = "q6_k"
+        return expected_type(kind if kind != F.T_TOKEN_EMBD and kind != F.T_OUTPUT else "", shape, outtype)
+    t = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
+         "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K, "q4_k_m": Q.Q4_K,
+         "q5_k_m": Q.Q5_K}[outtype]
     if kind in (F.T_TOKEN_EMBD, F.T_OUTPUT):
-        t = {Q.Q4_0: Q.Q8_0, Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K}.get(t, t)
+        t = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0, Q.Q4_K: Q.Q6_K,
+             Q.Q5_K: Q.Q6_K}.get(t, t)
     if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) and shape[-1] % 256:
-        t = Q.Q8_0 if shape[-1] % 32 == 0 else Q.F16  # llama.cpp's fallback, as near as we have
+        # llama.cpp's fallback
+        t = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}[t] if shape[-1] % 32 == 0 else Q.F16
     elif t not in (Q.F32, Q.F16, Q.BF16) and shape[-1] % 32:
         t = Q.F16
     return t
@@ -173,7 +185,7 @@ def test_convert_outtypes(hf_dirs, tmp_path, name, outtype):
         kind, layer, _ = F.parse_tensor_name(tname)
         w = ref[HF_NAME[kind].format(layer)]
         assert shape == w.shape, tname
-        assert ttype == expected_type(kind, shape, outtype), tname
+        assert ttype == expected_type(kind, shape, outtype, layer, n_layer, tied), tname
         if kind == F.T_ATTN_Q:
             data = unpermute_qk(data, n_head)
         elif kind == F.T_ATTN_K:
@@ -319,7 +331,7 @@ def test_k_mix_rule():
     """The mixes' other cases, from the rule as llama.cpp states it: Falcon's head Q8_0 and
     its q4_k_m ffn_down (Q6_K in the first sixteenth, Q5_K where use_more_bits), a fused
     attn_qkv one step up, a tied embedding as the head, the 70B LLaMA's attn_v, and rows
-    that are not whole K-blocks (Q8_0, then F16)."""
+    that are not whole K-blocks (llama.cpp's Q5_0 / Q5_1 / Q8_0, then F16)."""
     from powerinfer_cpp.gguf_write import QuantMix, storage_type, use_more_bits
 
     assert [i for i in range(32) if use_more_bits(i, 32)] == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27,
@@ -344,7 +356,8 @@ def test_k_mix_rule():
     assert st(F.T_FFN_DOWN, 3, "q4_k_m", llama, (256, 11008)) == Q.Q6_K  # 11008 = 43 blocks of 256
     assert storage_type(F.T_FFN_DOWN, (256, 1000), "q4_k_m", 3, llama) == (
         Q.F16, "row length 1000 is not a multiple of 256: stored as F16, not Q6_K")
-    assert storage_type(F.T_FFN_DOWN, (256, 800), "q4_k_m", 4, llama)[0] == Q.Q8_0
+    assert storage_type(F.T_FFN_DOWN, (256, 800), "q4_k_m", 4, llama)[0] == Q.Q5_0
+    assert storage_type(F.T_FFN_UP, (800, 800), "q5_k_m", 4, llama)[0] == Q.Q5_1
     assert storage_type(F.T_OUTPUT, (384, 64), "q6_k")[0] == Q.Q8_0
     assert st(F.T_ATTN_NORM, 0, "q4_k_m", llama, (256,)) == Q.F32
 
@@ -491,8 +504,8 @@ def test_bad_input(hf_dirs, tmp_path, case):
 
 
 def test_unknown_outtype(hf_dirs, tmp_path):
-    with pytest.raises(ConvertError, match="unknown outtype 'q5_0'"):
-        convert(hf_dirs["relu_tied"], tmp_path / "o.gguf", "q5_0", progress=False)
+    with pytest.raises(ConvertError, match="unknown outtype 'q7_0'"):
+        convert(hf_dirs["relu_tied"], tmp_path / "o.gguf", "q7_0", progress=False)
     assert_no_leftovers(tmp_path)
 
 

@@ -310,7 +310,10 @@ TOKEN_TYPE_BYTE = 6
 FILE_TYPE_ALL_F32 = 0
 FILE_TYPE_MOSTLY_F16 = 1
 FILE_TYPE_MOSTLY_Q4_0 = 2
+FILE_TYPE_MOSTLY_Q4_1 = 3
 FILE_TYPE_MOSTLY_Q8_0 = 7
+FILE_TYPE_MOSTLY_Q5_0 = 8
+FILE_TYPE_MOSTLY_Q5_1 = 9
 FILE_TYPE_MOSTLY_BF16 = 32
 FILE_TYPE_MOSTLY_Q4_K_S = 14
 FILE_TYPE_MOSTLY_Q4_K_M = 15
@@ -318,7 +321,8 @@ FILE_TYPE_MOSTLY_Q5_K_S = 16
 FILE_TYPE_MOSTLY_Q5_K_M = 17
 FILE_TYPE_MOSTLY_Q6_K = 18
 
-OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m")
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
+            "q4_k_m", "q5_k_m")
 #: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule).
 OUTTYPE_MIXES = ("q4_k_m", "q5_k_m")
 OUTTYPE_FILE_TYPE = {
@@ -327,6 +331,9 @@ OUTTYPE_FILE_TYPE = {
     "bf16": FILE_TYPE_MOSTLY_BF16,
     "q8_0": FILE_TYPE_MOSTLY_Q8_0,
     "q4_0": FILE_TYPE_MOSTLY_Q4_0,
+    "q4_1": FILE_TYPE_MOSTLY_Q4_1,
+    "q5_0": FILE_TYPE_MOSTLY_Q5_0,
+    "q5_1": FILE_TYPE_MOSTLY_Q5_1,
     # every matrix in the one K-quant (embeddings and head Q6_K): llama.cpp's _S names
     "q4_k": FILE_TYPE_MOSTLY_Q4_K_S,
     "q5_k": FILE_TYPE_MOSTLY_Q5_K_S,
@@ -339,7 +346,8 @@ OUTTYPE_FILE_TYPE = {
 #: length is not a multiple of it are stored as F16 instead.
 QUANT_BLOCK = 32
 #: The same for the K-quants (q4_k, q5_k, q6_k and the mixes): ggml's QK_K; their rows
-#: that are not whole K-blocks fall back to Q8_0 (then F16).
+#: that are not whole K-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q5_K to Q5_1,
+#: Q6_K to Q8_0; then F16).
 QUANT_BLOCK_K = 256
 
 # --------------------------------------------------------------------------

@@ -66,20 +66,21 @@ def use_more_bits(layer: int, n_layer: int) -> bool:
     return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
-_OUTTYPE_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k": "Q4_K",
-                 "q5_k": "Q5_K", "q6_k": "Q6_K", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}
+_OUTTYPE_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
+                 "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K",
+                 "q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}
 
 
 def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | None = None,
                  mix: QuantMix | None = None):
     """(GGML type, note) a dense tensor of this kind, layer and numpy shape is stored as.
 
-    1-D tensors (norms, biases, frequencies) are always F32. Q4_0 embeddings and heads
-    are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
+    1-D tensors (norms, biases, frequencies) are always F32. Q4_0 / Q4_1 / Q5_0 / Q5_1
+    embeddings and heads are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
     otherwise, as in llama.cpp). The mixes q4_k_m and q5_k_m choose per tensor as
     llama.cpp's quantizer does (_mix_type; ``mix`` says the model's layer count, whether
     the head is tied, ...). Block-quantized rows need a length divisible by the block size
-    (32; K-quants 256): other rows fall back to Q8_0 (K-quants) or F16."""
+    (32; K-quants 256): other rows fall back as llama.cpp's quantizer does (fit_rows)."""
     from gguf import GGMLQuantizationType as Q
     if len(shape) == 1:
         return Q.F32, ""
@@ -87,7 +88,8 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     if outtype in F.OUTTYPE_MIXES:
         t = _mix_type(kind, layer, t, mix or QuantMix())
     elif kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
-        t = {Q.Q4_0: Q.Q8_0, Q.Q4_K: Q.Q6_K, Q.Q5_K: Q.Q6_K}.get(t, t)
+        t = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0, Q.Q4_K: Q.Q6_K,
+             Q.Q5_K: Q.Q6_K}.get(t, t)
     return fit_rows(t, shape[-1])
 
 
@@ -121,15 +123,16 @@ def _mix_type(kind: str, layer: int | None, base, mix: QuantMix):
 
 def fit_rows(t, row_len: int):
     """(type, note): ``t`` if rows of ``row_len`` are whole blocks of it, else the fallback:
-    a K-quant Q8_0 (llama.cpp falls back to Q5_0 / Q5_1 / Q8_0, this runtime has Q8_0 of
-    those), then F16."""
+    llama.cpp's for a K-quant (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0: 32-value blocks of
+    about the same bits), then F16."""
     from gguf import GGMLQuantizationType as Q
     if t in (Q.F32, Q.F16, Q.BF16):
         return t, ""
     block = F.QUANT_BLOCK_K if t in k_quant_types() else F.QUANT_BLOCK
     if row_len % block == 0:
         return t, ""
-    fb = Q.Q8_0 if t in k_quant_types() and row_len % F.QUANT_BLOCK == 0 else Q.F16
+    k_fallback = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+    fb = k_fallback[t] if t in k_fallback and row_len % F.QUANT_BLOCK == 0 else Q.F16
     return fb, f"row length {row_len} is not a multiple of {block}: stored as {fb.name}, not {t.name}"
 
 

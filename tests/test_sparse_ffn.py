@@ -278,7 +278,7 @@ def test_sparse_ops_bad_args():
     assert lib.gh_op_sparse_down(F32, vptr(w), 4, 32, iptr(ids), fptr(a), 2, fptr(y), 1) == GH_ERR_RANGE
     assert "outside" in ffi.string(lib.gh_last_error()).decode()
     ok = np.array([1, 3], dtype=np.int32)
-    assert lib.gh_op_sparse_down(3, vptr(w), 4, 32, iptr(ok), fptr(a), 2, fptr(y), 1) == GH_ERR_INVALID_ARG
+    assert lib.gh_op_sparse_down(4, vptr(w), 4, 32, iptr(ok), fptr(a), 2, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert lib.gh_op_sparse_down(Q8_0, vptr(w), 4, 16, iptr(ok), fptr(a), 2, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert lib.gh_op_sparse_down(F32, vptr(w), 4, 32, iptr(ok), fptr(a), -1, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert lib.gh_op_sparse_down(F32, vptr(w), 4, 32, iptr(ok), fptr(a), 2, fptr(y), 0) == GH_ERR_INVALID_ARG

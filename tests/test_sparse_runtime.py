@@ -130,7 +130,8 @@ def test_matmul_t_bad_args():
     h = np.zeros((1, 4), dtype=np.float32)
     y = np.zeros((1, 32), dtype=np.float32)
     p = ffi.cast("void *", w.ctypes.data)
-    assert lib.gh_op_matmul_t(3, p, 4, 32, fptr(h), 1, fptr(y), 1) == GH_ERR_INVALID_ARG
+    # 4: no ggml type (the removed Q4_2)
+    assert lib.gh_op_matmul_t(4, p, 4, 32, fptr(h), 1, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert lib.gh_op_matmul_t(Q8_0, p, 4, 16, fptr(h), 1, fptr(y), 1) == GH_ERR_INVALID_ARG
     assert "block size" in ffi.string(lib.gh_last_error()).decode()
     assert lib.gh_op_matmul_t(F32, p, 0, 32, fptr(h), 1, fptr(y), 1) == GH_ERR_INVALID_ARG

@@ -18,7 +18,8 @@
 #include <stddef.h>
 #include <string.h>
 
-#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+/* (the file is built with the AVX2 level's flags: CMakeLists.txt) */
+#define AVX2_FN
 #define AVX2_INLINE AVX2_FN static inline __attribute__((always_inline))
 
 /* ---- float types, Q8_0 and Q4_0: one row and four rows ---- */

@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define Q4I_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+#define Q4I_INLINE static inline __attribute__((always_inline))
 
 /* s times the eight scales at d + i (f32 == 0: fp16 scales; 1: floats). */
 Q4I_INLINE __m256 scaled8(float s, const void * d, ptrdiff_t i, const int f32) {

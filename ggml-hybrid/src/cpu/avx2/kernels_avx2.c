@@ -18,7 +18,6 @@
  * Decode tiles prefetch the rows of the tile GH_PF_TILES ahead into L2 as one linear
  * stream (the four rows of a tile are four short streams the hardware prefetcher picks
  * up late); the gathered tiles prefetch the rows they are given, a slice per step. */
-#pragma GCC target("avx2,fma,f16c")
 
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/kernels.h"

@@ -16,7 +16,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#define KQ_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+#define KQ_INLINE static inline __attribute__((always_inline))
 
 enum { KQ4, KQ5, KQ6 };
 

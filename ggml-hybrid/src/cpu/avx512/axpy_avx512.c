@@ -12,7 +12,8 @@
 #include "cpu/avx2/kq_unpack.h"
 #include "cpu/avx2/axpy_int8.h"
 
-#define AVX512_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+/* (the file is built with the AVX-512 level's flags: CMakeLists.txt) */
+#define AVX512_FN
 
 /* ---- float types: 16 values per vector, masked tail ---- */
 
@@ -284,7 +285,7 @@ DEFINE_AXPY_KQ(axpy_q6_K_avx512, KQ6)
  * so that dword c holds the four rows' nibbles of column c, and meets the dword
  * (m_4p .. m_4p+3); the int32 sums are the AVX2 form's int16 ones (both exact), widened
  * and scaled alike, so the two levels agree bit for bit. */
-#define AVX512_VNNI_FN __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+#define AVX512_VNNI_FN
 #define BATCH_BLOCKS 8
 
 /* byte 4c + r of a quad's vector: byte c of row r (lane r as loaded) */

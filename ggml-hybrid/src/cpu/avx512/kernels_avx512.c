@@ -31,7 +31,6 @@
  * 5632: 22 vs 17 GB/s). A row sums exactly as in the tile (one accumulator, 16 values
  * per step), so the values, and the gathered-row tile's equality with them, are kept.
  * Four accumulators per row were no faster and slower at some alignments of x. */
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx512bf16,gfni,avx2,fma,f16c")
 
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/kernels.h"

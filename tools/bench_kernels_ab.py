@@ -16,7 +16,7 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
 GB/s = weight bytes read per call / time.
 
     PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
-        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch q4_0,q4_k,q5_k,q6_k [ROUNDS=60]
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k [ROUNDS=60]
 """
 import sys
 import time
@@ -28,7 +28,7 @@ from powerinfer_cpp._native import ffi
 libs = [ffi.dlopen(sys.argv[1]), ffi.dlopen(sys.argv[2])]
 simd, op, types = int(sys.argv[3]), sys.argv[4], sys.argv[5].split(",")
 rounds = int(sys.argv[6]) if len(sys.argv) > 6 else 60
-TYPES = {"q4_0": 2, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 for L in libs:
     assert L.gh_simd_set(simd) != -2, f"SIMD level {simd} not supported here"
 

@@ -1,4 +1,5 @@
-/* AVX2 axpy kernels of the transposed matmul: one row and four rows for every type, the
+/* AVX2 axpy kernels of the transposed matmul: one row and four rows for every type (the
+ * 32-value block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 through one body over the type), the
  * sixteen-row int8 forms of Q4_0 and the K-quants (one token and a batch), and the F32
  * row's dense-block tiles; the table of them is at the end.
  *
@@ -22,8 +23,7 @@
 #define AVX2_FN
 #define AVX2_INLINE AVX2_FN static inline __attribute__((always_inline))
 
-/* ---- float types, Q8_0 and Q4_0: one row and four rows ---- */
-
+/* ---- float types and the 32-value block types: one row and four rows ---- */
 
 AVX2_FN static void axpy_f32_avx2(int64_t n, float s, const void * row, float * restrict y) {
     const float * x = row;
@@ -116,22 +116,46 @@ AVX2_INLINE void block_scales4(const float * s, uint16_t d0, uint16_t d1, uint16
     _mm_storeu_ps(ds, _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(s)));
 }
 
-/* Every fourth block prefetches those four blocks' bytes of the pf rows (Q4_0: 72 bytes,
- * their first and last byte cover their lines; Q8_0: 136 bytes, the middle line too). */
-AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs) {
+/* The 32-value block types as `type` (a GH_TYPE_* constant at every call, so the branches
+ * fold away and the Q8_0 and Q4_0 instances are the instructions they were before the
+ * others came): Q8_0 { d, qs[32] }, Q4_0 { d, qs[16] }, Q4_1 { d, m, qs[16] },
+ * Q5_0 { d, qh[4], qs[16] }, Q5_1 { d, m, qh[4], qs[16] }. */
+AVX2_INLINE size_t b32_bytes(const int type) {
+    switch (type) {
+        case GH_TYPE_Q4_0: return sizeof(block_q4_0);
+        case GH_TYPE_Q4_1: return sizeof(block_q4_1);
+        case GH_TYPE_Q5_0: return sizeof(block_q5_0);
+        case GH_TYPE_Q5_1: return sizeof(block_q5_1);
+        default:           return sizeof(block_q8_0);
+    }
+}
+/* Q4_1 and Q5_1: x = d q + m, m the fp16 word after d */
+AVX2_INLINE bool b32_has_min(const int type) { return type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_1; }
+GH_STATIC_ASSERT(offsetof(block_q4_1, m) == 2 && offsetof(block_q5_1, m) == 2, "min after d");
+
+/* Every fourth block prefetches those four blocks' bytes of the pf rows: their first and
+ * last byte cover Q4_0's 72 bytes' lines, `mid` adds the line at +64 (the 80..96 bytes of
+ * Q4_1, Q5_0, Q5_1; Q8_0's 136 bytes would want it too, but its calls pass bs = 34 > 64,
+ * false, as before these types came: left as it was measured). */
+AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs, bool mid) {
     for (int k = 0; k < 4; k++) {
         _mm_prefetch((const char *) pf[k] + i * bs, _MM_HINT_T1);
-        if (bs > 64) _mm_prefetch((const char *) pf[k] + i * bs + 64, _MM_HINT_T1);
+        if (mid) _mm_prefetch((const char *) pf[k] + i * bs + 64, _MM_HINT_T1);
         _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);
     }
 }
 
-/* The values of a block widened straight from memory (the loads fold into vpmovzxbd /
- * vpmovsxbd, two or four per block instead of a load, shifts and four register widenings
- * on the shuffle port): v[j] = values 8j..8j+7 as int32. Q4_0: bytes 0..7 and 8..15 widened
- * once each give values 0..15 (low nibbles) and 16..31 (high nibbles). */
-AVX2_INLINE void block_i32(const bool is_q4, const uint8_t * qs, __m256i v[4]) {
-    if (is_q4) {
+/* The values of a block (b: its first byte) widened straight from memory (the loads fold
+ * into vpmovzxbd / vpmovsxbd, two or four per block instead of a load, shifts and four
+ * register widenings on the shuffle port): v[j] = values 8j..8j+7 as int32, the zero point
+ * taken out (Q4_0 8, Q5_0 16; not the min of Q4_1, Q5_1). The nibble types: bytes 0..7 and
+ * 8..15 widened once each give values 0..15 (low nibbles) and 16..31 (high nibbles); Q5's
+ * fifth bit of value 8j + l is bit 8j + l of the qh word, picked per lane by a mask. */
+AVX2_INLINE void block_i32(const int type, const uint8_t * b, __m256i v[4]) {
+    if (type == GH_TYPE_Q8_0) {
+        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (b + 2 + 8 * j)));
+    } else if (type == GH_TYPE_Q4_0) {
+        const uint8_t * qs = b + 2;
         const __m256i m4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
         const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs));
         const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8)));
@@ -140,49 +164,96 @@ AVX2_INLINE void block_i32(const bool is_q4, const uint8_t * qs, __m256i v[4]) {
         v[2] = _mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight);
         v[3] = _mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight);
     } else {
-        for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8 * j)));
+        const size_t qs_off = type == GH_TYPE_Q4_1 ? offsetof(block_q4_1, qs)
+                            : type == GH_TYPE_Q5_0 ? offsetof(block_q5_0, qs) : offsetof(block_q5_1, qs);
+        const uint8_t * qs = b + qs_off;
+        const __m256i m4 = _mm256_set1_epi32(0x0f);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8)));
+        v[0] = _mm256_and_si256(b0, m4);
+        v[1] = _mm256_and_si256(b1, m4);
+        v[2] = _mm256_srli_epi32(b0, 4);
+        v[3] = _mm256_srli_epi32(b1, 4);
+        if (type != GH_TYPE_Q4_1) {
+            uint32_t h;
+            memcpy(&h, b + (type == GH_TYPE_Q5_0 ? offsetof(block_q5_0, qh) : offsetof(block_q5_1, qh)), 4);
+            const __m256i hv = _mm256_set1_epi32((int) h);
+            const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+            for (int j = 0; j < 4; j++) {
+                const __m256i bit = _mm256_slli_epi32(lane, 8 * j); /* a constant */
+                const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(hv, bit), bit);
+                v[j] = type == GH_TYPE_Q5_1 ? _mm256_or_si256(v[j], _mm256_and_si256(set, _mm256_set1_epi32(16)))
+                                            /* Q5_0: q - 16 = nibble - 16 where the bit is clear */
+                                            : _mm256_add_epi32(v[j], _mm256_andnot_si256(set, _mm256_set1_epi32(-16)));
+            }
+        }
     }
 }
 
-/* One row: y[0..32) += s * d * (a block's values), per block. */
-AVX2_INLINE void axpy_quant_avx2(const bool is_q4, int64_t n, float s, const void * row, float * restrict y) {
-    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+/* One row: y[0..32) += s * d * (a block's values) (+ s * m for Q4_1, Q5_1), per block. */
+AVX2_INLINE void axpy_quant_avx2(const int type, int64_t n, float s, const void * row, float * restrict y) {
+    const size_t bs = b32_bytes(type);
     const uint8_t * b = row;
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
         uint16_t d;
         memcpy(&d, b + i * bs, 2);
         const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(d));
         __m256i v[4];
-        block_i32(is_q4, b + i * bs + 2, v);
+        block_i32(type, b + i * bs, v);
+        if (b32_has_min(type)) {
+            uint16_t m;
+            memcpy(&m, b + i * bs + 2, 2);
+            const __m256 ms = _mm256_set1_ps(s * _cvtsh_ss(m));
+            for (int j = 0; j < 4; j++) {
+                const __m256 t = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(v[j]), ms);
+                _mm256_storeu_ps(y + 8 * j, _mm256_add_ps(_mm256_loadu_ps(y + 8 * j), t));
+            }
+            continue;
+        }
         for (int j = 0; j < 4; j++) {
             _mm256_storeu_ps(y + 8 * j, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(v[j]), _mm256_loadu_ps(y + 8 * j)));
         }
     }
 }
 
-AVX2_FN static void axpy_q8_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_quant_avx2(false, n, s, row, y);
-}
-AVX2_FN static void axpy_q4_0_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_quant_avx2(true, n, s, row, y);
-}
+#define DEFINE_AXPY_B32_AVX2(name, TYPE)                                                     \
+    AVX2_FN static void name(int64_t n, float s, const void * row, float * restrict y) {     \
+        axpy_quant_avx2(TYPE, n, s, row, y);                                                 \
+    }
 
-AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, const void * const * row,
+DEFINE_AXPY_B32_AVX2(axpy_q8_0_avx2, GH_TYPE_Q8_0)
+DEFINE_AXPY_B32_AVX2(axpy_q4_0_avx2, GH_TYPE_Q4_0)
+DEFINE_AXPY_B32_AVX2(axpy_q4_1_avx2, GH_TYPE_Q4_1)
+DEFINE_AXPY_B32_AVX2(axpy_q5_0_avx2, GH_TYPE_Q5_0)
+DEFINE_AXPY_B32_AVX2(axpy_q5_1_avx2, GH_TYPE_Q5_1)
+
+/* Four rows: each vector of y starts from y plus the four rows' s * m (Q4_1, Q5_1), then
+ * adds s_k d_k q_k for k = 0..3. */
+AVX2_INLINE void axpy4_quant_avx2(const int type, int64_t n, const float * s, const void * const * row,
                                   const void * const * pf, float * restrict y) {
-    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const size_t bs = b32_bytes(type);
+    const bool mid = type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_0 || type == GH_TYPE_Q5_1;
     const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
-        if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs);
+        if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs, mid);
         uint16_t d[4];
         for (int k = 0; k < 4; k++) memcpy(&d[k], b[k] + i * bs, 2);
         float ds[4];
         block_scales4(s, d[0], d[1], d[2], d[3], ds);
         __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
                           _mm256_loadu_ps(y + 24) };
+        if (b32_has_min(type)) {
+            uint16_t m[4];
+            for (int k = 0; k < 4; k++) memcpy(&m[k], b[k] + i * bs + 2, 2);
+            float ms[4];
+            block_scales4(s, m[0], m[1], m[2], m[3], ms);
+            const __m256 g = _mm256_set1_ps((ms[0] + ms[1]) + (ms[2] + ms[3]));
+            for (int j = 0; j < 4; j++) acc[j] = _mm256_add_ps(acc[j], g);
+        }
         for (int k = 0; k < 4; k++) {
             const __m256 vd = _mm256_broadcast_ss(&ds[k]);
             __m256i v[4];
-            block_i32(is_q4, b[k] + i * bs + 2, v);
+            block_i32(type, b[k] + i * bs, v);
             for (int j = 0; j < 4; j++) acc[j] = _mm256_fmadd_ps(vd, _mm256_cvtepi32_ps(v[j]), acc[j]);
         }
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(y + 8 * j, acc[j]);
@@ -202,8 +273,11 @@ AVX2_INLINE void axpy4_quant_avx2(const bool is_q4, int64_t n, const float * s, 
 DEFINE_AXPY4_AVX2(axpy4_f32_avx2, axpy4_float_avx2, GH_TYPE_F32)
 DEFINE_AXPY4_AVX2(axpy4_f16_avx2, axpy4_float_avx2, GH_TYPE_F16)
 DEFINE_AXPY4_AVX2(axpy4_bf16_avx2, axpy4_float_avx2, GH_TYPE_BF16)
-DEFINE_AXPY4_AVX2(axpy4_q8_0_avx2, axpy4_quant_avx2, false)
-DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, true)
+DEFINE_AXPY4_AVX2(axpy4_q8_0_avx2, axpy4_quant_avx2, GH_TYPE_Q8_0)
+DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, GH_TYPE_Q4_0)
+DEFINE_AXPY4_AVX2(axpy4_q4_1_avx2, axpy4_quant_avx2, GH_TYPE_Q4_1)
+DEFINE_AXPY4_AVX2(axpy4_q5_0_avx2, axpy4_quant_avx2, GH_TYPE_Q5_0)
+DEFINE_AXPY4_AVX2(axpy4_q5_1_avx2, axpy4_quant_avx2, GH_TYPE_Q5_1)
 
 /* ---- K-quants ---- */
 
@@ -647,6 +721,9 @@ const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx2, .axpy4 = axpy4_q8_0_avx2, .axpy4pf = axpy4_q8_0_avx2pf },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx2, .axpy4 = axpy4_q4_0_avx2, .axpy4pf = axpy4_q4_0_avx2pf,
                        .axpy16 = axpy16_q4_0_avx2, .matmul16 = matmul16_q4_0_avx2 },
+    [GH_TYPE_Q4_1] = { .axpy = axpy_q4_1_avx2, .axpy4 = axpy4_q4_1_avx2, .axpy4pf = axpy4_q4_1_avx2pf },
+    [GH_TYPE_Q5_0] = { .axpy = axpy_q5_0_avx2, .axpy4 = axpy4_q5_0_avx2, .axpy4pf = axpy4_q5_0_avx2pf },
+    [GH_TYPE_Q5_1] = { .axpy = axpy_q5_1_avx2, .axpy4 = axpy4_q5_1_avx2, .axpy4pf = axpy4_q5_1_avx2pf },
     [GH_TYPE_Q4_K] = { .axpy = axpy_q4_K_avx2, .axpy4 = axpy_q4_K_avx2_4, .axpy4pf = axpy_q4_K_avx2_4pf,
                        .axpy16 = axpy16_q4_K_avx2, .matmul16 = matmul16_q4_K_avx2 },
     [GH_TYPE_Q5_K] = { .axpy = axpy_q5_K_avx2, .axpy4 = axpy_q5_K_avx2_4, .axpy4pf = axpy_q5_K_avx2_4pf,

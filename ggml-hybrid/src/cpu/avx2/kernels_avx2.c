@@ -4,6 +4,8 @@
  *   Q4_0 x Q8_X4: maddubs of the unsigned nibbles with the activation bytes, minus 8
  *                 times the activation block sum (carried by Q8_X4)
  *   Q8_0 x Q8_X4: maddubs of |w| with sign(w) * x
+ *   Q4_1, Q5_0, Q5_1 x Q8_X4: as Q4_0 (Q5: the fifth bit expanded to bytes; Q5_0's zero
+ *                 point 16 as Q4_0's 8; the min of Q4_1 / Q5_1 times the block sum in float)
  * One 256-bit register holds half a Q8_X4 group: two blocks, one per 128-bit lane.
  *
  * The quantized types run four rows at a time for any number of tokens (q_half_r4): the
@@ -215,7 +217,46 @@ static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
     }
 }
 
-/* ------------------------------------------------------------------ Q4_0, Q8_0 */
+/* ------------------------------------------------------------------ 32-value block types
+ *
+ * Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 against Q8_X4 run one tile; the block kind is a
+ * compile-time parameter (an enum constant at every call, so its branches fold away and
+ * the Q8_0 and Q4_0 instances are the instructions they were before the other kinds).
+ * The bytes of a block:
+ *   Q8_0 { d, qs[32] } 34;  Q4_0 { d, qs[16] } 18;  Q4_1 { d, m, qs[16] } 20;
+ *   Q5_0 { d, qh[4], qs[16] } 22;  Q5_1 { d, m, qh[4], qs[16] } 24.
+ * The 4- and 5-bit values go through maddubs unsigned (Q5: the nibble plus 16 times bit j
+ * of the qh word, expanded to bytes); a zero point (Q4_0 8, Q5_0 16) is that times the
+ * activation block sum, added to the integer sums; the min of Q4_1 and Q5_1 (x = d q + m)
+ * adds m d_x sum(a) per block in float (its fp16 m loaded like the scales). */
+
+enum { B_Q8_0, B_Q4_0, B_Q4_1, B_Q5_0, B_Q5_1 };
+
+GH_INLINE size_t b_bytes(const int kind) {
+    switch (kind) {
+        case B_Q4_0: return sizeof(block_q4_0);
+        case B_Q4_1: return sizeof(block_q4_1);
+        case B_Q5_0: return sizeof(block_q5_0);
+        case B_Q5_1: return sizeof(block_q5_1);
+        default:     return sizeof(block_q8_0);
+    }
+}
+
+/* offset of the quants (qs) in a block */
+GH_INLINE size_t b_qs(const int kind) {
+    switch (kind) {
+        case B_Q4_1: return offsetof(block_q4_1, qs);
+        case B_Q5_0: return offsetof(block_q5_0, qs);
+        case B_Q5_1: return offsetof(block_q5_1, qs);
+        default:     return 2;  /* after d: Q8_0, Q4_0 */
+    }
+}
+
+GH_INLINE bool b_is_q5(const int kind) { return kind == B_Q5_0 || kind == B_Q5_1; }
+GH_INLINE size_t b_qh(const int kind) { return kind == B_Q5_1 ? offsetof(block_q5_1, qh) : offsetof(block_q5_0, qh); }
+/* Q4_1 and Q5_1 carry a min, both at byte 2 */
+GH_INLINE bool b_has_min(const int kind) { return kind == B_Q4_1 || kind == B_Q5_1; }
+GH_STATIC_ASSERT(offsetof(block_q4_1, m) == 2 && offsetof(block_q5_1, m) == 2, "min after d");
 
 /* Two consecutive blocks of one weight row, unpacked: the unsigned maddubs operands for
  * values 0..15 (a) and 16..31 (b) of each block (lane i: block i), and for Q8_0 the signed
@@ -230,14 +271,30 @@ GH_INLINE __m256i load2x16(const uint8_t * p0, const uint8_t * p1) {
 }
 
 /* p: the first block of the pair */
-GH_INLINE wpair unpack_pair(const bool is_q4, const uint8_t * p) {
+GH_INLINE wpair unpack_pair(const int kind, const uint8_t * p) {
     wpair u;
-    if (is_q4) {
-        const __m256i q = load2x16(p + 2, p + sizeof(block_q4_0) + 2);
+    const size_t bs = b_bytes(kind);
+    if (kind != B_Q8_0) {
+        const __m256i q = load2x16(p + b_qs(kind), p + bs + b_qs(kind));
         const __m256i m4 = _mm256_set1_epi8(0x0f);
         u.a = _mm256_and_si256(q, m4);
         u.b = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         u.sa = u.sb = _mm256_setzero_si256();
+        if (b_is_q5(kind)) {
+            /* bit j of block i's qh word (bytes 0..3 of lane i; the 16 bytes read from qh
+             * stay inside the block) to 16 in byte j of a (j < 16) or j - 16 of b: qh byte
+             * j / 8 copied to 8 bytes, one bit of each kept, cmpeq makes it 0xff */
+            const __m256i h = load2x16(p + b_qh(kind), p + bs + b_qh(kind));
+            const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ull);
+            const __m256i ca = _mm256_setr_epi64x(0, 0x0101010101010101ll, 0, 0x0101010101010101ll);
+            const __m256i cb = _mm256_setr_epi64x(0x0202020202020202ll, 0x0303030303030303ll,
+                                                  0x0202020202020202ll, 0x0303030303030303ll);
+            const __m256i s16 = _mm256_set1_epi8(0x10);
+            const __m256i ha = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, ca), bit), bit);
+            const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, cb), bit), bit);
+            u.a = _mm256_or_si256(u.a, _mm256_and_si256(ha, s16));
+            u.b = _mm256_or_si256(u.b, _mm256_and_si256(hb, s16));
+        }
     } else {
         u.sa = load2x16(p + 2, p + sizeof(block_q8_0) + 2);
         u.sb = load2x16(p + 18, p + sizeof(block_q8_0) + 18);
@@ -249,10 +306,10 @@ GH_INLINE wpair unpack_pair(const bool is_q4, const uint8_t * p) {
 
 /* A row's pair against the activations' half group (xa, xc): int32 lanes 0..3 sum to
  * block 0's dot, lanes 4..7 to block 1's (no overflow: |products| <= 128 * 127 per pair of
- * values in maddubs, and Q4_0's two maddubs sum to at most 4 * 15 * 127). */
-GH_INLINE __m256i pair_dot(const bool is_q4, const wpair * u, __m256i xa, __m256i xc) {
+ * values in maddubs, and the 4/5-bit kinds' two maddubs sum to at most 4 * 31 * 127). */
+GH_INLINE __m256i pair_dot(const int kind, const wpair * u, __m256i xa, __m256i xc) {
     const __m256i ones = _mm256_set1_epi16(1);
-    if (is_q4) {
+    if (kind != B_Q8_0) {
         return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u->a, xa),
                                                   _mm256_maddubs_epi16(u->b, xc)), ones);
     }
@@ -268,7 +325,7 @@ GH_INLINE __m256i transpose_sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3)
     return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
 }
 
-/* The fp16 scales of four blocks bs bytes apart, words 0..3. */
+/* The fp16 words of four blocks bs bytes apart, words 0..3. */
 GH_INLINE __m128i scales4(const uint8_t * p, size_t bs) {
     uint16_t d[4];
     for (int k = 0; k < 4; k++) memcpy(&d[k], p + k * bs, 2);
@@ -276,7 +333,8 @@ GH_INLINE __m128i scales4(const uint8_t * p, size_t bs) {
     return _mm_cvtsi64_si128((long long) v);
 }
 
-/* dw[h], lane 4i + r: row r's scale of block 2h + i of the group at p[r]. */
+/* dw[h], lane 4i + r: row r's scale of block 2h + i of the group at p[r] (the min: p[r]
+ * pointing at the group's first m). */
 GH_INLINE void scales_r4(const uint8_t * const * p, size_t bs, __m256 dw[2]) {
     const __m128i a = _mm_unpacklo_epi16(scales4(p[0], bs), scales4(p[1], bs));
     const __m128i b = _mm_unpacklo_epi16(scales4(p[2], bs), scales4(p[3], bs));
@@ -284,57 +342,68 @@ GH_INLINE void scales_r4(const uint8_t * const * p, size_t bs, __m256 dw[2]) {
     dw[1] = _mm256_cvtph_ps(_mm_unpackhi_epi32(a, b));
 }
 
-/* acc (lane 4i + r: row r) += the four rows' pairs u against half h of group xg. */
-GH_INLINE __m256 q_half_r4(const bool is_q4, const wpair * u, const block_q8_x4 * xg, int h,
-                           __m256 dw, __m256 acc) {
+/* acc (lane 4i + r: row r) += the four rows' pairs u against half h of group xg; dw the
+ * rows' scales, dm their mins (Q4_1, Q5_1). */
+GH_INLINE __m256 q_half_r4(const int kind, const wpair * u, const block_q8_x4 * xg, int h,
+                           __m256 dw, __m256 dm, __m256 acc) {
     const __m256i xa = _mm256_loadu_si256((const __m256i *) (xg->qa + 32 * h));
     const __m256i xc = _mm256_loadu_si256((const __m256i *) (xg->qb + 32 * h));
-    __m256i s = transpose_sum4(pair_dot(is_q4, &u[0], xa, xc), pair_dot(is_q4, &u[1], xa, xc),
-                               pair_dot(is_q4, &u[2], xa, xc), pair_dot(is_q4, &u[3], xa, xc));
-    if (is_q4) { /* the zero point: + 8 * (-block sum) */
-        s = _mm256_add_epi32(s, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *) (xg->nsum + 8 * h)), 3));
+    __m256i s = transpose_sum4(pair_dot(kind, &u[0], xa, xc), pair_dot(kind, &u[1], xa, xc),
+                               pair_dot(kind, &u[2], xa, xc), pair_dot(kind, &u[3], xa, xc));
+    const __m256i nsum = _mm256_loadu_si256((const __m256i *) (xg->nsum + 8 * h));
+    if (kind == B_Q4_0 || kind == B_Q5_0) { /* the zero point 8 (16): + 8 (16) * (-block sum) */
+        s = _mm256_add_epi32(s, _mm256_slli_epi32(nsum, kind == B_Q4_0 ? 3 : 4));
     }
-    const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(xg->d + 8 * h));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+    const __m256 xd = _mm256_loadu_ps(xg->d + 8 * h);
+    const __m256 scale = _mm256_mul_ps(dw, xd);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc);
+    if (b_has_min(kind)) { /* + m d_x sum(a) = - m (d_x nsum) */
+        acc = _mm256_fnmadd_ps(dm, _mm256_mul_ps(xd, _mm256_cvtepi32_ps(nsum)), acc);
+    }
+    return acc;
 }
 
 /* One group of four blocks of the rows p[0..4) against NT tokens' groups (token t's at
  * xg + t * xs bytes). */
-GH_INLINE void q_group_r4(const int NT, const bool is_q4, const uint8_t * const * p,
+GH_INLINE void q_group_r4(const int NT, const int kind, const uint8_t * const * p,
                           const char * xg, size_t xs, __m256 * acc) {
-    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
-    __m256 dw[2];
+    const size_t bs = b_bytes(kind);
+    __m256 dw[2], dm[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
     scales_r4(p, bs, dw);
+    if (b_has_min(kind)) {
+        const uint8_t * pm[4] = { p[0] + 2, p[1] + 2, p[2] + 2, p[3] + 2 };
+        scales_r4(pm, bs, dm);
+    }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         wpair u[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) u[r] = unpack_pair(is_q4, p[r] + 2 * h * bs);
+        for (int r = 0; r < 4; r++) u[r] = unpack_pair(kind, p[r] + 2 * h * bs);
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
-            acc[t] = q_half_r4(is_q4, u, (const block_q8_x4 *) (xg + t * xs), h, dw[h], acc[t]);
+            acc[t] = q_half_r4(kind, u, (const block_q8_x4 *) (xg + t * xs), h, dw[h], dm[h], acc[t]);
         }
     }
 }
 
 /* A row's last 1..3 blocks copied into zeroed whole groups: zero blocks add exactly 0 (their
- * scale is 0), and nothing past the rows is read. */
-GH_INLINE void q_tail_r4(const int NT, const bool is_q4, const uint8_t * const * p,
+ * scale and min are 0), and nothing past the rows is read. */
+GH_INLINE void q_tail_r4(const int NT, const int kind, const uint8_t * const * p,
                          size_t avail, const char * xg, size_t xs, __m256 * acc) {
-    _Alignas(32) uint8_t tb[4][4 * sizeof(block_q8_0)];
+    _Alignas(32) uint8_t tb[4][4 * sizeof(block_q8_0)]; /* the largest block */
     memset(tb, 0, sizeof tb);
     const uint8_t * tp[4];
     for (int r = 0; r < 4; r++) {
         memcpy(tb[r], p[r], avail);
         tp[r] = tb[r];
     }
-    q_group_r4(NT, is_q4, tp, xg, xs, acc);
+    q_group_r4(NT, kind, tp, xg, xs, acc);
 }
 
 /* y[t][r] (4 floats per token) = rows[r] . X[t] for NT tokens (X[t] at x + t * xs). pfm:
  * PF_LINEAR prefetches bytes from pf[0] on (4 groups' worth per group), PF_ROWS each
  * group's bytes of the rows pf[0..4). */
-GH_INLINE void tile_q_r4(const int NT, const bool is_q4, const int pfm, int64_t n,
+GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
                          const uint8_t * const * rows, const void * const * pf, const void * x,
                          size_t xs, float (*y)[4]) {
     __m256 acc[QNT];
@@ -342,7 +411,7 @@ GH_INLINE void tile_q_r4(const int NT, const bool is_q4, const int pfm, int64_t 
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     const int64_t nb = n / 32;
     const int64_t ng_full = nb / 4;
-    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const size_t bs = b_bytes(kind);
     const size_t gb = 4 * bs; /* bytes of a row's group */
     const char * xb = x;
     const char * pl = pfm == PF_LINEAR ? pf[0] : NULL;
@@ -351,22 +420,23 @@ GH_INLINE void tile_q_r4(const int NT, const bool is_q4, const int pfm, int64_t 
 #pragma GCC unroll 8
             for (size_t k = 0; k < 4 * gb; k += 64) _mm_prefetch(pl + k, GH_PF_HINT);
             pl += 4 * gb;
-        } else if (pfm == PF_ROWS) { /* first and last byte cover a Q4_0 group's lines */
+        } else if (pfm == PF_ROWS) { /* first and last byte cover a Q4_0 group's lines (72
+                                      * bytes); the larger groups (80..136) the middle too */
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 const char * q = (const char *) pf[r] + g * gb;
                 _mm_prefetch(q, GH_PF_HINT);
-                if (!is_q4) _mm_prefetch(q + 64, GH_PF_HINT);
+                if (kind != B_Q4_0) _mm_prefetch(q + 64, GH_PF_HINT);
                 _mm_prefetch(q + gb - 1, GH_PF_HINT);
             }
         }
         const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
-        q_group_r4(NT, is_q4, p, xb + g * sizeof(block_q8_x4), xs, acc);
+        q_group_r4(NT, kind, p, xb + g * sizeof(block_q8_x4), xs, acc);
     }
     if (nb % 4) {
         const int64_t g = ng_full;
         const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
-        q_tail_r4(NT, is_q4, p, (size_t) (nb % 4) * bs, xb + g * sizeof(block_q8_x4), xs, acc);
+        q_tail_r4(NT, kind, p, (size_t) (nb % 4) * bs, xb + g * sizeof(block_q8_x4), xs, acc);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) {
@@ -375,14 +445,14 @@ GH_INLINE void tile_q_r4(const int NT, const bool is_q4, const int pfm, int64_t 
     }
 }
 
-GH_INLINE void gemm_q(const bool is_q4, int64_t n, const void * w, size_t ws, int nr,
+GH_INLINE void gemm_q(const int kind, int64_t n, const void * w, size_t ws, int nr,
                       const void * x, size_t xs, int nt, float * y, int64_t ldy) {
     const uint8_t * rows[4];
     for (int r = 0; r < 4; r++) rows[r] = (const uint8_t *) w + (size_t) GH_MIN(r, nr - 1) * ws;
     float out[QNT][4];
     if (nt == 1) {
         const void * pf[1] = { (const uint8_t *) w + GH_PF_TILES * 4 * ws };
-        tile_q_r4(1, is_q4, PF_LINEAR, n, rows, pf, x, xs, out);
+        tile_q_r4(1, kind, PF_LINEAR, n, rows, pf, x, xs, out);
         for (int r = 0; r < nr; r++) y[r] = out[0][r];
         return;
     }
@@ -390,26 +460,39 @@ GH_INLINE void gemm_q(const bool is_q4, int64_t n, const void * w, size_t ws, in
         const char * xt = (const char *) x + t * xs;
         const int tn = GH_MIN(QNT, nt - t);
         switch (tn) {
-            case 1: tile_q_r4(1, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            case 2: tile_q_r4(2, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            case 3: tile_q_r4(3, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            case 4: tile_q_r4(4, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            case 5: tile_q_r4(5, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            default: tile_q_r4(6, is_q4, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 1: tile_q_r4(1, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 2: tile_q_r4(2, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 3: tile_q_r4(3, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 4: tile_q_r4(4, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 5: tile_q_r4(5, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            default: tile_q_r4(6, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
         }
         for (int k = 0; k < tn; k++)
             for (int r = 0; r < nr; r++) y[(t + k) * ldy + r] = out[k][r];
     }
 }
 
-static void gemm_q8_0(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs,
-                      int nt, float * y, int64_t ldy) {
-    gemm_q(false, n, w, ws, nr, x, xs, nt, y, ldy);
-}
-static void gemm_q4_0(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs,
-                      int nt, float * y, int64_t ldy) {
-    gemm_q(true, n, w, ws, nr, x, xs, nt, y, ldy);
-}
+/* Per kind: the tile; the vec_dot, a four-row tile of one repeated row (off the hot paths:
+ * the sparse row-dots take dot4); and the gathered four-row tile (kernels.h, gh_dot4_fn:
+ * the decode tile with a pointer per row, so each value equals the dense decode tile's). */
+#define DEFINE_GEMM_Q(sfx, KIND)                                                              \
+    static void gemm_##sfx(int64_t n, const void * w, size_t ws, int nr, const void * x,     \
+                           size_t xs, int nt, float * y, int64_t ldy) {                      \
+        gemm_q(KIND, n, w, ws, nr, x, xs, nt, y, ldy);                                        \
+    }                                                                                         \
+    static void vec_dot_##sfx(int64_t n, float * s, const void * w, const void * x) {        \
+        gemm_q(KIND, n, w, 0, 1, x, 0, 1, s, 1);                                              \
+    }                                                                                         \
+    static void dot4_##sfx(int64_t n, const void * const * rows, const void * const * pf,    \
+                           const void * x, float * y) {                                       \
+        tile_q_r4(1, KIND, PF_ROWS, n, (const uint8_t * const *) rows, pf, x, 0, (float (*)[4]) y); \
+    }
+
+DEFINE_GEMM_Q(q8_0, B_Q8_0)
+DEFINE_GEMM_Q(q4_0, B_Q4_0)
+DEFINE_GEMM_Q(q4_1, B_Q4_1)
+DEFINE_GEMM_Q(q5_0, B_Q5_0)
+DEFINE_GEMM_Q(q5_1, B_Q5_1)
 
 /* ------------------------------------------------------------------ gathered rows */
 
@@ -426,12 +509,7 @@ static void dot4_f32(int64_t n, const void * const * rows, const void * const * 
 static void dot4_f16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
     dot4_f(W_F16, n, rows, pf, x, y);
 }
-static void dot4_q8_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
-    tile_q_r4(1, false, PF_ROWS, n, (const uint8_t * const *) rows, pf, x, 0, (float (*)[4]) y);
-}
-static void dot4_q4_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
-    tile_q_r4(1, true, PF_ROWS, n, (const uint8_t * const *) rows, pf, x, 0, (float (*)[4]) y);
-}
+/* the quantized types' dot4: DEFINE_GEMM_Q */
 
 /* ------------------------------------------------------------------ dispatch */
 
@@ -476,10 +554,7 @@ DEFINE_GEMM_F(gemm_bf16, F_MR, F_NT, W_BF16)
 DEFINE_DOT(vec_dot_f32, gemm_f32)
 DEFINE_DOT(vec_dot_f16, gemm_f16)
 DEFINE_DOT(vec_dot_bf16, gemm_bf16)
-/* a four-row tile of one repeated row: these are off the hot paths (the sparse row-dots
- * take dot4) */
-DEFINE_DOT(vec_dot_q8_0, gemm_q8_0)
-DEFINE_DOT(vec_dot_q4_0, gemm_q4_0)
+/* the quantized types' vec_dot: DEFINE_GEMM_Q */
 
 /* ------------------------------------------------------------------ K-quants x Q8_K
  *
@@ -711,6 +786,9 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL),
     [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0),
     [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0),
+    [GH_TYPE_Q4_1] = GH_DOT_ROW(vec_dot_q4_1, q8_x4_from_float_x, gemm_q4_1, 4, QNT, 4, dot4_q4_1),
+    [GH_TYPE_Q5_0] = GH_DOT_ROW(vec_dot_q5_0, q8_x4_from_float_x, gemm_q5_0, 4, QNT, 4, dot4_q5_0),
+    [GH_TYPE_Q5_1] = GH_DOT_ROW(vec_dot_q5_1, q8_x4_from_float_x, gemm_q5_1, 4, QNT, 4, dot4_q5_1),
     [GH_TYPE_Q4_K] = GH_DOT_ROW(vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K),
     [GH_TYPE_Q5_K] = GH_DOT_ROW(vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K),
     [GH_TYPE_Q6_K] = GH_DOT_ROW(vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K),

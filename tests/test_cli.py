@@ -53,3 +53,42 @@ def test_errors_are_messages_not_tracebacks(args, msg):
     assert r.returncode == 1
     assert r.stderr.startswith("error:") and msg in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# -- the other command lines: their --help and their noise ------------------------------
+
+@pytest.mark.parametrize("module", ["generate", "convert", "inspect", "place", "server"])
+def test_help_has_no_literal_percent_escapes(module):
+    """argparse %-formats help strings but not group titles: a `2%%` there shows as is."""
+    r = subprocess.run([sys.executable, "-m", f"powerinfer_cpp.{module}", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "%%" not in r.stdout and "usage:" in r.stdout
+
+
+def test_convert_keeps_library_noise_out_of_the_terminal(tmp_path):
+    """gguf's "Writing the following files" with temp-file paths shows only with -v."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = os.path.join(repo, "models", "tiny-relu-kjv")
+    cmd = [sys.executable, "-m", "powerinfer_cpp.convert", src, "-o", str(tmp_path / "t.gguf"),
+           "--dense"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "wrote" in r.stderr and "LlamaForCausalLM" in r.stderr  # our own lines stay
+    for noise in ("Writing the following files", ".tmp", "Little Endian"):
+        assert noise not in r.stderr + r.stdout
+    v = subprocess.run(cmd + ["-v"], capture_output=True, text=True, timeout=300)
+    assert v.returncode == 0 and "Writing the following files" in v.stderr
+
+
+def test_convert_logging_hides_python_mip_version_line():
+    """python-mip logs its version at INFO when the placement imports it."""
+    pytest.importorskip("mip")
+    code = ("import logging\n"
+            "from powerinfer_cpp.convert.cli import _setup_logging\n"
+            "_setup_logging(quiet=False, verbose=False)\n"
+            "import mip\n"
+            "logging.getLogger('powerinfer_cpp.convert').info('ours')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "ours\n" and r.stdout == ""

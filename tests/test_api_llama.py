@@ -211,3 +211,125 @@ def test_close_waits_for_the_call_in_flight(shipped_gguf):
     assert "ok" in result
     with pytest.raises(RuntimeError, match="closed"):
         l("x")
+
+
+# -- the rest of llama-cpp-python's Llama ------------------------------------------------
+
+# Every public method of llama-cpp-python's Llama (0.3.x), and the ones refused here.
+LLAMA_CPP_PYTHON_METHODS = [
+    "tokenize", "detokenize", "set_cache", "set_seed", "reset", "eval", "sample", "generate",
+    "create_embedding", "embed", "create_completion", "__call__", "create_chat_completion",
+    "create_chat_completion_openai_v1", "save_state", "load_state", "n_ctx", "n_embd",
+    "n_vocab", "tokenizer", "token_eos", "token_bos", "token_nl", "pooling_type", "close",
+    "logits_to_logprobs", "longest_token_prefix", "from_pretrained",
+]
+REFUSED = {
+    "embed": (["x"], "embeddings"), "create_embedding": (["x"], "embeddings"),
+    "pooling_type": ([], "embeddings"), "save_state": ([], "KV cache"),
+    "load_state": ([None], "KV cache"), "set_cache": ([object()], "KV cache"),
+}
+
+
+def test_every_llama_cpp_python_method_exists(llm):
+    missing = [m for m in LLAMA_CPP_PYTHON_METHODS if not callable(getattr(llm, m, None))]
+    assert not missing
+
+
+@pytest.mark.parametrize("method", sorted(REFUSED))
+def test_unsupported_methods_raise_the_clear_error(llm, method):
+    from powerinfer_cpp import UnsupportedFeatureError
+
+    args, why = REFUSED[method]
+    with pytest.raises(UnsupportedFeatureError,
+                       match=rf"Llama\.{method}\(\): not supported by powerinfer-cpp: .*{why}") as e:
+        getattr(llm, method)(*args)
+    # one `except` for every refusal, and the exception Python code expects of a gap
+    assert isinstance(e.value, UnsupportedArgumentError) and isinstance(e.value,
+                                                                        NotImplementedError)
+    with pytest.raises(NotImplementedError, match="download the .gguf"):
+        Llama.from_pretrained("org/repo", "model.gguf")
+    llm.set_cache(None)  # no cache: nothing to refuse
+
+
+def test_eval_sample_generate_equal_the_completion(llm, reference):
+    prompt = llm.tokenize(b"And God said")
+    want = reference.generate("And God said", max_tokens=10, temperature=0).tokens
+    llm.reset()
+    assert llm.n_tokens == 0 and len(llm.eval_logits) == 0
+    llm.eval(prompt)
+    assert llm.n_tokens == len(prompt) and llm.input_ids.tolist() == prompt
+    assert list(llm.eval_tokens) == prompt and len(llm.eval_logits[0]) == llm.n_vocab()
+    assert llm.sample(temp=0) == want[0]
+    llm.eval([want[0]])
+    assert llm.sample(temp=0) == want[1] and llm.n_tokens == len(prompt) + 1
+
+    got = []
+    for tok in llm.generate(prompt, temp=0):
+        got.append(tok)
+        if len(got) == len(want):
+            break
+    assert got == want
+    # the context holds the prompt and what was evaluated after it; reset=True reuses it
+    assert llm.input_ids.tolist() == prompt + want[:-1]
+    assert next(llm.generate(prompt + want[:3], temp=0)) == want[3]
+    # stopping_criteria end the generator
+    stop_at_3 = lambda ids, logits: len(ids) >= len(prompt) + 3  # noqa: E731
+    assert list(llm.generate(prompt, temp=0, stopping_criteria=[stop_at_3])) == want[:3]
+    with pytest.raises(UnsupportedArgumentError, match="mirostat_mode=2"):
+        llm.generate(prompt, mirostat_mode=2)
+    llm("And God said", max_tokens=2)  # a completion changes the cache: no stale logits
+    with pytest.raises(RuntimeError, match="eval"):
+        llm.sample()
+
+
+def test_generate_send_and_no_reset(llm, reference):
+    prompt = llm.tokenize(b"And God said")
+    extra = llm.tokenize(b" unto", add_bos=False)
+    gen = llm.generate(prompt, temp=0)
+    first = next(gen)
+    second = gen.send(extra)  # evaluated after `first`, then sampled
+    gen.close()
+    want = reference.generate(prompt + [first] + extra, max_tokens=1, temperature=0).tokens
+    assert second == want[0]
+    # reset=False: the tokens go after what the context holds
+    llm.reset()
+    llm.eval(prompt[:2])
+    tok = next(llm.generate(prompt[2:], temp=0, reset=False))
+    assert tok == reference.generate(prompt, max_tokens=1, temperature=0).tokens[0]
+
+
+def test_small_methods(llm, shipped_gguf):
+    import pickle
+
+    assert llm.n_embd() == llm.model.info.n_embd
+    nl = llm.token_nl()
+    assert llm.detokenize([nl]) == b"\n"
+    tok = llm.tokenizer()
+    ids = tok.encode("And God said")
+    assert ids == llm.tokenize(b"And God said") and tok.decode(ids) == "And God said"
+    assert Llama.longest_token_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert Llama.longest_token_prefix([], [1]) == 0
+    x = np.array([[1.0, 2.0, 3.0], [-np.inf, 0.0, 1.0]], dtype=np.float32)  # a masked logit
+    lp = Llama.logits_to_logprobs(x)
+    row = x[0].astype(np.float64)
+    assert np.allclose(lp[0], row - row.max() - np.log(np.exp(row - row.max()).sum()))
+    assert lp.dtype == np.float32 and lp[1, 0] == -np.inf
+    llm.set_seed(11)
+    a = llm("And God said", max_tokens=8, temperature=1.0)["choices"][0]["text"]
+    llm.set_seed(11)
+    assert llm("And God said", max_tokens=8, temperature=1.0)["choices"][0]["text"] == a
+    with pickle.loads(pickle.dumps(llm)) as copy:
+        assert copy.n_ctx() == llm.n_ctx() and copy.model_path == llm.model_path
+
+
+def test_create_chat_completion_openai_v1(llm):
+    openai_types = pytest.importorskip("openai.types.chat")
+    msgs = [{"role": "user", "content": "Who made the light?"}]
+    out = llm.create_chat_completion_openai_v1(msgs, max_tokens=6, temperature=0)
+    assert isinstance(out, openai_types.ChatCompletion)
+    assert out.choices[0].message.content == \
+        llm.create_chat_completion(msgs, max_tokens=6, temperature=0)["choices"][0]["message"][
+            "content"]
+    chunks = list(llm.create_chat_completion_openai_v1(msgs, max_tokens=6, temperature=0,
+                                                       stream=True))
+    assert all(isinstance(c, openai_types.ChatCompletionChunk) for c in chunks)

@@ -317,3 +317,28 @@ def test_place_side_file_is_the_index(sparse_path, tmp_path):
         f.write(b"\0" * 32)
     with pytest.raises(Exception, match="was made for a model file of"):
         Model(str(model))
+
+
+def test_inspect_shows_the_side_file_index(sparse_path, tmp_path):
+    """After `place`, inspect reports the index the runtime uses (the side file's), not the
+    file's own empty one ("budget 0 B", 0 GPU neurons), and says when it is stale."""
+    from gguf import GGUFReader
+
+    from powerinfer_cpp.inspect import describe
+    from powerinfer_cpp.place import main as place_main
+
+    model = tmp_path / "m.gguf"
+    shutil.copy(sparse_path, model)
+    side = str(model) + ".generated.gpuidx"
+    assert place_main([str(model), "--vram-budget", "3M", "-q", "--ctx", "64"]) == 0
+    per_layer = [int(np.asarray(t.data).sum()) for t in GGUFReader(side).tensors
+                 if t.name.endswith(".gpu_idx")]
+    text = describe(model)
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("gpu index:")]
+    assert line.startswith("gpu index: budget 3.00 MiB") and f"side file {side}" in line
+    rows = text.split("GPU neurons\n")[1].splitlines()[:len(per_layer)]
+    assert [int(r.split()[-1]) for r in rows] == per_layer and sum(per_layer) > 0
+    with open(model, "ab") as f:  # the model changes: the runtime refuses the side file
+        f.write(b"\0" * 32)
+    stale = describe(model)
+    assert "was made for a model file of" in stale and "budget 3.00 MiB" not in stale

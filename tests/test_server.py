@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,23 @@ def test_models_health_and_page(server):
     assert httpx.get(server + "/health").json()["status"] == "ok"
     page = httpx.get(server + "/")
     assert page.status_code == 200 and "chat.js" in page.text
+
+
+def test_any_model_name_is_answered_by_the_one_model(server, client, model_file, reference):
+    """Clients hard-code "gpt-3.5-turbo" or send the file's name: the one model answers,
+    and /v1/models lists the names it goes by."""
+    path = Path(model_file)
+    (entry,) = httpx.get(server + "/v1/models").json()["data"]
+    assert entry["aliases"] == ["tiny", path.stem, path.name]
+    want = reference[("And God said", 8)]
+    for name in ("gpt-3.5-turbo", path.name, path.stem, "tiny"):
+        out = client.completions.create(model=name, prompt="And God said", max_tokens=8,
+                                        temperature=0)
+        assert out.choices[0].text == want and out.model == "tiny"
+    chat = client.chat.completions.create(
+        model="gpt-4o", messages=[{"role": "user", "content": "Who made the light?"}],
+        max_tokens=4, temperature=0)
+    assert chat.model == "tiny" and chat.choices[0].message.content is not None
 
 
 def test_completion_with_the_openai_client(client, reference):
@@ -179,7 +197,6 @@ def test_bad_requests_get_openai_errors(server):
     _error(httpx.post(url, json={"prompt": "x", "temperature": "hot"}), 400, param="temperature")
     _error(httpx.post(url, json={"prompt": "x", "stream": 1}), 400, param="stream")
     _error(httpx.post(url, json={"max_tokens": 3}), 400, param="prompt")
-    _error(httpx.post(url, json={"prompt": "x", "model": "gpt-4"}), 404, code="model_not_found")
     _error(httpx.post(url, json={"prompt": "And God said " * 60}), 400,
            code="context_length_exceeded")
     _error(httpx.post(url, json={"prompt": "x", "max_tokens": 10_000}), 400, param="max_tokens")

@@ -165,7 +165,7 @@ def _gen(*args):
     (["--temp", "-1"], "temperature"),
     (["--top-k", "100000000000"], "top_k"),
     (["--repeat-last-n", "100000000000"], "repeat_last_n"),
-    (["-n", "-5"], "max_tokens"),
+    (["-n", "-5"], "-n -5: expected a number of tokens >= 0, or -1"),  # the flag, not the API
     (["--ctx", "2"], "context holds only 2"),
 ])
 def test_generate_bad_flags_fail_before_echoing_the_prompt(shipped_gguf, capsys, args, words):

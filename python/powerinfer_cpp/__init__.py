@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Model": "model", "Context": "model", "Completion": "model", "ModelInfo": "model",
     "device_available": "model", "parse_size": "model",
-    "Llama": "api", "UnsupportedArgumentError": "api",
+    "Llama": "api", "UnsupportedArgumentError": "api", "UnsupportedFeatureError": "api",
     "ChatTemplate": "chat", "ChatTemplateError": "chat",
     "NativeError": "_native", "NativeIOError": "_native", "NativeValueError": "_native",
     "NativeBusyError": "_native",

@@ -28,13 +28,14 @@ import threading
 import time
 import uuid
 import warnings
+from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .chat import ChatTemplate, ChatTemplateError
 
-__all__ = ["Llama", "UnsupportedArgumentError", "LLAMA_DEFAULT_SEED"]
+__all__ = ["Llama", "UnsupportedArgumentError", "UnsupportedFeatureError", "LLAMA_DEFAULT_SEED"]
 
 # llama.cpp's "pick a random seed" value, as llama-cpp-python's Llama(seed=...) default
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -43,6 +44,23 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 class UnsupportedArgumentError(ValueError):
     """A llama-cpp-python argument this engine does not implement was given a value
     other than its default."""
+
+
+class UnsupportedFeatureError(UnsupportedArgumentError, NotImplementedError):
+    """A llama-cpp-python method this engine does not implement. Both an
+    UnsupportedArgumentError (one `except` catches every "not supported") and a
+    NotImplementedError (what Python code expects of a missing feature)."""
+
+
+def _not_supported(method: str, why: str):
+    raise UnsupportedFeatureError(f"Llama.{method}(): not supported by powerinfer-cpp: {why} "
+                                  "(see docs/API.md)")
+
+
+_NO_EMBEDDINGS = ("embeddings are not implemented yet (the model computes hidden states but "
+                  "does not pool them)")
+_NO_STATE = ("the context's KV cache cannot be saved or restored yet; it keeps the longest "
+             "common prefix of the tokens between calls by itself")
 
 
 # llama-cpp-python's Llama() arguments we do not implement, with their defaults there.
@@ -268,6 +286,15 @@ class Llama:
         check_unsupported("Llama()", kwargs, _INIT_UNSUPPORTED)
         from .model import Model, device_available
 
+        # what __getstate__ pickles: a Llama is rebuilt from its arguments, as in llama-cpp-python
+        self._init_args = dict(
+            model_path=model_path, n_gpu_layers=n_gpu_layers, seed=seed, n_ctx=n_ctx,
+            n_batch=n_batch, n_threads=n_threads, n_threads_batch=n_threads_batch,
+            use_mmap=use_mmap, last_n_tokens_size=last_n_tokens_size, chat_format=chat_format,
+            verbose=verbose, chat_template=chat_template, ffn=ffn, device=device,
+            vram_budget=vram_budget, **kwargs)
+        self._last_logits: np.ndarray | None = None  # of the last eval(), for sample()
+
         if n_threads_batch is not None and n_threads_batch != n_threads:
             raise UnsupportedArgumentError(
                 "Llama(): n_threads_batch must equal n_threads (one thread count is used for "
@@ -399,7 +426,225 @@ class Llama:
 
     def reset(self) -> None:
         """Forget the cached tokens."""
-        self._call(lambda: self._ctx.reset())
+        def work():
+            self._ctx.reset()
+            self._last_logits = None
+
+        self._call(work)
+
+    def n_embd(self) -> int:
+        """The width of the hidden state."""
+        return self._live().info.n_embd
+
+    def token_nl(self) -> int:
+        """The newline token: the last token of "\\n" encoded alone (a SentencePiece
+        vocabulary puts a space marker first), -1 if none."""
+        ids = self._live().tokenizer.encode("\n", add_bos=False)
+        return ids[-1] if ids else -1
+
+    def tokenizer(self) -> "LlamaTokenizer":
+        """The model's tokenizer behind llama-cpp-python's LlamaTokenizer interface."""
+        self._live()
+        return LlamaTokenizer(self)
+
+    def set_seed(self, seed: int) -> None:
+        """Restart the seeds of the calls that pass none from `seed` (-1: random)."""
+        self._seed_rng = random.Random(None if seed in (None, -1, LLAMA_DEFAULT_SEED)
+                                       else int(seed))
+
+    def set_cache(self, cache) -> None:
+        """None (no cache object) is accepted; the context keeps the longest common prefix
+        of its tokens between calls by itself. A LlamaRAMCache / LlamaDiskCache of
+        several saved states is not supported."""
+        if cache is not None:
+            _not_supported("set_cache", "a cache of saved states needs save_state(), and "
+                           + _NO_STATE)
+
+    # -- tokens in, logits out: llama-cpp-python's low-level loop ----------------------
+
+    @property
+    def n_tokens(self) -> int:
+        """How many tokens the context holds."""
+        self._live()
+        return self._ctx.n_past
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        """The ids of the tokens the context holds (np.intc; exactly n_tokens long, not
+        n_ctx as in llama-cpp-python)."""
+        self._live()
+        return np.asarray(self._ctx.cached_tokens, dtype=np.intc)
+
+    @property
+    def eval_tokens(self) -> deque:
+        """The tokens the context holds, as a deque."""
+        return deque(self.input_ids.tolist(), maxlen=self.n_ctx())
+
+    @property
+    def eval_logits(self) -> deque:
+        """The logits of the last evaluated token (a deque of one row, as
+        llama-cpp-python keeps without logits_all; empty before the first eval)."""
+        rows = [] if self._last_logits is None else [self._last_logits.tolist()]
+        return deque(rows, maxlen=1)
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate `tokens` after the ones the context holds (n_tokens grows by their
+        number); sample() then picks the next token from the last one's logits."""
+        ids = [int(t) for t in tokens]
+
+        def work():
+            self._last_logits = self._ctx.eval(ids)
+
+        self._call(work)
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+               typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0,
+               frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+               tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_eta: float = 0.1,
+               mirostat_tau: float = 5.0, penalize_nl: bool = True, logits_processor=None,
+               grammar=None, idx: int | None = None, *, seed: int | None = None) -> int:
+        """A token sampled from the logits of the last eval() (the repeat penalty looks
+        at the last last_n_tokens_size tokens the context holds)."""
+        check_unsupported("Llama.sample()", dict(
+            typical_p=typical_p, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+            mirostat_eta=mirostat_eta, mirostat_tau=mirostat_tau, grammar=grammar),
+            _GEN_UNSUPPORTED)
+        if idx is not None and idx != self.n_tokens - 1:
+            _not_supported("sample", "idx other than the last token (only its logits are kept)")
+        if self._last_logits is None:
+            raise RuntimeError("Llama.sample(): call eval() first (there are no logits yet)")
+        proc = make_logits_processor(self.token_eos(), logits_processor)
+        sampler = self._sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+        history = self.input_ids.tolist()
+        for t in history[-self._repeat_last_n:] if self._repeat_last_n > 0 else []:
+            sampler.accept(t)
+        logits = self._last_logits
+        if proc is not None:
+            logits = proc(history, logits.copy())
+        return sampler.sample(logits)
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, typical_p: float = 1.0, temp: float = 0.80,
+                 repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                 mirostat_eta: float = 0.1, penalize_nl: bool = True, logits_processor=None,
+                 stopping_criteria=None, grammar=None, *,
+                 seed: int | None = None) -> Iterator[int]:
+        """Yield token ids after `tokens`, without end: the caller stops (at token_eos(),
+        a count, ...); it also ends when the context is full or a stopping_criteria
+        says so. With reset (the default) the context keeps the longest common prefix of
+        what it holds and `tokens`; without it `tokens` go after what it holds.
+        `send(more_tokens)` evaluates more tokens after the one just yielded."""
+        check_unsupported("Llama.generate()", dict(
+            typical_p=typical_p, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
+            mirostat_eta=mirostat_eta, mirostat_tau=mirostat_tau, grammar=grammar),
+            _GEN_UNSUPPORTED)
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise ValueError("Llama.generate(): tokens is empty")
+        proc = make_logits_processor(self.token_eos(), logits_processor)
+        crits = _callables("stopping_criteria", stopping_criteria)
+        sampler = self._sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
+        return self._generate(ids, bool(reset), sampler, proc, crits)
+
+    def _generate(self, ids, reset, sampler, proc, crits) -> Iterator[int]:
+        if reset:
+            # at least the last token is evaluated again: its logits start the reply
+            keep = self.longest_token_prefix(self.input_ids.tolist(), ids[:-1])
+            self._call(lambda: self._ctx.reset(keep))
+            ids = ids[keep:]
+        history = self.input_ids.tolist()
+        for t in history[-self._repeat_last_n:] if self._repeat_last_n > 0 else []:
+            sampler.accept(t)
+        while True:
+            if self.n_tokens + len(ids) > self.n_ctx():
+                return  # the context is full
+            self.eval(ids)
+            for t in ids:  # the repeat penalty's window: what the context now holds
+                sampler.accept(t)
+            history.extend(ids)
+            logits = self._last_logits
+            if proc is not None:
+                logits = proc(history, logits.copy())
+            if crits and any(bool(c(np.asarray(history, dtype=np.intc), logits))
+                             for c in crits):
+                return
+            token = sampler.sample(logits)
+            more = yield token
+            ids = [token] + [int(t) for t in (more or ())]
+
+    def _sampler(self, temp, top_k, top_p, min_p, repeat_penalty, seed):
+        from .model import Sampler
+
+        if seed is None or seed == -1:
+            seed = self._seed_rng.getrandbits(64)
+        return Sampler(self.n_vocab(), temperature=temp, top_k=top_k, top_p=top_p,
+                       min_p=min_p, repeat_penalty=repeat_penalty,
+                       repeat_last_n=self._repeat_last_n, seed=seed)
+
+    # -- what this engine does not do (yet) ----------------------------------------------
+
+    def embed(self, input, normalize: bool = False, truncate: bool = True,
+              return_count: bool = False):
+        """Not supported: embeddings."""
+        _not_supported("embed", _NO_EMBEDDINGS)
+
+    def create_embedding(self, input, model: str | None = None):
+        """Not supported: embeddings."""
+        _not_supported("create_embedding", _NO_EMBEDDINGS)
+
+    def pooling_type(self):
+        """Not supported: embeddings (and so their pooling)."""
+        _not_supported("pooling_type", _NO_EMBEDDINGS)
+
+    def save_state(self):
+        """Not supported: saving the context's state."""
+        _not_supported("save_state", _NO_STATE)
+
+    def load_state(self, state) -> None:
+        """Not supported: restoring the context's state."""
+        _not_supported("load_state", _NO_STATE)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = None, **kwargs):
+        """Not supported: downloading from the Hugging Face Hub."""
+        _not_supported("from_pretrained", "this engine does not download models; download the "
+                       ".gguf file (e.g. `huggingface-cli download REPO FILE`) and pass its "
+                       "path to Llama(...)")
+
+    # -- helpers llama-cpp-python has as static methods ---------------------------------
+
+    @staticmethod
+    def logits_to_logprobs(logits, axis: int = -1) -> np.ndarray:
+        """log(softmax(logits)) along `axis`, in float32; a row whose largest logit is
+        not finite is shifted by 0 instead (no NaN from inf - inf)."""
+        x = np.asarray(logits, dtype=np.float32)
+        top = np.max(x, axis=axis, keepdims=True)
+        top = np.where(np.isfinite(top), top, np.float32(0))
+        shifted = x - top
+        with np.errstate(divide="ignore"):
+            return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+    @staticmethod
+    def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+        """How many leading tokens `a` and `b` share."""
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    # -- pickling: rebuilt from the constructor's arguments ----------------------------
+
+    def __getstate__(self) -> dict:
+        return dict(self._init_args)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -448,6 +693,19 @@ class Llama:
         return completion_response(cid, created, name, head + text, result.finish_reason,
                                    result)
 
+    def create_chat_completion_openai_v1(self, *args, **kwargs):
+        """create_chat_completion, returned as the `openai` package's ChatCompletion (or
+        an iterator of ChatCompletionChunk with stream=True)."""
+        try:
+            from openai.types.chat import ChatCompletion, ChatCompletionChunk
+        except ImportError:
+            raise ImportError("create_chat_completion_openai_v1() needs the openai package "
+                              "(pip install openai)") from None
+        out = self.create_chat_completion(*args, **kwargs)
+        if kwargs.get("stream"):
+            return (ChatCompletionChunk(**chunk) for chunk in out)
+        return ChatCompletion(**out)
+
     def create_chat_completion(self, messages: list[dict], *, temperature: float = 0.2,
                                top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
                                stream: bool = False, stop: str | list[str] | None = None,
@@ -495,6 +753,7 @@ class Llama:
                                      stopping_criteria)
         if proc is not None:
             kw["logits_processor"] = proc
+        self._last_logits = None  # the completion changes the cache: sample() needs an eval()
         return ids, kw
 
     def _call(self, fn):
@@ -554,3 +813,25 @@ class Llama:
                   f"({getattr(result, 'n_cached_tokens', 0)} cached) in "
                   f"{t.get('prompt_s', 0) * 1e3:.1f} ms, decode {t.get('decode_tokens', 0)} "
                   f"tokens at {t.get('decode_tok_per_s', 0):.1f} tokens/s", file=sys.stderr)
+
+
+class LlamaTokenizer:
+    """llama-cpp-python's LlamaTokenizer over a Llama: encode/decode on str,
+    tokenize/detokenize on bytes."""
+
+    def __init__(self, llama: Llama):
+        self.llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        return self.llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos,
+                             special=special)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")

@@ -3,15 +3,170 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import warnings
 
 from . import default_model
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, except that an unknown single-dash word is an error of its own: argparse
+    reads llama.cpp's `-ngl 99` as `-n gl` ("invalid int value: 'gl'") and `-mli` as
+    `-m li`, which says nothing useful. A registered short flag with a number glued on
+    (`-n128`) still works, as before."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        known = self._option_string_actions
+        for a in argv:
+            if a == "--":
+                break
+            word = a.split("=", 1)[0]
+            if (len(word) > 2 and word[0] == "-" and word[1].isalpha() and " " not in a
+                    and word not in known
+                    and not (word[:2] in known and _is_number(word[2:]))):
+                self.error(f"unknown option {word} (a llama.cpp flag this runtime does not "
+                           "have? --help lists the flags, llama.cpp's that it accepts included)")
+        return super().parse_known_args(argv, namespace)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _n_gpu_layers(text: str) -> int:
+    """-ngl's value: a number, or llama.cpp's "all" / "auto" (both: as many as fit)."""
+    if text in ("all", "auto"):
+        return -1
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'all' or 'auto', got {text!r}") \
+            from None
+
+
+# llama.cpp flags with no counterpart here, parsed so that a pasted command line gets a
+# clear answer. (flags, nargs, the value that changes nothing, what to say): a note for
+# those that are ignored (None: nothing to say, the output is the same), an error
+# ("refuse") for those whose request cannot be met.
+_SPECULATIVE = "speculative decoding (a draft model) is not supported by this runtime"
+_LLAMA_FLAGS = [
+    (("--color", "-co"), 0, None, None),
+    (("--jinja",), 0, None, None),           # chat templates are always rendered with jinja
+    (("--no-warmup",), 0, None, None),       # nothing to warm up: the first token pays
+    (("-no-cnv", "--no-conversation"), 0, None, None),   # one completion is the default
+    (("--no-escape",), 0, None, None),       # prompts are taken literally without -e
+    (("--mlock",), 0, None, "--mlock has no effect here: the weights are not locked in RAM "
+                           "(--load read copies them into private memory instead of mapping "
+                           "the file)"),
+    (("-fa", "--flash-attn"), "?", None, "-fa/--flash-attn has no effect here: this runtime "
+                                         "has one attention kernel"),
+    (("-tb", "--threads-batch"), 1, None, "-tb/--threads-batch has no effect here: -t sets "
+                                          "the threads of the prompt and of the decode"),
+    (("--numa",), "?", None, "--numa has no effect here"),
+    (("-sm", "--split-mode"), 1, None, "-sm/--split-mode has no effect here: the model runs "
+                                       "on one device (--device)"),
+    (("-ts", "--tensor-split"), 1, None, "-ts/--tensor-split has no effect here: the model "
+                                         "runs on one device (--device)"),
+    (("--keep",), 1, None, "--keep has no effect here: the context is not shifted; "
+                           "generation stops when it is full"),
+    (("-md", "--model-draft"), 1, "refuse", _SPECULATIVE),
+    (("--draft", "--draft-max", "--draft-n", "--draft-min", "--draft-p-min"), 1, "refuse",
+     _SPECULATIVE),
+    (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), 1, "refuse", _SPECULATIVE),
+    (("--grammar", "--grammar-file", "-j", "--json-schema", "-jf", "--json-schema-file"), 1,
+     "refuse", "grammars and JSON schemas are not supported by this runtime"),
+    (("--lora", "--lora-scaled", "--control-vector"), 1, "refuse",
+     "LoRA adapters and control vectors are not supported by this runtime"),
+    (("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"), 1, "refuse",
+     "this runtime does not download models: download the .gguf file and pass -m FILE"),
+    (("-i", "--interactive", "-if", "--interactive-first", "-ins", "--instruct"), 0, "refuse",
+     "llama.cpp's raw interactive mode is not supported by this runtime; use -cnv/--chat "
+     "(a conversation through the chat template)"),
+    (("--prompt-cache",), 1, "refuse", "--prompt-cache is not supported by this runtime"),
+    (("--mirostat",), 1, "0", "mirostat sampling is not supported by this runtime"),
+    (("--presence-penalty",), 1, "0", "--presence-penalty is not supported by this runtime "
+                                      "(use --repeat-penalty)"),
+    (("--frequency-penalty",), 1, "0", "--frequency-penalty is not supported by this runtime "
+                                       "(use --repeat-penalty)"),
+    (("--typical",), 1, "1", "typical sampling is not supported by this runtime"),
+]
+
+
+def _add_llama_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "llama.cpp's flags",
+        "also accepted, so that a llama-cli command line runs: -ngl/--n-gpu-layers N "
+        "(0 = CPU; any other number = --device cuda: this runtime places by memory, not by "
+        "layers), -c/--ctx-size, -n -1 (until the context is full), -b/--batch-size and "
+        "-ub/--ubatch-size (tokens per forward step), --no-mmap (= --load read), "
+        "-ctk/-ctv (= --cache-type), -r/--reverse-prompt (= --stop), -e/--escape, "
+        "-cnv/--conversation, --no-display-prompt; ignored, with a note where they matter: "
+        "--color, --jinja, --mlock, -fa, -tb, --no-warmup, --numa, -sm, -ts, --keep; refused "
+        "with the reason: --model-draft and the other speculative flags, --grammar, "
+        "--json-schema, --lora, -hf, -i, --prompt-cache, and --mirostat / "
+        "--presence-penalty / --frequency-penalty / --typical other than off")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers",
+                   type=_n_gpu_layers, default=None, metavar="N", help=argparse.SUPPRESS)
+    g.add_argument("-b", "--batch-size", "-ub", "--ubatch-size", dest="batch_size", type=int,
+                   action="append", default=[], help=argparse.SUPPRESS)
+    g.add_argument("--no-mmap", dest="load", action="store_const", const="read",
+                   help=argparse.SUPPRESS)
+    g.add_argument("-ctk", "--cache-type-k", "-ctv", "--cache-type-v", dest="cache_type_kv",
+                   action="append", default=[], help=argparse.SUPPRESS)
+    g.add_argument("-e", "--escape", action="store_true",
+                   help="process escapes (\\n, \\t, \\\\, \\\", \\') in the prompt and the "
+                        "stop strings, as llama.cpp does")
+    for flags, nargs, default, _ in _LLAMA_FLAGS:
+        dest = "llama_" + flags[-1].lstrip("-").replace("-", "_")
+        if nargs == 0:
+            g.add_argument(*flags, dest=dest, action="append_const", const=flags[0],
+                           help=argparse.SUPPRESS)
+        else:
+            g.add_argument(*flags, dest=dest, nargs=None if nargs == 1 else nargs,
+                           const="on" if nargs == "?" else None, help=argparse.SUPPRESS)
+
+
+def _llama_flags(args) -> list[str]:
+    """The notes for llama.cpp's flags that were given and are ignored; raises ValueError
+    for one that is refused."""
+    notes = []
+    for flags, nargs, default, say in _LLAMA_FLAGS:
+        value = getattr(args, "llama_" + flags[-1].lstrip("-").replace("-", "_"))
+        if value is None or value == []:
+            continue
+        if default == "refuse":
+            raise ValueError(f"{'/'.join(flags[:2])}: {say}")
+        if default is not None and nargs == 1:
+            try:
+                off = float(value) == float(default)
+            except ValueError:
+                off = False
+            if not off:
+                raise ValueError(f"{flags[0]} {value}: {say}")
+            continue
+        if say:
+            notes.append(say)
+    return notes
+
+
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
+
+
+def _unescape(text: str) -> str:
+    """llama.cpp's -e: \\n, \\r, \\t, \\\\, \\' and \\" become the characters they name;
+    any other backslash stays as it is."""
+    return re.sub(r"\\([nrt\\'\"])", lambda m: _ESCAPES[m.group(1)], text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (flags follow llama.cpp's where they overlap)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m powerinfer_cpp.generate",
         description="Generate text with a GGUF model. Without -m, runs the model shipped in "
                     "models/ (converted to GGUF on first use).")
@@ -19,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from this file ('-' = stdin)")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("-n", "--n-predict", "--predict", type=int, default=128,
+                   help="tokens to generate (default 128; -1: until the context is full, as in "
+                        "llama.cpp)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    p.add_argument("-c", "--ctx", type=int, default=0,
+    p.add_argument("-c", "--ctx", "--ctx-size", type=int, default=0,
                    help="context size in tokens (default: the model's training context)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
@@ -30,9 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off (default 1.0)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="penalty window (default 64)")
     p.add_argument("-s", "--seed", type=int, default=None, help="RNG seed (default: random)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", "-r", "--reverse-prompt", action="append", default=[],
+                   help="stop string (repeatable); in a chat it ends the reply")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
-    p.add_argument("--no-prompt", action="store_true", help="do not echo the prompt")
+    p.add_argument("--no-prompt", "--no-display-prompt", action="store_true",
+                   help="do not echo the prompt")
     p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
                    help="FFN mode: sparse (predictor; needs a file converted with --sparse), "
                         "gate (gate-magnitude thresholds; a file converted with --sparsity), "
@@ -41,20 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-sparse", choices=["auto", "on", "off"], default="auto",
                    help="input-sparse attention and head in the sparse/gate modes (a file converted "
                         "with --input-sparsity): auto = on when the file has it (default)")
-    p.add_argument("--device", default="cpu",
+    p.add_argument("--device", "-dev", default=None,
                    help="where to run: cpu (default), cuda, cuda:N (a build with nvcc), or "
                         "host-device (a simulated device in host RAM; runs the hybrid path "
-                        "anywhere, slowly)")
+                        "anywhere, slowly); llama.cpp's CUDA0 and none are read as cuda:0 and "
+                        "cpu. -ngl N (N > 0) without --device means cuda")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
                    help="device memory the model may use, e.g. 6G or 512M; a bare number is GiB "
                         "(default: the device's free memory minus 256 MiB)")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
-    p.add_argument("-cnv", "--chat", action="store_true",
+    p.add_argument("-cnv", "--chat", "--conversation", action="store_true",
                    help="chat: an interactive conversation through the file's chat template "
                         "(-p, if given, is the first message; /reset clears the history, "
                         "/exit or Ctrl-D quits)")
-    p.add_argument("-sys", "--system", help="chat: the system message")
+    p.add_argument("-sys", "--system", "--system-prompt", help="chat: the system message")
     p.add_argument("--chat-template-file", help="chat: a jinja template to use instead of the "
                                                 "file's tokenizer.chat_template")
     p.add_argument("--cache-type", choices=("f16", "f32", "q8_0"), default="f16",
@@ -64,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the weights reach memory: read (a private copy in huge pages: "
                         "faster sparse decode), mmap (map the file: shared, nothing copied), "
                         "auto (default: read when huge pages are on and it fits in memory)")
+    _add_llama_flags(p)
     return p
 
 
@@ -122,9 +283,60 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _llama_habits(args) -> None:
+    """Read llama.cpp's flags into ours (args changed in place); notes on stderr for the
+    ignored ones; ValueError for a value this runtime cannot honour."""
+    for note in _llama_flags(args):
+        print(f"note: {note}", file=sys.stderr)
+    if args.n_predict < -2:
+        raise ValueError(f"-n {args.n_predict}: expected a number of tokens >= 0, or -1 "
+                         "(until the context is full)")
+    if args.batch_size:
+        if min(args.batch_size) < 1:
+            raise ValueError(f"-b/-ub {min(args.batch_size)}: the batch size must be >= 1")
+        # -b (logical) and -ub (physical) are one thing here: tokens per forward step
+        args.batch_size = min(args.batch_size)
+    else:
+        args.batch_size = 512
+    if args.cache_type_kv:
+        kinds = set(args.cache_type_kv)
+        if len(kinds) > 1:
+            raise ValueError("-ctk/-ctv: one type stores both keys and values here; give the "
+                             f"same type to both (got {', '.join(sorted(kinds))})")
+        (kind,) = kinds
+        if kind not in ("f16", "f32", "q8_0"):
+            raise ValueError(f"-ctk/-ctv {kind}: the cache types are f16, f32 and q8_0")
+        args.cache_type = kind
+    if args.escape:
+        if args.prompt is not None:
+            args.prompt = _unescape(args.prompt)
+        args.stop = [_unescape(x) for x in args.stop]
+    dev = args.device
+    if dev is not None:
+        # llama.cpp names devices CUDA0, CUDA1, ... and "none" for the CPU
+        m = re.fullmatch(r"cuda(\d+)", dev, flags=re.IGNORECASE)
+        args.device = f"cuda:{m.group(1)}" if m else ("cpu" if dev.lower() == "none" else dev)
+    ngl = args.n_gpu_layers
+    if args.device is None:
+        args.device = "cpu"
+        if ngl:
+            from .model import device_available
+
+            ok, why = device_available("cuda")
+            if ok:
+                args.device = "cuda"
+                print(f"note: -ngl {ngl}: placing by memory, not by layers: the attention, "
+                      "predictors, head and the hottest FFN neurons go to cuda within "
+                      "--vram-budget (default: the free memory minus 256 MiB)", file=sys.stderr)
+            else:
+                print(f"note: -ngl {ngl}: no CUDA device ({why}); running on the CPU",
+                      file=sys.stderr)
+
+
 def _run(args, Model) -> int:
     model = None
     try:
+        _llama_habits(args)
         if args.file:
             try:
                 if args.file == "-":
@@ -150,7 +362,7 @@ def _run(args, Model) -> int:
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
                       device=args.device, vram_budget=args.vram_budget,
                       reset_gpu_index=args.reset_gpu_index, load=args.load,
-                      cache_type=args.cache_type,
+                      cache_type=args.cache_type, n_batch=args.batch_size,
                       input_sparse={"auto": None, "on": True, "off": False}[args.input_sparse])
         dinfo = model.device_info()
         if dinfo["note"]:
@@ -166,7 +378,9 @@ def _run(args, Model) -> int:
             return code
         stats = Completion("", [], "length", 0)
         # stream() checks every argument before returning: a bad one fails before the echo
-        pieces = model.stream(prompt, max_tokens=args.n_predict, temperature=args.temp,
+        # -n -1 (and llama.cpp's -2): until the context is full
+        n_predict = None if args.n_predict < 0 else args.n_predict
+        pieces = model.stream(prompt, max_tokens=n_predict, temperature=args.temp,
                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty,
                               repeat_last_n=args.repeat_last_n, seed=args.seed,

@@ -93,14 +93,17 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
         else:
             out.append(f"sparse: yes  threshold {fields[F.KEY_SPARSE_THRESHOLD]:g}, recall target "
                        f"{float(fields.get(F.KEY_SPARSE_RECALL_TARGET, 'nan')):.4g}, {calib}")
-        b = fields.get(F.KEY_GPU_VRAM_BUDGET)
+        idx, idx_tensors, idx_from = _side_index(path, out)
+        g = idx if idx is not None else fields
+        b = g.get(F.KEY_GPU_VRAM_BUDGET)
         if b is not None:
-            out.append(f"gpu index: budget {format_size(int(b))} (solver {fields.get(F.KEY_GPU_SOLVER, '?')}, "
-                       f"groups of {fields.get(F.KEY_GPU_GROUP_SIZE, '?')}, ctx {fields.get(F.KEY_GPU_CTX, '?')}): "
-                       f"dense parts {format_size(int(fields.get(F.KEY_GPU_DENSE_BYTES, 0)))}, "
-                       f"neurons {format_size(int(fields.get(F.KEY_GPU_NEURON_BYTES, 0)))}, "
-                       f"served activation mass {float(fields.get(F.KEY_GPU_SERVED_SHARE, 0)):.1%}")
+            out.append(f"gpu index: budget {format_size(int(b))} (solver {g.get(F.KEY_GPU_SOLVER, '?')}, "
+                       f"groups of {g.get(F.KEY_GPU_GROUP_SIZE, '?')}, ctx {g.get(F.KEY_GPU_CTX, '?')}): "
+                       f"dense parts {format_size(int(g.get(F.KEY_GPU_DENSE_BYTES, 0)))}, "
+                       f"neurons {format_size(int(g.get(F.KEY_GPU_NEURON_BYTES, 0)))}, "
+                       f"served activation mass {float(g.get(F.KEY_GPU_SERVED_SHARE, 0)):.1%}{idx_from}")
     by_name = {t.name: t for t in r.tensors}
+    gpu_idx = by_name if not sparse or idx_tensors is None else idx_tensors
     n_layer = int(ak(F.KEY_BLOCK_COUNT) or 0)
     if F.KEY_INPUT_CRITERION in fields:
         copies = sum(int(t.n_bytes) for t in r.tensors if F.parse_tensor_name(t.name)[0] in
@@ -128,7 +131,7 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
                 h, pb, ty, share = "-", 0, "-", "-"
             fr = by_name.get(F.sparse_tensor_name(F.T_FFN_FREQ, l))
             mf = f"{float(np.asarray(fr.data).mean()):.3f}" if fr is not None else "-"
-            gi = by_name.get(F.sparse_tensor_name(F.T_GPU_IDX, l))
+            gi = gpu_idx.get(F.sparse_tensor_name(F.T_GPU_IDX, l))
             ng = int(np.asarray(gi.data).sum()) if gi is not None else "-"
             out.append(f"{l:5d}  {h!s:>11}  {format_size(pb):>10}  {share:>8}  {ty:>14}  {mf:>9}  {ng!s:>11}")
     out.append(loadable(path))
@@ -165,6 +168,32 @@ def loadable(path: str | os.PathLike) -> str:
 
 class PlotError(ValueError):
     """The plot cannot be drawn (no neuron statistics, or matplotlib missing)."""
+
+
+def _side_index(path: str, out: list[str]) -> tuple[dict | None, dict | None, str]:
+    """The GPU index `place` wrote beside the model ("<model>.generated.gpuidx"), which the
+    runtime loads instead of the file's own: (its keys, its tensors by name, the words
+    that say where the index came from), or (None, None, "") when there is none or the
+    runtime would refuse it (a line in `out` says why)."""
+    from .place import read_fields
+
+    side = path + F.GPUIDX_SUFFIX
+    if not os.path.exists(side):
+        return None, None, ""
+    try:
+        r = _open(side)
+    except (OSError, ValueError) as e:
+        out.append(f"gpu index: side file {side} cannot be read ({e}); the runtime refuses it")
+        return None, None, ""
+    keys = read_fields(r)
+    made_for = keys.get(F.KEY_GPU_MODEL_BYTES)
+    if made_for is not None and int(made_for) != os.path.getsize(path):
+        out.append(f"gpu index: side file {side} was made for a model file of {int(made_for)} bytes, "
+                   f"not this one's {os.path.getsize(path)}: the runtime refuses it (re-run "
+                   "`python -m powerinfer_cpp.place` or delete it)")
+        return None, None, ""
+    return (keys, {t.name: t for t in r.tensors},
+            f"; from the side file {side} (place), used instead of the file's own")
 
 
 def _open(path: str):

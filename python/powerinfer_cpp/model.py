@@ -701,19 +701,9 @@ class Context(_NativeHandle):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
 
-        sp = lib.gh_sampler_default_params()
-        sp.temperature = _float_arg("temperature", temperature)
-        sp.top_k = _int32("top_k", _int_arg("top_k", top_k))
-        sp.top_p = _float_arg("top_p", top_p)
-        sp.min_p = _float_arg("min_p", min_p)
-        sp.repeat_penalty = _float_arg("repeat_penalty", repeat_penalty)
         repeat_last_n = _int_arg("repeat_last_n", repeat_last_n)
-        sp.repeat_last_n = _int32("repeat_last_n", repeat_last_n)
-        sp.seed = (int.from_bytes(os.urandom(8), "little") if seed is None
-                   else _int_arg("seed", seed)) % 2**64
-        sampler_out = ffi.new("gh_sampler **")
-        check(lib.gh_sampler_new(ffi.new("gh_sampler_params *", sp), model.n_vocab, sampler_out))
-        sampler = ffi.gc(sampler_out[0], lib.gh_sampler_free)
+        sampler = _new_sampler(model.n_vocab, temperature, top_k, top_p, min_p, repeat_penalty,
+                               repeat_last_n, seed)
         return self._stream(prompt_ids, sampler, max_tokens, repeat_last_n, stops,
                             bool(ignore_eos), stats, logits_processor)
 
@@ -833,6 +823,49 @@ class Context(_NativeHandle):
         for _ in self.stream(prompt, stats=result, **kw):
             pass
         return result
+
+
+def _new_sampler(n_vocab: int, temperature, top_k, top_p, min_p, repeat_penalty,
+                 repeat_last_n, seed):
+    """A native sampler (freed with its last reference) from checked arguments; seed None
+    = random."""
+    sp = lib.gh_sampler_default_params()
+    sp.temperature = _float_arg("temperature", temperature)
+    sp.top_k = _int32("top_k", _int_arg("top_k", top_k))
+    sp.top_p = _float_arg("top_p", top_p)
+    sp.min_p = _float_arg("min_p", min_p)
+    sp.repeat_penalty = _float_arg("repeat_penalty", repeat_penalty)
+    sp.repeat_last_n = _int32("repeat_last_n", _int_arg("repeat_last_n", repeat_last_n))
+    sp.seed = (int.from_bytes(os.urandom(8), "little") if seed is None
+               else _int_arg("seed", seed)) % 2**64
+    out = ffi.new("gh_sampler **")
+    check(lib.gh_sampler_new(ffi.new("gh_sampler_params *", sp), n_vocab, out))
+    return ffi.gc(out[0], lib.gh_sampler_free)
+
+
+class Sampler:
+    """The sampler of stream(), on its own: for callers that run eval() themselves
+    (llama-cpp-python's Llama.sample / Llama.generate). accept() feeds the repeat
+    penalty's window; sample() picks a token from a row of logits (temperature <= 0:
+    greedy)."""
+
+    def __init__(self, n_vocab: int, *, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 repeat_last_n: int = 64, seed: int | None = None):
+        self.n_vocab = int(n_vocab)
+        self._s = _new_sampler(self.n_vocab, temperature, top_k, top_p, min_p, repeat_penalty,
+                               repeat_last_n, seed)
+        self._out = ffi.new("int32_t *")
+
+    def accept(self, token: int) -> None:
+        lib.gh_sampler_accept(self._s, int(token))
+
+    def sample(self, logits) -> int:
+        arr = np.ascontiguousarray(logits, dtype=np.float32)
+        if arr.shape != (self.n_vocab,):
+            raise ValueError(f"logits must have shape ({self.n_vocab},), not {arr.shape}")
+        check(lib.gh_sampler_sample(self._s, ffi.from_buffer("float[]", arr), self._out))
+        return int(self._out[0])
 
 
 def _ffn_mode(name: str) -> int | None:

@@ -54,6 +54,16 @@ def _input_options(args) -> dict:
     return out
 
 
+def _setup_logging(quiet: bool, verbose: bool) -> None:
+    """Our progress at INFO (WARNING with -q); other libraries' INFO lines only with -v:
+    gguf names its temporary files and python-mip its version, which says nothing about
+    the conversion. Their warnings always show."""
+    logging.basicConfig(format="%(message)s")  # a no-op where a handler exists (pytest)
+    logging.getLogger().setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("powerinfer_cpp").setLevel(
+        logging.INFO if verbose or not quiet else logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.convert",
@@ -69,8 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outtype", default=None,
                     help=f"{' | '.join(F.OUTTYPES)} (default f16; a GGUF input keeps its own types)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info messages")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="also show the libraries' own messages (gguf's temporary files, "
+                         "python-mip's version)")
     sp = ap.add_argument_group("sparse conversion (the default: predictors for ReLU-family models, relu, "
-                               "drelu, fatrelu; gate thresholds within a 2%% perplexity budget for "
+                               "drelu, fatrelu; gate thresholds within a 2% perplexity budget for "
                                "SwiGLU/GeGLU models)")
     mode = sp.add_mutually_exclusive_group()
     mode.add_argument("--sparse", dest="sparse", action="store_true", default=None,
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--placement", choices=("ilp", "greedy"), default="ilp", help="placement solver (default ilp)")
     sp.add_argument("--threads", type=int, default=0, help="threads for profiling (default: all cores)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    _setup_logging(args.quiet, args.verbose)
     from_gguf = os.path.isfile(args.hf_dir) and is_gguf_file(args.hf_dir)
     if from_gguf:
         out = args.outfile or os.path.splitext(args.hf_dir)[0] + "-sparse.gguf"

@@ -149,6 +149,10 @@ class Server:
         self.n_ctx = self.slots[0].ctx.n_ctx
         self.max_tokens = s.max_tokens or self.n_ctx
         self.name = s.alias or Path(s.model).name.removesuffix(".gguf")
+        # Every name /v1/models lists for the one model: the alias first (the id), then the
+        # file's name with and without .gguf, the names users copy from their disk.
+        self.aliases = list(dict.fromkeys(
+            [self.name, Path(s.model).name.removesuffix(".gguf"), Path(s.model).name]))
         self.preparer = PromptPreparer(self.model, self.n_ctx, s.tokenize_timeout)
         self.runner: TemplateRunner | None = None
         self.template_stops: list[str] = []
@@ -214,9 +218,11 @@ class Server:
     # -- request handling ------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
-        if name and name != self.name:
-            raise APIError(404, f"The model '{name}' does not exist (this server has "
-                           f"'{self.name}')", param="model", code="model_not_found")
+        """Any `model` is answered by the one model this server has, as llama-server does:
+        clients hard-code names ("gpt-3.5-turbo") or send the file's name, and a 404 for a
+        name that can only mean this model helps nobody. Replies carry the server's name,
+        so a client can see which model answered."""
+        return None
 
     def check_request(self, body: _Body, max_tokens: int | None) -> None:
         """What can be refused before the prompt is looked at."""
@@ -490,9 +496,9 @@ def create_app(settings: Settings) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": server.name, "object": "model", "created": server.created,
-            "owned_by": "powerinfer-cpp", "meta": {"n_ctx": server.n_ctx,
-                                                   "n_vocab": server.model.n_vocab,
-                                                   "n_params": server.model.info.n_params}}]}
+            "owned_by": "powerinfer-cpp", "aliases": server.aliases,
+            "meta": {"n_ctx": server.n_ctx, "n_vocab": server.model.n_vocab,
+                     "n_params": server.model.info.n_params}}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -457,3 +457,40 @@ def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
                        add={"rope_freqs.weight": np.ones(3, dtype=np.float32)})
     assert "runtime: cannot load this file: " in describe(bad)
     assert "rope_freqs.weight" in describe(bad).splitlines()[-1]
+
+
+def test_load_fuzzer_seeds_load_and_run(tmp_path):
+    """The load-path fuzzer's seeds (tools/fuzz/load_seeds.py) are models the runtime
+    loads and runs: a seed that stopped loading would leave the forward pass unfuzzed."""
+    import importlib.util
+
+    from conftest import REPO_DIR
+
+    spec = importlib.util.spec_from_file_location("load_seeds", REPO_DIR / "tools/fuzz/load_seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    seeds.main(str(tmp_path))
+    files = sorted(tmp_path.glob("load-*.gguf"))
+    assert len(files) == len(seeds.SEEDS)
+    from powerinfer_cpp._native import check, ffi, lib
+
+    for f in files:  # through the C API, as the fuzzer does (the seeds have no tokenizer)
+        assert f.stat().st_size <= 65536, f.name  # under the fuzzer's -max_len
+        mp, cp = ffi.new("gh_model **"), ffi.new("gh_context **")
+        check(lib.gh_model_load(str(f).encode(), mp))
+        try:
+            assert ffi.string(lib.gh_model_warnings(mp[0])) == b"", f.name
+            bad = ffi.new("int64_t *")
+            check(lib.gh_model_check_weights(mp[0], bad))
+            assert bad[0] == 0, f.name
+            p = lib.gh_context_default_params()
+            p.n_ctx, p.n_threads = 8, 1
+            check(lib.gh_context_new(mp[0], ffi.new("gh_context_params *", p), cp))
+            toks = ffi.new("int32_t[]", [1, seeds.N_VOCAB - 1])
+            check(lib.gh_eval(cp[0], toks, 2, 0))
+            logits = np.frombuffer(ffi.buffer(lib.gh_get_logits(cp[0], -1), 4 * seeds.N_VOCAB),
+                                   dtype=np.float32)
+            assert np.isfinite(logits).all() and logits.std() > 0, f.name
+            lib.gh_context_free(cp[0])
+        finally:
+            lib.gh_model_free(mp[0])

@@ -55,10 +55,16 @@ def test_tensor_shape_does_not_fit(random_gguf, tmp_path, name, change, match):
 
 
 def test_vocabulary_smaller_than_tokenizer(random_gguf, tmp_path):
-    # One embedding row fewer is a consistent model of 383 tokens, but the file's
-    # tokenizer has 384: token 383 would index past the embedding.
-    with pytest.raises(ValueError, match="384 tokens but the model's embedding only 383"):
-        _load(random_gguf, tmp_path / "vocab.gguf", tensors={"token_embd.weight": lambda a: a[:-1]})
+    # One embedding row fewer is a consistent model of 383 tokens, but the file says 384
+    # (llama.vocab_size) and its tokenizer has 384: token 383 would index past the
+    # embedding. Refused natively by the key, and by the token list without it.
+    cut = {"token_embd.weight": lambda a: a[:-1]}
+    with pytest.raises(NativeError, match="key 'llama.vocab_size' = 384 but token_embd.weight "
+                                          "has 383 rows"):
+        _load(random_gguf, tmp_path / "vocab.gguf", tensors=cut)
+    with pytest.raises(NativeError, match="key 'tokenizer.ggml.tokens' has 384 tokens but "
+                                          "token_embd.weight has only 383 rows"):
+        _load(random_gguf, tmp_path / "tokens.gguf", tensors=cut, drop_kv=["llama.vocab_size"])
 
 
 @pytest.mark.parametrize("name", ["token_embd.weight", "output_norm.weight",
@@ -81,33 +87,138 @@ def test_missing_tensor(random_gguf, tmp_path, name):
      "key 'llama.attention.head_count': value out of range"),
     ({"llama.attention.layer_norm_rms_epsilon": ("small", VT.STRING)},
      "layer_norm_rms_epsilon': expected a number"),
-    ({"llama.block_count": (0, VT.UINT32)}, "inconsistent hyper-parameters.*n_layer=0"),
-    ({"llama.embedding_length": (1 << 31, VT.UINT32)}, "inconsistent hyper-parameters"),
-    ({"llama.context_length": (0, VT.UINT32)}, "inconsistent hyper-parameters"),
+    ({"llama.block_count": (0, VT.UINT32)},
+     r"key 'llama.block_count' = 0 is out of range \(must be 1 to 4096\)"),
+    ({"llama.embedding_length": (1 << 31, VT.UINT32)},
+     "key 'llama.embedding_length' = 2147483648 is out of range"),
+    ({"llama.context_length": (0, VT.UINT32)}, "key 'llama.context_length' = 0 is out of range"),
     ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), VT.FLOAT32)}, "bad norm epsilon"),
     ({"llama.rope.freq_base": (float("inf"), VT.FLOAT32)}, "rope base"),
     # more layers than the file holds
-    ({"llama.block_count": (3, VT.UINT32)}, "missing tensor 'blk.2.attn_norm.weight'"),
+    ({"llama.block_count": (3, VT.UINT32)},
+     r"key 'llama.block_count' = 3 but the file has no tensors of layer 2 \(blk\.2\.\*\)"),
     # a different n_ff than the FFN tensors have
-    ({"llama.feed_forward_length": (129, VT.UINT32)}, r"blk\.0\.ffn_gate\.weight.*expected"),
+    ({"llama.feed_forward_length": (129, VT.UINT32)},
+     r"blk\.0\.ffn_gate\.weight.*expected \[64, 129\].*llama.feed_forward_length = 129"),
     # n_head that divides n_embd but gives another head size: the rotary size, then the
     # Q/K shapes disagree
     ({"llama.attention.head_count": (8, VT.UINT32)},
      r"partial rotary embeddings \(llama.rope.dimension_count = 16 of 8 head dims\)"),
     ({"llama.attention.head_count": (8, VT.UINT32), "llama.rope.dimension_count": (8, VT.UINT32)},
-     r"blk\.0\.attn_[qk]\.weight.*expected"),
+     r"blk\.0\.attn_[qk]\.weight.*expected.*llama.attention.head_count = 8 and head_count_kv = 2 "
+     r"of head size 8"),
     # n_head not dividing n_embd, no explicit head size
     ({"llama.attention.head_count": (5, VT.UINT32), "llama.attention.head_count_kv": (5, VT.UINT32)},
-     "n_embd=64 is not divisible by n_head=5"),
+     "llama.embedding_length = 64 is not divisible by llama.attention.head_count = 5"),
     # n_head_kv not dividing n_head
     ({"llama.attention.head_count_kv": (3, VT.UINT32)},
-     "inconsistent hyper-parameters.*n_head=4 n_head_kv=3"),
+     "key 'llama.attention.head_count_kv' = 3 does not divide llama.attention.head_count = 4"),
     ({"llama.attention.key_length": (15, VT.UINT32)}, "unsupported head size 15"),
     ({"powerinfer.ffn_activation": ("swish2", VT.STRING)}, "unknown FFN activation 'swish2'"),
 ])
 def test_bad_key(random_gguf, tmp_path, kv, match):
     with pytest.raises(NativeError, match=match):
         _load(random_gguf, tmp_path / "key.gguf", kv=kv)
+
+
+# ---- files that lie: every count and size key bounded and checked against the tensors ----
+
+
+@pytest.mark.parametrize("kv, match", [
+    # fewer layers than the file holds: was loaded silently as a smaller model
+    ({"llama.block_count": (1, VT.UINT32)},
+     r"key 'llama.block_count' = 1 but the file has tensor 'blk\.1\..*' of layer 1"),
+    ({"llama.block_count": (5000, VT.UINT32)}, "key 'llama.block_count' = 5000 is out of range"),
+    ({"llama.block_count": (1 << 32, VT.UINT64)},
+     "key 'llama.block_count': value out of range for uint32"),
+    ({"llama.embedding_length": (0, VT.UINT32)}, "key 'llama.embedding_length' = 0 is out of range"),
+    ({"llama.feed_forward_length": (0, VT.UINT32)},
+     "key 'llama.feed_forward_length' = 0 is out of range"),
+    ({"llama.feed_forward_length": ((1 << 24) + 1, VT.UINT32)},
+     "key 'llama.feed_forward_length' = 16777217 is out of range"),
+    ({"llama.attention.head_count": (0, VT.UINT32)},
+     "key 'llama.attention.head_count' = 0 is out of range"),
+    ({"llama.attention.head_count": (1 << 31, VT.UINT32)},
+     "key 'llama.attention.head_count' = 2147483648 is out of range"),
+    ({"llama.attention.head_count_kv": (0, VT.UINT32)},
+     "key 'llama.attention.head_count_kv' = 0 is out of range"),
+    ({"llama.attention.head_count_kv": (8, VT.UINT32)},
+     r"key 'llama.attention.head_count_kv' = 8 is out of range \(must be 1 to 4\)"),
+    ({"llama.context_length": (1 << 32, VT.UINT64)},
+     "key 'llama.context_length': value out of range for uint32"),
+    ({"llama.context_length": (-1, VT.INT32)}, "key 'llama.context_length': value out of range"),
+    # a head size that keeps q's rows (8 heads of 8 = 64) but not k's (2 kv heads of 8)
+    ({"llama.attention.head_count": (8, VT.UINT32), "llama.attention.key_length": (8, VT.UINT32),
+      "llama.rope.dimension_count": (8, VT.UINT32)},
+     r"blk\.0\.attn_k\.weight.*expected \[64, 16\].*head_count_kv = 2 of head size 8"),
+    ({"llama.attention.key_length": (0, VT.UINT32)}, "unsupported head size 0"),
+    ({"llama.attention.key_length": (4096, VT.UINT32)}, "unsupported head size 4096"),
+    ({"llama.attention.value_length": (8, VT.UINT32)}, r"unsupported head size 16 \(value size 8"),
+    ({"llama.rope.dimension_count": (1 << 31, VT.UINT32)},
+     r"llama.rope.dimension_count = 2147483648 of 16 head dims"),
+    ({"llama.vocab_size": (385, VT.UINT32)},
+     "key 'llama.vocab_size' = 385 but token_embd.weight has 384 rows"),
+    ({"llama.vocab_size": (1 << 31, VT.UINT32)},
+     "key 'llama.vocab_size' = 2147483648 but token_embd.weight has 384 rows"),
+    ({"tokenizer.ggml.eos_token_id": (384, VT.UINT32)},
+     "key 'tokenizer.ggml.eos_token_id' = 384 is outside the vocabulary: token_embd.weight has 384 rows"),
+    ({"tokenizer.ggml.bos_token_id": (1 << 31, VT.UINT32)},
+     "key 'tokenizer.ggml.bos_token_id' = 2147483648 is outside the vocabulary"),
+    ({"tokenizer.ggml.bos_token_id": ("1", VT.STRING)},
+     "key 'tokenizer.ggml.bos_token_id': expected an integer token id, found string"),
+    ({"llama.expert_count": (8, VT.UINT32)},
+     "key 'llama.expert_count' = 8: mixture-of-experts models are not supported"),
+])
+def test_lying_key_is_refused_by_name(random_gguf, tmp_path, kv, match):
+    with pytest.raises(NativeError, match=match) as e:
+        _load(random_gguf, tmp_path / "lie.gguf", kv=kv)
+    assert "lie.gguf" in str(e.value)
+
+
+@pytest.mark.parametrize("n_ctx_train", [1 << 31, (1 << 32) - 1])
+def test_huge_context_length_loads_and_allocates_what_is_asked(random_gguf, tmp_path, n_ctx_train):
+    """A context_length past INT32_MAX is legal in the file (a u32): it loads, is reported
+    saturated at INT32_MAX, never negative; a context of the size asked for works, and the
+    default (the training context) is refused by name instead of allocating -2^31 tokens."""
+    with _load(random_gguf, tmp_path / "long.gguf",
+               kv={"llama.context_length": (n_ctx_train, VT.UINT32)}) as m:
+        assert m.info.n_ctx_train == (1 << 31) - 1
+        ctx = m.create_context(n_ctx=64)
+        assert ctx.n_ctx == 64
+        assert ctx.eval([1, 2, 3]).shape == (N_VOCAB,)
+        assert len(ctx.generate([1, 2], max_tokens=3, temperature=0).tokens) <= 3
+        with pytest.raises(ValueError, match=r"n_ctx = 0 asks for the model's training context "
+                           r"\(llama.context_length = 2147483647 or more tokens\), more than the "
+                           r"1048576 a context can hold: pass a smaller n_ctx"):
+            m.create_context()
+
+
+def test_block_count_checked_against_the_gpu_index_side_file(random_gguf, tmp_path):
+    """A GPU index side file (<model>.generated.gpuidx) with a layer the model does not
+    have was made for another model: refused by name."""
+    import shutil
+
+    path = tmp_path / "m.gguf"
+    shutil.copy(random_gguf, path)
+    w = gguf.GGUFWriter(str(path) + ".generated.gpuidx", "generic.gpu_index")
+    for il in range(3):
+        w.add_tensor(f"blk.{il}.gpu_idx", np.zeros(N_FF, dtype=np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(NativeError, match=r"key 'llama.block_count' = 2 but its GPU index file "
+                                          r"has tensor 'blk\.2\.gpu_idx' of layer 2"):
+        Model(path)
+
+
+def test_legal_file_still_loads_with_every_key_checked(random_gguf):
+    with Model(random_gguf) as m:
+        i = m.info
+        assert (i.n_layer, i.n_embd, i.n_head, i.n_head_kv, i.head_dim, i.n_ff, i.n_vocab) == \
+            (2, D, 4, 2, D // 4, N_FF, N_VOCAB)
+        assert 0 < i.n_ctx_train <= 1 << 20
+        assert m.create_context().eval([1, 2]).shape == (N_VOCAB,)
 
 
 @pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count",
@@ -346,3 +457,40 @@ def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
                        add={"rope_freqs.weight": np.ones(3, dtype=np.float32)})
     assert "runtime: cannot load this file: " in describe(bad)
     assert "rope_freqs.weight" in describe(bad).splitlines()[-1]
+
+
+def test_load_fuzzer_seeds_load_and_run(tmp_path):
+    """The load-path fuzzer's seeds (tools/fuzz/load_seeds.py) are models the runtime
+    loads and runs: a seed that stopped loading would leave the forward pass unfuzzed."""
+    import importlib.util
+
+    from conftest import REPO_DIR
+
+    spec = importlib.util.spec_from_file_location("load_seeds", REPO_DIR / "tools/fuzz/load_seeds.py")
+    seeds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(seeds)
+    seeds.main(str(tmp_path))
+    files = sorted(tmp_path.glob("load-*.gguf"))
+    assert len(files) == len(seeds.SEEDS)
+    from powerinfer_cpp._native import check, ffi, lib
+
+    for f in files:  # through the C API, as the fuzzer does (the seeds have no tokenizer)
+        assert f.stat().st_size <= 65536, f.name  # under the fuzzer's -max_len
+        mp, cp = ffi.new("gh_model **"), ffi.new("gh_context **")
+        check(lib.gh_model_load(str(f).encode(), mp))
+        try:
+            assert ffi.string(lib.gh_model_warnings(mp[0])) == b"", f.name
+            bad = ffi.new("int64_t *")
+            check(lib.gh_model_check_weights(mp[0], bad))
+            assert bad[0] == 0, f.name
+            p = lib.gh_context_default_params()
+            p.n_ctx, p.n_threads = 8, 1
+            check(lib.gh_context_new(mp[0], ffi.new("gh_context_params *", p), cp))
+            toks = ffi.new("int32_t[]", [1, seeds.N_VOCAB - 1])
+            check(lib.gh_eval(cp[0], toks, 2, 0))
+            logits = np.frombuffer(ffi.buffer(lib.gh_get_logits(cp[0], -1), 4 * seeds.N_VOCAB),
+                                   dtype=np.float32)
+            assert np.isfinite(logits).all() and logits.std() > 0, f.name
+            lib.gh_context_free(cp[0])
+        finally:
+            lib.gh_model_free(mp[0])

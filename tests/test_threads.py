@@ -301,3 +301,26 @@ def test_prefix_reuse_on_a_sparse_model_gives_fresh_context_replies(shipped_spar
         fresh.reset_stats()
         fresh.generate(m.tokenize(PROMPT)[:3], max_tokens=1, temperature=0)
         assert fresh.stats()["n_sparse_tokens"] == 0
+
+
+def test_idle_contexts_use_no_cpu(model):
+    """Idle thread pools sleep (issue 29): a worker spins at most ~1 ms of wall time after
+    a job before it blocks, so contexts that hold threads but have no work cost no CPU.
+    The old pools spun 0.5-0.7 s of CPU per worker after every burst of work. A CPU-time
+    bound, not a speed test: process CPU (every thread) over 1 s of idling."""
+    import time
+
+    ctxs = [model.create_context(n_ctx=64, n_threads=2) for _ in range(4)]
+    try:
+        for c in ctxs:
+            c.generate(PROMPT, max_tokens=4, temperature=0)
+        time.sleep(0.05)  # far past the spin bound
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        time.sleep(1.0)
+        used, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        assert used < 0.1, f"4 idle contexts used {used:.3f} s of CPU in {wall:.2f} s"
+        # and they still run after sleeping
+        assert len(ctxs[0].generate(PROMPT, max_tokens=3, temperature=0).tokens) >= 1
+    finally:
+        for c in ctxs:
+            c.close()

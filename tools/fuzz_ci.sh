@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Bounded libFuzzer run of the GGUF reader (CI; tools/fuzz/README.md has the details).
+# Bounded libFuzzer runs of the GGUF reader and of the whole load path (reader, loader,
+# a forward pass) (CI; tools/fuzz/README.md has the details).
 #
-#   bash tools/fuzz_ci.sh            # 60 s
-#   FUZZ_SECONDS=600 bash tools/fuzz_ci.sh
+#   bash tools/fuzz_ci.sh            # reader 60 s, then load path 45 s
+#   FUZZ_SECONDS=600 LOAD_FUZZ_SECONDS=600 bash tools/fuzz_ci.sh
 #
 # Builds tools/fuzz/gguf_fuzz.c with clang-14 (-fsanitize=fuzzer,address,undefined) into
 # build/fuzz, makes a seed corpus on the fly (every image tests/test_gguf_reader.py
@@ -26,7 +27,7 @@ echo "== fuzz_ci: building gguf_fuzz with $CC_FUZZ"
 cmake -S . -B "$BUILD" -DCMAKE_C_COMPILER="$CC_FUZZ" -DGH_FUZZ=ON \
       -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$BUILD.configure.log" 2>&1 ||
     { cat "$BUILD.configure.log" >&2; exit 1; }
-cmake --build "$BUILD" --target gguf_fuzz -j"$(nproc)"
+cmake --build "$BUILD" --target gguf_fuzz load_fuzz -j"$(nproc)"
 
 rm -rf "$WORK"
 mkdir -p "$WORK/seed" "$WORK/corpus" "$WORK/artifacts"
@@ -91,16 +92,40 @@ rc=0
 grep -E "INITED|DONE|Done [0-9]+ runs" "$WORK/fuzz.log" || true
 grep -E "^stat::" "$WORK/fuzz.log" || true
 
-found=$(find "$WORK/artifacts" -type f | sort)
-if [ "$rc" -ne 0 ] || [ -n "$found" ]; then
-    echo "== fuzz_ci: FAILED (exit $rc); the fuzzer's report:" >&2
-    grep -vE "^#[0-9]+" "$WORK/fuzz.log" | tail -80 >&2
-    mkdir -p "$REGRESSIONS"
-    for f in $found; do
-        dst="$REGRESSIONS/fuzz-$(basename "$f" | tr -c 'A-Za-z0-9._\n-' '_').bin"
-        cp "$f" "$dst"
-        echo "   kept the input as $dst (replay: $BUILD/gguf_fuzz $dst)" >&2
-    done
-    exit 1
-fi
+report_findings() {  # $1 = fuzzer's exit code, $2 = its log, $3 = artifacts, $4 = binary
+    local found
+    found=$(find "$3" -type f | sort)
+    if [ "$1" -ne 0 ] || [ -n "$found" ]; then
+        echo "== fuzz_ci: FAILED (exit $1); the fuzzer's report:" >&2
+        grep -vE "^#[0-9]+" "$2" | tail -80 >&2
+        mkdir -p "$REGRESSIONS"
+        for f in $found; do
+            dst="$REGRESSIONS/fuzz-$(basename "$4")-$(basename "$f" | tr -c 'A-Za-z0-9._\n-' '_').bin"
+            cp "$f" "$dst"
+            echo "   kept the input as $dst (replay: $BUILD/$(basename "$4") $dst)" >&2
+        done
+        exit 1
+    fi
+}
+report_findings "$rc" "$WORK/fuzz.log" "$WORK/artifacts" gguf_fuzz
+echo "== fuzz_ci: reader clean"
+
+# The load path: tiny complete models (tools/fuzz/load_seeds.py, a few KiB each) and every
+# converter seed that loads, whole (-max_len 64 KiB: a model cut to 4 KiB never reaches the
+# loader's later checks or the forward pass).
+LOAD_SECONDS=${LOAD_FUZZ_SECONDS:-45}
+mkdir -p "$WORK/load_seed" "$WORK/load_corpus" "$WORK/load_artifacts"
+PYTHONPATH="$PYPATH" "$PY" tools/fuzz/load_seeds.py "$WORK/load_seed" >>"$WORK/convert.log" 2>&1 ||
+    { tail -20 "$WORK/convert.log" >&2; echo "fuzz_ci: making the load seeds failed" >&2; exit 1; }
+for f in "$WORK"/seed/convert-*.gguf "$REGRESSIONS"/fuzz-load_fuzz-*; do
+    [ -f "$f" ] && [ "$(stat -c %s "$f")" -le 65536 ] && cp "$f" "$WORK/load_seed/"
+done
+echo "== fuzz_ci: fuzzing the load path for ${LOAD_SECONDS}s ($(ls "$WORK/load_seed" | wc -l) seeds)"
+rc=0
+"$BUILD/load_fuzz" -max_total_time="$LOAD_SECONDS" -max_len=65536 -timeout=10 -rss_limit_mb=2048 \
+    -dict="$WORK/gguf.dict" -print_final_stats=1 -artifact_prefix="$WORK/load_artifacts/" \
+    "$WORK/load_corpus" "$WORK/load_seed" >"$WORK/load_fuzz.log" 2>&1 || rc=$?
+grep -E "INITED|DONE|Done [0-9]+ runs" "$WORK/load_fuzz.log" || true
+grep -E "^stat::" "$WORK/load_fuzz.log" || true
+report_findings "$rc" "$WORK/load_fuzz.log" "$WORK/load_artifacts" load_fuzz
 echo "== fuzz_ci: clean"

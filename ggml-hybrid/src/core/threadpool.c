@@ -4,7 +4,9 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -13,14 +15,32 @@
 #define GH_PAUSE() ((void) 0)
 #endif
 
-/* Spin this many iterations waiting for a job before sleeping. Decode issues a job
- * every ~20-100 us, so spinning keeps wake-up latency near zero while a stream of jobs
- * runs, and sleeping keeps an idle context from burning a core. */
-#define GH_SPIN_ITERS 200000
-/* Pure spinning past this many iterations, then sched_yield between checks: when the
+/* How long an idle worker spins (checking the clock) before it sleeps on the condition
+ * variable. Within a token, decode issues a job every ~20-100 us; between two tokens the
+ * Python loop (gh_eval's wrapper, logits, sampling, detokenizing) takes ~100-200 us of
+ * CPU (measured on the shipped tiny model: generate 270-395 us of CPU per token against
+ * 270-390 us for gh_eval calls alone, ~80-100 us apart), so 1 ms keeps a decoding
+ * context's workers awake through the whole stream with a 5x margin, while a context
+ * with no work sleeps within 1 ms and costs no CPU. The old bound (200,000 iterations,
+ * mostly sched_yield) spun 0.5-0.7 s of CPU per worker after every burst of work: 4 idle
+ * 2-thread contexts used 0.32-1.06 s of CPU in the 2 s after a generation, now 0.000 s
+ * (tests/test_threads.py::test_idle_contexts_use_no_cpu bounds it). */
+#ifndef GH_SPIN_US
+#define GH_SPIN_US 1000
+#endif
+/* Pure spinning (pause) for this many checks, then sched_yield between checks: when the
  * machine has more runnable threads than cores, the thread we wait for may need our
  * core, and a waiter that never yields stalls every job for a whole time slice. */
 #define GH_SPIN_BEFORE_YIELD 2000
+/* Read the clock once per this many spin checks (a vDSO clock_gettime is ~20-50 ns, a
+ * pause ~10-40 ns on current x86: the bound is exact to a few microseconds). */
+#define GH_SPIN_CLOCK_EVERY 32
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000u + (uint64_t) ts.tv_nsec;
+}
 
 typedef struct {
     gh_threadpool * tp;
@@ -41,28 +61,46 @@ struct gh_threadpool {
     atomic_int       n_sleeping;
 };
 
+/* Waits for a job (returns its generation) or stop: spins for GH_SPIN_US of wall time,
+ * then sleeps.
+ *
+ * Wake-up protocol (no lost wake-ups): a sleeper increments n_sleeping and then reads
+ * generation, both under the mutex; gh_threadpool_run increments generation and then reads
+ * n_sleeping. All four are seq_cst, so in their single total order either the sleeper's
+ * increment comes first (then run sees n_sleeping > 0 and broadcasts; it must take the
+ * mutex to do so, which it gets only once the sleeper is inside pthread_cond_wait or has
+ * left, so the broadcast cannot fall between the sleeper's check and its wait), or run's
+ * read of n_sleeping comes first (then run's increment of generation, which precedes that
+ * read, precedes the sleeper's read of generation, which sees the new job and does not
+ * sleep). The stop flag is set under the mutex with a broadcast, so it wakes sleepers too. */
+static unsigned wait_for_job(gh_threadpool * tp, unsigned seen) {
+    uint64_t t0 = 0;
+    for (int spins = 0;; spins++) {
+        const unsigned gen = atomic_load_explicit(&tp->generation, memory_order_acquire);
+        if (gen != seen || atomic_load_explicit(&tp->stop, memory_order_acquire)) return gen;
+        if (spins % GH_SPIN_CLOCK_EVERY == 0) {
+            const uint64_t t = now_ns();
+            if (spins == 0) t0 = t;
+            else if (t - t0 >= (uint64_t) GH_SPIN_US * 1000u) break;
+        }
+        if (spins < GH_SPIN_BEFORE_YIELD) GH_PAUSE(); else sched_yield();
+    }
+    pthread_mutex_lock(&tp->mutex);
+    atomic_fetch_add(&tp->n_sleeping, 1);
+    while (atomic_load(&tp->generation) == seen && !atomic_load(&tp->stop)) {
+        pthread_cond_wait(&tp->cond, &tp->mutex);
+    }
+    atomic_fetch_sub(&tp->n_sleeping, 1);
+    pthread_mutex_unlock(&tp->mutex);
+    return atomic_load_explicit(&tp->generation, memory_order_acquire);
+}
+
 static void * worker_main(void * p) {
     gh_worker * w = p;
     gh_threadpool * tp = w->tp;
     unsigned seen = 0;
     for (;;) {
-        unsigned gen;
-        int spins = 0;
-        while ((gen = atomic_load_explicit(&tp->generation, memory_order_acquire)) == seen &&
-               !atomic_load_explicit(&tp->stop, memory_order_acquire)) {
-            if (++spins < GH_SPIN_ITERS) {
-                if (spins < GH_SPIN_BEFORE_YIELD) GH_PAUSE(); else sched_yield();
-                continue;
-            }
-            pthread_mutex_lock(&tp->mutex);
-            atomic_fetch_add(&tp->n_sleeping, 1);
-            while (atomic_load(&tp->generation) == seen && !atomic_load(&tp->stop)) {
-                pthread_cond_wait(&tp->cond, &tp->mutex);
-            }
-            atomic_fetch_sub(&tp->n_sleeping, 1);
-            pthread_mutex_unlock(&tp->mutex);
-            spins = 0;
-        }
+        const unsigned gen = wait_for_job(tp, seen);
         if (atomic_load_explicit(&tp->stop, memory_order_acquire)) break;
         seen = gen;
         tp->fn(tp->arg, w->ith, tp->n_threads);

@@ -1,6 +1,7 @@
 /* A persistent pool of worker threads. The calling thread takes part as thread 0, so
- * a pool of n threads starts n-1 workers. Workers spin briefly between jobs (decode
- * issues hundreds of small jobs per token) and then sleep on a condition variable. */
+ * a pool of n threads starts n-1 workers. Workers spin for a short, clock-measured time
+ * between jobs (decode issues hundreds of small jobs per token; GH_SPIN_US in
+ * threadpool.c) and then sleep on a condition variable, so an idle pool costs no CPU. */
 #ifndef GH_THREADPOOL_H
 #define GH_THREADPOOL_H
 

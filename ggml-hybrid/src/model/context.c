@@ -24,6 +24,8 @@ static int default_threads(void) {
 }
 
 #define GH_MAX_THREADS 512
+/* the most tokens a context holds (n_ctx) */
+#define GH_MAX_CTX (1 << 20)
 
 void gh_context_free(gh_context * c) {
     if (!c) return;
@@ -82,10 +84,18 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
     gh_context_params dp = gh_context_default_params();
     if (!p) p = &dp;
     const gh_hparams * hp = &m->hp;
-    int32_t n_ctx = p->n_ctx > 0 ? p->n_ctx : hp->n_ctx_train;
-    if (p->n_ctx < 0 || n_ctx > (1 << 20)) {
-        return gh_fail(GH_ERR_INVALID_ARG, "n_ctx must be between 1 and %d, got %d", 1 << 20, p->n_ctx);
+    /* n_ctx = 0 takes the training context, which a file may state as anything up to
+     * INT32_MAX (model.c saturates it): what is allocated is bounded here either way */
+    if (p->n_ctx < 0 || p->n_ctx > GH_MAX_CTX) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_ctx must be between 1 and %d, got %d", GH_MAX_CTX, p->n_ctx);
     }
+    if (p->n_ctx == 0 && hp->n_ctx_train > GH_MAX_CTX) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_ctx = 0 asks for the model's training context "
+                       "(%s.context_length = %d%s tokens), more than the %d a context can hold: "
+                       "pass a smaller n_ctx", m->arch->name, hp->n_ctx_train,
+                       hp->n_ctx_train == INT32_MAX ? " or more" : "", GH_MAX_CTX);
+    }
+    const int32_t n_ctx = p->n_ctx > 0 ? p->n_ctx : hp->n_ctx_train;
     if (hp->n_pos && n_ctx > hp->n_pos - hp->pos_offset) {
         return gh_fail(GH_ERR_INVALID_ARG, "n_ctx = %d exceeds the %d positions this %s model has "
                        "learned (position_embd.weight)", n_ctx, hp->n_pos - hp->pos_offset,

@@ -38,9 +38,26 @@ static gh_status get_f32_opt(const gh_gguf * g, const char * key, float * out, f
     return GH_OK;
 }
 
+/* A count or size key: read as u32 (or `def` when absent and not required) and bounded
+ * to [lo, hi], so no later int32 arithmetic can see a negative or absurd value; the
+ * message names the key, its value and the bound. */
+static gh_status get_count(const gh_gguf * g, const char * key, bool required, uint32_t def,
+                           uint32_t lo, uint32_t hi, uint32_t * out) {
+    gh_status st = required ? get_u32_req(g, key, out) : get_u32_opt(g, key, out, def);
+    if (st) return st;
+    if (*out < lo || *out > hi) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u is out of range (must be %u to %u)", key, *out,
+                       lo, hi);
+    }
+    return GH_OK;
+}
+
 /* Finds a tensor and checks its shape: ne0 x ne1 (ne1 = 0 for a vector). */
-static gh_status find_tensor(const gh_gguf * g, const char * name, int64_t ne0, int64_t ne1,
+static gh_status find_tensor(const gh_model * m, const char * name, int64_t ne0, int64_t ne1,
                              bool required, const gh_gguf_tensor ** out) {
+    const gh_gguf * g = m->gguf;
+    const gh_hparams * hp = &m->hp;
+    const char * a = m->arch->name;
     const gh_gguf_tensor * t = gh_gguf_find_tensor(g, name);
     *out = t;
     if (!t) {
@@ -52,19 +69,23 @@ static gh_status find_tensor(const gh_gguf * g, const char * name, int64_t ne0, 
         char want[48];
         if (ne1) snprintf(want, sizeof want, "%lld, %lld", (long long) ne0, (long long) ne1);
         else snprintf(want, sizeof want, "%lld", (long long) ne0);
+        /* the keys the expected shape comes from, by name, so a key that lies is found */
         return gh_fail(GH_ERR_FORMAT,
                        "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%s] "
-                       "from the model's hyper-parameters",
+                       "from the model's hyper-parameters (%s.embedding_length = %d, "
+                       "%s.attention.head_count = %d and head_count_kv = %d of head size %d, "
+                       "%s.feed_forward_length = %d, %d tokens in token_embd.weight)",
                        name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
-                       (long long) t->ne[3], want);
+                       (long long) t->ne[3], want, a, hp->n_embd, a, hp->n_head, hp->n_head_kv,
+                       hp->head_dim, a, hp->n_ff, hp->n_vocab);
     }
     return GH_OK;
 }
 
-static gh_status load_weight(const gh_gguf * g, const char * name, int64_t cols, int64_t rows,
+static gh_status load_weight(const gh_model * m, const char * name, int64_t cols, int64_t rows,
                              gh_weight * w) {
     const gh_gguf_tensor * t;
-    gh_status st = find_tensor(g, name, cols, rows, true, &t);
+    gh_status st = find_tensor(m, name, cols, rows, true, &t);
     if (st) return st;
     if (!gh_type_valid(t->type)) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s': type %s cannot hold a weight matrix", name,
@@ -130,10 +151,9 @@ static gh_status own(gh_model * m, void * p) {
  * it for NaN/Inf (free: the values are converted anyway). A missing optional vector gives
  * *out = NULL. */
 static gh_status load_vec(gh_model * m, const char * name, int64_t n, bool required, float ** out) {
-    const gh_gguf * g = m->gguf;
     const gh_gguf_tensor * t;
     *out = NULL;
-    gh_status st = find_tensor(g, name, n, 0, required, &t);
+    gh_status st = find_tensor(m, name, n, 0, required, &t);
     if (st || !t) return st;
     const gh_type_traits * tr = gh_type_traits_get(t->type);
     if (!tr || n % tr->block_size) {
@@ -180,34 +200,50 @@ static gh_status load_hparams(gh_model * m) {
     m->arch = arch;
     char key[128];
 
+    /* Every count and size key is bounded here, by name; the tensors' shapes are checked
+     * against them as each tensor is loaded, and the layers present against block_count in
+     * check_layers. The bounds are far above any real model (Llama-3-405B: 126 layers,
+     * n_embd 16384, n_ff 53248, 128 heads) and keep products of two of them within int64. */
     uint32_t n_embd, n_layer, n_ff, n_head, n_head_kv, n_ctx_train, head_dim, rope_dim;
     gh_status st;
-    if ((st = get_u32_req(g, AKEY("embedding_length"), &n_embd))) return st;
-    if ((st = get_u32_req(g, AKEY("block_count"), &n_layer))) return st;
-    if ((st = get_u32_req(g, AKEY("feed_forward_length"), &n_ff))) return st;
-    if ((st = get_u32_req(g, AKEY("attention.head_count"), &n_head))) return st;
-    if ((st = get_u32_opt(g, AKEY("attention.head_count_kv"), &n_head_kv, n_head))) return st;
-    if ((st = get_u32_opt(g, AKEY("context_length"), &n_ctx_train, 2048))) return st;
-    if (n_embd == 0 || n_embd > (1u << 20) || n_layer == 0 || n_layer > 4096 || n_ff == 0 ||
-        n_ff > (1u << 24) || n_head == 0 || n_head > 4096 || n_head_kv == 0 ||
-        n_head % n_head_kv != 0 || n_ctx_train == 0) {
-        return gh_fail(GH_ERR_FORMAT,
-                       "inconsistent hyper-parameters: n_embd=%u n_layer=%u n_ff=%u n_head=%u "
-                       "n_head_kv=%u n_ctx=%u",
-                       n_embd, n_layer, n_ff, n_head, n_head_kv, n_ctx_train);
+    if ((st = get_count(g, AKEY("embedding_length"), true, 0, 1, 1u << 20, &n_embd))) return st;
+    if ((st = get_count(g, AKEY("block_count"), true, 0, 1, 4096, &n_layer))) return st;
+    if ((st = get_count(g, AKEY("feed_forward_length"), true, 0, 1, 1u << 24, &n_ff))) return st;
+    if ((st = get_count(g, AKEY("attention.head_count"), true, 0, 1, 4096, &n_head))) return st;
+    if ((st = get_count(g, AKEY("attention.head_count_kv"), false, n_head, 1, n_head, &n_head_kv)))
+        return st;
+    if (n_head % n_head_kv != 0) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u does not divide %s.attention.head_count = %u "
+                       "(each KV head serves a whole group of query heads)", AKEY("attention.head_count_kv"),
+                       n_head_kv, arch->name, n_head);
+    }
+    /* Any positive u32 is a legal training context (files with 1M-token contexts exist);
+     * the runtime keeps it as an int32 saturated at INT32_MAX, never negative, and a context
+     * allocates only what its n_ctx asks for (gh_context_new bounds that). */
+    if ((st = get_count(g, AKEY("context_length"), false, 2048, 1, UINT32_MAX, &n_ctx_train)))
+        return st;
+    /* Mixture-of-experts FFNs (blk.N.ffn_*_exps) are not run by this runtime: say so rather
+     * than fail on a missing dense FFN tensor. */
+    uint32_t n_expert;
+    if ((st = get_u32_opt(g, AKEY("expert_count"), &n_expert, 0))) return st;
+    if (n_expert > 0) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: mixture-of-experts models are not "
+                       "supported", AKEY("expert_count"), n_expert);
     }
     const bool has_key_len = gh_gguf_find_kv(g, AKEY("attention.key_length"));
     if (n_embd % n_head != 0 && !has_key_len) {
         return gh_fail(GH_ERR_FORMAT,
-                       "n_embd=%u is not divisible by n_head=%u (and the file has no "
-                       "%s.attention.key_length giving the head size)", n_embd, n_head, arch->name);
+                       "%s.embedding_length = %u is not divisible by %s.attention.head_count = %u "
+                       "(and the file has no %s.attention.key_length giving the head size)",
+                       arch->name, n_embd, arch->name, n_head, arch->name);
     }
     if ((st = get_u32_opt(g, AKEY("attention.key_length"), &head_dim, n_embd / n_head))) return st;
     uint32_t v_dim;
     if ((st = get_u32_opt(g, AKEY("attention.value_length"), &v_dim, head_dim))) return st;
     if (head_dim == 0 || head_dim % 2 || head_dim > 1024 || v_dim != head_dim) {
-        return gh_fail(GH_ERR_UNSUPPORTED, "unsupported head size %u (value size %u)", head_dim,
-                       v_dim);
+        return gh_fail(GH_ERR_UNSUPPORTED, "unsupported head size %u (value size %u; %s.attention."
+                       "key_length / value_length, or embedding_length / head_count; supported: "
+                       "even, 2 to 1024, equal)", head_dim, v_dim, arch->name);
     }
 
     hp->norm = arch->norm;
@@ -281,10 +317,6 @@ static gh_status load_hparams(gh_model * m) {
                        "FFN, but architecture '%s' has none", arch->name);
     }
 
-    uint32_t tok;
-    bool err = false;
-    hp->bos_id = gh_gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &tok, &err) ? (int32_t) tok : -1;
-    hp->eos_id = gh_gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &tok, &err) ? (int32_t) tok : -1;
 
     hp->n_embd = (int32_t) n_embd;
     hp->n_layer = (int32_t) n_layer;
@@ -292,7 +324,7 @@ static gh_status load_hparams(gh_model * m) {
     hp->n_head = (int32_t) n_head;
     hp->n_head_kv = (int32_t) n_head_kv;
     hp->head_dim = (int32_t) head_dim;
-    hp->n_ctx_train = (int32_t) n_ctx_train;
+    hp->n_ctx_train = (int32_t) GH_MIN(n_ctx_train, (uint32_t) INT32_MAX);
     hp->norm_eps = eps;
     return GH_OK;
 }
@@ -462,9 +494,9 @@ static gh_status load_ffn_down_and_sparse(gh_model * m, int il, gh_layer * L) {
     }
     if (L->has_down_t) {
         /* [ne0 = n_embd, ne1 = n_ff]: row i is neuron i's output vector */
-        if ((st = load_weight(g, down_t, d, ff, &L->down_t))) return st;
+        if ((st = load_weight(m, down_t, d, ff, &L->down_t))) return st;
         m->info.has_down_t++;
-    } else if ((st = load_weight(g, down, ff, d, &L->down))) {
+    } else if ((st = load_weight(m, down, ff, d, &L->down))) {
         return st;
     }
 
@@ -490,8 +522,8 @@ static gh_status load_ffn_down_and_sparse(gh_model * m, int il, gh_layer * L) {
                            (long long) fc2->ne[0], (long long) fc2->ne[1], (long long) fc2->ne[2],
                            (long long) fc2->ne[3], (long long) h, n1, (long long) ff);
         }
-        if ((st = load_weight(g, n1, d, h, &L->fc1))) return st;
-        if ((st = load_weight(g, n2, h, ff, &L->fc2))) return st;
+        if ((st = load_weight(m, n1, d, h, &L->fc1))) return st;
+        if ((st = load_weight(m, n2, h, ff, &L->fc2))) return st;
         L->has_pred = true;
         m->info.has_predictor++;
     }
@@ -580,7 +612,7 @@ static gh_status load_sparse_site(gh_model * m, const char * wname, const char *
                        "both its transposed weight and its input thresholds)", tw ? wname : tname,
                        tw ? tname : wname);
     }
-    gh_status st = load_weight(g, wname, out, in, w);
+    gh_status st = load_weight(m, wname, out, in, w);
     if (st) return st;
     if ((st = check_1d(tt, GH_TYPE_F32, in, "a threshold per input channel"))) return st;
     if ((st = load_vector(m, tname, in, thr))) return st;
@@ -636,7 +668,6 @@ static gh_status load_input_sparse(gh_model * m) {
 /* The attention weights of layer il: attn_q/k/v, or attn_qkv viewed as its three row
  * ranges (q heads, k heads, v heads), each with an optional bias; attn_output (+ bias). */
 static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
-    const gh_gguf * g = m->gguf;
     const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, dq = (int64_t) hp->n_head * hp->head_dim,
                   dkv = (int64_t) hp->n_head_kv * hp->head_dim;
@@ -645,7 +676,7 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
 #define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
     if (m->arch->fused_qkv) {
         gh_weight qkv;
-        if ((st = load_weight(g, BLK("attn_qkv.weight"), d, dq + 2 * dkv, &qkv))) return st;
+        if ((st = load_weight(m, BLK("attn_qkv.weight"), d, dq + 2 * dkv, &qkv))) return st;
         L->wq = L->wk = L->wv = qkv;
         L->wq.rows = dq;
         L->wk.rows = L->wv.rows = dkv;
@@ -659,14 +690,14 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
             L->bv = b + dq + dkv;
         }
     } else {
-        if ((st = load_weight(g, BLK("attn_q.weight"), d, dq, &L->wq))) return st;
-        if ((st = load_weight(g, BLK("attn_k.weight"), d, dkv, &L->wk))) return st;
-        if ((st = load_weight(g, BLK("attn_v.weight"), d, dkv, &L->wv))) return st;
+        if ((st = load_weight(m, BLK("attn_q.weight"), d, dq, &L->wq))) return st;
+        if ((st = load_weight(m, BLK("attn_k.weight"), d, dkv, &L->wk))) return st;
+        if ((st = load_weight(m, BLK("attn_v.weight"), d, dkv, &L->wv))) return st;
         if ((st = load_vec(m, BLK("attn_q.bias"), dq, false, &L->bq))) return st;
         if ((st = load_vec(m, BLK("attn_k.bias"), dkv, false, &L->bk))) return st;
         if ((st = load_vec(m, BLK("attn_v.bias"), dkv, false, &L->bv))) return st;
     }
-    if ((st = load_weight(g, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
+    if ((st = load_weight(m, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
     if ((st = load_vec(m, BLK("attn_output.bias"), d, false, &L->bo))) return st;
 #undef BLK
     return GH_OK;
@@ -720,14 +751,14 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
     if (m->arch->fused_gate_up) {
         /* one matrix of 2 n_ff rows: gate's, then up's */
         gh_weight gu;
-        if ((st = load_weight(g, BLK("ffn_up.weight"), d, 2 * ff, &gu))) return st;
+        if ((st = load_weight(m, BLK("ffn_up.weight"), d, 2 * ff, &gu))) return st;
         L->gate = L->up = gu;
         L->gate.rows = L->up.rows = ff;
         L->up.data = (const uint8_t *) gu.data + (size_t) ff * gu.row_bytes;
     } else if (m->hp.gated) {
-        if ((st = load_weight(g, BLK("ffn_gate.weight"), d, ff, &L->gate))) return st;
+        if ((st = load_weight(m, BLK("ffn_gate.weight"), d, ff, &L->gate))) return st;
         if ((st = load_vec(m, BLK("ffn_gate.bias"), ff, false, &L->gate_b))) return st;
-        if ((st = load_weight(g, BLK("ffn_up.weight"), d, ff, &L->up))) return st;
+        if ((st = load_weight(m, BLK("ffn_up.weight"), d, ff, &L->up))) return st;
         if ((st = load_vec(m, BLK("ffn_up.bias"), ff, false, &L->up_b))) return st;
     } else {
         /* down(act(up x + b)): the activation reads up, which takes the gate's place */
@@ -735,7 +766,7 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
             return gh_fail(GH_ERR_FORMAT, "tensor '%s': architecture '%s' has an ungated FFN "
                            "(up and down only)", name, m->arch->name);
         }
-        if ((st = load_weight(g, BLK("ffn_up.weight"), d, ff, &L->gate))) return st;
+        if ((st = load_weight(m, BLK("ffn_up.weight"), d, ff, &L->gate))) return st;
         if ((st = load_vec(m, BLK("ffn_up.bias"), ff, false, &L->gate_b))) return st;
         L->up = (gh_weight) { .type = L->gate.type };
     }
@@ -767,6 +798,88 @@ static gh_status load_rope_freqs(gh_model * m) {
     return GH_OK;
 }
 
+/* A token id key (bos, eos): absent, or negative / 0xFFFFFFFF ("none", as some writers
+ * store it), gives -1; any other value must index the vocabulary. */
+static gh_status token_id_key(const gh_gguf * g, const char * key, int32_t n_vocab, int32_t * out) {
+    *out = -1;
+    const int64_t i = gh_gguf_find_key(g, key);
+    if (i < 0) return GH_OK;
+    int64_t v;
+    if (gh_gguf_kv_int(g, i, &v) != GH_OK) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s': expected an integer token id, found %s", key,
+                       gh_gguf_vtype_name(gh_gguf_find_kv(g, key)->type));
+    }
+    if (v < 0 || v == (int64_t) UINT32_MAX) return GH_OK;
+    if (v >= n_vocab) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %lld is outside the vocabulary: token_embd.weight "
+                       "has %d rows", key, (long long) v, n_vocab);
+    }
+    *out = (int32_t) v;
+    return GH_OK;
+}
+
+/* The vocabulary is token_embd's rows; the keys that also state it must agree: the
+ * architecture's vocab_size, the tokenizer's token list (a token without an embedding row
+ * would index past it; fewer tokens than rows is padding, which is legal), bos and eos. */
+static gh_status check_vocab(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    gh_hparams * hp = &m->hp;
+    char key[128];
+    snprintf(key, sizeof key, "%s.vocab_size", m->arch->name);
+    uint32_t nv;
+    gh_status st = get_u32_opt(g, key, &nv, (uint32_t) hp->n_vocab);
+    if (st) return st;
+    if (nv != (uint32_t) hp->n_vocab) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u but token_embd.weight has %d rows", key, nv,
+                       hp->n_vocab);
+    }
+    const int64_t n_tok = gh_gguf_get_arr_n(g, "tokenizer.ggml.tokens");
+    if (n_tok > hp->n_vocab) {
+        return gh_fail(GH_ERR_FORMAT, "key 'tokenizer.ggml.tokens' has %lld tokens but "
+                       "token_embd.weight has only %d rows", (long long) n_tok, hp->n_vocab);
+    }
+    if ((st = token_id_key(g, "tokenizer.ggml.bos_token_id", hp->n_vocab, &hp->bos_id))) return st;
+    return token_id_key(g, "tokenizer.ggml.eos_token_id", hp->n_vocab, &hp->eos_id);
+}
+
+/* Layer index of a tensor name "blk.<N>.<rest>" (N decimal, saturated at INT32_MAX), or
+ * -1 for a name outside the blocks. */
+static int64_t layer_of(const char * name) {
+    if (strncmp(name, "blk.", 4) != 0) return -1;
+    const char * p = name + 4;
+    int64_t n = 0;
+    if (*p < '0' || *p > '9') return -1;
+    for (; *p >= '0' && *p <= '9'; p++) n = GH_MIN(n * 10 + (*p - '0'), (int64_t) INT32_MAX);
+    return *p == '.' ? n : -1;
+}
+
+/* block_count against the blk.N tensors of a file: a layer past it would be silently left
+ * out (a smaller, wrong model), and a layer below it with no tensor at all is a file cut
+ * short (said here by the key, before the loader misses its first tensor). */
+static gh_status check_layers(const gh_model * m, const gh_gguf * g, const char * what) {
+    const int n_layer = m->hp.n_layer;
+    uint8_t * seen = calloc((size_t) n_layer, 1);
+    if (!seen) return gh_fail(GH_ERR_OOM, "out of memory");
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        const int64_t il = layer_of(g->tensors[i].name);
+        if (il >= n_layer) {
+            free(seen);
+            return gh_fail(GH_ERR_FORMAT, "key '%s.block_count' = %d but %s has tensor '%.96s' of "
+                           "layer %lld", m->arch->name, n_layer, what, g->tensors[i].name,
+                           (long long) il);
+        }
+        if (il >= 0) seen[il] = 1;
+    }
+    int missing = -1;
+    for (int il = 0; il < n_layer && missing < 0; il++) if (!seen[il]) missing = il;
+    free(seen);
+    if (missing >= 0 && g == m->gguf) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s.block_count' = %d but the file has no tensors of "
+                       "layer %d (blk.%d.*)", m->arch->name, n_layer, missing, missing);
+    }
+    return GH_OK;
+}
+
 static gh_status load_tensors(gh_model * m) {
     const gh_gguf * g = m->gguf;
     gh_hparams * hp = &m->hp;
@@ -780,7 +893,10 @@ static gh_status load_tensors(gh_model * m) {
                        (long long) te->ne[1]);
     }
     hp->n_vocab = (int32_t) te->ne[1];
-    if ((st = find_tensor(g, "token_embd.weight", d, hp->n_vocab, true, &te))) return st;
+    if ((st = find_tensor(m, "token_embd.weight", d, hp->n_vocab, true, &te))) return st;
+    if ((st = check_vocab(m))) return st;
+    if ((st = check_layers(m, g, "the file"))) return st;
+    if (m->gpuidx && (st = check_layers(m, m->gpuidx, "its GPU index file"))) return st;
     m->embd_type = te->type;
     m->embd = te->data;
     m->embd_row_bytes = gh_row_size(te->type, d);
@@ -796,7 +912,7 @@ static gh_status load_tensors(gh_model * m) {
             return gh_fail(GH_ERR_FORMAT, "position_embd.weight: %lld rows (needs more than the "
                            "offset %d)", (long long) np, m->arch->pos_offset);
         }
-        if ((st = find_tensor(g, "position_embd.weight", d, np, true, &tp))) return st;
+        if ((st = find_tensor(m, "position_embd.weight", d, np, true, &tp))) return st;
         m->pos_type = tp->type;
         m->pos = tp->data;
         m->pos_row_bytes = gh_row_size(tp->type, d);
@@ -812,9 +928,9 @@ static gh_status load_tensors(gh_model * m) {
 
     if ((st = load_norm(m, "output_norm", true, &m->output_norm, &m->output_norm_b))) return st;
     const gh_gguf_tensor * out;
-    if ((st = find_tensor(g, "output.weight", d, hp->n_vocab, false, &out))) return st;
+    if ((st = find_tensor(m, "output.weight", d, hp->n_vocab, false, &out))) return st;
     m->info.tied_output = out == NULL;
-    if ((st = load_weight(g, out ? "output.weight" : "token_embd.weight", d, hp->n_vocab,
+    if ((st = load_weight(m, out ? "output.weight" : "token_embd.weight", d, hp->n_vocab,
                           &m->output))) return st;
     if ((st = load_rope_freqs(m))) return st;
     if ((st = load_sparse_keys(m))) return st;
@@ -964,33 +1080,54 @@ static gh_status open_gpuidx(gh_model * m, const char * path) {
     return GH_OK;
 }
 
-static gh_status model_load(const char * path, int load, gh_model ** out) {
-    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: out is NULL");
-    *out = NULL;
-    if (!path) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: path is NULL");
+/* The loader proper, over an opened image (owned by the model from here on). path: the
+ * file it came from, which names its GPU index side file, or NULL for a memory image. */
+static gh_status model_from_gguf(gh_gguf * g, const char * path, const char * label,
+                                 gh_model ** out) {
     gh_model * m = calloc(1, sizeof *m);
-    if (!m) return gh_fail(GH_ERR_OOM, "out of memory");
+    if (!m) {
+        gh_gguf_close(g);
+        return gh_fail(GH_ERR_OOM, "out of memory");
+    }
     atomic_init(&m->refs, 1);
-    gh_status st = gh_gguf_open_ex(path, load, &m->gguf);
-    if (!st) st = load_hparams(m);
-    if (!st) st = open_gpuidx(m, path);
+    m->gguf = g;
+    m->index_budget = -1;
+    gh_status st = load_hparams(m);
+    if (!st && path) st = open_gpuidx(m, path);
     if (!st) st = load_tensors(m);
     if (!st) fill_info(m);
     /* the side file's index is copied into the layers */
     gh_gguf_close(m->gpuidx);
     m->gpuidx = NULL;
     if (st) {
-        if (m->gguf) {
-            /* Prefix the file name so the user knows which file is bad. */
-            char msg[1024];
-            snprintf(msg, sizeof msg, "%s", gh_last_error());
-            gh_fail(st, "%s: %s", path, msg);
-        }
+        /* Prefix the file name so the user knows which file is bad. */
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", gh_last_error());
+        gh_fail(st, "%s: %s", label, msg);
         gh_model_free(m);
         return st;
     }
     *out = m;
     return GH_OK;
+}
+
+static gh_status model_load(const char * path, int load, gh_model ** out) {
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: out is NULL");
+    *out = NULL;
+    if (!path) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load: path is NULL");
+    gh_gguf * g = NULL;
+    gh_status st = gh_gguf_open_ex(path, load, &g);
+    if (st) return st; /* the reader named the file */
+    return model_from_gguf(g, path, path, out);
+}
+
+gh_status gh_model_load_memory(const void * data, size_t size, gh_model ** out) {
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_load_memory: out is NULL");
+    *out = NULL;
+    gh_gguf * g = NULL;
+    gh_status st = gh_gguf_open_memory(data, size, &g);
+    if (st) return st;
+    return model_from_gguf(g, NULL, "<memory image>", out);
 }
 
 gh_status gh_model_load(const char * path, gh_model ** out) {

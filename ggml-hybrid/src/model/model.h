@@ -142,6 +142,10 @@ struct gh_context {
     atomic_int      busy;
 };
 
+/* A model from a GGUF image in memory (not copied: it must outlive the model), without a
+ * GPU index side file; for the load-path fuzzer (tools/fuzz/load_fuzz.c). */
+gh_status gh_model_load_memory(const void * data, size_t size, gh_model ** out);
+
 /* Claims c for one call, or fails with GH_ERR_BUSY naming `what`; ctx_leave releases it. */
 gh_status gh_ctx_enter(gh_context * c, const char * what);
 void gh_ctx_leave(gh_context * c);

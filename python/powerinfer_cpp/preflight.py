@@ -78,7 +78,7 @@ def _types(tensors) -> list[Problem]:
             continue
         if t not in readable:
             bad.setdefault(t, []).append(name)
-        elif lib.gh_type_row_size(t, shape[0]) == 0:
+        elif lib.gh_type_row_size(t, min(shape[0], 2**63 - 1)) == 0:  # a corrupt ne[0] may not fit int64
             out.append(Problem("shape", f"tensor '{name}': ne[0] = {shape[0]} is not a multiple of the "
                                         f"{readable[t]} block size {lib.gh_type_block_size(t)}"))
     if bad:
@@ -179,7 +179,7 @@ def load_error(path: str, error: Exception) -> Exception:
     the preflight adds nothing (or cannot read the header)."""
     try:
         problems = check(path)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 -- a check that fails must not hide the loader's own error
         return error
     native = str(error)
     reasons = merge(native, problems, path)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from powerinfer_cpp import Context, Model, NativeError
+from powerinfer_cpp import format as F
 
 gguf = pytest.importorskip("gguf")
 from gguf_rewrite import rewrite_gguf  # noqa: E402
@@ -221,9 +222,10 @@ def test_legal_file_still_loads_with_every_key_checked(random_gguf):
         assert m.create_context().eval([1, 2]).shape == (N_VOCAB,)
 
 
-@pytest.mark.parametrize("key", ["llama.embedding_length", "llama.block_count",
-                                 "llama.feed_forward_length", "llama.attention.head_count"])
+@pytest.mark.parametrize("key", [F.arch_key(k) for k in F.REQUIRED_ARCH_KEYS])
 def test_missing_required_key(random_gguf, tmp_path, key):
+    """Each key format.py (and so the preflight) calls required is one the loader refuses
+    a file without."""
     with pytest.raises(NativeError, match=f"missing required key '{key}'"):
         _load(random_gguf, tmp_path / "nokey.gguf", drop_kv=[key])
 
@@ -452,10 +454,10 @@ def test_rope_frequency_divisors_are_used_and_checked(random_gguf, tmp_path):
 def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
     from powerinfer_cpp.inspect import describe
 
-    assert "runtime: loads (weights and tokenizer)" in describe(random_gguf)
+    assert "loads: yes (weights and tokenizer)" in describe(random_gguf)
     bad = rewrite_gguf(random_gguf, tmp_path / "freqs.gguf",
                        add={"rope_freqs.weight": np.ones(3, dtype=np.float32)})
-    assert "runtime: cannot load this file: " in describe(bad)
+    assert "loads: no\n  - " in describe(bad)
     assert "rope_freqs.weight" in describe(bad).splitlines()[-1]
 
 

@@ -175,4 +175,4 @@ def test_inspect_reads_pwri(pwri):
     assert "PowerInfer's PWRI-magic GGUF v3" in text
     assert "activation relu (absent: a PowerInfer file)" in text
     assert "predictors on the residual stream" in text and "threshold 0" in text
-    assert "runtime: loads" in text
+    assert "loads: yes" in text

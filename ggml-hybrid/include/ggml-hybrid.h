@@ -179,6 +179,10 @@ gh_status gh_gguf_tensor_info(const gh_gguf * g, int64_t i, int32_t * type, int3
 typedef struct gh_model gh_model;
 typedef struct gh_context gh_context;
 
+/* The general.architecture values the loader runs, "llama, qwen2, ..." (static; the
+ * loader's own registry, so a check before loading names the same list). */
+const char * gh_arch_names(void);
+
 typedef struct {
     char    arch[32];
     int32_t n_vocab;

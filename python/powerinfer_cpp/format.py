@@ -93,6 +93,11 @@ KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
 
+#: The per-architecture keys the runtime's loader refuses a file without (every other key
+#: has a default); the preflight (preflight.py) names all that are missing at once, and
+#: tests/test_bad_models.py checks the loader refuses each.
+REQUIRED_ARCH_KEYS = (KEY_EMBEDDING_LENGTH, KEY_BLOCK_COUNT, KEY_FEED_FORWARD_LENGTH, KEY_HEAD_COUNT)
+
 ROPE_SCALING_NONE = "none"
 ROPE_SCALING_LINEAR = "linear"
 

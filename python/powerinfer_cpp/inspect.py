@@ -5,7 +5,9 @@
 Architecture and hyper-parameters, tensor types and sizes, and for sparse
 files (convert --sparse) the sparse metadata, per-layer predictor sizes and
 GPU neuron counts (read with the ``gguf`` package), and whether this runtime can load the
-file and its tokenizer, and if not, why (the native loader's and tokenizer's own messages).
+file and its tokenizer: "loads: yes", or "loads: no" and every reason at once (tensor types,
+architecture, keys, pre-tokenizer: preflight.py; what only the native loader checks, in its
+own words).
 
 ``--plot OUT.png`` (needs matplotlib) draws a sparse file's neuron statistics
 (``blk.N.ffn_freq``): each layer's firing frequency against the neuron's rank (log-log),
@@ -145,25 +147,37 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
 
 
 def loadable(path: str | os.PathLike) -> str:
-    """One line: whether this runtime loads the file (weights mapped, nothing computed) and
-    its tokenizer, or the reason it does not."""
+    """Whether this runtime loads the file (weights mapped, nothing computed) and its
+    tokenizer: "loads: yes ..." or "loads: no (N problems):" and one line per problem,
+    every one the preflight (preflight.py) finds, not only the first the loader meets."""
+    from . import preflight
     from ._native import NativeError, check, ffi, lib
     from .tokenizer import TokenizerError, load_tokenizer
 
+    path = os.fspath(path)
+    try:
+        problems = preflight.check(path)
+    except ValueError as e:
+        return f"loads: no\n  - the header cannot be read: {e}"
+    native = None
     out = ffi.new("gh_model **")
     params = lib.gh_model_default_params()
     params.load = lib.GH_LOAD_MMAP
     try:
-        check(lib.gh_model_load_ex(os.fspath(path).encode(), ffi.new("gh_model_params *", params),
-                                   out))
+        check(lib.gh_model_load_ex(path.encode(), ffi.new("gh_model_params *", params), out))
+        lib.gh_model_free(out[0])
     except NativeError as e:
-        return f"runtime: cannot load this file: {e}"
-    lib.gh_model_free(out[0])
-    try:
-        load_tokenizer(path)
-    except TokenizerError as e:
-        return f"runtime: the weights load, but the tokenizer does not: {e}"
-    return "runtime: loads (weights and tokenizer)"
+        native = str(e)
+    reasons = preflight.merge(native, problems, path)
+    if not reasons:
+        try:
+            load_tokenizer(path)
+        except TokenizerError as e:
+            reasons.append(f"the weights load, but the tokenizer does not: {e}")
+    if not reasons:
+        return "loads: yes (weights and tokenizer)"
+    n = f" ({len(reasons)} problems)" if len(reasons) > 1 else ""
+    return f"loads: no{n}\n" + preflight.format_problems(reasons)
 
 
 class PlotError(ValueError):

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ._native import NativeValueError, check, ffi, lib
+from ._native import NativeError, NativeValueError, check, ffi, lib
 from .sizes import parse_size
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -190,7 +190,18 @@ class Model(_NativeHandle):
         params.vram_budget = budget
         params.reset_gpu_index = 1 if reset_gpu_index else 0
         params.load = _LOAD_MODES[load]
-        check(lib.gh_model_load_ex(path.encode(), params, out))
+        try:
+            check(lib.gh_model_load_ex(path.encode(), params, out))
+        except NativeError as e:
+            # the loader stops at the first problem; a downloaded file often has several, so
+            # the header is checked (only now: a successful load never pays for it) and the
+            # error names them all
+            from .preflight import load_error
+
+            err = load_error(path, e)
+            if err is e:
+                raise
+            raise err from None
         self._ptr = out[0]
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         try:

@@ -42,7 +42,8 @@ from typing import Any, Iterable, Sequence
 from . import format as F
 
 __all__ = ["TokenizerError", "Tokenizer", "load_tokenizer", "read_tokenizer_metadata",
-           "tokenizer_from_metadata", "build_tokenizer_from_ggml", "pre_tokenizer_row"]
+           "tokenizer_from_metadata", "build_tokenizer_from_ggml", "pre_tokenizer_row",
+           "pre_tokenizer_refusal"]
 
 
 class TokenizerError(ValueError):
@@ -170,19 +171,26 @@ def _pre_tokenizer(spec: dict):
     raise TokenizerError(f"pre-tokenizer node {t!r} has no builder")
 
 
+def pre_tokenizer_refusal(meta: dict[str, Any]) -> str | None:
+    """Why a gpt2 file's tokenizer.ggml.pre (none = default) is refused, in one sentence;
+    None when format.TOKENIZER_PRE_TOKENIZERS has its row."""
+    pre = meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT
+    if pre in F.TOKENIZER_PRE_TOKENIZERS:
+        return None
+    why = F.TOKENIZER_PRE_REFUSED.get(pre)
+    why = f": {why}" if why else " (a name this table does not know)"
+    return f"pre-tokenizer '{pre}' ({F.KEY_TOKENIZER_PRE}) is not supported{why}"
+
+
 def pre_tokenizer_row(meta: dict[str, Any]) -> F.PreTokenizer:
     """The format.TOKENIZER_PRE_TOKENIZERS row of a gpt2 file's tokenizer.ggml.pre (none
     = default); a name without one is refused, naming why where that is known."""
-    pre = meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT
-    row = F.TOKENIZER_PRE_TOKENIZERS.get(pre)
-    if row is None:
-        why = F.TOKENIZER_PRE_REFUSED.get(pre)
-        why = f": {why}" if why else " (a name this table does not know)"
+    refusal = pre_tokenizer_refusal(meta)
+    if refusal:
         raise TokenizerError(
-            f"pre-tokenizer '{pre}' ({F.KEY_TOKENIZER_PRE}) is not supported{why}; its text would be "
-            f"split wrongly. Supported: {', '.join(F.TOKENIZER_PRE_TOKENIZERS)}. Convert the model "
-            "from its Hugging Face folder, whose tokenizer.json is embedded")
-    return row
+            f"{refusal}; its text would be split wrongly. Supported: {', '.join(F.TOKENIZER_PRE_TOKENIZERS)}. "
+            "Convert the model from its Hugging Face folder, whose tokenizer.json is embedded")
+    return F.TOKENIZER_PRE_TOKENIZERS[meta.get(F.KEY_TOKENIZER_PRE) or F.TOKENIZER_PRE_DEFAULT]
 
 
 def build_tokenizer_from_ggml(meta: dict[str, Any]):

@@ -70,14 +70,19 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Convert a Hugging Face model folder (LLaMA, Mistral, Qwen2, "
                                              "Falcon, OPT and their ReLU variants) to GGUF, or make a GGUF "
                                              "file (llama.cpp's, PowerInfer's, ours) sparse, keeping its "
-                                             "tensor types.")
+                                             "tensor types or re-quantizing them (--outtype).")
     ap.add_argument("hf_dir", metavar="MODEL",
                     help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json), or a "
-                         "GGUF file (then --calib is needed and the output is sparse)")
+                         "GGUF file (then the output is sparse and --calib is needed, or with --outtype T "
+                         "--dense a re-quantized dense file)")
     ap.add_argument("-o", "--outfile", help="output GGUF path (default: HF_DIR/model-OUTTYPE.gguf; for a "
-                                            "GGUF input MODEL-sparse.gguf next to it)")
+                                            "GGUF input MODEL[-OUTTYPE]-sparse.gguf, or with --dense "
+                                            "MODEL-OUTTYPE.gguf, next to it)")
     ap.add_argument("--outtype", default=None,
-                    help=f"{' | '.join(F.OUTTYPES)} (default f16; a GGUF input keeps its own types)")
+                    help=f"{' | '.join(F.OUTTYPES)} (default f16). A GGUF input keeps its own types "
+                         "unless this is given; then every weight is dequantized and stored as an HF "
+                         "conversion would store it (requantizing an already-quantized file loses quality, "
+                         "as with llama-quantize --allow-requantize: its error adds to the new type's)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info messages")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="also show the libraries' own messages (gguf's temporary files, "
@@ -153,21 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.quiet, args.verbose)
     from_gguf = os.path.isfile(args.hf_dir) and is_gguf_file(args.hf_dir)
     if from_gguf:
-        out = args.outfile or os.path.splitext(args.hf_dir)[0] + "-sparse.gguf"
+        stem = os.path.splitext(args.hf_dir)[0] + (f"-{args.outtype}" if args.outtype else "")
+        out = args.outfile or stem + ("" if args.sparse is False else "-sparse") + ".gguf"
     else:
         out = args.outfile or os.path.join(args.hf_dir, f"model-{args.outtype or 'f16'}.gguf")
     try:
         sparse = args.sparse
         dense = None
         if from_gguf:
-            if args.outtype is not None:
-                raise ConvertError("a GGUF input keeps its tensor types (--outtype is for Hugging Face "
-                                   "folders); quantize it with llama.cpp's llama-quantize first, or convert "
-                                   "the Hugging Face folder with --outtype")
-            if sparse is False:
-                raise ConvertError("a GGUF input is converted to a sparse file; it is dense already "
-                                   "(drop --dense)")
-            dense = dense_from_gguf(args.hf_dir)
+            if args.outtype is not None and args.outtype not in F.OUTTYPES:
+                raise ConvertError(f"unknown outtype {args.outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+            if sparse is False and args.outtype is None:
+                raise ConvertError("a GGUF input is dense already: --dense needs --outtype T (re-quantize it "
+                                   "to T), else drop --dense to make it sparse")
+            dense = dense_from_gguf(args.hf_dir, args.outtype)
         sopts = None
         gate_opts = [o for o, v in (("--sparsity", args.sparsity), ("--max-ppl-increase", args.max_ppl_increase),
                                     ("--sparsity-allocation", args.sparsity_allocation)) if v is not None]
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                       greedy_tokens=args.greedy_tokens)
         if dense is not None:
             path = convert_from_gguf(args.hf_dir, out, progress=not args.quiet, sparse_options=sopts,
-                                     dense=dense)
+                                     dense=dense, outtype=args.outtype, sparse=bool(sparse))
         else:
             path = convert(args.hf_dir, out, args.outtype or "f16", progress=not args.quiet,
                            sparse=bool(sparse), sparse_options=sopts)

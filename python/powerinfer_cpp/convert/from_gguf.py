@@ -15,6 +15,14 @@ input sparsity's transposed copies and thresholds, their keys, PowerInfer's thre
 dropped and made anew from the calibration text; a
 PWRI file's implicit ReLU and a llama.cpp file's implicit SiLU become an explicit
 ``powerinfer.ffn_activation`` key, so the output means what the input meant.
+
+With an ``outtype`` (``convert model.gguf --outtype q8_0``) the types are not kept: every
+tensor is dequantized (gguf.quants) and stored as an HF conversion to that outtype would
+store it (gguf_write.storage_type: embeddings and head, the ``_m`` mixes, the row
+fallbacks), as llama.cpp's ``llama-quantize --allow-requantize`` does; with ``sparse=False``
+the result is a plain dense file. Re-quantizing an already-quantized file adds the new
+type's error to the old one's, so it is logged as a warning: convert from the Hugging Face
+folder when there is one.
 """
 
 from __future__ import annotations
@@ -26,12 +34,16 @@ import numpy as np
 
 from .. import format as F
 from ..gguf_read import is_pwri, open_gguf
-from ..gguf_write import ConvertError, TensorJob, decode_matrix, k_quant_types, storage_type
+from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, decode_matrix, k_quant_types, storage_type,
+                          write_gguf)
 from ..sparse.pipeline import DenseModel
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
 __all__ = ["is_gguf_file", "dense_from_gguf", "convert_from_gguf"]
+
+#: The types a re-quantization reads without loss (anything else was quantized already).
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 #: Keys a sparse conversion writes anew (and PowerInfer's own threshold key).
 _SPARSE_KEY_PREFIXES = ("powerinfer.sparse.", "powerinfer.gpu.", "powerinfer.input_sparsity.")
@@ -85,8 +97,10 @@ def _down_t_type(qtype, n_embd: int):
     return fallback
 
 
-def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
-    """The sparse pipeline's DenseModel of a GGUF file (checked by loading it natively)."""
+def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> DenseModel:
+    """The sparse pipeline's DenseModel of a GGUF file (checked by loading it natively):
+    its tensors in their own types, or with ``outtype`` (format.OUTTYPES) re-quantized by
+    storage_type's rule."""
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFValueType as V
 
@@ -94,13 +108,16 @@ def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
     from ..model import Model
 
     path = os.path.abspath(os.fspath(path))
+    if outtype is not None and outtype not in F.OUTTYPES:
+        raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
     if not os.path.isfile(path):
         raise ConvertError(f"model file not found: {path}")
     try:
         with Model(path, load="mmap") as m:
             info = m.info
     except (NativeError, ValueError) as e:
-        raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be made sparse: {e}") from None
+        what = "re-quantized" if outtype is not None else "made sparse"
+        raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be {what}: {e}") from None
     try:
         reader = open_gguf(path)
     except (ValueError, OSError) as e:
@@ -108,22 +125,39 @@ def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
     pwri = is_pwri(path)
     tensors = {t.name: t for t in reader.tensors}
     n_layer, d, n_ff = info.n_layer, info.n_embd, info.n_ff
+    # what llama.cpp's _m mixes look at, as for an HF conversion (no output.weight: tied)
+    mix = QuantMix(arch=info.arch, n_layer=n_layer, tied=F.tensor_name(F.T_OUTPUT) not in tensors,
+                   n_head=info.n_head, n_head_kv=info.n_head_kv)
 
     jobs: list[TensorJob] = []
     down_types: list = [None] * n_layer
+    quantized_in = set()
     for t in reader.tensors:
         kind, il, suffix = F.parse_tensor_name(t.name)
         if kind in _DROPPED_TENSORS:
             continue
         qtype = Q(t.tensor_type)
         shape = tuple(int(v) for v in reversed(t.shape))
+
+        def load(t=t, qtype=qtype, shape=shape):  # float values (re-quantization, transposition)
+            return decode_matrix(np.asarray(t.data), qtype, shape)
+
+        if outtype is not None and qtype != Q.I32:
+            if qtype.name not in _FLOAT_TYPES and len(shape) > 1:
+                quantized_in.add(qtype.name)
+            # a transposed down projection has rows of n_embd: the down rule for that length
+            rule_kind = F.T_FFN_DOWN if kind == F.T_FFN_DOWN_T else kind
+            new, note = storage_type(rule_kind, shape, outtype, il, mix)
+            if note:
+                log.warning("%s: %s", t.name, note)
+            if il is not None and kind == F.T_FFN_DOWN and suffix == "weight":
+                down_types[il] = storage_type(F.T_FFN_DOWN, (n_ff, d), outtype, il, mix)[0]
+            elif il is not None and kind == F.T_FFN_DOWN_T:
+                down_types[il] = new
+            jobs.append(TensorJob(t.name, shape, new, load, note))
+            continue
         if il is not None and kind == F.T_FFN_DOWN and suffix == "weight":
-            dq = _down_t_type(qtype, d)
-            down_types[il] = dq
-
-            def load(t=t, qtype=qtype, shape=shape):  # float rows, for the transposition
-                return decode_matrix(np.asarray(t.data), qtype, shape)
-
+            down_types[il] = _down_t_type(qtype, d)
             jobs.append(TensorJob(t.name, shape, qtype, load))
             continue
         if il is not None and kind == F.T_FFN_DOWN_T:
@@ -132,9 +166,17 @@ def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
     missing = [il for il, q in enumerate(down_types) if q is None]
     if missing:
         raise ConvertError(f"{path}: layer {missing[0]} has neither ffn_down nor ffn_down_t")
+    if quantized_in:
+        log.warning("%s holds quantized weights (%s): re-quantizing them to %s adds its error to theirs "
+                    "(as llama-quantize --allow-requantize warns); convert the Hugging Face folder "
+                    "instead when there is one", path, ", ".join(sorted(quantized_in)), outtype)
 
     keys = set(reader.fields)
     kv = _kv_entries(reader)
+    if outtype is not None:  # the file type says what the weights now are
+        kv = [e for e in kv if e[0] not in (F.KEY_GENERAL_FILE_TYPE, F.KEY_GENERAL_QUANTIZATION_VERSION)]
+        kv.append((F.KEY_GENERAL_FILE_TYPE, F.OUTTYPE_FILE_TYPE[outtype], V.UINT32, None))
+        kv.append((F.KEY_GENERAL_QUANTIZATION_VERSION, 2, V.UINT32, None))
     act = info.ffn_act
     if act not in F.ACTIVATIONS:
         raise ConvertError(f"{path}: FFN activation {act!r} cannot be made sparse here")
@@ -149,29 +191,58 @@ def dense_from_gguf(path: str | os.PathLike) -> DenseModel:
     gate = tensors.get(F.tensor_name(F.T_FFN_GATE, 0))
     up = tensors.get(F.tensor_name(F.T_FFN_UP, 0))
     fused_up = up is not None and int(up.shape[-1]) == 2 * n_ff  # phi3: gate and up rows in one
-    outtype = str(info.weight_type).lower()  # the FFN weights' type name (the predictors' storage rule)
+    # the FFN weights' type name (the predictors' storage rule)
+    ffn_type = outtype or str(info.weight_type).lower()
     log.info("%s: %s%s, %d layers, d=%d, n_ff=%d, act=%s, FFN weights %s, %d tensors", path, info.arch,
-             " (PowerInfer PWRI file)" if pwri else "", n_layer, d, n_ff, act, outtype.upper(), len(jobs))
-    return DenseModel(arch=info.arch, kv=kv, jobs=jobs, outtype=outtype, n_layer=n_layer, n_embd=d,
+             " (PowerInfer PWRI file)" if pwri else "", n_layer, d, n_ff, act,
+             ffn_type.upper() + (f" (re-quantized from {str(info.weight_type).upper()})" if outtype else ""),
+             len(jobs))
+    return DenseModel(arch=info.arch, kv=kv, jobs=jobs, outtype=ffn_type, n_layer=n_layer, n_embd=d,
                       n_ff=n_ff, n_embd_kv=info.n_head_kv * info.head_dim, n_ctx=info.n_ctx_train,
                       activation=act, gated=gate is not None or fused_up, hf_dir="",
                       act_threshold=act_t, path=path, down_types=down_types)
 
 
+def _dense_jobs(dense: DenseModel, outtype: str) -> list[TensorJob]:
+    """The jobs of a dense file: a transposed down projection (a sparse or PowerInfer
+    input's ffn_down_t) becomes ffn_down again, stored by the down rule for its rows."""
+    # the down rule looks at the architecture and the layer count only
+    mix = QuantMix(arch=dense.arch, n_layer=dense.n_layer,
+                   tied=not any(j.name == F.tensor_name(F.T_OUTPUT) for j in dense.jobs))
+    out = []
+    for j in dense.jobs:
+        kind, il, _ = F.parse_tensor_name(j.name)
+        if kind == F.T_FFN_DOWN_T:
+            shape = (j.shape[1], j.shape[0])
+            qtype, note = storage_type(F.T_FFN_DOWN, shape, outtype, il, mix)
+            j = TensorJob(F.tensor_name(F.T_FFN_DOWN, il), shape, qtype,
+                          lambda j=j: np.ascontiguousarray(j.load().T), note)
+        out.append(j)
+    return out
+
+
 def convert_from_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, progress: bool = True,
                       sparse_options=None, report: list | None = None,
-                      dense: DenseModel | None = None) -> str:
+                      dense: DenseModel | None = None, outtype: str | None = None, sparse: bool = True) -> str:
     """Make the GGUF at ``in_path`` sparse (sparse.pipeline.convert_sparse with
-    ``sparse_options``), keeping its tensor types; returns the output path. ``dense`` is
-    its DenseModel when the caller already built it."""
+    ``sparse_options``), keeping its tensor types, or re-quantized to ``outtype``; with
+    ``sparse=False`` (which needs an outtype: the input is dense already) write the
+    re-quantized dense file. Returns the output path. ``dense`` is its DenseModel when the
+    caller already built it (with the same outtype)."""
     from ..gguf_write import check_output_path
     from ..sparse.pipeline import SparseOptions, convert_sparse
 
+    if not sparse and outtype is None:
+        raise ConvertError("a GGUF input is dense already: without an outtype there is nothing to write "
+                           "but a sparse file")
     in_path = os.path.abspath(os.fspath(in_path))
     out_path = os.path.abspath(os.fspath(out_path))
     inputs = [in_path] + ([os.fspath(sparse_options.calib)] if getattr(sparse_options, "calib", None) else [])
     check_output_path(out_path, inputs)
-    dense = dense or dense_from_gguf(in_path)
+    dense = dense or dense_from_gguf(in_path, outtype)
+    if not sparse:
+        return write_gguf(out_path, lambda w: add_kv(w, dense.kv), _dense_jobs(dense, outtype), progress,
+                          arch=dense.arch)
     path, rep = convert_sparse(dense, out_path, sparse_options or SparseOptions(), progress)
     if report is not None:
         report.append(rep)

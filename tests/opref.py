@@ -13,17 +13,21 @@ from powerinfer_cpp._native import ffi
 F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
 Q4_1, Q5_0, Q5_1 = 3, 6, 7
 Q4_K, Q5_K, Q6_K = 12, 13, 14
+Q2_K, Q3_K = 10, 11
 TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1,
-         "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
+         "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K,
+         "q2_k": Q2_K, "q3_k": Q3_K}
 GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0, Q4_1: QT.Q4_1,
-           Q5_0: QT.Q5_0, Q5_1: QT.Q5_1, Q4_K: QT.Q4_K, Q5_K: QT.Q5_K, Q6_K: QT.Q6_K}
-K_QUANTS = (Q4_K, Q5_K, Q6_K)
+           Q5_0: QT.Q5_0, Q5_1: QT.Q5_1, Q4_K: QT.Q4_K, Q5_K: QT.Q5_K, Q6_K: QT.Q6_K,
+           Q2_K: QT.Q2_K, Q3_K: QT.Q3_K}
+#: the 256-value super-block types: our quantizer (gguf.quants has none), Q8_K activations
+K_QUANTS = (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K)
 #: the 32-value block types with a scale (and a min) per block, beside Q8_0 / Q4_0
 B32_QUANTS = (Q4_1, Q5_0, Q5_1)
 QUANTIZED = (Q8_0, Q4_0) + B32_QUANTS + K_QUANTS
 #: elements per block: a row's length must be a multiple of it
 BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q4_K: 256,
-         Q5_K: 256, Q6_K: 256}
+         Q5_K: 256, Q6_K: 256, Q2_K: 256, Q3_K: 256}
 SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
 ACTS = {"silu": SILU, "relu": RELU, "drelu": DRELU, "gelu": GELU, "gelu_erf": GELU_ERF}
 

@@ -69,12 +69,47 @@ def tensors(reader) -> dict:
     return out
 
 
-def expected_type(kind: str, shape, outtype: str, layer=None, n_layer=0, tied=False):
+def low_fallback():
+    """Q2_K / Q3_K rows that are not whole 256-blocks: llama.cpp's IQ4_NL where the runtime
+    reads it, else Q5_0."""
+    from powerinfer_cpp._native import lib
+    return Q.IQ4_NL if lib.gh_type_row_size(int(Q.IQ4_NL), 32) else Q.Q5_0
+
+
+def k_fallback(t, cols: int):
+    """llama.cpp's fallback of a K-quant whose rows are not whole 256-blocks, then F16."""
+    if t not in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) or cols % 256 == 0:
+        return t
+    if cols % 32:
+        return Q.F16
+    return {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}.get(t) or low_fallback()
+
+
+# llama.cpp's Q2_K and Q3_K_M for a layer's matrix of a dense LLaMA (not 70B), written out:
+# (kind, layer, n_layer, n_head / n_head_kv) -> type before the fallback
+LOW_MIXES = {
+    "q2_k": lambda kind, layer, n_layer, gqa: {
+        F.T_ATTN_V: Q.Q4_K if gqa >= 4 else Q.Q3_K, F.T_FFN_DOWN: Q.Q3_K, F.T_ATTN_OUTPUT: Q.Q3_K,
+    }.get(kind, Q.Q2_K),
+    "q3_k_m": lambda kind, layer, n_layer, gqa: {
+        F.T_ATTN_V: Q.Q5_K if layer is not None and layer < 2 else Q.Q4_K,
+        F.T_FFN_DOWN: Q.Q5_K if layer is not None and layer < n_layer // 16 else Q.Q4_K,
+        F.T_ATTN_OUTPUT: Q.Q4_K,
+    }.get(kind, Q.Q3_K),
+}
+
+
+def expected_type(kind: str, shape, outtype: str, layer=None, n_layer=0, tied=False, gqa=1):
     """The storage type of the small MODELS (rows of 32..128: a K-quant's rows always fall
     back; the _m mixes' rule itself is test_k_mix_types')."""
     from powerinfer_cpp.gguf_write import use_more_bits
     if len(shape) == 1:
         return Q.F32
+    if outtype in LOW_MIXES:
+        t = LOW_MIXES[outtype](kind, layer, n_layer, gqa)
+        if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and tied):
+            t = Q.Q6_K
+        return k_fallback(t, shape[-1])
     if outtype in F.OUTTYPE_MIXES:
         more = layer is not None and use_more_bits(layer, n_layer)
         outtype = outtype[:-2]  # the base K-quant
@@ -185,7 +220,7 @@ def test_convert_outtypes(hf_dirs, tmp_path, name, outtype):
         kind, layer, _ = F.parse_tensor_name(tname)
         w = ref[HF_NAME[kind].format(layer)]
         assert shape == w.shape, tname
-        assert ttype == expected_type(kind, shape, outtype, layer, n_layer, tied), tname
+        assert ttype == expected_type(kind, shape, outtype, layer, n_layer, tied, n_head // n_kv), tname
         if kind == F.T_ATTN_Q:
             data = unpermute_qk(data, n_head)
         elif kind == F.T_ATTN_K:
@@ -274,6 +309,8 @@ MIX_MODEL = dict(act="silu", tied=False, n_layer=8, d=256, n_head=4, n_head_kv=2
 MORE_BITS_OF_8 = {0, 3, 6, 7}
 # nmse of Gaussian-ish weights per K-quant (tests/test_types_matmul.py: nrmse 0.0715, 0.0362, 0.0178)
 K_NMSE = {Q.Q4_K: 8e-3, Q.Q5_K: 2e-3, Q.Q6_K: 5e-4}
+# Q2_K / Q3_K: nrmse 0.2745 / 0.1450 there (nmse 0.075 / 0.021)
+K_NMSE.update({Q.Q2_K: 0.09, Q.Q3_K: 0.025})
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +364,42 @@ def test_k_mix_types(mix_dir, tmp_path, outtype, base):
     assert nrmse < 3e-2, nrmse
 
 
+@pytest.mark.parametrize("outtype", ["q2_k", "q3_k_m"])
+def test_low_k_mix_types(mix_dir, tmp_path, outtype):
+    """q2_k / q3_k_m store each tensor as llama.cpp's Q2_K / Q3_K_M do (LOW_MIXES; the head
+    Q6_K, the untied embedding the base type), the values within each type's error, the
+    runtime as the file's own weights."""
+    from powerinfer_cpp import Model
+
+    out = convert(mix_dir, tmp_path / "m.gguf", outtype, progress=False)
+    r = gguf.GGUFReader(str(out))
+    assert fields(r)[F.KEY_GENERAL_FILE_TYPE] == {"q2_k": 10, "q3_k_m": 12}[outtype]
+    ref = hf_weights(mix_dir)
+    gqa = MIX_MODEL["n_head"] // MIX_MODEL["n_head_kv"]
+    counts = {}
+    for tname, (ttype, shape, data) in tensors(r).items():
+        kind, layer, _ = F.parse_tensor_name(tname)
+        assert ttype == expected_type(kind, shape, outtype, layer, MIX_MODEL["n_layer"], False, gqa), tname
+        counts[ttype.name] = counts.get(ttype.name, 0) + 1
+        if len(shape) == 2 and kind not in (F.T_ATTN_Q, F.T_ATTN_K):
+            w = ref[HF_NAME[kind].format(layer)]
+            nmse = float(np.sum((data - w) ** 2) / np.sum(w ** 2))
+            assert nmse <= K_NMSE[ttype], (tname, ttype.name, nmse)
+    # 8 layers, n_head / n_head_kv = 2: Q2_K's attn_v, ffn_down, attn_output Q3_K; Q3_K_M's
+    # attn_v Q5_K in layers 0, 1, else Q4_K, ffn_down and attn_output Q4_K
+    assert counts == ({"F32": 17, "Q2_K": 1 + 8 * 4, "Q3_K": 8 * 3, "Q6_K": 1} if outtype == "q2_k" else
+                      {"F32": 17, "Q3_K": 1 + 8 * 4, "Q5_K": 2, "Q4_K": 6 + 8 * 2, "Q6_K": 1}), counts
+    from powerinfer_cpp.inspect import describe
+    assert f"(MOSTLY_{outtype.upper()})" in describe(out)
+    ids = [1, 5, 77, 200, 3, 9, 120, 42, 300, 7, 11]
+    want = np_forward(out, ids)
+    with Model(out, n_ctx=32, n_threads=2, cache_type="f32") as model:
+        got = model.eval(ids, logits_all=True).astype(np.float64)
+    nrmse = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
+    print(f"{outtype}: runtime vs the file's weights nrmse {nrmse:.3g}")
+    assert nrmse < 3e-2, nrmse
+
+
 def test_k_mix_rule():
     """The mixes' other cases, from the rule as llama.cpp states it: Falcon's head Q8_0 and
     its q4_k_m ffn_down (Q6_K in the first sixteenth, Q5_K where use_more_bits), a fused
@@ -360,6 +433,28 @@ def test_k_mix_rule():
     assert storage_type(F.T_FFN_UP, (800, 800), "q5_k_m", 4, llama)[0] == Q.Q5_1
     assert storage_type(F.T_OUTPUT, (384, 64), "q6_k")[0] == Q.Q8_0
     assert st(F.T_ATTN_NORM, 0, "q4_k_m", llama, (256,)) == Q.F32
+
+    # Q2_K and Q3_K_M (llama.cpp's MOSTLY_Q2_K, MOSTLY_Q3_K_M)
+    assert st(F.T_OUTPUT, None, "q2_k", QuantMix(n_layer=32)) == Q.Q6_K
+    assert st(F.T_TOKEN_EMBD, None, "q3_k_m", falcon) == Q.Q8_0
+    assert st(F.T_TOKEN_EMBD, None, "q2_k", QuantMix(n_layer=32)) == Q.Q2_K  # untied
+    assert st(F.T_ATTN_V, 5, "q2_k", llama) == Q.Q4_K  # 32 / 8 heads: n_gqa 4
+    assert st(F.T_ATTN_V, 5, "q2_k", QuantMix(n_layer=32, n_head=32, n_head_kv=16)) == Q.Q3_K
+    assert [st(F.T_ATTN_V, i, "q3_k_m", llama) for i in (0, 1, 2, 31)] == [Q.Q5_K, Q.Q5_K, Q.Q4_K, Q.Q4_K]
+    assert st(F.T_ATTN_V, 11, "q3_k_m", l70) == Q.Q5_K and st(F.T_ATTN_V, 11, "q2_k", l70) == Q.Q5_K
+    assert [st(F.T_FFN_DOWN, i, "q2_k", llama) for i in (0, 5)] == [Q.Q3_K, Q.Q3_K]
+    assert [st(F.T_FFN_DOWN, i, "q3_k_m", llama) for i in (0, 1, 2, 5)] == [Q.Q5_K, Q.Q5_K, Q.Q4_K, Q.Q4_K]
+    assert [st(F.T_FFN_DOWN, i, "q3_k_m", falcon) for i in (1, 2, 4, 6)] == [Q.Q5_K, Q.Q4_K, Q.Q3_K, Q.Q4_K]
+    assert st(F.T_ATTN_OUTPUT, 3, "q2_k", llama) == Q.Q3_K and st(F.T_ATTN_OUTPUT, 3, "q3_k_m", llama) == Q.Q4_K
+    assert st(F.T_ATTN_OUTPUT, 3, "q2_k", falcon) == Q.Q2_K and st(F.T_ATTN_OUTPUT, 3, "q3_k_m", falcon) == Q.Q3_K
+    assert st(F.T_ATTN_QKV, 3, "q3_k_m", falcon) == Q.Q4_K and st(F.T_ATTN_QKV, 3, "q2_k", falcon) == Q.Q2_K
+    assert [st(kind, 3, "q2_k", llama) for kind in (F.T_ATTN_Q, F.T_ATTN_K, F.T_FFN_GATE, F.T_FFN_UP)] == [Q.Q2_K] * 4
+    assert [st(kind, 3, "q3_k_m", llama) for kind in (F.T_ATTN_Q, F.T_FFN_UP)] == [Q.Q3_K] * 2
+    # rows that are not whole 256-blocks: IQ4_NL when the runtime reads it, else Q5_0; then F16
+    assert storage_type(F.T_FFN_UP, (800, 800), "q2_k", 4, llama)[0] == low_fallback()
+    assert storage_type(F.T_ATTN_Q, (800, 800), "q3_k_m", 4, llama)[0] == low_fallback()
+    assert storage_type(F.T_FFN_DOWN, (800, 800), "q3_k_m", 4, llama)[0] == Q.Q5_0  # Q4_K's
+    assert storage_type(F.T_FFN_UP, (256, 1000), "q2_k", 4, llama)[0] == Q.F16
 
 
 def test_rope_linear_scaling_keys(hf_dirs, tmp_path):

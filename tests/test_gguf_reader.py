@@ -540,7 +540,7 @@ def test_many_keys_hash_table():
 
 def test_tensor_types():
     # refusals name the type as ggml does (Q6_K, not "type 14")
-    for typ, name in ((3, "Q4_1"), (6, "Q5_0"), (11, "Q3_K"), (15, "Q8_K"), (29, "IQ1_M"),
+    for typ, name in ((9, "Q8_1"), (34, "TQ1_0"), (15, "Q8_K"), (29, "IQ1_M"),
                       (31, "unknown"), (1000, "unknown")):
         expect_error(image(tensors=[tinfo("w", [32], typ)], data=bytes(4096)), GH_ERR_UNSUPPORTED,
                      f"tensor 'w' has type {name} (id {typ}), which this runtime does not read")
@@ -549,7 +549,8 @@ def test_tensor_types():
     expect_error(image(tensors=[tinfo("w", [33, 2], QT.Q4_0)], data=bytes(256)), GH_ERR_FORMAT,
                  "block size")
     # K-quants are read; a row must be whole 256-blocks
-    for typ, name in ((QT.Q4_K, "Q4_K"), (QT.Q5_K, "Q5_K"), (QT.Q6_K, "Q6_K")):
+    for typ, name in ((QT.Q4_K, "Q4_K"), (QT.Q5_K, "Q5_K"), (QT.Q6_K, "Q6_K"), (QT.Q2_K, "Q2_K"),
+                      (QT.Q3_K, "Q3_K")):
         expect_error(image(tensors=[tinfo("w", [288], typ)], data=bytes(4096)), GH_ERR_FORMAT,
                      f"not a multiple of the {name} block size 256")
 

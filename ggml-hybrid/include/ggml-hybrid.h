@@ -41,6 +41,8 @@ typedef enum {
     GH_TYPE_Q5_0 = 6,
     GH_TYPE_Q5_1 = 7,
     GH_TYPE_Q8_0 = 8,
+    GH_TYPE_Q2_K = 10,
+    GH_TYPE_Q3_K = 11,
     GH_TYPE_Q4_K = 12,
     GH_TYPE_Q5_K = 13,
     GH_TYPE_Q6_K = 14,

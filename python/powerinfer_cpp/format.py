@@ -319,6 +319,9 @@ FILE_TYPE_MOSTLY_Q4_1 = 3
 FILE_TYPE_MOSTLY_Q8_0 = 7
 FILE_TYPE_MOSTLY_Q5_0 = 8
 FILE_TYPE_MOSTLY_Q5_1 = 9
+FILE_TYPE_MOSTLY_Q2_K = 10
+FILE_TYPE_MOSTLY_Q3_K_S = 11
+FILE_TYPE_MOSTLY_Q3_K_M = 12
 FILE_TYPE_MOSTLY_BF16 = 32
 FILE_TYPE_MOSTLY_Q4_K_S = 14
 FILE_TYPE_MOSTLY_Q4_K_M = 15
@@ -327,9 +330,10 @@ FILE_TYPE_MOSTLY_Q5_K_M = 17
 FILE_TYPE_MOSTLY_Q6_K = 18
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
-            "q4_k_m", "q5_k_m")
-#: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule).
-OUTTYPE_MIXES = ("q4_k_m", "q5_k_m")
+            "q4_k_m", "q5_k_m", "q2_k", "q3_k_m")
+#: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule);
+#: q2_k is llama.cpp's Q2_K preset, itself a mix.
+OUTTYPE_MIXES = ("q4_k_m", "q5_k_m", "q2_k", "q3_k_m")
 OUTTYPE_FILE_TYPE = {
     "f32": FILE_TYPE_ALL_F32,
     "f16": FILE_TYPE_MOSTLY_F16,
@@ -345,6 +349,8 @@ OUTTYPE_FILE_TYPE = {
     "q6_k": FILE_TYPE_MOSTLY_Q6_K,
     "q4_k_m": FILE_TYPE_MOSTLY_Q4_K_M,
     "q5_k_m": FILE_TYPE_MOSTLY_Q5_K_M,
+    "q2_k": FILE_TYPE_MOSTLY_Q2_K,
+    "q3_k_m": FILE_TYPE_MOSTLY_Q3_K_M,
 }
 
 #: Block size of the quantized types we write (elements per block); rows whose
@@ -352,7 +358,8 @@ OUTTYPE_FILE_TYPE = {
 QUANT_BLOCK = 32
 #: The same for the K-quants (q4_k, q5_k, q6_k and the mixes): ggml's QK_K; their rows
 #: that are not whole K-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q5_K to Q5_1,
-#: Q6_K to Q8_0; then F16).
+#: Q6_K to Q8_0, Q2_K and Q3_K to IQ4_NL, or Q5_0 while the runtime does not read IQ4_NL;
+#: then F16).
 QUANT_BLOCK_K = 256
 
 # --------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def use_more_bits(layer: int, n_layer: int) -> bool:
 
 _OUTTYPE_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
                  "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K",
-                 "q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}
+                 "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q2_k": "Q2_K", "q3_k_m": "Q3_K"}
 
 
 def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | None = None,
@@ -77,7 +77,7 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
 
     1-D tensors (norms, biases, frequencies) are always F32. Q4_0 / Q4_1 / Q5_0 / Q5_1
     embeddings and heads are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
-    otherwise, as in llama.cpp). The mixes q4_k_m and q5_k_m choose per tensor as
+    otherwise, as in llama.cpp). The mixes q4_k_m, q5_k_m, q2_k and q3_k_m choose per tensor as
     llama.cpp's quantizer does (_mix_type; ``mix`` says the model's layer count, whether
     the head is tied, ...). Block-quantized rows need a length divisible by the block size
     (32; K-quants 256): other rows fall back as llama.cpp's quantizer does (fit_rows)."""
@@ -93,23 +93,31 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     return fit_rows(t, shape[-1])
 
 
+def _llama_70b(mix: QuantMix) -> bool:
+    """llama.cpp's 70B LLaMA test, as far as a file tells: 80 layers, grouped-query attention."""
+    return mix.arch == F.ARCH_LLAMA and mix.n_layer == 80 and mix.n_head_kv < mix.n_head
+
+
 def _mix_type(kind: str, layer: int | None, base, mix: QuantMix):
     """llama.cpp's Q4_K_M / Q5_K_M choice (``base`` Q4_K / Q5_K) for one matrix, before
     the row-length fallback. Its rule for a dense, non-MoE model: the head (the tied
     embedding too) Q6_K, Falcon's Q8_0; attn_v Q6_K where use_more_bits; a fused attn_qkv
     one step up (Q5_K / Q6_K); ffn_down Q6_K where use_more_bits, except Falcon's Q4_K_M
     (Q6_K in the first sixteenth of the layers, Q5_K where use_more_bits); a 70B LLaMA's
-    (80 layers, grouped-query attention) other attn_v Q5_K in Q4_K_M; all else ``base``."""
+    (80 layers, grouped-query attention) other attn_v Q5_K in Q4_K_M; all else ``base``.
+    Q2_K / Q3_K_M (``base`` Q2_K / Q3_K): _low_mix_type."""
     from gguf import GGMLQuantizationType as Q
     if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and mix.tied):
         return Q.Q8_0 if mix.arch == F.ARCH_FALCON else Q.Q6_K
     if layer is None:
         return base
+    if base in (Q.Q2_K, Q.Q3_K):
+        return _low_mix_type(kind, layer, base, mix)
     more = use_more_bits(layer, mix.n_layer)
     if kind == F.T_ATTN_V:
         if more:
             return Q.Q6_K
-        if base == Q.Q4_K and mix.arch == F.ARCH_LLAMA and mix.n_layer == 80 and mix.n_head_kv < mix.n_head:
+        if base == Q.Q4_K and _llama_70b(mix):
             return Q.Q5_K
         return base
     if kind == F.T_ATTN_QKV:
@@ -121,10 +129,50 @@ def _mix_type(kind: str, layer: int | None, base, mix: QuantMix):
     return base
 
 
+def _low_mix_type(kind: str, layer: int, base, mix: QuantMix):
+    """llama.cpp's Q2_K (``base`` Q2_K) / Q3_K_M (``base`` Q3_K) choice for a layer's matrix
+    of a dense, non-MoE model (the head: _mix_type): attn_v Q4_K where n_head / n_head_kv
+    >= 4, else Q3_K (Q2_K), or Q5_K in the first two layers, else Q4_K (Q3_K_M), either
+    Q5_K for a 70B LLaMA where it would be Q3_K or Q4_K; a fused attn_qkv Q4_K in Q3_K_M;
+    ffn_down Q3_K (Q2_K), or Q5_K in the first sixteenth of the layers, else Q4_K, except
+    Falcon's Q3_K outside the use_more_bits layers (Q3_K_M); attn_output one step up, Q3_K
+    / Q4_K, except Falcon's; all else ``base``. (llama.cpp's rule before it counted
+    attn_qkv as an attn_v, as the Q4_K_M / Q5_K_M rule above.)"""
+    from gguf import GGMLQuantizationType as Q
+    falcon = mix.arch == F.ARCH_FALCON
+    if kind == F.T_ATTN_V:
+        if base == Q.Q2_K:
+            t = Q.Q4_K if mix.n_head >= 4 * mix.n_head_kv else Q.Q3_K
+        else:
+            t = Q.Q5_K if layer < 2 else Q.Q4_K
+        return Q.Q5_K if t in (Q.Q3_K, Q.Q4_K) and _llama_70b(mix) else t
+    if kind == F.T_ATTN_QKV:
+        return Q.Q4_K if base == Q.Q3_K else base
+    if kind == F.T_FFN_DOWN:
+        if base == Q.Q2_K:
+            return Q.Q3_K
+        if layer < mix.n_layer // 16:
+            return Q.Q5_K
+        return Q.Q4_K if not falcon or use_more_bits(layer, mix.n_layer) else Q.Q3_K
+    if kind == F.T_ATTN_OUTPUT and not falcon:
+        return Q.Q3_K if base == Q.Q2_K else Q.Q4_K
+    return base
+
+
+def low_bit_fallback():
+    """What llama.cpp stores a Q2_K / Q3_K matrix as when its rows are not whole 256-blocks:
+    IQ4_NL (32-value blocks, 4.5 bits), when this runtime reads it (its type table has a
+    row: gh_type_row_size is not 0); else Q5_0, the 32-value type of Q4_K's fallback."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ._native import lib
+    return Q.IQ4_NL if lib.gh_type_row_size(int(Q.IQ4_NL), F.QUANT_BLOCK) != 0 else Q.Q5_0
+
+
 def fit_rows(t, row_len: int):
     """(type, note): ``t`` if rows of ``row_len`` are whole blocks of it, else the fallback:
     llama.cpp's for a K-quant (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0: 32-value blocks of
-    about the same bits), then F16."""
+    about the same bits; Q2_K, Q3_K -> low_bit_fallback()), then F16."""
     from gguf import GGMLQuantizationType as Q
     if t in (Q.F32, Q.F16, Q.BF16):
         return t, ""
@@ -132,6 +180,8 @@ def fit_rows(t, row_len: int):
     if row_len % block == 0:
         return t, ""
     k_fallback = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+    if t in (Q.Q2_K, Q.Q3_K):
+        k_fallback[t] = low_bit_fallback()
     fb = k_fallback[t] if t in k_fallback and row_len % F.QUANT_BLOCK == 0 else Q.F16
     return fb, f"row length {row_len} is not a multiple of {block}: stored as {fb.name}, not {t.name}"
 
@@ -140,7 +190,7 @@ def k_quant_types():
     """The K-quant types: gguf.quants dequantizes them but cannot quantize them, so the
     runtime's reference quantizer (gh_quantize_row) encodes them."""
     from gguf import GGMLQuantizationType as Q
-    return (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+    return (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K)
 
 
 def quantize(a: np.ndarray, qtype) -> np.ndarray:

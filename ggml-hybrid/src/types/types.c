@@ -262,8 +262,8 @@ static float fit_scale_min(const float * x, const float * w, int n, int nmax, fl
     return best_scale;
 }
 
-/* x[0..n) ~ scale * q, q = -32..31 (either sign of the scale). */
-static float fit_scale_q6(const float * x, const float * w, int n) {
+/* x[0..n) ~ scale * q, q = -nq..nq-1 (either sign of the scale; n <= 16). */
+static float fit_scale_sym(const float * x, const float * w, int n, int nq) {
     float amax = 0.0f, mx = 0.0f;
     for (int i = 0; i < n; i++) {
         if (fabsf(x[i]) > amax) {
@@ -272,14 +272,15 @@ static float fit_scale_q6(const float * x, const float * w, int n) {
         }
     }
     if (amax == 0.0f) return 0.0f;
-    float best = mx / -32.0f, best_err = INFINITY;
+    float best = mx / -(float) nq, best_err = INFINITY;
     for (int side = 0; side < 2; side++) {
         for (int k = -9; k <= 9; k++) {
-            const float iscale = side == 0 ? -(32.0f + 0.1f * (float) k) / mx : (31.0f + 0.1f * (float) k) / mx;
+            const float iscale = side == 0 ? -((float) nq + 0.1f * (float) k) / mx
+                                           : ((float) (nq - 1) + 0.1f * (float) k) / mx;
             double sqx = 0, sqq = 0;
             int q[16];
             for (int i = 0; i < n; i++) {
-                q[i] = clampi(round_int(iscale * x[i]), -32, 31);
+                q[i] = clampi(round_int(iscale * x[i]), -nq, nq - 1);
                 sqx += (double) w[i] * q[i] * x[i];
                 sqq += (double) w[i] * q[i] * q[i];
             }
@@ -367,7 +368,7 @@ static void q6_K_from_float(const float * src, void * dst, int64_t n) {
         float w[16], sub[16], amax = 0.0f;
         for (int j = 0; j < 16; j++) {
             k_weights(src + 16 * j, 16, w);
-            sub[j] = fit_scale_q6(src + 16 * j, w, 16);
+            sub[j] = fit_scale_sym(src + 16 * j, w, 16, 32);
             amax = fmaxf(amax, fabsf(sub[j]));
         }
         b[i].d = gh_fp32_to_fp16(amax / 127.0f);
@@ -389,6 +390,111 @@ static void q6_K_from_float(const float * src, void * dst, int64_t n) {
                                                  ((qq[64 + l] >> 4) << 4) | ((qq[96 + l] >> 4) << 6));
             }
         }
+    }
+}
+
+/* ---- Q2_K, Q3_K (16 sub-blocks of 16 values) ---- */
+
+/* As Q4_K: (d * sc) * q - (dmin * m), gguf.quants.dequantize's float order. */
+static void q2_K_to_float(const void * src, float * dst, int64_t n) {
+    const block_q2_K * b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, dst += QK_K) {
+        const float d = gh_fp16_to_fp32(b[i].d), dmin = gh_fp16_to_fp32(b[i].dmin);
+        for (int j = 0; j < 16; j++) {
+            const float dl = d * (float) (b[i].scales[j] & 0x0f), ml = dmin * (float) (b[i].scales[j] >> 4);
+            for (int l = 0; l < 16; l++) dst[16 * j + l] = dl * (float) gh_k2_low(b[i].qs, 16 * j + l) - ml;
+        }
+    }
+}
+
+static inline int q3_K_at(const block_q3_K * b, int v) {
+    return gh_k2_low(b->qs, v) - (((b->hmask[v & 31] >> (v >> 5)) & 1) ? 0 : 4);
+}
+
+/* (d * (sc - 32)) * (q - 4), gguf.quants.dequantize's float order. */
+static void q3_K_to_float(const void * src, float * dst, int64_t n) {
+    const block_q3_K * b = src;
+    for (int64_t i = 0; i < n / QK_K; i++, dst += QK_K) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int j = 0; j < 16; j++) {
+            const float dl = d * (float) (gh_k3_scale(b[i].scales, j) - 32);
+            for (int l = 0; l < 16; l++) dst[16 * j + l] = dl * (float) q3_K_at(&b[i], 16 * j + l);
+        }
+    }
+}
+
+/* The 2-bit parts of q[0..256) into qs[64] (gh_k2_low's order). */
+static void k2_pack(const uint8_t * q, uint8_t * qs) {
+    memset(qs, 0, QK_K / 4);
+    for (int v = 0; v < QK_K; v++) qs[32 * (v >> 7) + (v & 31)] |= (uint8_t) ((q[v] & 3) << (2 * ((v >> 5) & 3)));
+}
+
+/* Per sub-block the weighted least-squares scale and min (q = 0..3, fit_scale_min), then
+ * both quantized to 4 bits against the block's d = max scale / 15, dmin = max min / 15, and
+ * the values requantized against them as stored. */
+static void q2_K_from_float(const float * src, void * dst, int64_t n) {
+    block_q2_K * b = dst;
+    for (int64_t i = 0; i < n / QK_K; i++, src += QK_K) {
+        float w[16], sub_scale[16], sub_min[16], max_scale = 0.0f, max_min = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            k_weights(src + 16 * j, 16, w);
+            sub_scale[j] = fit_scale_min(src + 16 * j, w, 16, 3, &sub_min[j]);
+            max_scale = fmaxf(max_scale, sub_scale[j]);
+            max_min = fmaxf(max_min, sub_min[j]);
+        }
+        b[i].d = gh_fp32_to_fp16(max_scale / 15.0f);
+        b[i].dmin = gh_fp32_to_fp16(max_min / 15.0f);
+        const float d = gh_fp16_to_fp32(b[i].d), dmin = gh_fp16_to_fp32(b[i].dmin);
+        const float id = d > 0.0f ? 1.0f / d : 0.0f, idmin = dmin > 0.0f ? 1.0f / dmin : 0.0f;
+        uint8_t q[QK_K];
+        for (int j = 0; j < 16; j++) {
+            const int sc = clampi(round_int(sub_scale[j] * id), 0, 15);
+            const int m = clampi(round_int(sub_min[j] * idmin), 0, 15);
+            b[i].scales[j] = (uint8_t) (sc | (m << 4));
+            const float dl = d * (float) sc, ml = dmin * (float) m;
+            const float idl = dl > 0.0f ? 1.0f / dl : 0.0f;
+            for (int l = 0; l < 16; l++) q[16 * j + l] = (uint8_t) clampi(round_int((src[16 * j + l] + ml) * idl), 0, 3);
+        }
+        k2_pack(q, b[i].qs);
+    }
+}
+
+/* Per sub-block the weighted least-squares scale (q = -4..3, fit_scale_sym), the scales
+ * quantized to 6 bits against d = (the scale of largest magnitude) / -32, the values
+ * requantized against them as stored. */
+static void q3_K_from_float(const float * src, void * dst, int64_t n) {
+    block_q3_K * b = dst;
+    for (int64_t i = 0; i < n / QK_K; i++, src += QK_K) {
+        float w[16], sub[16], amax = 0.0f, smax = 0.0f;
+        for (int j = 0; j < 16; j++) {
+            k_weights(src + 16 * j, 16, w);
+            sub[j] = fit_scale_sym(src + 16 * j, w, 16, 4);
+            if (fabsf(sub[j]) > amax) {
+                amax = fabsf(sub[j]);
+                smax = sub[j];
+            }
+        }
+        b[i].d = gh_fp32_to_fp16(smax / -32.0f);
+        const float d = gh_fp16_to_fp32(b[i].d);
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint8_t q[QK_K];
+        memset(b[i].scales, 0, sizeof b[i].scales);
+        memset(b[i].hmask, 0, sizeof b[i].hmask);
+        for (int j = 0; j < 16; j++) {
+            const int sc = clampi(round_int(sub[j] * id), -32, 31);
+            const int u = sc + 32;
+            if (j < 8) b[i].scales[j] |= (uint8_t) (u & 0x0f);
+            else b[i].scales[j - 8] |= (uint8_t) ((u & 0x0f) << 4);
+            b[i].scales[8 + (j & 3)] |= (uint8_t) ((u >> 4) << (2 * (j >> 2)));
+            const float dl = d * (float) sc;
+            const float idl = dl != 0.0f ? 1.0f / dl : 0.0f;
+            for (int l = 0; l < 16; l++) {
+                const int v = 16 * j + l;
+                q[v] = (uint8_t) (clampi(round_int(src[v] * idl), -4, 3) + 4);
+                b[i].hmask[v & 31] |= (uint8_t) ((q[v] >> 2) << (v >> 5));
+            }
+        }
+        k2_pack(q, b[i].qs);
     }
 }
 
@@ -511,10 +617,12 @@ static const gh_type_traits k_types[GH_TYPE_COUNT] = {
     [GH_TYPE_Q4_K] = ROW("Q4_K", QK_K, sizeof(block_q4_K), true, q4_K_to_float, q4_K_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_Q5_K] = ROW("Q5_K", QK_K, sizeof(block_q5_K), true, q5_K_to_float, q5_K_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_Q6_K] = ROW("Q6_K", QK_K, sizeof(block_q6_K), true, q6_K_to_float, q6_K_from_float, GH_TYPE_Q8_K),
+    [GH_TYPE_Q2_K] = ROW("Q2_K", QK_K, sizeof(block_q2_K), true, q2_K_to_float, q2_K_from_float, GH_TYPE_Q8_K),
+    [GH_TYPE_Q3_K] = ROW("Q3_K", QK_K, sizeof(block_q3_K), true, q3_K_to_float, q3_K_from_float, GH_TYPE_Q8_K),
     /* index tensors (gpu_idx, gpu_bucket): the loader reads them itself, never as a weight */
     [GH_TYPE_I32]  = { "i32", 1, 4, false, NULL, NULL, 0 },
     /* the rest of ggml's types (ids and blocks as gguf.constants.GGML_QUANT_SIZES) */
-    [9] = LAYOUT("Q8_1", 32, 40), [10] = LAYOUT("Q2_K", 256, 84), [11] = LAYOUT("Q3_K", 256, 110),
+    [9] = LAYOUT("Q8_1", 32, 40),
     [15] = LAYOUT("Q8_K", 256, 292), [16] = LAYOUT("IQ2_XXS", 256, 66),
     [17] = LAYOUT("IQ2_XS", 256, 74), [18] = LAYOUT("IQ3_XXS", 256, 98),
     [19] = LAYOUT("IQ1_S", 256, 50), [20] = LAYOUT("IQ4_NL", 32, 18), [21] = LAYOUT("IQ3_S", 256, 110),

@@ -18,7 +18,15 @@
  *   Q6_K: { uint8 ql[128]; uint8 qh[64]; int8 scales[16]; fp16 d }   210 bytes
  *          16 sub-blocks of 16: x = d * scales[j] * (q - 32), q = 0..63. Half h (128
  *          values) takes ql[64h ..], qh[32h ..]: value 32g + l (g < 4, l < 32) has low
- *          bits ql[64h + l + 32 (g & 1)] >> 4 (g >> 1) and high bits qh[32h + l] >> 2g. */
+ *          bits ql[64h + l + 32 (g & 1)] >> 4 (g >> 1) and high bits qh[32h + l] >> 2g.
+ *   Q2_K: { uint8 scales[16]; uint8 qs[64]; fp16 d, dmin }        84 bytes
+ *          16 sub-blocks of 16: x = d * (scales[j] & 15) * q - dmin * (scales[j] >> 4),
+ *          q = 0..3. Half h (128 values) takes qs[32h ..]: value 128h + 32g + l (g < 4,
+ *          l < 32) is (qs[32h + l] >> 2g) & 3 (so sub-block j = v / 16 as Q6_K's).
+ *   Q3_K: { uint8 hmask[32]; uint8 qs[64]; uint8 scales[12]; fp16 d }   110 bytes
+ *          16 sub-blocks of 16: x = d * (sc[j] - 32) * (q - 4), sc 6-bit (gh_k3_scale),
+ *          q = 0..7: its low two bits as Q2_K's, bit 2 of value v is bit v / 32 of
+ *          hmask[v % 32] (set: q - 4 = 0..3; clear: -4..-1). */
 #ifndef GH_TYPES_H
 #define GH_TYPES_H
 
@@ -44,6 +52,8 @@ typedef struct {
     uint8_t  qs[QK_K / 2];
 } block_q5_K;
 typedef struct { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; } block_q6_K;
+typedef struct { uint8_t scales[QK_K / 16]; uint8_t qs[QK_K / 4]; uint16_t d, dmin; } block_q2_K;
+typedef struct { uint8_t hmask[QK_K / 8]; uint8_t qs[QK_K / 4]; uint8_t scales[12]; uint16_t d; } block_q3_K;
 #ifdef __cplusplus /* the CUDA backend includes this header */
 #define GH_STATIC_ASSERT static_assert
 #else
@@ -55,6 +65,8 @@ GH_STATIC_ASSERT(sizeof(block_q5_1) == 24, "block_q5_1 layout");
 GH_STATIC_ASSERT(sizeof(block_q4_K) == 144, "block_q4_K layout");
 GH_STATIC_ASSERT(sizeof(block_q5_K) == 176, "block_q5_K layout");
 GH_STATIC_ASSERT(sizeof(block_q6_K) == 210, "block_q6_K layout");
+GH_STATIC_ASSERT(sizeof(block_q2_K) == 84, "block_q2_K layout");
+GH_STATIC_ASSERT(sizeof(block_q3_K) == 110, "block_q3_K layout");
 
 /* Internal activation type of the 32-value block weights (Q4_0, Q8_0, ...) (never in files; gh_type_valid
  * says no, gh_type_traits_get returns NULL for it; gh_row_size knows its size).
@@ -105,6 +117,19 @@ static inline void gh_k4_scale_min(const uint8_t * q, int j, uint8_t * sc, uint8
         *sc = (uint8_t) ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
         *m = (uint8_t) ((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
     }
+}
+
+/* The 6-bit scale (0..63, stored + 32) of sub-block j < 16 of a Q3_K block: its low four
+ * bits are the low nibble of scales[j] (j < 8) or the high nibble of scales[j - 8], its top
+ * two bits bits 2 (j / 4) .. 2 (j / 4) + 1 of scales[8 + j % 4]. */
+static inline int gh_k3_scale(const uint8_t * s, int j) {
+    const int lo = j < 8 ? (s[j] & 0x0f) : (s[j - 8] >> 4);
+    return lo | (((s[8 + (j & 3)] >> (2 * (j >> 2))) & 3) << 4);
+}
+
+/* The 2-bit part of value v < 256 of a Q2_K/Q3_K block's qs[64]. */
+static inline int gh_k2_low(const uint8_t * qs, int v) {
+    return (qs[32 * (v >> 7) + (v & 31)] >> (2 * ((v >> 5) & 3))) & 3;
 }
 
 float gh_fp16_to_fp32(uint16_t h);

@@ -711,6 +711,55 @@ AVX2_FN static void tiles_f32_avx2(int64_t n_tokens, const float * h, int64_t ld
     }
 }
 
+/* ---- Q2_K, Q3_K: one row ----
+ * Per sub-block of 16 values: the 2-bit values (Q3_K: with hmask's third bit, 0..7) as
+ * bytes, widened to floats, y += f q + g with the row's scale folded in: f = s d sc and
+ * g = -s dmin m (Q2_K), f = s d (sc - 32) and g = -4 f (Q3_K). The four-row forms are the
+ * caller's loop of this one. */
+
+AVX2_INLINE void axpy_k2_avx2(const bool is_q3, int64_t n, float s, const void * row, float * restrict y) {
+    const size_t bs = is_q3 ? sizeof(block_q3_K) : sizeof(block_q2_K);
+    const __m128i m3 = _mm_set1_epi8(3), b2 = _mm_set1_epi8(4);
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        const uint8_t * b = (const uint8_t *) row + i * bs;
+        const block_q2_K * b2k = (const block_q2_K *) b;
+        const block_q3_K * b3k = (const block_q3_K *) b;
+        const uint8_t * qs = is_q3 ? b3k->qs : b2k->qs;
+        const float sd = s * _cvtsh_ss(is_q3 ? b3k->d : b2k->d);
+        const float sdm = is_q3 ? 0.0f : s * _cvtsh_ss(b2k->dmin);
+        for (int j = 0; j < 16; j++) {
+            const int k = j >> 1; /* value vector 4h + g of 32: shift 2g of qs[32h ..], hmask bit k */
+            __m128i q = _mm_loadu_si128((const __m128i *) (qs + 32 * (k >> 2) + 16 * (j & 1)));
+            q = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(2 * (k & 3))), m3);
+            float f, g;
+            if (is_q3) {
+                const __m128i h = _mm_loadu_si128((const __m128i *) (b3k->hmask + 16 * (j & 1)));
+                const __m128i hk = k < 2 ? _mm_sll_epi16(h, _mm_cvtsi32_si128(2 - k)) : _mm_srl_epi16(h, _mm_cvtsi32_si128(k - 2));
+                q = _mm_or_si128(q, _mm_and_si128(hk, b2));
+                f = sd * (float) (gh_k3_scale(b3k->scales, j) - 32);
+                g = -4.0f * f;
+            } else {
+                f = sd * (float) (b2k->scales[j] & 0x0f);
+                g = -sdm * (float) (b2k->scales[j] >> 4);
+            }
+            const __m256 vf = _mm256_set1_ps(f), vg = _mm256_set1_ps(g);
+            float * yj = y + 16 * j;
+            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+            _mm256_storeu_ps(yj, _mm256_fmadd_ps(vf, q0, _mm256_add_ps(_mm256_loadu_ps(yj), vg)));
+            _mm256_storeu_ps(yj + 8, _mm256_fmadd_ps(vf, q1, _mm256_add_ps(_mm256_loadu_ps(yj + 8), vg)));
+        }
+    }
+}
+
+AVX2_FN static void axpy_q2_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_k2_avx2(false, n, s, row, y);
+}
+
+AVX2_FN static void axpy_q3_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_k2_avx2(true, n, s, row, y);
+}
+
 /* ---- the AVX2 rows of the axpy family (cpu/kernels.h) ---- */
 
 const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
@@ -730,4 +779,6 @@ const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
                        .axpy16 = axpy16_q5_K_avx2, .matmul16 = matmul16_q5_K_avx2 },
     [GH_TYPE_Q6_K] = { .axpy = axpy_q6_K_avx2, .axpy4 = axpy_q6_K_avx2_4, .axpy4pf = axpy_q6_K_avx2_4pf,
                        .axpy16 = axpy16_q6_K_avx2, .matmul16 = matmul16_q6_K_avx2 },
+    [GH_TYPE_Q2_K] = { .axpy = axpy_q2_K_avx2 },
+    [GH_TYPE_Q3_K] = { .axpy = axpy_q3_K_avx2 },
 };

@@ -632,6 +632,22 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
     for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
 }
 
+/* The scales of 16 sub-blocks of 16 (Q6_K, Q2_K, Q3_K; sc16: word j = sub-block j's) for
+ * the value vectors of 32: vector j holds 2j's in its low lane, 2j + 1's in its high lane. */
+GH_INLINE void k16_scales(const __m256i sc16, __m256i sc[8]) {
+    const __m256i s_lo = _mm256_permute4x64_epi64(sc16, 0x44), s_hi = _mm256_permute4x64_epi64(sc16, 0xee);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        const int k = 2 * (j & 3);
+        const __m256i ctrl = _mm256_setr_epi8(
+            2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
+            2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
+            2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3,
+            2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3);
+        sc[j] = _mm256_shuffle_epi8(j < 4 ? s_lo : s_hi, ctrl);
+    }
+}
+
 /* One Q6_K row against NT tokens. */
 GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t * pf, const char * x,
                       size_t xs, float * y, int64_t ldy) {
@@ -661,18 +677,8 @@ GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
         }
         /* scales: vector j holds sub-block 2j's scale in words 0..7, 2j + 1's in 8..15 */
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) b->scales));
-        const __m256i s_lo = _mm256_permute4x64_epi64(sc16, 0x44), s_hi = _mm256_permute4x64_epi64(sc16, 0xee);
         __m256i sc[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) { /* low lane: word 2j' of its half, high lane: word 2j' + 1 */
-            const int k = 2 * (j & 3);
-            const __m256i ctrl = _mm256_setr_epi8(
-                2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
-                2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1, 2 * k, 2 * k + 1,
-                2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3,
-                2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3, 2 * k + 2, 2 * k + 3);
-            sc[j] = _mm256_shuffle_epi8(j < 4 ? s_lo : s_hi, ctrl);
-        }
+        k16_scales(sc16, sc);
 #pragma GCC unroll 4
         for (int t = 0; t < NT; t++) {
             const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
@@ -692,11 +698,102 @@ GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
     for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
 }
 
-enum { K_Q4, K_Q5, K_Q6 };
+/* Q2_K and Q3_K: 16 sub-blocks of 16, laid out as Q6_K's (vector 4h + g of 32 values =
+ * half h, group g = sub-blocks 2 (4h + g) and 2 (4h + g) + 1, one per 128-bit lane), so the
+ * scales go to the words as Q6_K's. Q2_K: the 2-bit values 0..3 and 4-bit scales; its
+ * mins from the bsums (one madd), as Q4_K's. Q3_K: the values as unsigned 0..7 (the high
+ * bit of hmask shifted in, as Q5_K's fifth bit), the 6-bit signed scales decoded in the
+ * vector unit, and the zero point 4 from the bsums, as Q6_K's 32. maddubs pairs are at
+ * most 2 * 7 * 127: no int16 overflow. */
+
+/* Q3_K's 16 scales (sc - 32, signed) as bytes from the 12 packed bytes (gh_k3_scale):
+ * low nibbles of bytes 0..7 then their high nibbles; top two bits 2 (j / 4) of byte 8 + j % 4. */
+GH_INLINE __m128i k3_scales(const uint8_t * p) {
+    uint32_t top;
+    memcpy(&top, p + 8, 4);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i l8 = _mm_loadl_epi64((const __m128i *) p);
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(l8, m4), _mm_and_si128(_mm_srli_epi16(l8, 4), m4));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int) top), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+}
+
+/* One Q2_K (is_q3 false) or Q3_K row against NT tokens. */
+GH_INLINE void k2_row(const int NT, const bool is_q3, int64_t n, const uint8_t * w, const uint8_t * pf,
+                      const char * x, size_t xs, float * y, int64_t ldy) {
+    const size_t bs = is_q3 ? sizeof(block_q3_K) : sizeof(block_q2_K);
+    __m256 acc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * b = w + i * bs;
+        _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
+        const uint8_t * qs = is_q3 ? ((const block_q3_K *) b)->qs : ((const block_q2_K *) b)->qs;
+        __m256i v[8];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *) (qs + 32 * h));
+            v[4 * h + 0] = _mm256_and_si256(q, m3);
+            v[4 * h + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m3);
+            v[4 * h + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m3);
+            v[4 * h + 3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m3);
+        }
+        __m256i sc16, m16 = _mm256_setzero_si256();
+        float d, dmin = 0.0f;
+        if (is_q3) {
+            const block_q3_K * bq = (const block_q3_K *) b;
+            /* bit k of hmask[l] is bit 2 of vector k's value l */
+            const __m256i hm = _mm256_loadu_si256((const __m256i *) bq->hmask);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m256i hk = k < 2 ? _mm256_slli_epi16(hm, 2 - k) : _mm256_srli_epi16(hm, k - 2);
+                v[k] = _mm256_or_si256(v[k], _mm256_and_si256(hk, b2));
+            }
+            sc16 = _mm256_cvtepi8_epi16(k3_scales(bq->scales));
+            d = _cvtsh_ss(bq->d);
+        } else {
+            const block_q2_K * bq = (const block_q2_K *) b;
+            const __m128i s8 = _mm_loadu_si128((const __m128i *) bq->scales);
+            const __m128i m4 = _mm_set1_epi8(0x0f);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s8, m4));
+            m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), m4));
+            d = _cvtsh_ss(bq->d);
+            dmin = _cvtsh_ss(bq->dmin);
+        }
+        __m256i sc[8];
+        k16_scales(sc16, sc);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i a = _mm256_loadu_si256((const __m256i *) (yb->qs + 32 * j));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(v[j], a), sc[j]));
+            }
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *) yb->bsums);
+            if (is_q3) { /* - 4 * sum_j scale_j * bsums_j */
+                s = _mm256_sub_epi32(s, _mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 2));
+            } else { /* the mins: - dmin * sum_j m_j * bsums_j */
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * yb->d), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, m16)),
+                                         acc[t]);
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb->d), _mm256_cvtepi32_ps(s), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
+}
+
+enum { K_Q4, K_Q5, K_Q6, K_Q2, K_Q3 };
 
 GH_INLINE void k_row(const int NT, const int kind, int64_t n, const uint8_t * w, const uint8_t * pf,
                      const char * x, size_t xs, float * y, int64_t ldy) {
     if (kind == K_Q6) k6_row(NT, n, w, pf, x, xs, y, ldy);
+    else if (kind == K_Q2 || kind == K_Q3) k2_row(NT, kind == K_Q3, n, w, pf, x, xs, y, ldy);
     else k4_row(NT, kind == K_Q5, n, w, pf, x, xs, y, ldy);
 }
 
@@ -742,6 +839,8 @@ GH_INLINE void dot4_k(const int kind, int64_t n, const void * const * rows, cons
 DEFINE_K(q4_K, K_Q4)
 DEFINE_K(q5_K, K_Q5)
 DEFINE_K(q6_K, K_Q6)
+DEFINE_K(q2_K, K_Q2)
+DEFINE_K(q3_K, K_Q3)
 
 /* Q8_K activations: gh_quantize_row_q8_K_ref, byte for byte (the rounding of round_away,
  * the same d and 1 / d). */
@@ -792,4 +891,6 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_Q4_K] = GH_DOT_ROW(vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K),
     [GH_TYPE_Q5_K] = GH_DOT_ROW(vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K),
     [GH_TYPE_Q6_K] = GH_DOT_ROW(vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K),
+    [GH_TYPE_Q2_K] = GH_DOT_ROW(vec_dot_q2_K, q8_K_from_float_x, gemm_q2_K, 4, KNT, 4, dot4_q2_K),
+    [GH_TYPE_Q3_K] = GH_DOT_ROW(vec_dot_q3_K, q8_K_from_float_x, gemm_q3_K, 4, KNT, 4, dot4_q3_K),
 };

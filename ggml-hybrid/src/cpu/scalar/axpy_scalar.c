@@ -66,6 +66,8 @@ DEFINE_AXPY_BLOCKS(axpy_q5_1, GH_TYPE_Q5_1)
 DEFINE_AXPY_BLOCKS(axpy_q4_K, GH_TYPE_Q4_K)
 DEFINE_AXPY_BLOCKS(axpy_q5_K, GH_TYPE_Q5_K)
 DEFINE_AXPY_BLOCKS(axpy_q6_K, GH_TYPE_Q6_K)
+DEFINE_AXPY_BLOCKS(axpy_q2_K, GH_TYPE_Q2_K)
+DEFINE_AXPY_BLOCKS(axpy_q3_K, GH_TYPE_Q3_K)
 
 const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = { .axpy = axpy_f32 },
@@ -79,4 +81,6 @@ const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_Q4_K] = { .axpy = axpy_q4_K },
     [GH_TYPE_Q5_K] = { .axpy = axpy_q5_K },
     [GH_TYPE_Q6_K] = { .axpy = axpy_q6_K },
+    [GH_TYPE_Q2_K] = { .axpy = axpy_q2_K },
+    [GH_TYPE_Q3_K] = { .axpy = axpy_q3_K },
 };

@@ -247,6 +247,46 @@ static void vec_dot_q6_K_q8_K(int64_t n, float * s, const void * w, const void *
     *s = (float) sum;
 }
 
+/* Q2_K, Q3_K against Q8_K: per sub-block of 16 an exact integer dot; Q2_K's mins through
+ * the activations' 16-value sums, as Q4_K's. */
+static void vec_dot_q2_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_q2_K * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 16; j++) {
+            int dot = 0;
+            for (int l = 0; l < 16; l++) dot += gh_k2_low(a[b].qs, 16 * j + l) * y[b].qs[16 * j + l];
+            isum += (a[b].scales[j] & 0x0f) * dot;
+            msum += (a[b].scales[j] >> 4) * y[b].bsums[j];
+        }
+        sum += (double) y[b].d * ((double) gh_fp16_to_fp32(a[b].d) * isum -
+                                  (double) gh_fp16_to_fp32(a[b].dmin) * msum);
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_q3_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_q3_K * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0;
+        for (int j = 0; j < 16; j++) {
+            int dot = 0;
+            for (int l = 0; l < 16; l++) {
+                const int v = 16 * j + l;
+                const int q = gh_k2_low(a[b].qs, v) - (((a[b].hmask[v & 31] >> (v >> 5)) & 1) ? 0 : 4);
+                dot += q * y[b].qs[v];
+            }
+            isum += (gh_k3_scale(a[b].scales, j) - 32) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum;
+    }
+    *s = (float) sum;
+}
+
 /* ---- tiles: loops of dots ---- */
 
 #define DEFINE_GEMM(name, dot)                                                              \
@@ -271,6 +311,8 @@ DEFINE_GEMM(gemm_q5_1, vec_dot_q5_1_q8_x4)
 DEFINE_GEMM(gemm_q4_K, vec_dot_q4_K_q8_K)
 DEFINE_GEMM(gemm_q5_K, vec_dot_q5_K_q8_K)
 DEFINE_GEMM(gemm_q6_K, vec_dot_q6_K_q8_K)
+DEFINE_GEMM(gemm_q2_K, vec_dot_q2_K_q8_K)
+DEFINE_GEMM(gemm_q3_K, vec_dot_q3_K_q8_K)
 
 #define DOT_ROW(dot, from_x, tile) GH_DOT_ROW(dot, from_x, tile, 1, 1, 1, NULL)
 
@@ -286,4 +328,6 @@ const gh_kernel_set gh_dot_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_Q4_K] = DOT_ROW(vec_dot_q4_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q4_K),
     [GH_TYPE_Q5_K] = DOT_ROW(vec_dot_q5_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q5_K),
     [GH_TYPE_Q6_K] = DOT_ROW(vec_dot_q6_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q6_K),
+    [GH_TYPE_Q2_K] = DOT_ROW(vec_dot_q2_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q2_K),
+    [GH_TYPE_Q3_K] = DOT_ROW(vec_dot_q3_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q3_K),
 };

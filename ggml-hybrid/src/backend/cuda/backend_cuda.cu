@@ -512,12 +512,14 @@ bool float_vec_ok(const gh_dweight * w) {
 
 /* f(type_c<T>{}, std::bool_constant<VEC>{}) for the weight type T == type: the unit path
  * (VEC) where the rows allow it (float types: float_vec_ok), always for block types (their
- * rows are whole blocks; row_dot ignores VEC for them, so one instance each). false for a
- * type the device does not read (check_weight refused it already). */
+ * rows are whole blocks; row_dot ignores VEC for them, so one instance each: if constexpr,
+ * or the VEC = false kernels would be compiled too). false for a type the device does not
+ * read (check_weight refused it already). */
 template <typename F>
 bool with_weight_type(int type, bool vec, F && f) {
     return with_dev_type(type, [&](auto t) {
-        if (!dev_type<decltype(t)::value>::is_float || vec) f(t, std::true_type{});
+        if constexpr (!dev_type<decltype(t)::value>::is_float) f(t, std::true_type{});
+        else if (vec) f(t, std::true_type{});
         else f(t, std::false_type{});
     });
 }

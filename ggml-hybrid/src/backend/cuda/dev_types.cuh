@@ -183,12 +183,13 @@ template <bool MIN, bool HIGH> struct nibble32 {
     }
     GH_HD static float elem(const uint8_t * row, int64_t i) {
         const uint8_t * b = row + (i >> 5) * (int64_t) bytes;
+        const float d = f16_bits(ld_u16(b));
+        const float m = MIN ? f16_bits(ld_u16(b + 2)) : 0.0f;
         const int j = (int) (i & 31);
         const uint8_t byte = ldg(b + QS + (j & 15));
         int q = j < 16 ? (byte & 0xF) : (byte >> 4);
         if constexpr (HIGH) q |= (int) ((high_bits(b) >> j) & 1u) << 4;
-        const float m = MIN ? f16_bits(ld_u16(b + 2)) : 0.0f;
-        return value(f16_bits(ld_u16(b)), m, q);
+        return value(d, m, q);
     }
     /* quarter p = u % 4 of block u / 4: bytes 4p .. 4p + 3 of qs, i.e. elements 4p + i
      * (low nibbles) and 4p + 16 + i (high nibbles) */

@@ -1,8 +1,10 @@
 """The CUDA kernels' row math replayed on the CPU (cuda_emu.cu): needs nvcc, not a GPU.
 
-On a machine without a GPU this is the only check of the kernels' element indexing (every
-type's unit and element reads, the lanes' partial sums, the activations, the slicing of
-row lists); the GPU tests (test_cuda_ops.py) then check the kernels themselves."""
+On a machine without a GPU this is the only check of the kernels' element indexing (for
+every type of the device's list, dev_types.cuh: its block and bytes against the type table,
+its unit and element reads bit for bit against gh_dequantize_row, the lanes' partial sums;
+the activations, the slicing of row lists); the GPU tests (test_cuda_ops.py) then check
+the kernels themselves. The output lists the runtime's types the device does not read."""
 
 from __future__ import annotations
 

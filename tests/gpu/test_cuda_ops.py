@@ -176,8 +176,10 @@ def hot_ffn_check(device, tname, down_name, act, n_hot, d, lists, seed):
             run_hot_ffn(device, tname, rg, ru, down_name, rd, n_hot, d, act, x, rows), y)
 
 
+# every type with itself, and mixes: gate/up and down_t are instantiated and read apart
 HOT_TYPES = [(t, t) for t in TYPES] + [("q4_0", "f16"), ("q8_0", "q4_0"), ("f32", "bf16"),
-                                      ("f16", "q8_0"), ("q4_k", "q6_k"), ("q5_k", "f16")]
+                                      ("f16", "q8_0"), ("q4_k", "q6_k"), ("q5_k", "f16"),
+                                      ("q4_1", "q5_0"), ("q5_1", "q4_k"), ("q5_0", "q5_1")]
 
 
 @pytest.mark.parametrize("tname, down_name", HOT_TYPES)
@@ -189,7 +191,7 @@ def test_hot_ffn(op_device, tname, down_name, aname):
                   seed=TYPES[tname] * 37 + TYPES[down_name] + ACTS[aname])
 
 
-@pytest.mark.parametrize("tname", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("tname", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_1"])
 @pytest.mark.parametrize("aname", ["relu", "fatrelu", "gelu_erf"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_hot_ffn_biases_ungated(op_device, tname, aname, gated):

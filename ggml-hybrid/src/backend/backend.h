@@ -25,8 +25,9 @@
 typedef struct gh_backend gh_backend;
 typedef struct gh_stream gh_stream;
 
-/* A weight resident on a device: rows x cols of type (gh_type: F32, F16, BF16, Q8_0,
- * Q4_0), row_bytes = gh_row_size(type, cols), data = device pointer. */
+/* A weight resident on a device: rows x cols of type (a gh_type the runtime reads; each
+ * backend refuses the types it lacks by name: cuda/dev_types.cuh lists CUDA's),
+ * row_bytes = gh_row_size(type, cols), data = device pointer. */
 typedef struct {
     int     type;
     int64_t rows;

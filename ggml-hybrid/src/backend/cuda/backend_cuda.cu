@@ -14,9 +14,10 @@
  * stream is flushed first (waited for, pending results delivered), so any number of ops
  * may be enqueued between two syncs.
  *
- * Kernels (weights of type F32, F16, BF16, Q8_0, Q4_0; activations and results f32; the
- * weights are dequantized in registers, the activations are never quantized; the row math
- * is in rows.cuh, which tests/gpu/cuda_emu.cu also runs on the CPU):
+ * Kernels (weights of every type in dev_types.cuh's list, each kernel instantiated per
+ * type from that list; activations and results f32; the weights are dequantized in
+ * registers, the activations are never quantized; the row math is in rows.cuh and the
+ * types' reads in dev_types.cuh, which tests/gpu/cuda_emu.cu also runs on the CPU):
  *   row dot products (matmul, the predictor's two layers, hot gate/up): one warp per
  *     weight row; the warp walks the row in units of 8 elements per lane (one 16/32-byte
  *     vector load for float types when the row is 16-byte aligned, the quarter of a
@@ -149,7 +150,7 @@ k_hot_down(const uint8_t * __restrict__ down, size_t row_bytes, int64_t cols,
             for (int i = 0; i < nk; i++) {
                 const float ak = s_a[i]; /* the same for the whole block: no divergence */
                 if (ak == 0.0f) continue;
-                s = fmaf(ak, load_elem<T>(down + (size_t) s_rows[i] * row_bytes, c), s);
+                s = fmaf(ak, dev_type<T>::elem(down + (size_t) s_rows[i] * row_bytes, c), s);
             }
         }
     }
@@ -455,16 +456,37 @@ gh_status check_launch(cuda_stream * s, const char * what) {
     return e == cudaSuccess ? GH_OK : cuda_fail(s->be->device, e, what);
 }
 
-bool type_ok(int t) {
-    return t == GH_TYPE_F32 || t == GH_TYPE_F16 || t == GH_TYPE_BF16 || t == GH_TYPE_Q8_0 ||
-           t == GH_TYPE_Q4_0 || t == GH_TYPE_Q4_K || t == GH_TYPE_Q5_K || t == GH_TYPE_Q6_K;
+/* "f32, f16, ... and Q6_K": the names of the types the kernels read (dev_types), for
+ * messages. */
+struct type_names {
+    char s[256];
+};
+
+const char * dev_type_names() {
+    static const type_names names = [] {
+        type_names n{};
+        size_t len = 0;
+        for (int i = 0; i < dev_types::count && len < sizeof n.s; i++) {
+            const char * sep = i == 0 ? "" : i + 1 < dev_types::count ? ", " : " and ";
+            len += (size_t) snprintf(n.s + len, sizeof n.s - len, "%s%s", sep,
+                                     gh_type_name(dev_types::ids[i]));
+        }
+        return n;
+    }();
+    return names.s;
+}
+
+gh_status type_refused(const char * fn, const char * what, int type) {
+    return gh_fail(GH_ERR_UNSUPPORTED, "cuda %s: %s has type %s (id %d), which the CUDA kernels "
+                   "do not read (they read %s)", fn, what, gh_type_name(type), type,
+                   dev_type_names());
 }
 
 gh_status check_weight(const char * fn, const char * what, const gh_dweight * w) {
     if (!w) return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s is NULL", fn, what);
-    if (!type_ok(w->type)) {
-        return gh_fail(GH_ERR_UNSUPPORTED, "cuda %s: %s has type %d; the CUDA kernels take f32, "
-                       "f16, bf16, q8_0, q4_0, Q4_K, Q5_K and Q6_K", fn, what, w->type);
+    int align = 0;
+    if (!with_dev_type(w->type, [&](auto t) { align = dev_type<decltype(t)::value>::align; })) {
+        return type_refused(fn, what, w->type);
     }
     if (!w->data || w->rows < 1 || w->cols < 1 || w->rows > INT32_MAX * (int64_t) MM_WARPS) {
         return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s: bad weight (%lld x %lld, data %p)", fn,
@@ -472,14 +494,13 @@ gh_status check_weight(const char * fn, const char * what, const gh_dweight * w)
     }
     const size_t rs = gh_row_size(w->type, w->cols);
     if (rs == 0 || rs != w->row_bytes) {
-        return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s: %lld columns of type %d need %zu bytes "
+        return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s: %lld columns of type %s need %zu bytes "
                        "per row (a multiple of the block size), not %zu", fn, what,
-                       (long long) w->cols, w->type, rs, w->row_bytes);
+                       (long long) w->cols, gh_type_name(w->type), rs, w->row_bytes);
     }
-    const uintptr_t align = w->type == GH_TYPE_F32 ? 4 : 2;
-    if ((uintptr_t) w->data % align) {
+    if ((uintptr_t) w->data % (uintptr_t) align) {
         return gh_fail(GH_ERR_INVALID_ARG, "cuda %s: %s: device pointer %p is not %d-byte aligned",
-                       fn, what, w->data, (int) align);
+                       fn, what, w->data, align);
     }
     return GH_OK;
 }
@@ -489,20 +510,19 @@ bool float_vec_ok(const gh_dweight * w) {
     return w->cols % 8 == 0 && (uintptr_t) w->data % 16 == 0 && w->row_bytes % 16 == 0;
 }
 
-#define DISPATCH_TYPE(type, vec, LAUNCH)                          \
-    switch (type) {                                               \
-    case GH_TYPE_F32:                                             \
-        if (vec) LAUNCH(GH_TYPE_F32, true) else LAUNCH(GH_TYPE_F32, false) break;   \
-    case GH_TYPE_F16:                                             \
-        if (vec) LAUNCH(GH_TYPE_F16, true) else LAUNCH(GH_TYPE_F16, false) break;   \
-    case GH_TYPE_BF16:                                            \
-        if (vec) LAUNCH(GH_TYPE_BF16, true) else LAUNCH(GH_TYPE_BF16, false) break; \
-    case GH_TYPE_Q8_0: LAUNCH(GH_TYPE_Q8_0, true) break;          \
-    case GH_TYPE_Q4_K: LAUNCH(GH_TYPE_Q4_K, true) break;          \
-    case GH_TYPE_Q5_K: LAUNCH(GH_TYPE_Q5_K, true) break;          \
-    case GH_TYPE_Q6_K: LAUNCH(GH_TYPE_Q6_K, true) break;          \
-    default: LAUNCH(GH_TYPE_Q4_0, true) break;                    \
-    }
+/* f(type_c<T>{}, std::bool_constant<VEC>{}) for the weight type T == type: the unit path
+ * (VEC) where the rows allow it (float types: float_vec_ok), always for block types (their
+ * rows are whole blocks; row_dot ignores VEC for them, so one instance each: if constexpr,
+ * or the VEC = false kernels would be compiled too). false for a type the device does not
+ * read (check_weight refused it already). */
+template <typename F>
+bool with_weight_type(int type, bool vec, F && f) {
+    return with_dev_type(type, [&](auto t) {
+        if constexpr (!dev_type<decltype(t)::value>::is_float) f(t, std::true_type{});
+        else if (vec) f(t, std::true_type{});
+        else f(t, std::false_type{});
+    });
+}
 
 /* y (device, n x w->rows) = w . x (device, n x w->cols); relu'd if relu. */
 gh_status launch_matmul(cuda_stream * s, const gh_dweight * w, const float * x, int64_t n,
@@ -516,19 +536,18 @@ gh_status launch_matmul(cuda_stream * s, const gh_dweight * w, const float * x, 
     const dim3 grid((unsigned) ((w->rows + MM_WARPS - 1) / MM_WARPS), (unsigned) tiles);
     const bool vec = float_vec_ok(w);
     const uint8_t * wd = static_cast<const uint8_t *>(w->data);
-#define L(T, V)                                                                          \
-    {                                                                                    \
-        if (nt == 1)                                                                     \
-            k_matmul<T, V, 1><<<grid, MM_WARPS * WARP, 0, s->st>>>(wd, w->row_bytes,     \
-                                                                   w->rows, w->cols, x,  \
-                                                                   n, y, relu);          \
-        else                                                                             \
-            k_matmul<T, V, MM_TOK><<<grid, MM_WARPS * WARP, 0, s->st>>>(wd, w->row_bytes, \
-                                                                        w->rows, w->cols, \
-                                                                        x, n, y, relu);  \
-    }
-    DISPATCH_TYPE(w->type, vec, L)
-#undef L
+    const bool known = with_weight_type(w->type, vec, [&](auto t, auto v) {
+        constexpr int T = decltype(t)::value;
+        constexpr bool V = decltype(v)::value;
+        if (nt == 1) {
+            k_matmul<T, V, 1><<<grid, MM_WARPS * WARP, 0, s->st>>>(wd, w->row_bytes, w->rows,
+                                                                  w->cols, x, n, y, relu);
+        } else {
+            k_matmul<T, V, MM_TOK><<<grid, MM_WARPS * WARP, 0, s->st>>>(wd, w->row_bytes, w->rows,
+                                                                       w->cols, x, n, y, relu);
+        }
+    });
+    if (!known) return type_refused("matmul", "w", w->type);
     return check_launch(s, "matmul kernel launch");
 }
 
@@ -651,17 +670,23 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
         const float t = f->act_t;
         const int gt = f->gate_test;
         const float cut = f->gate_cut, lo = f->gate_lo, hi = f->gate_hi;
-#define L(T, V) { k_hot_glu<T, V><<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x, s->d_rows, n_rows, gb, ub, act, t, gt, cut, lo, hi, s->d_a); }
-        DISPATCH_TYPE(f->gate.type, vec, L)
-#undef L
+        const bool known = with_weight_type(f->gate.type, vec, [&](auto tc, auto v) {
+            k_hot_glu<decltype(tc)::value, decltype(v)::value>
+                <<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x,
+                                                         s->d_rows, n_rows, gb, ub, act, t, gt,
+                                                         cut, lo, hi, s->d_a);
+        });
+        if (!known) return type_refused(fn, "gate", f->gate.type);
         if ((st = check_launch(s, "hot_ffn gate/up kernel launch"))) return st;
         const dim3 grid((unsigned) ((d_out + DOWN_THREADS - 1) / DOWN_THREADS), (unsigned) n_slices);
         float * part = n_slices > 1 ? s->d_part : s->d_y;
         const uint8_t * dn = static_cast<const uint8_t *>(f->down_t.data);
         const size_t drb = f->down_t.row_bytes;
-#define L(T, V) { k_hot_down<T><<<grid, DOWN_THREADS, 0, s->st>>>(dn, drb, d_out, s->d_rows, s->d_a, n_rows, chunk, part); }
-        DISPATCH_TYPE(f->down_t.type, false, L)
-#undef L
+        const bool known_down = with_dev_type(f->down_t.type, [&](auto tc) {
+            k_hot_down<decltype(tc)::value><<<grid, DOWN_THREADS, 0, s->st>>>(
+                dn, drb, d_out, s->d_rows, s->d_a, n_rows, chunk, part);
+        });
+        if (!known_down) return type_refused(fn, "down_t", f->down_t.type);
         if ((st = check_launch(s, "hot_ffn down kernel launch"))) return st;
     }
     if (n_slices != 1) { /* n_rows == 0 gives zeros */

@@ -93,6 +93,49 @@ static double sparse_proj(gh_context * c, const gh_weight * w, const float * thr
     return (double) used * (double) w->row_bytes;
 }
 
+/* One projection site (q/k/v together, o, or the head): k <= 3 weights of the same input x
+ * [n][in], outputs y[i] [n][ld[i]]. The one branch every site takes: on the device (dev,
+ * one async matmul per weight and one sync), input-sparse through the transposed copy t
+ * (the k weights' columns side by side: a used input's row covers all k outputs) with the
+ * thresholds thr, or dense (one pool job for the k weights). Returns the weight bytes read. */
+typedef struct {
+    int                k;
+    const gh_weight *  w[3];
+    const gh_dweight * dev[3];   /* NULL: not on the device */
+    const gh_weight *  t;        /* NULL: no input-sparse copy */
+    const float *      thr;
+    float *            y[3];
+    int64_t            ld[3];
+    bool               head;     /* its used inputs count as the head's */
+} proj_site;
+
+static double project(gh_context * c, const proj_site * s, const float * x, int32_t n, bool insp) {
+    double bytes = 0.0;
+    if (s->dev[0]) {
+        for (int i = 0; i < s->k; i++) gh_hybrid_matmul_async(c, s->dev[i], x, n, s->y[i]);
+        gh_hybrid_sync(c);
+        for (int i = 0; i < s->k; i++) bytes += weight_bytes(s->w[i]);
+    } else if (insp && s->t) {
+        if (s->k == 1) return sparse_proj(c, s->t, s->thr, x, n, s->y[0], s->ld[0], s->head);
+        /* one token at a time into c->in_qkv, then split into the k outputs */
+        const int64_t in = s->t->rows;
+        for (int32_t r = 0; r < n; r++) {
+            bytes += sparse_proj(c, s->t, s->thr, x + (int64_t) r * in, 1, c->in_qkv, s->t->cols,
+                                 s->head);
+            int64_t off = 0;
+            for (int i = 0; i < s->k; i++) {
+                memcpy(s->y[i] + (int64_t) r * s->ld[i], c->in_qkv + off, (size_t) s->ld[i] * sizeof(float));
+                off += s->ld[i];
+            }
+        }
+    } else {
+        for (int i = 0; i < s->k; i++) bytes += weight_bytes(s->w[i]);
+        if (s->k == 1) gh_matmul(c->tp, s->w[0], x, n, s->y[0], s->ld[0], c->mm_scratch);
+        else gh_matmul_multi(c->tp, s->w, s->k, x, n, s->y, s->ld, c->mm_scratch);
+    }
+    return bytes;
+}
+
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
  * cache, causal attention, output projection (+ bias) into out [n][n_embd]; input-sparse
  * projections when `insp` (and the layer's thresholds are not all 0). Returns the weight
@@ -115,30 +158,13 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     }
     /* a layer whose attention is on the device runs it densely there */
     const bool dev_att = D && D->att;
-    double bytes = 0.0;
-    if (dev_att) {
-        gh_hybrid_matmul_async(c, &D->wq, c->xb, n, c->q);
-        gh_hybrid_matmul_async(c, &D->wk, c->xb, n, kc);
-        gh_hybrid_matmul_async(c, &D->wv, c->xb, n, vc);
-        gh_hybrid_sync(c);
-        bytes += weight_bytes(&L->wq) + weight_bytes(&L->wk) + weight_bytes(&L->wv);
-    } else if (insp && L->qkv_on) {
-        /* one row per used input covers its q, k and v columns; split after */
-        const int64_t nqkv = dq + 2 * dkv;
-        for (int32_t t = 0; t < n; t++) {
-            bytes += sparse_proj(c, &L->qkv_t, L->thr_qkv, c->xb + (int64_t) t * d, 1, c->in_qkv,
-                                 nqkv, false);
-            memcpy(c->q + (int64_t) t * dq, c->in_qkv, (size_t) dq * sizeof(float));
-            memcpy(kc + (int64_t) t * dkv, c->in_qkv + dq, (size_t) dkv * sizeof(float));
-            memcpy(vc + (int64_t) t * dkv, c->in_qkv + dq + dkv, (size_t) dkv * sizeof(float));
-        }
-    } else {
-        bytes += weight_bytes(&L->wq) + weight_bytes(&L->wk) + weight_bytes(&L->wv);
-        const gh_weight * ws[3] = { &L->wq, &L->wk, &L->wv };
-        float * ys[3] = { c->q, kc, vc };
-        const int64_t ld[3] = { dq, dkv, dkv };
-        gh_matmul_multi(c->tp, ws, 3, c->xb, n, ys, ld, c->mm_scratch);
-    }
+    const proj_site qkv = {
+        .k = 3, .w = { &L->wq, &L->wk, &L->wv },
+        .dev = { dev_att ? &D->wq : NULL, dev_att ? &D->wk : NULL, dev_att ? &D->wv : NULL },
+        .t = L->qkv_on ? &L->qkv_t : NULL, .thr = L->thr_qkv,
+        .y = { c->q, kc, vc }, .ld = { dq, dkv, dkv },
+    };
+    double bytes = project(c, &qkv, c->xb, n, insp);
     add_bias(c->q, L->bq, n, dq, dq);
     add_bias(kc, L->bk, n, dkv, dkv);
     add_bias(vc, L->bv, n, dkv, dkv);
@@ -164,16 +190,11 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         memcpy(c->prof_attn_out + il * c->prof_attn_out_stride + (int64_t) c->prof_t0 * dq, c->att,
                (size_t) n * dq * sizeof(float));
     }
-    if (dev_att) {
-        gh_hybrid_matmul_async(c, &D->wo, c->att, n, out);
-        gh_hybrid_sync(c);
-        bytes += weight_bytes(&L->wo);
-    } else if (insp && L->o_on) {
-        bytes += sparse_proj(c, &L->wo_t, L->thr_o, c->att, n, out, d, false);
-    } else {
-        gh_matmul(c->tp, &L->wo, c->att, n, out, d, c->mm_scratch);
-        bytes += weight_bytes(&L->wo);
-    }
+    const proj_site o = {
+        .k = 1, .w = { &L->wo }, .dev = { dev_att ? &D->wo : NULL }, .t = L->o_on ? &L->wo_t : NULL,
+        .thr = L->thr_o, .y = { out }, .ld = { d },
+    };
+    bytes += project(c, &o, c->att, n, insp);
     add_bias(out, L->bo, n, d, d);
     return bytes;
 }
@@ -281,17 +302,13 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     const int32_t nt = n - t0;
     norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
-    double bytes;
-    if (m->hy && m->hy->head) {
-        gh_hybrid_matmul_async(c, &m->hy->output, c->xb, nt, logits);
-        gh_hybrid_sync(c);
-        bytes = weight_bytes(&m->output);
-    } else if (insp && m->head_on) {
-        bytes = sparse_proj(c, &m->output_t, m->thr_head, c->xb, nt, logits, hp->n_vocab, true);
-    } else {
-        gh_matmul(c->tp, &m->output, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
-        bytes = weight_bytes(&m->output);
-    }
+    const bool dev_head = m->hy && m->hy->head;
+    const proj_site head = {
+        .k = 1, .w = { &m->output }, .dev = { dev_head ? &m->hy->output : NULL },
+        .t = m->head_on ? &m->output_t : NULL, .thr = m->thr_head, .y = { logits },
+        .ld = { hp->n_vocab }, .head = true,
+    };
+    const double bytes = project(c, &head, c->xb, nt, insp);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
     gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
 }

@@ -454,3 +454,25 @@ def test_process_exits_cleanly_after_threaded_matmul():
     for _ in range(3):
         r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True)
         assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"])
+def test_nonfinite_activations_give_nan_not_ub(name, simd_level):
+    """A block of activations holding inf or NaN (a row that overflowed float) makes its
+    int8 codes out of range: the quantizers clamp them (the sanitizer run of this test would
+    report the int overflow of their sums otherwise), the rows' results are not finite, the
+    other tokens' results are unaffected."""
+    t = TYPES[name]
+    rows, cols = 8, block_cols(t, 512)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    wq = quantize(t, w)
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    x[0, 5] = np.inf
+    x[1, 40] = np.nan
+    y = matmul(t, wq, rows, cols, x, 1)
+    assert not np.isfinite(y[0]).any() and not np.isfinite(y[1]).any()
+    ok = x.copy()
+    ok[0, 5] = ok[1, 40] = 0.0
+    np.testing.assert_array_equal(y[2], matmul(t, wq, rows, cols, ok, 1)[2])

@@ -172,7 +172,10 @@ GH_INLINE __m256i round_away(__m256 v) {
     const __m256 f = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
     const __m256 up = _mm256_cmp_ps(f, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
     const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, sign));
-    return _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, one)));
+    /* clamped to the int8 codes (a non-finite activation converts to INT_MIN): as the
+     * scalar reference, see avx512's round_away */
+    const __m256i q = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_and_ps(up, one)));
+    return _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
 }
 
 /* gh_quantize_row_q8_x4_ref, byte for byte. */
@@ -194,7 +197,10 @@ static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float d = _mm_cvtss_f32(m4) / 127.0f;
+        const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q), _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                       _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q), _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+        /* (max drops a NaN: the reference's NaN block scale, from a separate test) */
+        const float d = _mm256_movemask_ps(un) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
         __m256i q[4];
@@ -848,12 +854,16 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
     block_q8_K * yb = dst;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < n / QK_K; b++, x += QK_K) {
-        __m256 m = _mm256_setzero_ps();
-        for (int k = 0; k < QK_K; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+        __m256 m = _mm256_setzero_ps(), un = _mm256_setzero_ps();
+        for (int k = 0; k < QK_K; k += 8) {
+            const __m256 v = _mm256_loadu_ps(x + k);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+            un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float d = _mm_cvtss_f32(m4) / 127.0f;
+        const float d = _mm256_movemask_ps(un) ? NAN : _mm_cvtss_f32(m4) / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
         yb[b].d = d;

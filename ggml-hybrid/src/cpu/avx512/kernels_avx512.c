@@ -168,7 +168,11 @@ GH_INLINE __m512i round_away(__m512 v) {
     const __mmask16 up = _mm512_cmp_ps_mask(f, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
     const __m512 one = _mm512_or_ps(_mm512_set1_ps(1.0f),
                                     _mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32((int) 0x80000000u))));
-    return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
+    /* clamped to the int8 codes: a finite activation's code is within them already; a
+     * non-finite one (a NaN or an overflowed row: the output is NaN either way) converts
+     * to INT_MIN, whose sums would overflow; the scalar reference clamps alike */
+    const __m512i q = _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, one));
+    return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
 }
 
 static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
@@ -182,7 +186,9 @@ static void q8_x4_from_float_x(const float * x, void * dst, int64_t n) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK8_0);
         const __m512 v1 = _mm512_loadu_ps(x + b * QK8_0 + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float d = amax / 127.0f;
+        /* (max drops a NaN: the reference's NaN block scale, from a separate test) */
+        const bool nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        const float d = nan ? NAN : amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         const __m512 vid = _mm512_set1_ps(id);
         const __m512i q0 = round_away(_mm512_mul_ps(v0, vid));
@@ -775,8 +781,13 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
     block_q8_K * yb = dst;
     for (int64_t b = 0; b < n / QK_K; b++, x += QK_K) {
         __m512 m = _mm512_setzero_ps();
-        for (int k = 0; k < QK_K; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
-        const float d = _mm512_reduce_max_ps(m) / 127.0f;
+        __mmask16 un = 0;
+        for (int k = 0; k < QK_K; k += 16) {
+            const __m512 v = _mm512_loadu_ps(x + k);
+            m = _mm512_max_ps(m, _mm512_abs_ps(v));
+            un |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
+        const float d = un ? NAN : _mm512_reduce_max_ps(m) / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         const __m512 vid = _mm512_set1_ps(id);
         yb[b].d = d;

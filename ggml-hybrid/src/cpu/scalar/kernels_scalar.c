@@ -8,6 +8,11 @@
 
 /* ---- activation conversions ---- */
 
+/* round(v) as an int8 code, clamped to +-127: a finite activation's code is within it
+ * already; a non-finite one (NaN, or a row that overflowed: the output is NaN either way)
+ * must not reach the float-to-int conversion, which is undefined for it. */
+static inline int8_t q8_code(float v) { return (int8_t) roundf(fminf(127.0f, fmaxf(-127.0f, v))); }
+
 static void bf16_from_float_x(const float * src, void * dst, int64_t n) {
     uint16_t * d = dst;
     for (int64_t i = 0; i < n; i++) d[i] = gh_fp32_to_bf16(src[i]);
@@ -24,13 +29,17 @@ void gh_quantize_row_q8_x4_ref(const float * x, void * dst, int64_t n) {
         const int i = (int) (b % 4);
         const float * xb = x + b * QK8_0;
         float amax = 0.0f;
-        for (int j = 0; j < QK8_0; j++) amax = fmaxf(amax, fabsf(xb[j]));
-        const float d = amax / 127.0f;
+        bool nan = false;
+        for (int j = 0; j < QK8_0; j++) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            nan |= xb[j] != xb[j];
+        }
+        const float d = nan ? NAN : amax / 127.0f;  /* a NaN makes its block's results NaN */
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int j = 0; j < 16; j++) {
-            int8_t q0 = (int8_t) roundf(xb[j] * id);
-            int8_t q1 = (int8_t) roundf(xb[j + 16] * id);
+            int8_t q0 = q8_code(xb[j] * id);
+            int8_t q1 = q8_code(xb[j + 16] * id);
             y->qa[16 * i + j] = q0;
             y->qb[16 * i + j] = q1;
             sum += q0 + q1;
@@ -48,11 +57,15 @@ void gh_quantize_row_q8_K_ref(const float * x, void * dst, int64_t n) {
     block_q8_K * y = dst;
     for (int64_t b = 0; b < n / QK_K; b++, x += QK_K) {
         float amax = 0.0f;
-        for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(x[j]));
-        const float d = amax / 127.0f;
+        bool nan = false;
+        for (int j = 0; j < QK_K; j++) {
+            amax = fmaxf(amax, fabsf(x[j]));
+            nan |= x[j] != x[j];
+        }
+        const float d = nan ? NAN : amax / 127.0f;  /* a NaN makes its block's results NaN */
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
         y[b].d = d;
-        for (int j = 0; j < QK_K; j++) y[b].qs[j] = (int8_t) roundf(x[j] * id);
+        for (int j = 0; j < QK_K; j++) y[b].qs[j] = q8_code(x[j] * id);
         for (int k = 0; k < QK_K / 16; k++) {
             int sum = 0;
             for (int j = 0; j < 16; j++) sum += y[b].qs[16 * k + j];

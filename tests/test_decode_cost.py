@@ -69,8 +69,8 @@ def test_predictor_file_and_types():
         "head": 1400 * k6.dot * k6.cols})
     assert COSTS["BF16"] == COSTS["F32"] == COSTS["F16"]
     assert cost_per_byte("Q4_0", "dot") == 1.0 and cost_per_byte("Q4_K", "cols") == pytest.approx(1.37 * 1.24)
-    with pytest.raises(ValueError, match="no decode cost for tensor type Q2_K"):
-        cost_per_byte("Q2_K", "dot")
+    with pytest.raises(ValueError, match="no decode cost for tensor type Q8_1"):
+        cost_per_byte("Q8_1", "dot")
     with pytest.raises(ValueError, match="ffn must be"):
         DecodeCost([], "dense")
 
@@ -84,3 +84,15 @@ def test_ungated_and_fused_up():
     fused = [Tensor(t.name, t.type, 8000, 200) if t.name == "blk.0.ffn_up.weight" else t for t in ts]
     c = DecodeCost(fused, "sparse")
     assert c.up_row_bytes == pytest.approx(40.0) and c.dense == pytest.approx(2000 + 8000 + 4000 + 2000)
+
+
+def test_every_runtime_type_has_costs():
+    """Each weight type the runtime reads (its type table, asked through the library) has
+    decode-cost factors, so `--input-sparsity auto` works on a file of any of them."""
+    from powerinfer_cpp._native import ffi, lib
+
+    read = [ffi.string(lib.gh_type_name(t)).decode() for t in range(64)
+            if lib.gh_type_block_size(t) > 0 and t != 26]  # 26: I32, index tensors only
+    assert {"F32", "F16", "Q4_0", "Q4_K"} <= {n.upper() for n in read}
+    missing = [n for n in read if n.upper() not in COSTS]
+    assert not missing, missing

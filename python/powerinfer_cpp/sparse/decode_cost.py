@@ -43,6 +43,18 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   axpy's gain: Q4_K as its cols (1.24 / 1.66: x0.75), Q5_K and Q6_K by the sparse down's A/B
   of the two forms at AVX2, 10% of 5632 x 2048 from DRAM (1.39x and 1.16x: x0.72, x0.86).
 
+* Q4_1, Q5_0, Q5_1 (2026-12-03, bench_kernels_ab at AVX2, 1 thread, one loaded run each):
+  ``dot`` from the cold 2048 x 5632 matvec against Q4_0's in the same run, per byte (Q4_1
+  350 us, Q5_0 703, Q5_1 576 against Q4_0's 290; times 18 / 20, 22, 24 bytes per block:
+  1.09, 1.98, 1.49: the Q5 types' fifth-bit unpacking makes them instruction-bound); their
+  axpy forms are Q8_0's float ones over another unpacking, so ``cols``, ``rows``, ``down``
+  take Q8_0's (not measured separately).
+* Q2_K, Q3_K (2026-12-03, bench_kernels at AVX2, 1 thread, three loaded runs): ``dot`` from
+  the decode GB/s against Q4_K's in the same runs (Q2_K 7.8-9.2, Q3_K 8.6-10.0 against
+  11.1-14.7: x1.52 and x1.39 Q4_K's 1.37); gathered rows (glu) 2.3 / 2.1 GB/s and the sparse
+  down 1.3 / 1.2 GB/s against their dense 8.5 / 9.3 (``rows`` 3.7 / 4.4, ``down`` 6.5 / 7.8:
+  one-row axpy only); ``cols`` as ``down`` (the same axpy).
+
 Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
 (the same float kernels, with another conversion or none). The figures carry the benchmarks' noise
 (15-30% per run on the loaded 2-core machine): the model decides between candidates that
@@ -78,6 +90,11 @@ COSTS: dict[str, PathCost] = {
     "Q4_K": PathCost(dot=1.37, cols=1.24, rows=0.95, down=1.31),
     "Q5_K": PathCost(dot=1.46, cols=1.60, rows=0.90, down=0.98),
     "Q6_K": PathCost(dot=1.18, cols=1.84, rows=0.85, down=1.12),
+    "Q4_1": PathCost(dot=1.09, cols=1.44, rows=1.15, down=1.17),
+    "Q5_0": PathCost(dot=1.98, cols=1.44, rows=1.15, down=1.17),
+    "Q5_1": PathCost(dot=1.49, cols=1.44, rows=1.15, down=1.17),
+    "Q2_K": PathCost(dot=2.08, cols=6.5, rows=3.7, down=6.5),
+    "Q3_K": PathCost(dot=1.90, cols=7.8, rows=4.4, down=7.8),
 }
 
 PATHS = ("dot", "cols", "rows", "down")

@@ -14,20 +14,26 @@ F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
 Q4_1, Q5_0, Q5_1 = 3, 6, 7
 Q4_K, Q5_K, Q6_K = 12, 13, 14
 Q2_K, Q3_K = 10, 11
+IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
 TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1,
          "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K,
-         "q2_k": Q2_K, "q3_k": Q3_K}
+         "q2_k": Q2_K, "q3_k": Q3_K, "iq4_nl": IQ4_NL, "iq4_xs": IQ4_XS, "mxfp4": MXFP4}
 GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0, Q4_1: QT.Q4_1,
            Q5_0: QT.Q5_0, Q5_1: QT.Q5_1, Q4_K: QT.Q4_K, Q5_K: QT.Q5_K, Q6_K: QT.Q6_K,
-           Q2_K: QT.Q2_K, Q3_K: QT.Q3_K}
+           Q2_K: QT.Q2_K, Q3_K: QT.Q3_K, IQ4_NL: QT.IQ4_NL, IQ4_XS: QT.IQ4_XS, MXFP4: QT.MXFP4}
 #: the 256-value super-block types: our quantizer (gguf.quants has none), Q8_K activations
 K_QUANTS = (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K)
 #: the 32-value block types with a scale (and a min) per block, beside Q8_0 / Q4_0
 B32_QUANTS = (Q4_1, Q5_0, Q5_1)
-QUANTIZED = (Q8_0, Q4_0) + B32_QUANTS + K_QUANTS
+#: the non-linear 4-bit types (int8 level tables): IQ4_NL / MXFP4 in 32-value blocks
+#: against Q8_X4, IQ4_XS in 256-value blocks against Q8_K
+IQ4_QUANTS = (IQ4_NL, IQ4_XS, MXFP4)
+QUANTIZED = (Q8_0, Q4_0) + B32_QUANTS + K_QUANTS + IQ4_QUANTS
+#: the types gguf.quants cannot quantize (it dequantizes them): our quantizer makes them
+NATIVE_QUANT = K_QUANTS + (IQ4_NL, IQ4_XS)
 #: elements per block: a row's length must be a multiple of it
 BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q4_K: 256,
-         Q5_K: 256, Q6_K: 256, Q2_K: 256, Q3_K: 256}
+         Q5_K: 256, Q6_K: 256, Q2_K: 256, Q3_K: 256, IQ4_NL: 32, IQ4_XS: 256, MXFP4: 32}
 SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
 ACTS = {"silu": SILU, "relu": RELU, "drelu": DRELU, "gelu": GELU, "gelu_erf": GELU_ERF}
 
@@ -56,12 +62,13 @@ def native_quantize(t: int, a: np.ndarray) -> np.ndarray:
 
 def encode(t: int, a: np.ndarray):
     """(raw bytes of a stored as type t, its dequantized float32 values). gguf.quants
-    quantizes the types it can (it has no K-quant quantizer: those use ours); it
+    quantizes the types it can (it has no K-quant, IQ4_NL or IQ4_XS quantizer: those use
+    ours, NATIVE_QUANT); it
     dequantizes every one."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if t == F32:
         return a, a
-    if t in K_QUANTS:
+    if t in NATIVE_QUANT:
         raw = native_quantize(t, a).reshape(*a.shape[:-1], -1)
     else:
         raw = np.ascontiguousarray(quants.quantize(a, GGUF_QT[t]))

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 # (f16 ~ 2^-11 relative rounding, bf16 ~ 2^-8; q8_0 step = absmax/127 and
 # q4_0 step = absmax/8 per 32-block of Gaussian-ish weights.)
 NMSE_BOUND = {Q.F32: 0.0, Q.F16: 1e-6, Q.BF16: 3e-5, Q.Q8_0: 1e-4, Q.Q4_0: 1.5e-2, Q.Q4_1: 1.5e-2,
-              Q.Q5_0: 4e-3, Q.Q5_1: 4e-3}
+              Q.Q5_0: 4e-3, Q.Q5_1: 4e-3, Q.IQ4_NL: 1e-2, Q.IQ4_XS: 1e-2}  # IQ4 on Gaussian rows: ~5.5e-3
 
 # name -> make_llama_model kwargs
 MODELS = {
@@ -110,6 +110,19 @@ def expected_type(kind: str, shape, outtype: str, layer=None, n_layer=0, tied=Fa
         if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and tied):
             t = Q.Q6_K
         return k_fallback(t, shape[-1])
+    if outtype in ("iq4_nl", "iq4_xs"):
+        # llama.cpp's IQ4 presets: the head Q6_K, ffn_down Q5_K in the first eighth (MODELS:
+        # no attn_v rule, n_head / n_head_kv < 4); every row here falls back (K-quants to
+        # 32-value blocks, IQ4_XS to IQ4_NL)
+        if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and tied):
+            t = Q.Q6_K
+        elif kind == F.T_FFN_DOWN and layer is not None and layer < n_layer // 8:
+            t = Q.Q5_K
+        else:
+            t = Q.IQ4_NL if outtype == "iq4_nl" else Q.IQ4_XS
+        if shape[-1] % {Q.Q6_K: 256, Q.Q5_K: 256, Q.IQ4_XS: 256}.get(t, 32):
+            t = {Q.Q6_K: Q.Q8_0, Q.Q5_K: Q.Q5_1, Q.IQ4_XS: Q.IQ4_NL}.get(t, t)
+        return t if shape[-1] % 32 == 0 else Q.F16
     if outtype in F.OUTTYPE_MIXES:
         more = layer is not None and use_more_bits(layer, n_layer)
         outtype = outtype[:-2]  # the base K-quant
@@ -400,6 +413,38 @@ def test_low_k_mix_types(mix_dir, tmp_path, outtype):
     assert nrmse < 3e-2, nrmse
 
 
+@pytest.mark.parametrize("outtype,base", [("iq4_nl", Q.IQ4_NL), ("iq4_xs", Q.IQ4_XS)])
+def test_iq4_mix_types(mix_dir, tmp_path, outtype, base):
+    """iq4_nl / iq4_xs on a model of whole 256-blocks: the head Q6_K, ffn_down of layer 0
+    (the first eighth of 8) Q5_K, every other matrix (the untied embedding and attn_v:
+    n_head / n_head_kv = 2) the base type; the values within the types' error, and the
+    runtime computes what the file's own weights give."""
+    from powerinfer_cpp import Model
+
+    out = convert(mix_dir, tmp_path / "m.gguf", outtype, progress=False)
+    r = gguf.GGUFReader(str(out))
+    assert fields(r)[F.KEY_GENERAL_FILE_TYPE] == {"iq4_nl": 25, "iq4_xs": 30}[outtype]
+    ts = tensors(r)
+    ref = hf_weights(mix_dir)
+    nmse_bound = {Q.Q6_K: 5e-4, Q.Q5_K: 2e-3, base: 7e-3}  # IQ4 nrmse 0.074 on Gaussian rows
+    for tname, (ttype, shape, data) in ts.items():
+        kind, layer, _ = F.parse_tensor_name(tname)
+        want = (Q.F32 if len(shape) == 1 else Q.Q6_K if kind == F.T_OUTPUT
+                else Q.Q5_K if kind == F.T_FFN_DOWN and layer == 0 else base)
+        assert ttype == want, (tname, ttype.name, want.name)
+        if len(shape) == 2 and kind not in (F.T_ATTN_Q, F.T_ATTN_K):
+            w = ref[HF_NAME[kind].format(layer)]
+            nmse = float(np.sum((data - w) ** 2) / np.sum(w ** 2))
+            assert nmse <= nmse_bound[ttype], (tname, ttype.name, nmse)
+    ids = [1, 5, 77, 200, 3, 9, 120, 42, 300, 7, 11]
+    want = np_forward(out, ids)
+    with Model(out, n_ctx=32, n_threads=2, cache_type="f32") as model:
+        got = model.eval(ids, logits_all=True).astype(np.float64)
+    nrmse = np.sqrt(((got - want) ** 2).mean() / (want ** 2).mean())
+    print(f"{outtype}: runtime vs the file's weights nrmse {nrmse:.3g}")
+    assert nrmse < 3e-2, nrmse
+
+
 def test_k_mix_rule():
     """The mixes' other cases, from the rule as llama.cpp states it: Falcon's head Q8_0 and
     its q4_k_m ffn_down (Q6_K in the first sixteenth, Q5_K where use_more_bits), a fused
@@ -455,6 +500,33 @@ def test_k_mix_rule():
     assert storage_type(F.T_ATTN_Q, (800, 800), "q3_k_m", 4, llama)[0] == low_fallback()
     assert storage_type(F.T_FFN_DOWN, (800, 800), "q3_k_m", 4, llama)[0] == Q.Q5_0  # Q4_K's
     assert storage_type(F.T_FFN_UP, (256, 1000), "q2_k", 4, llama)[0] == Q.F16
+
+
+def test_iq4_mix_rule():
+    """llama.cpp's IQ4_NL / IQ4_XS presets (no importance matrix): the head and a tied
+    embedding Q6_K (Falcon's Q8_0), an untied embedding the base type, attn_v Q5_K with
+    grouped-query attention of 4 or more heads per KV head, ffn_down Q5_K in the first
+    eighth of the layers; IQ4_XS rows that are not whole 256-blocks IQ4_NL, the Q5_K ones
+    Q5_1, then F16."""
+    from powerinfer_cpp.gguf_write import QuantMix, storage_type
+
+    gqa = QuantMix(arch=F.ARCH_LLAMA, n_layer=32, tied=False, n_head=32, n_head_kv=8)
+    mha = QuantMix(arch=F.ARCH_LLAMA, n_layer=32, tied=True, n_head=32, n_head_kv=32)
+    for ot, base in (("iq4_nl", Q.IQ4_NL), ("iq4_xs", Q.IQ4_XS)):
+        st = lambda kind, layer, mix, shape=(512, 256): storage_type(kind, shape, ot, layer, mix)[0]  # noqa: E731
+        assert st(F.T_OUTPUT, None, gqa) == Q.Q6_K and st(F.T_TOKEN_EMBD, None, mha) == Q.Q6_K
+        assert st(F.T_TOKEN_EMBD, None, gqa) == base
+        assert st(F.T_OUTPUT, None, QuantMix(arch=F.ARCH_FALCON, n_layer=32)) == Q.Q8_0
+        assert [st(F.T_ATTN_V, i, gqa) for i in (0, 17)] == [Q.Q5_K, Q.Q5_K]
+        assert st(F.T_ATTN_V, 0, mha) == base
+        assert [st(F.T_FFN_DOWN, i, gqa) for i in (0, 3, 4, 31)] == [Q.Q5_K, Q.Q5_K, base, base]
+        assert [st(k, 5, gqa) for k in (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_OUTPUT, F.T_FFN_UP)] == [base] * 4
+        assert st(F.T_FFN_DOWN, 0, gqa, (256, 800)) == Q.Q5_1
+        assert st(F.T_FFN_UP, 5, gqa, (800, 800)) == Q.IQ4_NL
+        assert storage_type(F.T_FFN_UP, (256, 1000), ot, 5, gqa) == (
+            Q.F16, f"row length 1000 is not a multiple of {32 if ot == 'iq4_nl' else 256}: stored as F16, "
+                   f"not {'IQ4_NL' if ot == 'iq4_nl' else 'IQ4_XS'}")
+    assert F.OUTTYPE_FILE_TYPE["iq4_nl"] == 25 and F.OUTTYPE_FILE_TYPE["iq4_xs"] == 30
 
 
 def test_rope_linear_scaling_keys(hf_dirs, tmp_path):

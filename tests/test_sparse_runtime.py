@@ -22,8 +22,8 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
-from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q4_0, Q4_1, Q4_K,  # noqa: E402
-                   Q5_0, Q5_1, Q8_0, TYPES,
+from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, MXFP4, NATIVE_QUANT,  # noqa: E402
+                   Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPES,
                    axpy_int8_bound, block_cols, matmul_t_int8_bound,
                    native_quantize)
 
@@ -37,7 +37,7 @@ def encode(t: int, a: np.ndarray):
     a = np.ascontiguousarray(a, dtype=np.float32)
     if t == F32:
         return a, a
-    raw = native_quantize(t, a) if t in K_QUANTS else quants.quantize(a, GGUF_QT[t])
+    raw = native_quantize(t, a) if t in NATIVE_QUANT else quants.quantize(a, GGUF_QT[t])
     return (raw, GGUF_QT[t]), quants.dequantize(raw, GGUF_QT[t]).astype(np.float32).reshape(a.shape)
 
 
@@ -207,7 +207,7 @@ def dense_logits(random_gguf):
     return logits_of(random_gguf)[0]
 
 
-@pytest.mark.parametrize("tname", [n for n, t in TYPES.items() if t not in K_QUANTS])  # d = 64
+@pytest.mark.parametrize("tname", [n for n, t in TYPES.items() if BLOCK[t] <= 64])  # d = 64
 def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
     t = TYPES[tname]
     sparse, deq = sparsify(random_gguf, tmp_path / "sparse.gguf", down_type=t)
@@ -230,7 +230,8 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
         ref = logits_of(ref_path)[0]
         np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
         err = np.abs(got - dense_logits).max() / np.abs(dense_logits).max()
-        assert err < {F16: 1e-2, BF16: 3e-2, Q8_0: 3e-2, Q4_0: 0.2, Q4_1: 0.2, Q5_0: 0.1, Q5_1: 0.1}[t]
+        assert err < {F16: 1e-2, BF16: 3e-2, Q8_0: 3e-2, Q4_0: 0.2, Q4_1: 0.2, Q5_0: 0.1, Q5_1: 0.1,
+                       IQ4_NL: 0.2, MXFP4: 0.3}[t]
     # thread count does not change the result, and neither does the batch split
     np.testing.assert_array_equal(logits_of(sparse, n_threads=1)[0], got)
     # (dense FFN: the file's predictors are random; the sparse modes: test_sparse_ffn.py)

@@ -34,16 +34,17 @@ from gguf import quants
 from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr  # noqa: E402
 
-from opref import (BF16, BLOCK, F16, F32, GGUF_QT, K_QUANTS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0,  # noqa: E402
-                   Q5_1, Q5_K, Q6_K, Q8_0, TYPES, block_cols)
+from opref import (BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, IQ4_XS, K_QUANTS, MXFP4, Q2_K, Q3_K,  # noqa: E402
+                   Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES, block_cols)
 
 NAME = {F32: "f32", F16: "f16", BF16: "bf16", Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1",
         Q5_0: "q5_0", Q5_1: "q5_1", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", Q2_K: "Q2_K",
-        Q3_K: "Q3_K"}
+        Q3_K: "Q3_K", IQ4_NL: "iq4_nl", IQ4_XS: "iq4_xs", MXFP4: "mxfp4"}
 TYPE_SIZE = {F32: 4, F16: 2, BF16: 2, Q8_0: 34, Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q4_K: 144,
-             Q5_K: 176, Q6_K: 210, Q2_K: 84, Q3_K: 110}
+             Q5_K: 176, Q6_K: 210, Q2_K: 84, Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136, MXFP4: 17}
 NMSE_BOUND = {F32: 1e-10, F16: 1e-10, BF16: 1e-4, Q8_0: 1e-3, Q4_0: 1e-3, Q4_1: 1e-3, Q5_0: 1e-3,
-              Q5_1: 1e-3, Q4_K: 1e-3, Q5_K: 1e-3, Q6_K: 1e-3, Q2_K: 1e-3, Q3_K: 1e-3}
+              Q5_1: 1e-3, Q4_K: 1e-3, Q5_K: 1e-3, Q6_K: 1e-3, Q2_K: 1e-3, Q3_K: 1e-3, IQ4_NL: 1e-3,
+              IQ4_XS: 1e-3, MXFP4: 1e-3}
 # quantizer error (RMS error / RMS) on Gaussian rows: ggml's reference quantizer measured
 # 0.0715 / 0.0362 / 0.0178 on such data (ours: 0.0719 / 0.0360 / 0.0170); Q2_K / Q3_K on
 # this test's data 0.2952 / 0.1507 (ours: 0.2745 / 0.1450)
@@ -55,6 +56,9 @@ K_HALVES = {Q4_K: slice(0, 4), Q5_K: slice(0, 4), Q6_K: slice(208, 210), Q2_K: s
 # how far a constant sub-block of 3.0 may come back (the sub-block scales' bits: 6, and
 # Q6_K's 8: ~1%; Q2_K's 4-bit scale against 4 levels: measured 0.14)
 K_CONST = {Q2_K: 0.2}
+# IQ4_NL / IQ4_XS (our quantizers; gguf.quants has none) on the same data: measured 0.0738 /
+# 0.0740 (Q4_0's reference quantizer: 0.0862, Q4_K's 0.0719); bound +3%
+IQ4_NRMSE = {IQ4_NL: 0.0738 * 1.03, IQ4_XS: 0.0740 * 1.03}
 SIMD_VS_SCALAR_BOUND = 1e-8
 GH_ERR_INVALID_ARG = 4
 
@@ -158,7 +162,7 @@ def special_values(n: int, rng) -> np.ndarray:
     return a
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "bf16"])
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "mxfp4", "bf16"])
 def test_quantize_matches_gguf(name):
     t = TYPES[name]
     rng = np.random.default_rng(1)
@@ -219,6 +223,46 @@ def test_k_quant_quantizer_error(t):
         b = a[:8] * scale
         eb = float(np.sqrt(np.mean((dequantize(t, quantize(t, b), 4096) - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
         assert eb <= 1.1 * K_NRMSE[t], (scale, eb)
+    z = np.zeros((1, 256), dtype=np.float32)
+    assert (dequantize(t, quantize(t, z), 256) == 0).all()
+
+
+@pytest.mark.parametrize("t", [IQ4_NL, IQ4_XS, MXFP4], ids=lambda t: NAME[t])
+def test_iq4_dequantize_matches_gguf(t):
+    """Bit for bit on random blocks (fp16 scales of moderate size, MXFP4's every e8m0 byte)
+    and on our quantizer's blocks."""
+    rng = np.random.default_rng(t)
+    nb = 600
+    raw = rng.integers(0, 256, size=(nb, TYPE_SIZE[t]), dtype=np.uint8)
+    if t != MXFP4:
+        raw[:, :2] = (rng.standard_normal((nb, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    else:
+        raw[:256, 0] = np.arange(256)  # every exponent, the subnormal halves 0 and 1 too
+    n = nb * BLOCK[t]
+    ours = dequantize(t, raw.reshape(1, -1), n)[0]
+    with np.errstate(over="ignore"):
+        ref = quants.dequantize(raw.reshape(-1), GGUF_QT[t]).astype(np.float32).reshape(-1)
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    for n in (256, 4096 + 256):
+        a = np.concatenate([special_values(n, rng), rng.standard_normal((8, n)).astype(np.float32) * 10])
+        q = quantize(t, a)
+        ref = quants.dequantize(q.reshape(-1), GGUF_QT[t]).reshape(a.shape[0], n)
+        assert np.array_equal(dequantize(t, q, n), ref)
+        assert (ref[1, :32] == 0).all()  # a zero block stays zero
+
+
+@pytest.mark.parametrize("t", [IQ4_NL, IQ4_XS], ids=lambda t: NAME[t])
+def test_iq4_quantizer_error(t):
+    """Our IQ4_NL / IQ4_XS quantizers (IQ4_NRMSE) at any magnitude; zero rows stay zero."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((64, 4096)).astype(np.float32)
+    e = float(np.sqrt(np.mean((dequantize(t, quantize(t, a), 4096) - a) ** 2)) / np.sqrt(np.mean(a ** 2)))
+    print(f"{NAME[t]}: nrmse {e:.4f} (bound {IQ4_NRMSE[t]:.4f})")
+    assert e <= IQ4_NRMSE[t]
+    for scale in (1e-3, 1e3):
+        b = a[:8] * scale
+        eb = float(np.sqrt(np.mean((dequantize(t, quantize(t, b), 4096) - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+        assert eb <= 1.1 * IQ4_NRMSE[t], (scale, eb)
     z = np.zeros((1, 256), dtype=np.float32)
     assert (dequantize(t, quantize(t, z), 256) == 0).all()
 
@@ -293,7 +337,7 @@ def activations(n_tokens: int, cols: int) -> np.ndarray:
 
 
 def shapes(t: int) -> list:
-    return list(itertools.product(K_COLS if t in K_QUANTS else COLS, ROWS, TOKENS))
+    return list(itertools.product(K_COLS if BLOCK[t] == 256 else COLS, ROWS, TOKENS))
 
 
 @pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
@@ -361,7 +405,7 @@ def test_matmul_tile_edges(name, simd_level):
     partial group of four): 1, 2 and 3 threads give the same bits, all within the bound."""
     t = TYPES[name]
     # K-quants: rows of 1, 2, 5 and 9 blocks
-    col_list = [256, 512, 1280, 2304] if t in K_QUANTS else [64, 160, 288, 2048 + 96]
+    col_list = [256, 512, 1280, 2304] if BLOCK[t] == 256 else [64, 160, 288, 2048 + 96]
     for cols, rows, n_tokens in itertools.product(col_list, [2, 5, 7, 13], [1, 2, 5, 7, 13]):
         wq, wd = weights(t, rows, cols)
         x = activations(n_tokens, cols)

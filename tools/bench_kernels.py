@@ -47,6 +47,7 @@ from powerinfer_cpp._native import check, ffi, lib  # noqa: E402
 
 TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q4_k": 12,
          "q5_k": 13, "q6_k": 14, "q2_k": 10, "q3_k": 11}
+TYPES |= {"iq4_nl": 20, "iq4_xs": 23, "mxfp4": 39}  # the non-linear 4-bit types
 SHAPES = [(2048, 5632), (5632, 2048)]  # rows x cols
 LAYER_PARAMS = 4 * 2048 * 2048 + 3 * 2048 * 5632
 MODEL_PARAMS = 8 * LAYER_PARAMS + 32000 * 2048   # weights read per decoded token

@@ -46,8 +46,11 @@ typedef enum {
     GH_TYPE_Q4_K = 12,
     GH_TYPE_Q5_K = 13,
     GH_TYPE_Q6_K = 14,
+    GH_TYPE_IQ4_NL = 20,
+    GH_TYPE_IQ4_XS = 23,
     GH_TYPE_I32  = 26, /* index tensors only (blk.N.gpu_idx, blk.N.gpu_bucket); no matmul */
-    GH_TYPE_BF16 = 30
+    GH_TYPE_BF16 = 30,
+    GH_TYPE_MXFP4 = 39
 } gh_type;
 
 /* FFN activation kinds (how gate and up combine). */

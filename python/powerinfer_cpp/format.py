@@ -328,12 +328,14 @@ FILE_TYPE_MOSTLY_Q4_K_M = 15
 FILE_TYPE_MOSTLY_Q5_K_S = 16
 FILE_TYPE_MOSTLY_Q5_K_M = 17
 FILE_TYPE_MOSTLY_Q6_K = 18
+FILE_TYPE_MOSTLY_IQ4_NL = 25
+FILE_TYPE_MOSTLY_IQ4_XS = 30
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
-            "q4_k_m", "q5_k_m", "q2_k", "q3_k_m")
+            "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
 #: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule);
 #: q2_k is llama.cpp's Q2_K preset, itself a mix.
-OUTTYPE_MIXES = ("q4_k_m", "q5_k_m", "q2_k", "q3_k_m")
+OUTTYPE_MIXES = ("q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
 OUTTYPE_FILE_TYPE = {
     "f32": FILE_TYPE_ALL_F32,
     "f16": FILE_TYPE_MOSTLY_F16,
@@ -351,15 +353,17 @@ OUTTYPE_FILE_TYPE = {
     "q5_k_m": FILE_TYPE_MOSTLY_Q5_K_M,
     "q2_k": FILE_TYPE_MOSTLY_Q2_K,
     "q3_k_m": FILE_TYPE_MOSTLY_Q3_K_M,
+    "iq4_nl": FILE_TYPE_MOSTLY_IQ4_NL,
+    "iq4_xs": FILE_TYPE_MOSTLY_IQ4_XS,
 }
 
 #: Block size of the quantized types we write (elements per block); rows whose
 #: length is not a multiple of it are stored as F16 instead.
 QUANT_BLOCK = 32
-#: The same for the K-quants (q4_k, q5_k, q6_k and the mixes): ggml's QK_K; their rows
-#: that are not whole K-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q5_K to Q5_1,
-#: Q6_K to Q8_0, Q2_K and Q3_K to IQ4_NL, or Q5_0 while the runtime does not read IQ4_NL;
-#: then F16).
+#: The same for the K-quants (q4_k, q5_k, q6_k and the mixes) and IQ4_XS: ggml's QK_K;
+#: their rows that are not whole K-blocks fall back as llama.cpp's do (Q4_K to Q5_0, Q5_K
+#: to Q5_1, Q6_K to Q8_0, Q2_K and Q3_K to IQ4_NL (or Q5_0 where the runtime does not read
+#: IQ4_NL), IQ4_XS to IQ4_NL; then F16).
 QUANT_BLOCK_K = 256
 
 # --------------------------------------------------------------------------

@@ -68,7 +68,8 @@ def use_more_bits(layer: int, n_layer: int) -> bool:
 
 _OUTTYPE_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
                  "q5_0": "Q5_0", "q5_1": "Q5_1", "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K",
-                 "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q2_k": "Q2_K", "q3_k_m": "Q3_K"}
+                 "q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q2_k": "Q2_K", "q3_k_m": "Q3_K", "iq4_nl": "IQ4_NL",
+                 "iq4_xs": "IQ4_XS"}
 
 
 def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | None = None,
@@ -77,15 +78,18 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
 
     1-D tensors (norms, biases, frequencies) are always F32. Q4_0 / Q4_1 / Q5_0 / Q5_1
     embeddings and heads are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
-    otherwise, as in llama.cpp). The mixes q4_k_m, q5_k_m, q2_k and q3_k_m choose per tensor as
-    llama.cpp's quantizer does (_mix_type; ``mix`` says the model's layer count, whether
-    the head is tied, ...). Block-quantized rows need a length divisible by the block size
-    (32; K-quants 256): other rows fall back as llama.cpp's quantizer does (fit_rows)."""
+    otherwise, as in llama.cpp). The mixes q4_k_m, q5_k_m, q2_k, q3_k_m, iq4_nl and iq4_xs
+    choose per tensor as llama.cpp's quantizer does (_mix_type, _low_mix_type, _iq4_mix_type;
+    ``mix`` says the model's layer count, whether the head is tied, ...). Block-quantized rows
+    need a length divisible by the block size (32; K-quants and IQ4_XS 256): other rows fall
+    back as llama.cpp's quantizer does (fit_rows)."""
     from gguf import GGMLQuantizationType as Q
     if len(shape) == 1:
         return Q.F32, ""
     t = Q[_OUTTYPE_TYPE[outtype]]
-    if outtype in F.OUTTYPE_MIXES:
+    if outtype in ("iq4_nl", "iq4_xs"):
+        t = _iq4_mix_type(kind, layer, t, mix or QuantMix())
+    elif outtype in F.OUTTYPE_MIXES:
         t = _mix_type(kind, layer, t, mix or QuantMix())
     elif kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
         t = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0, Q.Q4_K: Q.Q6_K,
@@ -169,17 +173,35 @@ def low_bit_fallback():
     return Q.IQ4_NL if lib.gh_type_row_size(int(Q.IQ4_NL), F.QUANT_BLOCK) != 0 else Q.Q5_0
 
 
+def _iq4_mix_type(kind: str, layer: int | None, base, mix: QuantMix):
+    """llama.cpp's IQ4_NL / IQ4_XS preset (``base`` IQ4_NL / IQ4_XS) for one matrix of a
+    dense model without an importance matrix, before the row-length fallback: the head (the
+    tied embedding too) Q6_K, Falcon's Q8_0; attn_v Q5_K where n_head / n_head_kv >= 4;
+    ffn_down Q5_K in the first eighth of the layers; all else ``base`` (an untied token
+    embedding too)."""
+    from gguf import GGMLQuantizationType as Q
+    if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and mix.tied):
+        return Q.Q8_0 if mix.arch == F.ARCH_FALCON else Q.Q6_K
+    if layer is None:
+        return base
+    if kind == F.T_ATTN_V and mix.n_head // max(mix.n_head_kv, 1) >= 4:
+        return Q.Q5_K
+    if kind == F.T_FFN_DOWN and layer < mix.n_layer // 8:
+        return Q.Q5_K
+    return base
+
+
 def fit_rows(t, row_len: int):
     """(type, note): ``t`` if rows of ``row_len`` are whole blocks of it, else the fallback:
     llama.cpp's for a K-quant (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0: 32-value blocks of
-    about the same bits; Q2_K, Q3_K -> low_bit_fallback()), then F16."""
+    about the same bits; Q2_K, Q3_K -> low_bit_fallback()) and IQ4_XS (-> IQ4_NL), then F16."""
     from gguf import GGMLQuantizationType as Q
     if t in (Q.F32, Q.F16, Q.BF16):
         return t, ""
-    block = F.QUANT_BLOCK_K if t in k_quant_types() else F.QUANT_BLOCK
+    block = quant_block(t)
     if row_len % block == 0:
         return t, ""
-    k_fallback = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+    k_fallback = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
     if t in (Q.Q2_K, Q.Q3_K):
         k_fallback[t] = low_bit_fallback()
     fb = k_fallback[t] if t in k_fallback and row_len % F.QUANT_BLOCK == 0 else Q.F16
@@ -193,10 +215,23 @@ def k_quant_types():
     return (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K)
 
 
+def native_quant_types():
+    """The types gguf.quants dequantizes but cannot quantize (the K-quants, IQ4_NL, IQ4_XS):
+    the runtime's reference quantizer (gh_quantize_row) encodes them."""
+    from gguf import GGMLQuantizationType as Q
+    return (*k_quant_types(), Q.IQ4_NL, Q.IQ4_XS)
+
+
+def quant_block(qtype) -> int:
+    """Elements per block of a block-quantized type (32, or 256 for the K-quants and IQ4_XS)."""
+    from gguf.constants import GGML_QUANT_SIZES
+    return GGML_QUANT_SIZES[qtype][0]
+
+
 def quantize(a: np.ndarray, qtype) -> np.ndarray:
     """a (float32, rows whole blocks) as qtype's blocks: uint8 [..., row bytes]."""
     from gguf.quants import quantize as gguf_quantize
-    if qtype not in k_quant_types():
+    if qtype not in native_quant_types():
         return gguf_quantize(a, qtype)
     from ._native import check, ffi, lib
     a = np.ascontiguousarray(a, dtype=np.float32)

@@ -619,18 +619,21 @@ static const gh_type_traits k_types[GH_TYPE_COUNT] = {
     [GH_TYPE_Q6_K] = ROW("Q6_K", QK_K, sizeof(block_q6_K), true, q6_K_to_float, q6_K_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_Q2_K] = ROW("Q2_K", QK_K, sizeof(block_q2_K), true, q2_K_to_float, q2_K_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_Q3_K] = ROW("Q3_K", QK_K, sizeof(block_q3_K), true, q3_K_to_float, q3_K_from_float, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ4_NL] = ROW("iq4_nl", 32, sizeof(block_iq4_nl), true, gh_iq4_nl_to_float, gh_iq4_nl_from_float, GH_TYPE_Q8_X4),
+    [GH_TYPE_IQ4_XS] = ROW("iq4_xs", QK_K, sizeof(block_iq4_xs), true, gh_iq4_xs_to_float, gh_iq4_xs_from_float, GH_TYPE_Q8_K),
+    [GH_TYPE_MXFP4]  = ROW("mxfp4", 32, sizeof(block_mxfp4), true, gh_mxfp4_to_float, gh_mxfp4_from_float, GH_TYPE_Q8_X4),
     /* index tensors (gpu_idx, gpu_bucket): the loader reads them itself, never as a weight */
-    [GH_TYPE_I32]  = { "i32", 1, 4, false, NULL, NULL, 0 },
+    [GH_TYPE_I32]  = { "I32", 1, 4, false, NULL, NULL, 0 },
     /* the rest of ggml's types (ids and blocks as gguf.constants.GGML_QUANT_SIZES) */
     [9] = LAYOUT("Q8_1", 32, 40),
     [15] = LAYOUT("Q8_K", 256, 292), [16] = LAYOUT("IQ2_XXS", 256, 66),
     [17] = LAYOUT("IQ2_XS", 256, 74), [18] = LAYOUT("IQ3_XXS", 256, 98),
-    [19] = LAYOUT("IQ1_S", 256, 50), [20] = LAYOUT("IQ4_NL", 32, 18), [21] = LAYOUT("IQ3_S", 256, 110),
-    [22] = LAYOUT("IQ2_S", 256, 82), [23] = LAYOUT("IQ4_XS", 256, 136),
+    [19] = LAYOUT("IQ1_S", 256, 50), [21] = LAYOUT("IQ3_S", 256, 110),
+    [22] = LAYOUT("IQ2_S", 256, 82),
     [24] = { "I8", 1, 1, false, NULL, NULL, 0 }, [25] = { "I16", 1, 2, false, NULL, NULL, 0 },
     [27] = { "I64", 1, 8, false, NULL, NULL, 0 }, [28] = { "F64", 1, 8, false, NULL, NULL, 0 },
     [29] = LAYOUT("IQ1_M", 256, 56), [34] = LAYOUT("TQ1_0", 256, 54), [35] = LAYOUT("TQ2_0", 256, 66),
-    [39] = LAYOUT("MXFP4", 32, 17), [40] = LAYOUT("NVFP4", 64, 36), [41] = LAYOUT("Q1_0", 128, 18),
+    [40] = LAYOUT("NVFP4", 64, 36), [41] = LAYOUT("Q1_0", 128, 18),
 };
 
 const gh_type_traits * gh_type_layout(int type) {
@@ -667,7 +670,7 @@ static void make_read_list(void) {
         len += (size_t) snprintf(g_read_list + len, sizeof g_read_list - len, "%s, ", k_types[i].name);
         if (len >= sizeof g_read_list) break;
     }
-    if (len < sizeof g_read_list) snprintf(g_read_list + len, sizeof g_read_list - len, "and i32");
+    if (len < sizeof g_read_list) snprintf(g_read_list + len, sizeof g_read_list - len, "and I32 (index tensors)");
 }
 
 const char * gh_types_read_list(void) {

@@ -177,4 +177,7 @@ size_t gh_row_size(int type, int64_t n);
  * for messages. */
 const char * gh_types_read_list(void);
 
+/* IQ4_NL, IQ4_XS, MXFP4: their layouts and helpers */
+#include "types/iq4.h"
+
 #endif

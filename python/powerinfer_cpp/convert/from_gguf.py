@@ -34,8 +34,8 @@ import numpy as np
 
 from .. import format as F
 from ..gguf_read import is_pwri, open_gguf
-from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, decode_matrix, k_quant_types, storage_type,
-                          write_gguf)
+from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, decode_matrix, k_quant_types, quant_block,
+                          storage_type, write_gguf)
 from ..sparse.pipeline import DenseModel
 
 log = logging.getLogger("powerinfer_cpp.convert")
@@ -88,7 +88,7 @@ def _down_t_type(qtype, n_embd: int):
     from gguf import GGMLQuantizationType as Q
     if qtype in (Q.F32, Q.F16, Q.BF16):
         return qtype
-    block = F.QUANT_BLOCK_K if qtype in k_quant_types() else F.QUANT_BLOCK
+    block = quant_block(qtype)
     if n_embd % block == 0:
         return qtype
     fallback = Q.Q8_0 if n_embd % F.QUANT_BLOCK == 0 else Q.F16

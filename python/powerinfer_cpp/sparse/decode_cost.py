@@ -55,6 +55,13 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   down 1.3 / 1.2 GB/s against their dense 8.5 / 9.3 (``rows`` 3.7 / 4.4, ``down`` 6.5 / 7.8:
   one-row axpy only); ``cols`` as ``down`` (the same axpy).
 
+* IQ4_NL, IQ4_XS, MXFP4 (2026-12-03, bench_kernels at AVX2, 1 thread, loaded): ``dot`` from
+  the decode GB/s against Q4_0's in the same run (IQ4_NL 11.9, MXFP4 12.3, IQ4_XS 10.3
+  against 16.4: 1.38, 1.34, 1.59); ``rows`` (their gathered four-row tile is Q4_0's form)
+  Q4_0's. They have no SIMD axpy yet: ``cols`` and ``down`` run the scalar axpy, which
+  measured 10-18x the SIMD forms' time for Q4_1/Q5_0/Q5_1 (their A/B before and after):
+  taken as 10x Q8_0's 1.44 (not measured), so ``auto`` does not pick input sparsity for them.
+
 Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
 (the same float kernels, with another conversion or none). The figures carry the benchmarks' noise
 (15-30% per run on the loaded 2-core machine): the model decides between candidates that
@@ -95,6 +102,9 @@ COSTS: dict[str, PathCost] = {
     "Q5_1": PathCost(dot=1.49, cols=1.44, rows=1.15, down=1.17),
     "Q2_K": PathCost(dot=2.08, cols=6.5, rows=3.7, down=6.5),
     "Q3_K": PathCost(dot=1.90, cols=7.8, rows=4.4, down=7.8),
+    "IQ4_NL": PathCost(dot=1.38, cols=14.4, rows=1.45, down=14.4),
+    "IQ4_XS": PathCost(dot=1.59, cols=14.4, rows=1.45, down=14.4),
+    "MXFP4": PathCost(dot=1.34, cols=14.4, rows=1.45, down=14.4),
 }
 
 PATHS = ("dot", "cols", "rows", "down")

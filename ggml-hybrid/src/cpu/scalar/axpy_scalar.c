@@ -68,6 +68,9 @@ DEFINE_AXPY_BLOCKS(axpy_q5_K, GH_TYPE_Q5_K)
 DEFINE_AXPY_BLOCKS(axpy_q6_K, GH_TYPE_Q6_K)
 DEFINE_AXPY_BLOCKS(axpy_q2_K, GH_TYPE_Q2_K)
 DEFINE_AXPY_BLOCKS(axpy_q3_K, GH_TYPE_Q3_K)
+DEFINE_AXPY_BLOCKS(axpy_iq4_nl, GH_TYPE_IQ4_NL)
+DEFINE_AXPY_BLOCKS(axpy_iq4_xs, GH_TYPE_IQ4_XS)
+DEFINE_AXPY_BLOCKS(axpy_mxfp4, GH_TYPE_MXFP4)
 
 const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = { .axpy = axpy_f32 },
@@ -83,4 +86,7 @@ const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_Q6_K] = { .axpy = axpy_q6_K },
     [GH_TYPE_Q2_K] = { .axpy = axpy_q2_K },
     [GH_TYPE_Q3_K] = { .axpy = axpy_q3_K },
+    [GH_TYPE_IQ4_NL] = { .axpy = axpy_iq4_nl },
+    [GH_TYPE_IQ4_XS] = { .axpy = axpy_iq4_xs },
+    [GH_TYPE_MXFP4]  = { .axpy = axpy_mxfp4 },
 };

@@ -192,6 +192,56 @@ static void vec_dot_q5_1_q8_x4(int64_t n, float * s, const void * w, const void 
     vec_dot_b32(block32_q5_1, sizeof(block_q5_1), n, s, w, x);
 }
 
+/* ---- IQ4_NL, MXFP4 (against Q8_X4) and IQ4_XS (against Q8_K): levels from the types'
+ * int8 tables (types/iq4.h), then the integer dot ---- */
+
+static void block32_iq4_nl(const uint8_t * p, int * q, float * d, float * m) {
+    const block_iq4_nl * b = (const block_iq4_nl *) p;
+    for (int j = 0; j < 16; j++) {
+        q[j] = gh_kvalues_iq4nl[b->qs[j] & 0x0f];
+        q[j + 16] = gh_kvalues_iq4nl[b->qs[j] >> 4];
+    }
+    *d = gh_fp16_to_fp32(b->d);
+    *m = 0.0f;
+}
+
+static void block32_mxfp4(const uint8_t * p, int * q, float * d, float * m) {
+    const block_mxfp4 * b = (const block_mxfp4 *) p;
+    for (int j = 0; j < 16; j++) {
+        q[j] = gh_kvalues_mxfp4[b->qs[j] & 0x0f];
+        q[j + 16] = gh_kvalues_mxfp4[b->qs[j] >> 4];
+    }
+    *d = gh_e8m0_to_fp32_half(b->e);
+    *m = 0.0f;
+}
+
+static void vec_dot_iq4_nl_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    vec_dot_b32(block32_iq4_nl, sizeof(block_iq4_nl), n, s, w, x);
+}
+static void vec_dot_mxfp4_q8_x4(int64_t n, float * s, const void * w, const void * x) {
+    vec_dot_b32(block32_mxfp4, sizeof(block_mxfp4), n, s, w, x);
+}
+
+static void vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq4_xs * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0;
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            const uint8_t * q = a[b].qs + 16 * ib;
+            const int8_t * v = y[b].qs + 32 * ib;
+            int dot = 0;
+            for (int j = 0; j < 16; j++) {
+                dot += gh_kvalues_iq4nl[q[j] & 0x0f] * v[j] + gh_kvalues_iq4nl[q[j] >> 4] * v[j + 16];
+            }
+            isum += gh_iq4_xs_scale(&a[b], ib) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum;
+    }
+    *s = (float) sum;
+}
+
 /* K-quants against Q8_K: exact integer sums per block, the mins (zero point) through
  * the activations' 16-value sums. */
 static void vec_dot_q4_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
@@ -326,6 +376,9 @@ DEFINE_GEMM(gemm_q5_K, vec_dot_q5_K_q8_K)
 DEFINE_GEMM(gemm_q6_K, vec_dot_q6_K_q8_K)
 DEFINE_GEMM(gemm_q2_K, vec_dot_q2_K_q8_K)
 DEFINE_GEMM(gemm_q3_K, vec_dot_q3_K_q8_K)
+DEFINE_GEMM(gemm_iq4_nl, vec_dot_iq4_nl_q8_x4)
+DEFINE_GEMM(gemm_iq4_xs, vec_dot_iq4_xs_q8_K)
+DEFINE_GEMM(gemm_mxfp4, vec_dot_mxfp4_q8_x4)
 
 #define DOT_ROW(dot, from_x, tile) GH_DOT_ROW(dot, from_x, tile, 1, 1, 1, NULL)
 
@@ -343,4 +396,7 @@ const gh_kernel_set gh_dot_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_Q6_K] = DOT_ROW(vec_dot_q6_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q6_K),
     [GH_TYPE_Q2_K] = DOT_ROW(vec_dot_q2_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q2_K),
     [GH_TYPE_Q3_K] = DOT_ROW(vec_dot_q3_K_q8_K, gh_quantize_row_q8_K_ref, gemm_q3_K),
+    [GH_TYPE_IQ4_NL] = DOT_ROW(vec_dot_iq4_nl_q8_x4, gh_quantize_row_q8_x4_ref, gemm_iq4_nl),
+    [GH_TYPE_IQ4_XS] = DOT_ROW(vec_dot_iq4_xs_q8_K, gh_quantize_row_q8_K_ref, gemm_iq4_xs),
+    [GH_TYPE_MXFP4]  = DOT_ROW(vec_dot_mxfp4_q8_x4, gh_quantize_row_q8_x4_ref, gemm_mxfp4),
 };

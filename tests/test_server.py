@@ -271,3 +271,21 @@ def test_metrics(server):
     assert metric(text, "powerinfer_completion_tokens_total") > 0
     assert 0 < metric(text, "powerinfer_ffn_density") < 1
     assert 'powerinfer_requests_total{route="/v1/completions",status="200"}' in text
+
+
+def test_default_model_has_a_readable_name(monkeypatch):
+    """Without -m the server runs the default model under its name, not the file's stem
+    (which carries the quantization); uvicorn is not started, only the app is built."""
+    import uvicorn
+
+    from powerinfer_cpp import default_model
+    from powerinfer_cpp.server.__main__ import main
+
+    if default_model.package_file() is None:
+        pytest.skip(f"the default model's package is not installed: {default_model.INSTALL}")
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append(app))
+    assert main(["--ctx", "64", "-t", "1"]) == 0
+    srv = apps[0].state.server
+    assert srv.name == default_model.NAME == "SmolLM2-135M-Instruct"
+    srv.close()

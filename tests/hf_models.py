@@ -270,6 +270,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                             intermediate_size=96, tie_word_embeddings=False)),
     "qwen2-tied": ("qwen2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
                                  intermediate_size=80, tie_word_embeddings=True)),
+    # qwen3: per-head q/k norms; an explicit head size (24 != 64 / 4) and GQA; tied with MQA
+    "qwen3": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                            intermediate_size=96, tie_word_embeddings=False)),
+    "qwen3-tied": ("qwen3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                                 intermediate_size=80, tie_word_embeddings=True)),
     # phi3: fused qkv_proj and gate_up_proj, GQA
     "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=96, tie_word_embeddings=False)),
@@ -330,6 +335,10 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.Qwen2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                           "rope_theta": 10000.0, **kw})
         _save(transformers.Qwen2ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen3ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
     elif family == "phi3":
         cfg = transformers.Phi3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                          "rope_theta": 10000.0, "sliding_window": None,

@@ -136,6 +136,21 @@ static double project(gh_context * c, const proj_site * s, const float * x, int3
     return bytes;
 }
 
+/* RMSNorm in place of n rows of `heads` heads of hd values each (ld apart): each head on
+ * its own with the shared weights w [hd] (per_head), or each row as a whole with w
+ * [heads·hd]. */
+static void qk_norm_rows(float * y, const float * w, int32_t n, int64_t ld, int heads, int64_t hd,
+                         bool per_head, float eps) {
+    for (int32_t t = 0; t < n; t++) {
+        float * row = y + (int64_t) t * ld;
+        if (!per_head) {
+            gh_rmsnorm(row, w, heads * hd, eps, row);
+            continue;
+        }
+        for (int h = 0; h < heads; h++) gh_rmsnorm(row + h * hd, w, hd, eps, row + h * hd);
+    }
+}
+
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
  * cache, causal attention, output projection (+ bias) into out [n][n_embd]; input-sparse
  * projections when `insp` (and the layer's thresholds are not all 0). Returns the weight
@@ -168,6 +183,11 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     add_bias(c->q, L->bq, n, dq, dq);
     add_bias(kc, L->bk, n, dkv, dkv);
     add_bias(vc, L->bv, n, dkv, dkv);
+    if (hp->qk_norm != GH_QK_NORM_NONE) {
+        const bool per_head = hp->qk_norm == GH_QK_NORM_HEAD;
+        qk_norm_rows(c->q, L->q_norm, n, dq, hp->n_head, hd, per_head, hp->norm_eps);
+        qk_norm_rows(kc, L->k_norm, n, dkv, hp->n_head_kv, hd, per_head, hp->norm_eps);
+    }
     if (hp->rope != GH_ROPE_NONE) {
         const int neox = hp->rope == GH_ROPE_NEOX;
         for (int32_t t = 0; t < n; t++) {

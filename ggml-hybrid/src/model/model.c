@@ -312,6 +312,7 @@ static gh_status load_hparams(gh_model * m) {
         hp->act_threshold = t;
     }
     hp->gated = arch->gated;
+    hp->qk_norm = arch->qk_norm;
     if (!hp->gated && hp->ffn_act == GH_ACT_DRELU) {
         return gh_fail(GH_ERR_UNSUPPORTED, "powerinfer.ffn_activation is drelu, which needs a gated "
                        "FFN, but architecture '%s' has none", arch->name);
@@ -699,6 +700,14 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
     }
     if ((st = load_weight(m, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
     if ((st = load_vec(m, BLK("attn_output.bias"), d, false, &L->bo))) return st;
+    if (hp->qk_norm != GH_QK_NORM_NONE) {
+        /* per head: one weight vector every head shares; over the projection: one per row */
+        const bool per_head = hp->qk_norm == GH_QK_NORM_HEAD;
+        if ((st = load_vector(m, BLK("attn_q_norm.weight"), per_head ? hp->head_dim : dq, &L->q_norm)))
+            return st;
+        if ((st = load_vector(m, BLK("attn_k_norm.weight"), per_head ? hp->head_dim : dkv, &L->k_norm)))
+            return st;
+    }
 #undef BLK
     return GH_OK;
 }

@@ -265,6 +265,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "prosparse": ("llama", dict(act="fatrelu", tied=False)),                      # fatrelu, t = 0.01
     "bamboo": ("llama", dict(act="bamboo", tied=False, arch="MistralForCausalLM")),  # dReLU
+    # Mistral-Nemo: the head size is head_dim (24), not hidden_size / heads (64 / 4); GQA
+    "mistral-nemo": ("llama", dict(act="silu", tied=False, arch="MistralForCausalLM", head_dim=24)),
     # qwen2: q/k/v biases; an explicit head size (24 != 64 / 4) and GQA; tied with MQA
     "qwen2": ("qwen2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                             intermediate_size=96, tie_word_embeddings=False)),

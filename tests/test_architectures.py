@@ -26,6 +26,7 @@ torch.set_num_threads(1)
 # variant -> whether its FFN is ReLU-family (runs sparse)
 VARIANTS = {
     "llama": False, "llama-relu": True, "llama3": False, "prosparse": True, "bamboo": True,
+    "mistral-nemo": False,
     "qwen2": False, "qwen2-tied": False, "qwen3": False, "qwen3-tied": False,
     "opt": True, "opt-untied": True,
     "falcon-7b": False, "falcon-7b-bias": False, "falcon-mha": False, "falcon-40b": False,

@@ -196,7 +196,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                    F.arch_key(F.KEY_ROPE_FREQ_BASE, A): cfg["rope_parameters"]["rope_theta"],
                    F.arch_key(F.KEY_KEY_LENGTH, A): hd if hd * nh != d else None,
                    F.arch_key(F.KEY_VALUE_LENGTH, A): hd if hd * nh != d else None,
-                   F.KEY_FFN_ACTIVATION: {"prosparse": "fatrelu", "bamboo": "drelu", "llama3": "silu",
+                   F.KEY_FFN_ACTIVATION: {"prosparse": "fatrelu", "bamboo": "drelu", "llama3": "silu", "mistral-nemo": "silu",
                                           "qwen2": "silu", "qwen2-tied": "silu", "qwen3": "silu",
                                           "qwen3-tied": "silu", "phi3": "silu"}[variant]})
         if variant == "prosparse":

@@ -277,6 +277,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                             intermediate_size=96, tie_word_embeddings=False)),
     "qwen3-tied": ("qwen3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, head_dim=12,
                                  intermediate_size=80, tie_word_embeddings=True)),
+    # olmo2: output norms instead of input norms, q/k norms over the projection; GQA untied;
+    # MHA tied with an explicit head size (20 != 48 / 4)
+    "olmo2": ("olmo2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=96, tie_word_embeddings=False)),
+    "olmo2-tied": ("olmo2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, head_dim=20,
+                                 intermediate_size=80, tie_word_embeddings=True)),
     # phi3: fused qkv_proj and gate_up_proj, GQA
     "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=96, tie_word_embeddings=False)),
@@ -341,6 +347,10 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.Qwen3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                           "rope_theta": 10000.0, **kw})
         _save(transformers.Qwen3ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "olmo2":
+        cfg = transformers.Olmo2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.Olmo2ForCausalLM, cfg, path, seed)
     elif family == "phi3":
         cfg = transformers.Phi3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                          "rope_theta": 10000.0, "sliding_window": None,

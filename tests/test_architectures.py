@@ -28,6 +28,7 @@ VARIANTS = {
     "llama": False, "llama-relu": True, "llama3": False, "prosparse": True, "bamboo": True,
     "mistral-nemo": False,
     "qwen2": False, "qwen2-tied": False, "qwen3": False, "qwen3-tied": False,
+    "olmo2": False, "olmo2-tied": False,
     "opt": True, "opt-untied": True,
     "falcon-7b": False, "falcon-7b-bias": False, "falcon-mha": False, "falcon-40b": False,
     "falcon-40b-1ln": False, "falcon-rw-like": False, "falcon-relu": True,
@@ -263,6 +264,12 @@ def test_sparse_accuracy_shipped_opt(tmp_path_factory, capsys):
 
 
 GATED_NOT_RELU = [v for v, relu in VARIANTS.items() if not relu and not v.startswith("falcon")]
+# The share of active neurons a 20-token decode may show around the calibrated 0.5. OLMo 2's
+# FFN reads the un-normed residual stream (no input norm), so its gate values scale with each
+# token's residual norm and the share moves with the text: olmo2-tied measured 0.64 over these
+# 20 tokens, 0.55 over the first 100 calibration tokens and 0.43 over later held-out text
+# (qwen3-tied, with an input norm: 0.50, 0.50, 0.50).
+GATE_DENSITY_BAND = {"olmo2": (0.3, 0.7), "olmo2-tied": (0.3, 0.7)}
 
 
 @pytest.mark.parametrize("variant", GATED_NOT_RELU)
@@ -283,6 +290,7 @@ def test_gate_sparsity_each_gated_architecture(tmp_path, variant):
             st_ctx.eval([t])
         density = st_ctx.stats()["density"]
         dense = _decode(m, ids, "dense")
-    assert 0.4 <= density <= 0.6, density
+    lo, hi = GATE_DENSITY_BAND.get(variant, (0.4, 0.6))
+    assert lo <= density <= hi, density
     rel = np.abs(gate - dense).max() / np.ptp(dense)
     assert 0 < rel < 0.1, rel

@@ -33,6 +33,7 @@ typedef struct {
     bool    parallel;       /* attention and FFN both read the layer input and both add to
                              * the residual (Falcon) */
     gh_qk_norm qk_norm;
+    bool    post_norms;     /* each sublayer's output is normed before the residual add */
     /* positions */
     gh_rope_kind rope;
     float   rope_theta;
@@ -59,6 +60,9 @@ typedef struct gh_arch {
     int32_t      pos_offset;
     int32_t      default_act;  /* when the file does not name its activation */
     gh_qk_norm   qk_norm;      /* blk.N.attn_q_norm / attn_k_norm */
+    bool         no_pre_norms; /* no attn_norm / ffn_norm: each sublayer reads x itself */
+    bool         post_norms;   /* blk.N.post_attention_norm and post_ffw_norm norm each
+                                * sublayer's output before it is added to x */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -67,6 +71,6 @@ const gh_arch * gh_arch_find(const char * name);
 const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
-    gh_arch_qwen3;
+    gh_arch_qwen3, gh_arch_olmo2;
 
 #endif

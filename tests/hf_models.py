@@ -283,6 +283,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                             intermediate_size=96, tie_word_embeddings=False)),
     "olmo2-tied": ("olmo2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, head_dim=20,
                                  intermediate_size=80, tie_word_embeddings=True)),
+    # smollm3: llama's block, layer 3 of 4 without RoPE (NoPE); GQA tied, MQA untied
+    "smollm3": ("smollm3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=96, num_hidden_layers=4, tie_word_embeddings=True)),
+    "smollm3-untied": ("smollm3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
+                                       intermediate_size=80, num_hidden_layers=4, tie_word_embeddings=False)),
     # phi3: fused qkv_proj and gate_up_proj, GQA
     "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=96, tie_word_embeddings=False)),
@@ -351,6 +356,10 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.Olmo2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                           "rope_theta": 10000.0, **kw})
         _save(transformers.Olmo2ForCausalLM, cfg, path, seed)
+    elif family == "smollm3":
+        cfg = transformers.SmolLM3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                            "rope_theta": 10000.0, **kw})
+        _save(transformers.SmolLM3ForCausalLM, cfg, path, seed)
     elif family == "phi3":
         cfg = transformers.Phi3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                          "rope_theta": 10000.0, "sliding_window": None,

@@ -26,7 +26,8 @@ from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
 
 ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
-           "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2}
+           "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
+           "smollm3": F.ARCH_SMOLLM3}
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -91,9 +92,9 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
         undo[name] = (hf, fn)
 
     n = cfg["num_hidden_layers"]
-    if family in ("llama", "qwen2", "qwen3", "olmo2"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3"):
         nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        perm = family == "llama"
+        perm = family in ("llama", "smollm3")
         post = family == "olmo2"  # output norms only, the q/k norms over the projection
         add("token_embd.weight", "model.embed_tokens.weight")
         if variant == "llama3":
@@ -192,7 +193,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
           F.arch_key(F.KEY_HEAD_COUNT, A): nh, F.arch_key(F.KEY_VOCAB_SIZE, A): cfg["vocab_size"],
           F.arch_key(F.KEY_CONTEXT_LENGTH, A): cfg["max_position_embeddings"],
           F.arch_key(F.KEY_ROPE_SCALING_TYPE, A): None, F.KEY_FFN_ACT_THRESHOLD: None}
-    if family in ("llama", "qwen2", "qwen3", "olmo2", "phi3"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3", "phi3"):
         hd = cfg.get("head_dim") or d // nh
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
@@ -204,6 +205,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                    F.KEY_FFN_ACTIVATION: {"prosparse": "fatrelu", "bamboo": "drelu", "llama3": "silu", "mistral-nemo": "silu",
                                           "qwen2": "silu", "qwen2-tied": "silu", "qwen3": "silu",
                                           "qwen3-tied": "silu", "olmo2": "silu", "olmo2-tied": "silu",
+                                          "smollm3": "silu", "smollm3-untied": "silu",
                                           "phi3": "silu"}[variant]})
         if variant == "prosparse":
             ok[F.KEY_FFN_ACT_THRESHOLD] = 0.01
@@ -451,6 +453,10 @@ REFUSED = {
     "qwen3-bias": ("qwen3", dict(attention_bias=True), "attention_bias=true"),
     "olmo2-bias": ("olmo2", dict(attention_bias=True), "attention_bias=true"),
     "olmo2-clip": ("olmo2", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+    "smollm3-nope": ("smollm3", dict(no_rope_layers=[1, 0, 1, 1]), "no_rope_layers=[1, 0, 1, 1]"),
+    "smollm3-interval": ("smollm3", dict(no_rope_layers=None, no_rope_layer_interval=2),
+                         "no_rope_layers=[1, 0, 1, 0]"),
+    "smollm3-swa": ("smollm3", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=true"),
     "phi3-longrope": ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                                     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
                       "unsupported rope scaling 'longrope'"),

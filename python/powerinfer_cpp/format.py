@@ -28,9 +28,15 @@ ARCH_OPT = "opt"        # OPT (pre-LN: 125m, 1.3b ... 66b)
 ARCH_PHI3 = "phi3"      # Phi-3 mini / medium (4k context)
 ARCH_QWEN3 = "qwen3"    # Qwen3 (dense)
 ARCH_OLMO2 = "olmo2"    # OLMo 2
+ARCH_SMOLLM3 = "smollm3"  # SmolLM3 (llama's block, every 4th layer without RoPE)
+
+#: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
+#: architecture; its files carry no key for it.
+SMOLLM3_NOPE_EVERY = 4
 
 #: GGUF architectures this project writes / reads.
-ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2)
+ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
+                 ARCH_SMOLLM3)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)

@@ -40,6 +40,8 @@ typedef struct {
     float   rope_freq_scale;   /* linear scaling: positions times this (1 / factor) */
     float * rope_freqs;        /* [head_dim / 2] frequency divisors (rope_freqs.weight,
                                 * Llama-3 scaling), owned; NULL: none */
+    int32_t nope_every;        /* layers il with (il + 1) % nope_every == 0 have no RoPE
+                                * (0: every layer has it) */
     int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
     int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
     /* sparse extension */
@@ -63,6 +65,8 @@ typedef struct gh_arch {
     bool         no_pre_norms; /* no attn_norm / ffn_norm: each sublayer reads x itself */
     bool         post_norms;   /* blk.N.post_attention_norm and post_ffw_norm norm each
                                 * sublayer's output before it is added to x */
+    int32_t      nope_every;   /* every nope_every-th layer has no RoPE (SmolLM3: 4, part of
+                                * the architecture: llama.cpp's files carry no key for it) */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -71,6 +75,6 @@ const gh_arch * gh_arch_find(const char * name);
 const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
-    gh_arch_qwen3, gh_arch_olmo2;
+    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3;
 
 #endif

@@ -203,7 +203,9 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         qk_norm_rows(c->q, L->q_norm, n, dq, hp->n_head, hd, per_head, hp->norm_eps);
         qk_norm_rows(kc, L->k_norm, n, dkv, hp->n_head_kv, hd, per_head, hp->norm_eps);
     }
-    if (hp->rope != GH_ROPE_NONE) {
+    /* NoPE layers (SmolLM3's every 4th) attend by content alone */
+    const bool nope = hp->nope_every > 0 && (il + 1) % hp->nope_every == 0;
+    if (hp->rope != GH_ROPE_NONE && !nope) {
         const int neox = hp->rope == GH_ROPE_NEOX;
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, neox);

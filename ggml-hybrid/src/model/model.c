@@ -256,6 +256,7 @@ static gh_status load_hparams(gh_model * m) {
     if (!(eps > 0 && eps < 1)) return gh_fail(GH_ERR_FORMAT, "bad norm epsilon %g", eps);
 
     hp->rope = arch->rope;
+    hp->nope_every = arch->nope_every;
     hp->rope_theta = 10000.0f;
     hp->rope_freq_scale = 1.0f;
     if (arch->rope != GH_ROPE_NONE) {

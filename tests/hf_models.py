@@ -265,11 +265,29 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "prosparse": ("llama", dict(act="fatrelu", tied=False)),                      # fatrelu, t = 0.01
     "bamboo": ("llama", dict(act="bamboo", tied=False, arch="MistralForCausalLM")),  # dReLU
+    # Mistral-Nemo: the head size is head_dim (24), not hidden_size / heads (64 / 4); GQA
+    "mistral-nemo": ("llama", dict(act="silu", tied=False, arch="MistralForCausalLM", head_dim=24)),
     # qwen2: q/k/v biases; an explicit head size (24 != 64 / 4) and GQA; tied with MQA
     "qwen2": ("qwen2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
                             intermediate_size=96, tie_word_embeddings=False)),
     "qwen2-tied": ("qwen2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
                                  intermediate_size=80, tie_word_embeddings=True)),
+    # qwen3: per-head q/k norms; an explicit head size (24 != 64 / 4) and GQA; tied with MQA
+    "qwen3": ("qwen3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                            intermediate_size=96, tie_word_embeddings=False)),
+    "qwen3-tied": ("qwen3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                                 intermediate_size=80, tie_word_embeddings=True)),
+    # olmo2: output norms instead of input norms, q/k norms over the projection; GQA untied;
+    # MHA tied with an explicit head size (20 != 48 / 4)
+    "olmo2": ("olmo2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=96, tie_word_embeddings=False)),
+    "olmo2-tied": ("olmo2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=4, head_dim=20,
+                                 intermediate_size=80, tie_word_embeddings=True)),
+    # smollm3: llama's block, layer 3 of 4 without RoPE (NoPE); GQA tied, MQA untied
+    "smollm3": ("smollm3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=96, num_hidden_layers=4, tie_word_embeddings=True)),
+    "smollm3-untied": ("smollm3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
+                                       intermediate_size=80, num_hidden_layers=4, tie_word_embeddings=False)),
     # phi3: fused qkv_proj and gate_up_proj, GQA
     "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=96, tie_word_embeddings=False)),
@@ -330,6 +348,18 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.Qwen2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                           "rope_theta": 10000.0, **kw})
         _save(transformers.Qwen2ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "qwen3":
+        cfg = transformers.Qwen3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen3ForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "olmo2":
+        cfg = transformers.Olmo2Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.Olmo2ForCausalLM, cfg, path, seed)
+    elif family == "smollm3":
+        cfg = transformers.SmolLM3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                            "rope_theta": 10000.0, **kw})
+        _save(transformers.SmolLM3ForCausalLM, cfg, path, seed)
     elif family == "phi3":
         cfg = transformers.Phi3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                          "rope_theta": 10000.0, "sliding_window": None,

@@ -26,7 +26,9 @@ torch.set_num_threads(1)
 # variant -> whether its FFN is ReLU-family (runs sparse)
 VARIANTS = {
     "llama": False, "llama-relu": True, "llama3": False, "prosparse": True, "bamboo": True,
-    "qwen2": False, "qwen2-tied": False,
+    "mistral-nemo": False,
+    "qwen2": False, "qwen2-tied": False, "qwen3": False, "qwen3-tied": False,
+    "olmo2": False, "olmo2-tied": False, "smollm3": False, "smollm3-untied": False,
     "opt": True, "opt-untied": True,
     "falcon-7b": False, "falcon-7b-bias": False, "falcon-mha": False, "falcon-40b": False,
     "falcon-40b-1ln": False, "falcon-rw-like": False, "falcon-relu": True,
@@ -36,8 +38,9 @@ N_POS = 40
 
 # Normalized RMS logit error against transformers per weight type (f32 cache: the weights'
 # error alone); random tiny models, so the quantized bounds are loose but still catch a
-# wrong layout (which gives errors of order 1). Measured over the table: f16 2.0-4.8e-4,
-# q8_0 0.8-1.5e-2, q4_0 1.2-13.4e-2 (f32: max error 1.1-2.4e-7 of the logit range). Rows
+# wrong layout (which gives errors of order 1). Measured over the table: f16 2.0-5.6e-4,
+# q8_0 0.8-1.5e-2, q4_0 1.2-19.1e-2 (the top: smollm3's 4 layers, olmo2 1.8e-1; f32: max
+# error 1.1-2.7e-7 of the logit range). Rows
 # of 48 columns are not whole Q8_0/Q4_0 blocks: those variants keep f16 there.
 QUANT_NRMSE = {"f16": 2e-3, "q8_0": 3e-2, "q4_0": 2e-1}
 
@@ -262,6 +265,12 @@ def test_sparse_accuracy_shipped_opt(tmp_path_factory, capsys):
 
 
 GATED_NOT_RELU = [v for v, relu in VARIANTS.items() if not relu and not v.startswith("falcon")]
+# The share of active neurons a 20-token decode may show around the calibrated 0.5. OLMo 2's
+# FFN reads the un-normed residual stream (no input norm), so its gate values scale with each
+# token's residual norm and the share moves with the text: olmo2-tied measured 0.64 over these
+# 20 tokens, 0.55 over the first 100 calibration tokens and 0.43 over later held-out text
+# (qwen3-tied, with an input norm: 0.50, 0.50, 0.50).
+GATE_DENSITY_BAND = {"olmo2": (0.3, 0.7), "olmo2-tied": (0.3, 0.7)}
 
 
 @pytest.mark.parametrize("variant", GATED_NOT_RELU)
@@ -282,6 +291,7 @@ def test_gate_sparsity_each_gated_architecture(tmp_path, variant):
             st_ctx.eval([t])
         density = st_ctx.stats()["density"]
         dense = _decode(m, ids, "dense")
-    assert 0.4 <= density <= 0.6, density
+    lo, hi = GATE_DENSITY_BAND.get(variant, (0.4, 0.6))
+    assert lo <= density <= hi, density
     rel = np.abs(gate - dense).max() / np.ptp(dense)
     assert 0 < rel < 0.1, rel

@@ -26,7 +26,8 @@ from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
 
 ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
-           "phi3": F.ARCH_PHI3}
+           "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
+           "smollm3": F.ARCH_SMOLLM3}
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -91,25 +92,33 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
         undo[name] = (hf, fn)
 
     n = cfg["num_hidden_layers"]
-    if family in ("llama", "qwen2"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3"):
         nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        perm = family == "llama"
+        perm = family in ("llama", "smollm3")
+        post = family == "olmo2"  # output norms only, the q/k norms over the projection
         add("token_embd.weight", "model.embed_tokens.weight")
         if variant == "llama3":
             names.append("rope_freqs.weight")
         for i in range(n):
             L = f"model.layers.{i}."
-            add(f"blk.{i}.attn_norm.weight", L + "input_layernorm.weight")
+            if not post:
+                add(f"blk.{i}.attn_norm.weight", L + "input_layernorm.weight")
             for proj, kind, heads in (("q", "attn_q", nh), ("k", "attn_k", nkv), ("v", "attn_v", 0)):
                 fn = (lambda a, h=heads: unpermute_qk(a, h)) if perm and heads else (lambda a: a)
                 add(f"blk.{i}.{kind}.weight", L + f"self_attn.{proj}_proj.weight", fn)
                 if family == "qwen2":
                     add(f"blk.{i}.{kind}.bias", L + f"self_attn.{proj}_proj.bias")
+            if family in ("qwen3", "olmo2"):  # per head / over the projection, as HF stores them
+                add(f"blk.{i}.attn_q_norm.weight", L + "self_attn.q_norm.weight")
+                add(f"blk.{i}.attn_k_norm.weight", L + "self_attn.k_norm.weight")
             add(f"blk.{i}.attn_output.weight", L + "self_attn.o_proj.weight")
-            add(f"blk.{i}.ffn_norm.weight", L + "post_attention_layernorm.weight")
+            add(f"blk.{i}.{'post_attention_norm' if post else 'ffn_norm'}.weight",
+                L + "post_attention_layernorm.weight")
             add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
             add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
             add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
+            if post:
+                add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight")
         add("output_norm.weight", "model.norm.weight")
     elif family == "phi3":  # fused as HF stores them: nothing to undo
         add("token_embd.weight", "model.embed_tokens.weight")
@@ -184,7 +193,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
           F.arch_key(F.KEY_HEAD_COUNT, A): nh, F.arch_key(F.KEY_VOCAB_SIZE, A): cfg["vocab_size"],
           F.arch_key(F.KEY_CONTEXT_LENGTH, A): cfg["max_position_embeddings"],
           F.arch_key(F.KEY_ROPE_SCALING_TYPE, A): None, F.KEY_FFN_ACT_THRESHOLD: None}
-    if family in ("llama", "qwen2", "phi3"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3", "phi3"):
         hd = cfg.get("head_dim") or d // nh
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
@@ -194,10 +203,14 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                    F.arch_key(F.KEY_KEY_LENGTH, A): hd if hd * nh != d else None,
                    F.arch_key(F.KEY_VALUE_LENGTH, A): hd if hd * nh != d else None,
                    F.KEY_FFN_ACTIVATION: {"prosparse": "fatrelu", "bamboo": "drelu", "llama3": "silu",
-                                          "qwen2": "silu", "qwen2-tied": "silu", "phi3": "silu"}[variant]})
+                                          "mistral-nemo": "silu",
+                                          "qwen2": "silu", "qwen2-tied": "silu", "qwen3": "silu",
+                                          "qwen3-tied": "silu", "olmo2": "silu", "olmo2-tied": "silu",
+                                          "smollm3": "silu", "smollm3-untied": "silu",
+                                          "phi3": "silu"}[variant]})
         if variant == "prosparse":
             ok[F.KEY_FFN_ACT_THRESHOLD] = 0.01
-        ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family == "qwen2" else "default"
+        ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3") else "default"
         if family == "phi3":
             ok[F.arch_key(F.KEY_ROPE_FREQ_BASE, A)] = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
     elif family == "opt":
@@ -436,6 +449,15 @@ REFUSED = {
     "qwen2-swa": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None),
                   "use_sliding_window=true with sliding_window=16"),
     "qwen2-partial-rope": ("qwen2", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+    "qwen3-swa": ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, layer_types=None),
+                  "use_sliding_window=true with sliding_window=16"),
+    "qwen3-bias": ("qwen3", dict(attention_bias=True), "attention_bias=true"),
+    "olmo2-bias": ("olmo2", dict(attention_bias=True), "attention_bias=true"),
+    "olmo2-clip": ("olmo2", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+    "smollm3-nope": ("smollm3", dict(no_rope_layers=[1, 0, 1, 1]), "no_rope_layers=[1, 0, 1, 1]"),
+    "smollm3-interval": ("smollm3", dict(no_rope_layers=None, no_rope_layer_interval=2),
+                         "no_rope_layers=[1, 0, 1, 0]"),
+    "smollm3-swa": ("smollm3", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=true"),
     "phi3-longrope": ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                                     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
                       "unsupported rope scaling 'longrope'"),
@@ -523,7 +545,9 @@ def test_format_doc_covers_every_architecture(converted):
         for name in ts:
             kind = F.parse_tensor_name(name)[0]
             generic = re.sub(r"^blk\.\d+\.", "blk.N.", name)
-            in_llama = A in (F.ARCH_LLAMA, F.ARCH_QWEN2) and f"`{generic}`" in llama_doc
+            # sections that say "the llama tensors" inherit the llama table's rows
+            in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3)
+                        and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:
             if key.startswith("tokenizer.") or key.startswith("general."):

@@ -18,6 +18,7 @@ from test_input_sparsity import HELDOUT, _run  # noqa: E402
 
 
 ARCH_VARIANTS = {"llama": {"sparsity": 0.0}, "qwen2": {"sparsity": 0.0}, "phi3": {"sparsity": 0.0},
+                 "qwen3": {"sparsity": 0.0}, "olmo2": {"sparsity": 0.0}, "smollm3": {"sparsity": 0.0},
                  "opt": {}, "falcon-relu": {}}
 
 

@@ -26,9 +26,17 @@ ARCH_QWEN2 = "qwen2"    # Qwen2, Qwen2.5
 ARCH_FALCON = "falcon"  # Falcon (7B layout and the 40B/180B new_decoder_architecture)
 ARCH_OPT = "opt"        # OPT (pre-LN: 125m, 1.3b ... 66b)
 ARCH_PHI3 = "phi3"      # Phi-3 mini / medium (4k context)
+ARCH_QWEN3 = "qwen3"    # Qwen3 (dense)
+ARCH_OLMO2 = "olmo2"    # OLMo 2
+ARCH_SMOLLM3 = "smollm3"  # SmolLM3 (llama's block, every 4th layer without RoPE)
+
+#: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
+#: architecture; its files carry no key for it.
+SMOLLM3_NOPE_EVERY = 4
 
 #: GGUF architectures this project writes / reads.
-ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3)
+ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
+                 ARCH_SMOLLM3)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -385,6 +393,10 @@ T_ATTN_Q = "attn_q"
 T_ATTN_K = "attn_k"
 T_ATTN_V = "attn_v"
 T_ATTN_OUTPUT = "attn_output"
+T_ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each q head [hd]; olmo2: of all of q [n_head·hd]
+T_ATTN_K_NORM = "attn_k_norm"  # qwen3: RMSNorm of each k head [hd]; olmo2: of all of k
+T_POST_ATTN_NORM = "post_attention_norm"  # olmo2: norm of the attention's output
+T_POST_FFW_NORM = "post_ffw_norm"         # olmo2: norm of the FFN's output
 T_FFN_NORM = "ffn_norm"
 T_FFN_GATE = "ffn_gate"
 T_FFN_UP = "ffn_up"            # phi3: fused gate and up rows (all gate, then all up)
@@ -397,7 +409,8 @@ LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_Q, T_ATTN_K, T_ATTN_V, T_ATTN_OUTPUT,
 #: Every dense per-layer tensor kind of any architecture (biases are the same kinds
 #: with the ".bias" suffix).
 ALL_LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_NORM_2, T_ATTN_QKV, T_ATTN_Q, T_ATTN_K, T_ATTN_V,
-                     T_ATTN_OUTPUT, T_FFN_NORM, T_FFN_GATE, T_FFN_UP, T_FFN_DOWN)
+                     T_ATTN_OUTPUT, T_ATTN_Q_NORM, T_ATTN_K_NORM, T_POST_ATTN_NORM, T_FFN_NORM,
+                     T_FFN_GATE, T_FFN_UP, T_FFN_DOWN, T_POST_FFW_NORM)
 
 #: Layer-tensor prefix: blk.{layer}.
 LAYER_PREFIX = "blk"

@@ -14,6 +14,10 @@
 
 typedef enum { GH_NORM_RMS, GH_NORM_LAYER } gh_norm_kind;
 typedef enum { GH_ROPE_NONE, GH_ROPE_NORMAL, GH_ROPE_NEOX } gh_rope_kind;
+/* RMSNorm of q and k after their projection, before RoPE: none, each head on its own
+ * (weights [head_dim], Qwen3), or the whole projection at once (weights [n_head·head_dim]
+ * and [n_head_kv·head_dim], OLMo 2) */
+typedef enum { GH_QK_NORM_NONE, GH_QK_NORM_HEAD, GH_QK_NORM_PROJ } gh_qk_norm;
 
 typedef struct {
     int32_t n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
@@ -28,12 +32,16 @@ typedef struct {
     float   norm_eps;
     bool    parallel;       /* attention and FFN both read the layer input and both add to
                              * the residual (Falcon) */
+    gh_qk_norm qk_norm;
+    bool    post_norms;     /* each sublayer's output is normed before the residual add */
     /* positions */
     gh_rope_kind rope;
     float   rope_theta;
     float   rope_freq_scale;   /* linear scaling: positions times this (1 / factor) */
     float * rope_freqs;        /* [head_dim / 2] frequency divisors (rope_freqs.weight,
                                 * Llama-3 scaling), owned; NULL: none */
+    int32_t nope_every;        /* layers il with (il + 1) % nope_every == 0 have no RoPE
+                                * (0: every layer has it) */
     int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
     int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
     /* sparse extension */
@@ -53,6 +61,12 @@ typedef struct gh_arch {
     bool         learned_pos;  /* position_embd.weight, row pos + pos_offset */
     int32_t      pos_offset;
     int32_t      default_act;  /* when the file does not name its activation */
+    gh_qk_norm   qk_norm;      /* blk.N.attn_q_norm / attn_k_norm */
+    bool         no_pre_norms; /* no attn_norm / ffn_norm: each sublayer reads x itself */
+    bool         post_norms;   /* blk.N.post_attention_norm and post_ffw_norm norm each
+                                * sublayer's output before it is added to x */
+    int32_t      nope_every;   /* every nope_every-th layer has no RoPE (SmolLM3: 4, part of
+                                * the architecture: llama.cpp's files carry no key for it) */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -60,6 +74,7 @@ const gh_arch * gh_arch_find(const char * name);
 /* "llama, qwen2, ..." (static). */
 const char * gh_arch_names(void);
 
-extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3;
+extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
+    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3;
 
 #endif

@@ -47,6 +47,21 @@ static void norm_rows(const gh_hparams * hp, const float * w, const float * b, c
     }
 }
 
+/* A sublayer's input: norm(x) with the weights w, or x itself where the block has no
+ * input norm (w NULL: OLMo 2). */
+static void sublayer_input(const gh_hparams * hp, const float * w, const float * b, const float * x,
+                           int32_t n, float * y) {
+    if (w) norm_rows(hp, w, b, x, n, y);
+    else memcpy(y, x, (size_t) n * hp->n_embd * sizeof(float));
+}
+
+/* A sublayer's output y, normed in place when the block has output norms (w: OLMo 2's
+ * post_attention_norm / post_ffw_norm), before it is added to the residual stream. */
+static void sublayer_output(const gh_hparams * hp, const float * w, const float * b, float * y,
+                            int32_t n) {
+    if (w) norm_rows(hp, w, b, y, n, y);
+}
+
 enum { LOGITS_NONE, LOGITS_LAST, LOGITS_ALL };
 
 /* Whether act(g, u) is zero exactly when g <= the cut (ReLU family), so the mask and the
@@ -136,6 +151,21 @@ static double project(gh_context * c, const proj_site * s, const float * x, int3
     return bytes;
 }
 
+/* RMSNorm in place of n rows of `heads` heads of hd values each (ld apart): each head on
+ * its own with the shared weights w [hd] (per_head), or each row as a whole with w
+ * [heads·hd]. */
+static void qk_norm_rows(float * y, const float * w, int32_t n, int64_t ld, int heads, int64_t hd,
+                         bool per_head, float eps) {
+    for (int32_t t = 0; t < n; t++) {
+        float * row = y + (int64_t) t * ld;
+        if (!per_head) {
+            gh_rmsnorm(row, w, heads * hd, eps, row);
+            continue;
+        }
+        for (int h = 0; h < heads; h++) gh_rmsnorm(row + h * hd, w, hd, eps, row + h * hd);
+    }
+}
+
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
  * cache, causal attention, output projection (+ bias) into out [n][n_embd]; input-sparse
  * projections when `insp` (and the layer's thresholds are not all 0). Returns the weight
@@ -168,7 +198,14 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     add_bias(c->q, L->bq, n, dq, dq);
     add_bias(kc, L->bk, n, dkv, dkv);
     add_bias(vc, L->bv, n, dkv, dkv);
-    if (hp->rope != GH_ROPE_NONE) {
+    if (hp->qk_norm != GH_QK_NORM_NONE) {
+        const bool per_head = hp->qk_norm == GH_QK_NORM_HEAD;
+        qk_norm_rows(c->q, L->q_norm, n, dq, hp->n_head, hd, per_head, hp->norm_eps);
+        qk_norm_rows(kc, L->k_norm, n, dkv, hp->n_head_kv, hd, per_head, hp->norm_eps);
+    }
+    /* NoPE layers (SmolLM3's every 4th) attend by content alone */
+    const bool nope = hp->nope_every > 0 && (il + 1) % hp->nope_every == 0;
+    if (hp->rope != GH_ROPE_NONE && !nope) {
         const int neox = hp->rope == GH_ROPE_NEOX;
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, neox);
@@ -236,6 +273,8 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
  *
  * Sequential block: x += attn(norm1(x)); x += ffn(norm2(x)).
  * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x.
+ * Without input norms a sublayer reads x itself; with output norms (post_norms) each
+ * sublayer's output is normed before it is added: x += post_norm1(attn(..)), and so on.
  * The FFN's residual input (the x its norm reads) is what a PowerInfer predictor reads. */
 static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
                           int32_t row0) {
@@ -256,18 +295,20 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     for (int il = 0; il < hp->n_layer; il++) {
         const gh_layer * L = &m->layers[il];
         const double t_att = gh_now();
-        norm_rows(hp, L->attn_norm, L->attn_norm_b, c->x, n, c->xb);
+        sublayer_input(hp, L->attn_norm, L->attn_norm_b, c->x, n, c->xb);
         /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
          * norm1(x) when there is no second norm) and add the attention's output after the
          * FFN; sequential ones norm the updated x */
         double att_bytes;
         if (hp->parallel) {
             att_bytes = attention(c, il, n, c->xb3, insp);
+            sublayer_output(hp, L->post_attn_norm, L->post_attn_norm_b, c->xb3, n);
             if (L->ffn_norm) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         } else {
             att_bytes = attention(c, il, n, c->xb2, insp);
+            sublayer_output(hp, L->post_attn_norm, L->post_attn_norm_b, c->xb2, n);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
-            norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
+            sublayer_input(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         }
         const double t_ffn = gh_now();
         gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
@@ -279,12 +320,14 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             for (int32_t t = 0; t < n; t++)
                 gh_sparse_ffn(c, il, c->xb + t * d, c->x + t * d, c->xb2 + t * d);
             const double t_add = gh_now();
+            sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
             if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
             gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
         ffn_dense(c, il, n);
+        sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
         gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);

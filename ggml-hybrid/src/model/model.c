@@ -256,6 +256,7 @@ static gh_status load_hparams(gh_model * m) {
     if (!(eps > 0 && eps < 1)) return gh_fail(GH_ERR_FORMAT, "bad norm epsilon %g", eps);
 
     hp->rope = arch->rope;
+    hp->nope_every = arch->nope_every;
     hp->rope_theta = 10000.0f;
     hp->rope_freq_scale = 1.0f;
     if (arch->rope != GH_ROPE_NONE) {
@@ -312,6 +313,8 @@ static gh_status load_hparams(gh_model * m) {
         hp->act_threshold = t;
     }
     hp->gated = arch->gated;
+    hp->qk_norm = arch->qk_norm;
+    hp->post_norms = arch->post_norms;
     if (!hp->gated && hp->ffn_act == GH_ACT_DRELU) {
         return gh_fail(GH_ERR_UNSUPPORTED, "powerinfer.ffn_activation is drelu, which needs a gated "
                        "FFN, but architecture '%s' has none", arch->name);
@@ -699,6 +702,14 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
     }
     if ((st = load_weight(m, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
     if ((st = load_vec(m, BLK("attn_output.bias"), d, false, &L->bo))) return st;
+    if (hp->qk_norm != GH_QK_NORM_NONE) {
+        /* per head: one weight vector every head shares; over the projection: one per row */
+        const bool per_head = hp->qk_norm == GH_QK_NORM_HEAD;
+        if ((st = load_vector(m, BLK("attn_q_norm.weight"), per_head ? hp->head_dim : dq, &L->q_norm)))
+            return st;
+        if ((st = load_vector(m, BLK("attn_k_norm.weight"), per_head ? hp->head_dim : dkv, &L->k_norm)))
+            return st;
+    }
 #undef BLK
     return GH_OK;
 }
@@ -724,12 +735,20 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
     const int64_t d = m->hp.n_embd, ff = m->hp.n_ff;
     char name[96], base[64];
     gh_status st;
+    /* without input norms (OLMo 2) the sublayers read x: attn_norm / ffn_norm are not read */
+    const bool pre = !m->arch->no_pre_norms;
     snprintf(base, sizeof base, "blk.%d.attn_norm", il);
-    if ((st = load_norm(m, base, true, &L->attn_norm, &L->attn_norm_b))) return st;
+    if (pre && (st = load_norm(m, base, true, &L->attn_norm, &L->attn_norm_b))) return st;
     if ((st = load_attention(m, il, L))) return st;
     snprintf(base, sizeof base, "blk.%d.ffn_norm", il);
     const bool sequential = !m->hp.parallel;
-    if ((st = load_norm(m, base, sequential, &L->ffn_norm, &L->ffn_norm_b))) return st;
+    if (pre && (st = load_norm(m, base, sequential, &L->ffn_norm, &L->ffn_norm_b))) return st;
+    if (m->hp.post_norms) {
+        snprintf(base, sizeof base, "blk.%d.post_attention_norm", il);
+        if ((st = load_norm(m, base, true, &L->post_attn_norm, &L->post_attn_norm_b))) return st;
+        snprintf(base, sizeof base, "blk.%d.post_ffw_norm", il);
+        if ((st = load_norm(m, base, true, &L->post_ffn_norm, &L->post_ffn_norm_b))) return st;
+    }
     if (!sequential) {
         if (L->ffn_norm) {
             return gh_fail(GH_ERR_FORMAT, "layer %d has tensor '%s.weight' but layer 0 has none: "

@@ -18,13 +18,18 @@
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
     float *   attn_norm, * attn_norm_b;  /* [n_embd] the attention's input norm: attn_norm, or
-                                          * attn_norm_2 in llama.cpp's two-norm Falcon layout */
+                                          * attn_norm_2 in llama.cpp's two-norm Falcon layout;
+                                          * NULL (arch no_pre_norms): it reads x itself */
     gh_weight wq, wk, wv, wo;            /* a fused attn_qkv is viewed as its three row ranges */
     float *   bq, * bk, * bv, * bo;
+    float *   q_norm, * k_norm;      /* RMSNorm weights of q and k (hp.qk_norm; NULL: none) */
     /* the FFN's input norm: ffn_norm (sequential block), attn_norm (parallel block with
      * two norms, llama.cpp's naming) or none (parallel block: the FFN reads the
      * attention's normed input) */
     float *   ffn_norm, * ffn_norm_b;
+    /* the sublayers' output norms (arch post_norms; NULL: none): x += norm(attn(..)),
+     * x += norm(ffn(..)) */
+    float *   post_attn_norm, * post_attn_norm_b, * post_ffn_norm, * post_ffn_norm_b;
     /* gate = the rows the activation reads: ffn_gate, or ffn_up of an ungated FFN (whose
      * `up` then has no rows); up = the rows multiplied in (gated FFNs) */
     gh_weight gate, up, down;

@@ -89,8 +89,15 @@ def rope_freqs_map(p: HFParams) -> list[TensorMap]:
                       transform=lambda f=freqs: f)]
 
 
-def tensors(p: HFParams, qk_permute: bool = True, qkv_bias: bool = False) -> list[TensorMap]:
-    """The GGUF tensors of a llama-shaped model (qwen2 reuses this with its options)."""
+QK_NORM_HEAD = "head"  # q_norm / k_norm of each head: weights [head_dim] (Qwen3)
+QK_NORM_PROJ = "proj"  # over the whole projection: [n_head*head_dim], [n_head_kv*head_dim] (OLMo 2)
+
+
+def tensors(p: HFParams, qk_permute: bool = True, qkv_bias: bool = False,
+            qk_norm: str | None = None, post_norms: bool = False) -> list[TensorMap]:
+    """The GGUF tensors of a llama-shaped model (qwen2, qwen3, olmo2 reuse this with their
+    options: q/k/v biases, q/k norms after the projections, output norms in place of the
+    input norms: OLMo 2's post_attention_layernorm / post_feedforward_layernorm)."""
     d, q_rows, kv_rows = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
     L = "model.layers.{}."
     out = [direct(F.tensor_name(F.T_TOKEN_EMBD), F.T_TOKEN_EMBD, "model.embed_tokens.weight", (p.n_vocab, d))]
@@ -103,7 +110,8 @@ def tensors(p: HFParams, qk_permute: bool = True, qkv_bias: bool = False) -> lis
 
         pq = (lambda w: permute_qk(w, p.n_head)) if qk_permute else None
         pk = (lambda w: permute_qk(w, p.n_head_kv)) if qk_permute else None
-        out.append(t(F.T_ATTN_NORM, "input_layernorm.weight", (d,)))
+        if not post_norms:
+            out.append(t(F.T_ATTN_NORM, "input_layernorm.weight", (d,)))
         out.append(t(F.T_ATTN_Q, "self_attn.q_proj.weight", (q_rows, d), pq))
         if qkv_bias:
             out.append(t(F.T_ATTN_Q, "self_attn.q_proj.bias", (q_rows,), suffix="bias"))
@@ -113,11 +121,20 @@ def tensors(p: HFParams, qk_permute: bool = True, qkv_bias: bool = False) -> lis
         out.append(t(F.T_ATTN_V, "self_attn.v_proj.weight", (kv_rows, d)))
         if qkv_bias:
             out.append(t(F.T_ATTN_V, "self_attn.v_proj.bias", (kv_rows,), suffix="bias"))
+        if qk_norm is not None:
+            per_head = qk_norm == QK_NORM_HEAD
+            out.append(t(F.T_ATTN_Q_NORM, "self_attn.q_norm.weight", (p.head_dim if per_head else q_rows,)))
+            out.append(t(F.T_ATTN_K_NORM, "self_attn.k_norm.weight", (p.head_dim if per_head else kv_rows,)))
         out.append(t(F.T_ATTN_OUTPUT, "self_attn.o_proj.weight", (d, q_rows)))
-        out.append(t(F.T_FFN_NORM, "post_attention_layernorm.weight", (d,)))
+        # llama's post_attention_layernorm is the FFN's input norm; OLMo 2's norms the
+        # attention's output
+        out.append(t(F.T_POST_ATTN_NORM if post_norms else F.T_FFN_NORM,
+                     "post_attention_layernorm.weight", (d,)))
         out.append(t(F.T_FFN_GATE, "mlp.gate_proj.weight", (p.n_ff, d)))
         out.append(t(F.T_FFN_UP, "mlp.up_proj.weight", (p.n_ff, d)))
         out.append(t(F.T_FFN_DOWN, "mlp.down_proj.weight", (d, p.n_ff)))
+        if post_norms:
+            out.append(t(F.T_POST_FFW_NORM, "post_feedforward_layernorm.weight", (d,)))
     out.append(direct(F.tensor_name(F.T_OUTPUT_NORM), F.T_OUTPUT_NORM, "model.norm.weight", (d,)))
     if not p.tied:
         out.append(direct(F.tensor_name(F.T_OUTPUT), F.T_OUTPUT, "lm_head.weight", (p.n_vocab, d)))

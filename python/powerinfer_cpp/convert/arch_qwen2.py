@@ -17,13 +17,10 @@ from .arch import (NORM_RMS, Architecture, Config, HFParams, act_kind, act_thres
 from . import arch_llama
 
 
-def read_config(c: Config, hf_arch: str) -> HFParams:
-    """Validated hyper-parameters of a Qwen2 config.json."""
-    n_embd = c.int("hidden_size")
-    n_layer = c.int("num_hidden_layers")
-    n_head = c.int("num_attention_heads")
-    n_head_kv, head_dim = heads(c, n_embd, n_head)
-    n_ctx = c.n_ctx()
+def refuse_sliding_window(c: Config, n_layer: int, n_ctx: int) -> None:
+    """ConvertError when some layer attends to a window shorter than the context (Qwen2's
+    and Qwen3's keys: use_sliding_window, sliding_window, layer_types or max_window_layers):
+    the runtime attends to the full context."""
     sw = c.get("sliding_window")
     if c.flag("use_sliding_window", False) and isinstance(sw, int) and 0 < sw < n_ctx:
         types = c.get("layer_types")
@@ -37,6 +34,16 @@ def read_config(c: Config, hf_arch: str) -> HFParams:
             raise ConvertError(f"unsupported: config.json use_sliding_window=true with sliding_window={sw} "
                                f"< max_position_embeddings={n_ctx} (layers {shown} attend to a window; "
                                "the runtime attends to the full context)")
+
+
+def read_config(c: Config, hf_arch: str) -> HFParams:
+    """Validated hyper-parameters of a Qwen2 config.json."""
+    n_embd = c.int("hidden_size")
+    n_layer = c.int("num_hidden_layers")
+    n_head = c.int("num_attention_heads")
+    n_head_kv, head_dim = heads(c, n_embd, n_head)
+    n_ctx = c.n_ctx()
+    refuse_sliding_window(c, n_layer, n_ctx)
     rope = read_rope(c, head_dim)
     hidden_act = c.get("hidden_act", "silu")
     act = act_kind(hidden_act, c.get("use_drelu"))

@@ -341,7 +341,8 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
         return tensor_nbytes(q, s)
 
     attn_kinds = {F.T_ATTN_QKV, F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_OUTPUT}
-    norm_kinds = {F.T_ATTN_NORM, F.T_ATTN_NORM_2, F.T_FFN_NORM}
+    norm_kinds = {F.T_ATTN_NORM, F.T_ATTN_NORM_2, F.T_FFN_NORM, F.T_ATTN_Q_NORM, F.T_ATTN_K_NORM,
+                  F.T_POST_ATTN_NORM, F.T_POST_FFW_NORM}
     layer_att, layer_small = [0] * n_layer, [0] * n_layer
     for name in tensors:
         kind, il, suffix = F.parse_tensor_name(name)

@@ -104,3 +104,20 @@ def test_windows_and_run_specs(ev):
     assert ev.parse_run("a.gguf") == {"label": "a.gguf", "path": "a.gguf", "ffn": "auto", "input_sparse": True}
     assert ev.parse_run("g30=/x/b.gguf@gate,noinput") == {"label": "g30", "path": "/x/b.gguf", "ffn": "gate",
                                                           "input_sparse": False}
+
+
+def test_crossing(ev):
+    # +1% at 10%, +3% at 20%: +2% is crossed half-way
+    assert ev.crossing([0.1, 0.2], [0.01, 0.03], 0.02) == pytest.approx(0.15)
+    # from 0 (value 0) to the first level
+    assert ev.crossing([0.1, 0.2], [0.04, 0.08], 0.02) == pytest.approx(0.05)
+    assert ev.crossing([0.1, 0.2], [0.01, 0.015], 0.02) is None
+
+
+def test_levels_table(ev):
+    rows = [{"meta": {"method": "m", "level": lv}, "ppl_ratio": 1 + d, "kl_mean": k,
+             "bytes_per_token": b, "dense_bytes_per_token": 100.0}
+            for lv, d, k, b in ((0.1, 0.01, 0.01, 90.0), (0.2, 0.03, 0.03, 80.0), (0.3, 0.06, 0.06, 70.0))]
+    md = ev.levels_md(rows)
+    # +2%: 15% by both; bytes there 0.85 of dense. +5%: by ppl 26.7%, by KL 26.7%
+    assert "| m | 15.0% / 15.0% | 0.850 | 26.7% / 26.7% | 0.733 |" in md

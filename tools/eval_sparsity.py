@@ -243,6 +243,50 @@ def harness_md(dense: dict, rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def crossing(levels, values, limit: float) -> float | None:
+    """The level where values (measured at ascending levels, level 0 = value 0 implied)
+    first exceed limit, linearly interpolated; None when no measured level does."""
+    xs = [0.0] + [float(v) for v in levels]
+    ys = [0.0] + [float(v) for v in values]
+    for i in range(1, len(xs)):
+        if ys[i] > limit:
+            return xs[i - 1] + (limit - ys[i - 1]) * (xs[i] - xs[i - 1]) / (ys[i] - ys[i - 1])
+    return None
+
+
+#: Quality budgets reported per method: (perplexity increase, mean KL).
+BUDGETS = ((0.02, 0.02), (0.05, 0.05))
+
+
+def levels_md(rows: list[dict]) -> str:
+    """Per method with several levels: the level at each budget, interpolated between the
+    measured ones, by perplexity and by KL, and the weight bytes there (interpolated too)."""
+    by: dict = {}
+    for r in rows:
+        if "meta" in r and isinstance(r["meta"].get("level"), (int, float)):
+            by.setdefault(r["meta"]["method"], []).append(r)
+    out = ["| method | " + " | ".join(f"level at +{p:.0%} PPL / at KL {k:g} | bytes vs dense there"
+                                      for p, k in BUDGETS) + " |",
+           "|---|" + "---|---|" * len(BUDGETS)]
+    for meth, rs in by.items():
+        if len(rs) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: r["meta"]["level"])
+        lv = [r["meta"]["level"] for r in rs]
+        cells = []
+        for p, k in BUDGETS:
+            a = crossing(lv, [r["ppl_ratio"] - 1 for r in rs], p)
+            b = crossing(lv, [r["kl_mean"] for r in rs], k)
+            both = [v for v in (a, b) if v is not None]
+            s = min(both) if both else None
+            rel = [r["bytes_per_token"] / r["dense_bytes_per_token"] for r in rs]
+            by_s = "" if s is None else f"{float(np.interp(s, [0.0] + lv, [1.0] + rel)):.3f}"
+            fmt = (lambda v: "> " + f"{lv[-1]:.0%}" if v is None else f"{v:.1%}")
+            cells.append(f"{fmt(a)} / {fmt(b)} | {by_s or 'n/a'}")
+        out.append(f"| {meth} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def harness(args) -> int:
     """--dense mode: score each run against the dense file on the held-out text."""
     import json
@@ -271,13 +315,14 @@ def harness(args) -> int:
         t0 = time.time()
         r = evaluate(run["path"], ids, ref, args.window, args.threads, run["ffn"], run["input_sparse"])
         r.update({k: v for k, v in run.items()})
+        r["dense_bytes_per_token"] = dense["bytes_per_token"]
         rows.append(r)
         print(f"{r['label']}: ppl x{r['ppl_ratio']:.4f}, KL {r['kl_mean']:.4f} (99.9% {r['kl_q99.9']:.3f}), "
               f"top-1 {r['top1']:.1%}, {r['bytes_per_token'] / dense['bytes_per_token']:.3f} of dense bytes "
               f"({time.time() - t0:.0f} s)", flush=True)
         if args.json:  # after every run: a long sweep keeps what it measured
             json.dump(report, open(args.json, "w"), indent=1)
-    md = harness_md(dense, rows)
+    md = harness_md(dense, rows) + "\n\n" + levels_md(rows)
     print()
     print(md)
     if args.md:

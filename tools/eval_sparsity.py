@@ -303,7 +303,16 @@ def harness(args) -> int:
     if args.tokens:
         ids = ids[:args.tokens + 1]
     t0 = time.time()
-    ref, st = dense_reference(args.dense, ids, args.window, args.threads)
+    cache = args.ref_cache
+    key = {"dense": os.path.abspath(args.dense), "ids": [int(t) for t in ids], "window": args.window}
+    if cache and os.path.exists(cache + ".json") and json.load(open(cache + ".json"))["key"] == key:
+        # the same dense file, tokens and windows: its log-probs do not change between sweeps
+        ref, st = np.load(cache + ".npy", mmap_mode="r"), json.load(open(cache + ".json"))["stats"]
+    else:
+        ref, st = dense_reference(args.dense, ids, args.window, args.threads)
+        if cache:
+            np.save(cache + ".npy", ref)
+            json.dump({"key": key, "stats": st}, open(cache + ".json", "w"))
     dense = {"path": args.dense, "bytes_per_token": float(st["bytes_per_token"]),
              "bytes_per_token_stage": st["bytes_per_token_stage"]}
     dense["ppl"] = math.exp(float(-ref[np.arange(len(ids) - 1), np.asarray(ids[1:])].astype(np.float64).mean()))
@@ -349,6 +358,9 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=512, help="tokens decoded from an empty cache (with --dense)")
     ap.add_argument("--manifest", default=None, help="tools/make_frontier_files.py's manifest.json (with --dense)")
     ap.add_argument("--json", default=None, help="write every number here (with --dense)")
+    ap.add_argument("--ref-cache", default=None, metavar="STEM",
+                    help="keep the dense log-probs in STEM.npy / STEM.json and reuse them while the dense "
+                         "file, tokens and window are the same (several sweeps, one dense run)")
     ap.add_argument("--md", default=None, help="write the markdown table here (with --dense)")
     args = ap.parse_args()
     if args.dense:

@@ -121,3 +121,9 @@ def test_levels_table(ev):
     md = ev.levels_md(rows)
     # +2%: 15% by both; bytes there 0.85 of dense. +5%: by ppl 26.7%, by KL 26.7%
     assert "| m | 15.0% / 15.0% | 0.850 | 26.7% / 26.7% | 0.733 |" in md
+
+
+def test_crossing_without_origin(ev):
+    """A method stacked on another (input levels over a gate level) starts above 0."""
+    assert ev.crossing([0.1, 0.2], [0.01, 0.03], 0.02, origin=False) == pytest.approx(0.15)
+    assert math.isnan(ev.crossing([0.1, 0.2], [0.03, 0.05], 0.02, origin=False))

@@ -243,11 +243,14 @@ def harness_md(dense: dict, rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def crossing(levels, values, limit: float) -> float | None:
-    """The level where values (measured at ascending levels, level 0 = value 0 implied)
-    first exceed limit, linearly interpolated; None when no measured level does."""
-    xs = [0.0] + [float(v) for v in levels]
-    ys = [0.0] + [float(v) for v in values]
+def crossing(levels, values, limit: float, origin: bool = True) -> float | None:
+    """The level where values (measured at ascending levels; with origin, level 0 = value 0
+    implied) first exceed limit, linearly interpolated; None when no measured level does,
+    nan when the first one does and there is no origin to interpolate from."""
+    xs = ([0.0] if origin else []) + [float(v) for v in levels]
+    ys = ([0.0] if origin else []) + [float(v) for v in values]
+    if not origin and ys[0] > limit:
+        return math.nan
     for i in range(1, len(xs)):
         if ys[i] > limit:
             return xs[i - 1] + (limit - ys[i - 1]) * (xs[i] - xs[i - 1]) / (ys[i] - ys[i - 1])
@@ -273,15 +276,20 @@ def levels_md(rows: list[dict]) -> str:
             continue
         rs = sorted(rs, key=lambda r: r["meta"]["level"])
         lv = [r["meta"]["level"] for r in rs]
+        # a method on top of another (a gate level under input levels) is not dense at level 0
+        origin = "gate_level" not in rs[0]["meta"]
         cells = []
         for p, k in BUDGETS:
-            a = crossing(lv, [r["ppl_ratio"] - 1 for r in rs], p)
-            b = crossing(lv, [r["kl_mean"] for r in rs], k)
-            both = [v for v in (a, b) if v is not None]
-            s = min(both) if both else None
+            a = crossing(lv, [r["ppl_ratio"] - 1 for r in rs], p, origin)
+            b = crossing(lv, [r["kl_mean"] for r in rs], k, origin)
+            both = [v for v in (a, b) if v is not None and not math.isnan(v)]
+            s = None if any(v is not None and math.isnan(v) for v in (a, b)) else min(both) if both else None
             rel = [r["bytes_per_token"] / r["dense_bytes_per_token"] for r in rs]
-            by_s = "" if s is None else f"{float(np.interp(s, [0.0] + lv, [1.0] + rel)):.3f}"
-            fmt = (lambda v: "> " + f"{lv[-1]:.0%}" if v is None else f"{v:.1%}")
+            x0, y0 = ([0.0], [1.0]) if origin else ([], [])
+            by_s = "" if s is None else f"{float(np.interp(s, x0 + lv, y0 + rel)):.3f}"
+
+            def fmt(v):
+                return f"> {lv[-1]:.0%}" if v is None else f"< {lv[0]:.0%}" if math.isnan(v) else f"{v:.1%}"
             cells.append(f"{fmt(a)} / {fmt(b)} | {by_s or 'n/a'}")
         out.append(f"| {meth} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -340,6 +348,19 @@ def harness(args) -> int:
     return 0
 
 
+def merge(paths: list[str]) -> int:
+    """The tables of several harness runs (sweeps made at different times, one dense run)."""
+    import json
+
+    reps = [json.load(open(p)) for p in paths]
+    for r in reps[1:]:
+        if r["dense"] != reps[0]["dense"] or r["n_positions"] != reps[0]["n_positions"]:
+            sys.exit(f"error: {paths[0]} and another file were not scored against the same dense run")
+    rows = [row for r in reps for row in r["runs"]]
+    print(harness_md(reps[0]["dense"], rows) + "\n\n" + levels_md(rows))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny-swiglu-kjv", help="HF model folder (with heldout.txt)")
@@ -362,7 +383,11 @@ def main() -> int:
                     help="keep the dense log-probs in STEM.npy / STEM.json and reuse them while the dense "
                          "file, tokens and window are the same (several sweeps, one dense run)")
     ap.add_argument("--md", default=None, help="write the markdown table here (with --dense)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="print the tables of several --json outputs of one dense run together")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge)
     if args.dense:
         if not args.text:
             sys.exit("error: --dense needs --text (held-out text)")

@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Sparse files of one GGUF model at several levels of every training-free method that
+exists (not a test): the inputs of tools/eval_sparsity.py's frontier.
+
+One calibration per method, reused across its levels (a file per level is a copy whose
+thresholds are patched in place, as sparse/gate_eval.py and input_eval.py do):
+
+    gate-{uniform,greedy}-S.gguf   gate-magnitude FFN sparsity S (greedy: per-layer levels
+                                   from each layer's measured KL, --greedy-tokens)
+    input-{magnitude,wina}-S.gguf  the attention's and head's inputs at S, refit in the sparse
+                                   mode; the FFN runs the gate mode at 0 (every neuron)
+    auto-P.gguf                    convert's quality budget P with --input-sparsity auto
+
+Every calibration reads --calib only; evaluate on text disjoint from it.
+
+    PYTHONPATH=python python tools/make_frontier_files.py DENSE.gguf --calib CAL.txt --out DIR
+        [--gate 0.1,0.2,0.3,0.4] [--input 0.1,0.2,0.3] [--criteria magnitude,wina]
+        [--auto 0.02,0.05] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from powerinfer_cpp import Model
+from powerinfer_cpp import format as F
+from powerinfer_cpp.convert.from_gguf import convert_from_gguf
+from powerinfer_cpp.sparse.gate_eval import patch_gate_thresholds
+from powerinfer_cpp.sparse.input_eval import patch_calibration, refit, refit_tokens
+from powerinfer_cpp.sparse.input_sparsity import calibrate_input_levels
+from powerinfer_cpp.sparse.pipeline import SparseOptions
+from powerinfer_cpp.sparse.profile import profile_model
+from powerinfer_cpp.sparse.thresholds import greedy_allocation, uniform_allocation
+
+
+def floats(s: str) -> list[float]:
+    return [float(v) for v in s.split(",") if v.strip()]
+
+
+def say(m: str) -> None:
+    print(time.strftime("%H:%M:%S"), m, flush=True)
+
+
+def gate_files(args, levels) -> dict:
+    """One greedy calibration (it also measures the layers' KL curves), patched per level."""
+    rep: list = []
+    base = os.path.join(args.out, "gate-cal.gguf")
+    allocs = args.allocations.split(",")
+    greedy = "greedy" in allocs  # measures n_layer x 9 KL curves points: the costly part
+    convert_from_gguf(args.model, base, progress=False, report=rep, sparse_options=SparseOptions(
+        calib=args.calib, sparsity=0.5, allocation="greedy" if greedy else "uniform",
+        greedy_tokens=args.greedy_tokens, keep_calibration=True, n_threads=args.threads))
+    r = rep[0]
+    out = {"n_calib_tokens": r.n_calib_tokens, "files": {},
+           "layer_kl": np.asarray(r.gate_costs).tolist() if greedy else None}
+    for alloc in allocs:
+        for s in levels:
+            lv = (greedy_allocation(r.gate_costs, s) if alloc == "greedy"
+                  else uniform_allocation(r.gate_table.n_layer, s))
+            p = os.path.join(args.out, f"gate-{alloc}-{s:g}.gguf")
+            shutil.copyfile(base, p)
+            patch_gate_thresholds(p, r.gate_table.thresholds(lv))
+            out["files"][p] = {"method": f"gate {alloc}", "level": s, "layer_levels": list(lv)}
+            say(f"{p}: per layer " + " ".join(f"{v:.0%}" for v in lv))
+    os.remove(base)
+    return out
+
+
+def input_files(args, crit: str, levels) -> dict:
+    """One conversion with the input tensors, one profile, a calibration and a refit per level."""
+    rep: list = []
+    base = os.path.join(args.out, f"input-{crit}-cal.gguf")
+    convert_from_gguf(args.model, base, progress=False, report=rep, sparse_options=SparseOptions(
+        calib=args.calib, sparsity=0.0, input_sparsity=0.5, input_criterion=crit, input_refit=False,
+        n_threads=args.threads))
+    n_cal = rep[0].n_calib_tokens
+    with Model(base, n_ctx=16) as m:
+        ids = m.tokenize(open(args.calib, encoding="utf-8").read())[:n_cal]
+    prof = profile_model(base, ids, n_ctx=512, n_threads=args.threads, progress=False, inputs=4096)
+    import gguf
+    from powerinfer_cpp.gguf_write import decode_matrix
+    rd = gguf.GGUFReader(base)
+    tw = {t.name: t for t in rd.tensors}
+
+    def weights_t(site, layer):
+        kind = {"qkv": F.T_ATTN_QKV_T, "o": F.T_ATTN_OUTPUT_T, "head": F.T_OUTPUT_T}[site]
+        t = tw[F.input_sparse_tensor_name(kind, layer)]
+        return decode_matrix(np.asarray(t.data), t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+
+    cals = calibrate_input_levels(prof, levels, crit, weights_t)
+    del rd, tw
+    out = {"n_calib_tokens": n_cal, "files": {}}
+    for s, cal in zip(levels, cals):
+        p = os.path.join(args.out, f"input-{crit}-{s:g}.gguf")
+        shutil.copyfile(base, p)
+        refit(p, cal, refit_tokens(prof.input_ids, cal.n_fit, 512, args.refit_tokens), 512, args.threads, say=say)
+        patch_calibration(p, cal)
+        out["files"][p] = {"method": f"input {crit}", "level": s}
+    os.remove(base)
+    return out
+
+
+def combined_file(args, gate_path: str, input_path: str) -> dict:
+    """An input-sparse file with a gate file's thresholds patched in: the two methods at fixed
+    levels (the input thresholds were refit with the FFN exact, so o sees slightly different
+    inputs than under the gate; convert's budget refits at the gate level instead)."""
+    import gguf
+
+    r = gguf.GGUFReader(gate_path)
+    f = r.fields[F.KEY_SPARSE_GATE_THRESHOLD]
+    thr = [float(f.parts[i][0]) for i in f.data]
+    del r
+    man = json.load(open(os.path.join(args.out, "manifest.json")))["files"]
+    g, i = man[gate_path], man[input_path]
+    p = os.path.join(args.out, f"combined-{os.path.basename(gate_path)[:-5]}+{os.path.basename(input_path)}")
+    shutil.copyfile(input_path, p)
+    patch_gate_thresholds(p, thr)
+    return {"files": {p: {"method": f"{g['method']} {g['level']:g} + {i['method']}", "level": i["level"],
+                          "gate_level": g["level"]}}}
+
+
+def auto_file(args, budget: float) -> dict:
+    rep: list = []
+    p = os.path.join(args.out, f"auto-{budget:g}.gguf")
+    convert_from_gguf(args.model, p, progress=False, report=rep, sparse_options=SparseOptions(
+        calib=args.calib, max_ppl_increase=budget, input_sparsity="auto", budget_tokens=args.budget_tokens,
+        n_threads=args.threads))
+    r = rep[0]
+    cal = r.input_calibration
+    return {"files": {p: {"method": "auto (gate + input)", "level": budget, "gate_sparsity": r.gate_sparsity,
+                          "input_sparsity": None if cal is None else cal.sparsity,
+                          "input_criterion": None if cal is None else cal.criterion}}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="dense GGUF (its types are kept)")
+    ap.add_argument("--calib", required=True, help="calibration text (keep it disjoint from the evaluation's)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--gate", default="0.1,0.2,0.3,0.4")
+    ap.add_argument("--allocations", default="uniform,greedy", help="gate: per-layer allocations")
+    ap.add_argument("--greedy-tokens", type=int, default=512)
+    ap.add_argument("--input", default="0.1,0.2,0.3")
+    ap.add_argument("--criteria", default=",".join(F.INPUT_CRITERIA))
+    ap.add_argument("--refit-tokens", type=int, default=1024)
+    ap.add_argument("--auto", default="0.02,0.05", help="quality budgets of convert --input-sparsity auto")
+    ap.add_argument("--budget-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="gate,input,auto")
+    ap.add_argument("--combine", default="", metavar="G+I,...",
+                    help="also copy input file I (a name in --out) with gate file G's thresholds")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    manifest_path = os.path.join(args.out, "manifest.json")
+    manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else {}
+    manifest.setdefault("files", {})
+    only = args.only.split(",")
+
+    def save(part: dict, name: str):
+        manifest["files"].update(part.pop("files"))
+        manifest[name] = part
+        json.dump(manifest, open(manifest_path, "w"), indent=1)
+
+    if "gate" in only and floats(args.gate):
+        save(gate_files(args, floats(args.gate)), "gate")
+    if "input" in only and floats(args.input):
+        for crit in args.criteria.split(","):
+            save(input_files(args, crit, floats(args.input)), f"input-{crit}")
+    for spec in filter(None, args.combine.split(",")):
+        gate_path, input_path = (os.path.join(args.out, v) for v in spec.split("+"))
+        save(combined_file(args, gate_path, input_path), f"combined-{spec}")
+    if "auto" in only:
+        for b in floats(args.auto):
+            save(auto_file(args, b), f"auto-{b:g}")
+            say(f"auto {b}: {manifest['files'][os.path.join(args.out, f'auto-{b:g}.gguf')]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

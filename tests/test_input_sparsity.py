@@ -251,6 +251,7 @@ def test_format_doc_section():
     names = set(re.findall(r"^\| `((?:blk\.N\.)?[a-z0-9_]+(?:\.weight)?)` \|", sec, re.M))
     want = {F.input_sparse_tensor_name(k, 0).replace("blk.0.", "blk.N.") for k in F.INPUT_SPARSE_LAYER_TENSORS}
     want |= {F.input_sparse_tensor_name(k) for k in F.INPUT_SPARSE_GLOBAL_TENSORS}
+    want |= {F.input_sparse_tensor_name(k, 0).replace("blk.0.", "blk.N.") for k in F.FFN_INPUT_SPARSE_TENSORS}
     assert names == want
     for c in F.INPUT_CRITERIA:
         assert f"`{c}`" in sec

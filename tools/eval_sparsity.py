@@ -303,6 +303,8 @@ def harness(args) -> int:
     if args.manifest:
         man = json.load(open(args.manifest))
         for p, meta in man["files"].items():
+            if args.match and not any(m in f"{meta['method']} {meta['level']:g}" for m in args.match.split(",")):
+                continue
             runs.append({"label": f"{meta['method']} {meta['level']:g}", "path": p, "ffn": "auto",
                          "input_sparse": True, "meta": meta})
     text = open(args.text, encoding="utf-8").read()
@@ -378,6 +380,8 @@ def main() -> int:
     ap.add_argument("--text", default=None, help="held-out text (with --dense; disjoint from the calibration's)")
     ap.add_argument("--window", type=int, default=512, help="tokens decoded from an empty cache (with --dense)")
     ap.add_argument("--manifest", default=None, help="tools/make_frontier_files.py's manifest.json (with --dense)")
+    ap.add_argument("--match", default=None, metavar="S,...",
+                    help="only the manifest's files whose label (method and level) contains one of these")
     ap.add_argument("--json", default=None, help="write every number here (with --dense)")
     ap.add_argument("--ref-cache", default=None, metavar="STEM",
                     help="keep the dense log-probs in STEM.npy / STEM.json and reuse them while the dense "

@@ -10,6 +10,11 @@ thresholds are patched in place, as sparse/gate_eval.py and input_eval.py do):
     input-{magnitude,wina}-S.gguf  the attention's and head's inputs at S, refit in the sparse
                                    mode; the FFN runs the gate mode at 0 (every neuron)
     auto-P.gguf                    convert's quality budget P with --input-sparsity auto
+    sites-C-uniform-S.gguf         TEAL on every projection: attention, head and the FFN's
+                                   inputs (gate/up's and down's), every site at S (dense-mode fit)
+    sites-C-greedy-K.gguf          the same sites at per-site levels from each site's measured KL
+                                   curve, greedy by KL per byte up to a summed KL of K
+                                   (sparse/site_allocation.py; --site-tokens, --site-grid)
 
 Every calibration reads --calib only; evaluate on text disjoint from it.
 
@@ -107,6 +112,92 @@ def input_files(args, crit: str, levels) -> dict:
     return out
 
 
+def site_files(args) -> dict:
+    """One conversion with every site's input tensors (FFN's included, gate mode at 0), one
+    profile, calibrations at 0, 0.05, ..., 0.9; uniform levels patched in, and the greedy."""
+    from powerinfer_cpp.sparse.gate_eval import GateEvaluator
+    from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, predicted_bytes, site_bytes,
+                                                       site_costs)
+    crit = args.sites_criterion
+    rep: list = []
+    base = os.path.join(args.out, f"sites-{crit}-cal.gguf")
+    if not os.path.exists(base + ".json"):  # kept: a later step's failure need not redo it
+        convert_from_gguf(args.model, base, progress=False, report=rep, sparse_options=SparseOptions(
+            calib=args.calib, sparsity=0.0, input_sparsity=0.5, input_criterion=crit, input_refit=False,
+            input_ffn=True, n_threads=args.threads))
+        json.dump({"n_calib_tokens": rep[0].n_calib_tokens}, open(base + ".json", "w"))
+    n_cal = json.load(open(base + ".json"))["n_calib_tokens"]
+    with Model(base, n_ctx=16) as m:
+        ids = m.tokenize(open(args.calib, encoding="utf-8").read())
+    ids = ids[:n_cal]
+    prof = profile_model(base, ids, n_ctx=512, n_threads=args.threads, progress=False, inputs=4096)
+    import gguf
+    from powerinfer_cpp.gguf_write import decode_matrix
+    rd = gguf.GGUFReader(base)
+    tw = {t.name: t for t in rd.tensors}
+    kinds = {"qkv": F.T_ATTN_QKV_T, "o": F.T_ATTN_OUTPUT_T, "head": F.T_OUTPUT_T, "ffn": F.T_FFN_GATE_UP_T}
+
+    def weights_t(site, layer):
+        name = (F.sparse_tensor_name(F.T_FFN_DOWN_T, layer) if site == "down"
+                else F.input_sparse_tensor_name(kinds[site], layer))
+        t = tw[name]
+        return decode_matrix(np.asarray(t.data), t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+
+    levels = [round(0.05 * i, 2) for i in range(19)]
+    cals = calibrate_input_levels(prof, levels, crit, weights_t, ffn=True)
+    del rd, tw
+    say("site calibration: " + cals[levels.index(0.5)].summary())
+    table = SiteTable(cals)
+    out = {"n_calib_tokens": n_cal, "files": {}}
+    for spec in filter(None, args.sites_uniform.split(",")):
+        # "S": every site at S; "ffn+down:S": only those site kinds (the others dense)
+        kinds, _, lvl = spec.rpartition(":")
+        s = float(lvl)
+        only_kinds = set(kinds.split("+")) if kinds else None
+        tag = f"{kinds}-" if kinds else ""
+        p = os.path.join(args.out, f"sites-{crit}-uniform-{tag}{s:g}.gguf")
+        shutil.copyfile(base, p)
+        patch_calibration(p, table.calibration({k: s for k in table.keys if only_kinds is None or k[0] in only_kinds}))
+        out["files"][p] = {"method": f"sites uniform{' ' + kinds if kinds else ''} ({crit})", "level": s}
+    budgets = floats(args.sites_kl)
+    if budgets:
+        grid = floats(args.site_grid)
+        weights = site_bytes(base)
+        keys = list(table.keys)
+        cache = os.path.join(args.out, f"site-costs-{crit}-{args.site_tokens}.json")
+        if os.path.exists(cache):
+            c = json.load(open(cache))
+            costs = np.asarray(c["costs"])
+            assert c["grid"] == grid and len(costs) == len(keys)
+        else:
+            ev_path = os.path.join(args.out, "sites-eval.gguf")
+            shutil.copyfile(base, ev_path)
+            ev = GateEvaluator(ev_path, window=args.site_tokens, n_threads=args.threads)
+            mid = len(ids) // 2  # calibration text, away from its first (short-context) tokens
+            tok = ids[mid:mid + args.site_tokens + 1]
+            costs = site_costs(lambda cal: ev.measure(tok, None, inputs=cal)["kl"], table, keys, grid,
+                               progress=False, say=say)
+            os.remove(ev_path)
+            json.dump({"grid": grid, "keys": [list(k) for k in keys], "costs": costs.tolist()}, open(cache, "w"))
+        dense_sites = float(sum(weights.values()))
+        for kl in budgets:
+            lv = allocate_sites(costs, keys, weights, kl, grid)
+            p = os.path.join(args.out, f"sites-{crit}-greedy-{kl:g}.gguf")
+            shutil.copyfile(base, p)
+            patch_calibration(p, table.calibration(lv))
+            by: dict = {}
+            for (site, _), v in lv.items():
+                by.setdefault(site, []).append(v)
+            mean = {site: float(np.mean(v)) for site, v in by.items()}
+            saved = dense_sites - predicted_bytes(lv, weights)
+            out["files"][p] = {"method": f"sites greedy ({crit})", "level": kl, "site_mean_levels": mean,
+                               "predicted_saved_bytes": saved,
+                               "levels": {f"{k[0]}.{'' if k[1] is None else k[1]}": v for k, v in lv.items()}}
+            say(f"{p}: predicted KL {kl}, saves {saved / 1e6:.1f} MB/token; mean level per site kind: "
+                + ", ".join(f"{k} {v:.0%}" for k, v in mean.items()))
+    return out
+
+
 def combined_file(args, gate_path: str, input_path: str) -> dict:
     """An input-sparse file with a gate file's thresholds patched in: the two methods at fixed
     levels (the input thresholds were refit with the FFN exact, so o sees slightly different
@@ -153,7 +244,14 @@ def main() -> int:
     ap.add_argument("--auto", default="0.02,0.05", help="quality budgets of convert --input-sparsity auto")
     ap.add_argument("--budget-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="gate,input,auto")
+    ap.add_argument("--only", default="gate,input,auto", help="parts: gate, input, auto, sites")
+    ap.add_argument("--sites-uniform", default="0.2,0.3,0.4",
+                    help="sites: uniform levels over every site (S), or over some kinds only (ffn+down:S; kinds: "
+                         "qkv, o, ffn, down, head)")
+    ap.add_argument("--sites-kl", default="0.01,0.02,0.04", help="sites: summed-KL budgets of the greedy")
+    ap.add_argument("--sites-criterion", default="magnitude", choices=F.INPUT_CRITERIA)
+    ap.add_argument("--site-tokens", type=int, default=64, help="sites: calibration tokens per KL measurement")
+    ap.add_argument("--site-grid", default="0.25,0.5,0.75", help="sites: levels each site's KL is measured at")
     ap.add_argument("--combine", default="", metavar="G+I,...",
                     help="also copy input file I (a name in --out) with gate file G's thresholds")
     args = ap.parse_args()
@@ -176,6 +274,8 @@ def main() -> int:
     for spec in filter(None, args.combine.split(",")):
         gate_path, input_path = (os.path.join(args.out, v) for v in spec.split("+"))
         save(combined_file(args, gate_path, input_path), f"combined-{spec}")
+    if "sites" in only:
+        save(site_files(args), f"sites-{args.sites_criterion}")
     if "auto" in only:
         for b in floats(args.auto):
             save(auto_file(args, b), f"auto-{b:g}")

@@ -454,6 +454,19 @@ gh_status gh_op_sparse_cols(int type, const void * w, int64_t rows, int64_t cols
                             const float * x, const float * thr, float * y, int64_t * n_used,
                             int n_threads);
 
+/* The FFN of one token with input sparsity on both its inputs (TEAL on the FFN):
+ * gu[c] = sum over i < n_embd with |x[i]| > thr_in[i] of x[i] * GU[i][c] (GU = gate_up_t:
+ * n_embd rows x (2 n_ff gated, else n_ff) cols of type: the gate's outputs, then the up's);
+ * h[j] = act(gu[j]) * gu[n_ff + j] (ungated: act(gu[j])); y[c] = sum over j < n_ff with
+ * |h[j]| > thr_down[j] of h[j] * D[j][c] (D = down_t: n_ff rows x n_embd cols of down_type),
+ * inputs and rows added in ascending order; thr_in / thr_down NULL: every nonzero value; y
+ * (n_embd) overwritten. *n_in, *n_down (may be NULL): the inputs and down rows used. act:
+ * gh_act, act_t: FATReLU's threshold. The result does not depend on n_threads. */
+gh_status gh_op_ffn_input_sparse(int type, const void * gate_up_t, int down_type, const void * down_t,
+                                 int64_t n_embd, int64_t n_ff, int32_t gated, int32_t act, float act_t,
+                                 const float * x, const float * thr_in, const float * thr_down, float * y,
+                                 int64_t * n_in, int64_t * n_down, int n_threads);
+
 /* ---- devices (the backends of the hybrid runtime) ---- */
 
 /* Device names: "cpu" (no device: everything on the CPU), "host-device" (a simulated

@@ -608,6 +608,15 @@ T_ATTN_OUTPUT_IN_THR = "attn_output_in_thr"
 T_OUTPUT_IN_THR = "output_in_thr"
 INPUT_SPARSE_LAYER_TENSORS = (T_ATTN_QKV_T, T_ATTN_QKV_IN_THR, T_ATTN_OUTPUT_T, T_ATTN_OUTPUT_IN_THR)
 INPUT_SPARSE_GLOBAL_TENSORS = (T_OUTPUT_T, T_OUTPUT_IN_THR)
+#: The FFN's inputs (optional on top of the above, each group in every layer or none):
+#: blk.N.ffn_gate_up_t.weight [d, 2 n_ff] (gate and up transposed side by side: row i is input
+#: i's contribution to the gate's outputs, then the up's; ungated: [d, n_ff], the up rows the
+#: activation reads) with blk.N.ffn_in_thr [d]; blk.N.ffn_down_in_thr [n_ff]: down_t row j is
+#: read iff |act(g_j) * u_j| > thr[j].
+T_FFN_GATE_UP_T = "ffn_gate_up_t"
+T_FFN_IN_THR = "ffn_in_thr"
+T_FFN_DOWN_IN_THR = "ffn_down_in_thr"
+FFN_INPUT_SPARSE_TENSORS = (T_FFN_GATE_UP_T, T_FFN_IN_THR, T_FFN_DOWN_IN_THR)
 #: The target share (f32, 0..1) of each site's inputs the thresholds were calibrated to skip.
 KEY_INPUT_SPARSITY = "powerinfer.input_sparsity.target"
 #: How the thresholds rank the inputs (string, one of INPUT_CRITERIA): "magnitude" (TEAL:
@@ -626,7 +635,7 @@ INPUT_KEYS = (KEY_INPUT_SPARSITY, KEY_INPUT_CRITERION, KEY_INPUT_MAX_PPL_INCREAS
 def input_sparse_tensor_name(kind: str, layer: int | None = None) -> str:
     """Name of an input-sparsity tensor: ``blk.N.attn_qkv_t.weight``,
     ``blk.N.attn_qkv_in_thr``, ``output_t.weight``, ``output_in_thr``."""
-    if kind in INPUT_SPARSE_LAYER_TENSORS:
+    if kind in INPUT_SPARSE_LAYER_TENSORS or kind in FFN_INPUT_SPARSE_TENSORS:
         if layer is None or int(layer) < 0:
             raise ValueError(f"tensor kind {kind!r} needs a layer index")
         base = f"{LAYER_PREFIX}.{int(layer)}.{kind}"

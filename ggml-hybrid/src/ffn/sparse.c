@@ -9,6 +9,7 @@
  * output value is computed by exactly one thread in a fixed order, so results do not
  * depend on the thread count and nothing needs reducing. */
 #include "ffn/sparse.h"
+#include "ffn/input_ffn.h"
 #include "model/model.h"
 #include "backend/hybrid.h"
 #include "cpu/kernels.h"
@@ -266,6 +267,7 @@ struct gh_sparse_state {
     float *   g_dense;     /* oracle: dense gate [n_ff] */
     float *   a, * gc, * uc;  /* compact activation, gate, up [n_ff] */
     int32_t * ids;         /* active list [n_ff] */
+    float *   gu;          /* input-sparse FFN: gate then up outputs [2 n_ff] */
     int32_t * down_ids;    /* the list's neurons with a nonzero activation [n_ff] */
     float *   down_a;      /* and their activations [n_ff] */
     void *    scratch;     /* converted activations */
@@ -294,6 +296,7 @@ void gh_sparse_state_free(gh_sparse_state * s) {
     gh_aligned_free(s->uc);
     gh_aligned_free(s->ids);
     gh_aligned_free(s->down_ids);
+    gh_aligned_free(s->gu);
     gh_aligned_free(s->down_a);
     gh_aligned_free(s->scratch);
     gh_aligned_free(s->hot_rows);
@@ -338,6 +341,7 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
     s->uc = gh_aligned_alloc(fb);
     s->ids = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
     s->down_ids = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
+    s->gu = gh_aligned_alloc(2 * fb);
     s->down_a = gh_aligned_alloc(fb);
     s->scratch = gh_aligned_alloc(scratch);
     s->layer_active = calloc((size_t) m->hp.n_layer, sizeof(int64_t));
@@ -345,7 +349,7 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
     s->cold = gh_aligned_alloc((size_t) ff * sizeof(int32_t));
     s->y_dev = gh_aligned_alloc((size_t) m->hp.n_embd * sizeof(float));
     if (!s->ph || !s->score || !s->g_dense || !s->a || !s->gc || !s->uc || !s->ids ||
-        !s->down_ids || !s->down_a ||
+        !s->down_ids || !s->down_a || !s->gu ||
         !s->scratch || !s->layer_active || !s->hot_rows || !s->cold || !s->y_dev) {
         gh_sparse_state_free(s);
         gh_fail(GH_ERR_OOM, "out of memory for the sparse FFN buffers");
@@ -402,10 +406,20 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
      * of a low-threshold list is zero), so that the axpy neither visits nor prefetches
      * the rows it skips */
     int64_t n_down = 0;
-    for (int64_t k = 0; k < n; k++) {
-        s->down_ids[n_down] = ids[k];
-        s->down_a[n_down] = s->a[k];
-        n_down += s->a[k] != 0.0f;
+    /* input sparsity of the down projection (the gate mode, input-sparse): |a| > thr */
+    const float * td = c->input_sparse && s->mode == GH_FFN_GATE && L->down_in_on ? L->thr_down_in : NULL;
+    if (td) {
+        for (int64_t k = 0; k < n; k++) {
+            s->down_ids[n_down] = ids[k];
+            s->down_a[n_down] = s->a[k];
+            n_down += fabsf(s->a[k]) > td[ids[k]];
+        }
+    } else {
+        for (int64_t k = 0; k < n; k++) {
+            s->down_ids[n_down] = ids[k];
+            s->down_a[n_down] = s->a[k];
+            n_down += s->a[k] != 0.0f;
+        }
     }
     gh_matmul_t_list(c->tp, &L->down_t, s->down_ids, s->down_a, n_down, y);
     s->n_up_rows += n_up;
@@ -456,11 +470,40 @@ static int64_t gate_split(gh_context * c, const gh_layer * L, const gh_dlayer * 
     return n + nz;
 }
 
+/* The gate mode's FFN with input sparsity on its inputs (input_ffn.h): gate and up through
+ * gate_up_t, the down rows by |h|; counts the down rows as the layer's active neurons. */
+static void input_sparse_ffn(gh_context * c, int il, const gh_layer * L, const float * x, float * y) {
+    gh_sparse_state * s = c->sparse;
+    const gh_hparams * hp = &c->model->hp;
+    const double t0 = gh_now();
+    const gh_ffn_in_spec f = { .gate_up_t = &L->gate_up_t, .down_t = &L->down_t,
+                               .thr_in = L->ffn_in_on ? L->thr_ffn_in : NULL,
+                               .thr_down = L->down_in_on ? L->thr_down_in : NULL,
+                               .gate_b = L->gate_b, .up_b = L->up_b, .act = hp->ffn_act,
+                               .act_t = hp->act_threshold, .gated = hp->gated };
+    const gh_ffn_in_scratch w = { .in_ids = c->in_ids, .in_a = c->in_a, .gu = s->gu, .a = s->a,
+                                  .down_ids = s->down_ids, .down_a = s->down_a };
+    int64_t n_in = 0, n_down = 0;
+    const double bytes = gh_ffn_input_sparse(c->tp, &f, x, y, &w, &n_in, &n_down);
+    if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
+    gh_stats_add(c, GH_STAGE_FFN, gh_now() - t0, bytes);
+    s->n_down_rows += n_down;
+    s->n_active += n_down;
+    s->layer_active[il] += n_down;
+    if (il == 0) s->n_sparse_tokens++;
+}
+
 void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
     gh_sparse_state * s = c->sparse;
+    /* gate and up input-sparse (a layer whose FFN input thresholds are all 0 keeps the gate
+     * mode's row path, so a file at level 0 computes what the gate mode does) */
+    if (s->mode == GH_FFN_GATE && c->input_sparse && L->ffn_in_on && !(D && D->hot.n_hot > 0)) {
+        input_sparse_ffn(c, il, L, x, y);
+        return;
+    }
     const int64_t ff = m->hp.n_ff;
     const int act = m->hp.ffn_act;
     const double t0 = gh_now();

@@ -668,6 +668,61 @@ static gh_status load_input_sparse(gh_model * m) {
     return GH_OK;
 }
 
+/* Input sparsity of the FFN (docs/FORMAT.md "Input sparsity"; the runtime's path is
+ * ffn/input_ffn.c): per layer ffn_gate_up_t + ffn_in_thr (the gate and up inputs) and
+ * ffn_down_in_thr (the down projection's input h = act(g) * u, over ffn_down_t's rows); each
+ * group in every layer or none, on top of the attention's input sparsity and the transposed
+ * down projection. */
+static gh_status load_ffn_input_sparse(gh_model * m) {
+    const gh_hparams * hp = &m->hp;
+    const int64_t d = hp->n_embd, ff = hp->n_ff;
+    char wn[96], tn[96];
+    int n_in = 0, n_down = 0;
+    gh_status st;
+    for (int il = 0; il < hp->n_layer; il++) {
+        gh_layer * L = &m->layers[il];
+        bool f;
+        snprintf(wn, sizeof wn, "blk.%d.ffn_gate_up_t.weight", il);
+        snprintf(tn, sizeof tn, "blk.%d.ffn_in_thr", il);
+        if ((st = load_sparse_site(m, wn, tn, d, hp->gated ? 2 * ff : ff, &L->gate_up_t, &L->thr_ffn_in,
+                                   &L->ffn_in_on, &f))) return st;
+        L->has_ffn_in = f;
+        n_in += f;
+        snprintf(tn, sizeof tn, "blk.%d.ffn_down_in_thr", il);
+        const gh_gguf_tensor * tt = gh_gguf_find_tensor(m->gguf, tn);
+        if (!tt) continue;
+        if ((st = check_1d(tt, GH_TYPE_F32, ff, "a threshold per down_t row"))) return st;
+        if ((st = load_vector(m, tn, ff, &L->thr_down_in))) return st;
+        L->down_in_on = false;
+        for (int64_t i = 0; i < ff; i++) {
+            const float t = L->thr_down_in[i];
+            if (!isfinite(t) || t < 0.0f) {
+                return gh_fail(GH_ERR_FORMAT, "tensor '%s': entry %lld is %g (must be finite and >= 0)",
+                               tn, (long long) i, t);
+            }
+            L->down_in_on |= t > 0.0f;
+        }
+        L->has_down_in = true;
+        n_down++;
+    }
+    if (!n_in && !n_down) return GH_OK;
+    if ((n_in && n_in != hp->n_layer) || (n_down && n_down != hp->n_layer)) {
+        return gh_fail(GH_ERR_FORMAT, "the file has ffn_gate_up_t in %d and ffn_down_in_thr in %d of its "
+                       "%d layers: each is in every layer or in none", n_in, n_down, hp->n_layer);
+    }
+    if (!m->info.has_input_sparsity) {
+        return gh_fail(GH_ERR_FORMAT, "the FFN's input-sparse tensors (ffn_gate_up_t, ffn_down_in_thr) "
+                       "need the attention's and head's (attn_qkv_t, ..., output_t), which the file lacks");
+    }
+    for (int il = 0; il < hp->n_layer; il++) {
+        if (!m->layers[il].has_down_t) {
+            return gh_fail(GH_ERR_FORMAT, "the FFN's input sparsity needs the transposed down projection, "
+                           "but layer %d has none (blk.%d.ffn_down_t.weight)", il, il);
+        }
+    }
+    return GH_OK;
+}
+
 /* The attention weights of layer il: attn_q/k/v, or attn_qkv viewed as its three row
  * ranges (q heads, k heads, v heads), each with an optional bias; attn_output (+ bias). */
 static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
@@ -963,6 +1018,7 @@ static gh_status load_tensors(gh_model * m) {
     }
     if ((st = load_gate_thresholds(m))) return st;
     if ((st = load_input_sparse(m))) return st;
+    if ((st = load_ffn_input_sparse(m))) return st;
     m->info.weight_type = m->layers[0].gate.type;
 
     int64_t n_params = 0, n_bytes = 0;

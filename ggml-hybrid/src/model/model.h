@@ -58,6 +58,15 @@ typedef struct {
     float *   thr_qkv;     /* [n_embd] */
     float *   thr_o;       /* [dq] */
     bool      qkv_on, o_on;
+    /* input sparsity of the FFN (optional, every layer or none; ffn/input_ffn.h): gate and
+     * up transposed side by side (row i = input channel i's contribution to the n_ff gate
+     * outputs, then to the n_ff up outputs; ungated: n_ff) with a threshold per input, and
+     * a threshold per down_t row on |act(g) * u| (ffn_down_in_thr, separately optional) */
+    bool      has_ffn_in, has_down_in;
+    gh_weight gate_up_t;   /* [n_embd rows][n_ff (x2 gated) cols] */
+    float *   thr_ffn_in;  /* [n_embd] */
+    float *   thr_down_in; /* [n_ff] */
+    bool      ffn_in_on, down_in_on;
 } gh_layer;
 
 struct gh_model {

@@ -23,6 +23,7 @@ def _input_options(args) -> dict:
     if args.input_sparsity is None:
         for flag, given in (("--input-criterion", args.input_criterion is not None),
                             ("--no-input-refit", args.no_input_refit),
+                            ("--input-ffn", args.input_ffn),
                             ("--input-refit-tokens", args.input_refit_tokens is not None)):
             if given:
                 raise ConvertError(f"{flag} applies to the input sparsity --input-sparsity S (or auto) "
@@ -47,6 +48,8 @@ def _input_options(args) -> dict:
         out["input_criterion"] = args.input_criterion
     if args.no_input_refit:
         out["input_refit"] = False
+    if args.input_ffn:
+        out["input_ffn"] = True
     if args.input_refit_tokens is not None:
         if args.input_refit_tokens < 16:
             raise ConvertError(f"--input-refit-tokens must be at least 16, got {args.input_refit_tokens}")
@@ -116,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                          "ReGLU): calibrate per layer the |act(gate)| threshold that zeroes the "
                          "share S of the neurons (e.g. 0.5) instead of training predictors; implies "
                          "--sparse")
+    sp.add_argument("--max-kl", type=float, default=None, metavar="K",
+                    help="the quality budget's bound on the mean KL divergence to dense (nats) on the same "
+                         "held-out tokens, beside the perplexity bound (default: the budget P itself, 0.02 "
+                         "at the default 2%%; inf: none): input sparsity can keep perplexity while it "
+                         "changes the next-token distribution several times more than the gate does")
     sp.add_argument("--max-ppl-increase", type=float, default=None, metavar="P",
                     help="gate-magnitude sparsity at the largest level whose perplexity on held-out "
                          "calibration tokens (the last 20%% of those profiled) stays within P of dense, "
@@ -140,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--input-criterion", choices=F.INPUT_CRITERIA, default=None,
                     help="how --input-sparsity ranks inputs: wina (|x_i| times the weight column's "
                          "norm, the default) or magnitude (|x_i|, TEAL)")
+    sp.add_argument("--input-ffn", action="store_true",
+                    help="also the FFN's inputs (gate mode): gate and up over the inputs above their thresholds, "
+                         "and down over the rows whose |act(g) * u| passes its own (TEAL on the FFN)")
     sp.add_argument("--no-input-refit", action="store_true",
                     help="keep the input thresholds fitted on the dense-mode profile instead of refitting "
                          "each site on the inputs it sees in the sparse mode (the refit decodes "
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                                       group_size=args.group_size, placement=args.placement,
                                       n_threads=args.threads, predictor_type=args.predictor_type,
                                       threshold=args.predictor_threshold, sparsity=args.sparsity,
-                                      max_ppl_increase=args.max_ppl_increase,
+                                      max_ppl_increase=args.max_ppl_increase, max_kl=args.max_kl,
                                       allocation=args.sparsity_allocation or SparseOptions.allocation,
                                       greedy_tokens=args.greedy_tokens)
         if dense is not None:

@@ -52,7 +52,8 @@ _WRITER_KEYS = (F.KEY_GENERAL_ARCHITECTURE, F.KEY_GENERAL_ALIGNMENT)
 #: Tensors a previous sparse conversion added (ffn_down_t is kept): predictors, neuron
 #: statistics, GPU index, and input sparsity's transposed copies and thresholds.
 _DROPPED_TENSORS = (tuple(k for k in F.SPARSE_LAYER_TENSORS if k != F.T_FFN_DOWN_T)
-                    + F.INPUT_SPARSE_LAYER_TENSORS + F.INPUT_SPARSE_GLOBAL_TENSORS)
+                    + F.INPUT_SPARSE_LAYER_TENSORS + F.INPUT_SPARSE_GLOBAL_TENSORS
+                    + F.FFN_INPUT_SPARSE_TENSORS)
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:

@@ -68,11 +68,18 @@ def _ub(r: dict) -> float:
     return float(r.get("ppl_increase_ub", r["ppl"] / r["ppl_dense"] - 1.0))
 
 
+def over_budget(r: dict, budget: float, max_kl: float | None = None) -> bool:
+    """Whether a measurement breaks the perplexity budget (its upper bound) or the KL bound:
+    input sparsity can lower the held-out perplexity while the KL to dense is several times
+    the gate's at the same budget (docs/BENCHMARKS.md "Sparsity on a real model")."""
+    return _ub(r) > budget or (max_kl is not None and float(r["kl"]) > max_kl)
+
+
 def search_levels(measure: Callable[[float | None, Any], dict], make_inputs: Callable[[float, float | None], Any],
                   budget: float, levels: Sequence[float], gate_hi: float | None, include_off: bool = True,
                   resolution: float = 0.025, say: Callable[[str], None] | None = None,
-                  cost: Callable[[dict], float] | None = None, dense_time: float | None = None
-                  ) -> tuple[Candidate, list[Candidate]]:
+                  cost: Callable[[dict], float] | None = None, dense_time: float | None = None,
+                  max_kl: float | None = None) -> tuple[Candidate, list[Candidate]]:
     """The fastest combination within the budget (see the module's docstring).
 
     measure(gate level or None, input calibration or None) -> a GateEvaluator.measure dict;
@@ -81,7 +88,8 @@ def search_levels(measure: Callable[[float | None, Any], dict], make_inputs: Cal
     include_off: input sparsity off is a candidate (else only the levels given: when the
     user fixed one, it is kept even over the budget, with gate 0);
     cost(measure's dict) -> estimated decode time per token (DecodeCost.estimate), the
-    ranking (None: bytes per token); dense_time: a dense file's estimate, for the log.
+    ranking (None: bytes per token); dense_time: a dense file's estimate, for the log; max_kl:
+    a bound on the mean KL to dense beside the perplexity budget (None: none).
     Returns (the chosen candidate, every candidate measured: the best gate level of each
     input level walked, and the first over the budget)."""
     say = say or (lambda s: None)
@@ -95,12 +103,12 @@ def search_levels(measure: Callable[[float | None, Any], dict], make_inputs: Cal
         r = c.result
         g = "" if c.gate is None else f"gate {c.gate:.1%}, "
         say(f"  {g}input {c.inputs:.0%}: ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} "
-            f"(bound {_ub(r):+.2%}), {r['bytes_per_token'] / 1e6:.3f} MB/token"
+            f"(bound {_ub(r):+.2%}), KL {r['kl']:.4f}, {r['bytes_per_token'] / 1e6:.3f} MB/token"
             + ("" if c.time is None else f", est. time {describe_time(c.time, dense_time)}") + why)
 
     def gate_search(cal) -> tuple[float, dict | None]:
         lvl, r, _ = search_budget(lambda s: measure(s, cal), budget, hi, resolution,
-                                  say=lambda m: say("  " + m))
+                                  say=lambda m: say("  " + m), max_kl=max_kl)
         return lvl, r
 
     hi = gate_hi
@@ -124,7 +132,7 @@ def search_levels(measure: Callable[[float | None, Any], dict], make_inputs: Cal
         if r is None:
             g = 0.0 if gated else None
             r = measure(g, cal)
-            if _ub(r) > budget:
+            if over_budget(r, budget, max_kl):
                 over = cand(g, s, r, cal)
                 note(over, ": over the budget")
                 tried.append(over)

@@ -197,23 +197,26 @@ def layer_costs(ev: GateEvaluator, ids: Sequence[int], n_layer: int, threshold: 
 
 
 def search_budget(ppl_at: Callable[[float], dict], max_increase: float, hi: float,
-                  resolution: float = 0.025, say: Callable[[str], None] | None = None) -> tuple[float, dict | None, list]:
+                  resolution: float = 0.025, say: Callable[[str], None] | None = None,
+                  max_kl: float | None = None) -> tuple[float, dict | None, list]:
     """The largest mean sparsity in [0, hi] whose perplexity stays within max_increase of
-    dense (its upper bound ppl_increase_ub, when measured), by bisection (perplexity grows
-    with sparsity); ppl_at(s) measures one level. Returns (sparsity, its measurement or
-    None for 0, every (sparsity, measurement) tried)."""
+    dense (its upper bound ppl_increase_ub, when measured) and, with max_kl, whose mean KL to
+    dense stays within max_kl, by bisection (both grow with sparsity); ppl_at(s) measures one
+    level. Returns (sparsity, its measurement or None for 0, every (sparsity, measurement)
+    tried)."""
     tried: list = []
 
     def ok(s):
         r = ppl_at(s)
         inc = r["ppl"] / r["ppl_dense"] - 1.0
         ub = r.get("ppl_increase_ub", inc)
-        good = ub <= max_increase
+        good = ub <= max_increase and (max_kl is None or r["kl"] <= max_kl)
         tried.append((s, r))
         if say:
             say(f"  sparsity {s:.1%}: ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({inc:+.2%}, "
                 f"bound {ub:+.2%}), KL {r['kl']:.4f}, top-1 {r['top1']:.1%}, density {r['density']:.1%}: "
-                + ("within" if good else "over") + f" the {max_increase:.1%} budget")
+                + ("within" if good else "over") + f" the {max_increase:.1%} budget"
+                + ("" if max_kl is None else f" (KL bound {max_kl:g})"))
         return good, r
 
     good, r = ok(hi)

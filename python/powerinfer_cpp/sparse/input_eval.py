@@ -52,14 +52,16 @@ DEFAULT_REFIT_TOKENS = 1024
 
 
 def patch_input_thresholds(path: str, qkv: Sequence[np.ndarray], o: Sequence[np.ndarray],
-                           head: np.ndarray) -> None:
-    """Overwrite the input thresholds of the GGUF file at path in place."""
+                           head: np.ndarray, ffn: Sequence[np.ndarray] = (), down: Sequence[np.ndarray] = ()) -> None:
+    """Overwrite the input thresholds of the GGUF file at path in place (ffn, down: the FFN's
+    sites, when given)."""
     import gguf
 
     r = gguf.GGUFReader(path, "r+")
     try:
         t = {x.name: x for x in r.tensors}
-        for kind, vals in ((F.T_ATTN_QKV_IN_THR, qkv), (F.T_ATTN_OUTPUT_IN_THR, o)):
+        for kind, vals in ((F.T_ATTN_QKV_IN_THR, qkv), (F.T_ATTN_OUTPUT_IN_THR, o), (F.T_FFN_IN_THR, ffn),
+                           (F.T_FFN_DOWN_IN_THR, down)):
             for l, v in enumerate(vals):
                 t[F.input_sparse_tensor_name(kind, l)].data[:] = v
         t[F.input_sparse_tensor_name(F.T_OUTPUT_IN_THR)].data[:] = head
@@ -70,7 +72,7 @@ def patch_input_thresholds(path: str, qkv: Sequence[np.ndarray], o: Sequence[np.
 
 def patch_calibration(path: str, cal: InputCalibration) -> None:
     """Write cal's thresholds into the file at path."""
-    patch_input_thresholds(path, cal.qkv, cal.o, cal.head)
+    patch_input_thresholds(path, cal.qkv, cal.o, cal.head, cal.ffn, cal.down)
 
 
 def sparse_inputs(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_threads: int = 0,
@@ -100,7 +102,8 @@ def sparse_inputs(path: str, cal: InputCalibration, ids: Sequence[int], window: 
 
 
 def _shares(x: dict, cal: InputCalibration) -> dict:
-    return {key: skipped_share(x[key], cal.thresholds(key)) for key in cal.keys()}
+    """Per site recorded in x (the FFN's sites are not: their fit stays the dense-mode one)."""
+    return {key: skipped_share(x[key], cal.thresholds(key)) for key in cal.keys() if key in x}
 
 
 def site_shares(path: str, ids: Sequence[int], window: int, cal: InputCalibration, n_threads: int = 0) -> dict:
@@ -121,7 +124,8 @@ def refit(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_t
 
     t0 = time.perf_counter()
     target = cal.sparsity
-    keys = [k for k in cal.keys() if cal.t.get(k, 0.0) > 0.0]  # a site at 0 runs dense
+    # a site at 0 runs dense; the FFN's sites are not recorded in the sparse mode
+    keys = [k for k in cal.keys() if cal.t.get(k, 0.0) > 0.0 and k[0] in (SITE_QKV, SITE_O, SITE_HEAD)]
     # a pass decodes len(ids) tokens in the sparse mode: minutes on a large model
     bar = tqdm(total=len(ids), desc=f"input refit {target:.0%}", unit="tok", disable=not progress)
     before = after = None

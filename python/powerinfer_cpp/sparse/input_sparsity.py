@@ -38,6 +38,9 @@ DEFAULT_INPUT_TOKENS = 4096
 #: passes, yet finite (the runtime refuses inf).
 NEVER = float(np.finfo(np.float32).max)
 SITE_QKV, SITE_O, SITE_HEAD = "qkv", "o", "head"
+#: The FFN's sites (optional, calibrate_input_levels(ffn=True)): gate and up's shared input
+#: (the FFN norm's output) and the down projection's input h = act(gate . x) * (up . x).
+SITE_FFN, SITE_DOWN = "ffn", "down"
 
 
 @dataclass
@@ -52,6 +55,8 @@ class InputCalibration:
     qkv: list = field(default_factory=list)     # per layer f32 [n_embd]
     o: list = field(default_factory=list)       # per layer f32 [n_head * head_dim]
     head: np.ndarray | None = None              # f32 [n_embd]
+    ffn: list = field(default_factory=list)     # per layer f32 [n_embd] (empty: no FFN sites)
+    down: list = field(default_factory=list)    # per layer f32 [n_ff]
     heldout_sparsity: dict = field(default_factory=dict)  # site -> share skipped on held-out tokens
     n_fit: int = 0                              # the first n_fit recorded tokens (prof.input_ids)
     t: dict = field(default_factory=dict)       # (site, layer or None) -> criterion threshold
@@ -63,13 +68,18 @@ class InputCalibration:
     ppl_increase: float | None = None           # the file's held-out increase measured with it
 
     def keys(self) -> list:
-        """Every site's key in forward order: (qkv, 0), (o, 0), (qkv, 1), ..., (head, None)."""
-        return [(s, l) for l in range(len(self.qkv)) for s in (SITE_QKV, SITE_O)] + [(SITE_HEAD, None)]
+        """Every site's key in forward order: (qkv, 0), (o, 0), [(ffn, 0), (down, 0),]
+        (qkv, 1), ..., (head, None)."""
+        sites = (SITE_QKV, SITE_O, SITE_FFN, SITE_DOWN) if self.ffn else (SITE_QKV, SITE_O)
+        return [(s, l) for l in range(len(self.qkv)) for s in sites] + [(SITE_HEAD, None)]
+
+    def _per_layer(self, site: str) -> list:
+        return {SITE_QKV: self.qkv, SITE_O: self.o, SITE_FFN: self.ffn, SITE_DOWN: self.down}[site]
 
     def thresholds(self, key) -> np.ndarray:
         """The stored thresholds of one site."""
         site, layer = key
-        return self.head if site == SITE_HEAD else (self.qkv if site == SITE_QKV else self.o)[layer]
+        return self.head if site == SITE_HEAD else self._per_layer(site)[layer]
 
     def at(self, key, t: float) -> np.ndarray:
         """The site's per-channel thresholds for criterion threshold t."""
@@ -83,14 +93,16 @@ class InputCalibration:
         if site == SITE_HEAD:
             self.head = thr
         else:
-            (self.qkv if site == SITE_QKV else self.o)[layer] = thr
+            self._per_layer(site)[layer] = thr
 
     def summary(self) -> str:
         """One line: criterion, target and the held-out shares per site."""
         h = self.heldout_sparsity
+        ffn = (f", FFN in {h.get(SITE_FFN, 0):.1%}, down in {h.get(SITE_DOWN, 0):.1%}"
+               if self.ffn else "")
         return (f"{self.criterion}, target {self.sparsity:.0%}, fitted on {self.n_fit} tokens; skipped on "
                 f"held-out tokens: q/k/v {h.get(SITE_QKV, 0):.1%}, o {h.get(SITE_O, 0):.1%}, "
-                f"head {h.get(SITE_HEAD, 0):.1%}")
+                f"head {h.get(SITE_HEAD, 0):.1%}" + ffn)
 
 
 def _per_channel(t: float, gain: np.ndarray | None, n_in: int) -> np.ndarray:
@@ -141,15 +153,34 @@ def skipped_share(x: np.ndarray, thr: np.ndarray) -> float:
     return float((np.abs(x) <= thr[None, :]).mean()) if x.size else 0.0
 
 
-def calibrate_inputs(prof, sparsity: float, criterion: str, weights_t) -> InputCalibration:
+def calibrate_inputs(prof, sparsity: float, criterion: str, weights_t, ffn: bool = False) -> InputCalibration:
     """Thresholds of every site from a profile recorded with inputs (profile_model(inputs=K)).
     weights_t(site, layer) -> the site's transposed weight [in, out] as float (wina's column
-    norms; layer None for the head)."""
-    return calibrate_input_levels(prof, [sparsity], criterion, weights_t)[0]
+    norms; layer None for the head; with ffn also the FFN's: (ffn, l) gate and up side by
+    side [d, 2 n_ff], (down, l) down_t [n_ff, d])."""
+    return calibrate_input_levels(prof, [sparsity], criterion, weights_t, ffn)[0]
 
 
-def calibrate_input_levels(prof, levels, criterion: str, weights_t) -> list[InputCalibration]:
-    """calibrate_inputs at several levels at once (each site's scores sorted once)."""
+def down_inputs(x: np.ndarray, gate_up_t: np.ndarray, act: str, gated: bool = True,
+                chunk: int = 2048) -> np.ndarray:
+    """h = act(x . gate) * (x . up) [tokens, n_ff] f32, the down projection's input, from the FFN
+    inputs x [tokens, d] and gate_up_t [d, 2 n_ff] (gate's outputs then up's; ungated [d, n_ff]:
+    h = act(x . up))."""
+    from .thresholds import activation
+    ff = gate_up_t.shape[1] // (2 if gated else 1)
+    w = gate_up_t.astype(np.float32)
+    out = []
+    for s in range(0, x.shape[0], chunk):
+        gu = x[s:s + chunk].astype(np.float32) @ w
+        a = activation(act, gu[:, :ff])
+        out.append((a * gu[:, ff:] if gated else a).astype(np.float32))
+    return np.concatenate(out, axis=0)
+
+
+def calibrate_input_levels(prof, levels, criterion: str, weights_t, ffn: bool = False) -> list[InputCalibration]:
+    """calibrate_inputs at several levels at once (each site's scores sorted once). With ffn,
+    the FFN's sites too, fitted on the profile's FFN inputs (prof.x, dense-mode ones: the
+    sparse-mode refit covers the attention's and head's sites only) and the h they give."""
     k = prof.n_input_tokens
     if k < 2:
         raise ValueError("the profile recorded no projection inputs (profile_model(..., inputs=K))")
@@ -159,7 +190,7 @@ def calibrate_input_levels(prof, levels, criterion: str, weights_t) -> list[Inpu
             raise ValueError(f"input sparsity must be in [0, 1), got {s}")
     n_fit = max(1, k - max(1, int(round(k * HOLDOUT))))
     cals = [InputCalibration(criterion=criterion, sparsity=s, n_fit=n_fit) for s in levels]
-    held: list = [{SITE_QKV: [], SITE_O: [], SITE_HEAD: []} for _ in levels]
+    held: list = [{SITE_QKV: [], SITE_O: [], SITE_HEAD: [], SITE_FFN: [], SITE_DOWN: []} for _ in levels]
 
     def fit(site, layer, x):
         gain = column_norms(weights_t(site, layer)) if criterion == "wina" else None
@@ -177,10 +208,18 @@ def calibrate_input_levels(prof, levels, criterion: str, weights_t) -> list[Inpu
             cal.qkv.append(thr)
         for cal, thr in zip(cals, fit(SITE_O, l, prof.attn_out_in[l][:k])):
             cal.o.append(thr)
+        if ffn:
+            x = prof.x[l][:k]
+            for cal, thr in zip(cals, fit(SITE_FFN, l, x)):
+                cal.ffn.append(thr)
+            gu = weights_t(SITE_FFN, l)
+            gated = gu.shape[1] == 2 * weights_t(SITE_DOWN, l).shape[0]
+            for cal, thr in zip(cals, fit(SITE_DOWN, l, down_inputs(x, gu, prof.ffn_act, gated))):
+                cal.down.append(thr)
     for cal, thr in zip(cals, fit(SITE_HEAD, None, prof.head_in[:k])):
         cal.head = thr
     for cal, h in zip(cals, held):
-        cal.heldout_sparsity = {s: float(np.mean(v)) for s, v in h.items()}
+        cal.heldout_sparsity = {s: float(np.mean(v)) for s, v in h.items() if v}
     return cals
 
 
@@ -204,6 +243,12 @@ class InputSources:
         return np.asarray(a, dtype=np.float32)
 
     def _sources(self, site: str, layer: int | None) -> list:
+        if site == SITE_FFN:  # gate's rows, then up's (an ungated FFN: its up rows alone)
+            gate = self._job(F.T_FFN_GATE, layer)
+            return [gate, self._job(F.T_FFN_UP, layer)] if gate is not None else [self._job(F.T_FFN_UP, layer)]
+        if site == SITE_DOWN:
+            t = self._job(F.T_FFN_DOWN_T, layer)
+            return [t if t is not None else self._job(F.T_FFN_DOWN, layer)]
         if site == SITE_QKV:
             fused = self._job(F.T_ATTN_QKV, layer)
             return [fused] if fused is not None else [self._job(k, layer) for k in
@@ -218,6 +263,8 @@ class InputSources:
         srcs = self._sources(site, layer)
         if any(j is None for j in srcs):
             raise ValueError(f"the dense plan lacks the {site} projection of layer {layer}")
+        if srcs[0].name == F.tensor_name(F.T_FFN_DOWN_T, layer):
+            return self._float(srcs[0])  # stored transposed already
         w = np.concatenate([self._float(j) for j in srcs], axis=0)
         return np.ascontiguousarray(w.T)
 
@@ -242,9 +289,19 @@ class InputSources:
                 TensorJob(tname, (in_len,), Q.F32, lambda a=thr: a)]
 
     def layer_jobs(self, cal: InputCalibration, layer: int) -> list:
-        """attn_qkv_t, its thresholds, attn_output_t, its thresholds of one layer."""
-        return (self._pair(SITE_QKV, layer, cal.qkv[layer], F.T_ATTN_QKV_T, F.T_ATTN_QKV_IN_THR) +
+        """attn_qkv_t, its thresholds, attn_output_t, its thresholds of one layer (and, when
+        cal has the FFN's sites, ffn_gate_up_t, ffn_in_thr and ffn_down_in_thr)."""
+        jobs = (self._pair(SITE_QKV, layer, cal.qkv[layer], F.T_ATTN_QKV_T, F.T_ATTN_QKV_IN_THR) +
                 self._pair(SITE_O, layer, cal.o[layer], F.T_ATTN_OUTPUT_T, F.T_ATTN_OUTPUT_IN_THR))
+        if cal.ffn:
+            from gguf import GGMLQuantizationType as Q
+
+            from ..gguf_write import TensorJob
+            jobs += self._pair(SITE_FFN, layer, cal.ffn[layer], F.T_FFN_GATE_UP_T, F.T_FFN_IN_THR)
+            down = np.ascontiguousarray(cal.down[layer], dtype=np.float32)
+            jobs.append(TensorJob(F.input_sparse_tensor_name(F.T_FFN_DOWN_IN_THR, layer), (down.size,), Q.F32,
+                                  lambda a=down: a))
+        return jobs
 
     def head_jobs(self, cal: InputCalibration) -> list:
         """output_t and its thresholds."""

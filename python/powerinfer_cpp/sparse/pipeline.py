@@ -46,7 +46,7 @@ from .gate_eval import GateEvaluator, layer_costs, patch_gate_thresholds, search
 from .input_eval import DEFAULT_REFIT_TOKENS, refit, refit_summary, refit_tokens
 from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, InputSources, calibrate_input_levels,
                              input_kv)
-from .budget import INPUT_GRID, describe_time, search_levels
+from .budget import INPUT_GRID, describe_time, over_budget, search_levels
 from .decode_cost import DecodeCost
 from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
                          greedy_allocation, uniform_allocation)
@@ -87,6 +87,13 @@ class DenseModel:
     down_types: list | None = None  # per layer ffn_down_t's type (None: storage_type's rule)
 
 
+def _kl_bound(opts, budget: float) -> float | None:
+    """The KL bound of a quality budget: opts.max_kl, or the budget's own value (None: off
+    for inf)."""
+    k = budget if opts.max_kl is None else opts.max_kl
+    return None if math.isinf(k) else float(k)
+
+
 @dataclass
 class SparseOptions:
     calib: str | None = None          # calibration text file; None: HF_DIR/heldout.txt
@@ -106,6 +113,8 @@ class SparseOptions:
     gate_init: bool = True            # ReGLU: try the gate's low-rank approximation first (predictor.train_layer)
     sparsity: float | None = None     # gate-magnitude sparsity instead of predictors: the share of
                                       # neurons the calibrated thresholds zero (thresholds.py)
+    max_kl: float | None = None       # the quality budget's bound on the mean KL to dense (nats) beside
+                                      # the perplexity's; None: the budget's own value (0.02 at P = 0.02)
     max_ppl_increase: float | None = None  # gate mode calibrated to a quality budget: the largest
                                       # sparsity whose held-out ppl is within this share of dense;
                                       # None with sparsity None: DEFAULT_MAX_PPL_INCREASE for a gated
@@ -126,6 +135,7 @@ class SparseOptions:
     input_refit: bool = True          # refit the thresholds on the sparse mode's inputs (input_eval.py)
     input_refit_tokens: int = DEFAULT_REFIT_TOKENS  # fit tokens the refit's runs cover
     input_grid: tuple = INPUT_GRID    # "auto": the input levels tried
+    input_ffn: bool = False           # the FFN's inputs too (gate and up's, down's; gate mode only)
 
     def __post_init__(self):
         checks = [
@@ -145,6 +155,8 @@ class SparseOptions:
             (self.max_ppl_increase is None or (math.isfinite(self.max_ppl_increase)
                                                and 0.0 < self.max_ppl_increase <= 10.0),
              f"max_ppl_increase must be a share in (0, 10] (0.02 = 2%), got {self.max_ppl_increase}"),
+            (self.max_kl is None or (not math.isnan(self.max_kl) and self.max_kl > 0.0),
+             f"max_kl must be > 0 (inf: no KL bound), got {self.max_kl}"),
             (self.sparsity is None or self.max_ppl_increase is None,
              "sparsity (a fixed level) and max_ppl_increase (the level chosen by a quality budget) "
              "exclude each other"),
@@ -364,7 +376,8 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
         if in_req:
             t1 = time.perf_counter()
             in_levels = sorted({float(v) for v in opts.input_grid}) if in_auto else [float(opts.input_sparsity)]
-            fitted = calibrate_input_levels(prof, [0.0] + in_levels, opts.input_criterion, in_src.weight_t)
+            fitted = calibrate_input_levels(prof, [0.0] + in_levels, opts.input_criterion, in_src.weight_t,
+                                            ffn=opts.input_ffn)
             cals = dict(zip([0.0] + in_levels, fitted))
             say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s, on dense-mode inputs): "
                 + "; ".join(cals[v].summary() for v in in_levels))
@@ -534,12 +547,13 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             dcost = DecodeCost.from_file(ev.path, ev.ffn)
             best, rep.input_tried = search_levels(measure, make_inputs, in_budget, in_levels,
                                                   BUDGET_MAX_SPARSITY if gate_mode else None, include_off=in_auto,
-                                                  say=say, cost=dcost.estimate, dense_time=dcost.dense)
+                                                  say=say, cost=dcost.estimate, dense_time=dcost.dense,
+                                                  max_kl=_kl_bound(opts, in_budget))
             mean, cal, rep.budget_result = best.gate, best.cal, best.result
             r = best.result
             if cal is not None and in_auto:
                 cal.max_ppl_increase, cal.ppl_increase = in_budget, r["ppl"] / r["ppl_dense"] - 1.0
-            over = r["ppl_increase_ub"] > in_budget
+            over = over_budget(r, in_budget, _kl_bound(opts, in_budget))
             why_over = (f"input sparsity {best.inputs:.0%} alone (kept: it was asked for)" if best.inputs > 0
                         else "the predictor FFN alone")
             say("[3/5] chosen: " + (f"gate sparsity {mean:.1%}, " if gate_mode else "")
@@ -659,7 +673,8 @@ def _budget_gate(ev, ids: list, gate_thr, budget: float, n_fit: int, rep: Sparse
         return r
 
     try:
-        mean, rep.budget_result, rep.budget_tried = search_budget(ppl_at, budget, BUDGET_MAX_SPARSITY, say=say)
+        mean, rep.budget_result, rep.budget_tried = search_budget(ppl_at, budget, BUDGET_MAX_SPARSITY, say=say,
+                                                                  max_kl=_kl_bound(opts, budget))
     finally:
         if bar is not None:
             bar.close()

@@ -113,33 +113,48 @@ def uniform_allocation(n_layer: int, mean: float) -> list[float]:
     return [float(mean)] * n_layer
 
 
-def greedy_allocation(costs: np.ndarray, mean: float, grid=ALLOCATION_GRID,
-                      step: float = 0.05) -> list[float]:
-    """Per-layer sparsities with the given mean, built by adding ``step`` at a time to the
-    layer whose cost rises least. costs [n_layer, len(grid)]: each layer's measured cost
-    (KL to dense) at the grid levels, 0 at sparsity 0; read piecewise linearly, made
-    non-decreasing (a dip below a lower level's cost is measurement noise)."""
+def greedy_allocation(costs: np.ndarray, mean: float | None, grid=ALLOCATION_GRID,
+                      step: float = 0.05, weights=None, max_cost: float | None = None) -> list[float]:
+    """Per-site sparsities (a site: a layer's FFN for the gate mode, or any input-sparse site)
+    built by adding ``step`` at a time to the site whose cost rises least per unit of weight,
+    until their weighted mean reaches ``mean`` or (max_cost) the next step would take the
+    summed cost past ``max_cost``. costs [n_site, len(grid)]: each site's measured cost (KL to
+    dense) at the grid levels, 0 at sparsity 0; read piecewise linearly, made non-decreasing
+    (a dip below a lower level's cost is measurement noise). weights [n_site]: what a unit of
+    a site's sparsity saves (its weight bytes per token; None: 1 each, the gate's layers),
+    so the rise per byte saved is compared and the mean is a share of the bytes; the costs
+    are taken as additive over the sites (measured: docs/BENCHMARKS.md)."""
     costs = np.maximum.accumulate(np.maximum(np.asarray(costs, np.float64), 0.0), axis=1)
-    n_layer = costs.shape[0]
+    n_site = costs.shape[0]
+    w = np.ones(n_site) if weights is None else np.asarray(weights, np.float64)
+    if w.shape != (n_site,) or not np.all(w > 0):
+        raise ValueError(f"weights must be {n_site} positive values")
     xs = np.concatenate([[0.0], np.asarray(grid, np.float64)])
-    cs = np.concatenate([np.zeros((n_layer, 1)), costs], axis=1)
+    cs = np.concatenate([np.zeros((n_site, 1)), costs], axis=1)
     cap = float(xs[-1])
-    if not 0.0 <= mean <= cap:
+    if mean is None and max_cost is None:
+        raise ValueError("greedy_allocation needs a mean, a max_cost or both")
+    if mean is not None and not 0.0 <= mean <= cap:
         raise ValueError(f"a mean sparsity of {mean} is outside [0, {cap}] (the greedy allocation's "
                          "per-layer maximum)")
-    level = np.zeros(n_layer)
-    need = mean * n_layer
-    while need > 1e-9:
-        inc = min(step, need)
-        best, best_rise = -1, math.inf
-        for l in range(n_layer):
+    level = np.zeros(n_site)
+    need = (cap if mean is None else mean) * float(w.sum())
+    spent = 0.0
+    while need > 1e-9 * float(w.sum()):
+        best, best_rise, best_inc = -1, math.inf, 0.0
+        for l in range(n_site):
+            inc = min(step, need / w[l])
             if level[l] + inc > cap + 1e-9:
                 continue
             rise = np.interp(level[l] + inc, xs, cs[l]) - np.interp(level[l], xs, cs[l])
-            if rise < best_rise - 1e-15:
-                best, best_rise = l, rise
-        if best < 0:  # every layer at the cap: cannot happen for mean <= cap
+            if rise / (w[l] * inc) < best_rise - 1e-15:
+                best, best_rise, best_inc = l, rise / (w[l] * inc), inc
+        if best < 0:  # every site at the cap: cannot happen for mean <= cap
             break
-        level[best] += inc
-        need -= inc
+        rise = best_rise * w[best] * best_inc
+        if max_cost is not None and spent + rise > max_cost:
+            break
+        spent += rise
+        level[best] += best_inc
+        need -= best_inc * w[best]
     return [float(min(v, cap)) for v in level]

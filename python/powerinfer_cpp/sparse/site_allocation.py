@@ -1,0 +1,124 @@
+"""Per-site input sparsity by measured KL (TEAL's greedy, over every input-sparse site).
+
+A site is one projection input with its own thresholds: per layer q/k/v's, o's and (with the
+FFN's sites) gate/up's and down's, plus the head's. A uniform level spends the same share
+everywhere, while on SmolLM2-135M the head alone is 21% of the bytes and its sensitivity is
+nothing like a q/k/v input's (docs/BENCHMARKS.md "Sparsity on a real model"). So:
+
+1. each site's cost curve: the KL divergence of the next-token distribution to the dense one
+   when only that site is sparsified, at the levels of ``grid`` (the other sites at 0, i.e.
+   dense), measured by the runtime in the file's sparse mode on calibration tokens
+   (``site_costs``: n_site x len(grid) evaluations);
+2. ``thresholds.greedy_allocation`` with each site's weight bytes per token as its weight:
+   sparsity is added in steps to the site whose KL rises least per byte saved, until the
+   summed KL reaches the budget (the sites' costs taken as additive).
+
+A site's criterion threshold at any level comes from the calibrations at a list of levels
+(``SiteTable``: interpolated between them), so the allocation needs one calibration pass.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .input_sparsity import SITE_DOWN, SITE_FFN, SITE_HEAD, SITE_O, SITE_QKV, InputCalibration
+
+#: Levels at which a site's KL is measured (0 is free).
+SITE_GRID = (0.25, 0.5, 0.75)
+
+
+class SiteTable:
+    """Each site's criterion threshold as a function of its level, from calibrations of the
+    same profile at several levels (input_sparsity.calibrate_input_levels)."""
+
+    def __init__(self, cals: Sequence[InputCalibration]):
+        cals = sorted(cals, key=lambda c: c.sparsity)
+        if not cals or cals[0].sparsity != 0.0:
+            raise ValueError("SiteTable needs the calibration at level 0 first")
+        self.levels = np.array([c.sparsity for c in cals], np.float64)
+        self.base = cals[0]
+        self.keys = cals[0].keys()
+        self.t = {k: np.array([c.t.get(k, 0.0) for c in cals], np.float64) for k in self.keys}
+
+    @property
+    def max_level(self) -> float:
+        return float(self.levels[-1])
+
+    def threshold(self, key, level: float) -> float:
+        return 0.0 if level <= 0 else float(np.interp(level, self.levels, self.t[key]))
+
+    def calibration(self, levels: dict) -> InputCalibration:
+        """A calibration with every site at levels.get(key, 0)."""
+        cal = copy.deepcopy(self.base)
+        for k in self.keys:
+            cal.set_t(k, self.threshold(k, float(levels.get(k, 0.0))))
+        cal.sparsity = float(np.mean([levels.get(k, 0.0) for k in self.keys]))
+        return cal
+
+
+def site_bytes(path: str) -> dict:
+    """Per site key, the weight bytes a dense token reads through it in the file at path: the
+    transposed copy's rows times their bytes (q/k/v together, gate and up together)."""
+    import gguf
+
+    from .. import format as F
+
+    r = gguf.GGUFReader(path)
+    try:
+        nb = {t.name: int(t.n_bytes) for t in r.tensors}
+    finally:
+        del r
+    out = {(SITE_HEAD, None): nb[F.input_sparse_tensor_name(F.T_OUTPUT_T)]}
+    l = 0
+    while F.input_sparse_tensor_name(F.T_ATTN_QKV_T, l) in nb:
+        out[(SITE_QKV, l)] = nb[F.input_sparse_tensor_name(F.T_ATTN_QKV_T, l)]
+        out[(SITE_O, l)] = nb[F.input_sparse_tensor_name(F.T_ATTN_OUTPUT_T, l)]
+        gu = F.input_sparse_tensor_name(F.T_FFN_GATE_UP_T, l)
+        if gu in nb:
+            out[(SITE_FFN, l)] = nb[gu]
+            out[(SITE_DOWN, l)] = nb[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)]
+        l += 1
+    return out
+
+
+def site_costs(measure: Callable[[InputCalibration], float], table: SiteTable, keys: Sequence,
+               grid: Sequence[float] = SITE_GRID, progress: bool = True,
+               say: Callable[[str], None] | None = None) -> np.ndarray:
+    """[len(keys), len(grid)]: measure(cal) (the KL to dense) with only site keys[i] at each
+    grid level."""
+    costs = np.zeros((len(keys), len(grid)))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(keys) * len(grid), desc="site sensitivity", unit="eval", dynamic_ncols=True)
+    try:
+        for i, k in enumerate(keys):
+            for j, s in enumerate(grid):
+                costs[i, j] = measure(table.calibration({k: s}))
+                if bar is not None:
+                    bar.update(1)
+            if say:
+                say(f"  site {k[0]} {'' if k[1] is None else k[1]}: KL " + ", ".join(
+                    f"{s:.0%} {c:.4f}" for s, c in zip(grid, costs[i])))
+    finally:
+        if bar is not None:
+            bar.close()
+    return costs
+
+
+def allocate_sites(costs: np.ndarray, keys: Sequence, weights: dict, max_kl: float,
+                   grid: Sequence[float] = SITE_GRID, step: float = 0.05) -> dict:
+    """Per site key its level: thresholds.greedy_allocation by KL per byte (weights: a site's
+    bytes per token) until the summed measured KL reaches max_kl."""
+    from .thresholds import greedy_allocation
+    lv = greedy_allocation(costs, None, grid, step, weights=[float(weights[k]) for k in keys],
+                           max_cost=max_kl)
+    return dict(zip(keys, lv))
+
+
+def predicted_bytes(levels: dict, weights: dict) -> float:
+    """The bytes the sites read at levels (each site's bytes times its density)."""
+    return float(sum(weights[k] * (1.0 - levels.get(k, 0.0)) for k in weights))

@@ -566,7 +566,8 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
             if over:
                 log.warning("over the %.1f%% quality budget: %s", 100 * in_budget, why_over)
         elif gate_mode and budget is not None:
-            mean = _budget_gate(ev, held_ids, gate_thr, budget, n_hold, rep, progress, say)
+            mean = _budget_gate(ev, held_ids, gate_thr, budget, n_hold, rep, progress, say,
+                                _kl_bound(opts, budget))
         elif gate_mode:
             mean = float(opts.sparsity)
         if in_req and not joint:
@@ -657,8 +658,9 @@ def _gate_allocation(dense: DenseModel, opts: SparseOptions, prof, rep: SparseRe
 
 
 def _budget_gate(ev, ids: list, gate_thr, budget: float, n_fit: int, rep: SparseReport, progress: bool,
-                 say) -> float:
-    """The largest mean gate sparsity within the budget on the held-out ids (into rep)."""
+                 say, max_kl: float | None = None) -> float:
+    """The largest mean gate sparsity within the budget (and the KL bound max_kl) on the
+    held-out ids (into rep)."""
     say(f"[3/5] quality budget: the largest sparsity within {budget:.1%} of dense perplexity on "
         f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
     bar = None
@@ -674,7 +676,7 @@ def _budget_gate(ev, ids: list, gate_thr, budget: float, n_fit: int, rep: Sparse
 
     try:
         mean, rep.budget_result, rep.budget_tried = search_budget(ppl_at, budget, BUDGET_MAX_SPARSITY, say=say,
-                                                                  max_kl=_kl_bound(opts, budget))
+                                                                  max_kl=max_kl)
     finally:
         if bar is not None:
             bar.close()

@@ -23,8 +23,8 @@ from powerinfer_cpp.sparse.gate_eval import GateEvaluator  # noqa: E402
 from powerinfer_cpp.sparse.input_eval import patch_calibration  # noqa: E402
 from powerinfer_cpp.sparse.input_sparsity import SITE_DOWN, SITE_FFN, down_inputs  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
-from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, predicted_bytes,  # noqa: E402
-                                                   site_bytes, site_costs)
+from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, group_sites,  # noqa: E402
+                                                   predicted_bytes, site_bytes, site_costs)
 from powerinfer_cpp.sparse.thresholds import greedy_allocation  # noqa: E402
 
 from cbuf import fptr  # noqa: E402
@@ -263,18 +263,22 @@ def test_site_greedy_on_the_model(files, tmp_path):
     ev = GateEvaluator(ev_path, window=32, n_threads=1)
     tok = ids[512:545]
     keys = table.keys
-    costs = site_costs(lambda cal: ev.measure(tok, None, inputs=cal)["kl"], table, keys, (0.25, 0.5, 0.75),
+    assert len(group_sites(keys, 1)) == 17
+    groups = group_sites(keys, 2)  # two layers per group: 4 kinds x 2 + the head
+    assert len(groups) == 9 and sorted(map(str, (k for g in groups for k in g))) == sorted(map(str, keys))
+    costs = site_costs(lambda cal: ev.measure(tok, None, inputs=cal)["kl"], table, groups, (0.25, 0.5, 0.75),
                        progress=False)
-    assert costs.shape == (17, 3) and np.all(costs >= 0) and costs[:, -1].sum() > 0
+    assert costs.shape == (9, 3) and np.all(costs >= 0) and costs[:, -1].sum() > 0
     w = site_bytes(path)
     assert set(w) == set(keys)
-    budgets = (0.25 * costs[:, -1].sum() / 4, costs[:, -1].sum() / 4)
+    budgets = (0.25 * costs[:, -1].sum() / 3, costs[:, -1].sum() / 3)
     saved, measured = [], []
     for kl in budgets:
-        lv = allocate_sites(costs, keys, w, kl, (0.25, 0.5, 0.75))
+        lv = allocate_sites(costs, groups, w, kl, (0.25, 0.5, 0.75))
+        assert set(lv) == set(keys) and all(len({lv[k] for k in g}) == 1 for g in groups)
         xs = np.array([0.0, 0.25, 0.5, 0.75])
-        spent = sum(np.interp(lv[k], xs, np.concatenate([[0.0], np.maximum.accumulate(costs[i])]))
-                    for i, k in enumerate(keys))
+        spent = sum(np.interp(lv[g[0]], xs, np.concatenate([[0.0], np.maximum.accumulate(costs[i])]))
+                    for i, g in enumerate(groups))
         assert spent <= kl + 1e-12
         saved.append(sum(w.values()) - predicted_bytes(lv, w))
         measured.append(ev.measure(tok, None, inputs=table.calibration(lv))["kl"])

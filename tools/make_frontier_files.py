@@ -116,15 +116,15 @@ def site_files(args) -> dict:
     """One conversion with every site's input tensors (FFN's included, gate mode at 0), one
     profile, calibrations at 0, 0.05, ..., 0.9; uniform levels patched in, and the greedy."""
     from powerinfer_cpp.sparse.gate_eval import GateEvaluator
-    from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, predicted_bytes, site_bytes,
-                                                       site_costs)
+    from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, group_sites, predicted_bytes,
+                                                       site_bytes, site_costs)
     crit = args.sites_criterion
     rep: list = []
     base = os.path.join(args.out, f"sites-{crit}-cal.gguf")
     if not os.path.exists(base + ".json"):  # kept: a later step's failure need not redo it
         convert_from_gguf(args.model, base, progress=False, report=rep, sparse_options=SparseOptions(
-            calib=args.calib, sparsity=0.0, input_sparsity=0.5, input_criterion=crit, input_refit=False,
-            input_ffn=True, n_threads=args.threads))
+            calib=args.calib, calib_tokens=args.sites_calib_tokens, sparsity=0.0, input_sparsity=0.5,
+            input_criterion=crit, input_refit=False, input_ffn=True, n_threads=args.threads))
         json.dump({"n_calib_tokens": rep[0].n_calib_tokens}, open(base + ".json", "w"))
     n_cal = json.load(open(base + ".json"))["n_calib_tokens"]
     with Model(base, n_ctx=16) as m:
@@ -163,8 +163,8 @@ def site_files(args) -> dict:
     if budgets:
         grid = floats(args.site_grid)
         weights = site_bytes(base)
-        keys = list(table.keys)
-        cache = os.path.join(args.out, f"site-costs-{crit}-{args.site_tokens}.json")
+        keys = group_sites(table.keys, args.site_layers)
+        cache = os.path.join(args.out, f"site-costs-{crit}-{args.site_tokens}-{args.site_layers}.json")
         if os.path.exists(cache):
             c = json.load(open(cache))
             costs = np.asarray(c["costs"])
@@ -178,7 +178,8 @@ def site_files(args) -> dict:
             costs = site_costs(lambda cal: ev.measure(tok, None, inputs=cal)["kl"], table, keys, grid,
                                progress=False, say=say)
             os.remove(ev_path)
-            json.dump({"grid": grid, "keys": [list(k) for k in keys], "costs": costs.tolist()}, open(cache, "w"))
+            json.dump({"grid": grid, "keys": [[list(k) for k in g] for g in keys], "costs": costs.tolist()},
+                      open(cache, "w"))
         dense_sites = float(sum(weights.values()))
         for kl in budgets:
             lv = allocate_sites(costs, keys, weights, kl, grid)
@@ -251,6 +252,10 @@ def main() -> int:
     ap.add_argument("--sites-kl", default="0.01,0.02,0.04", help="sites: summed-KL budgets of the greedy")
     ap.add_argument("--sites-criterion", default="magnitude", choices=F.INPUT_CRITERIA)
     ap.add_argument("--site-tokens", type=int, default=64, help="sites: calibration tokens per KL measurement")
+    ap.add_argument("--site-layers", type=int, default=1,
+                    help="sites: consecutive layers of one site kind sharing a level (fewer curves to measure)")
+    ap.add_argument("--sites-calib-tokens", type=int, default=4096,
+                    help="sites: calibration tokens profiled (the thresholds are fitted on the first 4096's inputs)")
     ap.add_argument("--site-grid", default="0.25,0.5,0.75", help="sites: levels each site's KL is measured at")
     ap.add_argument("--combine", default="", metavar="G+I,...",
                     help="also copy input file I (a name in --out) with gate file G's thresholds")

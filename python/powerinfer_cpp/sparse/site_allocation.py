@@ -84,11 +84,28 @@ def site_bytes(path: str) -> dict:
     return out
 
 
-def site_costs(measure: Callable[[InputCalibration], float], table: SiteTable, keys: Sequence,
+def group_sites(keys: Sequence, layers_per_group: int = 1) -> list:
+    """The allocation's units: each site alone (1), or the sites of one kind in runs of
+    layers_per_group consecutive layers sharing one level (fewer KL curves to measure:
+    n_kind x n_layer / layers_per_group + 1 instead of n_kind x n_layer + 1)."""
+    groups: dict = {}
+    for k in keys:
+        site, layer = k
+        groups.setdefault((site, None if layer is None else layer // layers_per_group), []).append(k)
+    return list(groups.values())
+
+
+def group_weights(groups: Sequence, weights: dict) -> list[float]:
+    """A group's bytes per token: its sites' sum."""
+    return [float(sum(weights[k] for k in g)) for g in groups]
+
+
+def site_costs(measure: Callable[[InputCalibration], float], table: SiteTable, groups: Sequence,
                grid: Sequence[float] = SITE_GRID, progress: bool = True,
                say: Callable[[str], None] | None = None) -> np.ndarray:
-    """[len(keys), len(grid)]: measure(cal) (the KL to dense) with only site keys[i] at each
-    grid level."""
+    """[len(groups), len(grid)]: measure(cal) (the KL to dense) with only the sites of
+    groups[i] (group_sites) at each grid level."""
+    keys = groups
     costs = np.zeros((len(keys), len(grid)))
     bar = None
     if progress:
@@ -97,11 +114,12 @@ def site_costs(measure: Callable[[InputCalibration], float], table: SiteTable, k
     try:
         for i, k in enumerate(keys):
             for j, s in enumerate(grid):
-                costs[i, j] = measure(table.calibration({k: s}))
+                costs[i, j] = measure(table.calibration({key: s for key in k}))
                 if bar is not None:
                     bar.update(1)
             if say:
-                say(f"  site {k[0]} {'' if k[1] is None else k[1]}: KL " + ", ".join(
+                layers = [key[1] for key in k if key[1] is not None]
+                say(f"  site {k[0][0]} {f'{min(layers)}-{max(layers)}' if layers else ''}: KL " + ", ".join(
                     f"{s:.0%} {c:.4f}" for s, c in zip(grid, costs[i])))
     finally:
         if bar is not None:
@@ -109,14 +127,14 @@ def site_costs(measure: Callable[[InputCalibration], float], table: SiteTable, k
     return costs
 
 
-def allocate_sites(costs: np.ndarray, keys: Sequence, weights: dict, max_kl: float,
+def allocate_sites(costs: np.ndarray, groups: Sequence, weights: dict, max_kl: float,
                    grid: Sequence[float] = SITE_GRID, step: float = 0.05) -> dict:
-    """Per site key its level: thresholds.greedy_allocation by KL per byte (weights: a site's
-    bytes per token) until the summed measured KL reaches max_kl."""
+    """Per site key its level: thresholds.greedy_allocation over the groups (group_sites) by
+    KL per byte (weights: a site's bytes per token) until the summed measured KL reaches
+    max_kl; a group's sites share its level."""
     from .thresholds import greedy_allocation
-    lv = greedy_allocation(costs, None, grid, step, weights=[float(weights[k]) for k in keys],
-                           max_cost=max_kl)
-    return dict(zip(keys, lv))
+    lv = greedy_allocation(costs, None, grid, step, weights=group_weights(groups, weights), max_cost=max_kl)
+    return {k: v for g, v in zip(groups, lv) for k in g}
 
 
 def predicted_bytes(levels: dict, weights: dict) -> float:

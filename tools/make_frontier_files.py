@@ -117,7 +117,7 @@ def site_files(args) -> dict:
     profile, calibrations at 0, 0.05, ..., 0.9; uniform levels patched in, and the greedy."""
     from powerinfer_cpp.sparse.gate_eval import GateEvaluator
     from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, group_sites, predicted_bytes,
-                                                       site_bytes, site_costs)
+                                                       refine_curves, site_bytes, site_costs)
     crit = args.sites_criterion
     rep: list = []
     base = os.path.join(args.out, f"sites-{crit}-cal.gguf")
@@ -181,9 +181,11 @@ def site_files(args) -> dict:
             json.dump({"grid": grid, "keys": [[list(k) for k in g] for g in keys], "costs": costs.tolist()},
                       open(cache, "w"))
         dense_sites = float(sum(weights.values()))
+        if args.site_refine:  # a coarse grid: power law below its first level (refine_curves)
+            costs, grid = refine_curves(costs, grid)
         for kl in budgets:
             lv = allocate_sites(costs, keys, weights, kl, grid)
-            p = os.path.join(args.out, f"sites-{crit}-greedy-{kl:g}.gguf")
+            p = os.path.join(args.out, f"sites-{crit}-greedy{'-refined' if args.site_refine else ''}-{kl:g}.gguf")
             shutil.copyfile(base, p)
             patch_calibration(p, table.calibration(lv))
             by: dict = {}
@@ -191,7 +193,8 @@ def site_files(args) -> dict:
                 by.setdefault(site, []).append(v)
             mean = {site: float(np.mean(v)) for site, v in by.items()}
             saved = dense_sites - predicted_bytes(lv, weights)
-            out["files"][p] = {"method": f"sites greedy ({crit})", "level": kl, "site_mean_levels": mean,
+            out["files"][p] = {"method": f"sites greedy{' refined' if args.site_refine else ''} ({crit})",
+                               "level": kl, "site_mean_levels": mean,
                                "predicted_saved_bytes": saved,
                                "levels": {f"{k[0]}.{'' if k[1] is None else k[1]}": v for k, v in lv.items()}}
             say(f"{p}: predicted KL {kl}, saves {saved / 1e6:.1f} MB/token; mean level per site kind: "
@@ -252,6 +255,9 @@ def main() -> int:
     ap.add_argument("--sites-kl", default="0.01,0.02,0.04", help="sites: summed-KL budgets of the greedy")
     ap.add_argument("--sites-criterion", default="magnitude", choices=F.INPUT_CRITERIA)
     ap.add_argument("--site-tokens", type=int, default=64, help="sites: calibration tokens per KL measurement")
+    ap.add_argument("--site-refine", action="store_true",
+                    help="sites: read the measured curves as power laws below the first grid level "
+                         "(site_allocation.refine_curves) instead of linearly from 0")
     ap.add_argument("--site-layers", type=int, default=1,
                     help="sites: consecutive layers of one site kind sharing a level (fewer curves to measure)")
     ap.add_argument("--sites-calib-tokens", type=int, default=4096,

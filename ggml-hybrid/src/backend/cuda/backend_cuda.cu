@@ -727,11 +727,16 @@ gh_status cs_sync(gh_stream * gs, double * device_seconds) {
     return GH_OK;
 }
 
+bool cb_reads_type(const gh_backend *, int type) {
+    return with_dev_type(type, [](auto) {});
+}
+
 gh_backend_ops make_ops() {
     gh_backend_ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
     o.destroy = cb_destroy;
+    o.reads_type = cb_reads_type;
     o.mem_info = cb_mem_info;
     o.alloc = cb_alloc;
     o.free = cb_free;

@@ -511,6 +511,9 @@ static void dot4_f32(int64_t n, const void * const * rows, const void * const * 
 static void dot4_f16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
     dot4_f(W_F16, n, rows, pf, x, y);
 }
+static void dot4_bf16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_f(W_BF16, n, rows, pf, x, y);
+}
 /* the quantized types' dot4: DEFINE_GEMM_Q */
 
 /* ------------------------------------------------------------------ dispatch */
@@ -888,7 +891,7 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
 const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32),
     [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16),
-    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL),
+    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, dot4_bf16),
     [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0),
     [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0),
     [GH_TYPE_Q4_1] = GH_DOT_ROW(vec_dot_q4_1, q8_x4_from_float_x, gemm_q4_1, 4, QNT, 4, dot4_q4_1),

@@ -1,6 +1,7 @@
 /* AVX2 dot kernels of the non-linear 4-bit types (types/iq4.h); their rows are in the
  * AVX2 dot table (kernels_avx2.c, which also gives them its Q8_X4 / Q8_K activation
- * conversions). AVX-512 has no rows of its own for them: that level uses these.
+ * conversions). AVX-512 has rows of its own for them (avx512/kernels_b32_avx512.c,
+ * avx512/kernels_k2_avx512.c).
  *
  * Every level is an int8, so the nibbles are looked up in the 16-byte level table with
  * one vpshufb per 32 values and the dot is Q8_0's: maddubs of |level| with
@@ -14,8 +15,6 @@
  *     last row so a row's value does not depend on its tile.
  *   IQ4_XS x Q8_K: one row at a time (one linear stream), each 256-value block's levels
  *     looked up once for up to KNT tokens, the signed 6-bit scales through madd (xs_row). */
-#pragma GCC target("avx2,fma,f16c")
-
 #include "cpu/avx2/iq4_avx2.h"
 #include "cpu/avx2/prefetch.h"
 

@@ -29,6 +29,7 @@ VARIANTS = {
     "mistral-nemo": False,
     "qwen2": False, "qwen2-tied": False, "qwen3": False, "qwen3-tied": False,
     "olmo2": False, "olmo2-tied": False, "smollm3": False, "smollm3-untied": False,
+    "gemma2": False, "gemma2-mqa": False, "gemma3": False, "gemma3-untied": False,
     "opt": True, "opt-untied": True,
     "falcon-7b": False, "falcon-7b-bias": False, "falcon-mha": False, "falcon-40b": False,
     "falcon-40b-1ln": False, "falcon-rw-like": False, "falcon-relu": True,
@@ -73,6 +74,28 @@ def test_logits_f32(arch_case):
     print(f"{arch_case['variant']}: f32 max error / logit range {err:.2e}")
     assert err <= 1e-4, f"{arch_case['variant']}: max logit error {err:.2e} of the range"
     np.testing.assert_allclose(rows, got[:12], rtol=0, atol=1e-5 * rng_)
+
+
+def test_sliding_window_decode(arch_case):
+    """Gemma's local layers past their window (4-6 of the 40 positions): every token decoded
+    one at a time, and the prompt in batches of 7 that straddle windows, against
+    transformers; an F16 cache within the f16 bound."""
+    if not arch_case["variant"].startswith("gemma"):
+        pytest.skip("no sliding-window layers")
+    ids, want = arch_case["ids"], arch_case["want"]
+    rng_ = np.ptp(want)
+    with Model(arch_case["gguf"], n_ctx=64, cache_type="f32", n_threads=2) as m:
+        step = m.create_context(n_ctx=64, cache_type="f32")
+        rows = np.stack([step.eval([t]) for t in ids]).astype(np.float64)
+        chunks = m.create_context(n_ctx=64, n_batch=7, cache_type="f32").eval(ids, logits_all=True)
+        f16 = m.create_context(n_ctx=64, cache_type="f16").eval(ids, logits_all=True)
+    err_step = np.abs(rows - want).max() / rng_
+    err_chunk = np.abs(chunks.astype(np.float64) - want).max() / rng_
+    nrmse = np.sqrt(((f16 - want) ** 2).mean() / ((want - want.mean()) ** 2).mean())
+    print(f"{arch_case['variant']}: decode {err_step:.2e}, batches of 7 {err_chunk:.2e} of the "
+          f"logit range; f16 cache nrmse {nrmse:.2e}")
+    assert err_step <= 1e-4 and err_chunk <= 1e-4, (err_step, err_chunk)
+    assert nrmse < QUANT_NRMSE["f16"], nrmse
 
 
 @pytest.mark.parametrize("outtype", list(QUANT_NRMSE))
@@ -135,6 +158,34 @@ def test_sparse_oracle_equals_dense_and_host_device_equals_cpu(arch_case, sparse
         np.testing.assert_allclose(_decode(m, ids, "oracle"), oracle, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(_decode(m, ids, "sparse"), sparse, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(_decode(m, ids, "dense"), dense, rtol=0, atol=2e-5 * scale)
+
+
+def test_gemma2_llama_cpp_defaults(tmp_path):
+    """llama.cpp's gemma2 files carry no attention.scale (it takes 1/sqrt(head size) but for
+    the 27B) and it assumes soft-caps 50 / 30 where the keys are absent: such a file runs as
+    transformers does with those values. A sliding_window_pattern array of the wrong length
+    is refused by name."""
+    from gguf import GGUFValueType as VT
+    from gguf_rewrite import rewrite_gguf
+    from powerinfer_cpp import NativeError
+
+    hf_dir = make_hf_model("gemma2", tmp_path / "hf", seed=7, query_pre_attn_scalar=16,
+                           attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    ref = hf_reference_model(hf_dir)
+    ours = convert(hf_dir, tmp_path / "f32.gguf", outtype="f32", progress=False)
+    bare = rewrite_gguf(ours, tmp_path / "bare.gguf", drop_kv=[
+        "gemma2.attention.scale", "gemma2.attn_logit_softcapping", "gemma2.final_logit_softcapping"])
+    ids = list(range(3, 3 + N_POS))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].double().numpy()
+    with Model(bare, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        got = m.eval(ids, logits_all=True).astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)
+    bad = rewrite_gguf(ours, tmp_path / "pattern.gguf", kv={
+        "gemma2.attention.sliding_window_pattern": ([True, False], VT.ARRAY)})
+    with pytest.raises(NativeError, match=r"gemma2\.attention\.sliding_window_pattern' must be a "
+                                          r"period \(uint32\) or an array of 3 bools"):
+        Model(bad)
 
 
 # ---- files the runtime refuses, each with the key or tensor named ----------------------

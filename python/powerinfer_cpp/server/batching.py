@@ -6,7 +6,8 @@ Each step it
   2. samples the next token of every generation whose logits are ready and sends its text
      (a generation that ends here answers its client now);
   3. evaluates one chunk (`prompt_chunk` tokens) of the oldest prompt still being read, so
-     a long prompt is spread over several steps while the others keep decoding;
+     a long prompt is spread over several steps while the others keep decoding (with no
+     other generation decoding, the whole prompt at once);
   4. evaluates the next token of every decoding generation in ONE forward pass
      (model.eval_batch: each weight is read once per step, not once per slot).
 Generations whose context runs a sparse FFN mode (sparse, gate, oracle) decode one by one
@@ -98,7 +99,10 @@ class Batcher:
                 job.end()
         for job in active:  # 3. one chunk of the oldest prompt still being read
             if not job.ended and not job.gen.prefilled:
-                _guard(job, lambda: job.gen.prefill(self.prompt_chunk))
+                # in chunks only while others decode (alone, the whole prompt at once)
+                others = any(j is not job and not j.ended and j.gen.prefilled for j in active)
+                chunk = self.prompt_chunk if others else None
+                _guard(job, lambda: job.gen.prefill(chunk))
                 break
         decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
         batch = []

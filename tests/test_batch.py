@@ -86,6 +86,26 @@ def test_batched_steps_equal_single_steps(model, cache_types):
     print(f"batched logits bit for bit equal to single steps: {exact}")
 
 
+def test_batched_steps_on_a_device(shipped_gguf):
+    """The hybrid path: attention and head on the simulated device (host-device) run the
+    batch's rows there, in the lending context's stream; each step equals gh_eval's."""
+    with Model(shipped_gguf, n_ctx=64, n_threads=2, device="host-device") as m:
+        assert m.device_info()["attention_layers"] > 0 and m.device_info()["head_on_device"]
+        ctxs = [m.create_context(n_ctx=64) for _ in range(2)]
+        twins = [m.create_context(n_ctx=64) for _ in range(2)]
+        last = []
+        for c, t, p in zip(ctxs, twins, PROMPTS):
+            ids = m.tokenize(p)
+            c.eval(ids)
+            last.append(t.eval(ids))
+        for step in range(4):
+            tokens = [int(lg.argmax()) for lg in last]
+            _native_batch(ctxs, tokens)
+            last = [t.eval([tok]) for t, tok in zip(twins, tokens)]
+            for i, (c, ref) in enumerate(zip(ctxs, last)):
+                _compare(_logits(c), ref, f"host-device step {step}, context {i}")
+
+
 def test_a_batch_of_one_is_gh_eval(model):
     a, b = model.create_context(n_ctx=64), model.create_context(n_ctx=64)
     ids = model.tokenize(PROMPTS[0])

@@ -23,6 +23,7 @@
 
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/avx2/iq4_avx2.h"
+#include "cpu/avx2/prefetch.h"
 #include "cpu/kernels.h"
 
 #include <immintrin.h>
@@ -39,10 +40,6 @@
 #define F_MR 3
 #define F_NT 4
 #define QNT 6
-#ifndef GH_PF_TILES
-#define GH_PF_TILES 3
-#endif
-#define GH_PF_HINT _MM_HINT_T1  /* into L2: into L1 the prefetched lines evict x */
 
 GH_INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -74,9 +71,6 @@ GH_INLINE __m256 load_x(const int kind, const void * p) {
     return kind == W_BF16 ? bf16x8(p) : _mm256_loadu_ps(p);
 }
 
-/* Prefetch modes of the float tiles: none (prompt tiles, whose rows stay in L2), one
- * linear stream starting at pf[0] (decode), or the rows pf[0..MR) (gathered rows). */
-enum { PF_NONE, PF_LINEAR, PF_ROWS };
 
 /* y[t * ldy + r] = W[r] . X[t]: rows at wr[r], one accumulator per row and token, 8
  * values per step, the last n % 8 through zero-padded copies. */
@@ -442,6 +436,7 @@ GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
     }
     if (nb % 4) {
         const int64_t g = ng_full;
+        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) (nb % 4) * bs);
         const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
         q_tail_r4(NT, kind, p, (size_t) (nb % 4) * bs, xb + g * sizeof(block_q8_x4), xs, acc);
     }

@@ -17,6 +17,7 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "cpu/avx2/iq4_avx2.h"
+#include "cpu/avx2/prefetch.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -24,10 +25,6 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define QNT 6  /* tokens of a prompt tile (as Q4_0's) */
 #define KNT 4  /* tokens of an IQ4_XS row pass (as the K-quants') */
-#ifndef GH_PF_TILES
-#define GH_PF_TILES 3
-#endif
-#define GH_PF_HINT _MM_HINT_T1
 #define K_PF_BYTES 1024
 
 enum { IQ_NL, IQ_MX };
@@ -137,8 +134,6 @@ GH_INLINE void group_r4(const int NT, const int kind, const uint8_t * const * p,
     }
 }
 
-enum { PF_NONE, PF_LINEAR, PF_ROWS };
-
 /* y[t][r] = rows[r] . X[t] for NT tokens; the last 1..3 blocks of a row through zeroed
  * copies (a zero block adds 0: its levels are 0 (MXFP4) or its scale is (IQ4_NL)). */
 GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, const uint8_t * const * rows,
@@ -168,6 +163,7 @@ GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, c
     }
     if (nb % 4) {
         const int64_t g = ng_full;
+        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) (nb % 4) * block_bytes(kind));
         _Alignas(32) uint8_t tb[4][4 * sizeof(block_iq4_nl)];
         memset(tb, 0, sizeof tb);
         const uint8_t * tp[4];

@@ -371,6 +371,11 @@ GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws,
         q_group_r4(is_q4, p, 4 * (int64_t) bs, xg + g, &acc);
     }
     if (nb % 4) {
+        /* the rest of the tile's bytes of the stream: a row of 4g + 1..3 blocks (576
+         * columns, say) would otherwise leave its last lines to demand misses, which
+         * halved decode GB/s on such rows (docs/BENCHMARKS.md, real models) */
+#pragma GCC unroll 8
+        for (size_t k = 0; k < 4 * (size_t) (nb % 4) * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
         const int64_t g = ng_full;
         const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
                                  wb + 3 * ws + 4 * g * bs };
@@ -514,6 +519,11 @@ GH_INLINE void dot4_q(const bool is_q4, int64_t n, const void * const * rows,
     }
     if (nb % 4) {
         const size_t off = 4 * ng_full * bs;
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) { /* the rows' last 1..3 blocks, as a full group's */
+            _mm_prefetch((const char *) pf[r] + off, GH_PF_HINT);
+            _mm_prefetch((const char *) pf[r] + off + (nb % 4) * bs - 1, GH_PF_HINT);
+        }
         const uint8_t * p[4] = { (const uint8_t *) rows[0] + off, (const uint8_t *) rows[1] + off,
                                  (const uint8_t *) rows[2] + off, (const uint8_t *) rows[3] + off };
         q_group_r4(is_q4, p, (nb % 4) * (int64_t) bs, xg + ng_full, &acc);

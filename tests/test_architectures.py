@@ -3,8 +3,9 @@
 converted and run by the native runtime, against transformers (CPU torch, float32).
 
 Per variant: all logits over 40 positions (f32 weights and cache: max error <= 1e-4 of the
-logit range; f16 / q8_0 / q4_0: the normalized RMS bounds below), greedy decoding, and for
-the ReLU-family ones the sparse file: oracle == dense and host-device == cpu."""
+logit range; f16 / q8_0 / q4_0: the normalized RMS bounds below), greedy decoding, batched
+decode (gh_eval_batch) against single steps, and for the ReLU-family ones the sparse file:
+oracle == dense and host-device == cpu."""
 
 from __future__ import annotations
 
@@ -390,3 +391,30 @@ def test_gate_mode_geglu_matches_transformers(tmp_path, variant):
     err = np.abs(got - want).max() / np.ptp(want)
     print(f"{variant}: gate mode vs masked transformers {err:.2e} of the logit range")
     assert err <= 1e-4, err
+
+
+def test_batched_decode_equals_single_steps(arch_case):
+    """Batched decode (gh_eval_batch: the server's continuous batching) runs the same
+    forward pass over rows of several contexts: three contexts at different positions
+    decode 6 steps together, and each step's logits equal gh_eval's of the same token on a
+    twin context (f32 weights and cache: within 1e-5 of the logit range)."""
+    from powerinfer_cpp._native import check, ffi, lib
+
+    ids = arch_case["ids"]
+    with Model(arch_case["gguf"], n_ctx=64, n_threads=2) as m:
+        ctxs = [m.create_context(n_ctx=64, cache_type="f32") for _ in range(3)]
+        twins = [m.create_context(n_ctx=64, cache_type="f32") for _ in range(3)]
+        last = []
+        for k, (c, t) in enumerate(zip(ctxs, twins)):
+            c.eval(ids[:3 + 4 * k])
+            last.append(t.eval(ids[:3 + 4 * k]))
+        ptrs = ffi.new("gh_context *[]", [c._handle() for c in ctxs])
+        for step in range(6):
+            tokens = np.array([int(lg.argmax()) for lg in last], dtype=np.int32)
+            check(lib.gh_eval_batch(ptrs, 3, ffi.from_buffer("int32_t[]", tokens)))
+            last = [t.eval([int(tok)]) for t, tok in zip(twins, tokens)]
+            for i, ref in enumerate(last):
+                got = np.frombuffer(ffi.buffer(lib.gh_get_logits(ptrs[i], 0), m.n_vocab * 4),
+                                    np.float32)
+                err = np.abs(got - ref).max() / (ref.max() - ref.min())
+                assert err <= 1e-5, (arch_case["variant"], step, i, err)

@@ -131,7 +131,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->v_cache[il] = gh_aligned_alloc((size_t) n_ctx * c->kv_row);
         ok = c->k_cache[il] && c->v_cache[il];
     }
-    if (ok && c->cache_type != GH_TYPE_F32) {
+    if (ok) { /* F32 caches too: a batched decode (gh_eval_batch) stores through them */
         c->k_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
         c->v_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
         ok = c->k_cur && c->v_cur;

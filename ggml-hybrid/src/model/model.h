@@ -94,8 +94,9 @@ struct gh_context {
     int32_t         n_batch;
     int32_t         n_past;
     /* KV cache, per layer [n_ctx] rows of n_head_kv * head_dim values in cache_type
-     * (kv_row bytes each); for a cache type other than F32 the new tokens' k and v are
-     * made in f32 in k_cur / v_cur [n_batch][n_head_kv * head_dim], then stored */
+     * (kv_row bytes each); for a cache type other than F32 (and in a batched decode) the
+     * new tokens' k and v are made in f32 in k_cur / v_cur [n_batch][n_head_kv * head_dim],
+     * then stored */
     void **         k_cache;
     void **         v_cache;
     int32_t         cache_type;
@@ -146,11 +147,19 @@ struct gh_context {
     /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
      * refused instead of overwriting the buffers and cache the first one uses */
     atomic_int      busy;
+    /* batched decode (gh_eval_batch, model/batch.c): while set, token t of the forward pass
+     * is the next token of context seq[t] (its position, its KV cache), and this context
+     * lends the pass its buffers and threads; NULL otherwise */
+    struct gh_context * const * seq;
 };
 
 /* A model from a GGUF image in memory (not copied: it must outlive the model), without a
  * GPU index side file; for the load-path fuzzer (tools/fuzz/load_fuzz.c). */
 gh_status gh_model_load_memory(const void * data, size_t size, gh_model ** out);
+
+/* The forward pass (forward.c) of n tokens, n <= c->n_batch: which logits it keeps. */
+enum { GH_LOGITS_NONE, GH_LOGITS_LAST, GH_LOGITS_ALL };
+void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0);
 
 /* Claims c for one call, or fails with GH_ERR_BUSY naming `what`; ctx_leave releases it. */
 gh_status gh_ctx_enter(gh_context * c, const char * what);

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over a pool of slots.
 
-Every slot is a Context over ONE shared Model; a generation runs in a worker thread of
-its own and sends its text pieces back to the event loop, so the loop keeps serving
-other requests (and notices a client that went away) while tokens are computed. What
-happens before a request reaches a slot (checks, template, tokens) is in prepare.py;
-what happens before it reaches a route (host, origin, key, body) in guard.py; the
-connection limits under both in connection.py.
+Every slot is a Context over ONE shared Model. The generations of all busy slots run in
+one scheduler thread that evaluates their next tokens as one batch per step (batching.py:
+continuous batching; with --no-cont-batching each generation runs in a worker thread of
+its own); text pieces go back to the event loop, so the loop keeps serving other requests
+(and notices a client that went away) while tokens are computed. What happens before a
+request reaches a slot (checks, template, tokens) is in prepare.py; what happens before it
+reaches a route (host, origin, key, body) in guard.py; the connection limits under both in
+connection.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
 from ..chat import ChatTemplate, ChatTemplateError, ChatTemplateLimitError, normalize_messages
+from .batching import Batcher
 from .errors import APIError, error_response
 from .guard import Guard
 from .metrics import Metrics
@@ -51,7 +54,10 @@ class Settings:
     parallel: int = 1
     queue: int = 16
     n_ctx: int = 0
-    threads: int = 0            # per slot; 0 = the cores divided among the slots
+    threads: int = 0            # of a forward pass; 0 = every core with batching (one pass
+                                # runs at a time), else the cores divided among the slots
+    batching: bool = True       # continuous batching (batching.py); False: a thread per slot
+    prompt_chunk: int = 256     # prompt tokens a batching step evaluates
     max_tokens: int = 0         # cap on a request's max_tokens; 0 = the context size
     max_body: int = 1 << 20     # bytes
     api_key: str | None = None
@@ -139,7 +145,10 @@ class Server:
             raise ValueError("--queue must be >= 0")
         self.model = Model(s.model, n_ctx=s.n_ctx, ffn=s.ffn, device=s.device,
                            vram_budget=s.vram_budget)
-        threads = s.threads or max(1, (os.cpu_count() or 1) // s.parallel)
+        if s.prompt_chunk < 1:
+            raise ValueError("--prompt-chunk must be >= 1")
+        cores = os.cpu_count() or 1
+        threads = s.threads or (cores if s.batching else max(1, cores // s.parallel))
         try:
             self.slots = [Slot(i, self.model.create_context(n_ctx=s.n_ctx, n_threads=threads))
                           for i in range(s.parallel)]
@@ -166,7 +175,8 @@ class Server:
         except ChatTemplateError as e:
             self.template, self.template_error = None, str(e)
         self.pool: SlotPool | None = None  # made on the event loop, at startup
-        self.executor = concurrent.futures.ThreadPoolExecutor(
+        self.batcher = Batcher(s.prompt_chunk) if s.batching else None
+        self.executor = None if s.batching else concurrent.futures.ThreadPoolExecutor(
             max_workers=s.parallel, thread_name_prefix="slot")
         self.metrics = Metrics()
         self.jobs: set[Job] = set()
@@ -209,7 +219,10 @@ class Server:
         """Stop every generation, wait for the workers, free the model."""
         for job in list(self.jobs):
             job.cancel.set()
-        self.executor.shutdown(wait=True)
+        if self.batcher is not None:
+            self.batcher.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
         self.preparer.close()
         if self.runner is not None:
             self.runner.close()
@@ -276,7 +289,7 @@ class Server:
         loop = asyncio.get_running_loop()
         job = Job(loop, self.pool, slot, prompt_ids, kw)
         self.jobs.add(job)
-        done = job.start(self.executor)
+        done = job.start(self.batcher or self.executor)
         done.add_done_callback(lambda _: self._finish(job))
         if stream:
             return _SSEResponse(self._sse(job, fmt), on_close=job.cancel.set)
@@ -489,7 +502,9 @@ def create_app(settings: Settings) -> FastAPI:
         return PlainTextResponse(
             server.metrics.render(busy=pool.n_busy if pool else 0,
                                   waiting=pool.n_waiting if pool else 0,
-                                  n_slots=len(server.slots)),
+                                  n_slots=len(server.slots),
+                                  batched=(b.steps, b.batched_tokens) if (b := server.batcher)
+                                  else (0, 0)),
             media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -10,10 +10,14 @@ a prefix of it).
 
 Why llguidance (the library llama.cpp uses), not xgrammar or outlines-core: measured on
 SmolLM2's 49,152-token vocabulary (tools/bench_constrained.py, docs/BENCHMARKS.md
-"Constrained decoding") it had the lowest cost per token and compiles a schema in about a
-millisecond, where outlines-core builds an index over the whole vocabulary per schema
-and xgrammar ... (see the benchmark). It is an optional dependency (the `structured` extra);
-without it a request for structured output is refused with the install line.
+"Constrained decoding") the mask costs 0.005-0.017 ms per token (median; xgrammar
+0.006-0.013, outlines-core 0.003-0.060), a schema compiles in 1-10 ms (xgrammar ~30 ms,
+outlines-core 5-23 s: it indexes the whole vocabulary per schema), it reads llama.cpp's
+GBNF grammars as well as JSON schemas and Lark, and it needs nothing else (xgrammar
+requires torch, transformers and triton). Per token the processor below costs ~0.2 ms in
+all (mask, numpy, advance): a few percent of a 135M model's decode step, less for bigger
+models. It is an optional dependency (the `structured` extra); without it a request for
+structured output is refused with the install line.
 
 The vocabulary handed to the library is the model's own tokenizer's (tokenizer.py): each
 id's exact bytes, special tokens marked, and its encoder for the library's

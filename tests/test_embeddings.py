@@ -60,7 +60,7 @@ def test_hidden_states_equal_transformers(tiny):
         ctx = m.context
         got = ctx.hidden_states(tiny["ids"]).astype(np.float64)
         assert ctx.cached_tokens == tiny["ids"] and ctx.n_past == N_POS
-        # no logits were computed, and the cache is usable: a next eval continues it
+        # the cache is usable: a next eval continues it
         assert m.eval([5]).shape == (m.n_vocab,)
     want = tiny["want"]
     err = np.abs(got - want).max() / (want.max() - want.min())

@@ -661,7 +661,7 @@ class Context(_NativeHandle):
         """The final hidden state of every token of `tokens` (the output norm's output, what
         the head reads), run from an empty cache with the dense FFN: [n_tokens, n_embd]
         float32. The cache then holds the tokens (a next prompt starting with them reuses
-        them); no logits are computed."""
+        them)."""
         ids = self._check_ids(tokens)
         d = self.model.info.n_embd
         with self._calling() as ptr:

@@ -356,11 +356,8 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
     gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
 }
 
-/* keep: which logits are kept (KEEP_LAST, KEEP_ALL, or KEEP_NONE: the head is not run,
- * for callers that read the hidden states only). */
-enum { KEEP_LAST, KEEP_ALL, KEEP_NONE };
-
-static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens, int keep) {
+static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                             int32_t logits_all) {
     if (!tokens || n_tokens <= 0) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval: no tokens given");
     const int32_t n_vocab = c->model->hp.n_vocab;
     for (int32_t i = 0; i < n_tokens; i++) {
@@ -375,7 +372,7 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
                        "with a larger n_ctx or truncate it",
                        c->n_past, n_tokens, c->n_ctx);
     }
-    const int32_t rows = keep == KEEP_ALL ? n_tokens : keep == KEEP_LAST ? 1 : 0;
+    const int32_t rows = logits_all ? n_tokens : 1;
     if (rows > c->logits_cap) {
         float * l = gh_aligned_alloc((size_t) rows * n_vocab * sizeof(float));
         if (!l) return gh_fail(GH_ERR_OOM, "out of memory for %d rows of logits", rows);
@@ -387,11 +384,10 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
     c->dev_status = GH_OK;
     for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
-        const int which = keep == KEEP_ALL ? LOGITS_ALL
-                          : keep == KEEP_LAST && i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
+        const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
         c->prof_t0 = i;
         const double t0 = gh_now();
-        forward_batch(c, tokens + i, n, which, keep == KEEP_ALL ? i : 0);
+        forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
         gh_stats_tokens(c, n, gh_now() - t0);
         if (c->dev_status) {
             /* a device op failed: these tokens are not in the cache, and no logits */
@@ -411,7 +407,7 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
     gh_status st = gh_ctx_enter(c, "gh_eval");
     if (st) return st;
-    st = eval_tokens(c, tokens, n_tokens, logits_all ? KEEP_ALL : KEEP_LAST);
+    st = eval_tokens(c, tokens, n_tokens, logits_all);
     gh_ctx_leave(c);
     return st;
 }
@@ -423,7 +419,7 @@ gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens,
     if (st) return st;
     /* the head's input of every token is what profiling's head tap records */
     c->prof_head = out;
-    st = eval_tokens(c, tokens, n_tokens, KEEP_NONE);
+    st = eval_tokens(c, tokens, n_tokens, 0);
     c->prof_head = NULL;
     c->prof_t0 = 0;
     gh_ctx_leave(c);
@@ -473,7 +469,7 @@ gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_t
     c->prof_attn_out = attn_out_in;
     c->prof_attn_out_stride = attn_out_in_stride;
     c->prof_head = head_in;
-    st = eval_tokens(c, tokens, n_tokens, KEEP_LAST);
+    st = eval_tokens(c, tokens, n_tokens, 0);
     c->prof_x = NULL;
     c->prof_mask = NULL;
     c->prof_attn = c->prof_attn_out = c->prof_head = NULL;

@@ -27,7 +27,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
 from ..chat import ChatTemplate, ChatTemplateError, ChatTemplateLimitError, normalize_messages
-from .embeddings import EmbeddingService
 from .errors import APIError, error_response
 from .guard import Guard
 from .metrics import Metrics
@@ -101,6 +100,8 @@ class Server:
         self.aliases = list(dict.fromkeys(
             [self.name, Path(s.model).name.removesuffix(".gguf"), Path(s.model).name]))
         self.preparer = PromptPreparer(self.model, self.n_ctx, s.tokenize_timeout)
+        from .embeddings import EmbeddingService
+
         self.embeddings = EmbeddingService(self.model, self.n_ctx, threads, self.preparer)
         self.runner: TemplateRunner | None = None
         self.template_stops: list[str] = []
@@ -158,10 +159,10 @@ class Server:
         for job in list(self.jobs):
             job.cancel.set()
         self.executor.shutdown(wait=True)
-        self.embeddings.close()
         self.preparer.close()
         if self.runner is not None:
             self.runner.close()
+        self.embeddings.close()
         self.model.close()
 
     # -- request handling ------------------------------------------------------------

@@ -320,6 +320,11 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
  * i = -1 means the last row. The pointer stays valid until the next gh_eval. */
 const float * gh_get_logits(const gh_context * c, int32_t i);
 int32_t gh_n_logit_rows(const gh_context * c);
+/* Embeddings: gh_eval (the last token's logits kept) that also writes every token's final
+ * hidden state, the output norm's output (what the head reads), to out[t * n_embd + j]
+ * (n_tokens * n_embd floats). The tokens are appended to the cache as by gh_eval, in the
+ * context's FFN mode (set the sparse batch to 0 for the dense FFN's states). */
+gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out);
 
 /* Batched decode (continuous batching in a server): the next token of each of n contexts
  * of one model, tokens[i] for ctxs[i], in ONE forward pass. Norms, projections, the FFN and

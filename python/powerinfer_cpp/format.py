@@ -114,6 +114,10 @@ KEY_ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # gemma3: the local layers
 KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+# How an embedding model pools its tokens' hidden states (llama.cpp's llama_pooling_type);
+# read by embeddings.py, never written by the converter (a causal LM does not say)
+KEY_POOLING_TYPE = "{arch}.pooling_type"
+POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 #: The per-architecture keys the runtime's loader refuses a file without (every other key
 #: has a default); the preflight (preflight.py) names all that are missing at once, and

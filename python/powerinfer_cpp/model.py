@@ -341,6 +341,40 @@ class Model(_NativeHandle):
         """Context.perplexity on the default context."""
         return self.context.perplexity(text)
 
+    # -- embeddings (embeddings.py) --------------------------------------------
+
+    @property
+    def pooling(self) -> str:
+        """How embed() pools tokens by default: the file's {arch}.pooling_type ("mean",
+        "last", "cls", "none"), "mean" when it names none."""
+        from .embeddings import DEFAULT_POOLING, file_pooling
+
+        if getattr(self, "_pooling", None) is None:
+            self._pooling = file_pooling(self.path, self.info.arch) or DEFAULT_POOLING
+        return self._pooling
+
+    def embed(self, input, *, pooling: str | None = None, normalize: bool = True,
+              truncate: bool = False, context: Context | None = None) -> np.ndarray:
+        """Embedding vectors of `input` (a str, a list of token ids, or a list of either):
+        the final hidden states (after the output norm) pooled as `pooling` says (None: the
+        file's, see `pooling`) and L2-normalised unless normalize=False. One input gives
+        [n_embd] ([n_tokens, n_embd] with pooling "none"), a list one row per input (a list
+        of arrays with "none"). An input longer than the context raises EmbeddingError, or
+        is cut to it with truncate. Runs on the default context (or `context`), whose
+        cache then holds the last input."""
+        from . import embeddings as E
+
+        pooling = self.pooling if pooling is None else E.check_pooling(pooling)
+        ctx = self.context if context is None else context
+        n_ctx = ctx.n_ctx
+        items, single = E.inputs_list(input)
+        ids = [E.input_ids(self, x, n_ctx, truncate, "input" if single else f"input[{i}]")
+               for i, x in enumerate(items)]
+        vecs = [E.embed_ids(ctx, x, pooling, normalize) for x in ids]
+        if single:
+            return vecs[0]
+        return vecs if pooling == "none" else np.stack(vecs)
+
 
 
 
@@ -630,6 +664,35 @@ class Context(_NativeHandle):
             buf = ffi.buffer(lib.gh_get_logits(ptr, 0), rows * nv * 4)
             out = np.frombuffer(buf, dtype=np.float32).reshape(rows, nv).copy()
         return out if logits_all else out[0]
+
+    def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
+        """The final hidden state of every token of `tokens` (the output norm's output, what
+        the head reads), run from an empty cache with the dense FFN: [n_tokens, n_embd]
+        float32. The cache then holds the tokens (a next prompt starting with them reuses
+        them)."""
+        ids = self._check_ids(tokens)
+        d = self.model.info.n_embd
+        with self._calling() as ptr:
+            n_ctx = lib.gh_context_n_ctx(ptr)
+            if len(ids) > n_ctx:
+                raise ValueError(f"{len(ids)} tokens do not fit the context's {n_ctx}")
+            out = np.empty((len(ids), d), dtype=np.float32)
+            arr32 = np.asarray(ids, dtype=np.int32)
+            check(lib.gh_context_truncate(ptr, 0))
+            self._cached.clear()
+            self._n_exact = 0
+            sparse_batch = lib.gh_context_get_sparse_batch(ptr)
+            check(lib.gh_context_set_sparse_batch(ptr, 0))  # the dense FFN's states
+            try:
+                check(lib.gh_eval_embd(ptr, ffi.from_buffer("int32_t[]", arr32), arr32.size,
+                                       ffi.from_buffer("float[]", out, require_writable=True)))
+            finally:
+                check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
+                n = lib.gh_context_n_past(ptr)
+                self._cached.extend(ids[:n])
+                self._n_exact = n
+                self._changed()
+        return out
 
     def perplexity(self, text: str) -> float:
         """exp(mean negative log-likelihood) of `text`, in windows of n_ctx tokens."""

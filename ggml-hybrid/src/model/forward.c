@@ -455,6 +455,20 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
     return st;
 }
 
+gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_embd: out is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_eval_embd");
+    if (st) return st;
+    /* the head's input of every token is what profiling's head tap records */
+    c->prof_head = out;
+    st = eval_tokens(c, tokens, n_tokens, 0);
+    c->prof_head = NULL;
+    c->prof_t0 = 0;
+    gh_ctx_leave(c);
+    return st;
+}
+
 const float * gh_get_logits(const gh_context * c, int32_t i) {
     if (!c || c->n_logit_rows == 0) return NULL;
     if (i < 0) i = c->n_logit_rows - 1;

@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
+           "/metrics", "/")
 
 
 class Metrics:

@@ -240,3 +240,35 @@ def test_experts_in_other_types(tmp_path_factory, outtype):
 # 1.23e-1 (iq4_nl) on this random tiny model (whose routing the quantization moves a little);
 # a wrong row layout gives errors of order 1.
 K_QUANT_NRMSE = {"q4_k": 2e-1, "q6_k": 8e-2, "iq4_nl": 2e-1}
+
+
+def test_router_ties_resolved_as_transformers(tmp_path):
+    """Two experts with the same router row tie exactly in every token's probabilities: the
+    top-1 choice between them is transformers' (torch.topk on the CPU: the lower id), and
+    since the two experts' weights differ, so are the logits."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = make_hf_model("qwen3moe-top1", tmp_path / "src", seed=6)
+    d = tmp_path / "tie"
+    shutil.copytree(src, d)
+    sd = load_file(str(d / "model.safetensors"))
+    for k in [k for k in sd if k.endswith("mlp.gate.weight")]:
+        sd[k] = sd[k].copy()
+        sd[k][3] = sd[k][1]   # experts 1 and 3 score alike
+        sd[k][0] -= 1.0       # experts 1/3 win often (they tie for first)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    path = convert(d, tmp_path / "tie.gguf", "f32", progress=False)
+    ids = list(range(3, 3 + N_POS))
+    with Model(path, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        got = m.eval(ids, logits_all=True).astype(np.float64)
+        counts = m.context.expert_counts()
+    choices = hf_choices(d, ids)
+    assert sum((c == 1).sum() for c in choices) > 0  # the tie was met, and resolved to 1
+    assert sum((c == 3).sum() for c in choices) == 0
+    want_counts = np.stack([np.bincount(c.reshape(-1), minlength=4) for c in choices])
+    np.testing.assert_array_equal(counts, want_counts)
+    with torch.no_grad():
+        want = hf_reference_model(d)(torch.tensor([ids])).logits[0].double().numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)

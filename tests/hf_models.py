@@ -344,7 +344,44 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "falcon-relu": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                                    new_decoder_architecture=True, activation="relu", bias=False,
                                    tie_word_embeddings=False)),                  # ReluFalcon-40B shape
+    # mixtures of experts (MOE_VARIANTS): top-1 and top-2 of 4 to 8 experts, renormalised
+    # routing weights and not, a shared expert (qwen2moe)
+    # mixtral: llama with experts; always renormalised (top-1: weight 1)
+    "mixtral": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                tie_word_embeddings=False)),
+    "mixtral-top1": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                     intermediate_size=32, num_local_experts=8, num_experts_per_tok=1,
+                                     tie_word_embeddings=True)),
+    # qwen2moe: q/k/v biases, a shared expert behind its sigmoid gate; norm_topk_prob off (its
+    # default) and on
+    "qwen2moe": ("qwen2moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=96, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=64, num_experts=6, num_experts_per_tok=2,
+                                  norm_topk_prob=False, tie_word_embeddings=False)),
+    "qwen2moe-norm": ("qwen2moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                       intermediate_size=96, moe_intermediate_size=64,
+                                       shared_expert_intermediate_size=32, num_experts=8,
+                                       num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)),
+    # qwen3moe: per-head q/k norms, an explicit head size (24 != 64 / 4); renormalised top-2,
+    # and top-1 without renormalisation (the weight is the expert's probability)
+    "qwen3moe": ("qwen3moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                  intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                  num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen3moe-top1": ("qwen3moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                       intermediate_size=96, moe_intermediate_size=64, num_experts=4,
+                                       num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True)),
+    # olmoe: q/k norms over the projection; not renormalised (its default) and renormalised
+    "olmoe": ("olmoe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                            tie_word_embeddings=False)),
+    "olmoe-norm": ("olmoe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                 intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                 tie_word_embeddings=True)),
 }
+#: The mixture-of-experts variants (their FFN is experts: no sparse modes yet).
+MOE_VARIANTS = tuple(v for v, (family, _) in VARIANTS.items()
+                     if family in ("mixtral", "qwen2moe", "qwen3moe", "olmoe"))
 
 
 def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
@@ -411,6 +448,22 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.FalconConfig(**{**common, "ffn_hidden_size": 3 * kw["hidden_size"],
                                            "rope_theta": 10000.0, **kw})
         _save(transformers.FalconForCausalLM, cfg, path, seed, tokenizer="bpe-falcon")
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                            "rope_theta": 10000.0, "sliding_window": None, **kw})
+        _save(transformers.MixtralForCausalLM, cfg, path, seed)
+    elif family == "qwen2moe":
+        cfg = transformers.Qwen2MoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                             "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen2MoeForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "qwen3moe":
+        cfg = transformers.Qwen3MoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                             "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen3MoeForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.OlmoeForCausalLM, cfg, path, seed)
     return path
 
 

@@ -27,7 +27,10 @@ from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: 
 
 ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
            "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
-           "smollm3": F.ARCH_SMOLLM3, "gemma2": F.ARCH_GEMMA2, "gemma3": F.ARCH_GEMMA3}
+           "smollm3": F.ARCH_SMOLLM3, "gemma2": F.ARCH_GEMMA2, "gemma3": F.ARCH_GEMMA3,
+           "mixtral": F.ARCH_LLAMA, "qwen2moe": F.ARCH_QWEN2MOE, "qwen3moe": F.ARCH_QWEN3MOE,
+           "olmoe": F.ARCH_OLMOE}
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -93,9 +96,10 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
         undo[name] = (hf, fn, ref_fn)
 
     n = cfg["num_hidden_layers"]
-    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3") + MOE_FAMILIES:
         nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        perm = family in ("llama", "smollm3")
+        perm = family in ("llama", "smollm3", "mixtral")
+        biased = family == "qwen2" or (family == "qwen2moe" and cfg.get("qkv_bias", True))
         post = family == "olmo2"  # output norms only, the q/k norms over the projection
         add("token_embd.weight", "model.embed_tokens.weight")
         if variant == "llama3":
@@ -107,17 +111,31 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
             for proj, kind, heads in (("q", "attn_q", nh), ("k", "attn_k", nkv), ("v", "attn_v", 0)):
                 fn = (lambda a, h=heads: unpermute_qk(a, h)) if perm and heads else (lambda a: a)
                 add(f"blk.{i}.{kind}.weight", L + f"self_attn.{proj}_proj.weight", fn)
-                if family == "qwen2":
+                if biased:
                     add(f"blk.{i}.{kind}.bias", L + f"self_attn.{proj}_proj.bias")
-            if family in ("qwen3", "olmo2"):  # per head / over the projection, as HF stores them
+            if family in ("qwen3", "olmo2", "qwen3moe", "olmoe"):  # per head / over the projection
                 add(f"blk.{i}.attn_q_norm.weight", L + "self_attn.q_norm.weight")
                 add(f"blk.{i}.attn_k_norm.weight", L + "self_attn.k_norm.weight")
             add(f"blk.{i}.attn_output.weight", L + "self_attn.o_proj.weight")
             add(f"blk.{i}.{'post_attention_norm' if post else 'ffn_norm'}.weight",
                 L + "post_attention_layernorm.weight")
-            add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
-            add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
-            add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
+            if family in MOE_FAMILIES:  # each expert is row [e] of the stacked 3-D tensor
+                moe, (g, u, dn) = (("block_sparse_moe.", ("w1", "w3", "w2")) if family == "mixtral"
+                                   else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
+                ne = cfg.get("num_experts") or cfg.get("num_local_experts")
+                add(f"blk.{i}.ffn_gate_inp.weight", L + moe + "gate.weight")
+                for kind, proj in (("ffn_gate_exps", g), ("ffn_up_exps", u), ("ffn_down_exps", dn)):
+                    add(f"blk.{i}.{kind}.weight", tuple(L + f"{moe}experts.{e}.{proj}.weight" for e in range(ne)))
+                if family == "qwen2moe":
+                    add(f"blk.{i}.ffn_gate_inp_shexp.weight", L + "mlp.shared_expert_gate.weight",
+                        lambda a: a.reshape(1, -1))
+                    for kind, proj in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                                       ("ffn_down_shexp", "down_proj")):
+                        add(f"blk.{i}.{kind}.weight", L + f"mlp.shared_expert.{proj}.weight")
+            else:
+                add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
+                add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
+                add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
             if post:
                 add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight")
         add("output_norm.weight", "model.norm.weight")
@@ -215,7 +233,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
           F.arch_key(F.KEY_HEAD_COUNT, A): nh, F.arch_key(F.KEY_VOCAB_SIZE, A): cfg["vocab_size"],
           F.arch_key(F.KEY_CONTEXT_LENGTH, A): cfg["max_position_embeddings"],
           F.arch_key(F.KEY_ROPE_SCALING_TYPE, A): None, F.KEY_FFN_ACT_THRESHOLD: None}
-    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3", "phi3"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3", "phi3") + MOE_FAMILIES:
         hd = cfg.get("head_dim") or d // nh
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
@@ -229,10 +247,21 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                                           "qwen2": "silu", "qwen2-tied": "silu", "qwen3": "silu",
                                           "qwen3-tied": "silu", "olmo2": "silu", "olmo2-tied": "silu",
                                           "smollm3": "silu", "smollm3-untied": "silu",
-                                          "phi3": "silu"}[variant]})
+                                          "phi3": "silu", **{v: "silu" for v in VARIANTS
+                                                             if VARIANTS[v][0] in MOE_FAMILIES}}[variant]})
         if variant == "prosparse":
             ok[F.KEY_FFN_ACT_THRESHOLD] = 0.01
-        ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3") else "default"
+        ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default"
+        moe = family in MOE_FAMILIES
+        ff_exp = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+        ok.update({F.arch_key(F.KEY_EXPERT_COUNT, A): (cfg.get("num_experts") or cfg.get("num_local_experts")) if moe else None,
+                   F.arch_key(F.KEY_EXPERT_USED_COUNT, A): cfg["num_experts_per_tok"] if moe else None,
+                   F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, A): ff_exp if moe else None,
+                   F.arch_key(F.KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH, A):
+                       cfg["shared_expert_intermediate_size"] if family == "qwen2moe" else None,
+                   F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A):
+                       (family == "mixtral" or cfg["norm_topk_prob"]) if moe else None,
+                   F.arch_key(F.KEY_EXPERT_GATING_FUNC, A): 1 if moe else None})
         if family == "phi3":
             ok[F.arch_key(F.KEY_ROPE_FREQ_BASE, A)] = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
     elif family in ("gemma2", "gemma3"):
@@ -296,11 +325,11 @@ def test_tensors_and_keys(hf_dirs, converted, variant):
         if name == "rope_freqs.weight":
             continue  # test_llama3_rope_freqs
         hf, fn, ref_fn = undo[name]
-        ref = sd[hf]
+        ref = np.stack([sd[h] for h in hf]) if isinstance(hf, tuple) else sd[hf]  # experts: stacked
         assert qtype == gguf.GGMLQuantizationType.F32, name  # an f32 conversion: every tensor
         np.testing.assert_array_equal(fn(data), ref_fn(ref), err_msg=f"{name} <- {hf}")
     # every HF tensor is used (a tied head is the embedding itself)
-    used = {undo[n][0] for n in undo}
+    used = {h for n in undo for h in (undo[n][0] if isinstance(undo[n][0], tuple) else (undo[n][0],))}
     assert set(sd) - used <= {"lm_head.weight"}, set(sd) - used
     for key, want in expected_keys(variant, cfg).items():
         if want is None:
@@ -608,7 +637,8 @@ def test_format_doc_covers_every_architecture(converted):
             generic = re.sub(r"^blk\.\d+\.", "blk.N.", name)
             # sections that say "the llama tensors" inherit the llama table's rows
             in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3,
-                              F.ARCH_GEMMA2, F.ARCH_GEMMA3)
+                              F.ARCH_GEMMA2, F.ARCH_GEMMA3, F.ARCH_QWEN2MOE, F.ARCH_QWEN3MOE,
+                              F.ARCH_OLMOE)
                         and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:

@@ -234,6 +234,12 @@ typedef struct {
     int32_t has_input_sparsity; /* 1: every layer has attn_qkv_t / attn_output_t with their
                                  * input thresholds and the file has output_t + output_in_thr
                                  * (input-sparse projections, gh_context_set_input_sparse) */
+    /* mixture of experts ({arch}.expert_* keys); n_expert 0: a dense FFN */
+    int32_t n_expert;      /* experts per layer */
+    int32_t n_expert_used; /* experts each token runs (top-k) */
+    int32_t n_ff_exp;      /* an expert's FFN width */
+    int32_t n_ff_shexp;    /* the shared expert's width (0: none) */
+    int32_t expert_norm;   /* 1: the top-k routing weights are renormalised to sum to 1 */
 } gh_model_info;
 
 gh_status gh_model_load(const char * path, gh_model ** out);
@@ -250,7 +256,8 @@ typedef struct {
 } gh_model_params;
 
 gh_model_params gh_model_default_params(void);
-/* gh_model_load that also puts the model on a device: the dense parts in priority order
+/* gh_model_load that also puts the model on a device (a mixture-of-experts model: the
+ * CPU only for now, another device is refused): the dense parts in priority order
  * (attention weights of each layer, then predictors, then the output head; each in layer
  * order, stopping at the first that does not fit), then the hot FFN neurons. The file's
  * GPU index (blk.N.gpu_bucket) is used when it fits what is left; when it does not, or
@@ -465,6 +472,11 @@ typedef struct {
 gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
                                double * layer_density, int32_t n_layer);
 gh_status gh_context_reset_stats(gh_context * c);
+/* Mixture-of-experts models: how many times each expert of each layer was chosen since
+ * the context was made or gh_context_reset_stats (a token counts once for each of its
+ * n_expert_used experts, prompt tokens too): counts[l * n_expert + e], n >= n_layer *
+ * n_expert values. A model without experts has no counts (nothing is written). */
+gh_status gh_context_get_expert_counts(const gh_context * c, int64_t * counts, int64_t n);
 
 /* Sparse ops on raw buffers (tests, tools). Weights are row-major as in GGUF.
  * Predictor: score = fc2 . relu(fc1 . x), fc1 h x n_embd, fc2 n_ff x h; writes the ids with

@@ -31,6 +31,10 @@ ARCH_OLMO2 = "olmo2"    # OLMo 2
 ARCH_SMOLLM3 = "smollm3"  # SmolLM3 (llama's block, every 4th layer without RoPE)
 ARCH_GEMMA2 = "gemma2"    # Gemma 2 (GeGLU, sandwich norms, soft-capping, sliding windows)
 ARCH_GEMMA3 = "gemma3"    # Gemma 3 text (Gemma 2's block with q/k norms, 5 local : 1 global)
+ARCH_QWEN2MOE = "qwen2moe"  # Qwen1.5-MoE / Qwen2-MoE (experts + a shared expert)
+ARCH_QWEN3MOE = "qwen3moe"  # Qwen3-MoE
+ARCH_OLMOE = "olmoe"        # OLMoE
+# Mixtral is ARCH_LLAMA with KEY_EXPERT_COUNT > 0 (llama.cpp writes it so)
 
 #: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
 #: architecture; its files carry no key for it.
@@ -42,7 +46,10 @@ SWA_PERIOD = {ARCH_GEMMA2: 2, ARCH_GEMMA3: 6}
 
 #: GGUF architectures this project writes / reads.
 ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
-                 ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3)
+                 ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE)
+#: The architectures whose FFN is always a mixture of experts (llama is one when its file
+#: has KEY_EXPERT_COUNT > 0: Mixtral).
+MOE_ARCHITECTURES = (ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -123,6 +130,16 @@ POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 #: has a default); the preflight (preflight.py) names all that are missing at once, and
 #: tests/test_bad_models.py checks the loader refuses each.
 REQUIRED_ARCH_KEYS = (KEY_EMBEDDING_LENGTH, KEY_BLOCK_COUNT, KEY_FEED_FORWARD_LENGTH, KEY_HEAD_COUNT)
+
+# Mixture of experts (llama.cpp's keys; docs/FORMAT.md "Mixture of experts")
+KEY_EXPERT_COUNT = "{arch}.expert_count"                  # u32: experts per layer
+KEY_EXPERT_USED_COUNT = "{arch}.expert_used_count"        # u32: experts per token (top-k)
+KEY_EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"  # u32: an expert's width
+KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH = "{arch}.expert_shared_feed_forward_length"  # u32
+KEY_EXPERT_WEIGHTS_NORM = "{arch}.expert_weights_norm"    # bool: renormalise the top-k weights
+KEY_EXPERT_GATING_FUNC = "{arch}.expert_gating_func"      # u32: 1 softmax (2 sigmoid: refused)
+KEY_EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"  # f32: routing weights times this
+EXPERT_GATING_SOFTMAX = 1
 
 ROPE_SCALING_NONE = "none"
 ROPE_SCALING_LINEAR = "linear"
@@ -419,6 +436,21 @@ T_FFN_NORM = "ffn_norm"
 T_FFN_GATE = "ffn_gate"
 T_FFN_UP = "ffn_up"            # phi3: fused gate and up rows (all gate, then all up)
 T_FFN_DOWN = "ffn_down"
+# mixture of experts (llama.cpp's names): the router, the experts as 3-D tensors
+# [n_expert, rows, cols] (numpy shape; GGUF ne reversed), the shared expert and its gate
+T_FFN_GATE_INP = "ffn_gate_inp"        # [n_expert, d] router, stored F32 as llama.cpp does
+T_FFN_GATE_EXPS = "ffn_gate_exps"      # [n_expert, n_ff_exp, d]
+T_FFN_UP_EXPS = "ffn_up_exps"          # [n_expert, n_ff_exp, d]
+T_FFN_DOWN_EXPS = "ffn_down_exps"      # [n_expert, d, n_ff_exp]
+T_FFN_GATE_SHEXP = "ffn_gate_shexp"    # [n_ff_shexp, d]
+T_FFN_UP_SHEXP = "ffn_up_shexp"        # [n_ff_shexp, d]
+T_FFN_DOWN_SHEXP = "ffn_down_shexp"    # [d, n_ff_shexp]
+T_FFN_GATE_INP_SHEXP = "ffn_gate_inp_shexp"  # [d] the shared expert's sigmoid gate, F32
+MOE_LAYER_TENSORS = (T_FFN_GATE_INP, T_FFN_GATE_EXPS, T_FFN_UP_EXPS, T_FFN_DOWN_EXPS,
+                     T_FFN_GATE_INP_SHEXP, T_FFN_GATE_SHEXP, T_FFN_UP_SHEXP, T_FFN_DOWN_SHEXP)
+#: Tensor kinds kept F32 in every outtype (llama.cpp's converter and quantizer keep the
+#: routers so: a few KB that decide which experts run).
+F32_KINDS = (T_FFN_GATE_INP, T_FFN_GATE_INP_SHEXP)
 
 GLOBAL_TENSORS = (T_TOKEN_EMBD, T_POSITION_EMBD, T_ROPE_FREQS, T_OUTPUT_NORM, T_OUTPUT)
 #: The per-layer tensors of a llama file, in file order.
@@ -428,7 +460,7 @@ LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_Q, T_ATTN_K, T_ATTN_V, T_ATTN_OUTPUT,
 #: with the ".bias" suffix).
 ALL_LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_NORM_2, T_ATTN_QKV, T_ATTN_Q, T_ATTN_K, T_ATTN_V,
                      T_ATTN_OUTPUT, T_ATTN_Q_NORM, T_ATTN_K_NORM, T_POST_ATTN_NORM, T_FFN_NORM,
-                     T_FFN_GATE, T_FFN_UP, T_FFN_DOWN, T_POST_FFW_NORM)
+                     T_FFN_GATE, T_FFN_UP, T_FFN_DOWN, T_POST_FFW_NORM) + MOE_LAYER_TENSORS
 
 #: Layer-tensor prefix: blk.{layer}.
 LAYER_PREFIX = "blk"

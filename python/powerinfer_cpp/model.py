@@ -62,6 +62,12 @@ class ModelInfo:
     sparse_threshold: float = 0.0  # powerinfer.sparse.threshold
     has_gate_threshold: bool = False  # powerinfer.sparse.gate_threshold (the "gate" mode)
     has_input_sparsity: bool = False  # input-sparse projections (attn_qkv_t, ..., output_t)
+    # mixture of experts (docs/FORMAT.md "Mixture of experts"); n_expert 0: a dense FFN
+    n_expert: int = 0            # experts per layer
+    n_expert_used: int = 0       # experts each token runs (top-k)
+    n_ff_exp: int = 0            # an expert's FFN width
+    n_ff_shexp: int = 0          # the shared expert's width (0: none)
+    expert_norm: bool = False    # the top-k routing weights are renormalised
 
 
 @dataclass
@@ -399,7 +405,9 @@ def _info_from_c(c) -> ModelInfo:
         rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes,
         has_predictor=c.has_predictor, has_down_t=c.has_down_t,
         sparse_threshold=c.sparse_threshold, has_gate_threshold=bool(c.has_gate_threshold),
-        has_input_sparsity=bool(c.has_input_sparsity))
+        has_input_sparsity=bool(c.has_input_sparsity), n_expert=c.n_expert,
+        n_expert_used=c.n_expert_used, n_ff_exp=c.n_ff_exp, n_ff_shexp=c.n_ff_shexp,
+        expert_norm=bool(c.expert_norm))
 
 
 class _Detokenizer:
@@ -602,8 +610,18 @@ class Context(_NativeHandle):
             },
         }
 
+    def expert_counts(self) -> np.ndarray:
+        """Mixture-of-experts models: int64 [n_layer, n_expert], how many times each expert of
+        each layer was chosen since the context was made or reset_stats() (a token counts
+        once for each of its top-k experts); [n_layer, 0] for a model without experts."""
+        info = self.model.info
+        out = np.zeros((info.n_layer, info.n_expert), dtype=np.int64)
+        with self._calling() as ptr:
+            check(lib.gh_context_get_expert_counts(ptr, ffi.cast("int64_t *", out.ctypes.data), out.size))
+        return out
+
     def reset_stats(self) -> None:
-        """Zero the counters stats() reports."""
+        """Zero the counters stats() and expert_counts() report."""
         with self._calling() as ptr:
             check(lib.gh_context_reset_stats(ptr))
 

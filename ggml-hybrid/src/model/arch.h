@@ -18,6 +18,9 @@ typedef enum { GH_ROPE_NONE, GH_ROPE_NORMAL, GH_ROPE_NEOX } gh_rope_kind;
  * (weights [head_dim], Qwen3), or the whole projection at once (weights [n_head·head_dim]
  * and [n_head_kv·head_dim], OLMo 2) */
 typedef enum { GH_QK_NORM_NONE, GH_QK_NORM_HEAD, GH_QK_NORM_PROJ } gh_qk_norm;
+/* Whether an architecture's FFN is a mixture of experts (ffn/moe.h): never, when the file
+ * says so ({arch}.expert_count > 0: llama.cpp writes Mixtral as `llama`), or always. */
+typedef enum { GH_MOE_NONE, GH_MOE_OPTIONAL, GH_MOE_REQUIRED } gh_moe_kind;
 
 typedef struct {
     int32_t n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
@@ -54,6 +57,13 @@ typedef struct {
     float   final_softcap;     /* logits -> c tanh(logits / c) (0: none) */
     int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
     int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
+    /* mixture of experts (n_expert > 0; ffn/moe.h): each token runs the n_expert_used
+     * experts its router scores highest, weighted by their softmax probabilities
+     * (renormalised over the chosen ones when expert_norm, then times expert_scale), plus
+     * a shared expert of width n_ff_shexp behind a sigmoid gate where the architecture has one */
+    int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
+    bool    expert_norm;
+    float   expert_scale;
     /* sparse extension */
     bool    pred_residual;     /* predictors read the residual stream before the FFN's norm
                                 * (PowerInfer's), not the normed input (ours) */
@@ -91,6 +101,10 @@ typedef struct gh_arch {
     int32_t      scale_by_embd_layers; /* no attention.scale key: q.k scaled by
                                 * 1/sqrt(n_embd / n_head) in a model of this many layers (the
                                 * 27B's), 1/sqrt(head_dim) otherwise (0: always the latter) */
+    gh_moe_kind  moe;          /* experts in place of the dense FFN (blk.N.ffn_gate_inp, ...) */
+    bool         expert_norm;  /* renormalised top-k weights when the file has no
+                                * {arch}.expert_weights_norm (llama.cpp fixes it per architecture) */
+    bool         shared_expert;/* a shared expert beside the routed ones (blk.N.ffn_*_shexp) */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -99,6 +113,7 @@ const gh_arch * gh_arch_find(const char * name);
 const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
-    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3, gh_arch_gemma2, gh_arch_gemma3;
+    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3, gh_arch_gemma2, gh_arch_gemma3,
+    gh_arch_qwen2moe, gh_arch_qwen3moe, gh_arch_olmoe;
 
 #endif

@@ -31,6 +31,7 @@ void gh_context_free(gh_context * c) {
     if (!c) return;
     gh_threadpool_free(c->tp);
     gh_sparse_state_free(c->sparse);
+    gh_moe_state_free(c->moe);
     gh_aligned_free(c->in_ids);
     gh_aligned_free(c->in_a);
     gh_aligned_free(c->in_qkv);
@@ -160,6 +161,10 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->input_sparse = m->info.has_input_sparsity != 0;
         ok = c->x && c->xb && c->xb2 && c->xb3 && c->q && c->att && c->rope && c->hb && c->hb2 &&
              c->mm_scratch && c->logits && c->sparse && c->in_ids && c->in_a && c->in_qkv;
+    }
+    if (ok && hp->n_expert) {
+        c->moe = gh_moe_state_new(m, n_batch);
+        ok = c->moe != NULL;
     }
     if (!ok) {
         gh_context_free(c);

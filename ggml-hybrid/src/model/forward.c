@@ -367,7 +367,8 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
             gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
-        ffn_dense(c, il, n);
+        if (hp->n_expert) gh_moe_ffn(c, il, n);
+        else ffn_dense(c, il, n);
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
@@ -500,6 +501,11 @@ gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_t
                        (long long) mask_stride, (long long) attn_in_stride,
                        (long long) attn_out_in_stride, (long long) (nt * d), (long long) (nt * ff),
                        (long long) (nt * d), (long long) (nt * dq));
+    }
+    if (mask && hp->n_expert) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_profile: a mixture-of-experts model (%d experts "
+                       "per layer) has no neuron mask of one FFN to record; pass mask = NULL",
+                       hp->n_expert);
     }
     gh_status st = gh_ctx_enter(c, "gh_eval_profile");
     if (st) return st;

@@ -14,6 +14,7 @@
 #include "backend/backend.h"
 #include "types/types.h"
 #include "model/arch.h"
+#include "ffn/moe.h"
 
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
@@ -34,6 +35,8 @@ typedef struct {
      * `up` then has no rows); up = the rows multiplied in (gated FFNs) */
     gh_weight gate, up, down;
     float *   gate_b, * up_b, * down_b;
+    /* a mixture of experts in place of gate/up/down (hp.n_expert > 0; ffn/moe.h) */
+    gh_moe_layer moe;
     /* sparse extension (all optional; see load_ffn_down_and_sparse in model.c) */
     bool      has_down_t;  /* down_t replaces down: row i = neuron i's output vector */
     gh_weight down_t;      /* [n_ff rows][n_embd cols] */
@@ -140,6 +143,8 @@ struct gh_context {
     float *         prof_head;
     /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
     struct gh_sparse_state * sparse;
+    /* mixture-of-experts FFN: buffers and selection counts (moe.c; NULL without experts) */
+    struct gh_moe_state * moe;
     /* hybrid: the context's device stream (NULL on the CPU) and the first device error of
      * the current gh_eval */
     gh_stream *     stream;

@@ -184,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConvertError("--input-sparsity makes a sparse file's attention and head input-sparse (in its "
                                "sparse FFN modes); it cannot be combined with --dense")
         if sparse is not False:
-            act, gated = ((dense.activation, dense.gated) if dense is not None else
-                          (lambda p: (p.activation, p.gated))(read_hf_config(args.hf_dir)))
+            act, gated, moe = ((dense.activation, dense.gated, False) if dense is not None else
+                               (lambda p: (p.activation, p.gated, p.n_expert > 0))(read_hf_config(args.hf_dir)))
             relu = act in F.SPARSE_ACTIVATIONS
             if sparse is None:
-                # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors
-                sparse = relu or bool(gate_opts) or gated or dense is not None
+                # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors; a
+                # mixture of experts has no sparse form yet: dense unless a sparse option asks
+                # (then convert refuses it by name)
+                asked = bool(gate_opts) or args.input_sparsity is not None
+                sparse = (asked or not moe) and (relu or bool(gate_opts) or gated or dense is not None)
             gate = args.sparsity is not None or args.max_ppl_increase is not None or (gated and not relu)
             if args.sparsity_allocation is not None and not gate:
                 raise ConvertError("--sparsity-allocation shares a gate-magnitude sparsity among the layers; "

@@ -118,6 +118,9 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     except (NativeError, ValueError) as e:
         what = "re-quantized" if outtype is not None else "made sparse"
         raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be {what}: {e}") from None
+    if info.n_expert:
+        raise ConvertError(f"{path}: a mixture-of-experts model ({info.n_expert} experts per layer) cannot "
+                           "be made sparse or re-quantized here yet")
     try:
         reader = open_gguf(path)
     except (ValueError, OSError) as e:

@@ -102,7 +102,8 @@ def _input_files(hf_dir: str, sparse_options=None) -> list[str]:
 LLAMA_CPP_DEFAULT_ACT = {F.ARCH_LLAMA: F.ACT_SILU, F.ARCH_QWEN2: F.ACT_SILU, F.ARCH_PHI3: F.ACT_SILU,
                          F.ARCH_FALCON: F.ACT_GELU, F.ARCH_QWEN3: F.ACT_SILU, F.ARCH_OLMO2: F.ACT_SILU,
                          F.ARCH_SMOLLM3: F.ACT_SILU, F.ARCH_GEMMA2: F.ACT_GELU,
-                         F.ARCH_GEMMA3: F.ACT_GELU}
+                         F.ARCH_GEMMA3: F.ACT_GELU, F.ARCH_QWEN2MOE: F.ACT_SILU,
+                         F.ARCH_QWEN3MOE: F.ACT_SILU, F.ARCH_OLMOE: F.ACT_SILU}
 _LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF), F.ARCH_GEMMA2: (F.ACT_GELU, F.ACT_GELU_ERF),
                    F.ARCH_GEMMA3: (F.ACT_GELU, F.ACT_GELU_ERF)}
 
@@ -126,6 +127,10 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
     check_output_path(out_path, _input_files(hf_dir, sparse_options))
 
     arch, params = read_model_config(hf_dir)
+    if sparse and params.n_expert:
+        raise ConvertError(f"sparse conversion (--sparse, --sparsity, --input-sparsity) of a "
+                           f"mixture-of-experts model ({params.hf_arch}, {params.n_expert} experts) is not "
+                           "supported yet: convert it densely (its experts already skip most FFN weights)")
     tok = read_hf_tokenizer(hf_dir, params.n_vocab, params)
     src = open_weights(hf_dir)
     try:

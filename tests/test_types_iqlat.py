@@ -239,6 +239,22 @@ def test_read_list_names_them():
         assert not set(LATTICE_ALL) & names
 
 
+def test_file_of_lattice_tensor():
+    """A GGUF holding an IQ2_XXS tensor opens (its bytes as the layout says); in a build
+    without the codebooks it is refused by name, with the reason."""
+    from test_gguf_reader import GH_ERR_UNSUPPORTED, expect_error, image, open_mem, tinfo
+
+    t = LATTICE_ALL["iq2_xxs"]
+    img = image(tensors=[tinfo("w", [512, 2], t)], data=bytes(4 * LATTICE_SIZE[t]))
+    if t in LATTICE:
+        with open_mem(img) as g:
+            (info,) = g.tensors()
+            assert info["type"] == t and info["nbytes"] == 4 * LATTICE_SIZE[t]
+    else:
+        expect_error(img, GH_ERR_UNSUPPORTED, "tensor 'w' has type iq2_xxs (id 16), which this runtime does "
+                     "not read", "not the IQ1/IQ2/IQ3 lattice types: the gguf package was not importable")
+
+
 # ---------------------------------------------------------------- a model in the type
 
 @pytest.fixture(scope="module")

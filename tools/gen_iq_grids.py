@@ -68,10 +68,11 @@ def table(ctype: str, name: str, vals: list[int], digits: int) -> str:
 
 def main(out: str) -> int:
     try:
-        import numpy as np
         from gguf import quants
+        import numpy as np
     except Exception as e:  # noqa: BLE001 - any failure to import means: no codebooks
-        missing(out, f"the gguf package was not importable at build time ({type(e).__name__}: {e})")
+        missing(out, f"the gguf package was not importable at build time by {sys.executable} "
+                     f"({type(e).__name__}: {e})")
         return 0
     parts = []
     try:

@@ -65,9 +65,9 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
 * The IQ lattice types (2026-12-05, not measured): their AVX2 dot gathers a codebook
   point per 8 values (IQ3: per 4) and applies signs before Q2_K's kind of integer dot, so
   ``dot`` takes Q2_K's 2.08 (IQ3_XXS, IQ3_S, whose points are 4 values: x1.2 of it, 2.5);
-  ``rows`` Q2_K's (gathered rows through the same dot, one row at a time); they have no
-  SIMD axpy (``cols`` and ``down`` run the scalar axpy through the table's dequantizer),
-  so those take IQ4's 14.4 over a dot that is itself slower: 7.0 of their dot.
+  ``rows`` Q2_K's (gathered rows through the same dot, one row at a time); their axpy is
+  a one-row AVX2 form only, as Q2_K's and Q3_K's (whose ``cols`` / ``down`` measured 6.5
+  and 7.8 of their dot), so ``cols`` and ``down`` take 7.0.
 
 Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
 (the same float kernels, with another conversion or none). The figures carry the benchmarks' noise

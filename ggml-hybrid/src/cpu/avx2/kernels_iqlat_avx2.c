@@ -10,7 +10,11 @@
  *   |.| <= 9, so one signed byte dot per 32 values carries the delta too.
  * The integer sums equal the scalar rows' (cpu/scalar/kernels_scalar.c); a super-block's
  * sum is scaled in float (d * y.d) and accumulated in float, the constant factor (1/8,
- * 1/4) applied once at the end. */
+ * 1/4) applied once at the end.
+ *
+ * The axpy (y += s * row, the down_t and input-sparse column form): per 8 values the
+ * point's bytes widened to floats, the sign bits flipped in, one FMA by s times the
+ * sub-block's float scale (as the dequantizer computes it: d * (1/2 + s) / 4, ...). */
 #include "cpu/avx2/iqlat_avx2.h"
 
 #if GH_IQ_GRIDS
@@ -251,4 +255,128 @@ void gh_avx2_vec_dot_iq1_m(int64_t n, float * s, const void * w, const void * x)
     *s = 0.125f * hsum_ps(acc);
 }
 DEFINE_GEMM(iq1_m)
+
+/* ------------------------------------------------------------------ axpy */
+
+/* y[0..8) += c * level * sign over one 8-value point (unsigned level bytes, sign bits). */
+GH_INLINE void axpy8u(float * y, __m256 c, uint64_t g, unsigned signs) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long) g)));
+    const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i neg = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int) signs), bits), bits);
+    const __m256 sv = _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(neg, 31)));
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(c, sv, _mm256_loadu_ps(y)));
+}
+
+/* y[0..8) += c * (grid + delta) over one IQ1 point (signed level bytes -1, 0, 1). */
+GH_INLINE void axpy8_iq1(float * y, __m256 c, uint64_t g, float delta) {
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128((long long) g)));
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(c, _mm256_add_ps(v, _mm256_set1_ps(delta)), _mm256_loadu_ps(y)));
+}
+
+void gh_avx2_axpy_iq2_xxs(int64_t n, float s, const void * row, float * y) {
+    const block_iq2_xxs * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        const uint8_t * q = (const uint8_t *) b[i].qs;
+        for (int ib = 0; ib < QK_K / 32; ib++, y += 32) {
+            const uint32_t a1 = gh_le32(q + 8 * ib + 4);
+            const __m256 c = _mm256_set1_ps(s * (d * (0.5f + (float) (a1 >> 28)) * 0.25f));
+            for (int k = 0; k < 4; k++) {
+                axpy8u(y + 8 * k, c, gh_iq2xxs_grid[q[8 * ib + k]], gh_iq2_ksigns[(a1 >> (7 * k)) & 127]);
+            }
+        }
+    }
+}
+
+void gh_avx2_axpy_iq2_xs(int64_t n, float s, const void * row, float * y) {
+    const block_iq2_xs * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int l = 0; l < QK_K / 8; l += 2, y += 16) {
+            const int sc = (b[i].scales[l / 4] >> (4 * ((l / 2) % 2))) & 0x0f;
+            const __m256 c = _mm256_set1_ps(s * (d * (0.5f + (float) sc) * 0.25f));
+            axpy8u(y, c, gh_iq2xs_grid[b[i].qs[l] & 511], gh_iq2_ksigns[b[i].qs[l] >> 9]);
+            axpy8u(y + 8, c, gh_iq2xs_grid[b[i].qs[l + 1] & 511], gh_iq2_ksigns[b[i].qs[l + 1] >> 9]);
+        }
+    }
+}
+
+void gh_avx2_axpy_iq2_s(int64_t n, float s, const void * row, float * y) {
+    const block_iq2_s * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int l = 0; l < QK_K / 8; l += 2, y += 16) {
+            const int sc = (b[i].scales[l / 4] >> (4 * ((l / 2) % 2))) & 0x0f;
+            const __m256 c = _mm256_set1_ps(s * (d * (0.5f + (float) sc) * 0.25f));
+            for (int h = 0; h < 2; h++) {
+                const int m = l + h;
+                const int idx = b[i].qs[m] | (((b[i].qh[m / 4] >> (2 * (m % 4))) & 3) << 8);
+                axpy8u(y + 8 * h, c, gh_iq2s_grid[idx], b[i].qs[32 + m]);
+            }
+        }
+    }
+}
+
+/* Two 4-value IQ3 points as one 8-value point. */
+GH_INLINE uint64_t pair4(uint32_t lo, uint32_t hi) { return (uint64_t) lo | (uint64_t) hi << 32; }
+
+void gh_avx2_axpy_iq3_xxs(int64_t n, float s, const void * row, float * y) {
+    const block_iq3_xxs * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        const uint8_t * q = b[i].qs;
+        for (int ib = 0; ib < QK_K / 32; ib++, y += 32) {
+            const uint32_t a = gh_le32(q + QK_K / 4 + 4 * ib);
+            const __m256 c = _mm256_set1_ps(s * (d * (0.5f + (float) (a >> 28)) * 0.5f));
+            for (int k = 0; k < 4; k++) {
+                axpy8u(y + 8 * k, c, pair4(gh_iq3xxs_grid[q[8 * ib + 2 * k]], gh_iq3xxs_grid[q[8 * ib + 2 * k + 1]]),
+                       gh_iq2_ksigns[(a >> (7 * k)) & 127]);
+            }
+        }
+    }
+}
+
+void gh_avx2_axpy_iq3_s(int64_t n, float s, const void * row, float * y) {
+    const block_iq3_s * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int ib = 0; ib < QK_K / 32; ib++, y += 32) {
+            const __m256 c = _mm256_set1_ps(s * (d * (float) (1 + 2 * ((b[i].scales[ib / 2] >> (4 * (ib % 2))) & 0x0f))));
+            const int h = b[i].qh[ib];
+            for (int k = 0; k < 4; k++) {
+                const int m = 8 * ib + 2 * k;
+                const uint32_t g0 = gh_iq3s_grid[b[i].qs[m] | ((h >> (2 * k)) & 1) << 8];
+                const uint32_t g1 = gh_iq3s_grid[b[i].qs[m + 1] | ((h >> (2 * k + 1)) & 1) << 8];
+                axpy8u(y + 8 * k, c, pair4(g0, g1), b[i].signs[4 * ib + k]);
+            }
+        }
+    }
+}
+
+void gh_avx2_axpy_iq1_s(int64_t n, float s, const void * row, float * y) {
+    const block_iq1_s * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(b[i].d);
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            const unsigned qh = b[i].qh[ib];
+            const __m256 c = _mm256_set1_ps(s * (d * (float) (2 * ((qh >> 12) & 7) + 1)));
+            const float delta = qh & 0x8000 ? -0.125f : 0.125f;
+            for (int k = 0; k < 4; k++, y += 8) {
+                axpy8_iq1(y, c, gh_iq1s_grid[b[i].qs[4 * ib + k] | (((qh >> (3 * k)) & 7) << 8)], delta);
+            }
+        }
+    }
+}
+
+void gh_avx2_axpy_iq1_m(int64_t n, float s, const void * row, float * y) {
+    const block_iq1_m * b = row;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = gh_fp16_to_fp32(gh_iq1_m_d(&b[i]));
+        for (int l = 0; l < QK_K / 8; l++, y += 8) {
+            const unsigned h = (b[i].qh[l / 2] >> (4 * (l % 2))) & 0x0f;
+            const __m256 c = _mm256_set1_ps(s * (d * (float) (2 * gh_iq1_m_scale(&b[i], l / 2) + 1)));
+            axpy8_iq1(y, c, gh_iq1s_grid[b[i].qs[l] | ((h & 7) << 8)], h & 8 ? -0.125f : 0.125f);
+        }
+    }
+}
 #endif

@@ -166,7 +166,7 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
 #: Rows per group of the int8 axpy forms (cpu/avx2/axpy_avx2.c: at the AVX2 level and up).
 AXPY_INT8_GROUP = 16
 #: The types whose one-token transposed matmul has the int8 form.
-AXPY_INT8_TYPES = (Q4_0, Q4_K, Q5_K, Q6_K)
+AXPY_INT8_TYPES = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 
 
 def _k4_scales(sc8: np.ndarray) -> np.ndarray:
@@ -214,6 +214,12 @@ def _int8_operands(t: int, raw: np.ndarray, wd: np.ndarray):
     """The int8 forms' per-sub-block scales D [rows, sub-blocks] and |quants| [rows, cols]."""
     if t in K_QUANTS:
         return _k_fields(t, raw)
+    if t == Q4_1:  # x = d q + m: the int8 sums take d (q - 8), the rest is exact
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 20)
+        d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)
+        qs = blocks[:, :, 4:20].astype(np.int32)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=2)                 # values 0..15, 16..31
+        return d, np.abs(q.reshape(raw.shape[0], -1).astype(np.float64) - 8.0)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
     d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
     with np.errstate(divide="ignore", invalid="ignore"):

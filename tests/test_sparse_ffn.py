@@ -74,7 +74,7 @@ def test_sparse_down_vs_numpy(tname, rows, cols):
             # threads split the columns and each sums the whole list in order: equal
             np.testing.assert_array_equal(y1, y2)
             np.testing.assert_array_equal(y1, y3)
-            int8 = axpy_int8_bound(t, level, raw, wd, ids, a)  # Q4_0's int8 form: its rounding
+            int8 = axpy_int8_bound(t, level, raw, wd, ids, a)  # the int8 forms' rounding
             assert np.all(np.abs(y1 - ref) <= 4e-7 * max(ids.size, 1) * scale + 1e-6 + int8), \
                 (name, level, np.max(np.abs(y1 - ref)))
             if int8.any():  # the bound is the worst case; typically the error is far below it

@@ -84,7 +84,7 @@ def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
                 # rows dequantize exactly; quantized ones are scaled in another order there)
                 one = np.concatenate([matmul_t(t, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
                 np.testing.assert_array_equal(y1, one)
-            # Q4_0's int8 forms round too: one token's groups of 16 nonzero rows, a batch's
+            # the int8 forms round too: one token's groups of 16 nonzero rows, a batch's
             # groups of 16 rows some token needs
             int8 = (axpy_int8_bound(t, level, raw, wd, np.arange(rows), h[0]) if n_tokens == 1
                     else matmul_t_int8_bound(t, level, raw, wd, h))
@@ -218,9 +218,9 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
     got, info = logits_of(sparse)
     assert info.has_down_t == info.n_layer == 2 and info.has_predictor == 2
     assert info.sparse_threshold == pytest.approx(0.25)
-    # Q4_0's down_t runs through the int8 forms (a step's groups of 16 nonzero rows, a
-    # batch's of 16 rows some token needs), which round the scaled rows
-    int8 = t == Q4_0 and lib.gh_simd_get() >= 1
+    # Q4_0's and Q4_1's down_t run through the int8 forms (a step's groups of 16 nonzero
+    # rows, a batch's of 16 rows some token needs), which round the scaled rows
+    int8 = t in AXPY_INT8_TYPES and lib.gh_simd_get() >= 1
     tol = 3e-3 * np.abs(got).max() if int8 else 1e-4
     if t == F32:
         np.testing.assert_allclose(got, dense_logits, rtol=0, atol=1e-4)

@@ -424,6 +424,31 @@ def test_matmul_tile_edges(name, simd_level):
         assert err < NMSE_BOUND[t], f"{name} level {simd_level} {(cols, rows, n_tokens)}: nmse {err}"
 
 
+# (type, level) pairs whose prompt tiles sum a row otherwise than their decode tiles: the
+# AVX-512 Q4_0 and Q8_0 tiles (an accumulator per row and token against the decode tile's
+# four rows transposed into one register); there a batch is within SIMD_VS_SCALAR_BOUND of
+# its tokens
+BATCH_NOT_BITWISE = {(Q4_0, 2), (Q8_0, 2)}
+
+
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_batch_equals_tokens(name, simd_level):
+    """A prompt (tiles of several tokens) gives every token the values its decode (one
+    token) gives, bit for bit: a row sums alike in every tile it can land in."""
+    t = TYPES[name]
+    for cols, rows, n_tokens in [(4096 + 32, 13, 11), (96, 9, 17), (288, 5, 3)]:
+        cols = block_cols(t, cols)
+        wq, wd = weights(t, rows, cols)
+        x = activations(n_tokens, cols)
+        batch = matmul(t, wq, rows, cols, x, 2)
+        one = np.concatenate([matmul(t, wq, rows, cols, x[i:i + 1], 1) for i in range(n_tokens)])
+        if (t, simd_level) in BATCH_NOT_BITWISE:
+            assert nmse(batch, one, wd, x) < SIMD_VS_SCALAR_BOUND, (cols, rows, n_tokens)
+        else:
+            np.testing.assert_array_equal(batch, one, err_msg=f"{name} level {simd_level} {(cols, rows, n_tokens)}")
+
+
 def test_matmul_extreme_values():
     """Large and tiny magnitudes stay finite and accurate (no int16 overflow in the
     quantized kernels: activations quantized to +-127, weights to full range)."""

@@ -88,6 +88,16 @@ int gh_simd_supported(void);
  * or -2 if the CPU cannot run the requested level. */
 int gh_simd_set(int level);
 int gh_simd_get(void);
+/* The CPU kernel table as data (tools/kernel_coverage.py, tests). gh_kernel_form_name(f)
+ * names kernel form f ("dot": vec_dot and the gemm tiles, "dot4", "axpy", "axpy4", ...;
+ * NULL past the last). gh_kernel_source: the SIMD level whose table supplies form f of
+ * `type` when the kernels run at `level` (any level, whether this CPU has it or not):
+ * `level` itself, a lower level (that level has none of its own and inherits it), -1 (no
+ * level up to it has one: the callers use the next smaller form), or -2 (a type without
+ * kernels, a form or level out of range). *mr, *nt (may be NULL) get the "dot" form's
+ * tile: rows x tokens. */
+const char * gh_kernel_form_name(int form);
+int gh_kernel_source(int type, int form, int level, int * mr, int * nt);
 
 /* ---- tensor types and ops on raw buffers (used by tests and tools) ---- */
 

@@ -1095,7 +1095,8 @@ static gh_status open_gpuidx(gh_model * m, const char * path) {
     int64_t ki = gh_gguf_find_key(m->gpuidx, "powerinfer.gpu.vram_budget");
     if (ki < 0) ki = gh_gguf_find_key(m->gpuidx, "split.vram_capacity"); /* PowerInfer's */
     if (ki >= 0 && gh_gguf_kv_int(m->gpuidx, ki, &fb) == GH_OK) m->index_budget = fb;
-    snprintf(m->index_file, sizeof m->index_file, "%s", side);
+    /* (a longer path is cut: the name is for messages and device_info only) */
+    snprintf(m->index_file, sizeof m->index_file, "%.*s", (int) sizeof m->index_file - 1, side);
     return GH_OK;
 }
 

@@ -498,7 +498,8 @@ def create_app(settings: Settings) -> FastAPI:
             "id": server.name, "object": "model", "created": server.created,
             "owned_by": "powerinfer-cpp", "aliases": server.aliases,
             "meta": {"n_ctx": server.n_ctx, "n_vocab": server.model.n_vocab,
-                     "n_params": server.model.info.n_params}}]}
+                     "n_params": server.model.info.n_params,
+                     "ffn_mode": server.slots[0].ctx.ffn_mode}}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -27,7 +27,7 @@ from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: 
 
 ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
            "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
-           "smollm3": F.ARCH_SMOLLM3}
+           "smollm3": F.ARCH_SMOLLM3, "gemma2": F.ARCH_GEMMA2, "gemma3": F.ARCH_GEMMA3}
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -82,14 +82,15 @@ def hf_qkv(q, k, v, layout, n_head, n_kv, hd):
 
 
 def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
-    """(GGUF tensor names in file order, name -> fn(our array) -> the HF array it must equal)."""
+    """(GGUF tensor names in file order, name -> (HF name, fn, ref_fn): fn(our array) must
+    equal ref_fn(the HF array))."""
     family = VARIANTS[variant][0]
     names: list[str] = []
     undo: dict = {}
 
-    def add(name, hf, fn=lambda a: a):
+    def add(name, hf, fn=lambda a: a, ref_fn=lambda a: a):
         names.append(name)
-        undo[name] = (hf, fn)
+        undo[name] = (hf, fn, ref_fn)
 
     n = cfg["num_hidden_layers"]
     if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3"):
@@ -120,6 +121,27 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
             if post:
                 add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight")
         add("output_norm.weight", "model.norm.weight")
+    elif family in ("gemma2", "gemma3"):
+        # Gemma's RMSNorm scales by 1 + w: the file holds w + 1 (in float32, as the converter
+        # adds it), q/k unpermuted, the four sandwich norms
+        plus1 = lambda a: a + np.float32(1.0)  # noqa: E731
+        add("token_embd.weight", "model.embed_tokens.weight")
+        for i in range(n):
+            L = f"model.layers.{i}."
+            add(f"blk.{i}.attn_norm.weight", L + "input_layernorm.weight", ref_fn=plus1)
+            for proj in "qkv":
+                add(f"blk.{i}.attn_{proj}.weight", L + f"self_attn.{proj}_proj.weight")
+            if family == "gemma3":
+                add(f"blk.{i}.attn_q_norm.weight", L + "self_attn.q_norm.weight", ref_fn=plus1)
+                add(f"blk.{i}.attn_k_norm.weight", L + "self_attn.k_norm.weight", ref_fn=plus1)
+            add(f"blk.{i}.attn_output.weight", L + "self_attn.o_proj.weight")
+            add(f"blk.{i}.post_attention_norm.weight", L + "post_attention_layernorm.weight", ref_fn=plus1)
+            add(f"blk.{i}.ffn_norm.weight", L + "pre_feedforward_layernorm.weight", ref_fn=plus1)
+            add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
+            add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
+            add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
+            add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight", ref_fn=plus1)
+        add("output_norm.weight", "model.norm.weight", ref_fn=plus1)
     elif family == "phi3":  # fused as HF stores them: nothing to undo
         add("token_embd.weight", "model.embed_tokens.weight")
         for i in range(n):
@@ -178,7 +200,7 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
                     add(f"blk.{i}.{kind}.bias", L + hf + ".bias")
         add("output_norm.weight", T + "ln_f.weight")
         add("output_norm.bias", T + "ln_f.bias")
-    if not cfg.get("tie_word_embeddings", family in ("opt", "falcon")):
+    if not cfg.get("tie_word_embeddings", family in ("opt", "falcon", "gemma2", "gemma3")):
         add("output.weight", "lm_head.weight")
     return names, undo
 
@@ -213,6 +235,32 @@ def expected_keys(variant: str, cfg: dict) -> dict:
         ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3") else "default"
         if family == "phi3":
             ok[F.arch_key(F.KEY_ROPE_FREQ_BASE, A)] = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    elif family in ("gemma2", "gemma3"):
+        hd = cfg["head_dim"]
+        rp = cfg["rope_parameters"]
+        glob = rp["full_attention"] if family == "gemma3" else rp
+        local = [t == "sliding_attention" for t in cfg["layer_types"]]
+        default = [i % F.SWA_PERIOD[A] < F.SWA_PERIOD[A] - 1 for i in range(cfg["num_hidden_layers"])]
+        ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
+                   F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
+                   F.arch_key(F.KEY_RMS_EPS, A): cfg["rms_norm_eps"], F.arch_key(F.KEY_LAYERNORM_EPS, A): None,
+                   F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A): hd,
+                   F.arch_key(F.KEY_ROPE_FREQ_BASE, A): glob["rope_theta"],
+                   F.arch_key(F.KEY_KEY_LENGTH, A): hd if hd * nh != d else None,
+                   F.arch_key(F.KEY_VALUE_LENGTH, A): hd if hd * nh != d else None,
+                   F.arch_key(F.KEY_SLIDING_WINDOW, A): cfg["sliding_window"],
+                   F.arch_key(F.KEY_SLIDING_WINDOW_PATTERN, A): local if local != default else None,
+                   F.arch_key(F.KEY_ATTENTION_SCALE, A): cfg["query_pre_attn_scalar"] ** -0.5,
+                   F.arch_key(F.KEY_ATTN_LOGIT_SOFTCAPPING, A): cfg["attn_logit_softcapping"],
+                   F.arch_key(F.KEY_FINAL_LOGIT_SOFTCAPPING, A): cfg["final_logit_softcapping"],
+                   F.arch_key(F.KEY_ROPE_FREQ_BASE_SWA, A): (rp["sliding_attention"]["rope_theta"]
+                                                             if family == "gemma3" else None),
+                   F.KEY_FFN_ACTIVATION: "gelu", F.KEY_TOKENIZER_PRE: "default",
+                   # SentencePiece-style, without the "▁" prefix, as llama.cpp writes Gemma's
+                   F.KEY_TOKENIZER_MODEL: F.TOKENIZER_LLAMA, F.KEY_TOKENIZER_ADD_SPACE_PREFIX: False})
+        if glob.get("rope_type") == "linear":
+            ok[F.arch_key(F.KEY_ROPE_SCALING_TYPE, A)] = F.ROPE_SCALING_LINEAR
+            ok[F.arch_key(F.KEY_ROPE_SCALING_FACTOR, A)] = glob["factor"]
     elif family == "opt":
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["ffn_dim"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): nh, F.arch_key(F.KEY_LAYERNORM_EPS, A): 1e-5,
@@ -247,10 +295,10 @@ def test_tensors_and_keys(hf_dirs, converted, variant):
     for name, (qtype, data) in ts.items():
         if name == "rope_freqs.weight":
             continue  # test_llama3_rope_freqs
-        hf, fn = undo[name]
+        hf, fn, ref_fn = undo[name]
         ref = sd[hf]
         assert qtype == gguf.GGMLQuantizationType.F32, name  # an f32 conversion: every tensor
-        np.testing.assert_array_equal(fn(data), ref, err_msg=f"{name} <- {hf}")
+        np.testing.assert_array_equal(fn(data), ref_fn(ref), err_msg=f"{name} <- {hf}")
     # every HF tensor is used (a tied head is the embedding itself)
     used = {undo[n][0] for n in undo}
     assert set(sd) - used <= {"lm_head.weight"}, set(sd) - used
@@ -458,6 +506,19 @@ REFUSED = {
     "smollm3-interval": ("smollm3", dict(no_rope_layers=None, no_rope_layer_interval=2),
                          "no_rope_layers=[1, 0, 1, 0]"),
     "smollm3-swa": ("smollm3", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=true"),
+    "gemma2-untied": ("gemma2", dict(tie_word_embeddings=False), "tie_word_embeddings=false"),
+    "gemma2-no-cap": ("gemma2", dict(attn_logit_softcapping=None), "attn_logit_softcapping=null"),
+    "gemma2-bias": ("gemma2", dict(attention_bias=True), "attention_bias=true"),
+    "gemma2-act": ("gemma2", dict(hidden_activation="silu"), "hidden_activation 'silu'"),
+    "gemma2-types": ("gemma2", dict(layer_types=["sliding_attention", "chunked"]), "layer_types must list 3"),
+    "gemma3-softcap": ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    "gemma3-bidir": ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=true"),
+    "gemma3-local-scaled": ("gemma3", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+        "linear RoPE scaling on the sliding-window layers"),
+    "gemma3-multimodal": ("gemma3", dict(architectures=["Gemma3ForConditionalGeneration"]),
+                          "unsupported architecture 'Gemma3ForConditionalGeneration'"),
     "phi3-longrope": ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                                     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
                       "unsupported rope scaling 'longrope'"),
@@ -546,7 +607,8 @@ def test_format_doc_covers_every_architecture(converted):
             kind = F.parse_tensor_name(name)[0]
             generic = re.sub(r"^blk\.\d+\.", "blk.N.", name)
             # sections that say "the llama tensors" inherit the llama table's rows
-            in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3)
+            in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3,
+                              F.ARCH_GEMMA2, F.ARCH_GEMMA3)
                         and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:

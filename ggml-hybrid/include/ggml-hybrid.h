@@ -146,6 +146,13 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
 gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const void * v,
                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
                              int n_head_kv, int head_dim, int n_threads);
+/* The same with the scores' scale (gh_op_attention_kv: 1/sqrt(head_dim)), soft-capping of
+ * the scaled scores s -> softcap * tanh(s / softcap) (0: none) and a sliding window: the
+ * query at position p sees the keys at positions p - window + 1 .. p (0: 0 .. p). Gemma. */
+gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
+                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                              int n_head_kv, int head_dim, int n_threads, float scale,
+                              float softcap, int64_t window);
 
 /* ---- GGUF files (the same reader the model loader uses) ---- */
 

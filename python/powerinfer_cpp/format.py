@@ -29,14 +29,20 @@ ARCH_PHI3 = "phi3"      # Phi-3 mini / medium (4k context)
 ARCH_QWEN3 = "qwen3"    # Qwen3 (dense)
 ARCH_OLMO2 = "olmo2"    # OLMo 2
 ARCH_SMOLLM3 = "smollm3"  # SmolLM3 (llama's block, every 4th layer without RoPE)
+ARCH_GEMMA2 = "gemma2"    # Gemma 2 (GeGLU, sandwich norms, soft-capping, sliding windows)
+ARCH_GEMMA3 = "gemma3"    # Gemma 3 text (Gemma 2's block with q/k norms, 5 local : 1 global)
 
 #: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
 #: architecture; its files carry no key for it.
 SMOLLM3_NOPE_EVERY = 4
 
+#: gemma2 / gemma3: layer il is local (sliding window) iff il % n < n - 1, where n is this
+#: period, unless KEY_SLIDING_WINDOW_PATTERN says otherwise (llama.cpp's defaults).
+SWA_PERIOD = {ARCH_GEMMA2: 2, ARCH_GEMMA3: 6}
+
 #: GGUF architectures this project writes / reads.
 ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
-                 ARCH_SMOLLM3)
+                 ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -96,7 +102,15 @@ KEY_VALUE_LENGTH = "{arch}.attention.value_length"
 KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"  # RMSNorm (llama, qwen2)
 KEY_LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"  # LayerNorm with bias (falcon, opt)
 KEY_SLIDING_WINDOW = "{arch}.attention.sliding_window"
+#: gemma2/3: which layers are local, as a period (u32) or one bool per layer (absent: SWA_PERIOD)
+KEY_SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
+#: q.k times this (f32; absent: 1/sqrt(head size)); gemma: query_pre_attn_scalar^-1/2
+KEY_ATTENTION_SCALE = "{arch}.attention.scale"
+#: soft-capping c of the attention scores / the final logits: x -> c tanh(x / c) (gemma2)
+KEY_ATTN_LOGIT_SOFTCAPPING = "{arch}.attn_logit_softcapping"
+KEY_FINAL_LOGIT_SOFTCAPPING = "{arch}.final_logit_softcapping"
 KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # gemma3: the local layers' RoPE base
 KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
@@ -411,8 +425,8 @@ T_ATTN_V = "attn_v"
 T_ATTN_OUTPUT = "attn_output"
 T_ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each q head [hd]; olmo2: of all of q [n_head·hd]
 T_ATTN_K_NORM = "attn_k_norm"  # qwen3: RMSNorm of each k head [hd]; olmo2: of all of k
-T_POST_ATTN_NORM = "post_attention_norm"  # olmo2: norm of the attention's output
-T_POST_FFW_NORM = "post_ffw_norm"         # olmo2: norm of the FFN's output
+T_POST_ATTN_NORM = "post_attention_norm"  # olmo2, gemma2/3: norm of the attention's output
+T_POST_FFW_NORM = "post_ffw_norm"         # olmo2, gemma2/3: norm of the FFN's output
 T_FFN_NORM = "ffn_norm"
 T_FFN_GATE = "ffn_gate"
 T_FFN_UP = "ffn_up"            # phi3: fused gate and up rows (all gate, then all up)

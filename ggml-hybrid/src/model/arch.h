@@ -42,6 +42,16 @@ typedef struct {
                                 * Llama-3 scaling), owned; NULL: none */
     int32_t nope_every;        /* layers il with (il + 1) % nope_every == 0 have no RoPE
                                 * (0: every layer has it) */
+    /* sliding-window layers (Gemma): a local layer (gh_layer.swa) attends to the n_swa most
+     * recent positions, itself included, with its own RoPE base and scale */
+    int32_t n_swa;             /* 0: every layer attends to the whole context */
+    uint8_t * swa;             /* [n_layer] 1: local layer (owned by the model; NULL: none) */
+    float   rope_theta_swa, rope_freq_scale_swa;
+    /* attention and head */
+    float   embd_scale;        /* token embeddings times this (Gemma: sqrt(n_embd)) */
+    float   attn_scale;        /* q.k times this (Gemma: query_pre_attn_scalar^-1/2) */
+    float   attn_softcap;      /* scores -> c tanh(scores / c) after scaling (0: none) */
+    float   final_softcap;     /* logits -> c tanh(logits / c) (0: none) */
     int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
     int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
     /* sparse extension */
@@ -67,6 +77,20 @@ typedef struct gh_arch {
                                 * sublayer's output before it is added to x */
     int32_t      nope_every;   /* every nope_every-th layer has no RoPE (SmolLM3: 4, part of
                                 * the architecture: llama.cpp's files carry no key for it) */
+    /* Gemma */
+    bool         scale_embd;   /* token embeddings times sqrt(n_embd) */
+    int32_t      swa_pattern;  /* sliding windows: layer il is local iff il % swa_pattern <
+                                * swa_pattern - 1, unless <arch>.attention.sliding_window_pattern
+                                * says otherwise (0: no sliding windows; the key is ignored) */
+    int32_t      n_swa_default;/* the window when the file has no attention.sliding_window
+                                * (0: then no layer is local) */
+    float        rope_base_swa;/* local layers' RoPE base when the file has no rope.freq_base_swa,
+                                * unscaled (0: local layers rotate as the global ones) */
+    float        attn_softcap, final_softcap; /* when the file has no <arch>.attn_ /
+                                * final_logit_softcapping (0: none) */
+    int32_t      scale_by_embd_layers; /* no attention.scale key: q.k scaled by
+                                * 1/sqrt(n_embd / n_head) in a model of this many layers (the
+                                * 27B's), 1/sqrt(head_dim) otherwise (0: always the latter) */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -75,6 +99,6 @@ const gh_arch * gh_arch_find(const char * name);
 const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
-    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3;
+    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3, gh_arch_gemma2, gh_arch_gemma3;
 
 #endif

@@ -10,13 +10,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* x[t] = token_embd[tokens[t]] (+ position_embd[pos + offset] for learned positions). */
+/* x[t] = token_embd[tokens[t]] (times embd_scale: Gemma) (+ position_embd[pos + offset]
+ * for learned positions). */
 static void embed(const gh_model * m, const int32_t * tokens, int64_t n, int32_t p0, float * x,
                   float * tmp) {
     const gh_type_traits * tr = gh_type_traits_get(m->embd_type);
     const int64_t d = m->hp.n_embd;
     for (int64_t t = 0; t < n; t++) {
         tr->to_float(m->embd + (size_t) tokens[t] * m->embd_row_bytes, x + t * d, d);
+        if (m->hp.embd_scale != 1.0f) {
+            for (int64_t i = 0; i < d; i++) x[t * d + i] *= m->hp.embd_scale;
+        }
     }
     if (!m->pos) return;
     const gh_type_traits * tp = gh_type_traits_get(m->pos_type);
@@ -203,13 +207,16 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         qk_norm_rows(c->q, L->q_norm, n, dq, hp->n_head, hd, per_head, hp->norm_eps);
         qk_norm_rows(kc, L->k_norm, n, dkv, hp->n_head_kv, hd, per_head, hp->norm_eps);
     }
-    /* NoPE layers (SmolLM3's every 4th) attend by content alone */
+    /* NoPE layers (SmolLM3's every 4th) attend by content alone; local (sliding-window)
+     * layers rotate with their own angles */
     const bool nope = hp->nope_every > 0 && (il + 1) % hp->nope_every == 0;
+    const bool local = hp->swa && hp->swa[il];
     if (hp->rope != GH_ROPE_NONE && !nope) {
         const int neox = hp->rope == GH_ROPE_NEOX;
+        const float * cs = local ? c->rope_swa : c->rope;
         for (int32_t t = 0; t < n; t++) {
-            gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, neox);
-            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, neox);
+            gh_rope(c->q + t * dq, hp->n_head, (int) hd, cs + t * hd, neox);
+            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, cs + t * hd, neox);
         }
     }
     if (!kv_f32) {
@@ -221,8 +228,12 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
             store(vc + (int64_t) t * dkv, vdst + (size_t) t * c->kv_row, dkv);
         }
     }
-    gh_attention(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
-                 hp->n_head, hp->n_head_kv, (int) hd);
+    /* the full cache is kept for local layers too: they are interleaved with global ones,
+     * which need it, and the window is a mask */
+    const gh_attn_opts ao = { .scale = hp->attn_scale, .softcap = hp->attn_softcap,
+                              .window = local ? hp->n_swa : 0 };
+    gh_attention_ex(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
+                    hp->n_head, hp->n_head_kv, (int) hd, &ao);
     if (c->prof_attn_out) {
         memcpy(c->prof_attn_out + il * c->prof_attn_out_stride + (int64_t) c->prof_t0 * dq, c->att,
                (size_t) n * dq * sizeof(float));
@@ -290,6 +301,10 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         for (int32_t t = 0; t < n; t++) {
             gh_rope_angles((int) hd, p0 + t, hp->rope_theta, hp->rope_freq_scale, hp->rope_freqs,
                            c->rope + t * hd);
+            if (c->rope_swa) {
+                gh_rope_angles((int) hd, p0 + t, hp->rope_theta_swa, hp->rope_freq_scale_swa,
+                               NULL, c->rope_swa + t * hd);
+            }
         }
     }
     for (int il = 0; il < hp->n_layer; il++) {
@@ -352,6 +367,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         .ld = { hp->n_vocab }, .head = true,
     };
     const double bytes = project(c, &head, c->xb, nt, insp);
+    if (hp->final_softcap > 0) gh_softcap(logits, (int64_t) nt * hp->n_vocab, hp->final_softcap);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
     gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
 }

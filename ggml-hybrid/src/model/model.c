@@ -183,6 +183,8 @@ static int parse_act(const char * s) {
     return -1;
 }
 
+static gh_status load_attention_keys(gh_model * m);
+
 /* "<arch>.<suffix>" */
 #define AKEY(suffix) (snprintf(key, sizeof key, "%s." suffix, arch->name), key)
 
@@ -329,6 +331,80 @@ static gh_status load_hparams(gh_model * m) {
     hp->head_dim = (int32_t) head_dim;
     hp->n_ctx_train = (int32_t) GH_MIN(n_ctx_train, (uint32_t) INT32_MAX);
     hp->norm_eps = eps;
+    return load_attention_keys(m);
+}
+
+/* A soft-capping key: absent -> def; present: finite and >= 0 (0: no cap). */
+static gh_status get_softcap(const gh_gguf * g, const char * key, float def, float * out) {
+    gh_status st = get_f32_opt(g, key, out, def);
+    if (st) return st;
+    if (!isfinite(*out) || *out < 0) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %g (must be finite and >= 0; 0: no cap)", key, *out);
+    }
+    return GH_OK;
+}
+
+/* The attention's scale, soft-caps and sliding windows (Gemma; model/arch.h), after the
+ * counts: every other architecture gets scale 1/sqrt(head_dim), no caps, no windows (its
+ * attention.sliding_window, which llama.cpp's llama files may carry, is not applied). */
+static gh_status load_attention_keys(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    const gh_arch * arch = m->arch;
+    gh_hparams * hp = &m->hp;
+    char key[128];
+    gh_status st;
+    hp->embd_scale = arch->scale_embd ? sqrtf((float) hp->n_embd) : 1.0f;
+    /* the 27B's rule where the file has no attention.scale: llama.cpp's, which has no key */
+    const bool by_embd = arch->scale_by_embd_layers && hp->n_layer == arch->scale_by_embd_layers;
+    float scale = 1.0f / sqrtf((float) (by_embd ? hp->n_embd / hp->n_head : hp->head_dim));
+    if ((st = get_f32_opt(g, AKEY("attention.scale"), &scale, scale))) return st;
+    if (!isfinite(scale) || !(scale > 0)) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %g (must be finite and > 0)", key, scale);
+    }
+    hp->attn_scale = scale;
+    if ((st = get_softcap(g, AKEY("attn_logit_softcapping"), arch->attn_softcap, &hp->attn_softcap)))
+        return st;
+    if ((st = get_softcap(g, AKEY("final_logit_softcapping"), arch->final_softcap, &hp->final_softcap)))
+        return st;
+
+    hp->rope_theta_swa = hp->rope_theta;
+    hp->rope_freq_scale_swa = hp->rope_freq_scale;
+    if (!arch->swa_pattern) return GH_OK;
+    uint32_t n_swa;
+    if ((st = get_u32_opt(g, AKEY("attention.sliding_window"), &n_swa, (uint32_t) arch->n_swa_default)))
+        return st;
+    if (n_swa == 0) return GH_OK; /* no window: every layer global (llama.cpp's reading too) */
+    hp->n_swa = (int32_t) GH_MIN(n_swa, (uint32_t) INT32_MAX);
+    uint8_t * swa = calloc((size_t) hp->n_layer, 1);
+    if (!swa) return gh_fail(GH_ERR_OOM, "out of memory");
+    if ((st = own(m, swa))) return st;
+    hp->swa = swa;
+    /* which layers are local: the pattern key as a period (layer il local iff il % n < n - 1)
+     * or one bool per layer (llama.cpp's two forms), else the architecture's period */
+    const gh_gguf_kv * kv = gh_gguf_find_kv(g, AKEY("attention.sliding_window_pattern"));
+    if (kv && kv->type == GH_GGUF_ARRAY) {
+        if (kv->arr_type != GH_GGUF_BOOL || kv->arr_n != (uint64_t) hp->n_layer) {
+            return gh_fail(GH_ERR_FORMAT, "key '%s' must be a period (uint32) or an array of %d "
+                           "bools (one per layer), not an array of %llu %s", key, hp->n_layer,
+                           (unsigned long long) kv->arr_n, gh_gguf_vtype_name(kv->arr_type));
+        }
+        for (int il = 0; il < hp->n_layer; il++) swa[il] = kv->arr_data[il] != 0;
+    } else {
+        uint32_t period;
+        if ((st = get_count(g, key, false, (uint32_t) arch->swa_pattern, 0, 1u << 16, &period)))
+            return st;
+        /* period 0: every layer local (llama.cpp's reading) */
+        for (int il = 0; il < hp->n_layer; il++)
+            swa[il] = period == 0 || (uint32_t) il % period < period - 1;
+    }
+    /* local layers' RoPE: their own base unscaled (Gemma 3), or the global one's */
+    float base = arch->rope_base_swa ? arch->rope_base_swa : hp->rope_theta;
+    if ((st = get_f32_opt(g, AKEY("rope.freq_base_swa"), &base, base))) return st;
+    if (!(base > 1) || isinf(base)) {
+        return gh_fail(GH_ERR_FORMAT, "bad local-layer rope base %g (%s)", base, key);
+    }
+    hp->rope_theta_swa = base;
+    if (arch->rope_base_swa) hp->rope_freq_scale_swa = 1.0f;
     return GH_OK;
 }
 #undef AKEY

@@ -111,6 +111,7 @@ struct gh_context {
     float *         q;      /* [n_batch][n_head * head_dim] */
     float *         att;    /* attention output [n_batch][n_head * head_dim] */
     float *         rope;   /* RoPE cos/sin of each token's position [n_batch][head_dim] */
+    float *         rope_swa; /* the same for local layers (in rope's allocation; NULL: none) */
     float *         hb;     /* gate / activated [n_batch][n_ff] */
     float *         hb2;    /* up [n_batch][n_ff] */
     void *          mm_scratch;

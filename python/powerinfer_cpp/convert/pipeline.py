@@ -101,8 +101,10 @@ def _input_files(hf_dir: str, sparse_options=None) -> list[str]:
 #: the activations it thus runs right (tanh-GELU for the exact one differs by rounding only).
 LLAMA_CPP_DEFAULT_ACT = {F.ARCH_LLAMA: F.ACT_SILU, F.ARCH_QWEN2: F.ACT_SILU, F.ARCH_PHI3: F.ACT_SILU,
                          F.ARCH_FALCON: F.ACT_GELU, F.ARCH_QWEN3: F.ACT_SILU, F.ARCH_OLMO2: F.ACT_SILU,
-                         F.ARCH_SMOLLM3: F.ACT_SILU}
-_LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF)}
+                         F.ARCH_SMOLLM3: F.ACT_SILU, F.ARCH_GEMMA2: F.ACT_GELU,
+                         F.ARCH_GEMMA3: F.ACT_GELU}
+_LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF), F.ARCH_GEMMA2: (F.ACT_GELU, F.ACT_GELU_ERF),
+                   F.ARCH_GEMMA3: (F.ACT_GELU, F.ACT_GELU_ERF)}
 
 
 def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",

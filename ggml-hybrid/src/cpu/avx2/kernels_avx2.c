@@ -24,7 +24,7 @@
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/avx2/iq4_avx2.h"
 #include "cpu/avx2/iqlat_avx2.h"
-#include "cpu/avx2/prefetch.h"
+#include "cpu/prefetch.h"
 #include "cpu/kernels.h"
 
 #include <immintrin.h>

@@ -16,7 +16,7 @@
  *   IQ4_XS x Q8_K: one row at a time (one linear stream), each 256-value block's levels
  *     looked up once for up to KNT tokens, the signed 6-bit scales through madd (xs_row). */
 #include "cpu/avx2/iq4_avx2.h"
-#include "cpu/avx2/prefetch.h"
+#include "cpu/prefetch.h"
 
 #include <immintrin.h>
 #include <string.h>

@@ -23,15 +23,13 @@
  * 32 * 255 * 127 per block); only the float order differs from the scalar reference. */
 #include "cpu/avx512/kernels_avx512.h"
 
+#include "cpu/prefetch.h"
+
 #include <immintrin.h>
 #include <string.h>
 
 #define GH_INLINE static inline __attribute__((always_inline))
 #define NT_MAX GH_B32_AVX512_NT
-#ifndef GH_PF_TILES
-#define GH_PF_TILES 3
-#endif
-#define GH_PF_HINT _MM_HINT_T1 /* into L2, as the other tiles */
 
 enum { B_Q4_1, B_Q5_0, B_Q5_1, B_IQ4_NL, B_MXFP4 };
 
@@ -162,10 +160,6 @@ GH_INLINE void group_r4(const int NT, const int kind, const uint8_t * const * p,
     }
 }
 
-/* Prefetch modes: none (prompt tiles, whose rows stay in L2), one linear stream from pf[0]
- * (decode: the tile GH_PF_TILES ahead), the rows pf[0..4) (gathered rows). */
-enum { PF_NONE, PF_LINEAR, PF_ROWS };
-
 /* y[t][r] = rows[r] . X[t] for NT tokens (X[t] at x + t * xs); a row's last 1..3 blocks
  * through zeroed copies (a zero block adds 0: its scale is 0, or 2^-128 against the
  * activations' zero padding). */
@@ -198,6 +192,7 @@ GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, c
     }
     if (nb % 4) {
         const int64_t g = ng_full;
+        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) (nb % 4) * b_bytes(kind));
         _Alignas(64) uint8_t tb[4][4 * sizeof(block_q5_1)]; /* the largest block */
         memset(tb, 0, sizeof tb);
         const uint8_t * tp[4];

@@ -1,7 +1,7 @@
-/* Software prefetch of the AVX2 decode tiles (kernels_avx2.c, kernels_iq4_avx2.c): one
- * home for the prefetch modes, the distance and the hint. */
-#ifndef GH_CPU_AVX2_PREFETCH_H
-#define GH_CPU_AVX2_PREFETCH_H
+/* Software prefetch of the decode tiles of every ISA folder: one home for the prefetch
+ * modes, the distance and the hint (_mm_prefetch is SSE, so any x86 ISA file includes it). */
+#ifndef GH_CPU_PREFETCH_H
+#define GH_CPU_PREFETCH_H
 
 #include <immintrin.h>
 #include <stddef.h>

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from powerinfer_cpp._native import ffi, lib
 
-from opref import TYPES  # noqa: E402
+from opref import LATTICE_TYPES, TYPES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALAR, AVX2, AVX512 = lib.GH_SIMD_SCALAR, lib.GH_SIMD_AVX2, lib.GH_SIMD_AVX512
@@ -39,9 +39,14 @@ INHERITED = {
     ("q4_k", "matmul16", AVX512): "int8 form in AVX2",
     ("q5_k", "matmul16", AVX512): "int8 form in AVX2",
     ("q6_k", "matmul16", AVX512): "int8 form in AVX2",
+    # the IQ lattice types (kernels_iqlat_avx2.c): AVX2 dot and one-row axpy, which the
+    # AVX-512 level runs (no AVX-512 kernels of theirs yet)
+    **{(n, f, AVX512): "lattice types: AVX2's" for n in LATTICE_TYPES for f in ("dot", "axpy")},
 }
 #: (type, form) without a kernel at any SIMD level: the callers use the next smaller form
-NONE: dict = {}
+#: (the lattice types: their gathered rows run the row dot one row at a time, their four
+#: rows the one-row axpy four times)
+NONE: dict = {(n, f): "lattice types: one-row forms only" for n in LATTICE_TYPES for f in ("dot4", "axpy4", "axpy4pf")}
 
 
 def forms() -> list[str]:
@@ -113,4 +118,5 @@ def test_tool_prints_the_matrix():
     for name, t in TYPES.items():
         tname = ffi.string(lib.gh_type_name(t)).decode()
         assert rows[tname][1] == "".join("S25"[source(t, "dot", lv)] for lv in (SCALAR, AVX2, AVX512)), tname
-    assert f"SIMD cells without a kernel of their level: {len(INHERITED)} " in r.stdout
+    # the inherited cells, and the NONE forms at both SIMD levels
+    assert f"SIMD cells without a kernel of their level: {len(INHERITED) + 2 * len(NONE)} " in r.stdout

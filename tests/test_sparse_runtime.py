@@ -22,10 +22,11 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
-from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, MXFP4, NATIVE_QUANT,  # noqa: E402
+from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, LATTICE, MXFP4, NATIVE_QUANT,  # noqa: E402
                    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPES,
                    axpy_int8_bound, block_cols, matmul_t_int8_bound,
                    native_quantize)
+from opref import encode as opref_encode  # noqa: E402
 
 GH_ERR_INVALID_ARG = 4
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 100, 383, 12, 64]
@@ -37,6 +38,9 @@ def encode(t: int, a: np.ndarray):
     a = np.ascontiguousarray(a, dtype=np.float32)
     if t == F32:
         return a, a
+    if t in LATTICE:  # no quantizer: random valid blocks of a's magnitude (opref.encode)
+        raw, wd = opref_encode(t, a)
+        return (raw, GGUF_QT[t]), wd
     raw = native_quantize(t, a) if t in NATIVE_QUANT else quants.quantize(a, GGUF_QT[t])
     return (raw, GGUF_QT[t]), quants.dequantize(raw, GGUF_QT[t]).astype(np.float32).reshape(a.shape)
 

@@ -46,9 +46,16 @@ typedef enum {
     GH_TYPE_Q4_K = 12,
     GH_TYPE_Q5_K = 13,
     GH_TYPE_Q6_K = 14,
+    GH_TYPE_IQ2_XXS = 16, /* the IQ lattice types: read (when built with their codebooks), */
+    GH_TYPE_IQ2_XS = 17,  /* never written */
+    GH_TYPE_IQ3_XXS = 18,
+    GH_TYPE_IQ1_S = 19,
     GH_TYPE_IQ4_NL = 20,
+    GH_TYPE_IQ3_S = 21,
+    GH_TYPE_IQ2_S = 22,
     GH_TYPE_IQ4_XS = 23,
     GH_TYPE_I32  = 26, /* index tensors only (blk.N.gpu_idx, blk.N.gpu_bucket); no matmul */
+    GH_TYPE_IQ1_M = 29,
     GH_TYPE_BF16 = 30,
     GH_TYPE_MXFP4 = 39
 } gh_type;

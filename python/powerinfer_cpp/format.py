@@ -376,6 +376,22 @@ FILE_TYPE_MOSTLY_IQ4_XS = 30
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
             "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
+#: llama.cpp's IQ1/IQ2/IQ3 lattice types: the runtime reads them (when built with their
+#: codebooks) but does not write them: llama.cpp's quantizers for them need an importance
+#: matrix (llama-imatrix over calibration text) to be worth their bits.
+READ_ONLY_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+
+
+def outtype_refusal(outtype: str) -> str:
+    """Why `outtype` is not one convert writes (for an outtype not in OUTTYPES)."""
+    if str(outtype).lower() in READ_ONLY_TYPES:
+        return (f"outtype {outtype!r} is read but not written by this runtime: llama.cpp's "
+                f"{str(outtype).upper()} quantizer needs an importance matrix; make the file with "
+                f"llama.cpp's llama-imatrix and llama-quantize, then load or convert it from there "
+                f"(outtypes written: {', '.join(OUTTYPES)})")
+    return f"unknown outtype {outtype!r} (expected one of: {', '.join(OUTTYPES)})"
+
+
 #: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule);
 #: q2_k is llama.cpp's Q2_K preset, itself a mix.
 OUTTYPE_MIXES = ("q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")

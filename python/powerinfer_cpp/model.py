@@ -23,7 +23,8 @@ from .tokenizer import Tokenizer, load_tokenizer
 _ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16",
                12: "q4_k", 13: "q5_k", 14: "q6_k", 10: "q2_k", 11: "q3_k", 20: "iq4_nl", 23: "iq4_xs",
-               39: "mxfp4"}
+               39: "mxfp4", 16: "iq2_xxs", 17: "iq2_xs", 22: "iq2_s", 18: "iq3_xxs", 21: "iq3_s",
+               19: "iq1_s", 29: "iq1_m"}
 # FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
 # layer has a predictor and ffn_down_t, else gate when it has gate thresholds, else dense)
 FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2, "gate": 3}

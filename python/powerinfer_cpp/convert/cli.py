@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         dense = None
         if from_gguf:
             if args.outtype is not None and args.outtype not in F.OUTTYPES:
-                raise ConvertError(f"unknown outtype {args.outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+                raise ConvertError(F.outtype_refusal(args.outtype))
             if sparse is False and args.outtype is None:
                 raise ConvertError("a GGUF input is dense already: --dense needs --outtype T (re-quantize it "
                                    "to T), else drop --dense to make it sparse")

@@ -109,7 +109,7 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
 
     path = os.path.abspath(os.fspath(path))
     if outtype is not None and outtype not in F.OUTTYPES:
-        raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+        raise ConvertError(F.outtype_refusal(outtype))
     if not os.path.isfile(path):
         raise ConvertError(f"model file not found: {path}")
     try:

@@ -121,7 +121,7 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
     SparseReport is appended to ``report`` when a list is given. (The CLI makes
     sparse the default for ReLU-family models; this function does not.)"""
     if outtype not in F.OUTTYPES:
-        raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+        raise ConvertError(F.outtype_refusal(outtype))
     hf_dir = os.fspath(hf_dir)
     out_path = os.path.abspath(os.fspath(out_path))
     check_output_path(out_path, _input_files(hf_dir, sparse_options))

@@ -15,6 +15,7 @@
 
 #include "cpu/avx2/kq_unpack.h"
 #include "cpu/avx2/axpy_int8.h"
+#include "cpu/avx2/iqlat_avx2.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -848,4 +849,14 @@ const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_IQ4_NL] = { .axpy = axpy_iq4_nl_avx2, .axpy4 = axpy4_iq4_nl_avx2, .axpy4pf = axpy4_iq4_nl_avx2pf },
     [GH_TYPE_IQ4_XS] = { .axpy = axpy_iq4_xs_avx2, .axpy4 = axpy4_iq4_xs_avx2, .axpy4pf = axpy4_iq4_xs_avx2pf },
     [GH_TYPE_MXFP4]  = { .axpy = axpy_mxfp4_avx2, .axpy4 = axpy4_mxfp4_avx2, .axpy4pf = axpy4_mxfp4_avx2pf },
+#if GH_IQ_GRIDS
+    /* the IQ lattice types: one-row forms in kernels_iqlat_avx2.c */
+    [GH_TYPE_IQ2_XXS] = { .axpy = gh_avx2_axpy_iq2_xxs },
+    [GH_TYPE_IQ2_XS]  = { .axpy = gh_avx2_axpy_iq2_xs },
+    [GH_TYPE_IQ2_S]   = { .axpy = gh_avx2_axpy_iq2_s },
+    [GH_TYPE_IQ3_XXS] = { .axpy = gh_avx2_axpy_iq3_xxs },
+    [GH_TYPE_IQ3_S]   = { .axpy = gh_avx2_axpy_iq3_s },
+    [GH_TYPE_IQ1_S]   = { .axpy = gh_avx2_axpy_iq1_s },
+    [GH_TYPE_IQ1_M]   = { .axpy = gh_avx2_axpy_iq1_m },
+#endif
 };

@@ -23,6 +23,7 @@
 
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/avx2/iq4_avx2.h"
+#include "cpu/avx2/iqlat_avx2.h"
 #include "cpu/prefetch.h"
 #include "cpu/kernels.h"
 
@@ -909,4 +910,16 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
                                   gh_avx2_dot4_mxfp4),
     [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx2_gemm_iq4_xs, 4, KNT, 4,
                                   gh_avx2_dot4_iq4_xs),
+#if GH_IQ_GRIDS
+    /* the IQ lattice types: kernels in kernels_iqlat_avx2.c (tiles of row dots) */
+#define IQLAT_ROW(T) GH_DOT_ROW(gh_avx2_vec_dot_##T, q8_K_from_float_x, gh_avx2_gemm_##T, 4, KNT, 4, NULL)
+    [GH_TYPE_IQ2_XXS] = IQLAT_ROW(iq2_xxs),
+    [GH_TYPE_IQ2_XS]  = IQLAT_ROW(iq2_xs),
+    [GH_TYPE_IQ2_S]   = IQLAT_ROW(iq2_s),
+    [GH_TYPE_IQ3_XXS] = IQLAT_ROW(iq3_xxs),
+    [GH_TYPE_IQ3_S]   = IQLAT_ROW(iq3_s),
+    [GH_TYPE_IQ1_S]   = IQLAT_ROW(iq1_s),
+    [GH_TYPE_IQ1_M]   = IQLAT_ROW(iq1_m),
+#undef IQLAT_ROW
+#endif
 };

@@ -70,12 +70,13 @@ def _bpe_tokenizer(vocab_size: int):
     return tok
 
 
-def _spm_tokenizer(vocab_size: int):
+def _spm_tokenizer(vocab_size: int, space_prefix: bool = True):
     """SentencePiece-style BPE with byte fallback (LLaMA style): ids 0..2 are
     <unk> <s> </s>, 3..258 the byte tokens <0x00>..<0xFF>, then the learnt
     pieces; merges are put in SentencePiece order (every split of a piece,
     ranked by the piece's rank), so that tokenization only depends on the
-    vocabulary and the piece ranks."""
+    vocabulary and the piece ranks. space_prefix False: Gemma's layout (spaces
+    become "▁" but no "▁" is prepended to the text)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     base = Tokenizer(models.BPE(unk_token=UNK))
@@ -109,10 +110,12 @@ def _spm_tokenizer(vocab_size: int):
     tok = Tokenizer(model)
     # "legacy" LLaMA tokenizer.json layout (as SentencePiece / llama.cpp do):
     # the normalizer prepends "▁" to each text segment and replaces spaces.
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    prepend = [normalizers.Prepend("▁")] if space_prefix else []
+    tok.normalizer = normalizers.Sequence(prepend + [normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = None
+    strip = [decoders.Strip(" ", 1, 0)] if space_prefix else []
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+                                     decoders.Fuse()] + strip)
     tok.add_special_tokens([UNK, BOS, EOS] + EXTRA_SPECIAL)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)])
@@ -128,8 +131,9 @@ def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
     """Write tokenizer.json + tokenizer_config.json + special_tokens_map.json
     for a tiny tokenizer into ``path``. kind: "bpe" (byte-level, GPT-2
     style), "bpe-qwen2" (byte-level after Qwen2's regex split), "bpe-falcon" (Falcon's published
-    pre-tokenizer, format.TOKENIZER_PRE_TOKENIZERS["falcon"]) or "spm"
-    (LLaMA/SentencePiece style with byte fallback).
+    pre-tokenizer, format.TOKENIZER_PRE_TOKENIZERS["falcon"]), "spm"
+    (LLaMA/SentencePiece style with byte fallback) or "spm-gemma" (the same without the
+    "▁" prefix, as Gemma's tokenizer.json).
     Returns the folder. The tokenizer has at most ``vocab`` - 1 tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -150,8 +154,8 @@ def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
         pad = PAD
         cls = "PreTrainedTokenizerFast"
         extra = {}
-    elif kind == "spm":
-        tok = _spm_tokenizer(vocab - 1 - len(EXTRA_SPECIAL))
+    elif kind in ("spm", "spm-gemma"):
+        tok = _spm_tokenizer(vocab - 1 - len(EXTRA_SPECIAL), space_prefix=kind == "spm")
         pad = None
         # PreTrainedTokenizerFast uses tokenizer.json as is; transformers>=5's
         # LlamaTokenizer class would rebuild the pipeline in its own
@@ -165,7 +169,7 @@ def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
     tok.save(str(path / "tokenizer.json"))
     cfg = {
         "tokenizer_class": cls,
-        "bos_token": BOS, "eos_token": EOS, "unk_token": UNK if kind == "spm" else None,
+        "bos_token": BOS, "eos_token": EOS, "unk_token": UNK if kind.startswith("spm") else None,
         "pad_token": pad, "add_bos_token": True, "add_eos_token": False,
         "model_max_length": 4096, "clean_up_tokenization_spaces": False,
         "additional_special_tokens": list(EXTRA_SPECIAL),
@@ -175,7 +179,7 @@ def make_tokenizer(path, kind: str = "bpe", vocab: int = 384) -> Path:
     stm = {"bos_token": BOS, "eos_token": EOS, "additional_special_tokens": list(EXTRA_SPECIAL)}
     if pad:
         stm["pad_token"] = pad
-    if kind == "spm":
+    if kind.startswith("spm"):
         stm["unk_token"] = UNK
     (path / "special_tokens_map.json").write_text(json.dumps(stm, indent=2), encoding="utf-8")
     return path
@@ -253,6 +257,9 @@ def _edit_config(path: Path, **upd) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
 
 
+# Gemma's soft-caps, small enough that tanh bends the tiny random models' scores and logits.
+GEMMA_ATTN_CAP, GEMMA_FINAL_CAP = 0.05, 0.5
+
 # Tiny models of every architecture the converter takes: name -> (family, config overrides).
 # Sizes stay <= 2 layers and hidden <= 64. Ids: <s>=0 (BOS), </s>=1 (EOS), <pad>=2.
 _IDS = dict(bos_token_id=0, eos_token_id=1, pad_token_id=2)
@@ -289,6 +296,30 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "smollm3-untied": ("smollm3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1,
                                        intermediate_size=80, num_hidden_layers=4, tie_word_embeddings=False)),
     # phi3: fused qkv_proj and gate_up_proj, GQA
+    # gemma2: sandwich norms, GeGLU, head size 16 != 48 / 4, query_pre_attn_scalar 20 != 16,
+    # soft-caps small enough to bite, a window of 4 on layers 0 and 2; GQA (layers 0-2) and
+    # MQA with a window of 6; always tied (llama.cpp's gemma2 has no output.weight)
+    "gemma2": ("gemma2", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              intermediate_size=80, num_hidden_layers=3, query_pre_attn_scalar=20,
+                              sliding_window=4, attn_logit_softcapping=GEMMA_ATTN_CAP,
+                              final_logit_softcapping=GEMMA_FINAL_CAP)),
+    "gemma2-mqa": ("gemma2", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=24,
+                                  intermediate_size=96, query_pre_attn_scalar=24, sliding_window=6,
+                                  attn_logit_softcapping=GEMMA_ATTN_CAP,
+                                  final_logit_softcapping=GEMMA_FINAL_CAP)),
+    # gemma3: per-head q/k norms, 5 local layers : 1 global (6 layers, window 4), local RoPE
+    # base 10000 and global 1e6 with linear scaling 2; GQA tied. Untied MQA with its own layer
+    # pattern (a sliding_window_pattern array in the file) and a final soft-cap
+    "gemma3": ("gemma3", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              intermediate_size=80, num_hidden_layers=6, query_pre_attn_scalar=24,
+                              sliding_window=4, rope_parameters={
+                                  "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma3-untied": ("gemma3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=20,
+                                     intermediate_size=96, num_hidden_layers=4, sliding_window=5,
+                                     tie_word_embeddings=False, final_logit_softcapping=GEMMA_FINAL_CAP,
+                                     layer_types=["sliding_attention", "full_attention",
+                                                  "sliding_attention", "sliding_attention"])),
     "phi3": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=96, tie_word_embeddings=False)),
     # opt: pre-LN, learned positions, ungated ReLU FFN
@@ -313,7 +344,44 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "falcon-relu": ("falcon", dict(hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                                    new_decoder_architecture=True, activation="relu", bias=False,
                                    tie_word_embeddings=False)),                  # ReluFalcon-40B shape
+    # mixtures of experts (MOE_VARIANTS): top-1 and top-2 of 4 to 8 experts, renormalised
+    # routing weights and not, a shared expert (qwen2moe)
+    # mixtral: llama with experts; always renormalised (top-1: weight 1)
+    "mixtral": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                tie_word_embeddings=False)),
+    "mixtral-top1": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                     intermediate_size=32, num_local_experts=8, num_experts_per_tok=1,
+                                     tie_word_embeddings=True)),
+    # qwen2moe: q/k/v biases, a shared expert behind its sigmoid gate; norm_topk_prob off (its
+    # default) and on
+    "qwen2moe": ("qwen2moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  intermediate_size=96, moe_intermediate_size=32,
+                                  shared_expert_intermediate_size=64, num_experts=6, num_experts_per_tok=2,
+                                  norm_topk_prob=False, tie_word_embeddings=False)),
+    "qwen2moe-norm": ("qwen2moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                       intermediate_size=96, moe_intermediate_size=64,
+                                       shared_expert_intermediate_size=32, num_experts=8,
+                                       num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)),
+    # qwen3moe: per-head q/k norms, an explicit head size (24 != 64 / 4); renormalised top-2,
+    # and top-1 without renormalisation (the weight is the expert's probability)
+    "qwen3moe": ("qwen3moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                  intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                  num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen3moe-top1": ("qwen3moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                       intermediate_size=96, moe_intermediate_size=64, num_experts=4,
+                                       num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True)),
+    # olmoe: q/k norms over the projection; not renormalised (its default) and renormalised
+    "olmoe": ("olmoe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                            tie_word_embeddings=False)),
+    "olmoe-norm": ("olmoe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                 intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                 tie_word_embeddings=True)),
 }
+#: The mixture-of-experts variants (their FFN is experts: no sparse modes yet).
+MOE_VARIANTS = tuple(v for v, (family, _) in VARIANTS.items()
+                     if family in ("mixtral", "qwen2moe", "qwen3moe", "olmoe"))
 
 
 def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
@@ -360,6 +428,13 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.SmolLM3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                             "rope_theta": 10000.0, **kw})
         _save(transformers.SmolLM3ForCausalLM, cfg, path, seed)
+    elif family in ("gemma2", "gemma3"):
+        ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # the spm tokenizer's
+        cls = transformers.Gemma2Config if family == "gemma2" else transformers.Gemma3TextConfig
+        model = transformers.Gemma2ForCausalLM if family == "gemma2" else transformers.Gemma3ForCausalLM
+        cfg = cls(**{**common, **ids, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+                     "max_position_embeddings": 256, **kw})
+        _save(model, cfg, path, seed, tokenizer="spm-gemma")
     elif family == "phi3":
         cfg = transformers.Phi3Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                          "rope_theta": 10000.0, "sliding_window": None,
@@ -373,6 +448,22 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.FalconConfig(**{**common, "ffn_hidden_size": 3 * kw["hidden_size"],
                                            "rope_theta": 10000.0, **kw})
         _save(transformers.FalconForCausalLM, cfg, path, seed, tokenizer="bpe-falcon")
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                            "rope_theta": 10000.0, "sliding_window": None, **kw})
+        _save(transformers.MixtralForCausalLM, cfg, path, seed)
+    elif family == "qwen2moe":
+        cfg = transformers.Qwen2MoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                             "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen2MoeForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "qwen3moe":
+        cfg = transformers.Qwen3MoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                             "rope_theta": 10000.0, **kw})
+        _save(transformers.Qwen3MoeForCausalLM, cfg, path, seed, tokenizer="bpe-qwen2")
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.OlmoeForCausalLM, cfg, path, seed)
     return path
 
 
@@ -395,7 +486,11 @@ def hf_reference_model(path):
         else:
             patch_fatrelu(model, float(cfg["hidden_act_param"]))
         return model
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    kw = {}
+    if cfg.get("model_type") in ("gemma2", "gemma3_text"):
+        # the soft-capping of the attention scores is applied by the eager attention only
+        kw["attn_implementation"] = "eager"
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
 
 
 def patch_fatrelu(model, t: float) -> None:

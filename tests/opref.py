@@ -15,12 +15,33 @@ Q4_1, Q5_0, Q5_1 = 3, 6, 7
 Q4_K, Q5_K, Q6_K = 12, 13, 14
 Q2_K, Q3_K = 10, 11
 IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
+IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = 16, 17, 22, 18, 21, 19, 29
+#: the IQ1/IQ2/IQ3 lattice types (256-value blocks against Q8_K): read, never written (no
+#: quantizer here or in gguf.quants); the tests store random valid blocks (lattice_blocks)
+LATTICE_ALL = {"iq2_xxs": IQ2_XXS, "iq2_xs": IQ2_XS, "iq2_s": IQ2_S, "iq3_xxs": IQ3_XXS,
+               "iq3_s": IQ3_S, "iq1_s": IQ1_S, "iq1_m": IQ1_M}
+
+
+def _lattice_read() -> dict:
+    """The lattice types this build reads (all, unless it was built without the gguf
+    package's codebooks: then they are refused by name and tested as such)."""
+    from powerinfer_cpp._native import lib
+
+    return {n: t for n, t in LATTICE_ALL.items() if lib.gh_type_block_size(t) > 0}
+
+
+LATTICE_TYPES = _lattice_read()
+LATTICE = tuple(LATTICE_TYPES.values())
 TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1,
          "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K,
-         "q2_k": Q2_K, "q3_k": Q3_K, "iq4_nl": IQ4_NL, "iq4_xs": IQ4_XS, "mxfp4": MXFP4}
+         "q2_k": Q2_K, "q3_k": Q3_K, "iq4_nl": IQ4_NL, "iq4_xs": IQ4_XS, "mxfp4": MXFP4,
+         **LATTICE_TYPES}
 GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0, Q4_1: QT.Q4_1,
            Q5_0: QT.Q5_0, Q5_1: QT.Q5_1, Q4_K: QT.Q4_K, Q5_K: QT.Q5_K, Q6_K: QT.Q6_K,
-           Q2_K: QT.Q2_K, Q3_K: QT.Q3_K, IQ4_NL: QT.IQ4_NL, IQ4_XS: QT.IQ4_XS, MXFP4: QT.MXFP4}
+           Q2_K: QT.Q2_K, Q3_K: QT.Q3_K, IQ4_NL: QT.IQ4_NL, IQ4_XS: QT.IQ4_XS, MXFP4: QT.MXFP4,
+           **{t: QT(t) for t in LATTICE_ALL.values()}}
+#: bytes per 256-value block of the lattice types (gguf.constants.GGML_QUANT_SIZES)
+LATTICE_SIZE = {IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110, IQ1_S: 50, IQ1_M: 56}
 #: the 256-value super-block types: our quantizer (gguf.quants has none), Q8_K activations
 K_QUANTS = (Q4_K, Q5_K, Q6_K, Q2_K, Q3_K)
 #: the 32-value block types with a scale (and a min) per block, beside Q8_0 / Q4_0
@@ -28,12 +49,13 @@ B32_QUANTS = (Q4_1, Q5_0, Q5_1)
 #: the non-linear 4-bit types (int8 level tables): IQ4_NL / MXFP4 in 32-value blocks
 #: against Q8_X4, IQ4_XS in 256-value blocks against Q8_K
 IQ4_QUANTS = (IQ4_NL, IQ4_XS, MXFP4)
-QUANTIZED = (Q8_0, Q4_0) + B32_QUANTS + K_QUANTS + IQ4_QUANTS
+QUANTIZED = (Q8_0, Q4_0) + B32_QUANTS + K_QUANTS + IQ4_QUANTS + LATTICE
 #: the types gguf.quants cannot quantize (it dequantizes them): our quantizer makes them
 NATIVE_QUANT = K_QUANTS + (IQ4_NL, IQ4_XS)
 #: elements per block: a row's length must be a multiple of it
 BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q4_K: 256,
-         Q5_K: 256, Q6_K: 256, Q2_K: 256, Q3_K: 256, IQ4_NL: 32, IQ4_XS: 256, MXFP4: 32}
+         Q5_K: 256, Q6_K: 256, Q2_K: 256, Q3_K: 256, IQ4_NL: 32, IQ4_XS: 256, MXFP4: 32,
+         **{t: 256 for t in LATTICE_ALL.values()}}
 SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
 ACTS = {"silu": SILU, "relu": RELU, "drelu": DRELU, "gelu": GELU, "gelu_erf": GELU_ERF}
 
@@ -60,14 +82,48 @@ def native_quantize(t: int, a: np.ndarray) -> np.ndarray:
     return out
 
 
+def set_lattice_d(t: int, blocks: np.ndarray, d) -> None:
+    """Store the fp16 super-block scale d [n] in the lattice blocks [n, size] (uint8, in
+    place): the first two bytes, or IQ1_M's top nibbles of its four scale words."""
+    h = np.asarray(d, dtype=np.float16).reshape(-1).view(np.uint16).astype(np.uint32)
+    if t != IQ1_M:
+        blocks[:, 0] = h & 0xFF
+        blocks[:, 1] = h >> 8
+        return
+    for k in range(4):  # scale word k at bytes 48 + 2k: its top nibble is bits 4k..4k+3 of d
+        blocks[:, 49 + 2 * k] = (blocks[:, 49 + 2 * k] & 0x0F) | (((h >> (4 * k)) & 0xF) << 4).astype(np.uint8)
+
+
+def lattice_blocks(t: int, rms: np.ndarray, rng) -> np.ndarray:
+    """Random valid blocks of lattice type t, one per entry of rms, each scaled (its fp16 d)
+    so that its values' RMS is about that entry: uint8 [len(rms), size]. Every bit pattern
+    of the indices, signs and sub-block scales is a valid block (the indices' widths are the
+    grids' sizes); only d is chosen, finite and of the wanted size."""
+    rms = np.asarray(rms, dtype=np.float64).reshape(-1)
+    raw = rng.integers(0, 256, size=(rms.size, LATTICE_SIZE[t]), dtype=np.uint8)
+    set_lattice_d(t, raw, np.ones(rms.size))
+    unit = quants.dequantize(raw.reshape(-1), GGUF_QT[t]).reshape(rms.size, 256).astype(np.float64)
+    unit_rms = np.sqrt(np.mean(unit ** 2, axis=1))
+    set_lattice_d(t, raw, np.where(unit_rms > 0, rms / np.maximum(unit_rms, 1e-30), 0.0))
+    return raw
+
+
 def encode(t: int, a: np.ndarray):
     """(raw bytes of a stored as type t, its dequantized float32 values). gguf.quants
     quantizes the types it can (it has no K-quant, IQ4_NL or IQ4_XS quantizer: those use
     ours, NATIVE_QUANT); it
-    dequantizes every one."""
+    dequantizes every one. The lattice types (LATTICE) have no quantizer anywhere here:
+    their rows are random valid blocks with a's RMS per 256 values (lattice_blocks), not
+    a's values: the op tests compare against the dequantized weights, whatever they are."""
     a = np.ascontiguousarray(a, dtype=np.float32)
     if t == F32:
         return a, a
+    if t in LATTICE_ALL.values():
+        rows = a.reshape(-1, a.shape[-1])
+        rms = np.sqrt(np.mean(rows.astype(np.float64).reshape(rows.shape[0], -1, 256) ** 2, axis=2))
+        seed = int(np.abs(rows[:, :8].astype(np.float64)).sum() * 1e6) % (2**32)  # repeatable per a
+        raw = lattice_blocks(t, rms, np.random.default_rng(seed)).reshape(*a.shape[:-1], -1)
+        return raw, quants.dequantize(raw, GGUF_QT[t]).astype(np.float32).reshape(a.shape)
     if t in NATIVE_QUANT:
         raw = native_quantize(t, a).reshape(*a.shape[:-1], -1)
     else:
@@ -110,7 +166,7 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
 #: Rows per group of the int8 axpy forms (cpu/avx2/axpy_avx2.c: at the AVX2 level and up).
 AXPY_INT8_GROUP = 16
 #: The types whose one-token transposed matmul has the int8 form.
-AXPY_INT8_TYPES = (Q4_0, Q4_K, Q5_K, Q6_K)
+AXPY_INT8_TYPES = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 
 
 def _k4_scales(sc8: np.ndarray) -> np.ndarray:
@@ -158,6 +214,12 @@ def _int8_operands(t: int, raw: np.ndarray, wd: np.ndarray):
     """The int8 forms' per-sub-block scales D [rows, sub-blocks] and |quants| [rows, cols]."""
     if t in K_QUANTS:
         return _k_fields(t, raw)
+    if t == Q4_1:  # x = d q + m: the int8 sums take d (q - 8), the rest is exact
+        blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 20)
+        d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)
+        qs = blocks[:, :, 4:20].astype(np.int32)
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=2)                 # values 0..15, 16..31
+        return d, np.abs(q.reshape(raw.shape[0], -1).astype(np.float64) - 8.0)
     blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
     d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
     with np.errstate(divide="ignore", invalid="ignore"):

@@ -109,7 +109,9 @@ def test_unsupported_and_unknown_arguments(shipped_gguf, llm):
         Llama(str(shipped_gguf), chat_format="llama-2", verbose=False)
     with pytest.raises(UnsupportedArgumentError, match="mirostat_mode=2"):
         llm("x", mirostat_mode=2)
-    with pytest.raises(UnsupportedArgumentError, match="tools"):
+    with pytest.raises(UnsupportedArgumentError, match="functions"):
+        llm.create_chat_completion([{"role": "user", "content": "x"}], functions=[{"name": "x"}])
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):  # tools: tests/test_tools.py
         llm.create_chat_completion([{"role": "user", "content": "x"}], tools=[{"type": "x"}])
     with pytest.raises(TypeError, match="unexpected"):
         llm("x", banana=1)
@@ -224,8 +226,7 @@ LLAMA_CPP_PYTHON_METHODS = [
     "logits_to_logprobs", "longest_token_prefix", "from_pretrained",
 ]
 REFUSED = {
-    "embed": (["x"], "embeddings"), "create_embedding": (["x"], "embeddings"),
-    "pooling_type": ([], "embeddings"), "save_state": ([], "KV cache"),
+    "save_state": ([], "KV cache"),
     "load_state": ([None], "KV cache"), "set_cache": ([object()], "KV cache"),
 }
 

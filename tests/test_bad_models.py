@@ -167,8 +167,13 @@ def test_bad_key(random_gguf, tmp_path, kv, match):
      "key 'tokenizer.ggml.bos_token_id' = 2147483648 is outside the vocabulary"),
     ({"tokenizer.ggml.bos_token_id": ("1", VT.STRING)},
      "key 'tokenizer.ggml.bos_token_id': expected an integer token id, found string"),
-    ({"llama.expert_count": (8, VT.UINT32)},
-     "key 'llama.expert_count' = 8: mixture-of-experts models are not supported"),
+    # experts (Mixtral is a llama file with them): the keys they need, and their tensors in
+    # place of the dense FFN's
+    ({"llama.expert_count": (8, VT.UINT32)}, "missing required key 'llama.expert_used_count'"),
+    ({"llama.expert_count": (8, VT.UINT32), "llama.expert_used_count": (9, VT.UINT32)},
+     r"key 'llama.expert_used_count' = 9 is out of range \(must be 1 to 8\)"),
+    ({"llama.expert_count": (8, VT.UINT32), "llama.expert_used_count": (2, VT.UINT32)},
+     r"tensor 'blk\.0\.ffn_gate\.weight' in a mixture-of-experts layer \(llama.expert_count = 8\)"),
 ])
 def test_lying_key_is_refused_by_name(random_gguf, tmp_path, kv, match):
     with pytest.raises(NativeError, match=match) as e:

@@ -27,7 +27,10 @@ from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: 
 
 ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
            "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
-           "smollm3": F.ARCH_SMOLLM3}
+           "smollm3": F.ARCH_SMOLLM3, "gemma2": F.ARCH_GEMMA2, "gemma3": F.ARCH_GEMMA3,
+           "mixtral": F.ARCH_LLAMA, "qwen2moe": F.ARCH_QWEN2MOE, "qwen3moe": F.ARCH_QWEN3MOE,
+           "olmoe": F.ARCH_OLMOE}
+MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -82,19 +85,21 @@ def hf_qkv(q, k, v, layout, n_head, n_kv, hd):
 
 
 def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
-    """(GGUF tensor names in file order, name -> fn(our array) -> the HF array it must equal)."""
+    """(GGUF tensor names in file order, name -> (HF name, fn, ref_fn): fn(our array) must
+    equal ref_fn(the HF array))."""
     family = VARIANTS[variant][0]
     names: list[str] = []
     undo: dict = {}
 
-    def add(name, hf, fn=lambda a: a):
+    def add(name, hf, fn=lambda a: a, ref_fn=lambda a: a):
         names.append(name)
-        undo[name] = (hf, fn)
+        undo[name] = (hf, fn, ref_fn)
 
     n = cfg["num_hidden_layers"]
-    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3") + MOE_FAMILIES:
         nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        perm = family in ("llama", "smollm3")
+        perm = family in ("llama", "smollm3", "mixtral")
+        biased = family == "qwen2" or (family == "qwen2moe" and cfg.get("qkv_bias", True))
         post = family == "olmo2"  # output norms only, the q/k norms over the projection
         add("token_embd.weight", "model.embed_tokens.weight")
         if variant == "llama3":
@@ -106,20 +111,55 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
             for proj, kind, heads in (("q", "attn_q", nh), ("k", "attn_k", nkv), ("v", "attn_v", 0)):
                 fn = (lambda a, h=heads: unpermute_qk(a, h)) if perm and heads else (lambda a: a)
                 add(f"blk.{i}.{kind}.weight", L + f"self_attn.{proj}_proj.weight", fn)
-                if family == "qwen2":
+                if biased:
                     add(f"blk.{i}.{kind}.bias", L + f"self_attn.{proj}_proj.bias")
-            if family in ("qwen3", "olmo2"):  # per head / over the projection, as HF stores them
+            if family in ("qwen3", "olmo2", "qwen3moe", "olmoe"):  # per head / over the projection
                 add(f"blk.{i}.attn_q_norm.weight", L + "self_attn.q_norm.weight")
                 add(f"blk.{i}.attn_k_norm.weight", L + "self_attn.k_norm.weight")
             add(f"blk.{i}.attn_output.weight", L + "self_attn.o_proj.weight")
             add(f"blk.{i}.{'post_attention_norm' if post else 'ffn_norm'}.weight",
                 L + "post_attention_layernorm.weight")
-            add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
-            add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
-            add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
+            if family in MOE_FAMILIES:  # each expert is row [e] of the stacked 3-D tensor
+                moe, (g, u, dn) = (("block_sparse_moe.", ("w1", "w3", "w2")) if family == "mixtral"
+                                   else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
+                ne = cfg.get("num_experts") or cfg.get("num_local_experts")
+                add(f"blk.{i}.ffn_gate_inp.weight", L + moe + "gate.weight")
+                for kind, proj in (("ffn_gate_exps", g), ("ffn_up_exps", u), ("ffn_down_exps", dn)):
+                    add(f"blk.{i}.{kind}.weight", tuple(L + f"{moe}experts.{e}.{proj}.weight" for e in range(ne)))
+                if family == "qwen2moe":
+                    add(f"blk.{i}.ffn_gate_inp_shexp.weight", L + "mlp.shared_expert_gate.weight",
+                        lambda a: a.reshape(1, -1))
+                    for kind, proj in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                                       ("ffn_down_shexp", "down_proj")):
+                        add(f"blk.{i}.{kind}.weight", L + f"mlp.shared_expert.{proj}.weight")
+            else:
+                add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
+                add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
+                add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
             if post:
                 add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight")
         add("output_norm.weight", "model.norm.weight")
+    elif family in ("gemma2", "gemma3"):
+        # Gemma's RMSNorm scales by 1 + w: the file holds w + 1 (in float32, as the converter
+        # adds it), q/k unpermuted, the four sandwich norms
+        plus1 = lambda a: a + np.float32(1.0)  # noqa: E731
+        add("token_embd.weight", "model.embed_tokens.weight")
+        for i in range(n):
+            L = f"model.layers.{i}."
+            add(f"blk.{i}.attn_norm.weight", L + "input_layernorm.weight", ref_fn=plus1)
+            for proj in "qkv":
+                add(f"blk.{i}.attn_{proj}.weight", L + f"self_attn.{proj}_proj.weight")
+            if family == "gemma3":
+                add(f"blk.{i}.attn_q_norm.weight", L + "self_attn.q_norm.weight", ref_fn=plus1)
+                add(f"blk.{i}.attn_k_norm.weight", L + "self_attn.k_norm.weight", ref_fn=plus1)
+            add(f"blk.{i}.attn_output.weight", L + "self_attn.o_proj.weight")
+            add(f"blk.{i}.post_attention_norm.weight", L + "post_attention_layernorm.weight", ref_fn=plus1)
+            add(f"blk.{i}.ffn_norm.weight", L + "pre_feedforward_layernorm.weight", ref_fn=plus1)
+            add(f"blk.{i}.ffn_gate.weight", L + "mlp.gate_proj.weight")
+            add(f"blk.{i}.ffn_up.weight", L + "mlp.up_proj.weight")
+            add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
+            add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight", ref_fn=plus1)
+        add("output_norm.weight", "model.norm.weight", ref_fn=plus1)
     elif family == "phi3":  # fused as HF stores them: nothing to undo
         add("token_embd.weight", "model.embed_tokens.weight")
         for i in range(n):
@@ -178,7 +218,7 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
                     add(f"blk.{i}.{kind}.bias", L + hf + ".bias")
         add("output_norm.weight", T + "ln_f.weight")
         add("output_norm.bias", T + "ln_f.bias")
-    if not cfg.get("tie_word_embeddings", family in ("opt", "falcon")):
+    if not cfg.get("tie_word_embeddings", family in ("opt", "falcon", "gemma2", "gemma3")):
         add("output.weight", "lm_head.weight")
     return names, undo
 
@@ -193,7 +233,7 @@ def expected_keys(variant: str, cfg: dict) -> dict:
           F.arch_key(F.KEY_HEAD_COUNT, A): nh, F.arch_key(F.KEY_VOCAB_SIZE, A): cfg["vocab_size"],
           F.arch_key(F.KEY_CONTEXT_LENGTH, A): cfg["max_position_embeddings"],
           F.arch_key(F.KEY_ROPE_SCALING_TYPE, A): None, F.KEY_FFN_ACT_THRESHOLD: None}
-    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3", "phi3"):
+    if family in ("llama", "qwen2", "qwen3", "olmo2", "smollm3", "phi3") + MOE_FAMILIES:
         hd = cfg.get("head_dim") or d // nh
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
@@ -207,12 +247,49 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                                           "qwen2": "silu", "qwen2-tied": "silu", "qwen3": "silu",
                                           "qwen3-tied": "silu", "olmo2": "silu", "olmo2-tied": "silu",
                                           "smollm3": "silu", "smollm3-untied": "silu",
-                                          "phi3": "silu"}[variant]})
+                                          "phi3": "silu", **{v: "silu" for v in VARIANTS
+                                                             if VARIANTS[v][0] in MOE_FAMILIES}}[variant]})
         if variant == "prosparse":
             ok[F.KEY_FFN_ACT_THRESHOLD] = 0.01
-        ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3") else "default"
+        ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default"
+        moe = family in MOE_FAMILIES
+        ff_exp = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+        ok.update({F.arch_key(F.KEY_EXPERT_COUNT, A): (cfg.get("num_experts") or cfg.get("num_local_experts")) if moe else None,
+                   F.arch_key(F.KEY_EXPERT_USED_COUNT, A): cfg["num_experts_per_tok"] if moe else None,
+                   F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, A): ff_exp if moe else None,
+                   F.arch_key(F.KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH, A):
+                       cfg["shared_expert_intermediate_size"] if family == "qwen2moe" else None,
+                   F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A):
+                       (family == "mixtral" or cfg["norm_topk_prob"]) if moe else None,
+                   F.arch_key(F.KEY_EXPERT_GATING_FUNC, A): 1 if moe else None})
         if family == "phi3":
             ok[F.arch_key(F.KEY_ROPE_FREQ_BASE, A)] = cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    elif family in ("gemma2", "gemma3"):
+        hd = cfg["head_dim"]
+        rp = cfg["rope_parameters"]
+        glob = rp["full_attention"] if family == "gemma3" else rp
+        local = [t == "sliding_attention" for t in cfg["layer_types"]]
+        default = [i % F.SWA_PERIOD[A] < F.SWA_PERIOD[A] - 1 for i in range(cfg["num_hidden_layers"])]
+        ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
+                   F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
+                   F.arch_key(F.KEY_RMS_EPS, A): cfg["rms_norm_eps"], F.arch_key(F.KEY_LAYERNORM_EPS, A): None,
+                   F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A): hd,
+                   F.arch_key(F.KEY_ROPE_FREQ_BASE, A): glob["rope_theta"],
+                   F.arch_key(F.KEY_KEY_LENGTH, A): hd if hd * nh != d else None,
+                   F.arch_key(F.KEY_VALUE_LENGTH, A): hd if hd * nh != d else None,
+                   F.arch_key(F.KEY_SLIDING_WINDOW, A): cfg["sliding_window"],
+                   F.arch_key(F.KEY_SLIDING_WINDOW_PATTERN, A): local if local != default else None,
+                   F.arch_key(F.KEY_ATTENTION_SCALE, A): cfg["query_pre_attn_scalar"] ** -0.5,
+                   F.arch_key(F.KEY_ATTN_LOGIT_SOFTCAPPING, A): cfg["attn_logit_softcapping"],
+                   F.arch_key(F.KEY_FINAL_LOGIT_SOFTCAPPING, A): cfg["final_logit_softcapping"],
+                   F.arch_key(F.KEY_ROPE_FREQ_BASE_SWA, A): (rp["sliding_attention"]["rope_theta"]
+                                                             if family == "gemma3" else None),
+                   F.KEY_FFN_ACTIVATION: "gelu", F.KEY_TOKENIZER_PRE: "default",
+                   # SentencePiece-style, without the "▁" prefix, as llama.cpp writes Gemma's
+                   F.KEY_TOKENIZER_MODEL: F.TOKENIZER_LLAMA, F.KEY_TOKENIZER_ADD_SPACE_PREFIX: False})
+        if glob.get("rope_type") == "linear":
+            ok[F.arch_key(F.KEY_ROPE_SCALING_TYPE, A)] = F.ROPE_SCALING_LINEAR
+            ok[F.arch_key(F.KEY_ROPE_SCALING_FACTOR, A)] = glob["factor"]
     elif family == "opt":
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["ffn_dim"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): nh, F.arch_key(F.KEY_LAYERNORM_EPS, A): 1e-5,
@@ -247,12 +324,12 @@ def test_tensors_and_keys(hf_dirs, converted, variant):
     for name, (qtype, data) in ts.items():
         if name == "rope_freqs.weight":
             continue  # test_llama3_rope_freqs
-        hf, fn = undo[name]
-        ref = sd[hf]
+        hf, fn, ref_fn = undo[name]
+        ref = np.stack([sd[h] for h in hf]) if isinstance(hf, tuple) else sd[hf]  # experts: stacked
         assert qtype == gguf.GGMLQuantizationType.F32, name  # an f32 conversion: every tensor
-        np.testing.assert_array_equal(fn(data), ref, err_msg=f"{name} <- {hf}")
+        np.testing.assert_array_equal(fn(data), ref_fn(ref), err_msg=f"{name} <- {hf}")
     # every HF tensor is used (a tied head is the embedding itself)
-    used = {undo[n][0] for n in undo}
+    used = {h for n in undo for h in (undo[n][0] if isinstance(undo[n][0], tuple) else (undo[n][0],))}
     assert set(sd) - used <= {"lm_head.weight"}, set(sd) - used
     for key, want in expected_keys(variant, cfg).items():
         if want is None:
@@ -458,6 +535,19 @@ REFUSED = {
     "smollm3-interval": ("smollm3", dict(no_rope_layers=None, no_rope_layer_interval=2),
                          "no_rope_layers=[1, 0, 1, 0]"),
     "smollm3-swa": ("smollm3", dict(use_sliding_window=True, sliding_window=16), "use_sliding_window=true"),
+    "gemma2-untied": ("gemma2", dict(tie_word_embeddings=False), "tie_word_embeddings=false"),
+    "gemma2-no-cap": ("gemma2", dict(attn_logit_softcapping=None), "attn_logit_softcapping=null"),
+    "gemma2-bias": ("gemma2", dict(attention_bias=True), "attention_bias=true"),
+    "gemma2-act": ("gemma2", dict(hidden_activation="silu"), "hidden_activation 'silu'"),
+    "gemma2-types": ("gemma2", dict(layer_types=["sliding_attention", "chunked"]), "layer_types must list 3"),
+    "gemma3-softcap": ("gemma3", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+    "gemma3-bidir": ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=true"),
+    "gemma3-local-scaled": ("gemma3", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+        "linear RoPE scaling on the sliding-window layers"),
+    "gemma3-multimodal": ("gemma3", dict(architectures=["Gemma3ForConditionalGeneration"]),
+                          "unsupported architecture 'Gemma3ForConditionalGeneration'"),
     "phi3-longrope": ("phi3", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
                                                     "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}),
                       "unsupported rope scaling 'longrope'"),
@@ -546,7 +636,9 @@ def test_format_doc_covers_every_architecture(converted):
             kind = F.parse_tensor_name(name)[0]
             generic = re.sub(r"^blk\.\d+\.", "blk.N.", name)
             # sections that say "the llama tensors" inherit the llama table's rows
-            in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3)
+            in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3,
+                              F.ARCH_GEMMA2, F.ARCH_GEMMA3, F.ARCH_QWEN2MOE, F.ARCH_QWEN3MOE,
+                              F.ARCH_OLMOE)
                         and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:

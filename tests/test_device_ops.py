@@ -42,3 +42,19 @@ def test_host_device_capacity(monkeypatch):
     y = np.zeros(64, dtype=np.float32)
     assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 64, 32, fptr(x), 1, fptr(y)) == 5
     assert "out of memory" in err() and "GH_HOST_DEVICE_MEM" in err()
+
+
+def test_host_device_type_list(monkeypatch):
+    """The simulated device's ops refuse a weight type it does not read (GH_HOST_DEVICE_TYPES),
+    naming it and the types it reads; unset, it reads every type the runtime reads."""
+    w = np.zeros((2, 32), dtype=np.float32)
+    x = np.ones(32, dtype=np.float32)
+    y = np.zeros(2, dtype=np.float32)
+    monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f16,bf16")
+    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == GH_ERR_UNSUPPORTED
+    assert "does not read type f32 (id 0) of matmul's weight: it reads f16 and bf16" in err()
+    monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f32")
+    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == 0
+    monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f32,,")
+    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == GH_ERR_INVALID_ARG
+    assert "GH_HOST_DEVICE_TYPES='f32,,': '' is not a type this runtime reads" in err()

@@ -540,7 +540,7 @@ def test_many_keys_hash_table():
 
 def test_tensor_types():
     # refusals name the type as ggml does (Q6_K, not "type 14")
-    for typ, name in ((9, "Q8_1"), (34, "TQ1_0"), (15, "Q8_K"), (29, "IQ1_M"),
+    for typ, name in ((9, "Q8_1"), (34, "TQ1_0"), (15, "Q8_K"), (35, "TQ2_0"),
                       (31, "unknown"), (1000, "unknown")):
         expect_error(image(tensors=[tinfo("w", [32], typ)], data=bytes(4096)), GH_ERR_UNSUPPORTED,
                      f"tensor 'w' has type {name} (id {typ}), which this runtime does not read")

@@ -275,6 +275,27 @@ def test_host_device_memory_env_is_checked(sparse_path, monkeypatch):
         Model(sparse_path, device="host-device")
 
 
+def test_a_type_the_device_lacks_is_refused_at_placement(sparse_path, monkeypatch):
+    """A file with a weight of a type the device does not read is refused when it is placed
+    (whatever the budget, before any upload), naming the device, the type, the tensor and
+    the types the device reads. The simulated device reads the types GH_HOST_DEVICE_TYPES
+    lists; CUDA's list is dev_types.cuh's (cuda_emu.cu checks it)."""
+    monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f32, Q8_0")
+    for budget in (0, None):
+        with pytest.raises(RuntimeError) as e:
+            Model(sparse_path, device="host-device", vram_budget=budget)
+        msg = str(e.value)
+        assert "device 'host-device' does not read type f16" in msg, msg
+        assert "of tensor 'blk.0.attn_q.weight'" in msg, msg
+        assert "it reads f32 and q8_0" in msg and "device 'cpu'" in msg, msg
+    monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "F16,f32")  # the file's types: it loads
+    with Model(sparse_path, device="host-device", vram_budget=None) as m:
+        assert m.device_info()["attention_layers"] == m.info.n_layer
+    monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f16,q9_9")
+    with pytest.raises(ValueError, match="GH_HOST_DEVICE_TYPES.*'q9_9' is not a type"):
+        Model(sparse_path, device="host-device")
+
+
 def test_generate_cli_on_host_device(sparse_path, capsys):
     from powerinfer_cpp.generate import main
     rc = main(["-m", sparse_path, "-p", "In the beginning", "-n", "8", "--temp", "0",

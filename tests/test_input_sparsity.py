@@ -87,7 +87,7 @@ def test_sparse_cols_vs_numpy(tname, rows, cols):
                 lib.gh_simd_set(prev)
             np.testing.assert_array_equal(y1, y2)  # threads split the columns
             assert n1 == n2 == int(used.sum()), name
-            int8 = axpy_int8_bound(t, level, raw, wd, np.flatnonzero(used), x[used])  # Q4_0's int8 form
+            int8 = axpy_int8_bound(t, level, raw, wd, np.flatnonzero(used), x[used])  # the int8 forms' rounding
             assert np.all(np.abs(y1 - ref) <= 4e-7 * max(n1, 1) * scale + 1e-6 + int8), (name, level)
             ys.append((y1, int8))
         for y, int8 in ys[1:]:  # the levels agree within their rounding

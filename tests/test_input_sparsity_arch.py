@@ -19,7 +19,7 @@ from test_input_sparsity import HELDOUT, _run  # noqa: E402
 
 ARCH_VARIANTS = {"llama": {"sparsity": 0.0}, "qwen2": {"sparsity": 0.0}, "phi3": {"sparsity": 0.0},
                  "qwen3": {"sparsity": 0.0}, "olmo2": {"sparsity": 0.0}, "smollm3": {"sparsity": 0.0},
-                 "opt": {}, "falcon-relu": {}}
+                 "gemma2": {"sparsity": 0.0}, "gemma3": {"sparsity": 0.0}, "opt": {}, "falcon-relu": {}}
 
 
 def _every_input_passes(path) -> list[int]:

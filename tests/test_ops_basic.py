@@ -506,6 +506,84 @@ def test_attention_kv_refuses_other_types():
                                      16, 1))
 
 
+# Gemma's attention (gh_op_attention_ext): the scores' own scale, soft-capping c tanh(s / c)
+# of the scaled scores, and a sliding window (query at position p sees keys p - W + 1 .. p).
+
+def ref_attention_ext(q, k, v, n_past, scale, softcap, window):
+    n_tokens, n_head, d = q.shape
+    group = n_head // k.shape[1]
+    qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape, dtype=np.float64)
+    for t in range(n_tokens):
+        p = n_past + t
+        lo = max(0, p - window + 1) if window else 0
+        for h in range(n_head):
+            s = kd[lo:p + 1, h // group, :] @ qd[t, h] * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            e = np.exp(s - s.max())
+            out[t, h] = e @ vd[lo:p + 1, h // group, :] / e.sum()
+    return out
+
+
+def run_attention_ext(kind, q, kq, vq, n_head_kv, n_past, n_threads, scale, softcap, window):
+    n_tokens, n_head, d = q.shape
+    out = np.full(q.shape, np.nan, dtype=np.float32)
+    check(lib.gh_op_attention_ext(KV_TYPES.get(kind, 0), fptr(q), ffi.from_buffer(kq),
+                                  ffi.from_buffer(vq), fptr(out), n_tokens, n_past, n_head,
+                                  n_head_kv, d, n_threads, scale, softcap, window))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f32"] + list(KV_TYPES))
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64, 128: the per-query block kernels
+@pytest.mark.parametrize("n_tokens,n_past,window", [(1, 0, 4), (1, 150, 4), (1, 150, 70), (13, 60, 5),
+                                                    (20, 130, 64), (9, 3, 0), (40, 0, 12)])
+def test_attention_ext_window_scale_softcap(simd, kind, head_dim, n_tokens, n_past, window):
+    """Windows inside one block of 64 keys, across block boundaries and wider than the
+    context; with q's scale and a cap that bends the scores; 1 and 3 threads agree bit
+    for bit."""
+    if kind == "q8_0" and head_dim % 32:
+        pytest.skip("a Q8_0 cache holds heads of whole blocks of 32")
+    q, k, v = attn_inputs(n_tokens, n_past, 8, 2, head_dim, seed=head_dim + n_tokens + n_past + window,
+                          q_scale=3.0)
+    if kind == "f32":
+        kq, kd, vq, vd = k, k, v, v
+    else:
+        (kq, kd), (vq, vd) = kv_store(kind, k), kv_store(kind, v)
+    scale, softcap = 0.7 / math.sqrt(head_dim), 2.5
+    out1 = run_attention_ext(kind, q, kq, vq, 2, n_past, 1, scale, softcap, window)
+    out3 = run_attention_ext(kind, q, kq, vq, 2, n_past, 3, scale, softcap, window)
+    ref = ref_attention_ext(q, kd, vd, n_past, scale, softcap, window)
+    np.testing.assert_allclose(out1, ref, rtol=0, atol=2e-5)
+    assert np.array_equal(out1, out3)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_attention_ext_window_reads_nothing_outside(simd, head_dim):
+    """Keys before the window (here NaN, in the blocks of 64 before it and in its own) are
+    never read."""
+    n_past, n_tokens, window = 140, 4, 6
+    q, k, v = attn_inputs(n_tokens, n_past, 4, 2, head_dim, seed=11)
+    first = n_past - window + 1  # the first token's window starts here
+    k[:first] = np.nan
+    v[:first] = np.nan
+    out = run_attention_ext("f32", q, k, v, 2, n_past, 2, 0.25, 0.0, window)
+    assert np.all(np.isfinite(out))
+    ref = ref_attention_ext(q, k, v, n_past, 0.25, 0.0, window)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
+
+
+def test_attention_ext_invalid_args():
+    q, k, v = attn_inputs(1, 0, 4, 2, 16, seed=1)
+    for scale, cap, window, word in ((0.0, 0.0, 0, "scale"), (float("nan"), 0.0, 0, "scale"),
+                                     (1.0, -1.0, 0, "softcap"), (1.0, float("inf"), 0, "softcap"),
+                                     (1.0, 0.0, -3, "window")):
+        with pytest.raises(NativeError, match=word):
+            check(lib.gh_op_attention_ext(0, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
+                                          16, 1, scale, cap, window))
+
+
 # ---------------------------------------------------------------------------- bad arguments
 
 def expect_invalid(status, *words):

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import GGUFValueType as VT  # noqa: E402
 from gguf_rewrite import rewrite_gguf  # noqa: E402
 
-#: a lattice type the runtime does not read (its id in GGUF files)
-IQ2_XXS = 16
+#: a type the runtime does not read (its id in GGUF files): ternary TQ2_0, 256-value blocks
+TQ2_0 = 35
 RETYPED = ("blk.0.ffn_gate.weight", "blk.1.ffn_up.weight")
 
 
@@ -35,20 +35,20 @@ def wide_gguf(tmp_path_factory):
     return convert(hf, d / "wide.gguf", outtype="f32", progress=False)
 
 
-def _iq2_xxs(a):
-    """Random bytes of an IQ2_XXS tensor of a's shape (its content never matters: the type
+def _tq2_0(a):
+    """Random bytes of a TQ2_0 tensor of a's shape (its content never matters: the type
     is refused before any value is read)."""
     rows, cols = a.shape
-    size, bytes_per_block = gguf.GGML_QUANT_SIZES[Q(IQ2_XXS)]
+    size, bytes_per_block = gguf.GGML_QUANT_SIZES[Q(TQ2_0)]
     raw = np.random.default_rng(0).integers(0, 256, (rows, cols // size * bytes_per_block), dtype=np.uint8)
-    return raw, Q(IQ2_XXS)
+    return raw, Q(TQ2_0)
 
 
 def _bad(src, dst, *, types=True, pre="kimi-k2", arch="mamba", drop_kv=()):
     """src with the chosen problems, and no embedded tokenizer.json (as llama.cpp writes
     files): tokenizer.ggml.pre decides the split."""
     return rewrite_gguf(
-        src, dst, tensors={n: _iq2_xxs for n in RETYPED} if types else None,
+        src, dst, tensors={n: _tq2_0 for n in RETYPED} if types else None,
         drop_kv=[F.KEY_TOKENIZER_HF_JSON, *drop_kv],
         kv={**({F.KEY_TOKENIZER_PRE: (pre, VT.STRING)} if pre else {}),
             **({F.KEY_GENERAL_ARCHITECTURE: (arch, VT.STRING)} if arch else {})})
@@ -62,7 +62,7 @@ def test_three_problems_found_at_once(wide_gguf, tmp_path):
     problems = preflight.check(_bad(wide_gguf, tmp_path / "bad.gguf"))
     assert [p.kind for p in problems] == ["types", "architecture", "tokenizer"]
     types, arch, pre = (p.message for p in problems)
-    assert "IQ2_XXS (id 16) in 2 tensors ('blk.0.ffn_gate.weight', 'blk.1.ffn_up.weight')" in types
+    assert "TQ2_0 (id 35) in 2 tensors ('blk.0.ffn_gate.weight', 'blk.1.ffn_up.weight')" in types
     # the list of what the runtime reads comes from its type table
     assert all(n in types for n in preflight.readable_types().values()) and "q8_0" in types
     assert "unsupported architecture 'mamba' (general.architecture; supported: llama, qwen2" in arch
@@ -76,7 +76,7 @@ def test_inspect_lists_every_reason(wide_gguf, tmp_path):
     i = text.index("loads: no (3 problems)")
     lines = text[i:].splitlines()[1:4]
     assert all(line.startswith("  - ") for line in lines)
-    assert "IQ2_XXS" in lines[0] and "'mamba'" in lines[1] and "'kimi-k2'" in lines[2]
+    assert "TQ2_0" in lines[0] and "'mamba'" in lines[1] and "'kimi-k2'" in lines[2]
     assert "loads: yes" in describe(wide_gguf)
     assert main([str(wide_gguf)]) == 0
 
@@ -87,7 +87,7 @@ def test_model_error_names_all_reasons(wide_gguf, tmp_path):
         Model(path)
     msg = str(e.value)
     assert msg.startswith(f"this runtime cannot load {path} (3 problems):")
-    assert "IQ2_XXS" in msg and "'mamba'" in msg and "'kimi-k2'" in msg
+    assert "TQ2_0" in msg and "'mamba'" in msg and "'kimi-k2'" in msg
     assert e.value.status == 3  # GH_ERR_UNSUPPORTED, the loader's own status
 
 

@@ -20,7 +20,7 @@ from powerinfer_cpp.sparse.profile import profile_model
 
 from conftest import SHIPPED_DIR
 from cbuf import fptr, iptr  # noqa: E402
-from opref import (B32_QUANTS, BF16, DRELU, F16, F32, GELU, GELU_ERF, IQ4_NL, IQ4_XS, K_QUANTS, MXFP4,  # noqa: E402
+from opref import (B32_QUANTS, BF16, DRELU, F16, F32, GELU, GELU_ERF, IQ4_NL, IQ4_XS, K_QUANTS, LATTICE, MXFP4,  # noqa: E402
                    Q4_0, Q8_0, RELU, SILU, TYPES, act_ref, axpy_int8_bound, block_cols, encode, id_lists, nrmse, vptr)
 
 GH_ERR_INVALID_ARG, GH_ERR_UNSUPPORTED, GH_ERR_RANGE = 4, 3, 6
@@ -74,7 +74,7 @@ def test_sparse_down_vs_numpy(tname, rows, cols):
             # threads split the columns and each sums the whole list in order: equal
             np.testing.assert_array_equal(y1, y2)
             np.testing.assert_array_equal(y1, y3)
-            int8 = axpy_int8_bound(t, level, raw, wd, ids, a)  # Q4_0's int8 form: its rounding
+            int8 = axpy_int8_bound(t, level, raw, wd, ids, a)  # the int8 forms' rounding
             assert np.all(np.abs(y1 - ref) <= 4e-7 * max(ids.size, 1) * scale + 1e-6 + int8), \
                 (name, level, np.max(np.abs(y1 - ref)))
             if int8.any():  # the bound is the worst case; typically the error is far below it
@@ -117,7 +117,8 @@ def test_sparse_down_odd_float_cols():
 # format (bf16 for BF16; 8-bit blocks for Q8_0/Q4_0)
 # (one scale per 256 values for the K-quants' and IQ4_XS's Q8_K)
 GLU_EPS = {F32: 1e-6, F16: 1e-6, BF16: 5e-3, Q8_0: 2e-2, Q4_0: 2e-2, **{k: 2e-2 for k in B32_QUANTS},
-           **{k: 3e-2 for k in K_QUANTS}, IQ4_NL: 2e-2, MXFP4: 2e-2, IQ4_XS: 3e-2}
+           **{k: 3e-2 for k in K_QUANTS}, IQ4_NL: 2e-2, MXFP4: 2e-2, IQ4_XS: 3e-2,
+           **{k: 3e-2 for k in LATTICE}}
 
 
 def sparse_glu(t, graw, uraw, rows, cols, act, x, ids, n_threads, act_t=0.0):

@@ -22,10 +22,11 @@ from powerinfer_cpp._native import check, ffi, lib
 from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
-from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, MXFP4, NATIVE_QUANT,  # noqa: E402
+from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, LATTICE, MXFP4, NATIVE_QUANT,  # noqa: E402
                    Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0, TYPES,
                    axpy_int8_bound, block_cols, matmul_t_int8_bound,
                    native_quantize)
+from opref import encode as opref_encode  # noqa: E402
 
 GH_ERR_INVALID_ARG = 4
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 100, 383, 12, 64]
@@ -37,6 +38,9 @@ def encode(t: int, a: np.ndarray):
     a = np.ascontiguousarray(a, dtype=np.float32)
     if t == F32:
         return a, a
+    if t in LATTICE:  # no quantizer: random valid blocks of a's magnitude (opref.encode)
+        raw, wd = opref_encode(t, a)
+        return (raw, GGUF_QT[t]), wd
     raw = native_quantize(t, a) if t in NATIVE_QUANT else quants.quantize(a, GGUF_QT[t])
     return (raw, GGUF_QT[t]), quants.dequantize(raw, GGUF_QT[t]).astype(np.float32).reshape(a.shape)
 
@@ -80,7 +84,7 @@ def test_matmul_t_vs_numpy(tname, rows, cols, n_tokens, zeros):
                 # rows dequantize exactly; quantized ones are scaled in another order there)
                 one = np.concatenate([matmul_t(t, raw, rows, cols, h[i:i + 1], 1) for i in range(n_tokens)])
                 np.testing.assert_array_equal(y1, one)
-            # Q4_0's int8 forms round too: one token's groups of 16 nonzero rows, a batch's
+            # the int8 forms round too: one token's groups of 16 nonzero rows, a batch's
             # groups of 16 rows some token needs
             int8 = (axpy_int8_bound(t, level, raw, wd, np.arange(rows), h[0]) if n_tokens == 1
                     else matmul_t_int8_bound(t, level, raw, wd, h))
@@ -214,9 +218,9 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
     got, info = logits_of(sparse)
     assert info.has_down_t == info.n_layer == 2 and info.has_predictor == 2
     assert info.sparse_threshold == pytest.approx(0.25)
-    # Q4_0's down_t runs through the int8 forms (a step's groups of 16 nonzero rows, a
-    # batch's of 16 rows some token needs), which round the scaled rows
-    int8 = t == Q4_0 and lib.gh_simd_get() >= 1
+    # Q4_0's and Q4_1's down_t run through the int8 forms (a step's groups of 16 nonzero
+    # rows, a batch's of 16 rows some token needs), which round the scaled rows
+    int8 = t in AXPY_INT8_TYPES and lib.gh_simd_get() >= 1
     tol = 3e-3 * np.abs(got).max() if int8 else 1e-4
     if t == F32:
         np.testing.assert_allclose(got, dense_logits, rtol=0, atol=1e-4)

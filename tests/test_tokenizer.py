@@ -45,7 +45,9 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["bpe", "spm"])
+# spm-gemma: SentencePiece-style without the "▁" prefix (Gemma's tokenizer.json; llama.cpp's
+# gemma files say tokenizer.ggml.add_space_prefix = false)
+@pytest.fixture(scope="module", params=["bpe", "spm", "spm-gemma"])
 def model(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"tok_{request.param}")
     d = make_llama_model(root / "hf", act="relu", n_layer=1, d=32, n_head=2, n_head_kv=1, n_ff=32,
@@ -77,14 +79,15 @@ def test_decode_matches_hf(tok):
         assert t.decode(ids, skip_special=False) == hf.decode(ids, skip_special_tokens=False), s
 
 
-def test_roundtrip_and_pieces(tok):
+def test_roundtrip_and_pieces(tok, model):
     t, _ = tok
     for s in TEXTS:
         ids = t.encode(s, add_bos=False, special=False)
         assert t.decode(ids) == s
         # streaming: the bytes of consecutive tokens concatenate to the text
         data = b"".join(t.token_to_bytes(i) for i in ids)
-        expect = (" " + s) if t.kind == "llama" and s else s  # SentencePiece pieces keep the prefix space
+        # SentencePiece pieces keep the prefix space (none in Gemma's layout)
+        expect = (" " + s) if model[0] == "spm" and s else s
         assert data.decode("utf-8") == expect, s
     assert t.token_to_piece(t.bos_id) == t.hf_tokenizer.id_to_token(t.bos_id)
     assert t.token_to_piece(t.bos_id, special=False) == ""
@@ -108,7 +111,10 @@ def test_attributes(tok, model):
     assert t.n_vocab == len(t) == 384
     assert t.bos_id == hf.bos_token_id and t.eos_id == hf.eos_token_id
     assert t.add_bos is True and t.add_eos is False
-    assert t.kind == ("llama" if kind == "spm" else "gpt2")
+    assert t.kind == ("llama" if kind.startswith("spm") else "gpt2")
+    meta = read_tokenizer_metadata(model[2])
+    if kind.startswith("spm"):
+        assert meta[F.KEY_TOKENIZER_ADD_SPACE_PREFIX] is (kind == "spm")
     assert "im_start" in t.chat_template
     with pytest.raises(TokenizerError, match="out of range"):
         t.decode([0, 384])

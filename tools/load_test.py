@@ -1,15 +1,18 @@
 """Load test of the OpenAI-compatible server: requests/s, tokens/s, time to first token
 and per-token latency at several numbers of concurrent clients.
 
-    python tools/load_test.py -m MODEL.gguf --parallel 2 --threads 1 --clients 1,2,4,8
+    python tools/load_test.py -m MODEL.gguf --parallel 4 --threads 2 --clients 1,2,4
+    python tools/load_test.py -m MODEL.gguf --parallel 4 --threads 2 --no-cont-batching
     python tools/load_test.py --url http://127.0.0.1:8080 --clients 1,4   # a running server
 
 Each client sends its requests one after another (streamed /v1/completions, greedy, the
-same number of tokens each, prompts varied per request), and times every chunk. With -m
-the tool starts the server itself on a free port and also measures the Python API's decode
-speed on the same file and thread count, alternated with one-client server requests (the
-reference for the server's decode), and a chat turn over a cached history against the same
-new message sent alone.
+same number of tokens each, prompts varied per request), and times every chunk; the
+tokens/s column is the aggregate over all clients (continuous batching should make it grow
+with the clients; --no-cont-batching starts the server with a thread per slot instead, for
+the comparison). With -m the tool starts the server itself on a free port and also
+measures the Python API's decode speed on the same file and thread count, alternated with
+one-client server requests (the reference for the server's decode), and a chat turn over a
+cached history against the same new message sent alone.
 Not a test: it prints a Markdown table for docs/BENCHMARKS.md.
 """
 
@@ -171,7 +174,10 @@ def main(argv=None) -> int:
     src.add_argument("-m", "--model", help="GGUF file: start a server for it")
     src.add_argument("--url", help="a running server")
     ap.add_argument("--parallel", type=int, default=2, help="slots of the started server")
-    ap.add_argument("--threads", type=int, default=1, help="threads per slot")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads of a forward pass (with --no-cont-batching: per slot)")
+    ap.add_argument("--no-cont-batching", action="store_true",
+                    help="start the server with --no-cont-batching (a thread per slot)")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--clients", default="1,2,4,8", help="concurrency levels")
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
@@ -189,7 +195,8 @@ def main(argv=None) -> int:
             [sys.executable, "-m", "powerinfer_cpp.server", "-m", args.model, "--port",
              str(port), "--parallel", str(args.parallel), "-t", str(args.threads), "--ctx",
              str(args.ctx), "--queue", "64"] + (["--api-key", args.api_key] if args.api_key
-                                                else []))
+                                                else [])
+            + (["--no-cont-batching"] if args.no_cont_batching else []))
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
             try:
@@ -210,8 +217,10 @@ def main(argv=None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=30)
+    mode = ("" if not args.model else ", server with --no-cont-batching"
+            if args.no_cont_batching else ", server with continuous batching")
     print(f"\n{args.requests} streamed requests per client, {args.max_tokens} tokens each "
-          f"(greedy, EOS ignored)\n")
+          f"(greedy, EOS ignored{mode})\n")
     print("| clients | requests/s | tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | per-token p50 (ms)"
           " | per-token p99 (ms) | decode per client (tokens/s) | decode in the server (tokens/s) |")
     print("|---|---|---|---|---|---|---|---|---|")

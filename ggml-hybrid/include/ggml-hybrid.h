@@ -46,9 +46,16 @@ typedef enum {
     GH_TYPE_Q4_K = 12,
     GH_TYPE_Q5_K = 13,
     GH_TYPE_Q6_K = 14,
+    GH_TYPE_IQ2_XXS = 16, /* the IQ lattice types: read (when built with their codebooks), */
+    GH_TYPE_IQ2_XS = 17,  /* never written */
+    GH_TYPE_IQ3_XXS = 18,
+    GH_TYPE_IQ1_S = 19,
     GH_TYPE_IQ4_NL = 20,
+    GH_TYPE_IQ3_S = 21,
+    GH_TYPE_IQ2_S = 22,
     GH_TYPE_IQ4_XS = 23,
     GH_TYPE_I32  = 26, /* index tensors only (blk.N.gpu_idx, blk.N.gpu_bucket); no matmul */
+    GH_TYPE_IQ1_M = 29,
     GH_TYPE_BF16 = 30,
     GH_TYPE_MXFP4 = 39
 } gh_type;
@@ -81,6 +88,16 @@ int gh_simd_supported(void);
  * or -2 if the CPU cannot run the requested level. */
 int gh_simd_set(int level);
 int gh_simd_get(void);
+/* The CPU kernel table as data (tools/kernel_coverage.py, tests). gh_kernel_form_name(f)
+ * names kernel form f ("dot": vec_dot and the gemm tiles, "dot4", "axpy", "axpy4", ...;
+ * NULL past the last). gh_kernel_source: the SIMD level whose table supplies form f of
+ * `type` when the kernels run at `level` (any level, whether this CPU has it or not):
+ * `level` itself, a lower level (that level has none of its own and inherits it), -1 (no
+ * level up to it has one: the callers use the next smaller form), or -2 (a type without
+ * kernels, a form or level out of range). *mr, *nt (may be NULL) get the "dot" form's
+ * tile: rows x tokens. */
+const char * gh_kernel_form_name(int form);
+int gh_kernel_source(int type, int form, int level, int * mr, int * nt);
 
 /* ---- tensor types and ops on raw buffers (used by tests and tools) ---- */
 
@@ -129,6 +146,13 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
 gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const void * v,
                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
                              int n_head_kv, int head_dim, int n_threads);
+/* The same with the scores' scale (gh_op_attention_kv: 1/sqrt(head_dim)), soft-capping of
+ * the scaled scores s -> softcap * tanh(s / softcap) (0: none) and a sliding window: the
+ * query at position p sees the keys at positions p - window + 1 .. p (0: 0 .. p). Gemma. */
+gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
+                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                              int n_head_kv, int head_dim, int n_threads, float scale,
+                              float softcap, int64_t window);
 
 /* ---- GGUF files (the same reader the model loader uses) ---- */
 
@@ -217,6 +241,12 @@ typedef struct {
     int32_t has_input_sparsity; /* 1: every layer has attn_qkv_t / attn_output_t with their
                                  * input thresholds and the file has output_t + output_in_thr
                                  * (input-sparse projections, gh_context_set_input_sparse) */
+    /* mixture of experts ({arch}.expert_* keys); n_expert 0: a dense FFN */
+    int32_t n_expert;      /* experts per layer */
+    int32_t n_expert_used; /* experts each token runs (top-k) */
+    int32_t n_ff_exp;      /* an expert's FFN width */
+    int32_t n_ff_shexp;    /* the shared expert's width (0: none) */
+    int32_t expert_norm;   /* 1: the top-k routing weights are renormalised to sum to 1 */
 } gh_model_info;
 
 gh_status gh_model_load(const char * path, gh_model ** out);
@@ -233,7 +263,8 @@ typedef struct {
 } gh_model_params;
 
 gh_model_params gh_model_default_params(void);
-/* gh_model_load that also puts the model on a device: the dense parts in priority order
+/* gh_model_load that also puts the model on a device (a mixture-of-experts model: the
+ * CPU only for now, another device is refused): the dense parts in priority order
  * (attention weights of each layer, then predictors, then the output head; each in layer
  * order, stopping at the first that does not fit), then the hot FFN neurons. The file's
  * GPU index (blk.N.gpu_bucket) is used when it fits what is left; when it does not, or
@@ -303,6 +334,32 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
  * i = -1 means the last row. The pointer stays valid until the next gh_eval. */
 const float * gh_get_logits(const gh_context * c, int32_t i);
 int32_t gh_n_logit_rows(const gh_context * c);
+/* Embeddings: gh_eval (the last token's logits kept) that also writes every token's final
+ * hidden state, the output norm's output (what the head reads), to out[t * n_embd + j]
+ * (n_tokens * n_embd floats). The tokens are appended to the cache as by gh_eval, in the
+ * context's FFN mode (set the sparse batch to 0 for the dense FFN's states). */
+gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out);
+
+/* Batched decode (continuous batching in a server): the next token of each of n contexts
+ * of one model, tokens[i] for ctxs[i], in ONE forward pass. Norms, projections, the FFN and
+ * the head run over the n tokens together, so each weight is read once for all of them;
+ * each token's keys and values join its own context's cache and it attends over that
+ * cache alone. Afterwards each context holds one more token and its logits as a gh_eval of
+ * that token leaves them (gh_get_logits(ctxs[i], 0)), equal to a gh_eval's up to the
+ * rounding of the matmul's multi-token tiles against its one-token tiles: bit for bit
+ * where a type's two tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
+ * Q4_1 at AVX2 and scalar, every architecture's f32 test model within 1e-5), else apart by
+ * that rounding (SmolLM2 Q4_1 at AVX-512: 7e-7 of the largest logit; tests/test_batch.py
+ * allows 1e-4 and asks for the same greedy token). The pass borrows ctxs[0]'s buffers and
+ * threads (n <= its n_batch) and its statistics count the pass (times, weight bytes, n
+ * tokens); the other contexts' statistics do not change.
+ * Every context must be distinct, of the same model, have room for one more token, and
+ * run one-token batches densely (the dense FFN mode, or any mode with a sparse batch of 0:
+ * gh_context_set_sparse_batch), else GH_ERR_UNSUPPORTED naming the context: the sparse
+ * modes select each token's own neurons and are not batched yet (decode those contexts
+ * with gh_eval). On any error no context changes. Each context is claimed as gh_eval
+ * claims it (GH_ERR_BUSY, and nothing done, if one is in a call on another thread). */
+gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens);
 
 /* Profiling (offline predictor training): gh_eval (logits of the last token only) that
  * also hands back, for every layer l and token t of this call,
@@ -422,6 +479,11 @@ typedef struct {
 gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
                                double * layer_density, int32_t n_layer);
 gh_status gh_context_reset_stats(gh_context * c);
+/* Mixture-of-experts models: how many times each expert of each layer was chosen since
+ * the context was made or gh_context_reset_stats (a token counts once for each of its
+ * n_expert_used experts, prompt tokens too): counts[l * n_expert + e], n >= n_layer *
+ * n_expert values. A model without experts has no counts (nothing is written). */
+gh_status gh_context_get_expert_counts(const gh_context * c, int64_t * counts, int64_t n);
 
 /* Sparse ops on raw buffers (tests, tools). Weights are row-major as in GGUF.
  * Predictor: score = fc2 . relu(fc1 . x), fc1 h x n_embd, fc2 n_ff x h; writes the ids with

@@ -9,6 +9,7 @@ _LAZY = {
     "device_available": "model", "parse_size": "model",
     "Llama": "api", "UnsupportedArgumentError": "api", "UnsupportedFeatureError": "api",
     "ChatTemplate": "chat", "ChatTemplateError": "chat",
+    "LlamaGrammar": "structured", "GrammarError": "structured", "EmbeddingError": "embeddings",
     "NativeError": "_native", "NativeIOError": "_native", "NativeValueError": "_native",
     "NativeBusyError": "_native",
 }

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from . import format as F
 from .chat import ChatTemplate, ChatTemplateError
 
 __all__ = ["Llama", "UnsupportedArgumentError", "UnsupportedFeatureError", "LLAMA_DEFAULT_SEED"]
@@ -57,8 +58,6 @@ def _not_supported(method: str, why: str):
                                   "(see docs/API.md)")
 
 
-_NO_EMBEDDINGS = ("embeddings are not implemented yet (the model computes hidden states but "
-                  "does not pool them)")
 _NO_STATE = ("the context's KV cache cannot be saved or restored yet; it keeps the longest "
              "common prefix of the tokens between calls by itself")
 
@@ -67,10 +66,10 @@ _NO_STATE = ("the context's KV cache cannot be saved or restored yet; it keeps t
 _INIT_UNSUPPORTED = {
     "split_mode": 1, "main_gpu": 0, "tensor_split": None, "rpc_servers": None,
     "vocab_only": False, "use_mlock": False, "kv_overrides": None, "n_ubatch": 512,
-    "rope_scaling_type": -1, "pooling_type": -1, "rope_freq_base": 0.0,
+    "rope_scaling_type": -1, "rope_freq_base": 0.0,
     "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0,
     "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "logits_all": False,
-    "embedding": False, "offload_kqv": True, "flash_attn": False, "no_perf": False,
+    "offload_kqv": True, "flash_attn": False, "no_perf": False,
     "lora_base": None, "lora_scale": 1.0, "lora_path": None, "numa": False,
     "chat_handler": None, "draft_model": None, "tokenizer": None, "type_k": None,
     "type_v": None, "spm_infill": False,
@@ -83,7 +82,7 @@ _GEN_UNSUPPORTED = {
 }
 _CHAT_UNSUPPORTED = {
     **{k: v for k, v in _GEN_UNSUPPORTED.items() if k != "suffix"},
-    "functions": None, "function_call": None, "tools": None, "tool_choice": None,
+    "functions": None, "function_call": None,
 }
 
 # chat_format names understood besides None (= the file's tokenizer.chat_template)
@@ -238,6 +237,37 @@ def chat_chunk(cid: str, created: int, model: str, delta: dict,
                          "finish_reason": finish_reason}]}
 
 
+def embedding_response(vectors, model: str, n_tokens: int, encoding_format: str = "float") -> dict:
+    """An embeddings list: one entry per input vector, as floats or (encoding_format
+    "base64") the base64 of its little-endian float32 bytes, as OpenAI sends them."""
+    import base64
+
+    def enc(v):
+        if encoding_format == "base64":
+            return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+        return np.asarray(v, dtype=np.float32).tolist()
+
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": enc(v)}
+                     for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+
+def chain_processors(*procs) -> Callable | None:
+    """One (input_ids, logits) -> logits callable running the given ones (None skipped) in
+    order."""
+    procs = [p for p in procs if p is not None]
+    if len(procs) <= 1:
+        return procs[0] if procs else None
+
+    def run(ids, logits):
+        for p in procs:
+            logits = p(ids, logits)
+        return logits
+
+    return run
+
+
 def new_id(kind: str) -> str:
     """A response id ("cmpl-..." / "chatcmpl-...")."""
     return f"{kind}-{uuid.uuid4().hex}"
@@ -282,7 +312,7 @@ class Llama:
                  chat_format: str | None = None, verbose: bool = True,
                  chat_template: str | None = None, ffn: str = "auto",
                  device: str | None = None, vram_budget: int | str | None = None,
-                 **kwargs):
+                 embedding: bool = False, pooling_type: int = -1, **kwargs):
         check_unsupported("Llama()", kwargs, _INIT_UNSUPPORTED)
         from .model import Model, device_available
 
@@ -292,7 +322,7 @@ class Llama:
             n_batch=n_batch, n_threads=n_threads, n_threads_batch=n_threads_batch,
             use_mmap=use_mmap, last_n_tokens_size=last_n_tokens_size, chat_format=chat_format,
             verbose=verbose, chat_template=chat_template, ffn=ffn, device=device,
-            vram_budget=vram_budget, **kwargs)
+            vram_budget=vram_budget, embedding=embedding, pooling_type=pooling_type, **kwargs)
         self._last_logits: np.ndarray | None = None  # of the last eval(), for sample()
 
         if n_threads_batch is not None and n_threads_batch != n_threads:
@@ -304,6 +334,14 @@ class Llama:
                 f"Llama(): chat_format={chat_format!r} is not supported; use None (the "
                 f"file's tokenizer.chat_template), {', '.join(map(repr, _CHAT_FORMATS))}, or "
                 "chat_template='<jinja>'")
+        # llama.cpp's pooling_type values; -1 (unspecified) = the file's. Every model
+        # embeds (embedding=True is accepted and changes nothing)
+        pooling_names = {v: k for k, v in F.POOLING_TYPES.items()}
+        if pooling_type != -1 and (pooling_type not in pooling_names or pooling_type == 4):
+            raise UnsupportedArgumentError(
+                f"Llama(): pooling_type={pooling_type!r} is not supported (-1 the file's, 0 "
+                "none, 1 mean, 2 cls, 3 last)")
+        self._pooling_arg = None if pooling_type == -1 else pooling_names[pooling_type]
         self.verbose = bool(verbose)
         self.model_path = os.fspath(model_path)
         if device is None:
@@ -585,20 +623,55 @@ class Llama:
                        min_p=min_p, repeat_penalty=repeat_penalty,
                        repeat_last_n=self._repeat_last_n, seed=seed)
 
+    # -- embeddings (embeddings.py) ------------------------------------------------------
+
+    def _pooling(self) -> str:
+        return self._pooling_arg or self._live().pooling
+
+    def pooling_type(self) -> int:
+        """llama.cpp's value of the pooling embed() uses (0 none, 1 mean, 2 cls, 3 last):
+        Llama(pooling_type=...) or the file's {arch}.pooling_type, mean when it has none."""
+        return F.POOLING_TYPES[self._pooling()]
+
+    def embed(self, input, normalize: bool = True, truncate: bool = True,
+              return_count: bool = False):
+        """Embedding of `input` (a str, or a list of str; token id lists work too): a list
+        of n_embd floats per input (one list for a str), or with pooling "none" a list of
+        per-token lists. The final hidden states pooled as pooling_type() says; L2-normalised
+        unless normalize=False (llama-cpp-python's default is False; OpenAI and llama-server
+        normalise). An input longer than the context is cut to it with truncate, else
+        raises ValueError. With return_count, (embeddings, total tokens)."""
+        from . import embeddings as E
+
+        m = self._live()
+        pooling = self._pooling()
+        items, single = E.inputs_list(input)
+        n_ctx = self._ctx.n_ctx
+        ids = [E.input_ids(m, x, n_ctx, bool(truncate), "input" if single else f"input[{i}]")
+               for i, x in enumerate(items)]
+
+        def work():
+            self._last_logits = None  # the cache now holds the input: sample() needs an eval()
+            return [E.embed_ids(self._ctx, x, pooling, bool(normalize)) for x in ids]
+
+        out = [v.tolist() for v in self._call(work)]
+        res = out[0] if single else out
+        return (res, sum(len(x) for x in ids)) if return_count else res
+
+    def create_embedding(self, input, model: str | None = None) -> dict:
+        """create_embedding: OpenAI's embeddings list of `input` (a str or a list of str),
+        normalised vectors."""
+        if self._pooling() == "none":
+            raise UnsupportedArgumentError(
+                "create_embedding(): the pooling is none (one vector per token), which is not "
+                "an OpenAI embedding; use embed(), or Llama(pooling_type=1) for mean pooling")
+        vecs, n = self.embed(input, return_count=True)
+        if isinstance(input, str) or (input and not isinstance(input[0], (str, list, tuple))):
+            vecs = [vecs]
+        return embedding_response(vecs, model or self.model_path, n)
+
     # -- what this engine does not do (yet) ----------------------------------------------
 
-    def embed(self, input, normalize: bool = False, truncate: bool = True,
-              return_count: bool = False):
-        """Not supported: embeddings."""
-        _not_supported("embed", _NO_EMBEDDINGS)
-
-    def create_embedding(self, input, model: str | None = None):
-        """Not supported: embeddings."""
-        _not_supported("create_embedding", _NO_EMBEDDINGS)
-
-    def pooling_type(self):
-        """Not supported: embeddings (and so their pooling)."""
-        _not_supported("pooling_type", _NO_EMBEDDINGS)
 
     def save_state(self):
         """Not supported: saving the context's state."""
@@ -667,10 +740,12 @@ class Llama:
                           repeat_penalty: float = 1.0, top_k: int = 40, stream: bool = False,
                           seed: int | None = None, model: str | None = None,
                           stopping_criteria=None, logits_processor=None, logit_bias=None,
-                          **kwargs) -> dict | Iterator[dict]:
+                          grammar=None, **kwargs) -> dict | Iterator[dict]:
         """Complete `prompt`: a text_completion dict, or with stream=True an iterator of
-        chunks (the last carries finish_reason)."""
+        chunks (the last carries finish_reason). `grammar` (a LlamaGrammar, or GBNF text)
+        constrains the text to its language (structured.py)."""
         check_unsupported("create_completion()", kwargs, _GEN_UNSUPPORTED)
+        constraint = self._constraint(grammar=grammar)
         m = self._live()
         if isinstance(prompt, str):
             ids = m.tokenize(prompt)
@@ -682,7 +757,7 @@ class Llama:
             prompt_text = m.detokenize(ids)
         gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
                             stop_list(stop), seed, stopping_criteria, logits_processor,
-                            logit_bias)
+                            logit_bias, constraint)
         cid, created, name = new_id("cmpl"), int(time.time()), model or self.model_path
         head = prompt_text if echo else ""
         if stream:
@@ -712,34 +787,85 @@ class Llama:
                                seed: int | None = None, response_format: dict | None = None,
                                max_tokens: int | None = None, repeat_penalty: float = 1.0,
                                model: str | None = None, logits_processor=None,
-                               logit_bias=None, **kwargs) -> dict | Iterator[dict]:
+                               logit_bias=None, grammar=None, tools: list | None = None,
+                               tool_choice=None, parallel_tool_calls: bool = True,
+                               **kwargs) -> dict | Iterator[dict]:
         """Reply to OpenAI-style `messages` through the chat template: a chat.completion
-        dict, or with stream=True an iterator of chat.completion.chunk dicts."""
+        dict, or with stream=True an iterator of chat.completion.chunk dicts.
+        `response_format` ({"type": "json_object"}, or {"type": "json_schema",
+        "json_schema": {"schema": ...}}) or `grammar` (a LlamaGrammar, or GBNF text)
+        constrains the reply (structured.py). `tools` / `tool_choice` /
+        `parallel_tool_calls` as OpenAI's: a reply that calls tools has message.tool_calls
+        and finish_reason "tool_calls" (tools.py; streamed, the calls come whole in the
+        last chunk)."""
         check_unsupported("create_chat_completion()", kwargs, _CHAT_UNSUPPORTED)
-        if response_format not in (None, {"type": "text"}):
-            raise UnsupportedArgumentError(
-                f"create_chat_completion(): response_format={response_format!r} is not "
-                "supported (only text)")
+        plan = None
+        if tools:
+            from .chat import normalize_messages
+            from .structured import LlamaGrammar
+            from .tools import ToolPlan
+
+            plan = ToolPlan(tools, tool_choice, parallel_tool_calls)
+            messages = plan.messages(normalize_messages(messages))
+            if plan.active:
+                if grammar is not None or response_format not in (None, {"type": "text"}):
+                    raise ValueError("tools cannot be combined with response_format or grammar")
+                grammar = LlamaGrammar(plan.grammar(), "tools")
+            else:
+                plan = None
+        elif tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice={tool_choice!r} needs tools")
+        constraint = self._constraint(grammar=grammar, response_format=response_format)
         tmpl = self.chat_template
         prompt = tmpl.render(messages, add_generation_prompt=True)
         ids = tmpl.tokenize(self._live(), prompt)
         stops = stop_list(stop)
         stops += [s for s in tmpl.stop_strings() if s not in stops]
         gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
-                            stops, seed, None, logits_processor, logit_bias)
+                            stops, seed, None, logits_processor, logit_bias, constraint)
         cid, created, name = new_id("chatcmpl"), int(time.time()), model or self.model_path
         if stream:
             first = [chat_chunk(cid, created, name, {"role": "assistant", "content": ""})]
-            return self._stream_chunks(gen, lambda text, fin: chat_chunk(
-                cid, created, name, {"content": text} if fin is None else {}, fin), first)
+            if plan is None:
+                return self._stream_chunks(gen, lambda text, fin: chat_chunk(
+                    cid, created, name, {"content": text} if fin is None else {}, fin), first)
+            held: list[str] = []
+
+            def tool_chunk(text, fin):
+                if fin is None:
+                    held.append(text)
+                    return None
+                delta, fin = plan.delta("".join(held), fin)
+                return chat_chunk(cid, created, name, delta, fin)
+
+            return self._stream_chunks(gen, tool_chunk, first)
         text, result = self._run(gen)
-        return chat_response(cid, created, name, text, result.finish_reason, result)
+        out = chat_response(cid, created, name, text, result.finish_reason, result)
+        if plan is not None:
+            msg, fin = plan.parse(text, result.finish_reason)
+            out["choices"][0].update(message=msg, finish_reason=fin)
+        return out
 
     # -- the shared machinery ------------------------------------------------------------
 
+    def _constraint(self, grammar=None, response_format=None):
+        """The compiled grammar a call asks for (None: none); GrammarError (a ValueError)
+        naming what is wrong with it."""
+        from . import structured
+
+        rf = structured.grammar_for_response_format(response_format)
+        g = structured.grammar_arg(grammar)
+        if rf is not None and g is not None:
+            raise ValueError("give response_format or grammar, not both")
+        g = rf if g is None else g
+        return None if g is None else structured.compile_grammar(self._live(), g)
+
     def _prepare(self, ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
-                 stops, seed, stopping_criteria, logits_processor, logit_bias):
-        """Check everything before the lock is taken; returns the arguments of ctx.stream."""
+                 stops, seed, stopping_criteria, logits_processor, logit_bias,
+                 constraint=None):
+        """Check everything before the lock is taken; returns the arguments of ctx.stream.
+        The constraint's mask applies first, so a logits_processor or stopping_criteria
+        still has the last word."""
         n_ctx = self._ctx.n_ctx
         if len(ids) >= n_ctx:
             raise ValueError(f"Requested tokens ({len(ids)}) exceed context window of {n_ctx}")
@@ -751,6 +877,8 @@ class Llama:
                   stop=stops, seed=seed)
         proc = make_logits_processor(self._model.eos_id, logits_processor, logit_bias,
                                      stopping_criteria)
+        if constraint is not None:
+            proc = chain_processors(constraint.processor(), proc)
         if proc is not None:
             kw["logits_processor"] = proc
         self._last_logits = None  # the completion changes the cache: sample() needs an eval()
@@ -796,7 +924,9 @@ class Llama:
                 try:
                     yield from first
                     for piece in pieces:
-                        yield make_chunk(piece, None)
+                        chunk = make_chunk(piece, None)
+                        if chunk is not None:  # None: held back (a tool call comes whole)
+                            yield chunk
                 finally:
                     pieces.close()
                 yield make_chunk("", result.finish_reason)

@@ -29,14 +29,27 @@ ARCH_PHI3 = "phi3"      # Phi-3 mini / medium (4k context)
 ARCH_QWEN3 = "qwen3"    # Qwen3 (dense)
 ARCH_OLMO2 = "olmo2"    # OLMo 2
 ARCH_SMOLLM3 = "smollm3"  # SmolLM3 (llama's block, every 4th layer without RoPE)
+ARCH_GEMMA2 = "gemma2"    # Gemma 2 (GeGLU, sandwich norms, soft-capping, sliding windows)
+ARCH_GEMMA3 = "gemma3"    # Gemma 3 text (Gemma 2's block with q/k norms, 5 local : 1 global)
+ARCH_QWEN2MOE = "qwen2moe"  # Qwen1.5-MoE / Qwen2-MoE (experts + a shared expert)
+ARCH_QWEN3MOE = "qwen3moe"  # Qwen3-MoE
+ARCH_OLMOE = "olmoe"        # OLMoE
+# Mixtral is ARCH_LLAMA with KEY_EXPERT_COUNT > 0 (llama.cpp writes it so)
 
 #: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
 #: architecture; its files carry no key for it.
 SMOLLM3_NOPE_EVERY = 4
 
+#: gemma2 / gemma3: layer il is local (sliding window) iff il % n < n - 1, where n is this
+#: period, unless KEY_SLIDING_WINDOW_PATTERN says otherwise (llama.cpp's defaults).
+SWA_PERIOD = {ARCH_GEMMA2: 2, ARCH_GEMMA3: 6}
+
 #: GGUF architectures this project writes / reads.
 ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
-                 ARCH_SMOLLM3)
+                 ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE)
+#: The architectures whose FFN is always a mixture of experts (llama is one when its file
+#: has KEY_EXPERT_COUNT > 0: Mixtral).
+MOE_ARCHITECTURES = (ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -96,15 +109,37 @@ KEY_VALUE_LENGTH = "{arch}.attention.value_length"
 KEY_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"  # RMSNorm (llama, qwen2)
 KEY_LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"  # LayerNorm with bias (falcon, opt)
 KEY_SLIDING_WINDOW = "{arch}.attention.sliding_window"
+#: gemma2/3: which layers are local, as a period (u32) or one bool per layer (absent: SWA_PERIOD)
+KEY_SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
+#: q.k times this (f32; absent: 1/sqrt(head size)); gemma: query_pre_attn_scalar^-1/2
+KEY_ATTENTION_SCALE = "{arch}.attention.scale"
+#: soft-capping c of the attention scores / the final logits: x -> c tanh(x / c) (gemma2)
+KEY_ATTN_LOGIT_SOFTCAPPING = "{arch}.attn_logit_softcapping"
+KEY_FINAL_LOGIT_SOFTCAPPING = "{arch}.final_logit_softcapping"
 KEY_ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+KEY_ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # gemma3: the local layers' RoPE base
 KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+# How an embedding model pools its tokens' hidden states (llama.cpp's llama_pooling_type);
+# read by embeddings.py, never written by the converter (a causal LM does not say)
+KEY_POOLING_TYPE = "{arch}.pooling_type"
+POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 #: The per-architecture keys the runtime's loader refuses a file without (every other key
 #: has a default); the preflight (preflight.py) names all that are missing at once, and
 #: tests/test_bad_models.py checks the loader refuses each.
 REQUIRED_ARCH_KEYS = (KEY_EMBEDDING_LENGTH, KEY_BLOCK_COUNT, KEY_FEED_FORWARD_LENGTH, KEY_HEAD_COUNT)
+
+# Mixture of experts (llama.cpp's keys; docs/FORMAT.md "Mixture of experts")
+KEY_EXPERT_COUNT = "{arch}.expert_count"                  # u32: experts per layer
+KEY_EXPERT_USED_COUNT = "{arch}.expert_used_count"        # u32: experts per token (top-k)
+KEY_EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"  # u32: an expert's width
+KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH = "{arch}.expert_shared_feed_forward_length"  # u32
+KEY_EXPERT_WEIGHTS_NORM = "{arch}.expert_weights_norm"    # bool: renormalise the top-k weights
+KEY_EXPERT_GATING_FUNC = "{arch}.expert_gating_func"      # u32: 1 softmax (2 sigmoid: refused)
+KEY_EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"  # f32: routing weights times this
+EXPERT_GATING_SOFTMAX = 1
 
 ROPE_SCALING_NONE = "none"
 ROPE_SCALING_LINEAR = "linear"
@@ -341,6 +376,22 @@ FILE_TYPE_MOSTLY_IQ4_XS = 30
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
             "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
+#: llama.cpp's IQ1/IQ2/IQ3 lattice types: the runtime reads them (when built with their
+#: codebooks) but does not write them: llama.cpp's quantizers for them need an importance
+#: matrix (llama-imatrix over calibration text) to be worth their bits.
+READ_ONLY_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+
+
+def outtype_refusal(outtype: str) -> str:
+    """Why `outtype` is not one convert writes (for an outtype not in OUTTYPES)."""
+    if str(outtype).lower() in READ_ONLY_TYPES:
+        return (f"outtype {outtype!r} is read but not written by this runtime: llama.cpp's "
+                f"{str(outtype).upper()} quantizer needs an importance matrix; make the file with "
+                f"llama.cpp's llama-imatrix and llama-quantize, then load or convert it from there "
+                f"(outtypes written: {', '.join(OUTTYPES)})")
+    return f"unknown outtype {outtype!r} (expected one of: {', '.join(OUTTYPES)})"
+
+
 #: The outtypes that are llama.cpp's per-tensor mixes (gguf_write.storage_type has the rule);
 #: q2_k is llama.cpp's Q2_K preset, itself a mix.
 OUTTYPE_MIXES = ("q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
@@ -395,12 +446,27 @@ T_ATTN_V = "attn_v"
 T_ATTN_OUTPUT = "attn_output"
 T_ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each q head [hd]; olmo2: of all of q [n_head·hd]
 T_ATTN_K_NORM = "attn_k_norm"  # qwen3: RMSNorm of each k head [hd]; olmo2: of all of k
-T_POST_ATTN_NORM = "post_attention_norm"  # olmo2: norm of the attention's output
-T_POST_FFW_NORM = "post_ffw_norm"         # olmo2: norm of the FFN's output
+T_POST_ATTN_NORM = "post_attention_norm"  # olmo2, gemma2/3: norm of the attention's output
+T_POST_FFW_NORM = "post_ffw_norm"         # olmo2, gemma2/3: norm of the FFN's output
 T_FFN_NORM = "ffn_norm"
 T_FFN_GATE = "ffn_gate"
 T_FFN_UP = "ffn_up"            # phi3: fused gate and up rows (all gate, then all up)
 T_FFN_DOWN = "ffn_down"
+# mixture of experts (llama.cpp's names): the router, the experts as 3-D tensors
+# [n_expert, rows, cols] (numpy shape; GGUF ne reversed), the shared expert and its gate
+T_FFN_GATE_INP = "ffn_gate_inp"        # [n_expert, d] router, stored F32 as llama.cpp does
+T_FFN_GATE_EXPS = "ffn_gate_exps"      # [n_expert, n_ff_exp, d]
+T_FFN_UP_EXPS = "ffn_up_exps"          # [n_expert, n_ff_exp, d]
+T_FFN_DOWN_EXPS = "ffn_down_exps"      # [n_expert, d, n_ff_exp]
+T_FFN_GATE_SHEXP = "ffn_gate_shexp"    # [n_ff_shexp, d]
+T_FFN_UP_SHEXP = "ffn_up_shexp"        # [n_ff_shexp, d]
+T_FFN_DOWN_SHEXP = "ffn_down_shexp"    # [d, n_ff_shexp]
+T_FFN_GATE_INP_SHEXP = "ffn_gate_inp_shexp"  # [d] the shared expert's sigmoid gate, F32
+MOE_LAYER_TENSORS = (T_FFN_GATE_INP, T_FFN_GATE_EXPS, T_FFN_UP_EXPS, T_FFN_DOWN_EXPS,
+                     T_FFN_GATE_INP_SHEXP, T_FFN_GATE_SHEXP, T_FFN_UP_SHEXP, T_FFN_DOWN_SHEXP)
+#: Tensor kinds kept F32 in every outtype (llama.cpp's converter and quantizer keep the
+#: routers so: a few KB that decide which experts run).
+F32_KINDS = (T_FFN_GATE_INP, T_FFN_GATE_INP_SHEXP)
 
 GLOBAL_TENSORS = (T_TOKEN_EMBD, T_POSITION_EMBD, T_ROPE_FREQS, T_OUTPUT_NORM, T_OUTPUT)
 #: The per-layer tensors of a llama file, in file order.
@@ -410,7 +476,7 @@ LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_Q, T_ATTN_K, T_ATTN_V, T_ATTN_OUTPUT,
 #: with the ".bias" suffix).
 ALL_LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_NORM_2, T_ATTN_QKV, T_ATTN_Q, T_ATTN_K, T_ATTN_V,
                      T_ATTN_OUTPUT, T_ATTN_Q_NORM, T_ATTN_K_NORM, T_POST_ATTN_NORM, T_FFN_NORM,
-                     T_FFN_GATE, T_FFN_UP, T_FFN_DOWN, T_POST_FFW_NORM)
+                     T_FFN_GATE, T_FFN_UP, T_FFN_DOWN, T_POST_FFW_NORM) + MOE_LAYER_TENSORS
 
 #: Layer-tensor prefix: blk.{layer}.
 LAYER_PREFIX = "blk"

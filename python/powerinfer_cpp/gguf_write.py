@@ -76,7 +76,10 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
                  mix: QuantMix | None = None):
     """(GGML type, note) a dense tensor of this kind, layer and numpy shape is stored as.
 
-    1-D tensors (norms, biases, frequencies) are always F32. Q4_0 / Q4_1 / Q5_0 / Q5_1
+    1-D tensors (norms, biases, frequencies) and the expert routers are always F32. A 3-D
+    expert tensor [n_expert, rows, cols] is stored as its rows (their length is the last
+    axis), by the rule of its kind (the ``_m`` mixes: ``base``, llama.cpp's MoE-specific
+    choices are not followed). Q4_0 / Q4_1 / Q5_0 / Q5_1
     embeddings and heads are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
     otherwise, as in llama.cpp). The mixes q4_k_m, q5_k_m, q2_k, q3_k_m, iq4_nl and iq4_xs
     choose per tensor as llama.cpp's quantizer does (_mix_type, _low_mix_type, _iq4_mix_type;
@@ -84,7 +87,7 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     need a length divisible by the block size (32; K-quants and IQ4_XS 256): other rows fall
     back as llama.cpp's quantizer does (fit_rows)."""
     from gguf import GGMLQuantizationType as Q
-    if len(shape) == 1:
+    if len(shape) == 1 or kind in F.F32_KINDS:
         return Q.F32, ""
     t = Q[_OUTTYPE_TYPE[outtype]]
     if outtype in ("iq4_nl", "iq4_xs"):

@@ -23,7 +23,8 @@ from .tokenizer import Tokenizer, load_tokenizer
 _ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16",
                12: "q4_k", 13: "q5_k", 14: "q6_k", 10: "q2_k", 11: "q3_k", 20: "iq4_nl", 23: "iq4_xs",
-               39: "mxfp4"}
+               39: "mxfp4", 16: "iq2_xxs", 17: "iq2_xs", 22: "iq2_s", 18: "iq3_xxs", 21: "iq3_s",
+               19: "iq1_s", 29: "iq1_m"}
 # FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
 # layer has a predictor and ffn_down_t, else gate when it has gate thresholds, else dense)
 FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2, "gate": 3}
@@ -62,6 +63,12 @@ class ModelInfo:
     sparse_threshold: float = 0.0  # powerinfer.sparse.threshold
     has_gate_threshold: bool = False  # powerinfer.sparse.gate_threshold (the "gate" mode)
     has_input_sparsity: bool = False  # input-sparse projections (attn_qkv_t, ..., output_t)
+    # mixture of experts (docs/FORMAT.md "Mixture of experts"); n_expert 0: a dense FFN
+    n_expert: int = 0            # experts per layer
+    n_expert_used: int = 0       # experts each token runs (top-k)
+    n_ff_exp: int = 0            # an expert's FFN width
+    n_ff_shexp: int = 0          # the shared expert's width (0: none)
+    expert_norm: bool = False    # the top-k routing weights are renormalised
 
 
 @dataclass
@@ -341,6 +348,40 @@ class Model(_NativeHandle):
         """Context.perplexity on the default context."""
         return self.context.perplexity(text)
 
+    # -- embeddings (embeddings.py) --------------------------------------------
+
+    @property
+    def pooling(self) -> str:
+        """How embed() pools tokens by default: the file's {arch}.pooling_type ("mean",
+        "last", "cls", "none"), "mean" when it names none."""
+        from .embeddings import DEFAULT_POOLING, file_pooling
+
+        if getattr(self, "_pooling", None) is None:
+            self._pooling = file_pooling(self.path, self.info.arch) or DEFAULT_POOLING
+        return self._pooling
+
+    def embed(self, input, *, pooling: str | None = None, normalize: bool = True,
+              truncate: bool = False, context: Context | None = None) -> np.ndarray:
+        """Embedding vectors of `input` (a str, a list of token ids, or a list of either):
+        the final hidden states (after the output norm) pooled as `pooling` says (None: the
+        file's, see `pooling`) and L2-normalised unless normalize=False. One input gives
+        [n_embd] ([n_tokens, n_embd] with pooling "none"), a list one row per input (a list
+        of arrays with "none"). An input longer than the context raises EmbeddingError, or
+        is cut to it with truncate. Runs on the default context (or `context`), whose
+        cache then holds the last input."""
+        from . import embeddings as E
+
+        pooling = self.pooling if pooling is None else E.check_pooling(pooling)
+        ctx = self.context if context is None else context
+        n_ctx = ctx.n_ctx
+        items, single = E.inputs_list(input)
+        ids = [E.input_ids(self, x, n_ctx, truncate, "input" if single else f"input[{i}]")
+               for i, x in enumerate(items)]
+        vecs = [E.embed_ids(ctx, x, pooling, normalize) for x in ids]
+        if single:
+            return vecs[0]
+        return vecs if pooling == "none" else np.stack(vecs)
+
 
 
 
@@ -365,7 +406,9 @@ def _info_from_c(c) -> ModelInfo:
         rms_eps=c.rms_eps, rope_theta=c.rope_theta, n_params=c.n_params, n_bytes=c.n_bytes,
         has_predictor=c.has_predictor, has_down_t=c.has_down_t,
         sparse_threshold=c.sparse_threshold, has_gate_threshold=bool(c.has_gate_threshold),
-        has_input_sparsity=bool(c.has_input_sparsity))
+        has_input_sparsity=bool(c.has_input_sparsity), n_expert=c.n_expert,
+        n_expert_used=c.n_expert_used, n_ff_exp=c.n_ff_exp, n_ff_shexp=c.n_ff_shexp,
+        expert_norm=bool(c.expert_norm))
 
 
 class _Detokenizer:
@@ -417,7 +460,7 @@ class Context(_NativeHandle):
         self._cached: list[int] = []    # the tokens in the KV cache, in order
         # _cached[:_n_exact] were computed with the exact (dense-result) FFN; tokens decoded
         # by the sparse FFN after them are not reused by the next prompt, so a reply does
-        # not depend on what the context computed before (see _stream)
+        # not depend on what the context computed before (see Generation.prefill)
         self._n_exact = 0
         self._out = ffi.new("int32_t *")
         if mode is not None or input_sparse is not None:
@@ -568,8 +611,18 @@ class Context(_NativeHandle):
             },
         }
 
+    def expert_counts(self) -> np.ndarray:
+        """Mixture-of-experts models: int64 [n_layer, n_expert], how many times each expert of
+        each layer was chosen since the context was made or reset_stats() (a token counts
+        once for each of its top-k experts); [n_layer, 0] for a model without experts."""
+        info = self.model.info
+        out = np.zeros((info.n_layer, info.n_expert), dtype=np.int64)
+        with self._calling() as ptr:
+            check(lib.gh_context_get_expert_counts(ptr, ffi.cast("int64_t *", out.ctypes.data), out.size))
+        return out
+
     def reset_stats(self) -> None:
-        """Zero the counters stats() reports."""
+        """Zero the counters stats() and expert_counts() report."""
         with self._calling() as ptr:
             check(lib.gh_context_reset_stats(ptr))
 
@@ -578,23 +631,31 @@ class Context(_NativeHandle):
     def _eval_ids(self, ptr, ids: list[int], logits_all: bool) -> None:
         """Evaluate checked token ids after the cache (caller holds the lock)."""
         arr32 = np.asarray(ids, dtype=np.int32)
-        mode = lib.gh_context_get_ffn_mode(ptr)
-        exact = (not (mode == FFN_MODES["sparse"] or
-                      (mode == FFN_MODES["gate"] and lib.gh_context_get_input_sparse(ptr))) or
-                 len(ids) > lib.gh_context_get_sparse_batch(ptr))
-        if exact and self._n_exact == len(self._cached):
-            self._n_exact += len(ids)  # lowered below if the runtime keeps fewer
+        self._before_eval(ptr, len(ids))
         try:
             check(lib.gh_eval(ptr, ffi.from_buffer("int32_t[]", arr32), arr32.size,
                               1 if logits_all else 0))
         finally:
-            # on failure the runtime leaves the cache as it was (or truncated after a device
-            # error): keep the token list equal to it
-            n = lib.gh_context_n_past(ptr)
-            self._cached.extend(ids[:max(n - len(self._cached), 0)])
-            del self._cached[n:]
-            self._n_exact = min(self._n_exact, n)
-            self._changed()
+            self._after_eval(ptr, ids)
+
+    def _before_eval(self, ptr, n: int) -> None:
+        """Count n tokens about to be evaluated as exact (reusable by a later prompt)
+        unless the context's FFN runs them sparse (caller holds the lock)."""
+        mode = lib.gh_context_get_ffn_mode(ptr)
+        exact = (not (mode == FFN_MODES["sparse"] or
+                      (mode == FFN_MODES["gate"] and lib.gh_context_get_input_sparse(ptr))) or
+                 n > lib.gh_context_get_sparse_batch(ptr))
+        if exact and self._n_exact == len(self._cached):
+            self._n_exact += n  # lowered by _after_eval if the runtime keeps fewer
+
+    def _after_eval(self, ptr, ids: list[int]) -> None:
+        """Keep the token list equal to the cache after an evaluation of ids, which on
+        failure leaves the cache as it was (or truncated after a device error)."""
+        n = lib.gh_context_n_past(ptr)
+        self._cached.extend(ids[:max(n - len(self._cached), 0)])
+        del self._cached[n:]
+        self._n_exact = min(self._n_exact, n)
+        self._changed()
 
     def _check_ids(self, tokens) -> list[int]:
         arr = _token_array(tokens)
@@ -622,6 +683,35 @@ class Context(_NativeHandle):
             buf = ffi.buffer(lib.gh_get_logits(ptr, 0), rows * nv * 4)
             out = np.frombuffer(buf, dtype=np.float32).reshape(rows, nv).copy()
         return out if logits_all else out[0]
+
+    def hidden_states(self, tokens: Sequence[int]) -> np.ndarray:
+        """The final hidden state of every token of `tokens` (the output norm's output, what
+        the head reads), run from an empty cache with the dense FFN: [n_tokens, n_embd]
+        float32. The cache then holds the tokens (a next prompt starting with them reuses
+        them)."""
+        ids = self._check_ids(tokens)
+        d = self.model.info.n_embd
+        with self._calling() as ptr:
+            n_ctx = lib.gh_context_n_ctx(ptr)
+            if len(ids) > n_ctx:
+                raise ValueError(f"{len(ids)} tokens do not fit the context's {n_ctx}")
+            out = np.empty((len(ids), d), dtype=np.float32)
+            arr32 = np.asarray(ids, dtype=np.int32)
+            check(lib.gh_context_truncate(ptr, 0))
+            self._cached.clear()
+            self._n_exact = 0
+            sparse_batch = lib.gh_context_get_sparse_batch(ptr)
+            check(lib.gh_context_set_sparse_batch(ptr, 0))  # the dense FFN's states
+            try:
+                check(lib.gh_eval_embd(ptr, ffi.from_buffer("int32_t[]", arr32), arr32.size,
+                                       ffi.from_buffer("float[]", out, require_writable=True)))
+            finally:
+                check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
+                n = lib.gh_context_n_past(ptr)
+                self._cached.extend(ids[:n])
+                self._n_exact = n
+                self._changed()
+        return out
 
     def perplexity(self, text: str) -> float:
         """exp(mean negative log-likelihood) of `text`, in windows of n_ctx tokens."""
@@ -672,6 +762,20 @@ class Context(_NativeHandle):
         resetting or streaming on the same context meanwhile makes the old stream
         raise RuntimeError when resumed (use create_context() for concurrent streams).
         """
+        return _run_stream(self.start_generation(
+            prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
+            stop=stop, ignore_eos=ignore_eos, stats=stats, logits_processor=logits_processor))
+
+    def start_generation(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+                         temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+                         min_p: float = 0.05, repeat_penalty: float = 1.0,
+                         repeat_last_n: int = 64, seed: int | None = None,
+                         stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
+                         stats: Completion | None = None,
+                         logits_processor=None) -> Generation:
+        """stream()'s generation as a Generation, run a step at a time by the caller (the
+        server's batching scheduler): same arguments, checked here."""
         model = self.model
         self._handle()
         if isinstance(prompt, str):
@@ -716,8 +820,8 @@ class Context(_NativeHandle):
         repeat_last_n = _int_arg("repeat_last_n", repeat_last_n)
         sampler = _new_sampler(model.n_vocab, temperature, top_k, top_p, min_p, repeat_penalty,
                                repeat_last_n, seed)
-        return self._stream(prompt_ids, sampler, max_tokens, repeat_last_n, stops,
-                            bool(ignore_eos), stats, logits_processor)
+        return Generation(self, prompt_ids, sampler, max_tokens, repeat_last_n, stops,
+                          bool(ignore_eos), stats, logits_processor)
 
     def _sample(self, ptr, sampler, prompt_ids: list[int], generated: list[int],
                 logits_processor) -> int:
@@ -735,106 +839,232 @@ class Context(_NativeHandle):
         check(lib.gh_sampler_sample(sampler, logits, self._out))
         return self._out[0]
 
-    def _stream(self, prompt_ids: list[int], sampler, max_tokens: int, repeat_last_n: int,
-                stops: list[str], ignore_eos: bool, stats: Completion | None,
-                logits_processor) -> Iterator[str]:
-        model = self.model
-        hold = max((len(s) for s in stops), default=1) - 1
-        result = stats if stats is not None else Completion("", [], "length", 0)
-        result.n_prompt_tokens = len(prompt_ids)
-        result.tokens, result.text = [], ""
-        for t in prompt_ids[-repeat_last_n:] if repeat_last_n > 0 else []:
-            lib.gh_sampler_accept(sampler, t)
-
-        t0 = time.perf_counter()
-        with self._calling() as ptr:
-            # Keep the cached prefix, as far as it was computed exactly: a prompt (reused or
-            # not) always runs through the dense FFN, so the reply is the one a fresh
-            # context gives, whatever this context did before. At least the last prompt
-            # token is evaluated (its logits start the generation).
-            keep = 0
-            limit = min(self._n_exact, len(prompt_ids) - 1)
-            while keep < limit and self._cached[keep] == prompt_ids[keep]:
-                keep += 1
-            check(lib.gh_context_truncate(ptr, keep))
-            del self._cached[keep:]
-            self._n_exact = min(self._n_exact, keep)
-            result.n_cached_tokens = keep
-            sparse_batch = lib.gh_context_get_sparse_batch(ptr)
-            check(lib.gh_context_set_sparse_batch(ptr, 0))
-            try:
-                self._eval_ids(ptr, prompt_ids[keep:], False)
-            finally:
-                check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
-            mine = self._use
-        t1 = time.perf_counter()
-        eos = model.eos_id
-        detok = _Detokenizer(model.tokenizer)
-        pending = ""   # text held back because it may be the start of a stop string
-        finish = "length"
-        n_gen = 0
-        interfered = ("this stream's context was used by another call (eval, reset, "
-                      "perplexity or another stream) while the stream was paused, so it "
-                      "cannot continue; use create_context() for streams that run side "
-                      "by side")
-        try:
-            while n_gen < max_tokens:
-                with self._calling() as ptr:  # the caller may have closed us meanwhile
-                    if self._use != mine:
-                        raise RuntimeError(interfered)
-                    token = self._sample(ptr, sampler, prompt_ids, result.tokens,
-                                         logits_processor)
-                if token == eos and not ignore_eos:
-                    finish = "stop"
-                    break
-                n_gen += 1
-                result.tokens.append(token)
-                lib.gh_sampler_accept(sampler, token)
-                pending += detok.push(token)
-                cut = _find_stop(pending, stops)
-                if cut is not None:
-                    piece, finish = pending[:cut], "stop"
-                    result.text += piece
-                    if piece:
-                        yield piece
-                    pending = ""
-                    break
-                emit = len(pending) - hold if stops else len(pending)
-                if emit > 0:
-                    piece, pending = pending[:emit], pending[emit:]
-                    result.text += piece
-                    yield piece
-                if n_gen >= max_tokens:
-                    break
-                with self._calling() as ptr:
-                    if self._use != mine:
-                        raise RuntimeError(interfered)
-                    if lib.gh_context_n_past(ptr) >= lib.gh_context_n_ctx(ptr):
-                        break
-                    self._eval_ids(ptr, [token], False)
-                    mine = self._use
-            if pending:  # held-back text that turned out not to start a stop string
-                result.text += pending
-                yield pending
-        finally:
-            t2 = time.perf_counter()
-            result.finish_reason = finish
-            result.timings = {
-                "load_s": model.load_time,
-                "prompt_s": t1 - t0,
-                "prompt_tokens": len(prompt_ids),
-                "prompt_tok_per_s": len(prompt_ids) / max(t1 - t0, 1e-9),
-                "decode_s": t2 - t1,
-                "decode_tokens": n_gen,
-                "decode_tok_per_s": max(n_gen - 1, 0) / max(t2 - t1, 1e-9) if n_gen > 1 else 0.0,
-            }
-
     def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
         """Generate a completion; same arguments as stream()."""
         result = Completion("", [], "length", 0)
         for _ in self.stream(prompt, stats=result, **kw):
             pass
         return result
+
+
+_INTERFERED = ("this stream's context was used by another call (eval, reset, perplexity or "
+               "another stream) while the stream was paused, so it cannot continue; use "
+               "create_context() for streams that run side by side")
+
+
+class Generation:
+    """One generation on a context, a step at a time: what Context.stream() runs, split so
+    that a scheduler can evaluate the next tokens of several generations together
+    (eval_batch: the server's continuous batching). Made by Context.start_generation.
+
+    The order: prefill() until it returns True (the prompt, in chunks of any size); then
+    per token sample(), which picks the next token from the context's logits and returns
+    the text it completes, and, unless `done`, the evaluation of that token (`next_token`,
+    None again once evaluated) by step() alone or by eval_batch() with other generations;
+    at the end flush() (the text held back for stop strings) and finish() (timings).
+    `result` is the Completion."""
+
+    def __init__(self, ctx: "Context", prompt_ids: list[int], sampler, max_tokens: int,
+                 repeat_last_n: int, stops: list[str], ignore_eos: bool,
+                 stats: Completion | None, logits_processor):
+        self.ctx = ctx
+        self.prompt_ids = prompt_ids
+        self.sampler = sampler
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.ignore_eos = ignore_eos
+        self.logits_processor = logits_processor
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.result = stats if stats is not None else Completion("", [], "length", 0)
+        self.result.n_prompt_tokens = len(prompt_ids)
+        self.result.tokens, self.result.text = [], ""
+        for t in prompt_ids[-repeat_last_n:] if repeat_last_n > 0 else []:
+            lib.gh_sampler_accept(sampler, t)
+        self.eos = ctx.model.eos_id
+        self.detok = _Detokenizer(ctx.model.tokenizer)
+        self.pending = ""    # text held back because it may be the start of a stop string
+        self.finish_reason = "length"
+        self.n_gen = 0
+        self.next_token: int | None = None  # sampled, to be evaluated next
+        self.done = max_tokens <= 0
+        self._at: int | None = None  # prompt tokens in the cache (None: not started)
+        self._mine = None            # ctx._use after our last evaluation
+        self._t0: float | None = None  # when the prompt's evaluation began
+        self._t1: float | None = None  # ... and ended
+
+    @property
+    def prefilled(self) -> bool:
+        return self._at == len(self.prompt_ids)
+
+    def prefill(self, n_max: int | None = None) -> bool:
+        """Evaluate the next n_max prompt tokens (None: the rest); True once the whole
+        prompt is in the cache and its last token's logits are there."""
+        ctx = self.ctx
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        with ctx._calling() as ptr:
+            if self._at is None:
+                # Keep the cached prefix, as far as it was computed exactly: a prompt
+                # (reused or not) always runs through the dense FFN, so the reply is the one
+                # a fresh context gives, whatever this context did before. At least the
+                # last prompt token is evaluated (its logits start the generation).
+                keep = 0
+                limit = min(ctx._n_exact, len(self.prompt_ids) - 1)
+                while keep < limit and ctx._cached[keep] == self.prompt_ids[keep]:
+                    keep += 1
+                check(lib.gh_context_truncate(ptr, keep))
+                del ctx._cached[keep:]
+                ctx._n_exact = min(ctx._n_exact, keep)
+                self.result.n_cached_tokens = keep
+                self._at = keep
+            elif ctx._use != self._mine:
+                raise RuntimeError(_INTERFERED)
+            end = len(self.prompt_ids) if n_max is None else min(len(self.prompt_ids),
+                                                                  self._at + max(n_max, 1))
+            sparse_batch = lib.gh_context_get_sparse_batch(ptr)
+            check(lib.gh_context_set_sparse_batch(ptr, 0))
+            try:
+                ctx._eval_ids(ptr, self.prompt_ids[self._at:end], False)
+            finally:
+                check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
+            self._at = end
+            self._mine = ctx._use
+        if self.prefilled:
+            self._t1 = time.perf_counter()
+        return self.prefilled
+
+    def sample(self) -> str:
+        """Pick the next token from the context's logits; returns the text it completes
+        ("" while a character or a possible stop string is incomplete) and sets `done` at
+        EOS, a stop string or max_tokens, else `next_token`."""
+        ctx = self.ctx
+        with ctx._calling() as ptr:  # the caller may have closed the context meanwhile
+            if ctx._use != self._mine:
+                raise RuntimeError(_INTERFERED)
+            token = ctx._sample(ptr, self.sampler, self.prompt_ids, self.result.tokens,
+                                self.logits_processor)
+        self.next_token = None
+        if token == self.eos and not self.ignore_eos:
+            self.finish_reason, self.done = "stop", True
+            return ""
+        self.n_gen += 1
+        self.result.tokens.append(token)
+        lib.gh_sampler_accept(self.sampler, token)
+        self.pending += self.detok.push(token)
+        cut = _find_stop(self.pending, self.stops)
+        if cut is not None:
+            piece, self.finish_reason, self.done = self.pending[:cut], "stop", True
+            self.result.text += piece
+            self.pending = ""
+            return piece
+        piece = ""
+        emit = len(self.pending) - self.hold if self.stops else len(self.pending)
+        if emit > 0:
+            piece, self.pending = self.pending[:emit], self.pending[emit:]
+            self.result.text += piece
+        if self.n_gen >= self.max_tokens:
+            self.done = True
+        else:
+            self.next_token = token
+        return piece
+
+    def _claim(self, ptr) -> bool:
+        """Before next_token is evaluated (the context's lock held): raise if another call
+        used the context meanwhile; False (and done) if the context is full."""
+        if self.ctx._use != self._mine:
+            raise RuntimeError(_INTERFERED)
+        if lib.gh_context_n_past(ptr) >= lib.gh_context_n_ctx(ptr):
+            self.done, self.next_token = True, None
+            return False
+        return True
+
+    def step(self) -> None:
+        """Evaluate next_token alone (gh_eval)."""
+        ctx = self.ctx
+        with ctx._calling() as ptr:
+            if self._claim(ptr):
+                ctx._eval_ids(ptr, [self.next_token], False)
+                self._mine = ctx._use
+                self.next_token = None  # its logits are ready for sample()
+
+    def batchable(self) -> bool:
+        """Whether eval_batch can take this generation's next token: its context runs
+        one-token batches densely (gh_eval_batch; the sparse modes pick each token's own
+        neurons and decode alone, by step())."""
+        with self.ctx._calling() as ptr:
+            return (lib.gh_context_get_ffn_mode(ptr) == FFN_MODES["dense"] or
+                    lib.gh_context_get_sparse_batch(ptr) < 1)
+
+    def flush(self) -> str:
+        """At a normal end: the held-back text that turned out not to start a stop string."""
+        piece, self.pending = self.pending, ""
+        self.result.text += piece
+        return piece
+
+    def finish(self) -> None:
+        """Record the finish reason and the timings in `result`."""
+        t2 = time.perf_counter()
+        t0 = self._t0 if self._t0 is not None else t2
+        t1 = self._t1 if self._t1 is not None else t2
+        r, n_gen = self.result, self.n_gen
+        r.finish_reason = self.finish_reason
+        r.timings = {
+            "load_s": self.ctx.model.load_time,
+            "prompt_s": t1 - t0,
+            "prompt_tokens": len(self.prompt_ids),
+            "prompt_tok_per_s": len(self.prompt_ids) / max(t1 - t0, 1e-9),
+            "decode_s": t2 - t1,
+            "decode_tokens": n_gen,
+            "decode_tok_per_s": max(n_gen - 1, 0) / max(t2 - t1, 1e-9) if n_gen > 1 else 0.0,
+        }
+
+
+def _run_stream(gen: Generation) -> Iterator[str]:
+    """Context.stream's generator: the generation's steps, one token at a time."""
+    gen.prefill()
+    try:
+        while not gen.done:
+            piece = gen.sample()
+            if piece:
+                yield piece
+            if not gen.done:
+                gen.step()
+        tail = gen.flush()
+        if tail:
+            yield tail
+    finally:
+        gen.finish()
+
+
+def eval_batch(gens: Sequence[Generation]) -> None:
+    """Evaluate the next token of every generation in ONE forward pass (gh_eval_batch:
+    each weight read once for all of them; each token attends over its own context's
+    cache). Each must be batchable(), have a next_token, and be on a context of its own of
+    the same model; a generation whose context is full is marked done and left out. On an
+    error no context has advanced and each generation may be stepped again."""
+    if len({id(g.ctx) for g in gens}) != len(gens):
+        raise ValueError("eval_batch: two generations share a context")
+    if any(g.next_token is None for g in gens):
+        raise ValueError("eval_batch: a generation has no token to evaluate (sample() first)")
+    with contextlib.ExitStack() as stack:
+        # every context's lock, in one global order (another thread takes one at a time)
+        ptrs = {id(g): stack.enter_context(g.ctx._calling())
+                for g in sorted(gens, key=lambda g: id(g.ctx))}
+        live = [(g, ptrs[id(g)]) for g in gens if g._claim(ptrs[id(g)])]
+        if not live:
+            return
+        tokens = np.array([g.next_token for g, _ in live], dtype=np.int32)
+        cptrs = ffi.new("gh_context *[]", [p for _, p in live])
+        for g, p in live:
+            g.ctx._before_eval(p, 1)
+        try:
+            check(lib.gh_eval_batch(cptrs, len(live), ffi.from_buffer("int32_t[]", tokens)))
+        finally:
+            for g, p in live:
+                g.ctx._after_eval(p, [g.next_token])
+                g._mine = g.ctx._use  # our own call: the generation carries on
+        for g, _ in live:
+            g.next_token = None  # its logits are ready for sample()
 
 
 def _new_sampler(n_vocab: int, temperature, top_k, top_p, min_p, repeat_penalty,

@@ -88,8 +88,13 @@ def _types(tensors) -> list[Problem]:
             more = f" and {len(names) - _NAMED_TENSORS} more" if len(names) > _NAMED_TENSORS else ""
             parts.append(f"{_type_name(t)} (id {t}) in {len(names)} tensor{'s' * (len(names) > 1)} "
                          f"({shown}{more})")
+        why = ""
+        if any(_type_name(t).lower() in F.READ_ONLY_TYPES for t in bad):
+            # known by name, but this build was made without their codebooks (tools/gen_iq_grids.py)
+            why = ("; this build has not the codebooks of the IQ1/IQ2/IQ3 lattice types: they are "
+                   "generated from the gguf package at build time, so rebuild with gguf installed")
         out.insert(0, Problem("types", "tensor types this runtime does not read: " + "; ".join(parts)
-                              + f" (it reads {', '.join(readable_types().values())} and i32)"))
+                              + f" (it reads {', '.join(readable_types().values())} and i32{why})"))
     return out
 
 

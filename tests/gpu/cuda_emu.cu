@@ -3,10 +3,11 @@
  * and runs it.
  *
  * For every type of the device's list (dev_types), against the runtime's type table and
- * its dequantizer (gh_dequantize_row): the block and bytes agree with the table; every
- * element read (dev_type::elem, the down kernel's) and every unit read (dev_type::unit, the
- * row dots') is bit for bit the dequantized value, and the units cover each element of a
- * row exactly once. A warp's work is replayed lane by lane: row_dot for lanes 0..31 gives
+ * its dequantizer (gh_dequantize_row, itself bit for bit gguf.quants' dequantization:
+ * tests/test_types_matmul.py): the block and bytes agree with the table; every element
+ * read (dev_type::elem, the down kernel's) and every unit read (dev_type::unit, the row
+ * dots') is bit for bit the dequantized value, on the quantizer's blocks and on blocks of
+ * random bytes, and the units cover each element of a row exactly once. A warp's work is replayed lane by lane: row_dot for lanes 0..31 gives
  * the 32 partial sums that the kernels reduce with shuffles, so their total must be the
  * dot product of the dequantized row with x (the vector and the element paths, 1 and
  * several tokens, odd widths). Also the activations against double precision formulas,
@@ -101,6 +102,9 @@ static void check_dots(const uint8_t * w, size_t row_bytes, const std::vector<fl
     }
 }
 
+/* The same bits, or both NaN (random blocks: a NaN scale's payload is not the format's). */
+static bool same(float a, float b) { return memcmp(&a, &b, sizeof a) == 0 || (a != a && b != b); }
+
 /* Every unit of a row: its 8 values bit for bit the dequantized ones, each element of the
  * row read by exactly one unit. */
 template <int T>
@@ -118,13 +122,36 @@ static void check_units(const uint8_t * row, const float * wd, int64_t cols) {
         for (int i = 0; i < 8; i++) {
             const int64_t c = (i < 4 ? o0 : o1) + (i & 3);
             seen[c]++;
-            CHECK(memcmp(&w[i], &wd[c], sizeof(float)) == 0, "%s unit %lld w[%d] (column %lld): "
+            CHECK(same(w[i], wd[c]), "%s unit %lld w[%d] (column %lld): "
                   "%.9g vs %.9g", tname(T), (long long) u, i, (long long) c, w[i], wd[c]);
         }
     }
     for (int64_t c = 0; c < cols; c++) {
         CHECK(seen[c] == 1, "%s: column %lld of %lld read by %d units", tname(T), (long long) c,
               (long long) cols, seen[c]);
+    }
+}
+
+/* Rows of random bytes (every scale, sub-block scale, high-bit and level pattern, where the
+ * quantizer's blocks cover only what it writes): the element and unit reads equal the
+ * runtime's dequantizer on them too. */
+template <int T>
+static void check_random_blocks(std::mt19937 & rng) {
+    using D = dev_type<T>;
+    const int64_t rows = 7, cols = 9 * D::block;
+    const size_t rb = gh_row_size(T, cols);
+    abuf wq(rb * rows);
+    uint8_t * w = static_cast<uint8_t *>(wq.p);
+    for (size_t i = 0; i < rb * rows; i++) w[i] = (uint8_t) rng();
+    std::vector<float> wd(rows * cols);
+    for (int64_t r = 0; r < rows; r++) {
+        CHECK(gh_dequantize_row(T, w + r * rb, &wd[r * cols], cols) == GH_OK, "dequantize");
+        for (int64_t c = 0; c < cols; c++) {
+            const float got = D::elem(w + r * rb, c), want = wd[r * cols + c];
+            CHECK(same(got, want), "%s random elem r=%lld c=%lld: %.9g vs %.9g", tname(T),
+                  (long long) r, (long long) c, got, want);
+        }
+        check_units<T>(w + r * rb, &wd[r * cols], cols);
     }
 }
 
@@ -181,6 +208,7 @@ static void check_type(std::mt19937 & rng) {
             check_dots<T, false, MM_TOK>(w, rb, wd, rows, cols, x, n);
         }
     }
+    if constexpr (!D::is_float) check_random_blocks<T>(rng);
 }
 
 static double act_ref(int act, double t, double g, double u) {

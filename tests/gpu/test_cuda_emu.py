@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 from powerinfer_cpp import _native
+from powerinfer_cpp._native import ffi, lib
+
+from opref import TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,6 +28,11 @@ def find_nvcc() -> str | None:
         if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
             return cand
     return None
+
+
+def gh_name(t: str) -> str:
+    """The type table's spelling of an opref type name (as the emulation prints it)."""
+    return ffi.string(lib.gh_type_name(TYPES[t])).decode()
 
 
 def test_row_math_on_the_cpu(tmp_path):
@@ -42,3 +50,10 @@ def test_row_math_on_the_cpu(tmp_path):
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
     assert ", 0 failed" in run.stdout
+    # every type the op tests cover (opref.TYPES: those the CPU runtime reads, issue 25's
+    # presets among them) is on the device's list; the runtime's others are refused by name
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("runtime types the CUDA"))
+    missing = {t.lower() for t in line.split(":", 1)[1].split()} - {"none"}
+    assert not missing & set(TYPES), line
+    for t in TYPES:
+        assert f"{gh_name(t)}: ok" in run.stdout, f"{t} is not on the CUDA type list"

@@ -179,7 +179,9 @@ def hot_ffn_check(device, tname, down_name, act, n_hot, d, lists, seed):
 # every type with itself, and mixes: gate/up and down_t are instantiated and read apart
 HOT_TYPES = [(t, t) for t in TYPES] + [("q4_0", "f16"), ("q8_0", "q4_0"), ("f32", "bf16"),
                                       ("f16", "q8_0"), ("q4_k", "q6_k"), ("q5_k", "f16"),
-                                      ("q4_1", "q5_0"), ("q5_1", "q4_k"), ("q5_0", "q5_1")]
+                                      ("q4_1", "q5_0"), ("q5_1", "q4_k"), ("q5_0", "q5_1"),
+                                      ("q2_k", "mxfp4"), ("iq4_xs", "q3_k"), ("mxfp4", "iq4_nl"),
+                                      ("iq4_nl", "iq4_xs")]
 
 
 @pytest.mark.parametrize("tname, down_name", HOT_TYPES)

@@ -5,9 +5,11 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+#include <strings.h>
 
 #define HOST_DEVICE_DEFAULT_MEM ((size_t) 4 << 30)
 
@@ -49,6 +51,41 @@ static bool parse_size(const char * s, size_t * out) {
     return true;
 }
 
+/* GH_HOST_DEVICE_TYPES="f32,q8_0,...": the types the simulated device reads (a device
+ * whose type list lacks some of the runtime's, for rehearsing the refusals on any
+ * machine); unset or empty: every type the runtime reads. Names as the type table spells
+ * them, any case. */
+static gh_status host_device_types(bool reads[GH_TYPE_COUNT], bool * restricted) {
+    *restricted = false;
+    const char * env = getenv("GH_HOST_DEVICE_TYPES");
+    if (!env || !*env) return GH_OK;
+    *restricted = true;
+    memset(reads, 0, GH_TYPE_COUNT * sizeof *reads);
+    const char * p = env;
+    while (*p) {
+        const size_t len = strcspn(p, ",");
+        size_t a = 0, b = len;
+        while (a < b && isspace((unsigned char) p[a])) a++;
+        while (b > a && isspace((unsigned char) p[b - 1])) b--;
+        int found = -1;
+        for (int t = 0; t < GH_TYPE_COUNT && found < 0 && b > a; t++) {
+            const gh_type_traits * tr = gh_type_traits_get(t);
+            if (tr && strlen(tr->name) == b - a && strncasecmp(tr->name, p + a, b - a) == 0) {
+                found = t;
+            }
+        }
+        if (found < 0) {
+            return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_TYPES='%s': '%.*s' is not a type "
+                           "this runtime reads (it reads %s)", env, (int) (b - a), p + a,
+                           gh_types_read_list());
+        }
+        reads[found] = true;
+        p += len;
+        if (*p == ',') p++;
+    }
+    return GH_OK;
+}
+
 gh_status gh_backend_new(const char * name, gh_backend ** out) {
     if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_backend_new: out is NULL");
     *out = NULL;
@@ -60,7 +97,10 @@ gh_status gh_backend_new(const char * name, gh_backend ** out) {
             return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_MEM='%s' is not a size (e.g. "
                            "4G, 512M, 1048576)", env);
         }
-        return gh_backend_host_new(cap, out);
+        bool reads[GH_TYPE_COUNT], restricted;
+        gh_status st = host_device_types(reads, &restricted);
+        if (st) return st;
+        return gh_backend_host_new(cap, restricted ? reads : NULL, out);
     }
     if (strncmp(name, "cuda", 4) == 0) {
         int dev = 0;
@@ -85,6 +125,30 @@ gh_status gh_backend_new(const char * name, gh_backend ** out) {
 
 void gh_backend_free(gh_backend * b) {
     if (b) b->ops->destroy(b);
+}
+
+const char * gh_backend_types_read(const gh_backend * b, char * buf, size_t cap) {
+    int n = 0, k = 0;
+    for (int t = 0; t < GH_TYPE_COUNT; t++) n += gh_type_traits_get(t) && b->ops->reads_type(b, t);
+    size_t len = 0;
+    buf[0] = 0;
+    for (int t = 0; t < GH_TYPE_COUNT && len < cap; t++) {
+        if (!gh_type_traits_get(t) || !b->ops->reads_type(b, t)) continue;
+        const char * sep = k == 0 ? "" : k + 1 < n ? ", " : " and ";
+        len += (size_t) snprintf(buf + len, cap - len, "%s%s", sep, gh_type_traits_get(t)->name);
+        k++;
+    }
+    if (n == 0) snprintf(buf, cap, "none");
+    return buf;
+}
+
+gh_status gh_backend_check_type(const gh_backend * b, const char * device, const char * what,
+                                int type, const char * hint) {
+    if (b->ops->reads_type(b, type)) return GH_OK;
+    char list[512];
+    return gh_fail(GH_ERR_UNSUPPORTED, "device '%s' does not read type %s (id %d) of %s: it "
+                   "reads %s%s%s", device, gh_type_name(type), type, what,
+                   gh_backend_types_read(b, list, sizeof list), hint ? "; " : "", hint ? hint : "");
 }
 
 gh_status gh_device_check(const char * device) {

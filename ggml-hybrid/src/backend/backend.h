@@ -25,8 +25,8 @@
 typedef struct gh_backend gh_backend;
 typedef struct gh_stream gh_stream;
 
-/* A weight resident on a device: rows x cols of type (a gh_type the runtime reads; each
- * backend refuses the types it lacks by name: cuda/dev_types.cuh lists CUDA's),
+/* A weight resident on a device: rows x cols of type (a gh_type the runtime reads and the
+ * backend's reads_type accepts: cuda/dev_types.cuh lists CUDA's),
  * row_bytes = gh_row_size(type, cols), data = device pointer. */
 typedef struct {
     int     type;
@@ -66,6 +66,10 @@ typedef struct {
 typedef struct {
     const char * name;  /* "host-device", "cuda" */
     void (*destroy)(gh_backend * b);
+    /* Whether the device's ops read weights of this gh_type: the placement refuses a model
+     * holding a weight the device would be given of a type it lacks, before any upload
+     * (gh_backend_check_type), and the ops refuse such a weight by name. */
+    bool (*reads_type)(const gh_backend * b, int type);
     /* Free and total device memory in bytes (host-device: its capacity less what is
      * allocated). */
     gh_status (*mem_info)(gh_backend * b, size_t * free_bytes, size_t * total_bytes);
@@ -106,15 +110,25 @@ struct gh_stream {
     gh_backend * backend;
 };
 
-/* host-device backend with `capacity` bytes of "device memory". */
-gh_status gh_backend_host_new(size_t capacity, gh_backend ** out);
+/* host-device backend with `capacity` bytes of "device memory", reading the types with
+ * reads[type] set (NULL: every type the runtime reads). */
+gh_status gh_backend_host_new(size_t capacity, const bool * reads, gh_backend ** out);
 /* CUDA backend on device `device` (cuda/backend_cuda.cu); without a CUDA build this
  * returns GH_ERR_UNSUPPORTED saying how to get one, and without a usable GPU
  * GH_ERR_UNSUPPORTED with the driver's reason. */
 gh_status gh_backend_cuda_new(int device, gh_backend ** out);
 /* By name: "host-device" (capacity: GH_HOST_DEVICE_MEM bytes from the environment, with
- * K/M/G suffixes, default 4 GiB) or "cuda" (device 0, or "cuda:N"). */
+ * K/M/G suffixes, default 4 GiB; types: GH_HOST_DEVICE_TYPES, comma-separated names,
+ * default every type the runtime reads) or "cuda" (device 0, or "cuda:N"). */
 gh_status gh_backend_new(const char * name, gh_backend ** out);
 void gh_backend_free(gh_backend * b);
+/* GH_OK if b reads weights of type; else GH_ERR_UNSUPPORTED, the message naming the
+ * device, the type, `what` (the weight: "tensor 'blk.0.attn_q.weight'") and every type the
+ * device reads (its reads_type over the type table, in table order), then `hint` (what to
+ * do; may be NULL). */
+gh_status gh_backend_check_type(const gh_backend * b, const char * device, const char * what,
+                                int type, const char * hint);
+/* "f32, f16, ... and Q6_K": the types b reads, in the type table's order, into buf. */
+const char * gh_backend_types_read(const gh_backend * b, char * buf, size_t cap);
 
 #endif

@@ -16,7 +16,13 @@ typedef struct {
     gh_backend base;
     pthread_mutex_t mu;
     size_t capacity, used;
+    bool reads[GH_TYPE_COUNT]; /* the types its ops read (GH_HOST_DEVICE_TYPES) */
 } host_backend;
+
+static bool hb_reads_type(const gh_backend * b, int type) {
+    const host_backend * h = (const host_backend *) b;
+    return type >= 0 && type < GH_TYPE_COUNT && h->reads[type];
+}
 
 /* Every allocation carries its size in front, so free() can return it to the capacity. */
 #define HDR 64
@@ -285,9 +291,16 @@ static gh_status enqueue(host_stream * s, host_op * o, const float * x, int64_t 
     return GH_OK;
 }
 
+/* A weight of a type the device does not read (GH_HOST_DEVICE_TYPES) is refused by name. */
+static gh_status hs_check_type(const host_stream * s, const char * what, int type) {
+    return gh_backend_check_type(s->base.backend, "host-device", what, type, NULL);
+}
+
 static gh_status hs_matmul(gh_stream * st, const gh_dweight * w, const float * x, int64_t n,
                            float * y) {
     host_stream * s = (host_stream *) st;
+    gh_status ts = hs_check_type(s, "matmul's weight", w->type);
+    if (ts) return ts;
     if (n < 1 || n * w->rows > s->p.max_out) {
         return gh_fail(GH_ERR_INVALID_ARG, "host-device matmul: %lld x %lld outputs exceed the "
                        "stream's %lld", (long long) n, (long long) w->rows, (long long) s->p.max_out);
@@ -299,6 +312,11 @@ static gh_status hs_matmul(gh_stream * st, const gh_dweight * w, const float * x
 static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dweight * fc2,
                             const float * x, float * score) {
     host_stream * s = (host_stream *) st;
+    gh_status ts;
+    if ((ts = hs_check_type(s, "predict's fc1", fc1->type)) ||
+        (ts = hs_check_type(s, "predict's fc2", fc2->type))) {
+        return ts;
+    }
     if (fc1->rows > s->p.max_hidden || fc2->rows > s->p.max_out || fc2->cols != fc1->rows) {
         return gh_fail(GH_ERR_INVALID_ARG, "host-device predict: bad shapes (h %lld, n_ff %lld)",
                        (long long) fc1->rows, (long long) fc2->rows);
@@ -310,6 +328,12 @@ static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dwe
 static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
                             const int32_t * rows, int64_t n_rows, float * y, int64_t * n_nonzero) {
     host_stream * s = (host_stream *) st;
+    gh_status ts;
+    if ((ts = hs_check_type(s, "hot_ffn's gate", f->gate.type)) ||
+        (f->gated && (ts = hs_check_type(s, "hot_ffn's up", f->up.type))) ||
+        (ts = hs_check_type(s, "hot_ffn's down_t", f->down_t.type))) {
+        return ts;
+    }
     for (int64_t k = 0; k < n_rows; k++) {
         if (rows[k] < 0 || rows[k] >= f->n_hot) {
             return gh_fail(GH_ERR_INVALID_ARG, "host-device hot_ffn: row %d outside [0, %lld)",
@@ -333,6 +357,7 @@ static gh_status hs_sync(gh_stream * st, double * device_seconds) {
 static const gh_backend_ops host_ops = {
     .name = "host-device",
     .destroy = hb_destroy,
+    .reads_type = hb_reads_type,
     .mem_info = hb_mem_info,
     .alloc = hb_alloc,
     .free = hb_free,
@@ -345,12 +370,14 @@ static const gh_backend_ops host_ops = {
     .sync = hs_sync,
 };
 
-gh_status gh_backend_host_new(size_t capacity, gh_backend ** out) {
+gh_status gh_backend_host_new(size_t capacity, const bool * reads, gh_backend ** out) {
     *out = NULL;
     host_backend * h = calloc(1, sizeof *h);
     if (!h) return gh_fail(GH_ERR_OOM, "out of memory");
     h->base.ops = &host_ops;
     h->capacity = capacity;
+    /* the reference math reads what the runtime's type table dequantizes */
+    for (int t = 0; t < GH_TYPE_COUNT; t++) h->reads[t] = gh_type_traits_get(t) && (!reads || reads[t]);
     pthread_mutex_init(&h->mu, NULL);
     *out = &h->base;
     return GH_OK;

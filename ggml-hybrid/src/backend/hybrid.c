@@ -8,6 +8,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +91,61 @@ static gh_status put_bias(gh_hybrid * hy, const float * b, const int32_t * ids, 
     if (st) return st;
     *out = d;
     return hy->b->ops->upload(hy->b, d, tmp, (size_t) n * sizeof(float));
+}
+
+/* ------------------------------------------------------------ device types -- */
+
+/* The file's name of the tensor holding w's bytes (a fused tensor's for its views), or
+ * NULL for a weight the loader made itself (a transposed copy). */
+static const char * tensor_name(const gh_model * m, const gh_weight * w) {
+    const uintptr_t p = (uintptr_t) w->data;
+    for (uint64_t i = 0; m->gguf && i < m->gguf->n_tensors; i++) {
+        const gh_gguf_tensor * t = &m->gguf->tensors[i];
+        const uintptr_t a = (uintptr_t) t->data;
+        if (p >= a && p - a < t->nbytes) return t->name;
+    }
+    return NULL;
+}
+
+static gh_status check_weight_type(const gh_model * m, const gh_hybrid * hy, int il,
+                                   const char * role, const gh_weight * w) {
+    if (hy->b->ops->reads_type(hy->b, w->type)) return GH_OK;
+    char what[160];
+    const char * name = tensor_name(m, w);
+    if (name) snprintf(what, sizeof what, "tensor '%s'", name);
+    else if (il >= 0) snprintf(what, sizeof what, "layer %d's %s", il, role);
+    else snprintf(what, sizeof what, "the %s", role);
+    return gh_backend_check_type(hy->b, hy->info.device, what, w->type,
+                                 "load the model with device 'cpu', or convert it to a type the "
+                                 "device reads (convert --outtype)");
+}
+
+/* Every weight the placement may give the device is of a type the device reads: a file
+ * with one that is not is refused here, by tensor and type, before anything is uploaded
+ * (whatever the budget: the weights a budget takes must not decide whether a file loads),
+ * rather than at the first op. */
+static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
+    gh_status st = GH_OK;
+    for (int il = 0; il < m->hp.n_layer && !st; il++) {
+        const gh_layer * L = &m->layers[il];
+        if ((st = check_weight_type(m, hy, il, "wq", &L->wq)) ||
+            (st = check_weight_type(m, hy, il, "wk", &L->wk)) ||
+            (st = check_weight_type(m, hy, il, "wv", &L->wv)) ||
+            (st = check_weight_type(m, hy, il, "wo", &L->wo))) break;
+        if (L->has_pred && ((st = check_weight_type(m, hy, il, "predictor fc1", &L->fc1)) ||
+                            (st = check_weight_type(m, hy, il, "predictor fc2", &L->fc2)))) {
+            break;
+        }
+        /* the hot neurons' rows (only layers with down_t get any) */
+        if (!L->has_down_t) continue;
+        if ((st = check_weight_type(m, hy, il, "ffn gate", &L->gate)) ||
+            (m->hp.gated && (st = check_weight_type(m, hy, il, "ffn up", &L->up))) ||
+            (st = check_weight_type(m, hy, il, "ffn down_t", &L->down_t))) {
+            break;
+        }
+    }
+    if (!st) st = check_weight_type(m, hy, -1, "output head", &m->output);
+    return st;
 }
 
 /* ------------------------------------------------------- greedy placement -- */
@@ -384,6 +440,7 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
     hy->info.n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
     m->hy = hy; /* so that gh_model_free releases a partial placement */
+    if (!st) st = check_types(m, hy);
     if (!st) st = place(m, hy, p);
     return st;
 }

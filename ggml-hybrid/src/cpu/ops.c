@@ -658,6 +658,11 @@ void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox) {
     }
 }
 
+void gh_softcap(float * x, int64_t n, float c) {
+    const float inv = 1.0f / c;
+    for (int64_t i = 0; i < n; i++) x[i] = c * tanhf(x[i] * inv);
+}
+
 /* ------------------------------------------------------------------------------------
  * Gated activations
  * ---------------------------------------------------------------------------------- */
@@ -760,6 +765,9 @@ typedef struct {
     int           tile_t;     /* tokens per tile */
     int64_t       n_tt;       /* token tiles */
     int64_t       n_units;
+    float         scale;      /* q.k times this */
+    float         softcap;    /* scores -> c tanh(scores / c) (0: none) */
+    int64_t       window;     /* a query at position p sees keys (p - window, p] (0: [0, p]) */
     ops_kernels   kern;
     att_scores_fn scores;     /* per-query block kernels for this head size, or NULL */
     att_values_fn values;
@@ -769,7 +777,7 @@ typedef struct {
 static void attn_unit(const attn_job * j, int64_t unit) {
     const int d = j->head_dim;
     const int64_t kv_stride = (int64_t) j->n_head_kv * d;
-    const float scale = 1.0f / sqrtf((float) d);
+    const float scale = j->scale;
     const int n_sub = j->group / j->sub;
 
     /* Unit -> (token tile, kv head, head subgroup); the last token tiles first: they
@@ -783,7 +791,7 @@ static void attn_unit(const attn_job * j, int64_t unit) {
 
     const float * qr[ATT_MAX_Q];
     float *       orow[ATT_MAX_Q];
-    int64_t       lim[ATT_MAX_Q];   /* keys [0, lim) are visible */
+    int64_t       beg[ATT_MAX_Q], lim[ATT_MAX_Q];   /* keys [beg, lim) are visible */
     float         m[ATT_MAX_Q], l[ATT_MAX_Q];
     float         sc[ATT_MAX_Q][ATT_BLOCK];
     int nq = 0;
@@ -793,6 +801,7 @@ static void attn_unit(const attn_job * j, int64_t unit) {
             qr[nq] = j->q + row;
             orow[nq] = j->out + row;
             lim[nq] = j->n_past + t + 1;
+            beg[nq] = j->window > 0 ? GH_MAX(0, lim[nq] - j->window) : 0;
             m[nq] = -INFINITY;
             l[nq] = 0.0f;
             for (int c = 0; c < d; c++) orow[nq][c] = 0.0f;
@@ -814,7 +823,11 @@ static void attn_unit(const attn_job * j, int64_t unit) {
      * page): the hardware prefetcher does not follow them, so they are fetched by hand */
     const bool pf = !j->to_float;
 
-    for (int64_t j0 = 0; j0 < n_kv; j0 += ATT_BLOCK) {
+    /* a sliding window: the blocks before the first key any query of the tile sees are
+     * skipped (the first token's window starts first); blocks stay fixed multiples of
+     * ATT_BLOCK so that a row's result does not depend on its tile */
+    const int64_t first = beg[0] - beg[0] % ATT_BLOCK;
+    for (int64_t j0 = first; j0 < n_kv; j0 += ATT_BLOCK) {
         const int64_t j1 = GH_MIN(j0 + ATT_BLOCK, n_kv);
         const int64_t off = j->to_float ? j0 : 0;
         if (j->to_float) {
@@ -835,8 +848,8 @@ static void attn_unit(const attn_job * j, int64_t unit) {
                 prefetch_row_l2(vbase + jj * ks, d);
             }
             for (int i = 0; i < nq; i++) {
-                const int64_t e = GH_MIN(j1, lim[i]);
-                if (e > j0) j->scores(qr[i], kbase, ks, j0 - off, e - off, scale, sc[i]);
+                const int64_t b = GH_MAX(j0, beg[i]), e = GH_MIN(j1, lim[i]);
+                if (e > b) j->scores(qr[i], kbase, ks, b - off, e - off, scale, sc[i] + (b - j0));
             }
         } else for (int64_t jj = j0; jj < j1; jj++) {
             const float * kr = kbase + (jj - off) * ks;
@@ -845,15 +858,22 @@ static void attn_unit(const attn_job * j, int64_t unit) {
                 prefetch_row_l2(vbase + jj * ks, d); /* for this block's value pass */
             }
             for (int i = 0; i < nq; i++) {
-                if (jj < lim[i]) sc[i][jj - j0] = j->kern.dot(qr[i], kr, d) * scale;
+                if (jj >= beg[i] && jj < lim[i]) sc[i][jj - j0] = j->kern.dot(qr[i], kr, d) * scale;
             }
         }
-        /* online softmax update */
+        /* online softmax update over each query's visible keys [b, e) of the block, whose
+         * scores are at sc[i] + (b - j0) */
         for (int i = 0; i < nq; i++) {
-            int64_t nb = GH_MIN(j1, lim[i]) - j0;
+            const int64_t b = GH_MAX(j0, beg[i]);
+            const int64_t nb = GH_MIN(j1, lim[i]) - b;
             if (nb <= 0) continue;
-            float bm = sc[i][0];
-            for (int64_t jj = 1; jj < nb; jj++) bm = sc[i][jj] > bm ? sc[i][jj] : bm;
+            float * s = sc[i] + (b - j0);
+            if (j->softcap > 0) {
+                const float c = j->softcap, inv = 1.0f / c;
+                for (int64_t jj = 0; jj < nb; jj++) s[jj] = c * tanhf(s[jj] * inv);
+            }
+            float bm = s[0];
+            for (int64_t jj = 1; jj < nb; jj++) bm = s[jj] > bm ? s[jj] : bm;
             if (bm > m[i]) {
                 if (m[i] != -INFINITY) {
                     float c = expf(m[i] - bm);
@@ -862,19 +882,19 @@ static void attn_unit(const attn_job * j, int64_t unit) {
                 }
                 m[i] = bm;
             }
-            l[i] += j->kern.exp_sum(sc[i], nb, m[i]);
+            l[i] += j->kern.exp_sum(s, nb, m[i]);
         }
         /* weighted values */
         if (j->values) {
             for (int i = 0; i < nq; i++) {
-                const int64_t e = GH_MIN(j1, lim[i]);
-                if (e > j0) j->values(orow[i], sc[i], vbase, ks, j0 - off, e - off);
+                const int64_t b = GH_MAX(j0, beg[i]), e = GH_MIN(j1, lim[i]);
+                if (e > b) j->values(orow[i], sc[i] + (b - j0), vbase, ks, b - off, e - off);
             }
         } else for (int64_t jj = j0; jj < j1; jj++) {
             const float * vr = vbase + (jj - off) * ks;
             if (pf && jj + ATT_PREFETCH < j1) prefetch_row(vr + ATT_PREFETCH * ks, d);
             for (int i = 0; i < nq; i++) {
-                if (jj < lim[i]) j->kern.axpy(orow[i], sc[i][jj - j0], vr, d);
+                if (jj >= beg[i] && jj < lim[i]) j->kern.axpy(orow[i], sc[i][jj - j0], vr, d);
             }
         }
     }
@@ -897,8 +917,16 @@ static void attn_task(void * arg, int ith, int nth) {
 void gh_attention(gh_threadpool * tp, const float * q, const void * k, const void * v,
                   int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,
                   int n_head_kv, int head_dim) {
+    const gh_attn_opts o = { .scale = 1.0f / sqrtf((float) head_dim) };
+    gh_attention_ex(tp, q, k, v, kv_type, out, n_tokens, n_past, n_head, n_head_kv, head_dim, &o);
+}
+
+void gh_attention_ex(gh_threadpool * tp, const float * q, const void * k, const void * v,
+                     int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                     int n_head_kv, int head_dim, const gh_attn_opts * o) {
     attn_job j = {
         .q = q, .k = k, .v = v, .out = out,
+        .scale = o->scale, .softcap = o->softcap, .window = o->window,
         .kv_row = gh_row_size(kv_type, (int64_t) n_head_kv * head_dim),
         .kv_head = gh_row_size(kv_type, head_dim),
         .n_tokens = n_tokens, .n_past = n_past,
@@ -1033,6 +1061,24 @@ gh_status gh_op_attention(const float * q, const float * k, const float * v, flo
 gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const void * v,
                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
                              int n_head_kv, int head_dim, int n_threads) {
+    if (head_dim <= 0)
+        return gh_fail(GH_ERR_INVALID_ARG, "attention: head_dim (%d) must be positive", head_dim);
+    return gh_op_attention_ext(kv_type, q, k, v, out, n_tokens, n_past, n_head, n_head_kv,
+                               head_dim, n_threads, 1.0f / sqrtf((float) head_dim), 0.0f, 0);
+}
+
+gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
+                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                              int n_head_kv, int head_dim, int n_threads, float scale,
+                              float softcap, int64_t window) {
+    if (!isfinite(scale) || !(scale > 0))
+        return gh_fail(GH_ERR_INVALID_ARG, "attention: scale (%g) must be finite and > 0", (double) scale);
+    if (!isfinite(softcap) || softcap < 0)
+        return gh_fail(GH_ERR_INVALID_ARG, "attention: softcap (%g) must be finite and >= 0 (0: none)",
+                       (double) softcap);
+    if (window < 0)
+        return gh_fail(GH_ERR_INVALID_ARG, "attention: window (%lld) must be >= 0 (0: none)",
+                       (long long) window);
     if (!q || !k || !v || !out)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: q, k, v and out must not be NULL");
     if (n_tokens <= 0 || n_head <= 0 || n_head_kv <= 0 || head_dim <= 0)
@@ -1058,7 +1104,8 @@ gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const
     gh_threadpool * tp;
     bool kept;
     if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
-    gh_attention(tp, q, k, v, kv_type, out, n_tokens, n_past, n_head, n_head_kv, head_dim);
+    const gh_attn_opts o = { .scale = scale, .softcap = softcap, .window = window };
+    gh_attention_ex(tp, q, k, v, kv_type, out, n_tokens, n_past, n_head, n_head_kv, head_dim, &o);
     gh_op_pool_release(tp, kept);
     return GH_OK;
 }

@@ -60,6 +60,8 @@ void gh_layernorm(const float * x, const float * w, const float * b, int64_t n, 
 void gh_rope_angles(int head_dim, int32_t pos, float theta, float freq_scale,
                     const float * freq_div, float * cs);
 void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox);
+/* x[i] = c tanh(x[i] / c): soft-capping (Gemma 2's final logits), c > 0. */
+void gh_softcap(float * x, int64_t n, float c);
 /* out = act(gate) * up, or act(gate) when up is NULL; t: FATReLU's threshold. */
 void gh_glu(int act, float t, const float * gate, const float * up, float * out, int64_t n);
 /* Causal attention over a KV cache; see gh_op_attention. Threads split tiles of the
@@ -69,6 +71,17 @@ void gh_glu(int act, float t, const float * gate, const float * up, float * out,
 void gh_attention(gh_threadpool * tp, const float * q, const void * k, const void * v,
                   int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,
                   int n_head_kv, int head_dim);
+/* The same with the options some architectures add (Gemma): the scores' scale (instead of
+ * 1/sqrt(head_dim)), soft-capping of the scaled scores (c tanh(s / c); 0: none) and a
+ * sliding window (a query at position p sees the keys at p - window + 1 .. p; 0: all). */
+typedef struct {
+    float   scale;
+    float   softcap;
+    int64_t window;
+} gh_attn_opts;
+void gh_attention_ex(gh_threadpool * tp, const float * q, const void * k, const void * v,
+                     int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,
+                     int n_head_kv, int head_dim, const gh_attn_opts * o);
 /* GH_OK if a KV cache of kv_type (f32, f16, q8_0) can hold heads of head_dim values, else
  * GH_ERR_UNSUPPORTED with the reason. */
 gh_status gh_kv_cache_type_check(int kv_type, int head_dim);

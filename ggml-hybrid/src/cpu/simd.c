@@ -10,6 +10,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,6 +63,22 @@ static bool detect_amd(void) { return false; }
 
 /* ---- the kernel table in use ---- */
 
+/* The partial tables by level (index = gh_simd level): the dot family's and the axpy
+ * family's. */
+static const gh_kernel_set * const DOT_TABLES[] = {
+    gh_dot_rows_scalar,
+#if defined(GH_X86)
+    gh_dot_rows_avx2, gh_dot_rows_avx512,
+#endif
+};
+static const gh_kernel_set * const AXPY_TABLES[] = {
+    gh_axpy_rows_scalar,
+#if defined(GH_X86)
+    gh_axpy_rows_avx2, gh_axpy_rows_avx512,
+#endif
+};
+#define N_TABLE_LEVELS ((int) (sizeof DOT_TABLES / sizeof DOT_TABLES[0]))
+
 static gh_kernel_set g_kernels[GH_TYPE_COUNT];
 static bool g_amd;
 
@@ -84,23 +101,75 @@ static void overlay(gh_kernel_set * k, const gh_kernel_set * l) {
     if (l->tiles) k->tiles = l->tiles;
 }
 
+/* Level l's dot row of type t in use (AVX-512 F16 on AMD: the streamed row, see
+ * kernels_avx512.c). */
+static const gh_kernel_set * dot_row(int l, int t) {
+#if defined(GH_X86)
+    if (l == GH_SIMD_AVX512 && t == GH_TYPE_F16 && g_amd) return &gh_dot_row_avx512_f16_streamed;
+#endif
+    return &DOT_TABLES[l][t];
+}
+
 static void select_kernels(int level) {
     for (int t = 0; t < GH_TYPE_COUNT; t++) {
         gh_kernel_set k = { 0 };
-        overlay(&k, &gh_dot_rows_scalar[t]);
-        overlay(&k, &gh_axpy_rows_scalar[t]);
-#if defined(GH_X86)
-        if (level >= GH_SIMD_AVX2) {
-            overlay(&k, &gh_dot_rows_avx2[t]);
-            overlay(&k, &gh_axpy_rows_avx2[t]);
+        for (int l = 0; l <= level && l < N_TABLE_LEVELS; l++) {
+            overlay(&k, dot_row(l, t));
+            overlay(&k, &AXPY_TABLES[l][t]);
         }
-        if (level >= GH_SIMD_AVX512) {
-            overlay(&k, t == GH_TYPE_F16 && g_amd ? &gh_dot_row_avx512_f16_streamed : &gh_dot_rows_avx512[t]);
-            overlay(&k, &gh_axpy_rows_avx512[t]);
-        }
-#endif
         g_kernels[t] = k;
     }
+}
+
+/* ---- the table as data (gh_kernel_source): which level supplies each form ---- */
+
+typedef void (*any_fn)(void);
+
+/* The kernel forms of a row: the dot family goes as one group (from the highest level
+ * whose row has a gemm), each axpy form on its own (overlay's rules). */
+static const struct {
+    const char * name;
+    bool         dot_family;
+    size_t       off;
+} FORMS[] = {
+    { "dot", true, offsetof(gh_kernel_set, gemm) },  /* vec_dot, from_float_x, the gemm tiles */
+    { "dot4", true, offsetof(gh_kernel_set, dot4) },
+    { "axpy", false, offsetof(gh_kernel_set, axpy) },
+    { "axpy4", false, offsetof(gh_kernel_set, axpy4) },
+    { "axpy4pf", false, offsetof(gh_kernel_set, axpy4pf) },
+    { "axpy16", false, offsetof(gh_kernel_set, axpy16) },
+    { "matmul16", false, offsetof(gh_kernel_set, matmul16) },
+    { "tiles", false, offsetof(gh_kernel_set, tiles) },
+};
+#define N_FORMS ((int) (sizeof FORMS / sizeof FORMS[0]))
+
+static bool has_form(const gh_kernel_set * row, int form) {
+    any_fn f;
+    memcpy(&f, (const char *) row + FORMS[form].off, sizeof f);
+    return f != NULL;
+}
+
+const char * gh_kernel_form_name(int form) {
+    return form >= 0 && form < N_FORMS ? FORMS[form].name : NULL;
+}
+
+int gh_kernel_source(int type, int form, int level, int * mr, int * nt) {
+    if (mr) *mr = 0;
+    if (nt) *nt = 0;
+    if (!gh_type_traits_get(type) || !gh_dot_rows_scalar[type].gemm) return -2;
+    if (form < 0 || form >= N_FORMS || level < GH_SIMD_SCALAR || level > GH_SIMD_AVX512) return -2;
+    int src = -1;
+    for (int l = 0; l <= level && l < N_TABLE_LEVELS; l++) {
+        const gh_kernel_set * row = FORMS[form].dot_family ? &DOT_TABLES[l][type] : &AXPY_TABLES[l][type];
+        if (FORMS[form].dot_family ? row->gemm != NULL : has_form(row, form)) src = l;
+    }
+    if (src >= 0 && FORMS[form].dot_family) {
+        const gh_kernel_set * row = &DOT_TABLES[src][type];
+        if (!has_form(row, form)) return -1; /* the group's level lacks it: none */
+        if (mr) *mr = row->mr;
+        if (nt) *nt = row->nt;
+    }
+    return src;
 }
 
 const gh_kernel_set * gh_kernels_get(int type) {

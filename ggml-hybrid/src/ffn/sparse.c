@@ -660,6 +660,11 @@ static gh_status set_ffn_mode(gh_context * c, int32_t mode) {
     }
     static const char * const names[] = { "dense", "sparse", "oracle", "gate" };
     const gh_model * m = c->model;
+    if (mode != GH_FFN_DENSE && m->hp.n_expert) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN mode is not available for mixture-of-experts "
+                       "models yet (%d experts per layer): their experts run dense", names[mode],
+                       m->hp.n_expert);
+    }
     if (mode == GH_FFN_GATE && !m->info.has_gate_threshold) {
         return gh_fail(GH_ERR_UNSUPPORTED,
                        "the gate FFN needs calibrated gate thresholds "
@@ -746,6 +751,7 @@ gh_status gh_context_reset_stats(gh_context * c) {
     s->n_attn_in = s->n_attn_used = s->n_head_in = s->n_head_used = 0;
     s->bytes_device = s->bytes_up = s->bytes_down = s->t_device = s->t_cpu_ffn = s->t_wait = 0.0;
     memset(s->layer_active, 0, (size_t) c->model->hp.n_layer * sizeof(int64_t));
+    gh_moe_reset_stats(c->moe);
     gh_ctx_leave(c);
     return GH_OK;
 }

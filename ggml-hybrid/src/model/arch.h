@@ -18,6 +18,9 @@ typedef enum { GH_ROPE_NONE, GH_ROPE_NORMAL, GH_ROPE_NEOX } gh_rope_kind;
  * (weights [head_dim], Qwen3), or the whole projection at once (weights [n_head·head_dim]
  * and [n_head_kv·head_dim], OLMo 2) */
 typedef enum { GH_QK_NORM_NONE, GH_QK_NORM_HEAD, GH_QK_NORM_PROJ } gh_qk_norm;
+/* Whether an architecture's FFN is a mixture of experts (ffn/moe.h): never, when the file
+ * says so ({arch}.expert_count > 0: llama.cpp writes Mixtral as `llama`), or always. */
+typedef enum { GH_MOE_NONE, GH_MOE_OPTIONAL, GH_MOE_REQUIRED } gh_moe_kind;
 
 typedef struct {
     int32_t n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
@@ -42,8 +45,25 @@ typedef struct {
                                 * Llama-3 scaling), owned; NULL: none */
     int32_t nope_every;        /* layers il with (il + 1) % nope_every == 0 have no RoPE
                                 * (0: every layer has it) */
+    /* sliding-window layers (Gemma): a local layer (gh_layer.swa) attends to the n_swa most
+     * recent positions, itself included, with its own RoPE base and scale */
+    int32_t n_swa;             /* 0: every layer attends to the whole context */
+    uint8_t * swa;             /* [n_layer] 1: local layer (owned by the model; NULL: none) */
+    float   rope_theta_swa, rope_freq_scale_swa;
+    /* attention and head */
+    float   embd_scale;        /* token embeddings times this (Gemma: sqrt(n_embd)) */
+    float   attn_scale;        /* q.k times this (Gemma: query_pre_attn_scalar^-1/2) */
+    float   attn_softcap;      /* scores -> c tanh(scores / c) after scaling (0: none) */
+    float   final_softcap;     /* logits -> c tanh(logits / c) (0: none) */
     int32_t pos_offset;        /* learned positions: row pos + offset of position_embd */
     int32_t n_pos;             /* rows of position_embd (0: no learned positions) */
+    /* mixture of experts (n_expert > 0; ffn/moe.h): each token runs the n_expert_used
+     * experts its router scores highest, weighted by their softmax probabilities
+     * (renormalised over the chosen ones when expert_norm, then times expert_scale), plus
+     * a shared expert of width n_ff_shexp behind a sigmoid gate where the architecture has one */
+    int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
+    bool    expert_norm;
+    float   expert_scale;
     /* sparse extension */
     bool    pred_residual;     /* predictors read the residual stream before the FFN's norm
                                 * (PowerInfer's), not the normed input (ours) */
@@ -67,6 +87,24 @@ typedef struct gh_arch {
                                 * sublayer's output before it is added to x */
     int32_t      nope_every;   /* every nope_every-th layer has no RoPE (SmolLM3: 4, part of
                                 * the architecture: llama.cpp's files carry no key for it) */
+    /* Gemma */
+    bool         scale_embd;   /* token embeddings times sqrt(n_embd) */
+    int32_t      swa_pattern;  /* sliding windows: layer il is local iff il % swa_pattern <
+                                * swa_pattern - 1, unless <arch>.attention.sliding_window_pattern
+                                * says otherwise (0: no sliding windows; the key is ignored) */
+    int32_t      n_swa_default;/* the window when the file has no attention.sliding_window
+                                * (0: then no layer is local) */
+    float        rope_base_swa;/* local layers' RoPE base when the file has no rope.freq_base_swa,
+                                * unscaled (0: local layers rotate as the global ones) */
+    float        attn_softcap, final_softcap; /* when the file has no <arch>.attn_ /
+                                * final_logit_softcapping (0: none) */
+    int32_t      scale_by_embd_layers; /* no attention.scale key: q.k scaled by
+                                * 1/sqrt(n_embd / n_head) in a model of this many layers (the
+                                * 27B's), 1/sqrt(head_dim) otherwise (0: always the latter) */
+    gh_moe_kind  moe;          /* experts in place of the dense FFN (blk.N.ffn_gate_inp, ...) */
+    bool         expert_norm;  /* renormalised top-k weights when the file has no
+                                * {arch}.expert_weights_norm (llama.cpp fixes it per architecture) */
+    bool         shared_expert;/* a shared expert beside the routed ones (blk.N.ffn_*_shexp) */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -75,6 +113,7 @@ const gh_arch * gh_arch_find(const char * name);
 const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
-    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3;
+    gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3, gh_arch_gemma2, gh_arch_gemma3,
+    gh_arch_qwen2moe, gh_arch_qwen3moe, gh_arch_olmoe;
 
 #endif

@@ -31,6 +31,7 @@ void gh_context_free(gh_context * c) {
     if (!c) return;
     gh_threadpool_free(c->tp);
     gh_sparse_state_free(c->sparse);
+    gh_moe_state_free(c->moe);
     gh_aligned_free(c->in_ids);
     gh_aligned_free(c->in_a);
     gh_aligned_free(c->in_qkv);
@@ -131,7 +132,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->v_cache[il] = gh_aligned_alloc((size_t) n_ctx * c->kv_row);
         ok = c->k_cache[il] && c->v_cache[il];
     }
-    if (ok && c->cache_type != GH_TYPE_F32) {
+    if (ok) { /* F32 caches too: a batched decode (gh_eval_batch) stores through them */
         c->k_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
         c->v_cur = gh_aligned_alloc(nb * dkv * sizeof(float));
         ok = c->k_cur && c->v_cur;
@@ -143,7 +144,10 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->xb3 = gh_aligned_alloc(nb * d * sizeof(float));
         c->q = gh_aligned_alloc(nb * dq * sizeof(float));
         c->att = gh_aligned_alloc(nb * dq * sizeof(float));
-        c->rope = gh_aligned_alloc(nb * (size_t) hp->head_dim * sizeof(float));
+        /* with sliding-window layers, the local layers' angles follow the global ones' */
+        const size_t n_rope = nb * (size_t) hp->head_dim;
+        c->rope = gh_aligned_alloc((hp->swa ? 2 : 1) * n_rope * sizeof(float));
+        c->rope_swa = hp->swa && c->rope ? c->rope + n_rope : NULL;
         c->hb = gh_aligned_alloc(nb * ff * sizeof(float));
         c->hb2 = gh_aligned_alloc(nb * ff * sizeof(float));
         c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
@@ -157,6 +161,10 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->input_sparse = m->info.has_input_sparsity != 0;
         ok = c->x && c->xb && c->xb2 && c->xb3 && c->q && c->att && c->rope && c->hb && c->hb2 &&
              c->mm_scratch && c->logits && c->sparse && c->in_ids && c->in_a && c->in_qkv;
+    }
+    if (ok && hp->n_expert) {
+        c->moe = gh_moe_state_new(m, n_batch);
+        ok = c->moe != NULL;
     }
     if (!ok) {
         gh_context_free(c);

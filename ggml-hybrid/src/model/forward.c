@@ -10,18 +10,29 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* x[t] = token_embd[tokens[t]] (+ position_embd[pos + offset] for learned positions). */
-static void embed(const gh_model * m, const int32_t * tokens, int64_t n, int32_t p0, float * x,
-                  float * tmp) {
+/* Token t's position: the next free row of its context's cache. The batch's tokens are
+ * c's own, t rows after n_past, or, in a batched decode (gh_eval_batch: c->seq set), each
+ * the next token of its own context. */
+static int32_t token_pos(const gh_context * c, int32_t t) {
+    return c->seq ? c->seq[t]->n_past : c->n_past + t;
+}
+
+/* x[t] = token_embd[tokens[t]] (times embd_scale: Gemma) (+ position_embd[pos + offset]
+ * for learned positions). */
+static void embed(const gh_context * c, const int32_t * tokens, int32_t n, float * x, float * tmp) {
+    const gh_model * m = c->model;
     const gh_type_traits * tr = gh_type_traits_get(m->embd_type);
     const int64_t d = m->hp.n_embd;
-    for (int64_t t = 0; t < n; t++) {
+    for (int32_t t = 0; t < n; t++) {
         tr->to_float(m->embd + (size_t) tokens[t] * m->embd_row_bytes, x + t * d, d);
+        if (m->hp.embd_scale != 1.0f) {
+            for (int64_t i = 0; i < d; i++) x[t * d + i] *= m->hp.embd_scale;
+        }
     }
     if (!m->pos) return;
     const gh_type_traits * tp = gh_type_traits_get(m->pos_type);
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t row = p0 + t + m->hp.pos_offset; /* < n_pos: n_ctx is bounded by it */
+    for (int32_t t = 0; t < n; t++) {
+        const int64_t row = token_pos(c, t) + m->hp.pos_offset; /* < n_pos: n_ctx bounds it */
         tp->to_float(m->pos + (size_t) row * m->pos_row_bytes, tmp, d);
         for (int64_t i = 0; i < d; i++) x[t * d + i] += tmp[i];
     }
@@ -61,8 +72,6 @@ static void sublayer_output(const gh_hparams * hp, const float * w, const float 
                             int32_t n) {
     if (w) norm_rows(hp, w, b, y, n, y);
 }
-
-enum { LOGITS_NONE, LOGITS_LAST, LOGITS_ALL };
 
 /* Whether act(g, u) is zero exactly when g <= the cut (ReLU family), so the mask and the
  * sparse paths can read the pre-activation. */
@@ -166,6 +175,20 @@ static void qk_norm_rows(float * y, const float * w, int32_t n, int64_t ld, int 
     }
 }
 
+/* Row `row` of layer il's cache of c = k, v (f32, dkv values each) in the cache's type. */
+static void store_kv(const gh_context * c, int il, int32_t row, const float * k, const float * v,
+                     int64_t dkv) {
+    uint8_t * kdst = (uint8_t *) c->k_cache[il] + (size_t) row * c->kv_row;
+    uint8_t * vdst = (uint8_t *) c->v_cache[il] + (size_t) row * c->kv_row;
+    if (c->kv_store) {
+        c->kv_store(k, kdst, dkv);
+        c->kv_store(v, vdst, dkv);
+    } else { /* F32 */
+        memcpy(kdst, k, (size_t) dkv * sizeof(float));
+        memcpy(vdst, v, (size_t) dkv * sizeof(float));
+    }
+}
+
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
  * cache, causal attention, output projection (+ bias) into out [n][n_embd]; input-sparse
  * projections when `insp` (and the layer's thresholds are not all 0). Returns the weight
@@ -177,8 +200,9 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     const int64_t d = hp->n_embd, hd = hp->head_dim, dq = (int64_t) hp->n_head * hd,
                   dkv = (int64_t) hp->n_head_kv * hd;
     const int32_t p0 = c->n_past;
-    /* this batch's k and v: straight into an F32 cache, else made in f32 and stored */
-    const bool kv_f32 = c->cache_type == GH_TYPE_F32;
+    /* this batch's k and v: straight into an F32 cache, else made in f32 and stored (so
+     * too in a batched decode, whose tokens go to the caches of their own contexts) */
+    const bool kv_f32 = c->cache_type == GH_TYPE_F32 && !c->seq;
     float * kc = kv_f32 ? (float *) c->k_cache[il] + (int64_t) p0 * dkv : c->k_cur;
     float * vc = kv_f32 ? (float *) c->v_cache[il] + (int64_t) p0 * dkv : c->v_cur;
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
@@ -203,26 +227,40 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         qk_norm_rows(c->q, L->q_norm, n, dq, hp->n_head, hd, per_head, hp->norm_eps);
         qk_norm_rows(kc, L->k_norm, n, dkv, hp->n_head_kv, hd, per_head, hp->norm_eps);
     }
-    /* NoPE layers (SmolLM3's every 4th) attend by content alone */
+    /* NoPE layers (SmolLM3's every 4th) attend by content alone; local (sliding-window)
+     * layers rotate with their own angles */
     const bool nope = hp->nope_every > 0 && (il + 1) % hp->nope_every == 0;
+    const bool local = hp->swa && hp->swa[il];
     if (hp->rope != GH_ROPE_NONE && !nope) {
         const int neox = hp->rope == GH_ROPE_NEOX;
+        const float * cs = local ? c->rope_swa : c->rope;
         for (int32_t t = 0; t < n; t++) {
-            gh_rope(c->q + t * dq, hp->n_head, (int) hd, c->rope + t * hd, neox);
-            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, c->rope + t * hd, neox);
+            gh_rope(c->q + t * dq, hp->n_head, (int) hd, cs + t * hd, neox);
+            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, cs + t * hd, neox);
         }
     }
-    if (!kv_f32) {
-        const gh_from_float_fn store = c->kv_store;
-        uint8_t * kdst = (uint8_t *) c->k_cache[il] + (size_t) p0 * c->kv_row;
-        uint8_t * vdst = (uint8_t *) c->v_cache[il] + (size_t) p0 * c->kv_row;
+    /* the full cache is kept for local layers too: they are interleaved with global ones,
+     * which need it, and the window is a mask */
+    const gh_attn_opts ao = { .scale = hp->attn_scale, .softcap = hp->attn_softcap,
+                              .window = local ? hp->n_swa : 0 };
+    if (c->seq) {
+        /* batched decode: each token is the next of its own context, whose cache it joins
+         * and attends over (the context's cache type) */
         for (int32_t t = 0; t < n; t++) {
-            store(kc + (int64_t) t * dkv, kdst + (size_t) t * c->kv_row, dkv);
-            store(vc + (int64_t) t * dkv, vdst + (size_t) t * c->kv_row, dkv);
+            const gh_context * s = c->seq[t];
+            store_kv(s, il, s->n_past, kc + (int64_t) t * dkv, vc + (int64_t) t * dkv, dkv);
+            gh_attention_ex(c->tp, c->q + t * dq, s->k_cache[il], s->v_cache[il], s->cache_type,
+                            c->att + t * dq, 1, s->n_past, hp->n_head, hp->n_head_kv, (int) hd, &ao);
         }
+    } else {
+        if (!kv_f32) {
+            for (int32_t t = 0; t < n; t++) {
+                store_kv(c, il, p0 + t, kc + (int64_t) t * dkv, vc + (int64_t) t * dkv, dkv);
+            }
+        }
+        gh_attention_ex(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
+                        hp->n_head, hp->n_head_kv, (int) hd, &ao);
     }
-    gh_attention(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
-                 hp->n_head, hp->n_head_kv, (int) hd);
     if (c->prof_attn_out) {
         memcpy(c->prof_attn_out + il * c->prof_attn_out_stride + (int64_t) c->prof_t0 * dq, c->att,
                (size_t) n * dq * sizeof(float));
@@ -268,28 +306,31 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
     gh_stats_dense_ffn(c, il, n, c->hb);
 }
 
-/* Runs n tokens (n <= n_batch) at positions n_past..; writes logits for no token, the
- * last token (to row 0) or every token (to rows row0..row0+n-1).
+/* Runs n tokens (n <= n_batch) at positions n_past.. (or, with c->seq set, each token as
+ * the next of its own context: gh_eval_batch); writes logits for no token, the last token
+ * (to row 0) or every token (to rows row0..row0+n-1).
  *
  * Sequential block: x += attn(norm1(x)); x += ffn(norm2(x)).
  * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x.
  * Without input norms a sublayer reads x itself; with output norms (post_norms) each
  * sublayer's output is normed before it is added: x += post_norm1(attn(..)), and so on.
  * The FFN's residual input (the x its norm reads) is what a PowerInfer predictor reads. */
-static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
-                          int32_t row0) {
+void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, hd = hp->head_dim;
-    const int32_t p0 = c->n_past;
 
     const bool sparse_ffn = gh_sparse_applies(c, n);
     const bool insp = gh_input_sparse_applies(c, n);
-    embed(m, tokens, n, p0, c->x, c->xb);
+    embed(c, tokens, n, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
         for (int32_t t = 0; t < n; t++) {
-            gh_rope_angles((int) hd, p0 + t, hp->rope_theta, hp->rope_freq_scale, hp->rope_freqs,
-                           c->rope + t * hd);
+            gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta, hp->rope_freq_scale,
+                           hp->rope_freqs, c->rope + t * hd);
+            if (c->rope_swa) {
+                gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta_swa,
+                               hp->rope_freq_scale_swa, NULL, c->rope_swa + t * hd);
+            }
         }
     }
     for (int il = 0; il < hp->n_layer; il++) {
@@ -326,22 +367,23 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
             gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
-        ffn_dense(c, il, n);
+        if (hp->n_expert) gh_moe_ffn(c, il, n);
+        else ffn_dense(c, il, n);
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
         gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
     }
 
-    c->n_past += n;
+    if (!c->seq) c->n_past += n; /* a batched decode's contexts: gh_eval_batch */
     if (c->prof_head) {
         /* every token's head input (the logits stay the last token's) */
         norm_rows(hp, m->output_norm, m->output_norm_b, c->x, n,
                   c->prof_head + (int64_t) c->prof_t0 * d);
     }
-    if (which == LOGITS_NONE) return;
+    if (which == GH_LOGITS_NONE) return;
     /* head: only the rows whose logits are kept */
-    const int32_t t0 = which == LOGITS_ALL ? 0 : n - 1;
+    const int32_t t0 = which == GH_LOGITS_ALL ? 0 : n - 1;
     const int32_t nt = n - t0;
     norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
@@ -352,6 +394,7 @@ static void forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int
         .ld = { hp->n_vocab }, .head = true,
     };
     const double bytes = project(c, &head, c->xb, nt, insp);
+    if (hp->final_softcap > 0) gh_softcap(logits, (int64_t) nt * hp->n_vocab, hp->final_softcap);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
     gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
 }
@@ -384,10 +427,11 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
     c->dev_status = GH_OK;
     for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
-        const int which = logits_all ? LOGITS_ALL : i + n == n_tokens ? LOGITS_LAST : LOGITS_NONE;
+        const int which = logits_all ? GH_LOGITS_ALL
+                          : i + n == n_tokens ? GH_LOGITS_LAST : GH_LOGITS_NONE;
         c->prof_t0 = i;
         const double t0 = gh_now();
-        forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
+        gh_forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
         gh_stats_tokens(c, n, gh_now() - t0);
         if (c->dev_status) {
             /* a device op failed: these tokens are not in the cache, and no logits */
@@ -408,6 +452,20 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
     gh_status st = gh_ctx_enter(c, "gh_eval");
     if (st) return st;
     st = eval_tokens(c, tokens, n_tokens, logits_all);
+    gh_ctx_leave(c);
+    return st;
+}
+
+gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_embd: out is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_eval_embd");
+    if (st) return st;
+    /* the head's input of every token is what profiling's head tap records */
+    c->prof_head = out;
+    st = eval_tokens(c, tokens, n_tokens, 0);
+    c->prof_head = NULL;
+    c->prof_t0 = 0;
     gh_ctx_leave(c);
     return st;
 }
@@ -443,6 +501,11 @@ gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_t
                        (long long) mask_stride, (long long) attn_in_stride,
                        (long long) attn_out_in_stride, (long long) (nt * d), (long long) (nt * ff),
                        (long long) (nt * d), (long long) (nt * dq));
+    }
+    if (mask && hp->n_expert) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_profile: a mixture-of-experts model (%d experts "
+                       "per layer) has no neuron mask of one FFN to record; pass mask = NULL",
+                       hp->n_expert);
     }
     gh_status st = gh_ctx_enter(c, "gh_eval_profile");
     if (st) return st;

@@ -183,8 +183,65 @@ static int parse_act(const char * s) {
     return -1;
 }
 
+static gh_status load_attention_keys(gh_model * m);
+
 /* "<arch>.<suffix>" */
 #define AKEY(suffix) (snprintf(key, sizeof key, "%s." suffix, arch->name), key)
+
+/* The mixture-of-experts keys (llama.cpp's names; docs/FORMAT.md "Mixture of experts"):
+ * expert_count (> 0: the FFN is a mixture; required by a MoE architecture, refused by one
+ * without that form), expert_used_count, the experts' width expert_feed_forward_length
+ * (default feed_forward_length, as llama.cpp's llama and olmoe read it), the shared
+ * expert's expert_shared_feed_forward_length (default feed_forward_length),
+ * expert_weights_norm (default: the architecture's rule), expert_weights_scale (0 or
+ * absent: none) and expert_gating_func (1 = softmax, the only one run here). */
+static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
+    const gh_gguf * g = m->gguf;
+    const gh_arch * arch = m->arch;
+    gh_hparams * hp = &m->hp;
+    char key[128];
+    gh_status st;
+    uint32_t n_expert, n_used, ff_exp, ff_sh = 0, gating;
+    if ((st = get_count(g, AKEY("expert_count"), false, 0, 0, 4096, &n_expert))) return st;
+    if (n_expert > 0 && arch->moe == GH_MOE_NONE) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: architecture '%s' has no "
+                       "mixture-of-experts form here (experts run for: llama (Mixtral), "
+                       "qwen2moe, qwen3moe, olmoe)", AKEY("expert_count"), n_expert, arch->name);
+    }
+    if (n_expert == 0) {
+        if (arch->moe == GH_MOE_REQUIRED) {
+            return gh_fail(GH_ERR_FORMAT, "missing required key '%s' (architecture '%s' is a "
+                           "mixture of experts; it must be > 0)", AKEY("expert_count"), arch->name);
+        }
+        return GH_OK;
+    }
+    if ((st = get_count(g, AKEY("expert_used_count"), true, 0, 1, n_expert, &n_used))) return st;
+    if ((st = get_count(g, AKEY("expert_feed_forward_length"), false, n_ff, 1, 1u << 24, &ff_exp)))
+        return st;
+    if (arch->shared_expert &&
+        (st = get_count(g, AKEY("expert_shared_feed_forward_length"), false, n_ff, 1, 1u << 24, &ff_sh)))
+        return st;
+    if ((st = get_u32_opt(g, AKEY("expert_gating_func"), &gating, 1))) return st;
+    if (gating != 1) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: only the softmax router (1) is supported",
+                       AKEY("expert_gating_func"), gating);
+    }
+    bool norm = arch->expert_norm, err = false;
+    if (!gh_gguf_get_bool(g, AKEY("expert_weights_norm"), &norm, &err) && err) return GH_ERR_FORMAT;
+    float scale;
+    if ((st = get_f32_opt(g, AKEY("expert_weights_scale"), &scale, 0.0f))) return st;
+    if (!isfinite(scale) || scale < 0.0f) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %g (must be finite and >= 0; 0: no scaling)",
+                       AKEY("expert_weights_scale"), scale);
+    }
+    hp->n_expert = (int32_t) n_expert;
+    hp->n_expert_used = (int32_t) n_used;
+    hp->n_ff_exp = (int32_t) ff_exp;
+    hp->n_ff_shexp = (int32_t) ff_sh;
+    hp->expert_norm = norm;
+    hp->expert_scale = scale == 0.0f ? 1.0f : scale;
+    return GH_OK;
+}
 
 static gh_status load_hparams(gh_model * m) {
     const gh_gguf * g = m->gguf;
@@ -222,14 +279,7 @@ static gh_status load_hparams(gh_model * m) {
      * allocates only what its n_ctx asks for (gh_context_new bounds that). */
     if ((st = get_count(g, AKEY("context_length"), false, 2048, 1, UINT32_MAX, &n_ctx_train)))
         return st;
-    /* Mixture-of-experts FFNs (blk.N.ffn_*_exps) are not run by this runtime: say so rather
-     * than fail on a missing dense FFN tensor. */
-    uint32_t n_expert;
-    if ((st = get_u32_opt(g, AKEY("expert_count"), &n_expert, 0))) return st;
-    if (n_expert > 0) {
-        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: mixture-of-experts models are not "
-                       "supported", AKEY("expert_count"), n_expert);
-    }
+    if ((st = load_expert_hparams(m, n_ff))) return st;
     const bool has_key_len = gh_gguf_find_kv(g, AKEY("attention.key_length"));
     if (n_embd % n_head != 0 && !has_key_len) {
         return gh_fail(GH_ERR_FORMAT,
@@ -329,6 +379,80 @@ static gh_status load_hparams(gh_model * m) {
     hp->head_dim = (int32_t) head_dim;
     hp->n_ctx_train = (int32_t) GH_MIN(n_ctx_train, (uint32_t) INT32_MAX);
     hp->norm_eps = eps;
+    return load_attention_keys(m);
+}
+
+/* A soft-capping key: absent -> def; present: finite and >= 0 (0: no cap). */
+static gh_status get_softcap(const gh_gguf * g, const char * key, float def, float * out) {
+    gh_status st = get_f32_opt(g, key, out, def);
+    if (st) return st;
+    if (!isfinite(*out) || *out < 0) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %g (must be finite and >= 0; 0: no cap)", key, *out);
+    }
+    return GH_OK;
+}
+
+/* The attention's scale, soft-caps and sliding windows (Gemma; model/arch.h), after the
+ * counts: every other architecture gets scale 1/sqrt(head_dim), no caps, no windows (its
+ * attention.sliding_window, which llama.cpp's llama files may carry, is not applied). */
+static gh_status load_attention_keys(gh_model * m) {
+    const gh_gguf * g = m->gguf;
+    const gh_arch * arch = m->arch;
+    gh_hparams * hp = &m->hp;
+    char key[128];
+    gh_status st;
+    hp->embd_scale = arch->scale_embd ? sqrtf((float) hp->n_embd) : 1.0f;
+    /* the 27B's rule where the file has no attention.scale: llama.cpp's, which has no key */
+    const bool by_embd = arch->scale_by_embd_layers && hp->n_layer == arch->scale_by_embd_layers;
+    float scale = 1.0f / sqrtf((float) (by_embd ? hp->n_embd / hp->n_head : hp->head_dim));
+    if ((st = get_f32_opt(g, AKEY("attention.scale"), &scale, scale))) return st;
+    if (!isfinite(scale) || !(scale > 0)) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %g (must be finite and > 0)", key, scale);
+    }
+    hp->attn_scale = scale;
+    if ((st = get_softcap(g, AKEY("attn_logit_softcapping"), arch->attn_softcap, &hp->attn_softcap)))
+        return st;
+    if ((st = get_softcap(g, AKEY("final_logit_softcapping"), arch->final_softcap, &hp->final_softcap)))
+        return st;
+
+    hp->rope_theta_swa = hp->rope_theta;
+    hp->rope_freq_scale_swa = hp->rope_freq_scale;
+    if (!arch->swa_pattern) return GH_OK;
+    uint32_t n_swa;
+    if ((st = get_u32_opt(g, AKEY("attention.sliding_window"), &n_swa, (uint32_t) arch->n_swa_default)))
+        return st;
+    if (n_swa == 0) return GH_OK; /* no window: every layer global (llama.cpp's reading too) */
+    hp->n_swa = (int32_t) GH_MIN(n_swa, (uint32_t) INT32_MAX);
+    uint8_t * swa = calloc((size_t) hp->n_layer, 1);
+    if (!swa) return gh_fail(GH_ERR_OOM, "out of memory");
+    if ((st = own(m, swa))) return st;
+    hp->swa = swa;
+    /* which layers are local: the pattern key as a period (layer il local iff il % n < n - 1)
+     * or one bool per layer (llama.cpp's two forms), else the architecture's period */
+    const gh_gguf_kv * kv = gh_gguf_find_kv(g, AKEY("attention.sliding_window_pattern"));
+    if (kv && kv->type == GH_GGUF_ARRAY) {
+        if (kv->arr_type != GH_GGUF_BOOL || kv->arr_n != (uint64_t) hp->n_layer) {
+            return gh_fail(GH_ERR_FORMAT, "key '%s' must be a period (uint32) or an array of %d "
+                           "bools (one per layer), not an array of %llu %s", key, hp->n_layer,
+                           (unsigned long long) kv->arr_n, gh_gguf_vtype_name(kv->arr_type));
+        }
+        for (int il = 0; il < hp->n_layer; il++) swa[il] = kv->arr_data[il] != 0;
+    } else {
+        uint32_t period;
+        if ((st = get_count(g, key, false, (uint32_t) arch->swa_pattern, 0, 1u << 16, &period)))
+            return st;
+        /* period 0: every layer local (llama.cpp's reading) */
+        for (int il = 0; il < hp->n_layer; il++)
+            swa[il] = period == 0 || (uint32_t) il % period < period - 1;
+    }
+    /* local layers' RoPE: their own base unscaled (Gemma 3), or the global one's */
+    float base = arch->rope_base_swa ? arch->rope_base_swa : hp->rope_theta;
+    if ((st = get_f32_opt(g, AKEY("rope.freq_base_swa"), &base, base))) return st;
+    if (!(base > 1) || isinf(base)) {
+        return gh_fail(GH_ERR_FORMAT, "bad local-layer rope base %g (%s)", base, key);
+    }
+    hp->rope_theta_swa = base;
+    if (arch->rope_base_swa) hp->rope_freq_scale_swa = 1.0f;
     return GH_OK;
 }
 #undef AKEY
@@ -352,6 +476,11 @@ static void fill_info(gh_model * m) {
     in->eos_id = hp->eos_id;
     in->rms_eps = hp->norm_eps;
     in->rope_theta = hp->rope_theta;
+    in->n_expert = hp->n_expert;
+    in->n_expert_used = hp->n_expert_used;
+    in->n_ff_exp = hp->n_ff_exp;
+    in->n_ff_shexp = hp->n_ff_shexp;
+    in->expert_norm = hp->expert_norm;
 }
 
 /* ---- sparse extension: powerinfer.* keys and the optional per-layer tensors ----
@@ -782,6 +911,79 @@ static gh_status load_norm(gh_model * m, const char * base, bool required, float
     return load_vec(m, name, d, false, b);
 }
 
+/* A 3-D expert tensor [n_expert][rows][cols] (ne = cols, rows, n_expert), viewed as expert
+ * 0's matrix (gh_expert gives expert e's); the keys its shape comes from are named. */
+static gh_status load_experts(const gh_model * m, const char * name, int64_t cols, int64_t rows,
+                              gh_weight * w) {
+    const gh_hparams * hp = &m->hp;
+    const char * a = m->arch->name;
+    const gh_gguf_tensor * t = gh_gguf_find_tensor(m->gguf, name);
+    if (!t) {
+        return gh_fail(GH_ERR_FORMAT, "missing tensor '%s' (the %d experts of a mixture-of-experts "
+                       "layer as one 3-D tensor, llama.cpp's layout)", name, hp->n_expert);
+    }
+    if (t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != hp->n_expert || t->ne[3] != 1) {
+        return gh_fail(GH_ERR_FORMAT,
+                       "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, %lld, %d] "
+                       "from the model's hyper-parameters (%s.embedding_length = %d, "
+                       "%s.expert_feed_forward_length = %d (or feed_forward_length), "
+                       "%s.expert_count = %d)", name, (long long) t->ne[0], (long long) t->ne[1],
+                       (long long) t->ne[2], (long long) t->ne[3], (long long) cols,
+                       (long long) rows, hp->n_expert, a, hp->n_embd, a, hp->n_ff_exp, a,
+                       hp->n_expert);
+    }
+    if (!gh_type_valid(t->type)) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s': type %s cannot hold a weight matrix", name,
+                       gh_type_name(t->type));
+    }
+    *w = (gh_weight) { .type = t->type, .rows = rows, .cols = cols, .data = t->data,
+                       .row_bytes = gh_row_size(t->type, cols) };
+    return GH_OK;
+}
+
+/* Layer il's mixture of experts (ffn/moe.h): the router ffn_gate_inp, the experts'
+ * ffn_{gate,up,down}_exps and, where the architecture has one, the shared expert
+ * ffn_{gate,up,down}_shexp with its gate vector ffn_gate_inp_shexp. A dense FFN tensor in
+ * such a layer is refused: the file would mean something this runtime does not run. */
+static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
+    const gh_hparams * hp = &m->hp;
+    const int64_t d = hp->n_embd, ff = hp->n_ff_exp, fs = hp->n_ff_shexp;
+    gh_moe_layer * M = &L->moe;
+    char name[96];
+    gh_status st;
+#define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
+    static const char * const dense[] = { "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+                                          "ffn_down_t.weight", "fc1.weight" };
+    for (size_t i = 0; i < sizeof dense / sizeof dense[0]; i++) {
+        snprintf(name, sizeof name, "blk.%d.%s", il, dense[i]);
+        if (gh_gguf_find_tensor(m->gguf, name)) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' in a mixture-of-experts layer (%s.expert_count "
+                           "= %d): its FFN is the experts (ffn_*_exps)", name, m->arch->name,
+                           hp->n_expert);
+        }
+    }
+    const gh_gguf_tensor * r = gh_gguf_find_tensor(m->gguf, BLK("ffn_gate_inp.weight"));
+    if (r && (r->ne[0] != d || r->ne[1] != hp->n_expert || r->ne[2] != 1 || r->ne[3] != 1)) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' (the router) has shape [%lld, %lld, %lld, %lld], "
+                       "expected [%lld, %d] (%s.embedding_length, %s.expert_count)", name,
+                       (long long) r->ne[0], (long long) r->ne[1], (long long) r->ne[2],
+                       (long long) r->ne[3], (long long) d, hp->n_expert, m->arch->name,
+                       m->arch->name);
+    }
+    if ((st = load_weight(m, name, d, hp->n_expert, &M->router))) return st;
+    if ((st = load_experts(m, BLK("ffn_gate_exps.weight"), d, ff, &M->gate_exps))) return st;
+    if ((st = load_experts(m, BLK("ffn_up_exps.weight"), d, ff, &M->up_exps))) return st;
+    if ((st = load_experts(m, BLK("ffn_down_exps.weight"), ff, d, &M->down_exps))) return st;
+    if (m->arch->shared_expert) {
+        if ((st = load_weight(m, BLK("ffn_gate_shexp.weight"), d, fs, &M->gate_shexp))) return st;
+        if ((st = load_weight(m, BLK("ffn_up_shexp.weight"), d, fs, &M->up_shexp))) return st;
+        if ((st = load_weight(m, BLK("ffn_down_shexp.weight"), fs, d, &M->down_shexp))) return st;
+        if ((st = load_vector(m, BLK("ffn_gate_inp_shexp.weight"), d, &M->shexp_gate))) return st;
+    }
+#undef BLK
+    return GH_OK;
+}
+
 /* Layer il's norms and FFN up/gate (the down projection and the sparse extension:
  * load_ffn_down_and_sparse). The block is parallel when the architecture says so and the
  * file has no blk.N.ffn_norm; the FFN then reads attn_norm_2(x) if present, else attn_norm(x). */
@@ -821,6 +1023,7 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
             L->attn_norm_b = n2_b;
         }
     }
+    if (m->hp.n_expert) return load_moe(m, il, L);
 #define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
     if (m->arch->fused_gate_up) {
         /* one matrix of 2 n_ff rows: gate's, then up's */
@@ -1019,7 +1222,7 @@ static gh_status load_tensors(gh_model * m) {
     if ((st = load_gate_thresholds(m))) return st;
     if ((st = load_input_sparse(m))) return st;
     if ((st = load_ffn_input_sparse(m))) return st;
-    m->info.weight_type = m->layers[0].gate.type;
+    m->info.weight_type = hp->n_expert ? m->layers[0].moe.gate_exps.type : m->layers[0].gate.type;
 
     int64_t n_params = 0, n_bytes = 0;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -1095,6 +1298,13 @@ gh_model_params gh_model_default_params(void) {
 gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_model ** out) {
     gh_status st = model_load(path, p ? p->load : GH_LOAD_AUTO, out);
     if (st || !p) return st;
+    if ((*out)->hp.n_expert && p->device && strcmp(p->device, "cpu") != 0) {
+        const int32_t ne = (*out)->hp.n_expert;
+        gh_model_free(*out);
+        *out = NULL;
+        return gh_fail(GH_ERR_UNSUPPORTED, "%s: a mixture-of-experts model (%d experts per layer) "
+                       "runs on the CPU only for now, not on device '%s'", path, ne, p->device);
+    }
     st = gh_hybrid_place(*out, p);
     if (st) {
         char msg[1024];
@@ -1151,7 +1361,8 @@ static gh_status open_gpuidx(gh_model * m, const char * path) {
     int64_t ki = gh_gguf_find_key(m->gpuidx, "powerinfer.gpu.vram_budget");
     if (ki < 0) ki = gh_gguf_find_key(m->gpuidx, "split.vram_capacity"); /* PowerInfer's */
     if (ki >= 0 && gh_gguf_kv_int(m->gpuidx, ki, &fb) == GH_OK) m->index_budget = fb;
-    snprintf(m->index_file, sizeof m->index_file, "%s", side);
+    /* (a longer path is cut: the name is for messages and device_info only) */
+    snprintf(m->index_file, sizeof m->index_file, "%.*s", (int) sizeof m->index_file - 1, side);
     return GH_OK;
 }
 

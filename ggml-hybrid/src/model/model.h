@@ -14,6 +14,7 @@
 #include "backend/backend.h"
 #include "types/types.h"
 #include "model/arch.h"
+#include "ffn/moe.h"
 
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
@@ -34,6 +35,8 @@ typedef struct {
      * `up` then has no rows); up = the rows multiplied in (gated FFNs) */
     gh_weight gate, up, down;
     float *   gate_b, * up_b, * down_b;
+    /* a mixture of experts in place of gate/up/down (hp.n_expert > 0; ffn/moe.h) */
+    gh_moe_layer moe;
     /* sparse extension (all optional; see load_ffn_down_and_sparse in model.c) */
     bool      has_down_t;  /* down_t replaces down: row i = neuron i's output vector */
     gh_weight down_t;      /* [n_ff rows][n_embd cols] */
@@ -103,8 +106,9 @@ struct gh_context {
     int32_t         n_batch;
     int32_t         n_past;
     /* KV cache, per layer [n_ctx] rows of n_head_kv * head_dim values in cache_type
-     * (kv_row bytes each); for a cache type other than F32 the new tokens' k and v are
-     * made in f32 in k_cur / v_cur [n_batch][n_head_kv * head_dim], then stored */
+     * (kv_row bytes each); for a cache type other than F32 (and in a batched decode) the
+     * new tokens' k and v are made in f32 in k_cur / v_cur [n_batch][n_head_kv * head_dim],
+     * then stored */
     void **         k_cache;
     void **         v_cache;
     int32_t         cache_type;
@@ -120,6 +124,7 @@ struct gh_context {
     float *         q;      /* [n_batch][n_head * head_dim] */
     float *         att;    /* attention output [n_batch][n_head * head_dim] */
     float *         rope;   /* RoPE cos/sin of each token's position [n_batch][head_dim] */
+    float *         rope_swa; /* the same for local layers (in rope's allocation; NULL: none) */
     float *         hb;     /* gate / activated [n_batch][n_ff] */
     float *         hb2;    /* up [n_batch][n_ff] */
     void *          mm_scratch;
@@ -147,6 +152,8 @@ struct gh_context {
     float *         prof_head;
     /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
     struct gh_sparse_state * sparse;
+    /* mixture-of-experts FFN: buffers and selection counts (moe.c; NULL without experts) */
+    struct gh_moe_state * moe;
     /* hybrid: the context's device stream (NULL on the CPU) and the first device error of
      * the current gh_eval */
     gh_stream *     stream;
@@ -154,11 +161,19 @@ struct gh_context {
     /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
      * refused instead of overwriting the buffers and cache the first one uses */
     atomic_int      busy;
+    /* batched decode (gh_eval_batch, model/batch.c): while set, token t of the forward pass
+     * is the next token of context seq[t] (its position, its KV cache), and this context
+     * lends the pass its buffers and threads; NULL otherwise */
+    struct gh_context * const * seq;
 };
 
 /* A model from a GGUF image in memory (not copied: it must outlive the model), without a
  * GPU index side file; for the load-path fuzzer (tools/fuzz/load_fuzz.c). */
 gh_status gh_model_load_memory(const void * data, size_t size, gh_model ** out);
+
+/* The forward pass (forward.c) of n tokens, n <= c->n_batch: which logits it keeps. */
+enum { GH_LOGITS_NONE, GH_LOGITS_LAST, GH_LOGITS_ALL };
+void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0);
 
 /* Claims c for one call, or fails with GH_ERR_BUSY naming `what`; ctx_leave releases it. */
 gh_status gh_ctx_enter(gh_context * c, const char * what);

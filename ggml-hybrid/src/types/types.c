@@ -622,17 +622,30 @@ static const gh_type_traits k_types[GH_TYPE_COUNT] = {
     [GH_TYPE_IQ4_NL] = ROW("iq4_nl", 32, sizeof(block_iq4_nl), true, gh_iq4_nl_to_float, gh_iq4_nl_from_float, GH_TYPE_Q8_X4),
     [GH_TYPE_IQ4_XS] = ROW("iq4_xs", QK_K, sizeof(block_iq4_xs), true, gh_iq4_xs_to_float, gh_iq4_xs_from_float, GH_TYPE_Q8_K),
     [GH_TYPE_MXFP4]  = ROW("mxfp4", 32, sizeof(block_mxfp4), true, gh_mxfp4_to_float, gh_mxfp4_from_float, GH_TYPE_Q8_X4),
+#if GH_IQ_GRIDS
+    /* the lattice types: read, not written (no reference quantizer: types_iqlat.c) */
+    [GH_TYPE_IQ2_XXS] = ROW("iq2_xxs", QK_K, sizeof(block_iq2_xxs), true, gh_iq2_xxs_to_float, NULL, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ2_XS]  = ROW("iq2_xs", QK_K, sizeof(block_iq2_xs), true, gh_iq2_xs_to_float, NULL, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ2_S]   = ROW("iq2_s", QK_K, sizeof(block_iq2_s), true, gh_iq2_s_to_float, NULL, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ3_XXS] = ROW("iq3_xxs", QK_K, sizeof(block_iq3_xxs), true, gh_iq3_xxs_to_float, NULL, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ3_S]   = ROW("iq3_s", QK_K, sizeof(block_iq3_s), true, gh_iq3_s_to_float, NULL, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ1_S]   = ROW("iq1_s", QK_K, sizeof(block_iq1_s), true, gh_iq1_s_to_float, NULL, GH_TYPE_Q8_K),
+    [GH_TYPE_IQ1_M]   = ROW("iq1_m", QK_K, sizeof(block_iq1_m), true, gh_iq1_m_to_float, NULL, GH_TYPE_Q8_K),
+#else
+    /* built without their codebooks (iq_grids.h says why): refused by name */
+    [GH_TYPE_IQ2_XXS] = LAYOUT("iq2_xxs", 256, 66), [GH_TYPE_IQ2_XS] = LAYOUT("iq2_xs", 256, 74),
+    [GH_TYPE_IQ2_S] = LAYOUT("iq2_s", 256, 82), [GH_TYPE_IQ3_XXS] = LAYOUT("iq3_xxs", 256, 98),
+    [GH_TYPE_IQ3_S] = LAYOUT("iq3_s", 256, 110), [GH_TYPE_IQ1_S] = LAYOUT("iq1_s", 256, 50),
+    [GH_TYPE_IQ1_M] = LAYOUT("iq1_m", 256, 56),
+#endif
     /* index tensors (gpu_idx, gpu_bucket): the loader reads them itself, never as a weight */
     [GH_TYPE_I32]  = { "I32", 1, 4, false, NULL, NULL, 0 },
     /* the rest of ggml's types (ids and blocks as gguf.constants.GGML_QUANT_SIZES) */
     [9] = LAYOUT("Q8_1", 32, 40),
-    [15] = LAYOUT("Q8_K", 256, 292), [16] = LAYOUT("IQ2_XXS", 256, 66),
-    [17] = LAYOUT("IQ2_XS", 256, 74), [18] = LAYOUT("IQ3_XXS", 256, 98),
-    [19] = LAYOUT("IQ1_S", 256, 50), [21] = LAYOUT("IQ3_S", 256, 110),
-    [22] = LAYOUT("IQ2_S", 256, 82),
+    [15] = LAYOUT("Q8_K", 256, 292),
     [24] = { "I8", 1, 1, false, NULL, NULL, 0 }, [25] = { "I16", 1, 2, false, NULL, NULL, 0 },
     [27] = { "I64", 1, 8, false, NULL, NULL, 0 }, [28] = { "F64", 1, 8, false, NULL, NULL, 0 },
-    [29] = LAYOUT("IQ1_M", 256, 56), [34] = LAYOUT("TQ1_0", 256, 54), [35] = LAYOUT("TQ2_0", 256, 66),
+    [34] = LAYOUT("TQ1_0", 256, 54), [35] = LAYOUT("TQ2_0", 256, 66),
     [40] = LAYOUT("NVFP4", 64, 36), [41] = LAYOUT("Q1_0", 128, 18),
 };
 
@@ -660,7 +673,7 @@ size_t gh_row_size(int type, int64_t n) {
     return (size_t) (n / t->block_size) * t->type_size;
 }
 
-static char g_read_list[256];
+static char g_read_list[640];
 static pthread_once_t g_read_list_once = PTHREAD_ONCE_INIT;
 
 static void make_read_list(void) {
@@ -670,7 +683,14 @@ static void make_read_list(void) {
         len += (size_t) snprintf(g_read_list + len, sizeof g_read_list - len, "%s, ", k_types[i].name);
         if (len >= sizeof g_read_list) break;
     }
-    if (len < sizeof g_read_list) snprintf(g_read_list + len, sizeof g_read_list - len, "and I32 (index tensors)");
+    if (len < sizeof g_read_list) len += (size_t) snprintf(g_read_list + len, sizeof g_read_list - len, "and I32 (index tensors)");
+#if !GH_IQ_GRIDS
+    /* the lattice types are known by name but this build has not their codebooks */
+    if (len < sizeof g_read_list) {
+        snprintf(g_read_list + len, sizeof g_read_list - len, "; not the IQ1/IQ2/IQ3 lattice types: %s",
+                 GH_IQ_GRIDS_MISSING);
+    }
+#endif
 }
 
 const char * gh_types_read_list(void) {
@@ -710,6 +730,11 @@ static gh_status check_row_args(const char * fn, int type, const void * src, con
 gh_status gh_quantize_row(int type, const float * src, void * dst, int64_t n) {
     gh_status st = check_row_args("gh_quantize_row", type, src, dst, n);
     if (st != GH_OK) return st;
+    if (!gh_type_traits_get(type)->from_float) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_quantize_row: %s is read but not written by this runtime "
+                       "(no reference quantizer: llama.cpp's needs an importance matrix)",
+                       gh_type_traits_get(type)->name);
+    }
     if (n > 0) gh_type_traits_get(type)->from_float(src, dst, n);
     return GH_OK;
 }

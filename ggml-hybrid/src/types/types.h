@@ -155,7 +155,8 @@ typedef struct {
     size_t           type_size;    /* bytes per block */
     bool             is_quantized;
     gh_to_float_fn   to_float;     /* dequantize a row; NULL: a type this runtime does not read */
-    gh_from_float_fn from_float;   /* quantize a row (reference) */
+    gh_from_float_fn from_float;   /* quantize a row (reference); NULL for a type read
+                                    * but not written (the IQ lattice types) */
     int              vec_dot_type; /* type activations are converted to before dot: F32
                                     * for F32/F16, BF16 for BF16, for the 32-value block
                                     * types the internal GH_TYPE_Q8_X4 and for the
@@ -179,5 +180,7 @@ const char * gh_types_read_list(void);
 
 /* IQ4_NL, IQ4_XS, MXFP4: their layouts and helpers */
 #include "types/iq4.h"
+/* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: layouts, generated codebooks */
+#include "types/iqlat.h"
 
 #endif

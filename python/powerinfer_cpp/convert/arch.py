@@ -62,6 +62,12 @@ class HFParams:
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     layout: dict = field(default_factory=dict)  # architecture-specific facts (falcon's QKV layout, ...)
+    # mixture of experts (n_expert 0: a dense FFN)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0                     # an expert's FFN width
+    n_ff_shexp: int = 0                   # the shared expert's width (0: none)
+    expert_norm: bool = False             # renormalise the top-k routing weights
 
 
 @dataclass
@@ -309,3 +315,77 @@ def sliding_window(c: Config, n_ctx: int, arch: str) -> int | None:
                     "%s, but the runtime attends to the full context", sw, n_ctx,
                     F.arch_key(F.KEY_SLIDING_WINDOW, arch))
     return sw
+
+
+# ==========================================================================
+# mixture of experts (shared by the MoE architectures)
+# ==========================================================================
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where a family's checkpoints keep one layer's experts, relative to the layer prefix
+    (``{e}``: the expert's index, ``{proj}``: one of gate / up / down below). These are the
+    per-expert names published checkpoints (and transformers' save_pretrained) use;
+    transformers >= 5 fuses them only in memory."""
+    router: str                     # [n_expert, d]
+    expert: str                     # e.g. "mlp.experts.{e}.{proj}.weight"
+    gate: str = "gate_proj"         # Mixtral: w1
+    up: str = "up_proj"             # Mixtral: w3
+    down: str = "down_proj"         # Mixtral: w2
+    shared: str | None = None       # the shared expert, "mlp.shared_expert.{proj}.weight"
+    shared_gate: str | None = None  # its sigmoid gate [1, d]
+
+
+#: The expert count's names: configs spell it either way (transformers >= 5 saves Qwen3-MoE's
+#: as num_local_experts, the released checkpoints say num_experts).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+
+
+def read_experts(c: Config, ff_exp: int, norm: bool,
+                 used_key: str = "num_experts_per_tok") -> tuple[int, int]:
+    """(n_expert, n_expert_used) of a MoE config.json, validated (ff_exp: the experts'
+    width, already read; norm: whether the architecture renormalises, for the log)."""
+    count_key = next((k for k in EXPERT_COUNT_KEYS if c.get(k) is not None), EXPERT_COUNT_KEYS[0])
+    n_expert = c.int(count_key)
+    used = c.int(used_key)
+    if used > n_expert:
+        raise ConvertError(f"config.json: {used_key}={used} is more than {count_key}={n_expert}")
+    if ff_exp <= 0:
+        raise ConvertError(f"config.json: the experts' width must be positive, not {ff_exp}")
+    log.info("mixture of experts: %d experts of width %d, top-%d%s", n_expert, ff_exp, used,
+             ", renormalised" if norm else "")
+    return n_expert, used
+
+
+def refuse_dense_layers(c: Config) -> None:
+    """ConvertError when some layers have a dense FFN in place of the experts (Qwen-MoE's
+    decoder_sparse_step > 1 or mlp_only_layers): the runtime runs experts in every layer."""
+    c.refuse("decoder_sparse_step", lambda v: v not in (None, 1),
+             "some layers would have a dense FFN; every layer must be a mixture of experts")
+    c.refuse("mlp_only_layers", lambda v: bool(v),
+             "these layers have a dense FFN; every layer must be a mixture of experts")
+
+
+def expert_tensors(p: HFParams, il: int, pre: str, names: ExpertNames) -> list[TensorMap]:
+    """Layer il's MoE tensors: the router (kept F32), each of gate / up / down of all
+    experts stacked into llama.cpp's 3-D tensor, and the shared expert with its gate."""
+    d, ff, ne = p.n_embd, p.n_ff_exp, p.n_expert
+
+    def stacked(kind: str, proj: str, rows: int, cols: int) -> TensorMap:
+        srcs = tuple(pre + names.expert.format(e=e, proj=proj) for e in range(ne))
+        return TensorMap(F.tensor_name(kind, il), kind, (ne, rows, cols), srcs, ((rows, cols),) * ne,
+                         lambda *a: np.stack(a))
+
+    out = [direct(F.tensor_name(F.T_FFN_GATE_INP, il), F.T_FFN_GATE_INP, pre + names.router, (ne, d)),
+           stacked(F.T_FFN_GATE_EXPS, names.gate, ff, d), stacked(F.T_FFN_UP_EXPS, names.up, ff, d),
+           stacked(F.T_FFN_DOWN_EXPS, names.down, d, ff)]
+    if names.shared is not None:
+        fs = p.n_ff_shexp
+        out.append(TensorMap(F.tensor_name(F.T_FFN_GATE_INP_SHEXP, il), F.T_FFN_GATE_INP_SHEXP, (d,),
+                             (pre + names.shared_gate,), ((1, d),), lambda a: a.reshape(-1)))
+        for kind, proj, shape in ((F.T_FFN_GATE_SHEXP, "gate_proj", (fs, d)),
+                                  (F.T_FFN_UP_SHEXP, "up_proj", (fs, d)),
+                                  (F.T_FFN_DOWN_SHEXP, "down_proj", (d, fs))):
+            out.append(direct(F.tensor_name(kind, il), kind, pre + names.shared.format(proj=proj), shape))
+    return out
+

@@ -20,8 +20,8 @@ import numpy as np
 
 from .. import format as F
 from ..gguf_write import ConvertError
-from .arch import (NORM_RMS, Architecture, Config, HFParams, TensorMap, act_kind, act_threshold,
-                   direct, heads, read_rope, sliding_window)
+from .arch import (NORM_RMS, Architecture, Config, ExpertNames, HFParams, TensorMap, act_kind,
+                   act_threshold, direct, expert_tensors, heads, read_rope, sliding_window)
 
 HF_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "SparseLlamaForCausalLM", "BambooForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -94,10 +94,13 @@ QK_NORM_PROJ = "proj"  # over the whole projection: [n_head*head_dim], [n_head_k
 
 
 def tensors(p: HFParams, qk_permute: bool = True, qkv_bias: bool = False,
-            qk_norm: str | None = None, post_norms: bool = False) -> list[TensorMap]:
-    """The GGUF tensors of a llama-shaped model (qwen2, qwen3, olmo2 reuse this with their
-    options: q/k/v biases, q/k norms after the projections, output norms in place of the
-    input norms: OLMo 2's post_attention_layernorm / post_feedforward_layernorm)."""
+            qk_norm: str | None = None, post_norms: bool = False,
+            experts: ExpertNames | None = None) -> list[TensorMap]:
+    """The GGUF tensors of a llama-shaped model (qwen2, qwen3, olmo2 and the MoE families
+    reuse this with their options: q/k/v biases, q/k norms after the projections, output
+    norms in place of the input norms: OLMo 2's post_attention_layernorm /
+    post_feedforward_layernorm; a mixture of experts in place of the FFN, where the
+    checkpoint keeps it under ``experts``' names)."""
     d, q_rows, kv_rows = p.n_embd, p.n_head * p.head_dim, p.n_head_kv * p.head_dim
     L = "model.layers.{}."
     out = [direct(F.tensor_name(F.T_TOKEN_EMBD), F.T_TOKEN_EMBD, "model.embed_tokens.weight", (p.n_vocab, d))]
@@ -130,9 +133,12 @@ def tensors(p: HFParams, qk_permute: bool = True, qkv_bias: bool = False,
         # attention's output
         out.append(t(F.T_POST_ATTN_NORM if post_norms else F.T_FFN_NORM,
                      "post_attention_layernorm.weight", (d,)))
-        out.append(t(F.T_FFN_GATE, "mlp.gate_proj.weight", (p.n_ff, d)))
-        out.append(t(F.T_FFN_UP, "mlp.up_proj.weight", (p.n_ff, d)))
-        out.append(t(F.T_FFN_DOWN, "mlp.down_proj.weight", (d, p.n_ff)))
+        if experts is not None:
+            out += expert_tensors(p, il, pre, experts)
+        else:
+            out.append(t(F.T_FFN_GATE, "mlp.gate_proj.weight", (p.n_ff, d)))
+            out.append(t(F.T_FFN_UP, "mlp.up_proj.weight", (p.n_ff, d)))
+            out.append(t(F.T_FFN_DOWN, "mlp.down_proj.weight", (d, p.n_ff)))
         if post_norms:
             out.append(t(F.T_POST_FFW_NORM, "post_feedforward_layernorm.weight", (d,)))
     out.append(direct(F.tensor_name(F.T_OUTPUT_NORM), F.T_OUTPUT_NORM, "model.norm.weight", (d,)))

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         dense = None
         if from_gguf:
             if args.outtype is not None and args.outtype not in F.OUTTYPES:
-                raise ConvertError(f"unknown outtype {args.outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+                raise ConvertError(F.outtype_refusal(args.outtype))
             if sparse is False and args.outtype is None:
                 raise ConvertError("a GGUF input is dense already: --dense needs --outtype T (re-quantize it "
                                    "to T), else drop --dense to make it sparse")
@@ -195,12 +195,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConvertError("--input-sparsity makes a sparse file's attention and head input-sparse (in its "
                                "sparse FFN modes); it cannot be combined with --dense")
         if sparse is not False:
-            act, gated = ((dense.activation, dense.gated) if dense is not None else
-                          (lambda p: (p.activation, p.gated))(read_hf_config(args.hf_dir)))
+            act, gated, moe = ((dense.activation, dense.gated, False) if dense is not None else
+                               (lambda p: (p.activation, p.gated, p.n_expert > 0))(read_hf_config(args.hf_dir)))
             relu = act in F.SPARSE_ACTIVATIONS
             if sparse is None:
-                # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors
-                sparse = relu or bool(gate_opts) or gated or dense is not None
+                # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors; a
+                # mixture of experts has no sparse form yet: dense unless a sparse option asks
+                # (then convert refuses it by name)
+                asked = bool(gate_opts) or args.input_sparsity is not None
+                sparse = (asked or not moe) and (relu or bool(gate_opts) or gated or dense is not None)
             gate = args.sparsity is not None or args.max_ppl_increase is not None or (gated and not relu)
             if args.sparsity_allocation is not None and not gate:
                 raise ConvertError("--sparsity-allocation shares a gate-magnitude sparsity among the layers; "

@@ -110,7 +110,7 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
 
     path = os.path.abspath(os.fspath(path))
     if outtype is not None and outtype not in F.OUTTYPES:
-        raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+        raise ConvertError(F.outtype_refusal(outtype))
     if not os.path.isfile(path):
         raise ConvertError(f"model file not found: {path}")
     try:
@@ -119,6 +119,9 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     except (NativeError, ValueError) as e:
         what = "re-quantized" if outtype is not None else "made sparse"
         raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be {what}: {e}") from None
+    if info.n_expert:
+        raise ConvertError(f"{path}: a mixture-of-experts model ({info.n_expert} experts per layer) cannot "
+                           "be made sparse or re-quantized here yet")
     try:
         reader = open_gguf(path)
     except (ValueError, OSError) as e:

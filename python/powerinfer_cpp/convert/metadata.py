@@ -47,6 +47,14 @@ def model_kv(arch: Architecture, p: HFParams, tm: TokenizerMeta, outtype: str) -
         f32(F.arch_key(F.KEY_ROPE_SCALING_FACTOR, A), p.rope_scaling_factor)
     if p.sliding_window is not None:
         u32(F.arch_key(F.KEY_SLIDING_WINDOW, A), p.sliding_window)
+    if p.n_expert:
+        u32(F.arch_key(F.KEY_EXPERT_COUNT, A), p.n_expert)
+        u32(F.arch_key(F.KEY_EXPERT_USED_COUNT, A), p.n_expert_used)
+        u32(F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, A), p.n_ff_exp)
+        if p.n_ff_shexp:
+            u32(F.arch_key(F.KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH, A), p.n_ff_shexp)
+        out.append((F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A), bool(p.expert_norm), V.BOOL, None))
+        u32(F.arch_key(F.KEY_EXPERT_GATING_FUNC, A), F.EXPERT_GATING_SOFTMAX)
     out += arch.keys(p)
     u32(F.KEY_FORMAT_VERSION, F.FORMAT_VERSION)
     s(F.KEY_FFN_ACTIVATION, p.activation)

@@ -101,8 +101,11 @@ def _input_files(hf_dir: str, sparse_options=None) -> list[str]:
 #: the activations it thus runs right (tanh-GELU for the exact one differs by rounding only).
 LLAMA_CPP_DEFAULT_ACT = {F.ARCH_LLAMA: F.ACT_SILU, F.ARCH_QWEN2: F.ACT_SILU, F.ARCH_PHI3: F.ACT_SILU,
                          F.ARCH_FALCON: F.ACT_GELU, F.ARCH_QWEN3: F.ACT_SILU, F.ARCH_OLMO2: F.ACT_SILU,
-                         F.ARCH_SMOLLM3: F.ACT_SILU}
-_LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF)}
+                         F.ARCH_SMOLLM3: F.ACT_SILU, F.ARCH_GEMMA2: F.ACT_GELU,
+                         F.ARCH_GEMMA3: F.ACT_GELU, F.ARCH_QWEN2MOE: F.ACT_SILU,
+                         F.ARCH_QWEN3MOE: F.ACT_SILU, F.ARCH_OLMOE: F.ACT_SILU}
+_LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF), F.ARCH_GEMMA2: (F.ACT_GELU, F.ACT_GELU_ERF),
+                   F.ARCH_GEMMA3: (F.ACT_GELU, F.ACT_GELU_ERF)}
 
 
 def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16",
@@ -118,12 +121,16 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
     SparseReport is appended to ``report`` when a list is given. (The CLI makes
     sparse the default for ReLU-family models; this function does not.)"""
     if outtype not in F.OUTTYPES:
-        raise ConvertError(f"unknown outtype {outtype!r} (expected one of: {', '.join(F.OUTTYPES)})")
+        raise ConvertError(F.outtype_refusal(outtype))
     hf_dir = os.fspath(hf_dir)
     out_path = os.path.abspath(os.fspath(out_path))
     check_output_path(out_path, _input_files(hf_dir, sparse_options))
 
     arch, params = read_model_config(hf_dir)
+    if sparse and params.n_expert:
+        raise ConvertError(f"sparse conversion (--sparse, --sparsity, --input-sparsity) of a "
+                           f"mixture-of-experts model ({params.hf_arch}, {params.n_expert} experts) is not "
+                           "supported yet: convert it densely (its experts already skip most FFN weights)")
     tok = read_hf_tokenizer(hf_dir, params.n_vocab, params)
     src = open_weights(hf_dir)
     try:

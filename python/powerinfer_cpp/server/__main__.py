@@ -32,7 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--ctx", type=int, default=0,
                    help="context size of each slot (default: the model's training context)")
     p.add_argument("-t", "--threads", type=int, default=0,
-                   help="threads per slot (default: the cores divided among the slots)")
+                   help="threads of each forward pass (default: all cores; with "
+                        "--no-cont-batching the cores divided among the slots)")
+    p.add_argument("-nocb", "--no-cont-batching", dest="batching", action="store_false",
+                   help="run each slot's generation on its own (a thread per slot, each "
+                        "reading the weights for its own tokens) instead of evaluating the "
+                        "busy slots' next tokens as one batch per step")
+    p.add_argument("--prompt-chunk", type=int, default=256, metavar="N",
+                   help="prompt tokens evaluated per batching step, between the other slots' "
+                        "decode steps (default 256)")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="largest max_tokens a request may ask for (default: the context size)")
     p.add_argument("--max-body", type=int, default=1 << 20,
@@ -108,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(
             model=path, alias=alias, host=args.host, port=args.port,
             parallel=args.parallel, queue=args.queue, n_ctx=args.ctx, threads=args.threads,
+            batching=args.batching, prompt_chunk=args.prompt_chunk,
             max_tokens=args.max_tokens, max_body=args.max_body,
             api_key=args.api_key or os.environ.get("POWERINFER_API_KEY") or None,
             ffn=args.ffn, device=args.device, vram_budget=args.vram_budget,

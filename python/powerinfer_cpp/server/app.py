@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over a pool of slots.
 
-Every slot is a Context over ONE shared Model; a generation runs in a worker thread of
-its own and sends its text pieces back to the event loop, so the loop keeps serving
-other requests (and notices a client that went away) while tokens are computed. What
-happens before a request reaches a slot (checks, template, tokens) is in prepare.py;
-what happens before it reaches a route (host, origin, key, body) in guard.py; the
-connection limits under both in connection.py.
+Every slot is a Context over ONE shared Model. The generations of all busy slots run in
+one scheduler thread that evaluates their next tokens as one batch per step (batching.py:
+continuous batching; with --no-cont-batching each generation runs in a worker thread of
+its own); text pieces go back to the event loop, so the loop keeps serving other requests
+(and notices a client that went away) while tokens are computed. What happens before a
+request reaches a slot (checks, template, tokens) is in prepare.py; what happens before it
+reaches a route (host, origin, key, body) in guard.py; the connection limits under both in
+connection.py.
 """
 
 from __future__ import annotations
@@ -17,20 +19,22 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import api
 from ..chat import ChatTemplate, ChatTemplateError, ChatTemplateLimitError, normalize_messages
+from .batching import Batcher
 from .errors import APIError, error_response
 from .guard import Guard
 from .metrics import Metrics
 from .prepare import PromptPreparer, check_logit_bias, parse_json
+from .protocol import ChatBody, CompletionBody, EmbeddingBody, _Body
 from .slots import Job, QueueFull, Slot, SlotPool
 from .templates import TemplateCompileError, TemplateRunner
 
@@ -51,7 +55,10 @@ class Settings:
     parallel: int = 1
     queue: int = 16
     n_ctx: int = 0
-    threads: int = 0            # per slot; 0 = the cores divided among the slots
+    threads: int = 0            # of a forward pass; 0 = every core with batching (one pass
+                                # runs at a time), else the cores divided among the slots
+    batching: bool = True       # continuous batching (batching.py); False: a thread per slot
+    prompt_chunk: int = 256     # prompt tokens a batching step evaluates
     max_tokens: int = 0         # cap on a request's max_tokens; 0 = the context size
     max_body: int = 1 << 20     # bytes
     api_key: str | None = None
@@ -66,61 +73,6 @@ class Settings:
     body_timeout: float = 30.0       # s: a POST body's arrival, from its headers
     allow_hosts: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
-
-
-# -- request bodies ---------------------------------------------------------------------
-# strict: "16" is not an integer and 1 is not a bool, as OpenAI's API answers them with 400.
-# The sampling ranges are the native sampler's (gh_sampler_new), checked here so that a
-# streamed request is refused with a 400 before its stream starts, as an unstreamed one is.
-
-
-def _temperature(default: float):
-    return Field(default, ge=0, allow_inf_nan=False)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: float = _temperature(0.8)
-    top_p: float = Field(0.95, gt=0, allow_inf_nan=False)
-    top_k: int = Field(40, ge=-2**31, lt=2**31)
-    min_p: float = Field(0.05, ge=0, le=1, allow_inf_nan=False)
-    repeat_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[dict[str, Any]] = None
-    n: int = 1
-    logit_bias: Optional[dict[str, float]] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Union[bool, int, None] = None
-    user: Optional[str] = None
-    ignore_eos: bool = False  # llama.cpp's server extension: generate past EOS
-
-
-class CompletionBody(_Body):
-    prompt: Union[str, list[str], list[int]]
-    max_tokens: Optional[int] = 16
-    echo: bool = False
-    suffix: Optional[str] = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict[str, Any]], None] = None
-
-
-class ChatBody(_Body):
-    messages: list[Message] = Field(min_length=1)
-    temperature: float = _temperature(0.2)
-    max_completion_tokens: Optional[int] = None
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -139,7 +91,10 @@ class Server:
             raise ValueError("--queue must be >= 0")
         self.model = Model(s.model, n_ctx=s.n_ctx, ffn=s.ffn, device=s.device,
                            vram_budget=s.vram_budget)
-        threads = s.threads or max(1, (os.cpu_count() or 1) // s.parallel)
+        if s.prompt_chunk < 1:
+            raise ValueError("--prompt-chunk must be >= 1")
+        cores = os.cpu_count() or 1
+        threads = s.threads or (cores if s.batching else max(1, cores // s.parallel))
         try:
             self.slots = [Slot(i, self.model.create_context(n_ctx=s.n_ctx, n_threads=threads))
                           for i in range(s.parallel)]
@@ -154,6 +109,9 @@ class Server:
         self.aliases = list(dict.fromkeys(
             [self.name, Path(s.model).name.removesuffix(".gguf"), Path(s.model).name]))
         self.preparer = PromptPreparer(self.model, self.n_ctx, s.tokenize_timeout)
+        from .embeddings import EmbeddingService
+
+        self.embeddings = EmbeddingService(self.model, self.n_ctx, threads, self.preparer)
         self.runner: TemplateRunner | None = None
         self.template_stops: list[str] = []
         self.template_warning = ""  # a template over a limit at load, for the startup line
@@ -166,7 +124,8 @@ class Server:
         except ChatTemplateError as e:
             self.template, self.template_error = None, str(e)
         self.pool: SlotPool | None = None  # made on the event loop, at startup
-        self.executor = concurrent.futures.ThreadPoolExecutor(
+        self.batcher = Batcher(s.prompt_chunk) if s.batching else None
+        self.executor = None if s.batching else concurrent.futures.ThreadPoolExecutor(
             max_workers=s.parallel, thread_name_prefix="slot")
         self.metrics = Metrics()
         self.jobs: set[Job] = set()
@@ -209,10 +168,14 @@ class Server:
         """Stop every generation, wait for the workers, free the model."""
         for job in list(self.jobs):
             job.cancel.set()
-        self.executor.shutdown(wait=True)
+        if self.batcher is not None:
+            self.batcher.close()
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
         self.preparer.close()
         if self.runner is not None:
             self.runner.close()
+        self.embeddings.close()
         self.model.close()
 
     # -- request handling ------------------------------------------------------------
@@ -262,6 +225,45 @@ class Server:
             kw["logits_processor"] = proc
         return kw
 
+    async def constrain(self, body: _Body, kw: dict, response_format=None,
+                        tools_grammar: str | None = None) -> None:
+        """Structured output: the grammar a request's response_format, grammar or tools ask
+        for, compiled off the event loop (a schema can take a while), its mask put before
+        the other logits processors in kw; APIError 400 naming what is wrong with it."""
+        from .. import structured
+
+        if response_format is None and body.grammar is None and tools_grammar is None:
+            return
+        grammars = [("tools", tools_grammar)] if tools_grammar is not None else []
+        for param, fn, value in (("response_format", structured.grammar_for_response_format,
+                                  response_format),
+                                 ("grammar", structured.grammar_arg, body.grammar)):
+            try:
+                g = fn(value, param)
+            except structured.GrammarError as e:
+                raise APIError(400, str(e), param=param) from None
+            except structured.StructuredOutputUnavailable as e:
+                raise APIError(400, str(e), param=param,
+                               code="structured_output_unavailable") from None
+            if g is not None:
+                grammars.append((param, g))
+        if not grammars:
+            return
+        if len(grammars) > 1:
+            raise APIError(400, f"give one of {' or '.join(p for p, _ in grammars)}, not both",
+                           param=grammars[-1][0])
+        param, g = grammars[0]
+        if body.ignore_eos:
+            raise APIError(400, f"ignore_eos cannot be combined with {param} (a complete "
+                           "reply ends with EOS)", param="ignore_eos")
+        loop = asyncio.get_running_loop()
+        try:
+            c = await loop.run_in_executor(self.preparer.pool, structured.compile_grammar,
+                                           self.model, g)
+        except structured.GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+        kw["logits_processor"] = api.chain_processors(c.processor(), kw.get("logits_processor"))
+
     async def run(self, request: Request, prompt_ids: list[int], kw: dict, stream: bool,
                   fmt) -> Any:
         """Wait for a slot, generate; a JSON response, or an SSE stream of fmt's chunks."""
@@ -276,7 +278,7 @@ class Server:
         loop = asyncio.get_running_loop()
         job = Job(loop, self.pool, slot, prompt_ids, kw)
         self.jobs.add(job)
-        done = job.start(self.executor)
+        done = job.start(self.batcher or self.executor)
         done.add_done_callback(lambda _: self._finish(job))
         if stream:
             return _SSEResponse(self._sse(job, fmt), on_close=job.cancel.set)
@@ -307,8 +309,9 @@ class Server:
                 if pieces[-1] is Job.DONE:
                     pieces.pop()
                     done = True
-                if pieces:
-                    yield _sse_line(fmt.chunk("".join(pieces)))
+                chunk = fmt.chunk("".join(pieces)) if pieces else None
+                if chunk is not None:  # None: held back (tool calls are sent whole)
+                    yield _sse_line(chunk)
             if job.error is not None:
                 yield _sse_line(_as_api_error(job.error).body())
             else:
@@ -406,19 +409,29 @@ class _CompletionFormat:
 
 
 class _ChatFormat:
-    def __init__(self, server: Server, body: ChatBody):
+    """Chat replies; with tools (a ToolPlan) the reply is parsed into tool calls, and a
+    streamed one is held back and sent whole in the last chunk."""
+
+    def __init__(self, server: Server, body: ChatBody, plan=None):
         self.cid, self.created, self.model = api.new_id("chatcmpl"), int(time.time()), server.name
         self.include_usage = bool((body.stream_options or {}).get("include_usage"))
+        self.plan, self.held = plan, []
 
     def first(self):
         return [api.chat_chunk(self.cid, self.created, self.model,
                                {"role": "assistant", "content": ""})]
 
     def chunk(self, text):
+        if self.plan is not None:
+            self.held.append(text)
+            return None
         return api.chat_chunk(self.cid, self.created, self.model, {"content": text})
 
     def last(self, job):
-        c = api.chat_chunk(self.cid, self.created, self.model, {}, _finish_reason(job))
+        delta, fin = {}, _finish_reason(job)
+        if self.plan is not None:
+            delta, fin = self.plan.delta("".join(self.held), fin)
+        c = api.chat_chunk(self.cid, self.created, self.model, delta, fin)
         c["timings"] = timings(job)
         return c
 
@@ -429,6 +442,9 @@ class _ChatFormat:
     def response(self, text, job):
         r = api.chat_response(self.cid, self.created, self.model, text, _finish_reason(job),
                               job.result)
+        if self.plan is not None:
+            msg, fin = self.plan.parse(text, _finish_reason(job))
+            r["choices"][0].update(message=msg, finish_reason=fin)
         r["timings"] = timings(job)
         return r
 
@@ -489,7 +505,9 @@ def create_app(settings: Settings) -> FastAPI:
         return PlainTextResponse(
             server.metrics.render(busy=pool.n_busy if pool else 0,
                                   waiting=pool.n_waiting if pool else 0,
-                                  n_slots=len(server.slots)),
+                                  n_slots=len(server.slots),
+                                  batched=(b.steps, b.batched_tokens) if (b := server.batcher)
+                                  else (0, 0)),
             media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -498,7 +516,8 @@ def create_app(settings: Settings) -> FastAPI:
             "id": server.name, "object": "model", "created": server.created,
             "owned_by": "powerinfer-cpp", "aliases": server.aliases,
             "meta": {"n_ctx": server.n_ctx, "n_vocab": server.model.n_vocab,
-                     "n_params": server.model.info.n_params}}]}
+                     "n_params": server.model.info.n_params,
+                     "ffn_mode": server.slots[0].ctx.ffn_mode}}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -529,6 +548,7 @@ def create_app(settings: Settings) -> FastAPI:
             raise APIError(400, "the prompt is empty (no tokens)", param="prompt")
         kw = server.sampling(body, len(ids), body.max_tokens)
         kw["stop"] = _stops(body.stop)
+        await server.constrain(body, kw)
         return await server.run(request, ids, kw, body.stream,
                                 _CompletionFormat(server, body, text))
 
@@ -539,19 +559,39 @@ def create_app(settings: Settings) -> FastAPI:
         if server.template is None:
             raise APIError(400, server.template_error, param="messages",
                            code="no_chat_template")
+        plan = None
         if body.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if body.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "only response_format {'type': 'text'} is supported",
-                           param="response_format")
+            from ..tools import ToolError, ToolPlan
+
+            try:
+                plan = ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls)
+            except ToolError as e:
+                raise APIError(400, str(e), param="tools") from None
+        elif body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
         server.check_request(body, max_tokens)
         try:
             messages = normalize_messages([m.model_dump(exclude_none=False)
                                            for m in body.messages])
-        except (TypeError, ValueError) as e:
+            if plan is not None:
+                messages = plan.messages(messages)  # tool calls and results as text
+        except (TypeError, ValueError) as e:  # ToolError is a ValueError
             raise APIError(400, str(e), param="messages") from None
+        tools_grammar = None
+        if plan is not None and plan.active:
+            from ..structured import StructuredOutputUnavailable
+
+            try:
+                tools_grammar = plan.grammar()
+            except ToolError as e:
+                raise APIError(400, str(e), param="tools") from None
+            except StructuredOutputUnavailable as e:
+                raise APIError(400, str(e), param="tools",
+                               code="structured_output_unavailable") from None
+        else:
+            plan = None
         template = server.template
         prompt = await server.preparer.render(messages)
         ids = await server.preparer.tokenize(prompt, "messages",
@@ -559,7 +599,14 @@ def create_app(settings: Settings) -> FastAPI:
         kw = server.sampling(body, len(ids), max_tokens)
         stops = _stops(body.stop)
         kw["stop"] = stops + [s for s in server.template_stops if s not in stops]
-        return await server.run(request, ids, kw, body.stream, _ChatFormat(server, body))
+        await server.constrain(body, kw, body.response_format, tools_grammar)
+        return await server.run(request, ids, kw, body.stream, _ChatFormat(server, body, plan))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        body = await _parse(request, EmbeddingBody)
+        server.check_model(body.model)
+        return JSONResponse(await server.embeddings.handle(body, server.name))
 
     @app.get("/")
     async def index():

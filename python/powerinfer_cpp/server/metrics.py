@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/models", "/health",
+           "/metrics", "/")
 
 
 class Metrics:
@@ -53,8 +54,10 @@ class Metrics:
                 self.sparse_tokens += n_sparse
                 self.active_sum += stats["density"] * n_sparse
 
-    def render(self, busy: int, waiting: int, n_slots: int) -> str:
-        """The text /metrics answers."""
+    def render(self, busy: int, waiting: int, n_slots: int,
+               batched: tuple[int, int] = (0, 0)) -> str:
+        """The text /metrics answers; batched: the batching scheduler's forward passes of
+        two or more slots' tokens, and the tokens they evaluated."""
         with self._lock:
             lines = []
 
@@ -101,4 +104,9 @@ class Metrics:
             metric("slots", "gauge", "generation slots", [({}, n_slots)])
             metric("slots_busy", "gauge", "slots generating now", [({}, busy)])
             metric("queue_length", "gauge", "requests waiting for a slot", [({}, waiting)])
+            metric("batched_steps_total", "counter",
+                   "forward passes that evaluated the next tokens of two or more slots at once",
+                   [({}, batched[0])])
+            metric("batched_tokens_total", "counter", "tokens those batched passes evaluated",
+                   [({}, batched[1])])
             return "\n".join(lines) + "\n"

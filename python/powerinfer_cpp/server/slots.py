@@ -84,10 +84,11 @@ class SlotPool:
 
 
 class Job:
-    """One generation on a slot, run in a worker thread. Text pieces go to `queue` on
-    the event loop as they come; `cancel` (set when the client goes away) stops the
-    generation at the next token. The slot is released only when the thread is done
-    with its context."""
+    """One generation on a slot, run by the batching scheduler (batching.py: begin, then
+    sample and evaluation steps, then end) or, without batching, in a worker thread of its
+    own (_run). Text pieces go to `queue` on the event loop as they come; `cancel` (set
+    when the client goes away) stops the generation at the next token. The slot is
+    released only when the scheduler or the thread is done with its context."""
 
     DONE = object()
 
@@ -104,10 +105,15 @@ class Job:
         self.result = None      # the model's Completion
         self.stats: dict = {}   # ctx.stats() of this generation
         self.error: BaseException | None = None
+        self.gen = None         # the Generation (batched runs)
+        self.ended = False
+        self.batch_future = None  # completed by end() (batched runs)
 
-    def start(self, executor) -> "asyncio.Future":
-        """Submit to the executor; the returned future completes when the thread is done."""
-        cf = executor.submit(self._run)
+    def start(self, runner) -> "asyncio.Future":
+        """Hand the job to the batching scheduler (runner.submit_job) or to a worker thread
+        of an executor; the returned future completes when the slot's context is free."""
+        cf = (runner.submit_job(self) if hasattr(runner, "submit_job")
+              else runner.submit(self._run))
         cf.add_done_callback(lambda _: self.loop.call_soon_threadsafe(self.pool.release,
                                                                        self.slot))
         return asyncio.wrap_future(cf, loop=self.loop)
@@ -135,6 +141,58 @@ class Job:
             items, self._pending, self._wake_pending = self._pending, [], False
         for item in items:
             self.queue.put_nowait(item)
+
+    # -- the batching scheduler's side (its thread only) --------------------------------
+
+    def begin(self) -> None:
+        """Check the arguments and set up the generation (nothing is evaluated yet)."""
+        from ..model import Completion
+
+        self.result = Completion("", [], "length", 0)
+        self.slot.ctx.reset_stats()
+        self.gen = self.slot.ctx.start_generation(self.prompt_ids, stats=self.result,
+                                                  **self.kwargs)
+
+    def sample(self) -> None:
+        """The next token from the logits, its text to the client."""
+        piece = self.gen.sample()
+        if piece:
+            self._emit(piece)
+
+    def end(self, error: BaseException | None = None, cancelled: bool = False) -> None:
+        """Finish: the held-back text (at a normal end), the result and statistics, the
+        slot's cached tokens; then DONE to the client and the slot back to the pool."""
+        if self.ended:
+            return
+        self.ended = True
+        ctx = self.slot.ctx
+        try:
+            if self.gen is not None:
+                if error is None and not cancelled:
+                    tail = self.gen.flush()
+                    if tail:
+                        self._emit(tail)
+                self.gen.finish()
+            if self.result is None:
+                from ..model import Completion
+
+                self.result = Completion("", [], "length", 0)
+            if cancelled:
+                self.result.finish_reason = "cancelled"
+            if error is None:
+                self.stats = ctx.stats()
+        except BaseException as e:  # e.g. the context closed at shutdown
+            error = error or e
+        self.error = error
+        try:
+            self.slot.cached = list(ctx.cached_tokens)
+        except (AttributeError, RuntimeError):
+            self.slot.cached = self.prompt_ids + list(self.result.tokens)
+        self._emit(self.DONE)
+        if self.batch_future is not None:
+            self.batch_future.set_result(None)
+
+    # -- without batching: a worker thread runs the whole generation ---------------------
 
     def _run(self) -> None:
         from ..model import Completion

@@ -62,6 +62,13 @@ Where the factors come from (docs/BENCHMARKS.md; 1 thread, CPU time, ratios with
   measured 10-18x the SIMD forms' time for Q4_1/Q5_0/Q5_1 (their A/B before and after):
   taken as 10x Q8_0's 1.44 (not measured), so ``auto`` does not pick input sparsity for them.
 
+* The IQ lattice types (2026-12-05, not measured): their AVX2 dot gathers a codebook
+  point per 8 values (IQ3: per 4) and applies signs before Q2_K's kind of integer dot, so
+  ``dot`` takes Q2_K's 2.08 (IQ3_XXS, IQ3_S, whose points are 4 values: x1.2 of it, 2.5);
+  ``rows`` Q2_K's (gathered rows through the same dot, one row at a time); their axpy is
+  a one-row AVX2 form only, as Q2_K's and Q3_K's (whose ``cols`` / ``down`` measured 6.5
+  and 7.8 of their dot), so ``cols`` and ``down`` take 7.0.
+
 Not measured, and given the nearest measured type's factors: BF16 and F32 all of F16's
 (the same float kernels, with another conversion or none). The figures carry the benchmarks' noise
 (15-30% per run on the loaded 2-core machine): the model decides between candidates that
@@ -105,6 +112,13 @@ COSTS: dict[str, PathCost] = {
     "IQ4_NL": PathCost(dot=1.38, cols=14.4, rows=1.45, down=14.4),
     "IQ4_XS": PathCost(dot=1.59, cols=14.4, rows=1.45, down=14.4),
     "MXFP4": PathCost(dot=1.34, cols=14.4, rows=1.45, down=14.4),
+    "IQ2_XXS": PathCost(dot=2.08, cols=7.0, rows=3.7, down=7.0),
+    "IQ2_XS": PathCost(dot=2.08, cols=7.0, rows=3.7, down=7.0),
+    "IQ2_S": PathCost(dot=2.08, cols=7.0, rows=3.7, down=7.0),
+    "IQ3_XXS": PathCost(dot=2.5, cols=7.0, rows=3.7, down=7.0),
+    "IQ3_S": PathCost(dot=2.5, cols=7.0, rows=3.7, down=7.0),
+    "IQ1_S": PathCost(dot=2.08, cols=7.0, rows=3.7, down=7.0),
+    "IQ1_M": PathCost(dot=2.08, cols=7.0, rows=3.7, down=7.0),
 }
 
 PATHS = ("dot", "cols", "rows", "down")

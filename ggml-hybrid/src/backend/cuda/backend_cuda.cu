@@ -727,11 +727,16 @@ gh_status cs_sync(gh_stream * gs, double * device_seconds) {
     return GH_OK;
 }
 
+bool cb_reads_type(const gh_backend *, int type) {
+    return with_dev_type(type, [](auto) {});
+}
+
 gh_backend_ops make_ops() {
     gh_backend_ops o;
     memset(&o, 0, sizeof o);
     o.name = "cuda";
     o.destroy = cb_destroy;
+    o.reads_type = cb_reads_type;
     o.mem_info = cb_mem_info;
     o.alloc = cb_alloc;
     o.free = cb_free;
@@ -803,6 +808,12 @@ extern "C" gh_status gh_backend_cuda_new(int device, gh_backend ** out) {
                        device, prop.name, prop.major, prop.minor, cudaGetErrorString(e),
                        cudaGetErrorName(e), prop.major, prop.minor);
     }
+    /* the level tables of IQ4_NL / IQ4_XS / MXFP4 into the device's constant memory, from
+     * the runtime's type table (dev_types.cuh: c_levels) */
+    levels16 lv[N_LEVELS];
+    host_levels(lv);
+    e = cudaMemcpyToSymbol(c_levels, lv, sizeof lv);
+    if (e != cudaSuccess) return cuda_fail(device, e, "copying the level tables to the device");
     cuda_backend * be = static_cast<cuda_backend *>(calloc(1, sizeof(cuda_backend)));
     if (!be) return gh_fail(GH_ERR_OOM, "cuda: out of host memory");
     be->base.ops = &cuda_ops;

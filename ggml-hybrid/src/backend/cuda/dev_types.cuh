@@ -4,10 +4,12 @@
  *
  * Adding a type: one dev_type specialisation here (block, bytes, align, elem, unit; the
  * reads equal the runtime's to_float bit for bit) and its id in dev_types. The kernels,
- * the supported-type check, the refusal message and tests/gpu/cuda_emu.cu (which replays
- * every listed type against gh_dequantize_row) follow from the list.
+ * the supported-type check (the backend's reads_type, which the placement asks before any
+ * upload), the refusal message and tests/gpu/cuda_emu.cu (which replays every listed type
+ * against gh_dequantize_row) follow from the list.
  *
- * Everything here is __host__ __device__ so that cuda_emu.cu can run it on the CPU.
+ * Everything here is __host__ __device__ so that cuda_emu.cu can run it on the CPU (the
+ * non-linear types' level tables aside: the device reads its copy, c_levels).
  *
  * Includes: the caller includes types.h (block layouts, gh_type ids) first. */
 #ifndef GH_CUDA_DEV_TYPES_CUH
@@ -15,6 +17,7 @@
 
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 
 #include <type_traits>
@@ -292,6 +295,179 @@ template <> struct dev_type<GH_TYPE_Q4_K> : k_quant<GH_TYPE_Q4_K, sizeof(block_q
 template <> struct dev_type<GH_TYPE_Q5_K> : k_quant<GH_TYPE_Q5_K, sizeof(block_q5_K)> {};
 template <> struct dev_type<GH_TYPE_Q6_K> : k_quant<GH_TYPE_Q6_K, sizeof(block_q6_K)> {};
 
+/* Q2_K, Q3_K: 256-value blocks of 16 sub-blocks of 16 whose values' two low bits share
+ * one qs[64] layout (types.h's gh_k2_low: value 128h + 32g + l is bits 2g of qs[32h + l]).
+ *   Q2_K { scales[16]; qs[64]; fp16 d, dmin }: x = (d * (sc & 15)) * q - dmin * (sc >> 4);
+ *   Q3_K { hmask[32]; qs[64]; scales[12]; fp16 d }: x = (d * (sc - 32)) * (q - 4) with
+ *        q's bit 2 bit v / 32 of hmask[v % 32] (sc 6-bit, gh_k3_scale).
+ * Products and the difference rounded apart, as types.c's q2_K/q3_K_to_float. */
+template <int T> struct k_low2 {
+    static constexpr bool Q3 = T == GH_TYPE_Q3_K;
+    static constexpr int block = QK_K, align = 2;
+    static constexpr int bytes = Q3 ? (int) sizeof(block_q3_K) : (int) sizeof(block_q2_K);
+    static constexpr int QS = Q3 ? QK_K / 8 : QK_K / 16;   /* offset of qs[64] */
+    static constexpr int SC = Q3 ? QS + QK_K / 4 : 0;       /* offset of the scales */
+    static constexpr int D = Q3 ? SC + 12 : QS + QK_K / 4;  /* offset of fp16 d (dmin next) */
+    static constexpr bool is_float = false;
+    /* the 6-bit scale of Q3_K sub-block j < 16 (gh_k3_scale, for the device) */
+    GH_HD static int k3_scale(const uint8_t * s, int j) {
+        const int lo = j < 8 ? (ldg(s + j) & 0x0f) : (ldg(s + j - 8) >> 4);
+        return lo | (((ldg(s + 8 + (j & 3)) >> (2 * (j >> 2))) & 3) << 4);
+    }
+    /* Elements e0 .. e0 + K - 1 of block b, within one 16-value sub-block and one run of
+     * 32 consecutive qs bytes (e0 % 16 + K <= 16). */
+    template <int K>
+    GH_HD static void elems(const uint8_t * b, int e0, float * w) {
+        const int j = e0 >> 4, sh = 2 * ((e0 >> 5) & 3), l = e0 & 31;
+        const uint8_t * qs = b + QS + 32 * (e0 >> 7) + l;
+        const float d = f16_bits(ld_u16(b + D));
+        if constexpr (Q3) {
+            const float dl = mul_rn(d, (float) (k3_scale(b + SC, j) - 32));
+            const int hb = e0 >> 5; /* value v's bit 2: bit v / 32 of hmask[v % 32] */
+GH_UNROLL()
+            for (int i = 0; i < K; i++) {
+                const int q = ((ldg(qs + i) >> sh) & 3) - (((ldg(b + l + i) >> hb) & 1) ? 0 : 4);
+                w[i] = mul_rn(dl, (float) q);
+            }
+        } else {
+            const int sc = ldg(b + j);
+            const float dl = mul_rn(d, (float) (sc & 0x0f));
+            const float ml = mul_rn(f16_bits(ld_u16(b + D + 2)), (float) (sc >> 4));
+GH_UNROLL()
+            for (int i = 0; i < K; i++) w[i] = sub_rn(mul_rn(dl, (float) ((ldg(qs + i) >> sh) & 3)), ml);
+        }
+    }
+    GH_HD static float elem(const uint8_t * row, int64_t i) {
+        float w;
+        elems<1>(row + (i >> 8) * (int64_t) bytes, (int) (i & 255), &w);
+        return w;
+    }
+    /* elements 8p .. 8p + 7 of block u / 32, p = u % 32 (half a sub-block) */
+    GH_HD static void unit(const uint8_t * row, int64_t u, float w[8], int64_t & o0, int64_t & o1) {
+        const int64_t blk = u >> 5;
+        const int p = (int) (u & 31);
+        elems<8>(row + blk * (int64_t) bytes, 8 * p, w);
+        o0 = QK_K * blk + 8 * p;
+        o1 = o0 + 4;
+    }
+};
+template <> struct dev_type<GH_TYPE_Q2_K> : k_low2<GH_TYPE_Q2_K> {};
+template <> struct dev_type<GH_TYPE_Q3_K> : k_low2<GH_TYPE_Q3_K> {};
+static_assert((size_t) k_low2<GH_TYPE_Q2_K>::D == offsetof(block_q2_K, d), "q2_K layout");
+static_assert((size_t) k_low2<GH_TYPE_Q3_K>::SC == offsetof(block_q3_K, scales), "q3_K layout");
+static_assert((size_t) k_low2<GH_TYPE_Q3_K>::D == offsetof(block_q3_K, d), "q3_K layout");
+
+/* ---- the non-linear 4-bit types: 16 int8 levels indexed by a nibble ---- */
+
+/* A level table as two words, level i byte i % 8 of word i / 8: reading a level is a
+ * register shift, where an indexed table would be a memory access per value (divergent
+ * across a warp's lanes). */
+struct levels16 {
+    uint64_t lo, hi;
+};
+GH_HD int level_of(const levels16 & t, int q) {
+    return (int) (int8_t) (uint8_t) ((q & 8 ? t.hi : t.lo) >> (8 * (q & 7)));
+}
+inline levels16 pack_levels(const int8_t k[16]) {
+    levels16 t{0, 0};
+    for (int i = 0; i < 8; i++) {
+        t.lo |= (uint64_t) (uint8_t) k[i] << (8 * i);
+        t.hi |= (uint64_t) (uint8_t) k[i + 8] << (8 * i);
+    }
+    return t;
+}
+/* The tables' one home is types_iq4.c (gh_kvalues_iq4nl, gh_kvalues_mxfp4): the device
+ * copy c_levels is written from them when a backend opens its device
+ * (upload_levels, backend_cuda.cu); host code (cuda_emu.cu) reads them directly. */
+enum { LEVELS_IQ4NL, LEVELS_MXFP4, N_LEVELS };
+__constant__ levels16 c_levels[N_LEVELS];
+inline void host_levels(levels16 out[N_LEVELS]) {
+    out[LEVELS_IQ4NL] = pack_levels(gh_kvalues_iq4nl);
+    out[LEVELS_MXFP4] = pack_levels(gh_kvalues_mxfp4);
+}
+GH_HD levels16 levels(int which) {
+#ifdef __CUDA_ARCH__
+    return c_levels[which];
+#else
+    return pack_levels(which == LEVELS_MXFP4 ? gh_kvalues_mxfp4 : gh_kvalues_iq4nl);
+#endif
+}
+
+/* The blocks (types/iq4.h): 32-value groups of nibbles laid out as Q4_0's (element j < 16
+ * of a group the low nibble of its byte j, j + 16 the high one), x = s * level[nibble]
+ * with the group's scale s, each product rounded once as types_iq4.c computes it. A spec
+ * S gives block, bytes, align, the table, QS (the first group's 16 bytes; group g's at
+ * QS + 16 g) and scale(b, g). */
+struct iq4_nl_spec {
+    static constexpr int block = 32, bytes = (int) sizeof(block_iq4_nl), align = 2, QS = 2;
+    static constexpr int LEVELS = LEVELS_IQ4NL;
+    GH_HD static float scale(const uint8_t * b, int) { return f16_bits(ld_u16(b)); }
+};
+/* 17-byte blocks: every other one starts at an odd address, so byte loads only (align 1) */
+struct mxfp4_spec {
+    static constexpr int block = 32, bytes = (int) sizeof(block_mxfp4), align = 1, QS = 1;
+    static constexpr int LEVELS = LEVELS_MXFP4;
+    /* 2^(e - 128) (gh_e8m0_to_fp32_half: e = 0, 1 the subnormals 2^-128, 2^-127) */
+    GH_HD static float scale(const uint8_t * b, int) {
+        const uint32_t e = ldg(b);
+        return bits_to_f32(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    }
+};
+/* { fp16 d; uint16 scales_h; uint8 scales_l[4]; qs[128] }: group g's scale d * (ls - 32),
+ * ls's low 4 bits nibble g % 2 of scales_l[g / 2], its high 2 bits bits 2g of scales_h */
+struct iq4_xs_spec {
+    static constexpr int block = QK_K, bytes = (int) sizeof(block_iq4_xs), align = 2, QS = 8;
+    static constexpr int LEVELS = LEVELS_IQ4NL;
+    GH_HD static float scale(const uint8_t * b, int g) {
+        const int lo = (ldg(b + 4 + g / 2) >> (4 * (g % 2))) & 0x0f;
+        const int hi = (ld_u16(b + 2) >> (2 * g)) & 3;
+        return mul_rn(f16_bits(ld_u16(b)), (float) ((lo | hi << 4) - 32));
+    }
+};
+static_assert(offsetof(block_iq4_xs, qs) == (size_t) iq4_xs_spec::QS, "iq4_xs layout");
+static_assert(offsetof(block_mxfp4, qs) == (size_t) mxfp4_spec::QS, "mxfp4 layout");
+
+template <typename S> struct level4 {
+    static constexpr int block = S::block, bytes = S::bytes, align = S::align;
+    static constexpr bool is_float = false;
+    static constexpr int BSH = block == 32 ? 5 : 8; /* log2(block) */
+    /* bytes q[0..3] as one little-endian word */
+    GH_HD static uint32_t word4(const uint8_t * q) {
+        if constexpr (align >= 2) return (uint32_t) ld_u16(q) | (uint32_t) ld_u16(q + 2) << 16;
+        else return (uint32_t) ldg(q) | (uint32_t) ldg(q + 1) << 8 | (uint32_t) ldg(q + 2) << 16 |
+                    (uint32_t) ldg(q + 3) << 24;
+    }
+    GH_HD static float elem(const uint8_t * row, int64_t i) {
+        const uint8_t * b = row + (i >> BSH) * (int64_t) bytes;
+        const int e = (int) (i & (block - 1)), g = e >> 5, j = e & 31;
+        const uint8_t byte = ldg(b + S::QS + 16 * g + (j & 15));
+        const int q = j < 16 ? (byte & 0x0f) : (byte >> 4);
+        return mul_rn(S::scale(b, g), (float) level_of(levels(S::LEVELS), q));
+    }
+    /* quarter p % 4 of group p / 4 of block u / (block / 8), p = u % (block / 8): bytes
+     * 4 (p % 4) .. + 3 of the group, i.e. its elements 4 (p % 4) + i (low nibbles) and
+     * 16 + 4 (p % 4) + i (high nibbles) */
+    GH_HD static void unit(const uint8_t * row, int64_t u, float w[8], int64_t & o0, int64_t & o1) {
+        const int64_t blk = u >> (BSH - 3);
+        const int p = (int) (u & (block / 8 - 1)), g = p >> 2, pp = p & 3;
+        const uint8_t * b = row + blk * (int64_t) bytes;
+        const float s = S::scale(b, g);
+        const levels16 t = levels(S::LEVELS);
+        const uint32_t v = word4(b + S::QS + 16 * g + 4 * pp);
+GH_UNROLL()
+        for (int i = 0; i < 4; i++) {
+            const int byte = (int) ((v >> (8 * i)) & 0xFFu);
+            w[i] = mul_rn(s, (float) level_of(t, byte & 0x0f));
+            w[4 + i] = mul_rn(s, (float) level_of(t, byte >> 4));
+        }
+        o0 = (int64_t) block * blk + 32 * g + 4 * pp;
+        o1 = o0 + 16;
+    }
+};
+template <> struct dev_type<GH_TYPE_IQ4_NL> : level4<iq4_nl_spec> {};
+template <> struct dev_type<GH_TYPE_IQ4_XS> : level4<iq4_xs_spec> {};
+template <> struct dev_type<GH_TYPE_MXFP4> : level4<mxfp4_spec> {};
+
 /* ---- the list ---- */
 
 template <int... Ts> struct type_list {
@@ -301,8 +477,9 @@ template <int... Ts> struct type_list {
 
 /* THE types the CUDA kernels read, in the order messages list them. */
 using dev_types = type_list<GH_TYPE_F32, GH_TYPE_F16, GH_TYPE_BF16, GH_TYPE_Q8_0, GH_TYPE_Q4_0,
-                            GH_TYPE_Q4_1, GH_TYPE_Q5_0, GH_TYPE_Q5_1, GH_TYPE_Q4_K, GH_TYPE_Q5_K,
-                            GH_TYPE_Q6_K>;
+                            GH_TYPE_Q4_1, GH_TYPE_Q5_0, GH_TYPE_Q5_1, GH_TYPE_Q2_K, GH_TYPE_Q3_K,
+                            GH_TYPE_Q4_K, GH_TYPE_Q5_K, GH_TYPE_Q6_K, GH_TYPE_IQ4_NL,
+                            GH_TYPE_IQ4_XS, GH_TYPE_MXFP4>;
 
 template <int T> using type_c = std::integral_constant<int, T>;
 

@@ -1,6 +1,7 @@
 /* AVX2 axpy kernels of the transposed matmul: one row and four rows for every type (the
- * 32-value block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 through one body over the type), the
- * sixteen-row int8 forms of Q4_0 and the K-quants (one token and a batch), and the F32
+ * 32-value block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 through one body over
+ * the type; the K-quants Q4_K, Q5_K, Q6_K, Q2_K, Q3_K through another; IQ4_XS), the
+ * sixteen-row int8 forms of Q4_0, Q4_1 and the K-quants (one token and a batch), and the F32
  * row's dense-block tiles; the table of them is at the end.
  *
  * K-quants: y[0..n) += s * row and the four-row forms, rows starting at a block boundary,
@@ -14,6 +15,7 @@
 
 #include "cpu/avx2/kq_unpack.h"
 #include "cpu/avx2/axpy_int8.h"
+#include "cpu/avx2/iqlat_avx2.h"
 
 #include <math.h>
 #include <stddef.h>
@@ -119,15 +121,40 @@ AVX2_INLINE void block_scales4(const float * s, uint16_t d0, uint16_t d1, uint16
 /* The 32-value block types as `type` (a GH_TYPE_* constant at every call, so the branches
  * fold away and the Q8_0 and Q4_0 instances are the instructions they were before the
  * others came): Q8_0 { d, qs[32] }, Q4_0 { d, qs[16] }, Q4_1 { d, m, qs[16] },
- * Q5_0 { d, qh[4], qs[16] }, Q5_1 { d, m, qh[4], qs[16] }. */
+ * Q5_0 { d, qh[4], qs[16] }, Q5_1 { d, m, qh[4], qs[16] }, IQ4_NL { d, qs[16] },
+ * MXFP4 { e, qs[16] } (the scale 2^(e - 128), every other scale an fp16 d at byte 0). */
 AVX2_INLINE size_t b32_bytes(const int type) {
     switch (type) {
-        case GH_TYPE_Q4_0: return sizeof(block_q4_0);
-        case GH_TYPE_Q4_1: return sizeof(block_q4_1);
-        case GH_TYPE_Q5_0: return sizeof(block_q5_0);
-        case GH_TYPE_Q5_1: return sizeof(block_q5_1);
-        default:           return sizeof(block_q8_0);
+        case GH_TYPE_Q4_0:   return sizeof(block_q4_0);
+        case GH_TYPE_Q4_1:   return sizeof(block_q4_1);
+        case GH_TYPE_Q5_0:   return sizeof(block_q5_0);
+        case GH_TYPE_Q5_1:   return sizeof(block_q5_1);
+        case GH_TYPE_IQ4_NL: return sizeof(block_iq4_nl);
+        case GH_TYPE_MXFP4:  return sizeof(block_mxfp4);
+        default:             return sizeof(block_q8_0);
     }
+}
+/* IQ4_NL, MXFP4: every value a level of a 16-entry int8 table */
+AVX2_INLINE bool b32_is_iq(const int type) { return type == GH_TYPE_IQ4_NL || type == GH_TYPE_MXFP4; }
+/* The scale of the block at b. */
+AVX2_INLINE float b32_scale(const int type, const uint8_t * b) {
+    if (type == GH_TYPE_MXFP4) return gh_e8m0_to_fp32_half(b[0]);
+    uint16_t d;
+    memcpy(&d, b, 2);
+    return _cvtsh_ss(d);
+}
+
+/* The levels of the 16 nibble bytes at qs (table: the type's 16 int8 levels) as int32:
+ * v[0], v[1] values 0..15 (the low nibbles), v[2], v[3] values 16..31 (the high ones). */
+AVX2_INLINE void iq4_levels_i32(__m128i table, const uint8_t * qs, __m256i v[4]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i q = _mm_loadu_si128((const __m128i *) qs);
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(q, m4));
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    v[0] = _mm256_cvtepi8_epi32(lo);
+    v[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8));
+    v[2] = _mm256_cvtepi8_epi32(hi);
+    v[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
 }
 /* Q4_1 and Q5_1: x = d q + m, m the fp16 word after d */
 AVX2_INLINE bool b32_has_min(const int type) { return type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_1; }
@@ -152,7 +179,10 @@ AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs,
  * 8..15 widened once each give values 0..15 (low nibbles) and 16..31 (high nibbles); Q5's
  * fifth bit of value 8j + l is bit 8j + l of the qh word, picked per lane by a mask. */
 AVX2_INLINE void block_i32(const int type, const uint8_t * b, __m256i v[4]) {
-    if (type == GH_TYPE_Q8_0) {
+    if (b32_is_iq(type)) { /* the levels, looked up (qs: the block's last 16 bytes) */
+        const int8_t * k = type == GH_TYPE_MXFP4 ? gh_kvalues_mxfp4 : gh_kvalues_iq4nl;
+        iq4_levels_i32(_mm_loadu_si128((const __m128i *) k), b + b32_bytes(type) - 16, v);
+    } else if (type == GH_TYPE_Q8_0) {
         for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (b + 2 + 8 * j)));
     } else if (type == GH_TYPE_Q4_0) {
         const uint8_t * qs = b + 2;
@@ -195,9 +225,7 @@ AVX2_INLINE void axpy_quant_avx2(const int type, int64_t n, float s, const void 
     const size_t bs = b32_bytes(type);
     const uint8_t * b = row;
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
-        uint16_t d;
-        memcpy(&d, b + i * bs, 2);
-        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(d));
+        const __m256 ds = _mm256_set1_ps(s * b32_scale(type, b + i * bs));
         __m256i v[4];
         block_i32(type, b + i * bs, v);
         if (b32_has_min(type)) {
@@ -226,20 +254,27 @@ DEFINE_AXPY_B32_AVX2(axpy_q4_0_avx2, GH_TYPE_Q4_0)
 DEFINE_AXPY_B32_AVX2(axpy_q4_1_avx2, GH_TYPE_Q4_1)
 DEFINE_AXPY_B32_AVX2(axpy_q5_0_avx2, GH_TYPE_Q5_0)
 DEFINE_AXPY_B32_AVX2(axpy_q5_1_avx2, GH_TYPE_Q5_1)
+DEFINE_AXPY_B32_AVX2(axpy_iq4_nl_avx2, GH_TYPE_IQ4_NL)
+DEFINE_AXPY_B32_AVX2(axpy_mxfp4_avx2, GH_TYPE_MXFP4)
 
 /* Four rows: each vector of y starts from y plus the four rows' s * m (Q4_1, Q5_1), then
  * adds s_k d_k q_k for k = 0..3. */
 AVX2_INLINE void axpy4_quant_avx2(const int type, int64_t n, const float * s, const void * const * row,
                                   const void * const * pf, float * restrict y) {
     const size_t bs = b32_bytes(type);
-    const bool mid = type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_0 || type == GH_TYPE_Q5_1;
+    /* (the IQ kinds' 68..72 bytes may span three lines too) */
+    const bool mid = type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_0 || type == GH_TYPE_Q5_1 || b32_is_iq(type);
     const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
         if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs, mid);
-        uint16_t d[4];
-        for (int k = 0; k < 4; k++) memcpy(&d[k], b[k] + i * bs, 2);
         float ds[4];
-        block_scales4(s, d[0], d[1], d[2], d[3], ds);
+        if (type == GH_TYPE_MXFP4) {
+            for (int k = 0; k < 4; k++) ds[k] = s[k] * b32_scale(type, b[k] + i * bs);
+        } else {
+            uint16_t d[4];
+            for (int k = 0; k < 4; k++) memcpy(&d[k], b[k] + i * bs, 2);
+            block_scales4(s, d[0], d[1], d[2], d[3], ds);
+        }
         __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
                           _mm256_loadu_ps(y + 24) };
         if (b32_has_min(type)) {
@@ -278,6 +313,8 @@ DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, GH_TYPE_Q4_0)
 DEFINE_AXPY4_AVX2(axpy4_q4_1_avx2, axpy4_quant_avx2, GH_TYPE_Q4_1)
 DEFINE_AXPY4_AVX2(axpy4_q5_0_avx2, axpy4_quant_avx2, GH_TYPE_Q5_0)
 DEFINE_AXPY4_AVX2(axpy4_q5_1_avx2, axpy4_quant_avx2, GH_TYPE_Q5_1)
+DEFINE_AXPY4_AVX2(axpy4_iq4_nl_avx2, axpy4_quant_avx2, GH_TYPE_IQ4_NL)
+DEFINE_AXPY4_AVX2(axpy4_mxfp4_avx2, axpy4_quant_avx2, GH_TYPE_MXFP4)
 
 /* ---- K-quants ---- */
 
@@ -357,8 +394,10 @@ AVX2_INLINE void axpy4_kq(const int kind, int64_t n, const float * s, const void
 DEFINE_KQ_AVX2(axpy_q4_K_avx2, KQ4)
 DEFINE_KQ_AVX2(axpy_q5_K_avx2, KQ5)
 DEFINE_KQ_AVX2(axpy_q6_K_avx2, KQ6)
+DEFINE_KQ_AVX2(axpy_q2_K_avx2, KQ2)
+DEFINE_KQ_AVX2(axpy_q3_K_avx2, KQ3)
 
-/* ---- Q4_0, sixteen rows per pass in int8 (the decode list's groups of 16) ----
+/* ---- Q4_0 and Q4_1, sixteen rows per pass in int8 (the decode list's groups of 16) ----
  *
  * The arithmetic: avx2/axpy_int8.h. The float form (axpy.c) widens every nibble to a float
  * and spends an FMA on it; here the nibbles of two rows, interleaved, meet a pair
@@ -371,30 +410,45 @@ DEFINE_KQ_AVX2(axpy_q6_K_avx2, KQ6)
  * non-finite product makes its block's outputs NaN (the float form's inf - inf or NaN). */
 #define CHUNK_BLOCKS 32
 
-AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * row, const void * const * pf,
-                             float * restrict y) {
-    const size_t bs = sizeof(block_q4_0);
+/* Q4_1 the same way: x = d q + m = d (q - 8) + (8 d + m), the centred nibbles through the
+ * int8 sums as Q4_0's (bias -8 sum_k m_k) and the rest, g = sum_k s_k (8 d_k + m_k), one
+ * float per block added before them (q4_1_g8), as the K-quants' mins (below). `type`:
+ * GH_TYPE_Q4_0 or GH_TYPE_Q4_1, a constant at every call. */
+AVX2_INLINE void axpy16_q4(const int type, int64_t n, const float * s, const void * const * row,
+                           const void * const * pf, float * restrict y) {
+    const bool q41 = type == GH_TYPE_Q4_1;
+    const size_t bs = q41 ? sizeof(block_q4_1) : sizeof(block_q4_0);
+    const size_t qs = q41 ? offsetof(block_q4_1, qs) : offsetof(block_q4_0, qs);
     const int64_t nb = n / QK4_0;
     for (int64_t i0 = 0; i0 < nb; i0 += CHUNK_BLOCKS) {
         const int nc = (int) GH_MIN((int64_t) CHUNK_BLOCKS, nb - i0);
         uint16_t d[16][CHUNK_BLOCKS];      /* the rows' block scales, fp16 */
+        uint16_t m[16][CHUNK_BLOCKS];      /* Q4_1: their mins */
         int16_t mp[8][CHUNK_BLOCKS];       /* (m_2p, m_2p+1) as the bytes of one word */
         float scale[CHUNK_BLOCKS];         /* M_b / 127 */
         int32_t bias[CHUNK_BLOCKS];        /* -8 sum_k m_k */
+        float g[CHUNK_BLOCKS];             /* Q4_1: sum_k s_k (8 d_k + m_k) */
         for (int k = 0; k < 16; k++) {
             const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
             for (int i = 0; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
             for (int i = nc; i < CHUNK_BLOCKS; i++) d[k][i] = 0;
+            if (q41) {
+                for (int i = 0; i < nc; i++) memcpy(&m[k][i], b + i * bs + 2, 2);
+                for (int i = nc; i < CHUNK_BLOCKS; i++) m[k][i] = 0;
+            }
             if (pf) {
                 const char * p = (const char *) pf[k] + i0 * bs;
                 for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
                 _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
             }
         }
-        for (int j = 0; j < nc; j += 8) int8_factors8(s, &d[0][0], 0, CHUNK_BLOCKS, j, &mp[0][0], 0, scale, bias);
+        for (int j = 0; j < nc; j += 8) {
+            int8_factors8(s, &d[0][0], 0, CHUNK_BLOCKS, j, &mp[0][0], 0, scale, bias);
+            if (q41) q4_1_g8(s, &d[0][0], &m[0][0], CHUNK_BLOCKS, j, g);
+        }
         float * yb = y + i0 * QK4_0;
         for (int i = 0; i < nc; i++, yb += QK4_0) {
-            const size_t off = (size_t) (i0 + i) * bs + 2;
+            const size_t off = (size_t) (i0 + i) * bs + qs;
             __m256i lo = _mm256_set1_epi16((int16_t) bias[i]), hi = lo;
             for (int k = 0; k < 16; k += 2) {
                 __m256i u[2];
@@ -403,40 +457,46 @@ AVX2_INLINE void axpy16_q4_0(int64_t n, const float * s, const void * const * ro
                 lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[0], pair));
                 hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[1], pair));
             }
-            int8_store32(scale[i], NULL, lo, hi, yb);
+            int8_store32(scale[i], q41 ? &g[i] : NULL, lo, hi, yb);
         }
     }
 }
 
 AVX2_FN static void axpy16_q4_0_avx2(int64_t n, const float * s, const void * const * row,
                                      const void * const * pf, float * restrict y) {
-    axpy16_q4_0(n, s, row, pf, y);
+    axpy16_q4(GH_TYPE_Q4_0, n, s, row, pf, y);
+}
+AVX2_FN static void axpy16_q4_1_avx2(int64_t n, const float * s, const void * const * row,
+                                     const void * const * pf, float * restrict y) {
+    axpy16_q4(GH_TYPE_Q4_1, n, s, row, pf, y);
 }
 
 /* The batch form (gh_matmul16_fn): per chunk of 8 blocks the rows' nibbles are unpacked
  * once into pairs and their scales copied out, then every token makes its own factors
- * (int8_factors8, as the one-token form does) and runs the pass over the unpacked pairs.
- * The up to four groups of a call meet each 32 values of y in one load and store, added
- * group after group: a token's sums are those of axpy16_q4_0 over the same groups in
- * order, bit for bit, and y stays in L1 across them (the unpacked rows, 16 KB, too).
- * Rows past nk are padding with scale 0 and product 0. */
+ * (int8_factors8 and Q4_1's g, as the one-token form does) and runs the pass over the
+ * unpacked pairs. The up to four groups of a call meet each 32 values of y in one load and
+ * store, added group after group: a token's sums are those of axpy16_q4 over the same
+ * groups in order, bit for bit, and y stays in L1 across them (the unpacked rows, 16 KB,
+ * too). Rows past nk are padding with scale 0 and product 0. */
 #define BATCH_BLOCKS 8
 
-AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
-                                       const int32_t * hc, int nk, const void * const * row,
-                                       float * y, int64_t ldy) {
-    const size_t bs = sizeof(block_q4_0);
+AVX2_INLINE void matmul16_q4(const int type, int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                             const int32_t * hc, int nk, const void * const * row, float * y, int64_t ldy) {
+    const bool q41 = type == GH_TYPE_Q4_1;
+    const size_t bs = q41 ? sizeof(block_q4_1) : sizeof(block_q4_0);
+    const size_t qs = q41 ? offsetof(block_q4_1, qs) : offsetof(block_q4_0, qs);
     const int64_t nb = n / QK4_0;
     const int ng = (nk + 15) / 16;
     static const uint8_t zero[QK4_0 / 2];
     for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
         const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
-        uint16_t d[4][16][BATCH_BLOCKS];
+        uint16_t d[4][16][BATCH_BLOCKS], m[4][16][BATCH_BLOCKS];
         __m256i u[4][BATCH_BLOCKS][8][2];
-        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, &d[0][0][0]);
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 0, &d[0][0][0]);
+        if (q41) q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 2, &m[0][0][0]);
         for (int g = 0; g < ng; g++) {
             for (int i = 0; i < nc; i++) {
-                const size_t off = (size_t) (i0 + i) * bs + 2;
+                const size_t off = (size_t) (i0 + i) * bs + qs;
                 for (int k = 16 * g; k < 16 * g + 16; k += 2) {
                     q4_0_pair(k < nk ? (const uint8_t *) row[k] + off : zero,
                               k + 1 < nk ? (const uint8_t *) row[k + 1] + off : zero, u[g][i][(k % 16) / 2]);
@@ -446,9 +506,10 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
         for (int64_t t = 0; t < n_tokens; t++) {
             const float * ht = h + t * ldh;
             int16_t mp[4][8][BATCH_BLOCKS];
-            float scale[4][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS], gq[4][BATCH_BLOCKS];
             int32_t bias[4][BATCH_BLOCKS];
-            q4_0_batch_factors(ht, hc, nk, ng, BATCH_BLOCKS, &d[0][0][0], &mp[0][0][0], 0, &scale[0][0], &bias[0][0]);
+            q4_0_batch_factors(ht, hc, nk, ng, BATCH_BLOCKS, &d[0][0][0], &mp[0][0][0], 0, &scale[0][0], &bias[0][0],
+                               q41 ? &m[0][0][0] : NULL, &gq[0][0]);
             float * yb = y + t * ldy + i0 * QK4_0;
             for (int i = 0; i < nc; i++, yb += QK4_0) {
                 __m256 yv[4];
@@ -460,12 +521,23 @@ AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float 
                         lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(u[g][i][p][0], pair));
                         hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(u[g][i][p][1], pair));
                     }
-                    int8_acc32(yv, scale[g][i], NULL, lo, hi);
+                    int8_acc32(yv, scale[g][i], q41 ? &gq[g][i] : NULL, lo, hi);
                 }
                 for (int v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, yv[v]);
             }
         }
     }
+}
+
+AVX2_FN static void matmul16_q4_0_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                       const int32_t * hc, int nk, const void * const * row,
+                                       float * y, int64_t ldy) {
+    matmul16_q4(GH_TYPE_Q4_0, n, n_tokens, h, ldh, hc, nk, row, y, ldy);
+}
+AVX2_FN static void matmul16_q4_1_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                       const int32_t * hc, int nk, const void * const * row,
+                                       float * y, int64_t ldy) {
+    matmul16_q4(GH_TYPE_Q4_1, n, n_tokens, h, ldh, hc, nk, row, y, ldy);
 }
 
 /* ---- The K-quants, sixteen rows per pass in int8: one token and a batch ----
@@ -711,54 +783,46 @@ AVX2_FN static void tiles_f32_avx2(int64_t n_tokens, const float * h, int64_t ld
     }
 }
 
-/* ---- Q2_K, Q3_K: one row ----
- * Per sub-block of 16 values: the 2-bit values (Q3_K: with hmask's third bit, 0..7) as
- * bytes, widened to floats, y += f q + g with the row's scale folded in: f = s d sc and
- * g = -s dmin m (Q2_K), f = s d (sc - 32) and g = -4 f (Q3_K). The four-row forms are the
- * caller's loop of this one. */
-
-AVX2_INLINE void axpy_k2_avx2(const bool is_q3, int64_t n, float s, const void * row, float * restrict y) {
-    const size_t bs = is_q3 ? sizeof(block_q3_K) : sizeof(block_q2_K);
-    const __m128i m3 = _mm_set1_epi8(3), b2 = _mm_set1_epi8(4);
+/* ---- IQ4_XS: one row and four rows ----
+ * Per sub-block of 32 values: the levels looked up (iq4_levels_i32, as IQ4_NL's) and
+ * y += f level, f = s d (ls - 32) (the row's scale folded in); four rows add f_k level_k
+ * for k = 0..3 into each vector of y. */
+AVX2_INLINE void axpy_iq4_xs_rows(const int nr, int64_t n, const float * s, const void * const * row,
+                                  const void * const * pf, float * restrict y) {
+    const __m128i table = _mm_loadu_si128((const __m128i *) gh_kvalues_iq4nl);
+    const size_t bs = sizeof(block_iq4_xs);
     for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
-        const uint8_t * b = (const uint8_t *) row + i * bs;
-        const block_q2_K * b2k = (const block_q2_K *) b;
-        const block_q3_K * b3k = (const block_q3_K *) b;
-        const uint8_t * qs = is_q3 ? b3k->qs : b2k->qs;
-        const float sd = s * _cvtsh_ss(is_q3 ? b3k->d : b2k->d);
-        const float sdm = is_q3 ? 0.0f : s * _cvtsh_ss(b2k->dmin);
-        for (int j = 0; j < 16; j++) {
-            const int k = j >> 1; /* value vector 4h + g of 32: shift 2g of qs[32h ..], hmask bit k */
-            __m128i q = _mm_loadu_si128((const __m128i *) (qs + 32 * (k >> 2) + 16 * (j & 1)));
-            q = _mm_and_si128(_mm_srl_epi16(q, _mm_cvtsi32_si128(2 * (k & 3))), m3);
-            float f, g;
-            if (is_q3) {
-                const __m128i h = _mm_loadu_si128((const __m128i *) (b3k->hmask + 16 * (j & 1)));
-                const __m128i hk = k < 2 ? _mm_sll_epi16(h, _mm_cvtsi32_si128(2 - k)) : _mm_srl_epi16(h, _mm_cvtsi32_si128(k - 2));
-                q = _mm_or_si128(q, _mm_and_si128(hk, b2));
-                f = sd * (float) (gh_k3_scale(b3k->scales, j) - 32);
-                g = -4.0f * f;
-            } else {
-                f = sd * (float) (b2k->scales[j] & 0x0f);
-                g = -sdm * (float) (b2k->scales[j] >> 4);
+        if (pf) {
+            for (int r = 0; r < nr; r++)
+                for (size_t o = 0; o < bs + 63; o += 64)
+                    _mm_prefetch((const char *) pf[r] + i * bs + GH_MIN(o, bs - 1), _MM_HINT_T1);
+        }
+        const block_iq4_xs * b[4];
+        float f[4][QK_K / 32];
+        for (int r = 0; r < nr; r++) {
+            b[r] = (const block_iq4_xs *) row[r] + i;
+            const float sd = s[r] * _cvtsh_ss(b[r]->d);
+            for (int ib = 0; ib < QK_K / 32; ib++) f[r][ib] = sd * (float) gh_iq4_xs_scale(b[r], ib);
+        }
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            float * yb = y + 32 * ib;
+            __m256 acc[4];
+            for (int j = 0; j < 4; j++) acc[j] = _mm256_loadu_ps(yb + 8 * j);
+            for (int r = 0; r < nr; r++) {
+                __m256i v[4];
+                iq4_levels_i32(table, b[r]->qs + 16 * ib, v);
+                const __m256 fr = _mm256_set1_ps(f[r][ib]);
+                for (int j = 0; j < 4; j++) acc[j] = _mm256_fmadd_ps(fr, _mm256_cvtepi32_ps(v[j]), acc[j]);
             }
-            const __m256 vf = _mm256_set1_ps(f), vg = _mm256_set1_ps(g);
-            float * yj = y + 16 * j;
-            const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
-            const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
-            _mm256_storeu_ps(yj, _mm256_fmadd_ps(vf, q0, _mm256_add_ps(_mm256_loadu_ps(yj), vg)));
-            _mm256_storeu_ps(yj + 8, _mm256_fmadd_ps(vf, q1, _mm256_add_ps(_mm256_loadu_ps(yj + 8), vg)));
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(yb + 8 * j, acc[j]);
         }
     }
 }
 
-AVX2_FN static void axpy_q2_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_k2_avx2(false, n, s, row, y);
+AVX2_FN static void axpy_iq4_xs_avx2(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_iq4_xs_rows(1, n, &s, &row, NULL, y);
 }
-
-AVX2_FN static void axpy_q3_K_avx2(int64_t n, float s, const void * row, float * restrict y) {
-    axpy_k2_avx2(true, n, s, row, y);
-}
+DEFINE_AXPY4_AVX2(axpy4_iq4_xs_avx2, axpy_iq4_xs_rows, 4)
 
 /* ---- the AVX2 rows of the axpy family (cpu/kernels.h) ---- */
 
@@ -770,7 +834,8 @@ const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx2, .axpy4 = axpy4_q8_0_avx2, .axpy4pf = axpy4_q8_0_avx2pf },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx2, .axpy4 = axpy4_q4_0_avx2, .axpy4pf = axpy4_q4_0_avx2pf,
                        .axpy16 = axpy16_q4_0_avx2, .matmul16 = matmul16_q4_0_avx2 },
-    [GH_TYPE_Q4_1] = { .axpy = axpy_q4_1_avx2, .axpy4 = axpy4_q4_1_avx2, .axpy4pf = axpy4_q4_1_avx2pf },
+    [GH_TYPE_Q4_1] = { .axpy = axpy_q4_1_avx2, .axpy4 = axpy4_q4_1_avx2, .axpy4pf = axpy4_q4_1_avx2pf,
+                       .axpy16 = axpy16_q4_1_avx2, .matmul16 = matmul16_q4_1_avx2 },
     [GH_TYPE_Q5_0] = { .axpy = axpy_q5_0_avx2, .axpy4 = axpy4_q5_0_avx2, .axpy4pf = axpy4_q5_0_avx2pf },
     [GH_TYPE_Q5_1] = { .axpy = axpy_q5_1_avx2, .axpy4 = axpy4_q5_1_avx2, .axpy4pf = axpy4_q5_1_avx2pf },
     [GH_TYPE_Q4_K] = { .axpy = axpy_q4_K_avx2, .axpy4 = axpy_q4_K_avx2_4, .axpy4pf = axpy_q4_K_avx2_4pf,
@@ -779,6 +844,19 @@ const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
                        .axpy16 = axpy16_q5_K_avx2, .matmul16 = matmul16_q5_K_avx2 },
     [GH_TYPE_Q6_K] = { .axpy = axpy_q6_K_avx2, .axpy4 = axpy_q6_K_avx2_4, .axpy4pf = axpy_q6_K_avx2_4pf,
                        .axpy16 = axpy16_q6_K_avx2, .matmul16 = matmul16_q6_K_avx2 },
-    [GH_TYPE_Q2_K] = { .axpy = axpy_q2_K_avx2 },
-    [GH_TYPE_Q3_K] = { .axpy = axpy_q3_K_avx2 },
+    [GH_TYPE_Q2_K] = { .axpy = axpy_q2_K_avx2, .axpy4 = axpy_q2_K_avx2_4, .axpy4pf = axpy_q2_K_avx2_4pf },
+    [GH_TYPE_Q3_K] = { .axpy = axpy_q3_K_avx2, .axpy4 = axpy_q3_K_avx2_4, .axpy4pf = axpy_q3_K_avx2_4pf },
+    [GH_TYPE_IQ4_NL] = { .axpy = axpy_iq4_nl_avx2, .axpy4 = axpy4_iq4_nl_avx2, .axpy4pf = axpy4_iq4_nl_avx2pf },
+    [GH_TYPE_IQ4_XS] = { .axpy = axpy_iq4_xs_avx2, .axpy4 = axpy4_iq4_xs_avx2, .axpy4pf = axpy4_iq4_xs_avx2pf },
+    [GH_TYPE_MXFP4]  = { .axpy = axpy_mxfp4_avx2, .axpy4 = axpy4_mxfp4_avx2, .axpy4pf = axpy4_mxfp4_avx2pf },
+#if GH_IQ_GRIDS
+    /* the IQ lattice types: one-row forms in kernels_iqlat_avx2.c */
+    [GH_TYPE_IQ2_XXS] = { .axpy = gh_avx2_axpy_iq2_xxs },
+    [GH_TYPE_IQ2_XS]  = { .axpy = gh_avx2_axpy_iq2_xs },
+    [GH_TYPE_IQ2_S]   = { .axpy = gh_avx2_axpy_iq2_s },
+    [GH_TYPE_IQ3_XXS] = { .axpy = gh_avx2_axpy_iq3_xxs },
+    [GH_TYPE_IQ3_S]   = { .axpy = gh_avx2_axpy_iq3_s },
+    [GH_TYPE_IQ1_S]   = { .axpy = gh_avx2_axpy_iq1_s },
+    [GH_TYPE_IQ1_M]   = { .axpy = gh_avx2_axpy_iq1_m },
+#endif
 };

@@ -126,18 +126,31 @@ Q4I_INLINE void int8_store32(float scale, const float * g, __m256i lo, __m256i h
     for (int i = 0; i < 4; i++) _mm256_storeu_ps(yb + 8 * i, yv[i]);
 }
 
-/* Q4_0's batch forms: the fp16 block scales of blocks i0 .. i0 + nb8 (nc of them present) of
- * ng groups of 16 rows (nk present) into d[g][k][0..nb8), 0 where absent. */
+/* Q4_0's and Q4_1's batch forms: the fp16 words at byte off of blocks i0 .. i0 + nb8 (nc of
+ * them present; blocks bs bytes apart) of ng groups of 16 rows (nk present) into
+ * d[g][k][0..nb8), 0 where absent (off 0: the scales d; Q4_1's mins m: 2). */
 Q4I_INLINE void q4_0_batch_scales(const void * const * row, int nk, int ng, int64_t i0, int nc, int nb8,
-                                  uint16_t * d) {
-    const size_t bs = sizeof(block_q4_0);
+                                  size_t bs, size_t off, uint16_t * d) {
     for (int k = 0; k < ng * 16; k++) {
-        const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs : NULL;
+        const uint8_t * b = k < nk ? (const uint8_t *) row[k] + i0 * bs + off : NULL;
         for (int i = 0; i < nb8; i++) {
             if (b && i < nc) memcpy(&d[k * nb8 + i], b + i * bs, 2);
             else d[k * nb8 + i] = 0;
         }
     }
+}
+
+/* Q4_1 (x = d q + m = d (q - 8) + (8 d + m)): the part outside the centred nibbles, which
+ * the int8 sums leave out, per block of 8 from j: g[j ..] = sum_k s_k (8 d_k + m_k) in
+ * floats, rows k in order (d, m: fp16 [16][ld]). */
+Q4I_INLINE void q4_1_g8(const float * s, const uint16_t * d, const uint16_t * m, int ld, int j, float * g) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < 16; k++) {
+        const __m256 dk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (d + k * ld + j)));
+        const __m256 mk = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (m + k * ld + j)));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(s[k]), _mm256_fmadd_ps(_mm256_set1_ps(8.0f), dk, mk), acc);
+    }
+    _mm256_storeu_ps(g + j, acc);
 }
 
 /* Group g's 16 activations of one token of a batch call (ht: its row of h; rows past nk: 0). */
@@ -147,15 +160,17 @@ Q4I_INLINE void batch_s16(const float * ht, const int32_t * hc, int nk, int g, f
 
 /* One token's factors for every group of a batch call (ht: its row of h; per group g, d at
  * d + g * 16 * nb8, mp at mp + g * 8 * nb8 (pairs, int16) or g * 4 * nb8 (quads, int32),
- * scale and bias at g * nb8); rows past nk have s = 0. */
+ * scale and bias at g * nb8; with m (Q4_1's mins, as d) the g of q4_1_g8 at gq + g * nb8);
+ * rows past nk have s = 0. nb8: 8 blocks (one call of each). */
 Q4I_INLINE void q4_0_batch_factors(const float * ht, const int32_t * hc, int nk, int ng, int nb8,
                                    const uint16_t * d, void * mp, const int quads, float * scale,
-                                   int32_t * bias) {
+                                   int32_t * bias, const uint16_t * m, float * gq) {
     for (int g = 0; g < ng; g++) {
         float s[16];
         batch_s16(ht, hc, nk, g, s);
         void * mpg = quads ? (void *) ((int32_t *) mp + g * 4 * nb8) : (void *) ((int16_t *) mp + g * 8 * nb8);
         int8_factors8(s, d + g * 16 * nb8, 0, nb8, 0, mpg, quads, scale + g * nb8, bias + g * nb8);
+        if (m) q4_1_g8(s, d + g * 16 * nb8, m + g * 16 * nb8, nb8, 0, gq + g * nb8);
     }
 }
 

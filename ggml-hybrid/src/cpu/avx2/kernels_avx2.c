@@ -23,6 +23,8 @@
 
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/avx2/iq4_avx2.h"
+#include "cpu/avx2/iqlat_avx2.h"
+#include "cpu/prefetch.h"
 #include "cpu/kernels.h"
 
 #include <immintrin.h>
@@ -39,10 +41,6 @@
 #define F_MR 3
 #define F_NT 4
 #define QNT 6
-#ifndef GH_PF_TILES
-#define GH_PF_TILES 3
-#endif
-#define GH_PF_HINT _MM_HINT_T1  /* into L2: into L1 the prefetched lines evict x */
 
 GH_INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -74,9 +72,6 @@ GH_INLINE __m256 load_x(const int kind, const void * p) {
     return kind == W_BF16 ? bf16x8(p) : _mm256_loadu_ps(p);
 }
 
-/* Prefetch modes of the float tiles: none (prompt tiles, whose rows stay in L2), one
- * linear stream starting at pf[0] (decode), or the rows pf[0..MR) (gathered rows). */
-enum { PF_NONE, PF_LINEAR, PF_ROWS };
 
 /* y[t * ldy + r] = W[r] . X[t]: rows at wr[r], one accumulator per row and token, 8
  * values per step, the last n % 8 through zero-padded copies. */
@@ -442,6 +437,7 @@ GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
     }
     if (nb % 4) {
         const int64_t g = ng_full;
+        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) (nb % 4) * bs);
         const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
         q_tail_r4(NT, kind, p, (size_t) (nb % 4) * bs, xb + g * sizeof(block_q8_x4), xs, acc);
     }
@@ -515,6 +511,9 @@ static void dot4_f32(int64_t n, const void * const * rows, const void * const * 
 }
 static void dot4_f16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
     dot4_f(W_F16, n, rows, pf, x, y);
+}
+static void dot4_bf16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_f(W_BF16, n, rows, pf, x, y);
 }
 /* the quantized types' dot4: DEFINE_GEMM_Q */
 
@@ -893,7 +892,7 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
 const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32),
     [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16),
-    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, NULL),
+    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, dot4_bf16),
     [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0),
     [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0),
     [GH_TYPE_Q4_1] = GH_DOT_ROW(vec_dot_q4_1, q8_x4_from_float_x, gemm_q4_1, 4, QNT, 4, dot4_q4_1),
@@ -911,4 +910,16 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
                                   gh_avx2_dot4_mxfp4),
     [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx2_gemm_iq4_xs, 4, KNT, 4,
                                   gh_avx2_dot4_iq4_xs),
+#if GH_IQ_GRIDS
+    /* the IQ lattice types: kernels in kernels_iqlat_avx2.c (tiles of row dots) */
+#define IQLAT_ROW(T) GH_DOT_ROW(gh_avx2_vec_dot_##T, q8_K_from_float_x, gh_avx2_gemm_##T, 4, KNT, 4, NULL)
+    [GH_TYPE_IQ2_XXS] = IQLAT_ROW(iq2_xxs),
+    [GH_TYPE_IQ2_XS]  = IQLAT_ROW(iq2_xs),
+    [GH_TYPE_IQ2_S]   = IQLAT_ROW(iq2_s),
+    [GH_TYPE_IQ3_XXS] = IQLAT_ROW(iq3_xxs),
+    [GH_TYPE_IQ3_S]   = IQLAT_ROW(iq3_s),
+    [GH_TYPE_IQ1_S]   = IQLAT_ROW(iq1_s),
+    [GH_TYPE_IQ1_M]   = IQLAT_ROW(iq1_m),
+#undef IQLAT_ROW
+#endif
 };

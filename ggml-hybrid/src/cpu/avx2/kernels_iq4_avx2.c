@@ -1,6 +1,7 @@
 /* AVX2 dot kernels of the non-linear 4-bit types (types/iq4.h); their rows are in the
  * AVX2 dot table (kernels_avx2.c, which also gives them its Q8_X4 / Q8_K activation
- * conversions). AVX-512 has no rows of its own for them: that level uses these.
+ * conversions). AVX-512 has rows of its own for them (avx512/kernels_b32_avx512.c,
+ * avx512/kernels_k2_avx512.c).
  *
  * Every level is an int8, so the nibbles are looked up in the 16-byte level table with
  * one vpshufb per 32 values and the dot is Q8_0's: maddubs of |level| with
@@ -14,9 +15,8 @@
  *     last row so a row's value does not depend on its tile.
  *   IQ4_XS x Q8_K: one row at a time (one linear stream), each 256-value block's levels
  *     looked up once for up to KNT tokens, the signed 6-bit scales through madd (xs_row). */
-#pragma GCC target("avx2,fma,f16c")
-
 #include "cpu/avx2/iq4_avx2.h"
+#include "cpu/prefetch.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -24,10 +24,6 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define QNT 6  /* tokens of a prompt tile (as Q4_0's) */
 #define KNT 4  /* tokens of an IQ4_XS row pass (as the K-quants') */
-#ifndef GH_PF_TILES
-#define GH_PF_TILES 3
-#endif
-#define GH_PF_HINT _MM_HINT_T1
 #define K_PF_BYTES 1024
 
 enum { IQ_NL, IQ_MX };
@@ -137,8 +133,6 @@ GH_INLINE void group_r4(const int NT, const int kind, const uint8_t * const * p,
     }
 }
 
-enum { PF_NONE, PF_LINEAR, PF_ROWS };
-
 /* y[t][r] = rows[r] . X[t] for NT tokens; the last 1..3 blocks of a row through zeroed
  * copies (a zero block adds 0: its levels are 0 (MXFP4) or its scale is (IQ4_NL)). */
 GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, const uint8_t * const * rows,
@@ -168,6 +162,7 @@ GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, c
     }
     if (nb % 4) {
         const int64_t g = ng_full;
+        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) (nb % 4) * block_bytes(kind));
         _Alignas(32) uint8_t tb[4][4 * sizeof(block_iq4_nl)];
         memset(tb, 0, sizeof tb);
         const uint8_t * tp[4];

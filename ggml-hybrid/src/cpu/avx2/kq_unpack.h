@@ -5,7 +5,9 @@
  *         the byte domain, 32 values per instruction, instead of once per widened vector);
  *   f[j], g[j]  sub-block j's value = f[j] * q + g[j], the row's scale s folded in (Q4_K,
  *         Q5_K: f = s d sc, g = -s dmin m, 8 sub-blocks of 32; Q6_K: f = s d sc, g = -32 f,
- *         16 of 16, so that f q + g = f (q - 32) exactly).
+ *         16 of 16, so that f q + g = f (q - 32) exactly; Q2_K: q 0..3, f = s d (sc & 15),
+ *         g = -s dmin (sc >> 4), 16 of 16; Q3_K: q 0..7 (hmask's bit as bit 2),
+ *         f = s d (sc - 32), g = -4 f, 16 of 16).
  * The kernels then widen q from memory (vpmovzxbd) and spend one FMA per vector. */
 #ifndef GH_KQ_UNPACK_H
 #define GH_KQ_UNPACK_H
@@ -18,16 +20,42 @@
 
 #define KQ_INLINE static inline __attribute__((always_inline))
 
-enum { KQ4, KQ5, KQ6 };
+enum { KQ4, KQ5, KQ6, KQ2, KQ3 };
 
 KQ_INLINE size_t kq_bytes(const int kind) {
-    return kind == KQ4 ? sizeof(block_q4_K) : kind == KQ5 ? sizeof(block_q5_K) : sizeof(block_q6_K);
+    switch (kind) {
+        case KQ4: return sizeof(block_q4_K);
+        case KQ5: return sizeof(block_q5_K);
+        case KQ2: return sizeof(block_q2_K);
+        case KQ3: return sizeof(block_q3_K);
+        default:  return sizeof(block_q6_K);
+    }
 }
 
-/* Values per sub-block: 32, Q6_K 16. */
-KQ_INLINE int kq_sub_len(const int kind) { return kind == KQ6 ? 16 : 32; }
+/* Values per sub-block: 32 (Q4_K, Q5_K), 16 (Q6_K, Q2_K, Q3_K). */
+KQ_INLINE int kq_sub_len(const int kind) { return kind == KQ4 || kind == KQ5 ? 32 : 16; }
 
 KQ_INLINE void kq_factors(const int kind, const uint8_t * b, float s, float * f, float * g) {
+    if (kind == KQ2) {
+        const block_q2_K * q = (const block_q2_K *) b;
+        const __m128i sc = _mm_loadu_si128((const __m128i *) q->scales), m4 = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(sc, m4), hi = _mm_and_si128(_mm_srli_epi16(sc, 4), m4);
+        const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(q->d)), dm = _mm256_set1_ps(-s * _cvtsh_ss(q->dmin));
+        _mm256_storeu_ps(f, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))));
+        _mm256_storeu_ps(f + 8, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)))));
+        _mm256_storeu_ps(g, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))));
+        _mm256_storeu_ps(g + 8, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))));
+        return;
+    }
+    if (kind == KQ3) {
+        const block_q3_K * q = (const block_q3_K *) b;
+        const float sd = s * _cvtsh_ss(q->d);
+        for (int j = 0; j < 16; j++) {
+            f[j] = sd * (float) (gh_k3_scale(q->scales, j) - 32);
+            g[j] = -4.0f * f[j];
+        }
+        return;
+    }
     if (kind == KQ6) {
         const block_q6_K * q = (const block_q6_K *) b;
         const __m256 ds = _mm256_set1_ps(s * _cvtsh_ss(q->d)), m32 = _mm256_set1_ps(-32.0f);
@@ -59,6 +87,25 @@ KQ_INLINE void kq_factors(const int kind, const uint8_t * b, float s, float * f,
 
 KQ_INLINE void kq_unpack(const int kind, const uint8_t * b, uint8_t * restrict q) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (kind == KQ2 || kind == KQ3) { /* value 128h + 32g + l: bits 2g of qs[32h + l] */
+        const uint8_t * qs = kind == KQ3 ? ((const block_q3_K *) b)->qs : ((const block_q2_K *) b)->qs;
+        const __m256i m3 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+        const __m256i hm = kind == KQ3 ? _mm256_loadu_si256((const __m256i *) ((const block_q3_K *) b)->hmask)
+                                       : _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *) (qs + 32 * h));
+            for (int g = 0; g < 4; g++) {
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(x, 2 * g), m3);
+                if (kind == KQ3) { /* bit 4h + g of hmask[l] to bit 2 (16-bit shifts: the mask drops the rest) */
+                    const int k = 4 * h + g;
+                    const __m256i hk = k < 2 ? _mm256_slli_epi16(hm, 2 - k) : _mm256_srli_epi16(hm, k - 2);
+                    v = _mm256_or_si256(v, _mm256_and_si256(hk, b2));
+                }
+                _mm256_storeu_si256((__m256i *) (q + 128 * h + 32 * g), v);
+            }
+        }
+        return;
+    }
     if (kind == KQ6) {
         const block_q6_K * x = (const block_q6_K *) b;
         const __m256i m30 = _mm256_set1_epi8(0x30);

@@ -8,6 +8,7 @@
 #include "cpu/kernels.h"
 
 #include <immintrin.h>
+#include <stddef.h>
 
 #include "cpu/avx2/kq_unpack.h"
 #include "cpu/avx2/axpy_int8.h"
@@ -124,10 +125,12 @@ DEFINE_AXPY_FLOAT(axpy_bf16_avx512, ld_bf16, ld_bf16_m)
  * fifth bit against AVX2's four operations per 8 values). */
 #define NO_MIN(b) 0
 #define BLOCK_MIN(b) ((b)->m)  /* fp16 bits */
+#define FP16_D(b) _cvtsh_ss((b)->d)                 /* the block scale */
+#define E8M0_D(b) gh_e8m0_to_fp32_half((b)->e)      /* MXFP4's */
 
 /* Block i of four quantized rows b[0..4) times s[0..4), added to y[0..32): the step the
  * four-row forms share, with and without prefetch. */
-#define AXPY_QUANT_BLOCK4(VALS, HAS_MIN, MINF)                                              \
+#define AXPY_QUANT_BLOCK4(VALS, HAS_MIN, MINF, SCALEF)                                              \
     do {                                                                                    \
         __m512 a0 = _mm512_loadu_ps(y), a1 = _mm512_loadu_ps(y + 16);                       \
         if (HAS_MIN) { /* the four m converted at once, s_k m_k summed (0 + 2) + (1 + 3) */ \
@@ -140,7 +143,7 @@ DEFINE_AXPY_FLOAT(axpy_bf16_avx512, ld_bf16, ld_bf16_m)
             a1 = _mm512_add_ps(a1, g);                                                      \
         }                                                                                   \
         for (int k = 0; k < 4; k++) {                                                       \
-            const __m512 ds = _mm512_set1_ps(s[k] * _cvtsh_ss(b[k][i].d));                  \
+            const __m512 ds = _mm512_set1_ps(s[k] * SCALEF(&b[k][i]));                  \
             __m128i lo, hi;                                                                 \
             VALS(&b[k][i], &lo, &hi);                                                       \
             a0 = _mm512_fmadd_ps(ds, i8_to_ps(lo), a0);                                     \
@@ -187,15 +190,29 @@ AVX512_FN static inline void q5_1_vals(const block_q5_1 * b, __m128i * lo, __m12
     nibbles(b->qs, lo, hi);
     add_bit5(b->qh, lo, hi);
 }
+/* The levels (a 16-entry int8 table) of the 16 nibble bytes at qs: values 0..15 (lo) and
+ * 16..31 (hi). */
+AVX512_FN static inline void levels(const int8_t * table, const uint8_t * qs, __m128i * lo, __m128i * hi) {
+    const __m128i t = _mm_loadu_si128((const __m128i *) table);
+    nibbles(qs, lo, hi);
+    *lo = _mm_shuffle_epi8(t, *lo);
+    *hi = _mm_shuffle_epi8(t, *hi);
+}
+AVX512_FN static inline void iq4_nl_vals(const block_iq4_nl * b, __m128i * lo, __m128i * hi) {
+    levels(gh_kvalues_iq4nl, b->qs, lo, hi);
+}
+AVX512_FN static inline void mxfp4_vals(const block_mxfp4 * b, __m128i * lo, __m128i * hi) {
+    levels(gh_kvalues_mxfp4, b->qs, lo, hi);
+}
 AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
 }
 
-#define DEFINE_AXPY_QUANT(name, block_t, VALS, HAS_MIN, MINF)                               \
+#define DEFINE_AXPY_QUANT(name, block_t, VALS, HAS_MIN, MINF, SCALEF)                               \
     AVX512_FN static void name(int64_t n, float s, const void * row, float * restrict y) { \
         const block_t * b = row;                                                            \
         for (int64_t i = 0; i < n / 32; i++, y += 32) {                                     \
-            const __m512 ds = _mm512_set1_ps(s * _cvtsh_ss(b[i].d));                        \
+            const __m512 ds = _mm512_set1_ps(s * SCALEF(&b[i]));                        \
             __m128i lo, hi;                                                                 \
             VALS(&b[i], &lo, &hi);                                                          \
             if (HAS_MIN) {                                                                  \
@@ -212,7 +229,7 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
                                    float * restrict y) {                                    \
         const block_t * b[4] = { row[0], row[1], row[2], row[3] };                          \
         for (int64_t i = 0; i < n / 32; i++, y += 32) {                                     \
-            AXPY_QUANT_BLOCK4(VALS, HAS_MIN, MINF);                                         \
+            AXPY_QUANT_BLOCK4(VALS, HAS_MIN, MINF, SCALEF);                                         \
         }                                                                                   \
     }
 
@@ -221,7 +238,7 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
  * the line at +64, for the 88..96 bytes of Q5_0, Q5_1; Q8_0's 136 bytes would want
  * it too, but bs > 64 is false for its 34-byte blocks: left as it was measured). The sums
  * are those of name##_4. */
-#define DEFINE_AXPY_QUANT_PF(name, block_t, VALS, HAS_MIN, MINF, MID)                      \
+#define DEFINE_AXPY_QUANT_PF(name, block_t, VALS, HAS_MIN, MINF, SCALEF, MID)                      \
     AVX512_FN static void name##_4pf(int64_t n, const float * s, const void * const * row, \
                                      const void * const * pf, float * restrict y) {         \
         const block_t * b[4] = { row[0], row[1], row[2], row[3] };                          \
@@ -234,21 +251,75 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
                     _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);     \
                 }                                                                           \
             }                                                                               \
-            AXPY_QUANT_BLOCK4(VALS, HAS_MIN, MINF);                                         \
+            AXPY_QUANT_BLOCK4(VALS, HAS_MIN, MINF, SCALEF);                                         \
         }                                                                                   \
     }
 
-DEFINE_AXPY_QUANT_PF(axpy_q4_0_avx512, block_q4_0, q4_0_vals, 0, NO_MIN, 0)
+DEFINE_AXPY_QUANT_PF(axpy_q4_0_avx512, block_q4_0, q4_0_vals, 0, NO_MIN, FP16_D, 0)
 
-DEFINE_AXPY_QUANT_PF(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN, bs > 64)
+DEFINE_AXPY_QUANT_PF(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN, FP16_D, bs > 64)
 
-DEFINE_AXPY_QUANT(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN)
-DEFINE_AXPY_QUANT(axpy_q4_0_avx512, block_q4_0, q4_0_vals, 0, NO_MIN)
+DEFINE_AXPY_QUANT(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN, FP16_D)
+DEFINE_AXPY_QUANT(axpy_q4_0_avx512, block_q4_0, q4_0_vals, 0, NO_MIN, FP16_D)
 
-DEFINE_AXPY_QUANT(axpy_q5_0_avx512, block_q5_0, q5_0_vals, 0, NO_MIN)
-DEFINE_AXPY_QUANT(axpy_q5_1_avx512, block_q5_1, q5_1_vals, 1, BLOCK_MIN)
-DEFINE_AXPY_QUANT_PF(axpy_q5_0_avx512, block_q5_0, q5_0_vals, 0, NO_MIN, 1)
-DEFINE_AXPY_QUANT_PF(axpy_q5_1_avx512, block_q5_1, q5_1_vals, 1, BLOCK_MIN, 1)
+DEFINE_AXPY_QUANT(axpy_q5_0_avx512, block_q5_0, q5_0_vals, 0, NO_MIN, FP16_D)
+DEFINE_AXPY_QUANT(axpy_q5_1_avx512, block_q5_1, q5_1_vals, 1, BLOCK_MIN, FP16_D)
+DEFINE_AXPY_QUANT_PF(axpy_q5_0_avx512, block_q5_0, q5_0_vals, 0, NO_MIN, FP16_D, 1)
+DEFINE_AXPY_QUANT_PF(axpy_q5_1_avx512, block_q5_1, q5_1_vals, 1, BLOCK_MIN, FP16_D, 1)
+
+/* IQ4_NL, MXFP4: the levels looked up (one vpshufb per 16 values); MXFP4's e8m0 scale.
+ * (4 blocks are 68..72 bytes: MID, they may span three lines) */
+DEFINE_AXPY_QUANT(axpy_iq4_nl_avx512, block_iq4_nl, iq4_nl_vals, 0, NO_MIN, FP16_D)
+DEFINE_AXPY_QUANT(axpy_mxfp4_avx512, block_mxfp4, mxfp4_vals, 0, NO_MIN, E8M0_D)
+DEFINE_AXPY_QUANT_PF(axpy_iq4_nl_avx512, block_iq4_nl, iq4_nl_vals, 0, NO_MIN, FP16_D, 1)
+DEFINE_AXPY_QUANT_PF(axpy_mxfp4_avx512, block_mxfp4, mxfp4_vals, 0, NO_MIN, E8M0_D, 1)
+
+/* ---- IQ4_XS: one row and four rows ----
+ * Per sub-block of 32: the levels (IQ4_NL's table) and y += f level, f = s d (ls - 32),
+ * 16 values per vector; four rows add f_k level_k for k = 0..3 into each vector of y. */
+AVX512_FN static inline __attribute__((always_inline)) void
+axpy_iq4_xs_rows(const int nr, int64_t n, const float * s, const void * const * row, const void * const * pf,
+                 float * restrict y) {
+    const size_t bs = sizeof(block_iq4_xs);
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        if (pf) {
+            for (int r = 0; r < nr; r++)
+                for (size_t o = 0; o < bs + 63; o += 64)
+                    _mm_prefetch((const char *) pf[r] + i * bs + GH_MIN(o, bs - 1), _MM_HINT_T1);
+        }
+        const block_iq4_xs * b[4];
+        float f[4][QK_K / 32];
+        for (int r = 0; r < nr; r++) {
+            b[r] = (const block_iq4_xs *) row[r] + i;
+            const float sd = s[r] * _cvtsh_ss(b[r]->d);
+            for (int ib = 0; ib < QK_K / 32; ib++) f[r][ib] = sd * (float) gh_iq4_xs_scale(b[r], ib);
+        }
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            float * yb = y + 32 * ib;
+            __m512 a0 = _mm512_loadu_ps(yb), a1 = _mm512_loadu_ps(yb + 16);
+            for (int r = 0; r < nr; r++) {
+                __m128i lo, hi;
+                levels(gh_kvalues_iq4nl, b[r]->qs + 16 * ib, &lo, &hi);
+                const __m512 fr = _mm512_set1_ps(f[r][ib]);
+                a0 = _mm512_fmadd_ps(fr, i8_to_ps(lo), a0);
+                a1 = _mm512_fmadd_ps(fr, i8_to_ps(hi), a1);
+            }
+            _mm512_storeu_ps(yb, a0);
+            _mm512_storeu_ps(yb + 16, a1);
+        }
+    }
+}
+
+AVX512_FN static void axpy_iq4_xs_avx512(int64_t n, float s, const void * row, float * restrict y) {
+    axpy_iq4_xs_rows(1, n, &s, &row, NULL, y);
+}
+AVX512_FN static void axpy_iq4_xs_avx512_4(int64_t n, const float * s, const void * const * row, float * restrict y) {
+    axpy_iq4_xs_rows(4, n, s, row, NULL, y);
+}
+AVX512_FN static void axpy_iq4_xs_avx512_4pf(int64_t n, const float * s, const void * const * row,
+                                              const void * const * pf, float * restrict y) {
+    axpy_iq4_xs_rows(4, n, s, row, pf, y);
+}
 
 /* ---- K-quants: as avx2/axpy_avx2.c (the block taken apart once by kq_unpack.h; one row:
  * y + (f q + g); four rows: y + the rows' g, then f_k q_k for k = 0..3), 16 values per
@@ -295,7 +366,7 @@ axpy4_kq(const int kind, int64_t n, const float * s, const void * const * row, c
             kq_factors(kind, b, s[r], f[r], g[r]);
             kq_unpack(kind, b, q[r]);
         }
-        if (kind == KQ6) {
+        if (nsub == 16) {
             const __m512 g01 = _mm512_add_ps(_mm512_loadu_ps(g[0]), _mm512_loadu_ps(g[1]));
             const __m512 g23 = _mm512_add_ps(_mm512_loadu_ps(g[2]), _mm512_loadu_ps(g[3]));
             _mm512_storeu_ps(gs, _mm512_add_ps(g01, g23));
@@ -336,8 +407,10 @@ axpy4_kq(const int kind, int64_t n, const float * s, const void * const * row, c
 DEFINE_AXPY_KQ(axpy_q4_K_avx512, KQ4)
 DEFINE_AXPY_KQ(axpy_q5_K_avx512, KQ5)
 DEFINE_AXPY_KQ(axpy_q6_K_avx512, KQ6)
+DEFINE_AXPY_KQ(axpy_q2_K_avx512, KQ2)
+DEFINE_AXPY_KQ(axpy_q3_K_avx512, KQ3)
 
-/* ---- Q4_0's batch form in VNNI (gh_matmul16_fn) ----
+/* ---- Q4_0's and Q4_1's batch forms in VNNI (gh_matmul16_fn) ----
  *
  * As the AVX2 form (avx2/axpy_avx2.c: the same factors, int8_factors8, per token and
  * group), with four rows per vpdpbusd: a quad of rows' block is transposed once (vpermb)
@@ -354,10 +427,14 @@ static const uint8_t quad_tr[64] = {
     12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63,
 };
 
-AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
-                                              const int32_t * hc, int nk, const void * const * row,
-                                              float * y, int64_t ldy) {
-    const size_t bs = sizeof(block_q4_0);
+/* type: GH_TYPE_Q4_0 or GH_TYPE_Q4_1 (its g added before the block's sums, as AVX2's
+ * int8_acc32 does), a constant at every call. */
+static inline __attribute__((always_inline)) void
+matmul16_q4(const int type, int64_t n, int64_t n_tokens, const float * h, int64_t ldh, const int32_t * hc, int nk,
+            const void * const * row, float * y, int64_t ldy) {
+    const bool q41 = type == GH_TYPE_Q4_1;
+    const size_t bs = q41 ? sizeof(block_q4_1) : sizeof(block_q4_0);
+    const size_t qs = q41 ? offsetof(block_q4_1, qs) : offsetof(block_q4_0, qs);
     const int64_t nb = n / QK4_0;
     const int ng = (nk + 15) / 16;
     static const uint8_t zero[QK4_0 / 2];
@@ -365,12 +442,13 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
         const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
-        uint16_t d[4][16][BATCH_BLOCKS];
+        uint16_t d[4][16][BATCH_BLOCKS], m[4][16][BATCH_BLOCKS];
         __m512i u[4][BATCH_BLOCKS][4][2]; /* group, block, quad, columns 0..15 | 16..31 */
-        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, &d[0][0][0]);
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 0, &d[0][0][0]);
+        if (q41) q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 2, &m[0][0][0]);
         for (int g = 0; g < ng; g++) {
             for (int i = 0; i < nc; i++) {
-                const size_t off = (size_t) (i0 + i) * bs + 2;
+                const size_t off = (size_t) (i0 + i) * bs + qs;
                 for (int j = 0; j < 4; j++) {
                     const uint8_t * q[4];
                     for (int r = 0; r < 4; r++) {
@@ -390,18 +468,24 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
         for (int64_t t = 0; t < n_tokens; t++) {
             const float * ht = h + t * ldh;
             int32_t mq[4][4][BATCH_BLOCKS];
-            float scale[4][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS], gq[4][BATCH_BLOCKS];
             int32_t bias[4][BATCH_BLOCKS];
-            q4_0_batch_factors(ht, hc, nk, ng, BATCH_BLOCKS, &d[0][0][0], &mq[0][0][0], 1, &scale[0][0], &bias[0][0]);
+            q4_0_batch_factors(ht, hc, nk, ng, BATCH_BLOCKS, &d[0][0][0], &mq[0][0][0], 1, &scale[0][0], &bias[0][0],
+                               q41 ? &m[0][0][0] : NULL, &gq[0][0]);
             float * yb = y + t * ldy + i0 * QK4_0;
             for (int i = 0; i < nc; i++, yb += QK4_0) {
                 __m512 y0 = _mm512_loadu_ps(yb), y1 = _mm512_loadu_ps(yb + 16);
                 for (int g = 0; g < ng; g++) {
                     __m512i a0 = _mm512_set1_epi32(bias[g][i]), a1 = a0;
                     for (int j = 0; j < 4; j++) {
-                        const __m512i m = _mm512_set1_epi32(mq[g][j][i]);
-                        a0 = _mm512_dpbusd_epi32(a0, u[g][i][j][0], m);
-                        a1 = _mm512_dpbusd_epi32(a1, u[g][i][j][1], m);
+                        const __m512i mj = _mm512_set1_epi32(mq[g][j][i]);
+                        a0 = _mm512_dpbusd_epi32(a0, u[g][i][j][0], mj);
+                        a1 = _mm512_dpbusd_epi32(a1, u[g][i][j][1], mj);
+                    }
+                    if (q41) {
+                        const __m512 gv = _mm512_set1_ps(gq[g][i]);
+                        y0 = _mm512_add_ps(y0, gv);
+                        y1 = _mm512_add_ps(y1, gv);
                     }
                     const __m512 sc = _mm512_set1_ps(scale[g][i]);
                     y0 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), y0);
@@ -414,6 +498,66 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
     }
 }
 
+AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                              const int32_t * hc, int nk, const void * const * row,
+                                              float * y, int64_t ldy) {
+    matmul16_q4(GH_TYPE_Q4_0, n, n_tokens, h, ldh, hc, nk, row, y, ldy);
+}
+AVX512_VNNI_FN static void matmul16_q4_1_avx512(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                              const int32_t * hc, int nk, const void * const * row,
+                                              float * y, int64_t ldy) {
+    matmul16_q4(GH_TYPE_Q4_1, n, n_tokens, h, ldh, hc, nk, row, y, ldy);
+}
+
+/* ---- the F32 row's dense-block tiles (gh_tiles_fn) ----
+ * As AVX2's (avx2/axpy_avx2.c): register tiles of 4 tokens x 32 columns (16 in the masked
+ * tail), each y value through the same FMAs in the same row order as the f32 axpy, so a
+ * batch's dense blocks sum as its tokens do, bit for bit. */
+AVX512_FN static void tiles_f32_avx512(int64_t n_tokens, const float * h, int64_t ldh, const int32_t * rows,
+                                       int64_t nk, const float * buf, int64_t ldb, int64_t n, float * y,
+                                       int64_t ldy) {
+    float hk[64 * 4];
+    for (int64_t t0 = 0; t0 < n_tokens; t0 += 4) {
+        const int ntt = (int) GH_MIN((int64_t) 4, n_tokens - t0);
+        for (int64_t k = 0; k < nk; k++) {
+            for (int t = 0; t < 4; t++) hk[k * 4 + t] = t < ntt ? h[(t0 + t) * ldh + rows[k]] : 0.0f;
+        }
+        int64_t c = 0;
+        for (; c + 32 <= n; c += 32) {
+            __m512 acc[4][2];
+            for (int t = 0; t < 4; t++) { /* the tokens past the batch's end are never stored */
+                const float * yt = y + (t0 + GH_MIN(t, ntt - 1)) * ldy + c;
+                acc[t][0] = _mm512_loadu_ps(yt);
+                acc[t][1] = _mm512_loadu_ps(yt + 16);
+            }
+            for (int64_t k = 0; k < nk; k++) {
+                const __m512 b0 = _mm512_loadu_ps(buf + k * ldb + c);
+                const __m512 b1 = _mm512_loadu_ps(buf + k * ldb + c + 16);
+                for (int t = 0; t < 4; t++) {
+                    const __m512 a = _mm512_set1_ps(hk[k * 4 + t]);
+                    acc[t][0] = _mm512_fmadd_ps(a, b0, acc[t][0]);
+                    acc[t][1] = _mm512_fmadd_ps(a, b1, acc[t][1]);
+                }
+            }
+            for (int t = 0; t < ntt; t++) {
+                float * yt = y + (t0 + t) * ldy + c;
+                _mm512_storeu_ps(yt, acc[t][0]);
+                _mm512_storeu_ps(yt + 16, acc[t][1]);
+            }
+        }
+        for (; c < n; c += 16) {
+            const __mmask16 m = n - c >= 16 ? (__mmask16) 0xffff : tail_mask(n - c);
+            __m512 acc[4];
+            for (int t = 0; t < 4; t++) acc[t] = _mm512_maskz_loadu_ps(m, y + (t0 + GH_MIN(t, ntt - 1)) * ldy + c);
+            for (int64_t k = 0; k < nk; k++) {
+                const __m512 b = _mm512_maskz_loadu_ps(m, buf + k * ldb + c);
+                for (int t = 0; t < 4; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(hk[k * 4 + t]), b, acc[t]);
+            }
+            for (int t = 0; t < ntt; t++) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + c, m, acc[t]);
+        }
+    }
+}
+
 /* ---- the AVX-512 rows of the axpy family (cpu/kernels.h; the K-quants' sixteen-row
  * forms are AVX2's, which the selection keeps at this level) ---- */
 
@@ -421,15 +565,23 @@ AVX512_VNNI_FN static void matmul16_q4_0_avx512(int64_t n, int64_t n_tokens, con
                         .axpy4pf = axpy_##sfx##_avx512_4pf }
 
 const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT] = {
-    [GH_TYPE_F32]  = AXPY_ROW(f32),
+    [GH_TYPE_F32]  = { .axpy = axpy_f32_avx512, .axpy4 = axpy_f32_avx512_4, .axpy4pf = axpy_f32_avx512_4pf,
+                       .tiles = tiles_f32_avx512 },
     [GH_TYPE_F16]  = AXPY_ROW(f16),
     [GH_TYPE_BF16] = AXPY_ROW(bf16),
     [GH_TYPE_Q8_0] = AXPY_ROW(q8_0),
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx512, .axpy4 = axpy_q4_0_avx512_4,
                        .axpy4pf = axpy_q4_0_avx512_4pf, .matmul16 = matmul16_q4_0_avx512 },
+    /* Q4_1: the one-row and four-row forms are AVX2's (see above), the batch form this one */
+    [GH_TYPE_Q4_1] = { .matmul16 = matmul16_q4_1_avx512 },
     [GH_TYPE_Q5_0] = AXPY_ROW(q5_0),
     [GH_TYPE_Q5_1] = AXPY_ROW(q5_1),
     [GH_TYPE_Q4_K] = AXPY_ROW(q4_K),
     [GH_TYPE_Q5_K] = AXPY_ROW(q5_K),
     [GH_TYPE_Q6_K] = AXPY_ROW(q6_K),
+    [GH_TYPE_Q2_K] = AXPY_ROW(q2_K),
+    [GH_TYPE_Q3_K] = AXPY_ROW(q3_K),
+    [GH_TYPE_IQ4_NL] = AXPY_ROW(iq4_nl),
+    [GH_TYPE_IQ4_XS] = AXPY_ROW(iq4_xs),
+    [GH_TYPE_MXFP4]  = AXPY_ROW(mxfp4),
 };

@@ -14,6 +14,8 @@
  *         34-byte blocks with vpermt2b; VNNI wants unsigned x signed, so Q4_0 uses the
  *         raw nibbles (0..15) and Q8_0 the bytes + 128, and the accumulator starts at
  *         -8 (-128) times the activation block sum, which Q8_X4 carries.
+ *   Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 x Q8_X4: the same scheme, in kernels_b32_avx512.c;
+ *   Q2_K, Q3_K, IQ4_XS x Q8_K: in kernels_k2_avx512.c (the K-quant scheme below).
  *
  * Tiles: 4 rows x 6 tokens for the float types, 4 x 4 for the quantized ones. Decode
  * (one token) runs 4-row tiles; the quantized ones transpose the four rows' block sums
@@ -33,6 +35,7 @@
  * Four accumulators per row were no faster and slower at some alignments of x. */
 
 #include "cpu/avx2/k4_scales.h"
+#include "cpu/avx512/kernels_avx512.h"
 #include "cpu/kernels.h"
 
 #include <immintrin.h>
@@ -371,6 +374,11 @@ GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws,
         q_group_r4(is_q4, p, 4 * (int64_t) bs, xg + g, &acc);
     }
     if (nb % 4) {
+        /* the rest of the tile's bytes of the stream: a row of 4g + 1..3 blocks (576
+         * columns, say) would otherwise leave its last lines to demand misses, which
+         * halved decode GB/s on such rows (docs/BENCHMARKS.md, real models) */
+#pragma GCC unroll 8
+        for (size_t k = 0; k < 4 * (size_t) (nb % 4) * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
         const int64_t g = ng_full;
         const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
                                  wb + 3 * ws + 4 * g * bs };
@@ -514,6 +522,11 @@ GH_INLINE void dot4_q(const bool is_q4, int64_t n, const void * const * rows,
     }
     if (nb % 4) {
         const size_t off = 4 * ng_full * bs;
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) { /* the rows' last 1..3 blocks, as a full group's */
+            _mm_prefetch((const char *) pf[r] + off, GH_PF_HINT);
+            _mm_prefetch((const char *) pf[r] + off + (nb % 4) * bs - 1, GH_PF_HINT);
+        }
         const uint8_t * p[4] = { (const uint8_t *) rows[0] + off, (const uint8_t *) rows[1] + off,
                                  (const uint8_t *) rows[2] + off, (const uint8_t *) rows[3] + off };
         q_group_r4(is_q4, p, (nb % 4) * (int64_t) bs, xg + ng_full, &acc);
@@ -528,6 +541,27 @@ static void dot4_f32(int64_t n, const void * const * rows, const void * const * 
 }
 static void dot4_f16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
     dot4_f(true, n, rows, pf, x, y);
+}
+/* BF16: tile_bf16(4, 1)'s sums (32 values per step, one accumulator per row) with a
+ * pointer per row, the step's line of each pf row prefetched. */
+static void dot4_bf16(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    __m512 acc[4] = { _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps() };
+    const uint16_t * xb = x;
+    for (int64_t i = 0; i < n; i += 32) {
+        const bool full = i + 32 <= n;
+        const __mmask32 m = full ? 0xffffffffu : (__mmask32) ((1ull << (n - i)) - 1);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) _mm_prefetch((const char *) pf[r] + 2 * i, GH_PF_HINT);
+        const __m512bh xv = (__m512bh) (full ? _mm512_loadu_si512(xb + i) : _mm512_maskz_loadu_epi16(m, xb + i));
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const uint16_t * p = (const uint16_t *) rows[r] + i;
+            const __m512bh wv = (__m512bh) (full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(m, p));
+            acc[r] = _mm512_dpbf16_ps(acc[r], wv, xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
 }
 static void dot4_q8_0(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
     dot4_q(false, n, rows, pf, x, y);
@@ -810,12 +844,28 @@ static void q8_K_from_float_x(const float * x, void * dst, int64_t n) {
 const gh_kernel_set gh_dot_rows_avx512[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32),
     [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16_tiles, NULL, gemm_f16_tiles, 4, 6, 4, dot4_f16),
-    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, NULL),
+    [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, dot4_bf16),
     [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0),
     [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0),
+    /* the other 32-value block types: kernels in kernels_b32_avx512.c */
+#define B32_ROW(sfx) GH_DOT_ROW(gh_avx512_vec_dot_##sfx, q8_x4_from_float_x, gh_avx512_gemm_##sfx, 4, \
+                                GH_B32_AVX512_NT, 4, gh_avx512_dot4_##sfx)
+    [GH_TYPE_Q4_1] = B32_ROW(q4_1),
+    [GH_TYPE_Q5_0] = B32_ROW(q5_0),
+    [GH_TYPE_Q5_1] = B32_ROW(q5_1),
+    [GH_TYPE_IQ4_NL] = B32_ROW(iq4_nl),
+    [GH_TYPE_MXFP4] = B32_ROW(mxfp4),
+#undef B32_ROW
     [GH_TYPE_Q4_K] = GH_DOT_ROW(vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K),
     [GH_TYPE_Q5_K] = GH_DOT_ROW(vec_dot_q5_K, q8_K_from_float_x, gemm_q5_K, 4, KNT, 4, dot4_q5_K),
     [GH_TYPE_Q6_K] = GH_DOT_ROW(vec_dot_q6_K, q8_K_from_float_x, gemm_q6_K, 4, KNT, 4, dot4_q6_K),
+    /* Q2_K, Q3_K, IQ4_XS: kernels in kernels_k2_avx512.c */
+#define K2_ROW(sfx) GH_DOT_ROW(gh_avx512_vec_dot_##sfx, q8_K_from_float_x, gh_avx512_gemm_##sfx, 4, \
+                               GH_K2_AVX512_NT, 4, gh_avx512_dot4_##sfx)
+    [GH_TYPE_Q2_K] = K2_ROW(q2_K),
+    [GH_TYPE_Q3_K] = K2_ROW(q3_K),
+    [GH_TYPE_IQ4_XS] = K2_ROW(iq4_xs),
+#undef K2_ROW
 };
 
 const gh_kernel_set gh_dot_row_avx512_f16_streamed = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16, 4, 6, 4, dot4_f16);

@@ -71,6 +71,15 @@ DEFINE_AXPY_BLOCKS(axpy_q3_K, GH_TYPE_Q3_K)
 DEFINE_AXPY_BLOCKS(axpy_iq4_nl, GH_TYPE_IQ4_NL)
 DEFINE_AXPY_BLOCKS(axpy_iq4_xs, GH_TYPE_IQ4_XS)
 DEFINE_AXPY_BLOCKS(axpy_mxfp4, GH_TYPE_MXFP4)
+#if GH_IQ_GRIDS
+DEFINE_AXPY_BLOCKS(axpy_iq2_xxs, GH_TYPE_IQ2_XXS)
+DEFINE_AXPY_BLOCKS(axpy_iq2_xs, GH_TYPE_IQ2_XS)
+DEFINE_AXPY_BLOCKS(axpy_iq2_s, GH_TYPE_IQ2_S)
+DEFINE_AXPY_BLOCKS(axpy_iq3_xxs, GH_TYPE_IQ3_XXS)
+DEFINE_AXPY_BLOCKS(axpy_iq3_s, GH_TYPE_IQ3_S)
+DEFINE_AXPY_BLOCKS(axpy_iq1_s, GH_TYPE_IQ1_S)
+DEFINE_AXPY_BLOCKS(axpy_iq1_m, GH_TYPE_IQ1_M)
+#endif
 
 const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = { .axpy = axpy_f32 },
@@ -89,4 +98,13 @@ const gh_kernel_set gh_axpy_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_IQ4_NL] = { .axpy = axpy_iq4_nl },
     [GH_TYPE_IQ4_XS] = { .axpy = axpy_iq4_xs },
     [GH_TYPE_MXFP4]  = { .axpy = axpy_mxfp4 },
+#if GH_IQ_GRIDS
+    [GH_TYPE_IQ2_XXS] = { .axpy = axpy_iq2_xxs },
+    [GH_TYPE_IQ2_XS]  = { .axpy = axpy_iq2_xs },
+    [GH_TYPE_IQ2_S]   = { .axpy = axpy_iq2_s },
+    [GH_TYPE_IQ3_XXS] = { .axpy = axpy_iq3_xxs },
+    [GH_TYPE_IQ3_S]   = { .axpy = axpy_iq3_s },
+    [GH_TYPE_IQ1_S]   = { .axpy = axpy_iq1_s },
+    [GH_TYPE_IQ1_M]   = { .axpy = axpy_iq1_m },
+#endif
 };

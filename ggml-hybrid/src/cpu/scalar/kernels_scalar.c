@@ -242,6 +242,181 @@ static void vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * w, const void
     *s = (float) sum;
 }
 
+#if GH_IQ_GRIDS
+/* ---- the IQ lattice types against Q8_K (types/iqlat.h): per 8-value group the integer
+ * dot of the grid point (signed) with the activations, times the sub-block's integer
+ * scale; IQ2's (2s + 1) / 8 and IQ3_XXS's (2s + 1) / 4 applied once per block; IQ1's
+ * delta through the activations' sums ---- */
+
+/* sum_j grid[j] * (+-1 by bit j of signs) * q[j] over 8 values. */
+static inline int dot8_signed(uint64_t g, unsigned signs, const int8_t * q) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += gh_grid8_u(g, j) * ((signs >> j) & 1 ? -q[j] : q[j]);
+    return sum;
+}
+
+static void vec_dot_iq2_xxs_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq2_xxs * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        const uint8_t * q = (const uint8_t *) a[b].qs;
+        int isum = 0;
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            const uint32_t a1 = gh_le32(q + 8 * ib + 4);
+            int dot = 0;
+            for (int k = 0; k < 4; k++) {
+                dot += dot8_signed(gh_iq2xxs_grid[q[8 * ib + k]], gh_iq2_ksigns[(a1 >> (7 * k)) & 127],
+                                   y[b].qs + 32 * ib + 8 * k);
+            }
+            isum += (int) (2 * (a1 >> 28) + 1) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum * 0.125;
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_iq2_xs_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq2_xs * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0;
+        for (int l = 0; l < QK_K / 8; l += 2) {
+            const int sc = (a[b].scales[l / 4] >> (4 * ((l / 2) % 2))) & 0x0f;
+            int dot = 0;
+            for (int h = 0; h < 2; h++) {
+                const uint16_t v = a[b].qs[l + h];
+                dot += dot8_signed(gh_iq2xs_grid[v & 511], gh_iq2_ksigns[v >> 9], y[b].qs + 8 * (l + h));
+            }
+            isum += (2 * sc + 1) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum * 0.125;
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_iq2_s_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq2_s * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0;
+        for (int l = 0; l < QK_K / 8; l += 2) {
+            const int sc = (a[b].scales[l / 4] >> (4 * ((l / 2) % 2))) & 0x0f;
+            int dot = 0;
+            for (int h = 0; h < 2; h++) {
+                const int m = l + h;
+                const int idx = a[b].qs[m] | (((a[b].qh[m / 4] >> (2 * (m % 4))) & 3) << 8);
+                dot += dot8_signed(gh_iq2s_grid[idx], a[b].qs[32 + m], y[b].qs + 8 * m);
+            }
+            isum += (2 * sc + 1) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum * 0.125;
+    }
+    *s = (float) sum;
+}
+
+/* A 4-value IQ3 grid point's two halves as one 8-value point (byte j of the pair). */
+static inline uint64_t pair4(uint32_t lo, uint32_t hi) { return (uint64_t) lo | (uint64_t) hi << 32; }
+
+static void vec_dot_iq3_xxs_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq3_xxs * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        const uint8_t * q = a[b].qs;
+        int isum = 0;
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            const uint32_t aux = gh_le32(q + QK_K / 4 + 4 * ib);
+            int dot = 0;
+            for (int k = 0; k < 4; k++) {
+                const uint64_t g = pair4(gh_iq3xxs_grid[q[8 * ib + 2 * k]], gh_iq3xxs_grid[q[8 * ib + 2 * k + 1]]);
+                dot += dot8_signed(g, gh_iq2_ksigns[(aux >> (7 * k)) & 127], y[b].qs + 32 * ib + 8 * k);
+            }
+            isum += (int) (2 * (aux >> 28) + 1) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum * 0.25;
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_iq3_s_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq3_s * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0;
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            const int sc = (a[b].scales[ib / 2] >> (4 * (ib % 2))) & 0x0f;
+            int dot = 0;
+            for (int k = 0; k < 4; k++) {
+                const int m = 8 * ib + 2 * k;
+                const int i0 = a[b].qs[m] | (((a[b].qh[m / 8] >> (m % 8)) & 1) << 8);
+                const int i1 = a[b].qs[m + 1] | (((a[b].qh[m / 8] >> ((m + 1) % 8)) & 1) << 8);
+                dot += dot8_signed(pair4(gh_iq3s_grid[i0], gh_iq3s_grid[i1]), a[b].signs[4 * ib + k],
+                                   y[b].qs + 32 * ib + 8 * k);
+            }
+            isum += (2 * sc + 1) * dot;
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * isum;
+    }
+    *s = (float) sum;
+}
+
+/* sum_j grid[j] * q[j] over 8 values of an IQ1 point (-1, 0, 1). */
+static inline int dot8_iq1(uint64_t g, const int8_t * q) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += gh_grid8_s(g, j) * q[j];
+    return sum;
+}
+
+/* IQ1: dl * (grid + delta) . q = dl * (grid . q + delta * sum q); delta = +-1/8, so the
+ * block keeps sum (2s + 1) grid . q and sum (2s + 1) (+-1) sum q apart, exact integers. */
+static void vec_dot_iq1_s_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq1_s * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0, dsum = 0;
+        for (int ib = 0; ib < QK_K / 32; ib++) {
+            const unsigned qh = a[b].qh[ib];
+            const int ls = (int) (2 * ((qh >> 12) & 7) + 1);
+            int dot = 0;
+            for (int k = 0; k < 4; k++) {
+                dot += dot8_iq1(gh_iq1s_grid[a[b].qs[4 * ib + k] | (((qh >> (3 * k)) & 7) << 8)],
+                                y[b].qs + 32 * ib + 8 * k);
+            }
+            const int qsum = y[b].bsums[2 * ib] + y[b].bsums[2 * ib + 1];
+            isum += ls * dot;
+            dsum += ls * (qh & 0x8000 ? -qsum : qsum);
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(a[b].d) * (isum + 0.125 * dsum);
+    }
+    *s = (float) sum;
+}
+
+static void vec_dot_iq1_m_q8_K(int64_t n, float * s, const void * w, const void * x) {
+    const block_iq1_m * a = w;
+    const block_q8_K * y = x;
+    double sum = 0.0;
+    for (int64_t b = 0; b < n / QK_K; b++) {
+        int isum = 0, dsum = 0;
+        for (int l = 0; l < QK_K / 8; l++) {
+            const unsigned h = (a[b].qh[l / 2] >> (4 * (l % 2))) & 0x0f;
+            const int ls = 2 * gh_iq1_m_scale(&a[b], l / 2) + 1;
+            const int8_t * v = y[b].qs + 8 * l;
+            int qsum = 0;
+            for (int j = 0; j < 8; j++) qsum += v[j];
+            isum += ls * dot8_iq1(gh_iq1s_grid[a[b].qs[l] | ((h & 7) << 8)], v);
+            dsum += ls * (h & 8 ? -qsum : qsum);
+        }
+        sum += (double) y[b].d * gh_fp16_to_fp32(gh_iq1_m_d(&a[b])) * (isum + 0.125 * dsum);
+    }
+    *s = (float) sum;
+}
+#endif
+
 /* K-quants against Q8_K: exact integer sums per block, the mins (zero point) through
  * the activations' 16-value sums. */
 static void vec_dot_q4_K_q8_K(int64_t n, float * s, const void * w, const void * x) {
@@ -379,6 +554,15 @@ DEFINE_GEMM(gemm_q3_K, vec_dot_q3_K_q8_K)
 DEFINE_GEMM(gemm_iq4_nl, vec_dot_iq4_nl_q8_x4)
 DEFINE_GEMM(gemm_iq4_xs, vec_dot_iq4_xs_q8_K)
 DEFINE_GEMM(gemm_mxfp4, vec_dot_mxfp4_q8_x4)
+#if GH_IQ_GRIDS
+DEFINE_GEMM(gemm_iq2_xxs, vec_dot_iq2_xxs_q8_K)
+DEFINE_GEMM(gemm_iq2_xs, vec_dot_iq2_xs_q8_K)
+DEFINE_GEMM(gemm_iq2_s, vec_dot_iq2_s_q8_K)
+DEFINE_GEMM(gemm_iq3_xxs, vec_dot_iq3_xxs_q8_K)
+DEFINE_GEMM(gemm_iq3_s, vec_dot_iq3_s_q8_K)
+DEFINE_GEMM(gemm_iq1_s, vec_dot_iq1_s_q8_K)
+DEFINE_GEMM(gemm_iq1_m, vec_dot_iq1_m_q8_K)
+#endif
 
 #define DOT_ROW(dot, from_x, tile) GH_DOT_ROW(dot, from_x, tile, 1, 1, 1, NULL)
 
@@ -399,4 +583,13 @@ const gh_kernel_set gh_dot_rows_scalar[GH_TYPE_COUNT] = {
     [GH_TYPE_IQ4_NL] = DOT_ROW(vec_dot_iq4_nl_q8_x4, gh_quantize_row_q8_x4_ref, gemm_iq4_nl),
     [GH_TYPE_IQ4_XS] = DOT_ROW(vec_dot_iq4_xs_q8_K, gh_quantize_row_q8_K_ref, gemm_iq4_xs),
     [GH_TYPE_MXFP4]  = DOT_ROW(vec_dot_mxfp4_q8_x4, gh_quantize_row_q8_x4_ref, gemm_mxfp4),
+#if GH_IQ_GRIDS
+    [GH_TYPE_IQ2_XXS] = DOT_ROW(vec_dot_iq2_xxs_q8_K, gh_quantize_row_q8_K_ref, gemm_iq2_xxs),
+    [GH_TYPE_IQ2_XS]  = DOT_ROW(vec_dot_iq2_xs_q8_K, gh_quantize_row_q8_K_ref, gemm_iq2_xs),
+    [GH_TYPE_IQ2_S]   = DOT_ROW(vec_dot_iq2_s_q8_K, gh_quantize_row_q8_K_ref, gemm_iq2_s),
+    [GH_TYPE_IQ3_XXS] = DOT_ROW(vec_dot_iq3_xxs_q8_K, gh_quantize_row_q8_K_ref, gemm_iq3_xxs),
+    [GH_TYPE_IQ3_S]   = DOT_ROW(vec_dot_iq3_s_q8_K, gh_quantize_row_q8_K_ref, gemm_iq3_s),
+    [GH_TYPE_IQ1_S]   = DOT_ROW(vec_dot_iq1_s_q8_K, gh_quantize_row_q8_K_ref, gemm_iq1_s),
+    [GH_TYPE_IQ1_M]   = DOT_ROW(vec_dot_iq1_m_q8_K, gh_quantize_row_q8_K_ref, gemm_iq1_m),
+#endif
 };

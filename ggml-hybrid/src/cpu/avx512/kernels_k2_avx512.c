@@ -1,0 +1,239 @@
+/* AVX-512 dot kernels of Q2_K, Q3_K and IQ4_XS against Q8_K; their rows are in the
+ * AVX-512 dot table (kernels_avx512.c, which gives them its Q8_K conversion).
+ *
+ * The AVX2 scheme (avx2/kernels_avx2.c "Q2_K and Q3_K", avx2/kernels_iq4_avx2.c
+ * "IQ4_XS") at 64 values per register: one row at a time (one linear stream), every block
+ * unpacked once for the KNT tokens of a tile (a row's value does not depend on the tile:
+ * a batch equals its tokens bit for bit), the integer sums exact, only the float order
+ * differing from the scalar reference.
+ *   Q2_K, Q3_K: register k = values 64k .. 64k + 63 (sub-blocks 4k .. 4k + 3 of 16, as
+ *     Q6_K's in kernels_avx512.c): the 2-bit fields of 32 qs bytes, two per register
+ *     (a per-half 16-bit shift), Q3_K's hmask bit as a masked add of 4; one maddubs of the
+ *     unsigned values (<= 7) with the activation bytes and one madd by the sub-block
+ *     scales (vpermw of the 16 scale words); Q2_K's mins and Q3_K's zero point 4 from the
+ *     activations' 16-value sums (one madd per block).
+ *   IQ4_XS: register c = sub-blocks 2c, 2c + 1 (values 64c .. 64c + 63): the nibbles of 32
+ *     qs bytes, low and high per 128-bit lane, looked up in the level table biased by 128
+ *     (unsigned 1..241) for vpdpbusd, times the sub-block scale (vpmulld), and the bias
+ *     taken out as 128 times the sub-block's activation sum times its scale. */
+#include "cpu/avx512/kernels_avx512.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define GH_INLINE static inline __attribute__((always_inline))
+#define KNT GH_K2_AVX512_NT
+#define K_PF_BYTES 1024 /* software prefetch distance along the row stream (as the K-quants') */
+#define GH_PF_HINT _MM_HINT_T1
+
+GH_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* word w of register k: sub-block 4k + w / 8 (16 values = 8 words of maddubs pairs) */
+static const uint16_t K16_SC_IDX[4][32] __attribute__((aligned(64))) = {
+#define E(a) a, a, a, a, a, a, a, a
+    { E(0), E(1), E(2), E(3) }, { E(4), E(5), E(6), E(7) }, { E(8), E(9), E(10), E(11) },
+    { E(12), E(13), E(14), E(15) },
+#undef E
+};
+
+/* Q3_K's 16 scales (sc - 32, signed) as bytes from the 12 packed bytes (gh_k3_scale):
+ * low nibbles of bytes 0..7 then their high nibbles; top two bits 2 (j / 4) of byte 8 + j % 4. */
+GH_INLINE __m128i k3_scales(const uint8_t * p) {
+    uint32_t top;
+    memcpy(&top, p + 8, 4);
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i l8 = _mm_loadl_epi64((const __m128i *) p);
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(l8, m4), _mm_and_si128(_mm_srli_epi16(l8, 4), m4));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int) top), _mm_setr_epi32(0, 2, 4, 6)),
+                                     _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+}
+
+/* One Q2_K (is_q3 false) or Q3_K row against NT tokens' Q8_K rows (token t at x + t * xs):
+ * y[t * ldy]. */
+GH_INLINE void k2_row(const int NT, const bool is_q3, int64_t n, const uint8_t * w, const uint8_t * pf,
+                      const char * x, size_t xs, float * y, int64_t ldy) {
+    const size_t bs = is_q3 ? sizeof(block_q3_K) : sizeof(block_q2_K);
+    __m512 acc[KNT];
+    __m256 macc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm512_setzero_ps();
+        macc[t] = _mm256_setzero_ps();
+    }
+    const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    /* register 2h: fields 0 (values 128h + 0..31) and 1 (+ 32..63) of qs[32h ..]; 2h + 1:
+     * fields 2 and 3 */
+    const __m512i sh_a = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i sh_b = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const uint8_t * b = w + i * bs;
+        _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
+        const uint8_t * qs = is_q3 ? ((const block_q3_K *) b)->qs : ((const block_q2_K *) b)->qs;
+        __m512i v[4];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (qs + 32 * h)));
+            v[2 * h] = _mm512_and_si512(_mm512_srlv_epi16(q, sh_a), m3);
+            v[2 * h + 1] = _mm512_and_si512(_mm512_srlv_epi16(q, sh_b), m3);
+        }
+        __m256i sc16, m16 = _mm256_setzero_si256();
+        float d, dmin = 0.0f;
+        if (is_q3) {
+            const block_q3_K * bq = (const block_q3_K *) b;
+            /* bit 2k of hmask[l] is bit 2 of register k's value l, bit 2k + 1 of value 32 + l */
+            const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) bq->hmask));
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8((char) (1 << (2 * k))),
+                                                        _mm256_set1_epi8((char) (1 << (2 * k + 1))), 1);
+                v[k] = _mm512_mask_add_epi8(v[k], _mm512_test_epi8_mask(hm, bits), v[k], four);
+            }
+            sc16 = _mm256_cvtepi8_epi16(k3_scales(bq->scales));
+            d = _cvtsh_ss(bq->d);
+        } else {
+            const block_q2_K * bq = (const block_q2_K *) b;
+            const __m128i s8 = _mm_loadu_si128((const __m128i *) bq->scales), m4 = _mm_set1_epi8(0x0f);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s8, m4));
+            m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), m4));
+            d = _cvtsh_ss(bq->d);
+            dmin = _cvtsh_ss(bq->dmin);
+        }
+        __m512i sc[4];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            sc[k] = _mm512_permutexvar_epi16(_mm512_load_si512(K16_SC_IDX[k]), _mm512_zextsi256_si512(sc16));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const __m512i a = _mm512_loadu_si512(yb->qs + 64 * k);
+                s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(v[k], a), sc[k]));
+            }
+            const __m256i bsums = _mm256_loadu_si256((const __m256i *) yb->bsums);
+            if (is_q3) { /* - 4 * sum_j scale_j * bsums_j */
+                s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(_mm256_madd_epi16(bsums, sc16), 2)));
+            } else { /* the mins: - dmin * sum_j m_j * bsums_j */
+                macc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * yb->d), _mm256_cvtepi32_ps(_mm256_madd_epi16(bsums, m16)),
+                                          macc[t]);
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yb->d), _mm512_cvtepi32_ps(s), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]) - hsum256(macc[t]);
+}
+
+/* One IQ4_XS row against NT tokens. */
+GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t * pf, const char * x, size_t xs,
+                      float * y, int64_t ldy) {
+    const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) gh_kvalues_iq4nl)),
+                                           _mm512_set1_epi8((char) 0x80));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* 128-bit lanes: bytes 0..15, 0..15, 16..31, 16..31 of 32 qs bytes; their low nibbles
+     * in lanes 0 and 2, the high ones in 1 and 3 */
+    const __m512i lanes = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+    const __m256i sh16 = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(sh16), sh16, 1);
+    const __m256i shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    __m512 acc[KNT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const block_iq4_xs * b = (const block_iq4_xs *) w + i;
+        _mm_prefetch((const char *) pf + i * sizeof *b, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * sizeof *b + 64, GH_PF_HINT);
+        _mm_prefetch((const char *) pf + i * sizeof *b + sizeof *b - 1, GH_PF_HINT);
+        const float d = _cvtsh_ss(b->d);
+        /* the eight scales ls - 32 (gh_iq4_xs_scale) as dwords */
+        uint32_t sl;
+        memcpy(&sl, b->scales_l, 4);
+        const __m256i lo4 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int) sl), shl), _mm256_set1_epi32(15));
+        const __m256i hi2 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b->scales_h), shh), _mm256_set1_epi32(3));
+        const __m256i s32 = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+        /* words 2ib and 2ib + 1: scale ib (|scale| <= 32), for the bias against the bsums */
+        const __m256i sc16 = _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s32, 16));
+        __m512i lv[4], sc[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i q = _mm512_permutexvar_epi64(lanes, _mm512_castsi256_si512(
+                                                                  _mm256_loadu_si256((const __m256i *) (b->qs + 32 * c))));
+            lv[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srlv_epi16(q, shift), m4));
+            /* dwords of lanes 0, 1: scale 2c; of lanes 2, 3: scale 2c + 1 */
+            sc[c] = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1),
+                                             _mm512_castsi256_si512(s32));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
+            __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lv[c], _mm512_loadu_si512(yb->qs + 64 * c));
+                s = _mm512_add_epi32(s, _mm512_mullo_epi32(dp, sc[c]));
+            }
+            /* - 128 * sum_ib scale_ib * (the sub-block's activation sum) */
+            const __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), sc16);
+            s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(z, 7)));
+            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yb->d), _mm512_cvtepi32_ps(s), acc[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+}
+
+enum { K_Q2, K_Q3, K_XS };
+
+GH_INLINE void k_row(const int NT, const int kind, int64_t n, const uint8_t * w, const uint8_t * pf,
+                     const char * x, size_t xs, float * y, int64_t ldy) {
+    if (kind == K_XS) xs_row(NT, n, w, pf, x, xs, y, ldy);
+    else k2_row(NT, kind == K_Q3, n, w, pf, x, xs, y, ldy);
+}
+
+/* Rows one after the other (one linear stream, prefetched K_PF_BYTES ahead); tokens in
+ * tiles of KNT. */
+GH_INLINE void gemm_k(const int kind, int64_t n, const void * w, size_t ws, int nr, const void * x,
+                      size_t xs, int nt, float * y, int64_t ldy) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t * wr = (const uint8_t *) w + r * ws;
+        for (int t = 0; t < nt; t += KNT) {
+            const char * xt = (const char *) x + t * xs;
+            float * yt = y + t * ldy + r;
+            switch (GH_MIN(KNT, nt - t)) {
+                case 1: k_row(1, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 2: k_row(2, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 3: k_row(3, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                default: k_row(4, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+            }
+        }
+    }
+}
+
+#define DEFINE_K(sfx, KIND)                                                                           \
+    void gh_avx512_gemm_##sfx(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, \
+                              int nt, float * y, int64_t ldy) {                                       \
+        gemm_k(KIND, n, w, ws, nr, x, xs, nt, y, ldy);                                               \
+    }                                                                                                 \
+    void gh_avx512_vec_dot_##sfx(int64_t n, float * s, const void * w, const void * x) {             \
+        gemm_k(KIND, n, w, 0, 1, x, 0, 1, s, 1);                                                      \
+    }                                                                                                 \
+    /* four gathered rows: each the one-row sum of the dense decode */                               \
+    void gh_avx512_dot4_##sfx(int64_t n, const void * const * rows, const void * const * pf,          \
+                              const void * x, float * y) {                                            \
+        for (int r = 0; r < 4; r++) k_row(1, KIND, n, rows[r], pf[r], x, 0, y + r, 1);                \
+    }
+
+DEFINE_K(q2_K, K_Q2)
+DEFINE_K(q3_K, K_Q3)
+DEFINE_K(iq4_xs, K_XS)

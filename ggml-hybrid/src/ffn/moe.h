@@ -1,0 +1,54 @@
+/* Mixture-of-experts FFN (moe.c): the router, top-k selection and the selected experts'
+ * SwiGLU FFNs through the same kernels as dense weights, plus a shared expert where the
+ * architecture has one.
+ *
+ * One layer over n tokens x (already normed):
+ *   p      = softmax(router . x)                        [n_expert]
+ *   E      = the n_expert_used experts with the largest p (ties: the lower id)
+ *   w_e    = p_e (/ sum_{E} p when hp.expert_norm) * hp.expert_scale
+ *   y      = sum_{e in E} w_e * down_e(act(gate_e x) * up_e x)
+ *          (+ sigmoid(shexp_gate . x) * down_sh(act(gate_sh x) * up_sh x))
+ * Expert weights live in llama.cpp's 3-D tensors [n_expert][rows][cols]: expert e's matrix
+ * is rows e*rows .. of the 2-D view (gh_expert), so each expert's rows are read in place,
+ * in every type the kernel table has. A batch is grouped by expert: each selected expert
+ * runs once over the tokens that chose it, so its rows are read once per batch, and a
+ * decode step reads only its k experts' bytes. */
+#ifndef GH_MOE_H
+#define GH_MOE_H
+
+#include "core/common.h"
+#include "cpu/ops.h"
+
+/* A layer's experts (model.h gh_layer.moe); rows 0 / NULL where absent. */
+typedef struct {
+    gh_weight router;                         /* ffn_gate_inp: [n_expert rows][n_embd] */
+    gh_weight gate_exps, up_exps, down_exps;  /* expert 0 of ffn_{gate,up,down}_exps:
+                                               * [n_ff_exp][n_embd], [n_embd][n_ff_exp] */
+    gh_weight gate_shexp, up_shexp, down_shexp; /* the shared expert (rows 0: none) */
+    float *   shexp_gate;                     /* ffn_gate_inp_shexp [n_embd] (model-owned) */
+} gh_moe_layer;
+
+/* Expert e's matrix of a 3-D expert tensor viewed as expert 0 (rows contiguous, experts
+ * one after another). */
+static inline gh_weight gh_expert(const gh_weight * w, int32_t e) {
+    gh_weight v = *w;
+    v.data = (const uint8_t *) w->data + (size_t) e * (size_t) w->rows * w->row_bytes;
+    return v;
+}
+
+struct gh_context;
+struct gh_model;
+typedef struct gh_moe_state gh_moe_state;
+
+/* The per-context buffers for batches of up to n_batch tokens and the selection counts;
+ * NULL on out-of-memory (message set). Only for models with experts. */
+gh_moe_state * gh_moe_state_new(const struct gh_model * m, int32_t n_batch);
+void gh_moe_state_free(gh_moe_state * s);
+/* Zeroes the selection counts (gh_context_reset_stats). */
+void gh_moe_reset_stats(gh_moe_state * s);
+
+/* The FFN of layer il over the n normed tokens in c->xb into c->xb2; counts its weight
+ * bytes (router, the experts some token chose, the shared expert) in the FFN stage. */
+void gh_moe_ffn(struct gh_context * c, int il, int32_t n);
+
+#endif

@@ -1,0 +1,137 @@
+"""Continuous batching: ONE scheduler thread runs the generations of every busy slot.
+
+Each step it
+  1. admits the requests that arrived since the last step and drops those whose client
+     went away (the slot is free for the next request);
+  2. samples the next token of every generation whose logits are ready and sends its text
+     (a generation that ends here answers its client now);
+  3. evaluates one chunk (`prompt_chunk` tokens) of the oldest prompt still being read, so
+     a long prompt is spread over several steps while the others keep decoding (with no
+     other generation decoding, the whole prompt at once);
+  4. evaluates the next token of every decoding generation in ONE forward pass
+     (model.eval_batch: each weight is read once per step, not once per slot).
+Generations whose context runs a sparse FFN mode (sparse, gate, oracle) decode one by one
+in step 4: the sparse modes pick each token's own neurons and are not batched yet.
+
+Each slot keeps its own context (its KV cache and cached prefix); the batched pass borrows
+the first decoding slot's buffers and threads, so the slots' contexts take every core
+(one pass runs at a time) instead of a share each."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+from ..model import eval_batch
+
+
+class Batcher:
+    """The scheduler thread. submit_job() hands it a Job whose slot the pool gave out; the
+    returned future completes when the job has ended and its slot may be reused."""
+
+    def __init__(self, prompt_chunk: int = 256):
+        if prompt_chunk < 1:
+            raise ValueError("--prompt-chunk must be >= 1")
+        self.prompt_chunk = prompt_chunk
+        self._cond = threading.Condition()
+        self._inbox: list = []
+        self._stop = False
+        self.steps = 0          # batched forward passes run (each of 2 or more tokens)
+        self.batched_tokens = 0  # tokens they evaluated
+        self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
+        self._thread.start()
+
+    def submit_job(self, job) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the server is shutting down")
+            self._inbox.append((job, fut))
+            self._cond.notify()
+        return fut
+
+    def close(self) -> None:
+        """End every job (as cancelled) and stop the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+
+    # -- the scheduler thread ---------------------------------------------------------
+
+    def _loop(self) -> None:
+        active: list = []
+        while True:
+            with self._cond:
+                while not self._inbox and not active and not self._stop:
+                    self._cond.wait()
+                new, self._inbox = self._inbox, []
+                stop = self._stop
+            for job, fut in new:
+                job.batch_future = fut
+                active.append(job)
+                if not job.cancel.is_set():
+                    _guard(job, job.begin)
+            for job in active:
+                if stop:
+                    job.cancel.set()
+                if job.cancel.is_set() and not job.ended:
+                    job.end(cancelled=True)
+            active = [j for j in active if not j.ended]
+            if stop and not active:
+                return
+            try:
+                self._step(active)
+            except BaseException as e:  # a bug here must not leave every client waiting
+                for job in active:
+                    try:
+                        job.end(error=e)
+                    except BaseException:
+                        pass
+            active = [j for j in active if not j.ended]
+
+    def _step(self, active: list) -> None:
+        for job in active:  # 2. sample where the logits are ready
+            g = job.gen
+            if g.prefilled and g.next_token is None and not g.done:
+                _guard(job, job.sample)
+            if not job.ended and g.done and g.prefilled:  # (max_tokens 0: after its prompt)
+                job.end()
+        for job in active:  # 3. one chunk of the oldest prompt still being read
+            if not job.ended and not job.gen.prefilled:
+                # in chunks only while others decode (alone, the whole prompt at once)
+                others = any(j is not job and not j.ended and j.gen.prefilled for j in active)
+                chunk = self.prompt_chunk if others else None
+                _guard(job, lambda: job.gen.prefill(chunk))
+                break
+        decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
+        batch = []
+        for job in decoding:  # 4. the next tokens: together where the FFN mode allows
+            try:
+                if job.gen.batchable():
+                    batch.append(job)
+            except BaseException as e:
+                job.end(error=e)
+        if len(batch) > 1:
+            try:
+                eval_batch([j.gen for j in batch])
+                self.steps += 1
+                self.batched_tokens += len(batch)
+            except BaseException as e:  # a failed pass changes no context
+                for job in batch:
+                    job.end(error=e)
+        for job in decoding:  # the rest (and a batch of one) one by one
+            if not job.ended and job.gen.next_token is not None:
+                _guard(job, job.gen.step)
+        for job in decoding:  # a context that filled up ends its generation
+            if not job.ended and job.gen.done:
+                job.end()
+
+
+def _guard(job, fn) -> None:
+    """Run one job's part of a step; an error ends that job (reported to its client) and
+    the others carry on."""
+    try:
+        fn()
+    except BaseException as e:
+        job.end(error=e)

@@ -1,0 +1,375 @@
+"""Batched decode: gh_eval_batch (several contexts' next tokens in ONE forward pass), the
+Python side of it (Generation, eval_batch) and the server's continuous batching over it.
+What each context gets from a batch is checked against what it gets alone."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from powerinfer_cpp import Model
+from powerinfer_cpp._native import NativeError, NativeValueError, check, ffi, lib
+from powerinfer_cpp.model import eval_batch
+
+N_CTX = 256
+PROMPTS = ["And God said", "In the beginning God created the heaven", "And Jesus said unto them",
+           "The LORD is my shepherd; I shall not", "Blessed are the"]
+# A prompt long enough to be read in several --prompt-chunk 4 steps while others decode.
+LONG = ("And it came to pass, when men began to multiply on the face of the earth, and daughters "
+        "were born unto them, that the sons of God saw the daughters of men")
+
+
+@pytest.fixture(scope="module")
+def model(shipped_gguf):
+    with Model(shipped_gguf, n_ctx=N_CTX, n_threads=2, ffn="dense") as m:
+        yield m
+
+
+def _logits(ctx) -> np.ndarray:
+    nv = ctx.model.n_vocab
+    with ctx._calling() as ptr:
+        return np.frombuffer(ffi.buffer(lib.gh_get_logits(ptr, 0), nv * 4), np.float32).copy()
+
+
+def _native_batch(ctxs, tokens) -> None:
+    """gh_eval_batch itself (no Python bookkeeping: these contexts are driven by eval() and
+    this only)."""
+    ptrs = ffi.new("gh_context *[]", [c._handle() for c in ctxs])
+    arr = np.asarray(tokens, dtype=np.int32)
+    check(lib.gh_eval_batch(ptrs, len(ctxs), ffi.from_buffer("int32_t[]", arr)))
+
+
+# Every step is compared to gh_eval of the same token on a twin context. The batched pass
+# runs the matmuls over n tokens (the multi-token tiles) instead of one (the decode tiles).
+# Where a type's two tiles sum each dot product alike the logits agree bit for bit (the
+# shipped f16 model here, at AVX-512; SmolLM2 Q4_1 at AVX2 and scalar); where they do not,
+# they differ by rounding (SmolLM2 Q4_1 at AVX-512: 7e-7 of the largest logit, measured
+# over 4 steps of 3 contexts). The bound leaves room for that, and the greedy token must
+# agree either way.
+LOGIT_BOUND = 1e-4
+
+
+def _compare(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    assert np.isfinite(got).all(), what
+    err = float(np.abs(got - ref).max()) / max(float(np.abs(ref).max()), 1e-6)
+    assert err <= LOGIT_BOUND, f"{what}: relative logit error {err:.3g}"
+    assert int(got.argmax()) == int(ref.argmax()), what
+
+
+@pytest.mark.parametrize("cache_types", [("f16", "f16", "f16"), ("f32", "q8_0", "f16")])
+def test_batched_steps_equal_single_steps(model, cache_types):
+    """Contexts at different positions (prompts of different lengths), even with different
+    KV cache types, decode 12 steps together; each step's logits equal gh_eval's of the same
+    token on a twin context."""
+    ctxs = [model.create_context(n_ctx=N_CTX, cache_type=t) for t in cache_types]
+    twins = [model.create_context(n_ctx=N_CTX, cache_type=t) for t in cache_types]
+    last = []
+    for c, t, p in zip(ctxs, twins, PROMPTS):
+        ids = model.tokenize(p)
+        c.eval(ids)
+        last.append(t.eval(ids))
+    exact = True
+    for step in range(12):
+        tokens = [int(lg.argmax()) for lg in last]
+        _native_batch(ctxs, tokens)
+        last = [t.eval([tok]) for t, tok in zip(twins, tokens)]
+        for i, (c, ref) in enumerate(zip(ctxs, last)):
+            got = _logits(c)
+            _compare(got, ref, f"step {step}, context {i}")
+            exact &= bool(np.array_equal(got, ref))
+            assert c.n_past == twins[i].n_past
+    print(f"batched logits bit for bit equal to single steps: {exact}")
+
+
+def test_batched_steps_on_a_device(shipped_gguf):
+    """The hybrid path: attention and head on the simulated device (host-device) run the
+    batch's rows there, in the lending context's stream; each step equals gh_eval's."""
+    with Model(shipped_gguf, n_ctx=64, n_threads=2, device="host-device") as m:
+        assert m.device_info()["attention_layers"] > 0 and m.device_info()["head_on_device"]
+        ctxs = [m.create_context(n_ctx=64) for _ in range(2)]
+        twins = [m.create_context(n_ctx=64) for _ in range(2)]
+        last = []
+        for c, t, p in zip(ctxs, twins, PROMPTS):
+            ids = m.tokenize(p)
+            c.eval(ids)
+            last.append(t.eval(ids))
+        for step in range(4):
+            tokens = [int(lg.argmax()) for lg in last]
+            _native_batch(ctxs, tokens)
+            last = [t.eval([tok]) for t, tok in zip(twins, tokens)]
+            for i, (c, ref) in enumerate(zip(ctxs, last)):
+                _compare(_logits(c), ref, f"host-device step {step}, context {i}")
+
+
+def test_a_batch_of_one_is_gh_eval(model):
+    a, b = model.create_context(n_ctx=64), model.create_context(n_ctx=64)
+    ids = model.tokenize(PROMPTS[0])
+    a.eval(ids)
+    ref = b.eval(ids)
+    tok = int(ref.argmax())
+    _native_batch([a], [tok])
+    assert np.array_equal(_logits(a), b.eval([tok]))
+
+
+def test_the_batch_reads_each_weight_once(model):
+    """The statistics of the context that lends the pass its buffers: a batch of three
+    tokens reads the attention and head weights once (the bytes of one single step)."""
+    ctxs = [model.create_context(n_ctx=64) for _ in range(3)]
+    single = model.create_context(n_ctx=64)
+    for c in ctxs + [single]:
+        c.eval(model.tokenize(PROMPTS[1]))
+        c.reset_stats()
+    _native_batch(ctxs, [5, 6, 7])
+    single.eval([5])
+    st, one = ctxs[0].stats(), single.stats()
+    assert st["n_tokens"] == 3 and one["n_tokens"] == 1
+    assert st["bytes"]["attention"] == one["bytes"]["attention"] > 0
+    assert st["bytes"]["head"] == one["bytes"]["head"] > 0
+    assert ctxs[1].stats()["n_tokens"] == 0
+
+
+def test_bad_batches_are_refused_and_change_nothing(model, shipped_gguf):
+    ctxs = [model.create_context(n_ctx=16, n_batch=2) for _ in range(3)]
+    for c in ctxs:
+        c.eval([1, 2, 3])
+    before = [c.n_past for c in ctxs]
+    with pytest.raises(NativeValueError, match="same context"):
+        _native_batch([ctxs[0], ctxs[0]], [1, 2])
+    with pytest.raises(NativeValueError, match="n_batch = 2"):
+        _native_batch(ctxs, [1, 2, 3])
+    with pytest.raises(NativeValueError, match="outside the vocabulary"):
+        _native_batch(ctxs[:2], [1, model.n_vocab])
+    with Model(shipped_gguf, n_ctx=16) as other:
+        with pytest.raises(NativeValueError, match="another model"):
+            _native_batch([ctxs[0], other.create_context(n_ctx=16)], [1, 2])
+    full = model.create_context(n_ctx=4)
+    full.eval([1, 2, 3, 4])
+    with pytest.raises(NativeValueError, match="context full"):
+        _native_batch([ctxs[0], full], [1, 2])
+    assert [c.n_past for c in ctxs] == before
+    g = ctxs[0].start_generation([1, 2], max_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="share a context"):
+        eval_batch([g, g])
+
+
+def test_sparse_contexts_are_refused_unless_dense_for_one_token(shipped_sparse):
+    """The sparse modes pick each token's own neurons: not batched (the server decodes such
+    slots one by one); with a sparse batch of 0 their one-token batches run dense, and
+    batch."""
+    with Model(shipped_sparse["sparse"], n_ctx=64, n_threads=1) as m:
+        a, b, ref = (m.create_context(n_ctx=64) for _ in range(3))
+        assert a.ffn_mode == "sparse"
+        for c in (a, b, ref):
+            c.eval(m.tokenize(PROMPTS[0]))
+        with pytest.raises(NativeError, match="sparse FFN mode") as e:
+            _native_batch([a, b], [5, 6])
+        assert e.value.status == lib.GH_ERR_UNSUPPORTED
+        assert a.n_past == b.n_past == ref.n_past
+        g = a.start_generation([1], max_tokens=1)
+        assert not g.batchable()
+        for c in (a, b, ref):
+            c.sparse_batch = 0
+        _native_batch([a, b], [5, 6])
+        _compare(_logits(a), ref.eval([5]), "sparse file, sparse batch 0")
+
+
+def test_a_busy_context_refuses_the_batch_and_nothing_changes(model):
+    """Native calls from two threads, past the Python locks: a batch over (a, b) and
+    gh_eval on b race. Each call either runs or is refused with GH_ERR_BUSY having changed
+    nothing, so the positions count exactly the calls that ran."""
+    a, b = model.create_context(n_ctx=N_CTX), model.create_context(n_ctx=N_CTX)
+    a.eval([1])
+    b.eval([1])
+    pa, pb = a._handle(), b._handle()
+    ran = {"batch": 0, "single": 0, "busy": 0, "other": []}
+
+    def batches():
+        ptrs = ffi.new("gh_context *[]", [pa, pb])
+        toks = ffi.new("int32_t[]", [5, 6])
+        for _ in range(40):
+            st = lib.gh_eval_batch(ptrs, 2, toks)
+            ran["batch" if st == 0 else "busy" if st == lib.GH_ERR_BUSY else "other"] += \
+                1 if st in (0, lib.GH_ERR_BUSY) else [st]
+            time.sleep(0.0005)
+
+    def singles():
+        tok = ffi.new("int32_t[]", [7])
+        for _ in range(40):
+            st = lib.gh_eval(pb, tok, 1, 0)
+            ran["single" if st == 0 else "busy" if st == lib.GH_ERR_BUSY else "other"] += \
+                1 if st in (0, lib.GH_ERR_BUSY) else [st]
+            time.sleep(0.0005)
+
+    threads = [threading.Thread(target=f) for f in (batches, singles)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ran["other"] == []
+    assert ran["batch"] + ran["single"] > 0  # (which ones ran is up to the scheduler)
+    assert lib.gh_context_n_past(pa) == 1 + ran["batch"]
+    assert lib.gh_context_n_past(pb) == 1 + ran["batch"] + ran["single"]
+    print(ran)
+
+
+def _drive(model, jobs: dict, chunk: int, join_at: dict) -> dict:
+    """Generations stepped as the server's scheduler steps them (sample, one prompt chunk,
+    one batched pass), each on a context of its own; join_at[name] = the step at which a
+    generation starts. Returns each one's text."""
+    active, out, step = {}, {}, 0
+    while len(out) < len(jobs):
+        for name, (prompt, n) in jobs.items():
+            if name not in active and name not in out and join_at.get(name, 0) <= step:
+                ctx = model.create_context(n_ctx=N_CTX)
+                active[name] = ctx.start_generation(prompt, max_tokens=n, temperature=0,
+                                                    ignore_eos=True)
+        for name, g in list(active.items()):
+            if g.prefilled and g.next_token is None and not g.done:
+                g.sample()
+            if g.done:
+                g.flush()
+                g.finish()
+                out[name] = g.result.text
+                del active[name]
+        for g in active.values():
+            if not g.prefilled:
+                g.prefill(chunk)
+                break
+        dec = [g for g in active.values() if g.next_token is not None]
+        if len(dec) > 1:
+            eval_batch(dec)
+        elif dec:
+            dec[0].step()
+        step += 1
+    return out
+
+
+def test_generations_batched_equal_their_streams(model):
+    """Three greedy generations decoded together, one joining mid-way with a long prompt
+    read in chunks, give the texts each gives alone."""
+    jobs = {"a": (PROMPTS[0], 40), "b": (PROMPTS[1], 24), "late": (LONG, 20)}
+    got = _drive(model, jobs, chunk=4, join_at={"late": 6})
+    for name, (prompt, n) in jobs.items():
+        ref = model.create_context(n_ctx=N_CTX).generate(prompt, max_tokens=n, temperature=0,
+                                                         ignore_eos=True).text
+        assert got[name] == ref, name
+
+
+def test_batches_from_two_threads(model):
+    """Two threads batching disjoint contexts of one model at the same time get the
+    results they get one after the other (the model is shared read-only; each pass runs in
+    the first context's buffers)."""
+    def run():
+        return _drive(model, {"x": (PROMPTS[2], 16), "y": (PROMPTS[3], 16)}, chunk=64,
+                      join_at={})
+
+    alone = run()
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        results = [f.result() for f in [ex.submit(run) for _ in range(2)]]
+    assert results == [alone, alone]
+
+
+# -- the server ------------------------------------------------------------------------
+
+httpx = pytest.importorskip("httpx")
+
+
+@pytest.fixture(scope="module")
+def dense_server(shipped_gguf):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from server_util import running_server
+
+    with running_server(shipped_gguf, "--parallel", "3", "--ctx", str(N_CTX), "-t", "1",
+                        "--prompt-chunk", "4", "--queue", "8") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(shipped_gguf):
+    with Model(shipped_gguf, n_ctx=N_CTX, n_threads=1) as m:
+        def ref(prompt, n):
+            return m.create_context(n_ctx=N_CTX).generate(prompt, max_tokens=n, temperature=0,
+                                                          ignore_eos=True).text
+        yield ref
+
+
+def _complete(url, prompt, n):
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _metric(url, name) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def _wait_idle(url):
+    for _ in range(200):
+        if httpx.get(url + "/health").json()["slots_processing"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the server's slots did not become idle")
+
+
+def test_server_concurrent_requests_equal_sequential(dense_server, reference):
+    steps0 = _metric(dense_server, "powerinfer_batched_steps_total")
+    jobs = [(PROMPTS[i], 32) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda j: _complete(dense_server, *j), jobs))
+    assert got == [reference(p, n) for p, n in jobs]
+    # the three generations overlapped, so their tokens went through batched passes
+    assert _metric(dense_server, "powerinfer_batched_steps_total") > steps0
+
+
+def _stream(url, prompt, n):
+    return httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        "stream": True})
+
+
+def _texts(lines):
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                yield chunk["choices"][0]["text"]
+
+
+def test_server_a_request_joining_mid_generation_changes_nothing(dense_server, reference):
+    """A streams; after some of its text, B arrives with a long prompt (read 4 tokens per
+    step while A decodes): both texts are what each gets alone."""
+    _wait_idle(dense_server)
+    with _stream(dense_server, PROMPTS[4], 128) as r:
+        pieces = _texts(r.iter_lines())
+        a = [next(pieces) for _ in range(3)]
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            b = ex.submit(_complete, dense_server, LONG, 24)
+            a += list(pieces)
+            b = b.result()
+    assert "".join(a) == reference(PROMPTS[4], 128)
+    assert b == reference(LONG, 24)
+
+
+def test_server_a_disconnect_frees_its_slot_and_the_others_go_on(dense_server, reference):
+    _wait_idle(dense_server)
+    cancelled = _metric(dense_server, "powerinfer_generations_cancelled_total")
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        with _stream(dense_server, PROMPTS[0], 200) as r:
+            pieces = _texts(r.iter_lines())
+            next(pieces)
+            other = ex.submit(_complete, dense_server, PROMPTS[1], 48)
+            next(pieces)
+        # the client left: its slot is freed at the next step, the other goes on
+        assert other.result() == reference(PROMPTS[1], 48)
+    _wait_idle(dense_server)
+    assert _metric(dense_server, "powerinfer_generations_cancelled_total") == cancelled + 1

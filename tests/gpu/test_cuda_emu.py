@@ -22,6 +22,9 @@ from opref import TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: Read by the CPU runtime, not by the CUDA backend (refused at placement by name).
+CUDA_REFUSED = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+
 
 def find_nvcc() -> str | None:
     for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
@@ -52,8 +55,11 @@ def test_row_math_on_the_cpu(tmp_path):
     assert ", 0 failed" in run.stdout
     # every type the op tests cover (opref.TYPES: those the CPU runtime reads, issue 25's
     # presets among them) is on the device's list; the runtime's others are refused by name
+    # but the IQ lattice types, which the device refuses at placement, by name (their
+    # codebooks are not on the device yet)
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("runtime types the CUDA"))
     missing = {t.lower() for t in line.split(":", 1)[1].split()} - {"none"}
-    assert not missing & set(TYPES), line
+    assert missing & set(TYPES) == set(CUDA_REFUSED) & set(TYPES), line
     for t in TYPES:
-        assert f"{gh_name(t)}: ok" in run.stdout, f"{t} is not on the CUDA type list"
+        if t not in CUDA_REFUSED:
+            assert f"{gh_name(t)}: ok" in run.stdout, f"{t} is not on the CUDA type list"

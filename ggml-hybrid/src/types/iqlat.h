@@ -40,7 +40,17 @@
 
 #include <string.h>
 
-#include "iq_grids.h" /* generated: GH_IQ_GRIDS (1: the codebooks are in) */
+/* generated in the build tree: GH_IQ_GRIDS (1: the codebooks are in). Code compiled outside
+ * the library's build (the tests' CUDA emulation, which needs the layouts only) has no such
+ * header and sees the types as built without their codebooks. */
+#if defined(__has_include)
+#if __has_include("iq_grids.h")
+#include "iq_grids.h"
+#endif
+#endif
+#ifndef GH_IQ_GRIDS
+#define GH_IQ_GRIDS 0
+#endif
 
 typedef struct { uint16_t d; uint16_t qs[QK_K / 8]; } block_iq2_xxs;
 typedef struct { uint16_t d; uint16_t qs[QK_K / 8]; uint8_t scales[QK_K / 32]; } block_iq2_xs;

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from powerinfer_cpp import _native
 from powerinfer_cpp._native import ffi, lib
 
 from opref import LATTICE_TYPES, TYPES  # noqa: E402
@@ -109,7 +110,10 @@ def test_prompt_tiles():
 
 
 def test_tool_prints_the_matrix():
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    # the tool imports the repository's python/ (as its users run it); the library is the
+    # one these tests load (an installed package's, or GH_LIBRARY's)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"),
+               GH_LIBRARY=str(Path(_native.lib_path).resolve()))
     r = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_coverage.py"), "--gaps"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0, r.stderr

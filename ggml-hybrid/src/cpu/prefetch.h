@@ -9,7 +9,9 @@
 #ifndef GH_PF_TILES
 #define GH_PF_TILES 3          /* decode prefetches the tile this many tiles ahead */
 #endif
+#ifndef GH_PF_HINT
 #define GH_PF_HINT _MM_HINT_T1 /* into L2: into L1 the prefetched lines evict x */
+#endif
 
 /* Prefetch modes: none (prompt tiles, whose rows stay in L2), one linear stream starting
  * at pf[0] (decode), or the rows pf[0..4) (gathered rows). */

@@ -37,6 +37,7 @@
 #include "cpu/avx2/k4_scales.h"
 #include "cpu/avx512/kernels_avx512.h"
 #include "cpu/kernels.h"
+#include "cpu/prefetch.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -45,12 +46,6 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define MAXR 4
 #define MAXT 8
-#ifndef GH_PF_HINT
-#define GH_PF_HINT _MM_HINT_T1  /* into L2: T0 (L1) thrashes L1 when rows are long */
-#endif
-#ifndef GH_PF_TILES
-#define GH_PF_TILES 3
-#endif
 
 /* Loads `avail` bytes (clamped to 0..64) at p, zero-filling the rest, without reading
  * past them. */

@@ -17,6 +17,7 @@
  *     (unsigned 1..241) for vpdpbusd, times the sub-block scale (vpmulld), and the bias
  *     taken out as 128 times the sub-block's activation sum times its scale. */
 #include "cpu/avx512/kernels_avx512.h"
+#include "cpu/prefetch.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -24,7 +25,6 @@
 #define GH_INLINE static inline __attribute__((always_inline))
 #define KNT GH_K2_AVX512_NT
 #define K_PF_BYTES 1024 /* software prefetch distance along the row stream (as the K-quants') */
-#define GH_PF_HINT _MM_HINT_T1
 
 GH_INLINE float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

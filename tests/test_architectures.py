@@ -38,6 +38,7 @@ VARIANTS = {
     # mixtures of experts (hf_models.MOE_VARIANTS; their own tests: test_moe.py)
     "mixtral": False, "mixtral-top1": False, "qwen2moe": False, "qwen2moe-norm": False,
     "qwen3moe": False, "qwen3moe-top1": False, "olmoe": False, "olmoe-norm": False,
+    "gptoss": False, "gptoss-top1": False, "gptoss-top4": False,
 }
 N_POS = 40
 
@@ -88,10 +89,10 @@ def test_logits_f32(arch_case):
 
 
 def test_sliding_window_decode(arch_case):
-    """Gemma's local layers past their window (4-6 of the 40 positions): every token decoded
-    one at a time, and the prompt in batches of 7 that straddle windows, against
+    """Gemma's and gpt-oss's local layers past their window (4-6 of the 40 positions): every
+    token decoded one at a time, and the prompt in batches of 7 that straddle windows, against
     transformers; an F16 cache within the f16 bound."""
-    if not arch_case["variant"].startswith("gemma"):
+    if not arch_case["variant"].startswith(("gemma", "gptoss")):
         pytest.skip("no sliding-window layers")
     ids, want = arch_case["ids"], arch_case["want"]
     rng_ = np.ptp(want)

@@ -67,7 +67,9 @@ typedef enum {
     GH_ACT_DRELU = 2,  /* dReLU:  relu(gate) * relu(up)      (Bamboo, TurboSparse) */
     GH_ACT_GELU  = 3,  /* GeGLU:  gelu_tanh(gate) * up      (HF gelu_new / gelu_pytorch_tanh) */
     GH_ACT_GELU_ERF = 4, /* GeGLU with exact erf GELU       (HF "gelu") */
-    GH_ACT_FATRELU = 5  /* fatrelu(gate) * up, fatrelu(g) = g if g > t else 0   (ProSparse) */
+    GH_ACT_FATRELU = 5, /* fatrelu(gate) * up, fatrelu(g) = g if g > t else 0   (ProSparse) */
+    GH_ACT_SWIGLU_OAI = 6 /* gpt-oss's clamped SwiGLU with limit t: g = min(gate, t),
+                           * (clamp(up, -t, t) + 1) * g * sigmoid(1.702 g) (gated only) */
 } gh_act;
 /* An ungated FFN (OPT, Falcon) applies the same kinds to up alone: act(up) (dReLU has no
  * ungated form). */

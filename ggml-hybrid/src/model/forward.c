@@ -233,7 +233,7 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     const bool local = hp->swa && hp->swa[il];
     if (hp->rope != GH_ROPE_NONE && !nope) {
         const int neox = hp->rope == GH_ROPE_NEOX;
-        const float * cs = local ? c->rope_swa : c->rope;
+        const float * cs = local && c->rope_swa ? c->rope_swa : c->rope;
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, cs + t * hd, neox);
             gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, cs + t * hd, neox);
@@ -242,7 +242,7 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     /* the full cache is kept for local layers too: they are interleaved with global ones,
      * which need it, and the window is a mask */
     const gh_attn_opts ao = { .scale = hp->attn_scale, .softcap = hp->attn_softcap,
-                              .window = local ? hp->n_swa : 0 };
+                              .window = local ? hp->n_swa : 0, .sinks = L->sinks };
     if (c->seq) {
         /* batched decode: each token is the next of its own context, whose cache it joins
          * and attends over (the context's cache type) */
@@ -327,6 +327,10 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
         for (int32_t t = 0; t < n; t++) {
             gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta, hp->rope_freq_scale,
                            hp->rope_freqs, c->rope + t * hd);
+            /* YaRN's attention factor scales cos and sin (q.k by its square), as
+             * transformers' rotary embedding does */
+            for (int64_t i = 0; hp->rope_attn_factor != 1.0f && i < hd; i++)
+                c->rope[t * hd + i] *= hp->rope_attn_factor;
             if (c->rope_swa) {
                 gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta_swa,
                                hp->rope_freq_scale_swa, NULL, c->rope_swa + t * hd);

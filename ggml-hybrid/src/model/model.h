@@ -24,6 +24,7 @@ typedef struct {
     gh_weight wq, wk, wv, wo;            /* a fused attn_qkv is viewed as its three row ranges */
     float *   bq, * bk, * bv, * bo;
     float *   q_norm, * k_norm;      /* RMSNorm weights of q and k (hp.qk_norm; NULL: none) */
+    float *   sinks;                 /* [n_head] attention sink logits (gpt-oss; NULL: none) */
     /* the FFN's input norm: ffn_norm (sequential block), attn_norm (parallel block with
      * two norms, llama.cpp's naming) or none (parallel block: the FFN reads the
      * attention's normed input) */

@@ -330,6 +330,7 @@ def test_gptoss_llama_cpp_file(gptoss_gguf, tmp_path):
     np.testing.assert_array_equal(_logits(lcpp, ids), _logits(ours, ids))
     with Model(lcpp) as m:
         assert m.info.arch == A and m.info.n_expert == 8 and m.info.n_expert_used == 4
+        assert m.info.ffn_act == "swiglu_oai" and m.info.expert_norm
 
 
 GPTOSS_BAD = {

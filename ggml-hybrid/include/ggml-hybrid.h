@@ -149,12 +149,14 @@ gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const
                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
                              int n_head_kv, int head_dim, int n_threads);
 /* The same with the scores' scale (gh_op_attention_kv: 1/sqrt(head_dim)), soft-capping of
- * the scaled scores s -> softcap * tanh(s / softcap) (0: none) and a sliding window: the
- * query at position p sees the keys at positions p - window + 1 .. p (0: 0 .. p). Gemma. */
+ * the scaled scores s -> softcap * tanh(s / softcap) (0: none), a sliding window: the
+ * query at position p sees the keys at positions p - window + 1 .. p (0: 0 .. p) (Gemma),
+ * and attention sinks: sinks[h] (n_head finite values; NULL: none) is one more logit in
+ * head h's softmax whose share is dropped (gpt-oss). */
 gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
                               float * out, int64_t n_tokens, int64_t n_past, int n_head,
                               int n_head_kv, int head_dim, int n_threads, float scale,
-                              float softcap, int64_t window);
+                              float softcap, int64_t window, const float * sinks);
 
 /* ---- GGUF files (the same reader the model loader uses) ---- */
 

@@ -20,7 +20,7 @@ from ._native import NativeError, NativeValueError, check, ffi, lib
 from .sizes import parse_size
 from .tokenizer import Tokenizer, load_tokenizer
 
-_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu"}
+_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu", 6: "swiglu_oai"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16",
                12: "q4_k", 13: "q5_k", 14: "q6_k", 10: "q2_k", 11: "q3_k", 20: "iq4_nl", 23: "iq4_xs",
                39: "mxfp4", 16: "iq2_xxs", 17: "iq2_xs", 22: "iq2_s", 18: "iq3_xxs", 21: "iq3_s",

@@ -1089,13 +1089,13 @@ gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const
     if (head_dim <= 0)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: head_dim (%d) must be positive", head_dim);
     return gh_op_attention_ext(kv_type, q, k, v, out, n_tokens, n_past, n_head, n_head_kv,
-                               head_dim, n_threads, 1.0f / sqrtf((float) head_dim), 0.0f, 0);
+                               head_dim, n_threads, 1.0f / sqrtf((float) head_dim), 0.0f, 0, NULL);
 }
 
 gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
                               float * out, int64_t n_tokens, int64_t n_past, int n_head,
                               int n_head_kv, int head_dim, int n_threads, float scale,
-                              float softcap, int64_t window) {
+                              float softcap, int64_t window, const float * sinks) {
     if (!isfinite(scale) || !(scale > 0))
         return gh_fail(GH_ERR_INVALID_ARG, "attention: scale (%g) must be finite and > 0", (double) scale);
     if (!isfinite(softcap) || softcap < 0)
@@ -1115,6 +1115,10 @@ gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, cons
     if (n_head % n_head_kv != 0)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: n_head (%d) is not a multiple of n_head_kv (%d)",
                        n_head, n_head_kv);
+    for (int h = 0; sinks && h < n_head; h++) {
+        if (!isfinite(sinks[h]))
+            return gh_fail(GH_ERR_INVALID_ARG, "attention: sink %d (%g) must be finite", h, (double) sinks[h]);
+    }
     if (n_threads <= 0)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: n_threads (%d) must be positive", n_threads);
     uint64_t n_kv_total, q_elems, kv_elems;
@@ -1129,7 +1133,7 @@ gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, cons
     gh_threadpool * tp;
     bool kept;
     if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
-    const gh_attn_opts o = { .scale = scale, .softcap = softcap, .window = window };
+    const gh_attn_opts o = { .scale = scale, .softcap = softcap, .window = window, .sinks = sinks };
     gh_attention_ex(tp, q, k, v, kv_type, out, n_tokens, n_past, n_head, n_head_kv, head_dim, &o);
     gh_op_pool_release(tp, kept);
     return GH_OK;

@@ -374,7 +374,7 @@ def test_gptoss_config_refusals(tmp_path):
         "swiglu_alpha": ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
         "attention_bias": ({"attention_bias": False}, "attention_bias=false"),
         "truncate": ({"rope_parameters": {**cfg["rope_parameters"], "truncate": True}}, "truncate true"),
-        "quantized": ({"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config 'mxfp4'"),
+        "quantized": ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config 'gptq'"),
     }
     for name, (upd, match) in cases.items():
         (hf / "config.json").write_text(json.dumps({**cfg, **upd}))
@@ -433,3 +433,67 @@ def test_gptoss_mxfp4_experts(gptoss_gguf):
     e_same, e_f32 = nrmse(got, same), nrmse(got, f32)
     print(f"mxfp4 experts: nrmse {e_same:.2e} against the same weights, {e_f32:.2e} against f32")
     assert e_same < MXFP4_NRMSE_SAME_WEIGHTS and e_f32 < MXFP4_NRMSE_F32
+
+
+def _hf_mxfp4(codes_ggml: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 bytes [..., G * 17] as the released checkpoints store them: (blocks
+    [..., G, 16] with values 2j / 2j + 1 in byte j's low / high nibble, scales [..., G])."""
+    q = codes_ggml.reshape(codes_ggml.shape[:-1] + (-1, 17))
+    vals = np.concatenate([q[..., 1:] & 0x0F, q[..., 1:] >> 4], axis=-1)  # value order 0..31
+    return (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8), q[..., 0].copy()
+
+
+def test_gptoss_mxfp4_checkpoint(gptoss_gguf, tmp_path):
+    """A checkpoint as the released ones (quantization_config mxfp4, the experts as
+    *_blocks / *_scales, gate and up rows interleaved) converts with its experts kept MXFP4
+    bit for bit (any outtype), and runs as transformers does on the weights its own
+    dequantization (convert_moe_packed_tensors) gives."""
+    import json
+    import shutil
+
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _, hf, _ = gptoss_gguf
+    d = tmp_path / "mx"
+    shutil.copytree(hf, d)
+    sd = load_file(str(d / "model.safetensors"))
+    MX = gguf.GGMLQuantizationType.MXFP4
+    want_bytes, deq = {}, {}
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = np.ascontiguousarray(sd.pop(k).transpose(0, 2, 1))  # [E, out, in]
+        q = quantize(rows, MX)
+        blocks, scales = _hf_mxfp4(q)
+        sd[k + "_blocks"], sd[k + "_scales"] = blocks, scales
+        deq[k] = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                            dtype=torch.float32)  # [E, in, out], transformers' layout
+        want_bytes[k] = q
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    path = convert(d, tmp_path / "mx.gguf", "f16", progress=False)
+    ts = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for il in (0, 1):
+        L = f"model.layers.{il}.mlp.experts."
+        gu, dn = want_bytes[L + "gate_up_proj"], want_bytes[L + "down_proj"]
+        for name, want in ((f"blk.{il}.ffn_gate_exps.weight", gu[:, 0::2]),
+                           (f"blk.{il}.ffn_up_exps.weight", gu[:, 1::2]),
+                           (f"blk.{il}.ffn_down_exps.weight", dn)):
+            assert ts[name].tensor_type == MX, name
+            np.testing.assert_array_equal(np.asarray(ts[name].data).reshape(want.shape), want, err_msg=name)
+        assert ts[f"blk.{il}.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    ref = hf_reference_model(hf)
+    with torch.no_grad():
+        for il, layer in enumerate(ref.model.layers):
+            L = f"model.layers.{il}.mlp.experts."
+            layer.mlp.experts.gate_up_proj.data[:] = deq[L + "gate_up_proj"]
+            layer.mlp.experts.down_proj.data[:] = deq[L + "down_proj"]
+        ids = [int(t) for t in np.random.default_rng(5).integers(3, 384, size=N_POS)]
+        want = ref(torch.tensor([ids])).logits[0].double().numpy()
+    got = _logits(path, ids)
+    nrmse = np.sqrt(((got - want) ** 2).mean() / ((want - want.mean()) ** 2).mean())
+    print(f"mxfp4 checkpoint (f16 rest): nrmse {nrmse:.2e} against transformers on its dequantized experts")
+    assert nrmse < MXFP4_NRMSE_SAME_WEIGHTS

@@ -16,18 +16,23 @@ is ``ffn_gate_inp``; its top-k logits are softmaxed, which is the renormalised t
 the full softmax. The experts' clamped SwiGLU: ``(clamp(up, -limit, limit) + 1) * g *
 sigmoid(alpha g)``, ``g = min(gate, limit)``; the limit goes to ``gpt-oss.swiglu_clamp_exp``.
 
+The released checkpoints keep the experts in MXFP4 (``quantization_config`` ``mxfp4``:
+``gate_up_proj_blocks`` / ``_scales``, ``down_proj_blocks`` / ``_scales``, rows = outputs):
+they are repacked into ggml's MXFP4 blocks bit for bit (``mxfp4_repack``), whatever the
+outtype, as llama.cpp's converter does; the rest follows the outtype.
+
 Refused: ``swiglu_alpha`` other than 1.702 (the runtime's constant, as llama.cpp's),
 ``attention_bias`` false (llama.cpp's gpt-oss always has the biases), RoPE scaling other than
 none or YaRN, a YaRN ``attention_factor`` or ``truncate: true`` (the architecture's ramp is
-unrounded, as the released configs say), and checkpoints still quantized (``quantization_config``:
-the released MXFP4 ``*_blocks`` / ``*_scales`` tensors; dequantize them with transformers
-first, or convert from llama.cpp's GGUF, which keeps MXFP4).
+unrounded, as the released configs say), and quantizations other than MXFP4.
 """
 
 from __future__ import annotations
 
 import math
 import re
+
+import numpy as np
 
 from .. import format as F
 from ..gguf_write import KV, ConvertError
@@ -74,13 +79,14 @@ def read_yarn(c: Config) -> tuple[Rope, dict]:
 
 def read_config(c: Config, hf_arch: str) -> HFParams:
     """Validated hyper-parameters of a gpt-oss config.json."""
-    if c.get("quantization_config") is not None:
-        qc = c.get("quantization_config")
+    qc = c.get("quantization_config")
+    mxfp4 = False
+    if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise ConvertError(f"unsupported: a quantized checkpoint (config.json quantization_config "
-                           f"{method!r}: MXFP4 *_blocks / *_scales tensors); load it with transformers "
-                           "(which dequantizes it) and save_pretrained it, or convert llama.cpp's GGUF "
-                           "of it, which keeps the experts in MXFP4")
+        if method != "mxfp4":
+            raise ConvertError(f"unsupported: a quantized checkpoint (config.json quantization_config "
+                               f"{method!r}; the released gpt-oss checkpoints' 'mxfp4' is taken)")
+        mxfp4 = True
     n_embd = c.int("hidden_size")
     n_layer = c.int("num_hidden_layers")
     n_head = c.int("num_attention_heads")
@@ -104,8 +110,11 @@ def read_config(c: Config, hf_arch: str) -> HFParams:
     local = local_layers(c, n_layer, period) if window is not None else [False] * n_layer
     ff_exp = c.int("intermediate_size")
     n_expert, used = read_experts(c, ff_exp, True)
+    if mxfp4 and (n_embd % 32 or ff_exp % 32):
+        raise ConvertError(f"config.json: MXFP4 experts need hidden_size ({n_embd}) and intermediate_size "
+                           f"({ff_exp}) in whole blocks of 32")
     layout = {"local_layers": local, "default_local": [il % period < period - 1 for il in range(n_layer)],
-              "swiglu_limit": float(limit), "yarn": yarn}
+              "swiglu_limit": float(limit), "yarn": yarn, "mxfp4": mxfp4}
     return HFParams(
         hf_arch=hf_arch, arch=F.ARCH_GPTOSS, name=c.name, n_vocab=c.int("vocab_size"), n_embd=n_embd,
         n_layer=n_layer, n_ff=ff_exp, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
@@ -118,6 +127,25 @@ def read_config(c: Config, hf_arch: str) -> HFParams:
         bos_token_id=c.token_id("bos_token_id"), eos_token_id=c.token_id("eos_token_id"),
         pad_token_id=c.token_id("pad_token_id"), layout=layout,
         n_expert=n_expert, n_expert_used=used, n_ff_exp=ff_exp, expert_norm=True)
+
+
+def mxfp4_repack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The released checkpoints' MXFP4 (``*_blocks`` [..., G, 16]: byte j holds the 4-bit
+    codes of values 2j (low nibble) and 2j + 1 (high); ``*_scales`` [..., G]: the E8M0
+    exponent) as ggml's MXFP4 blocks [..., G * 17]: the exponent byte, then byte j holding
+    values j (low) and j + 16 (high). The codes and the exponent mean the same in both (ggml
+    doubles its value table and halves its scale), so the values are kept bit for bit."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise ConvertError(f"MXFP4 blocks {blocks.shape} {blocks.dtype} and scales {scales.shape} "
+                           f"{scales.dtype} are not uint8 [..., G, 16] and [..., G]")
+    codes = np.empty(blocks.shape[:-1] + (32,), np.uint8)
+    codes[..., 0::2] = blocks & 0x0F
+    codes[..., 1::2] = blocks >> 4
+    out = np.empty(blocks.shape[:-1] + (17,), np.uint8)
+    out[..., 0] = scales
+    out[..., 1:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return out.reshape(blocks.shape[:-2] + (-1,))
 
 
 def keys(p: HFParams) -> list[KV]:
@@ -163,16 +191,30 @@ def tensors(p: HFParams) -> list[TensorMap]:
         out.append(t(F.T_POST_ATTN_NORM, "post_attention_layernorm.weight", (d,)))
         out.append(t(F.T_FFN_GATE_INP, "mlp.router.weight", (ne, d)))
         out.append(t(F.T_FFN_GATE_INP, "mlp.router.bias", (ne,), "bias"))
-        # x @ gate_up_proj[e]: columns are outputs, gate and up interleaved
         gu, gub = "mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"
-        out.append(experts(F.T_FFN_GATE_EXPS, gu, (ne, ff, d), (ne, d, 2 * ff),
-                           lambda a: a[:, :, 0::2].transpose(0, 2, 1)))
+        if p.layout.get("mxfp4"):
+            # MXFP4 rows are the outputs (gate and up interleaved), blocks along the inputs
+            def packed(kind, hf, rows, cols, sel):  # sel: the rows taken (gate's, up's, all)
+                return TensorMap(F.tensor_name(kind, il), kind, (ne, len(range(rows)[sel]), cols),
+                                 (pre + hf + "_blocks", pre + hf + "_scales"),
+                                 ((ne, rows, cols // 32, 16), (ne, rows, cols // 32)),
+                                 lambda b, s_, sel=sel: mxfp4_repack(b[:, sel], s_[:, sel]), raw_type="MXFP4")
+            out.append(packed(F.T_FFN_GATE_EXPS, gu, 2 * ff, d, slice(0, None, 2)))
+        else:  # x @ gate_up_proj[e]: columns are outputs, gate and up interleaved
+            out.append(experts(F.T_FFN_GATE_EXPS, gu, (ne, ff, d), (ne, d, 2 * ff),
+                               lambda a: a[:, :, 0::2].transpose(0, 2, 1)))
         out.append(experts(F.T_FFN_GATE_EXPS, gub, (ne, ff), (ne, 2 * ff), lambda a: a[:, 0::2], "bias"))
-        out.append(experts(F.T_FFN_UP_EXPS, gu, (ne, ff, d), (ne, d, 2 * ff),
-                           lambda a: a[:, :, 1::2].transpose(0, 2, 1)))
+        if p.layout.get("mxfp4"):
+            out.append(packed(F.T_FFN_UP_EXPS, gu, 2 * ff, d, slice(1, None, 2)))
+        else:
+            out.append(experts(F.T_FFN_UP_EXPS, gu, (ne, ff, d), (ne, d, 2 * ff),
+                               lambda a: a[:, :, 1::2].transpose(0, 2, 1)))
         out.append(experts(F.T_FFN_UP_EXPS, gub, (ne, ff), (ne, 2 * ff), lambda a: a[:, 1::2], "bias"))
-        out.append(experts(F.T_FFN_DOWN_EXPS, "mlp.experts.down_proj", (ne, d, ff), (ne, ff, d),
-                           lambda a: a.transpose(0, 2, 1)))
+        if p.layout.get("mxfp4"):
+            out.append(packed(F.T_FFN_DOWN_EXPS, "mlp.experts.down_proj", d, ff, slice(None)))
+        else:
+            out.append(experts(F.T_FFN_DOWN_EXPS, "mlp.experts.down_proj", (ne, d, ff), (ne, ff, d),
+                               lambda a: a.transpose(0, 2, 1)))
         out.append(t(F.T_FFN_DOWN_EXPS, "mlp.experts.down_proj_bias", (ne, d), "bias"))
     out.append(direct(F.tensor_name(F.T_OUTPUT_NORM), F.T_OUTPUT_NORM, "model.norm.weight", (d,)))
     if not p.tied:

@@ -69,6 +69,13 @@ def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[Ten
             got = tuple(src.shape(actual[name]))
             if got != tuple(shape):
                 raise ConvertError(f"shape mismatch: {actual[name]} is {list(got)}, config.json implies {list(shape)}")
+        if m.raw_type is not None:  # already encoded in the checkpoint (gpt-oss's MXFP4 experts)
+            def load_raw(m=m):
+                return np.ascontiguousarray(m.transform(*[src.get(actual[s]) for s in m.sources]))
+
+            from gguf import GGMLQuantizationType as Q
+            jobs.append(TensorJob(m.name, m.shape, Q[m.raw_type], load_raw, f"kept {m.raw_type}", raw=True))
+            continue
         _, il, suffix = F.parse_tensor_name(m.name)
         qtype, note = storage_type(m.kind, m.shape, outtype, il, quant_mix(p), suffix)
 

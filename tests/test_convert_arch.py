@@ -685,7 +685,7 @@ def test_format_doc_covers_every_architecture(converted):
             # sections that say "the llama tensors" inherit the llama table's rows
             in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3,
                               F.ARCH_GEMMA2, F.ARCH_GEMMA3, F.ARCH_QWEN2MOE, F.ARCH_QWEN3MOE,
-                              F.ARCH_OLMOE)
+                              F.ARCH_OLMOE, F.ARCH_GPTOSS)
                         and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:

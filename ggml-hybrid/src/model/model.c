@@ -207,7 +207,7 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
     if (n_expert > 0 && arch->moe == GH_MOE_NONE) {
         return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: architecture '%s' has no "
                        "mixture-of-experts form here (experts run for: llama (Mixtral), "
-                       "qwen2moe, qwen3moe, olmoe)", AKEY("expert_count"), n_expert, arch->name);
+                       "qwen2moe, qwen3moe, olmoe, gpt-oss)", AKEY("expert_count"), n_expert, arch->name);
     }
     if (n_expert == 0) {
         if (arch->moe == GH_MOE_REQUIRED) {

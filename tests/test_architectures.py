@@ -173,6 +173,40 @@ def test_sparse_oracle_equals_dense_and_host_device_equals_cpu(arch_case, sparse
         np.testing.assert_allclose(_decode(m, ids, "dense"), dense, rtol=0, atol=2e-5 * scale)
 
 
+def test_yarn_rounded_ramp_llama_cpp_file(tmp_path):
+    """YaRN in another architecture's file (llama.cpp's keys, as its converter writes them for
+    Qwen2 / Llama YaRN models): the ramp between rounded correction dims (floor / ceil,
+    llama.cpp's and transformers' default truncate=true) and the attention factor, against
+    transformers given the same rope_parameters. Our converter writes YaRN only for gpt-oss
+    (whose unrounded ramp its own row tests), so the file is ours with the keys added."""
+    import json
+
+    from gguf import GGUFValueType as VT
+    from gguf_rewrite import rewrite_gguf
+
+    hf_dir = make_hf_model("qwen2", tmp_path / "hf", seed=3, max_position_embeddings=256)
+    ours = convert(hf_dir, tmp_path / "f32.gguf", outtype="f32", progress=False)
+    yarn = rewrite_gguf(ours, tmp_path / "yarn.gguf", kv={
+        "qwen2.rope.scaling.type": ("yarn", VT.STRING), "qwen2.rope.scaling.factor": (8.0, VT.FLOAT32),
+        "qwen2.rope.scaling.original_context_length": (32, VT.UINT32)})
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                              "rope_theta": cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)}
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    ref = hf_reference_model(hf_dir)
+    ids = list(range(3, 3 + N_POS))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].double().numpy()
+    with Model(yarn, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        got = m.eval(ids, logits_all=True).astype(np.float64)
+    with Model(ours, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        plain = m.eval(ids, logits_all=True).astype(np.float64)
+    err = np.abs(got - want).max() / np.ptp(want)
+    print(f"qwen2 yarn: {err:.2e} of the logit range; without yarn {np.abs(plain - want).max() / np.ptp(want):.2e}")
+    assert err <= 1e-4
+    assert np.abs(plain - want).max() > 1e-3 * np.ptp(want)
+
+
 def test_gemma2_llama_cpp_defaults(tmp_path):
     """llama.cpp's gemma2 files carry no attention.scale (it takes 1/sqrt(head size) but for
     the 27B) and it assumes soft-caps 50 / 30 where the keys are absent: such a file runs as

@@ -108,6 +108,13 @@ def test_batched_steps_on_a_device(shipped_gguf):
                 _compare(_logits(c), ref, f"host-device step {step}, context {i}")
 
 
+def test_mixed_batches_on_a_device(shipped_gguf):
+    """Prompt chunks and decode tokens together on the hybrid path (attention and head on
+    the simulated device)."""
+    with Model(shipped_gguf, n_ctx=64, n_threads=2, device="host-device") as m:
+        check_mixed_batches(m, "f16", LOGIT_BOUND)
+
+
 def test_a_batch_of_one_is_gh_eval(model):
     a, b = model.create_context(n_ctx=64), model.create_context(n_ctx=64)
     ids = model.tokenize(PROMPTS[0])
@@ -206,6 +213,20 @@ def test_sparse_contexts_are_refused_unless_dense_for_one_token(shipped_sparse):
         _compare(_logits(a), ref.eval([5]), "sparse file, sparse batch 0")
 
 
+def test_a_sparse_generations_prompt_rides_the_batch_dense(shipped_sparse):
+    """A generation on a sparse-mode context reads its long prompt in chunks inside the
+    passes of a dense context's decode (a prompt always runs dense), then decodes alone in
+    its sparse mode: both texts are what each gets alone."""
+    with Model(shipped_sparse["sparse"], n_ctx=N_CTX, n_threads=1) as m:
+        jobs = {"dense": (PROMPTS[0], 30), "sparse": (LONG, 12)}
+        ffn = {"dense": "dense", "sparse": "sparse"}
+        got = _drive(m, jobs, chunk=5, join_at={"sparse": 3}, ffn=ffn)
+        for name, (prompt, n) in jobs.items():
+            ref = m.create_context(n_ctx=N_CTX, ffn=ffn[name]).generate(
+                prompt, max_tokens=n, temperature=0, ignore_eos=True).text
+            assert got[name] == ref, name
+
+
 def test_a_busy_context_refuses_the_batch_and_nothing_changes(model):
     """Native calls from two threads, past the Python locks: a batch over (a, b) and
     gh_eval on b race. Each call either runs or is refused with GH_ERR_BUSY having changed
@@ -245,16 +266,18 @@ def test_a_busy_context_refuses_the_batch_and_nothing_changes(model):
     print(ran)
 
 
-def _drive(model, jobs: dict, chunk: int, join_at: dict) -> dict:
+def _drive(model, jobs: dict, chunk: int, join_at: dict, ffn: dict | None = None) -> dict:
     """Generations stepped as the server's scheduler steps them (sample, then one batched
     pass of the decoding ones' next tokens and a chunk of the oldest prompt still being
     read; alone, a prompt at once), each on a context of its own; join_at[name] = the step
-    at which a generation starts. Returns each one's text."""
+    at which a generation starts, ffn[name] its context's FFN mode (default: the model's);
+    a generation whose context is not batchable() decodes alone. Returns each one's text."""
     active, out, step = {}, {}, 0
     while len(out) < len(jobs):
         for name, (prompt, n) in jobs.items():
             if name not in active and name not in out and join_at.get(name, 0) <= step:
-                ctx = model.create_context(n_ctx=N_CTX)
+                ctx = model.create_context(n_ctx=N_CTX, **({"ffn": ffn[name]} if ffn and
+                                                             name in ffn else {}))
                 active[name] = ctx.start_generation(prompt, max_tokens=n, temperature=0,
                                                     ignore_eos=True)
         for name, g in list(active.items()):
@@ -266,15 +289,17 @@ def _drive(model, jobs: dict, chunk: int, join_at: dict) -> dict:
                 out[name] = g.result.text
                 del active[name]
         dec = [g for g in active.values() if g.next_token is not None]
+        batch = [g for g in dec if g.batchable()]
         reading = next((g for g in active.values() if not g.prefilled), None)
-        if reading is not None and not dec:
-            reading.prefill()
+        if reading is not None and (not dec or not batch):
+            reading.prefill(chunk if dec else None)
             reading = None
-        members = dec + ([reading] if reading is not None else [])
+        members = batch + ([reading] if reading is not None else [])
         if len(members) > 1:
             eval_batch(members, chunk)
-        elif dec:
-            dec[0].step()
+        for g in dec:
+            if g.next_token is not None:
+                g.step()
         step += 1
     return out
 

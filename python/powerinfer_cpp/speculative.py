@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ START_K = 4
 _draft_models: "weakref.WeakKeyDictionary[Model, dict]" = weakref.WeakKeyDictionary()
 # the draft model's context that follows each target context
 _draft_contexts: "weakref.WeakKeyDictionary[Context, dict]" = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()  # both caches (server slots start generations side by side)
 
 
 @dataclass
@@ -119,17 +121,18 @@ def load_draft_model(model: Model, path) -> Model:
     """The draft model in file `path` for `model` (loaded once per target model, with its
     thread count), its vocabulary checked."""
     key = os.path.realpath(os.fspath(path))
-    cache = _draft_models.setdefault(model, {})
-    draft = cache.get(key)
-    if draft is None or draft._ptr is None:
-        d = model._ctx_defaults
-        draft = Model(path, n_threads=d["n_threads"], n_batch=d["n_batch"])
-        try:
-            check_vocab(model, draft)
-        except BaseException:
-            draft.close()
-            raise
-        cache[key] = draft
+    with _cache_lock:
+        cache = _draft_models.setdefault(model, {})
+        draft = cache.get(key)
+        if draft is None or draft._ptr is None:
+            d = model._ctx_defaults
+            draft = Model(path, n_threads=d["n_threads"], n_batch=d["n_batch"])
+            try:
+                check_vocab(model, draft)
+            except BaseException:
+                draft.close()
+                raise
+            cache[key] = draft
     return draft
 
 
@@ -217,11 +220,13 @@ class _ModelDrafter:
 
     def __init__(self, ctx: Context, dmodel: Model):
         self.name = dmodel.path
-        per_ctx = _draft_contexts.setdefault(ctx, {})
-        dctx = per_ctx.get(id(dmodel))
-        if dctx is None or dctx._ptr is None or dctx.model is not dmodel:
-            dctx = dmodel.create_context(n_ctx=ctx.n_ctx)
-            per_ctx[id(dmodel)] = dctx
+        n_ctx = ctx.n_ctx
+        with _cache_lock:
+            per_ctx = _draft_contexts.setdefault(ctx, {})
+            dctx = per_ctx.get(id(dmodel))
+            if dctx is None or dctx._ptr is None or dctx.model is not dmodel:
+                dctx = dmodel.create_context(n_ctx=n_ctx)
+                per_ctx[id(dmodel)] = dctx
         self.dctx = dctx
 
     def draft(self, gen: "SpeculativeGeneration", ptr, seq: list[int], k: int):

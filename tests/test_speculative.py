@@ -114,6 +114,18 @@ def test_smollm2_q4_1_self_speculative(tmp_path):
     assert out.timings["speculative"]["accepted"] < out.timings["speculative"]["drafted"]
 
 
+def test_drafts_stop_at_the_end_of_the_context(files):
+    """max_tokens=None on a small context: the drafts shrink to the room left, and the
+    reply fills the context exactly as the dense one does."""
+    with Model(files["gate_f16"], n_ctx=40, n_threads=2) as m:
+        ref = m.create_context(n_ctx=40, ffn="dense").generate(
+            PROMPT, max_tokens=None, temperature=0, ignore_eos=True)
+        out = m.create_context(n_ctx=40).generate(PROMPT, max_tokens=None, temperature=0,
+                                                  ignore_eos=True, draft="self", draft_max=8)
+    assert out.tokens == ref.tokens and out.finish_reason == ref.finish_reason == "length"
+    assert len(out.tokens) == 40 - len(m.tokenize(PROMPT)) + 1
+
+
 # -- the sampled distribution --------------------------------------------------------------
 
 def _warp(logits, history, temperature, top_k, top_p, min_p, penalty, last_n):

@@ -594,6 +594,16 @@ void gh_sampler_accept(gh_sampler * s, int32_t token);
 void gh_sampler_reset(gh_sampler * s);
 /* Sample from one row of logits (n_vocab floats). Does not accept the token. */
 gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_token);
+/* The distribution gh_sampler_sample draws from (speculative decoding compares two of
+ * them): probs[i] (n_vocab floats, summing to 1) after the repetition penalty, temperature,
+ * top-k, top-p and min-p, as if the n_extra tokens `extra` (drafted, not accepted yet; may be
+ * NULL when n_extra is 0) had been accepted after the history; greedy (temperature <= 0): 1
+ * at the token gh_sampler_sample picks, 0 elsewhere. Draws no random number. */
+gh_status gh_sampler_probs(gh_sampler * s, const float * logits, const int32_t * extra,
+                           int32_t n_extra, float * probs);
+/* The next uniform number in [0, 1) of the sampler's seeded stream (the one
+ * gh_sampler_sample draws from), for draws made outside it. */
+double gh_sampler_random(gh_sampler * s);
 
 /* CFFI-END */
 

@@ -745,7 +745,7 @@ class Context(_NativeHandle):
                min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                seed: int | None = None, stop: str | Sequence[str] | None = None,
                ignore_eos: bool = False, stats: Completion | None = None,
-               logits_processor=None) -> Iterator[str]:
+               logits_processor=None, draft=None, draft_max: int | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated.
 
         The cache keeps the longest common prefix of its tokens and the prompt (a chat
@@ -758,7 +758,10 @@ class Context(_NativeHandle):
         or when the context is full. Pass a Completion as `stats` to receive tokens,
         finish reason, timings and how many prompt tokens came from the cache.
         `logits_processor(input_ids, logits) -> logits` (a float32 array of n_vocab) may
-        change each token's logits before sampling.
+        change each token's logits before sampling. `draft` ("self", a draft Model or its
+        file) decodes speculatively, `draft_max` tokens drafted at most per verification
+        (see powerinfer_cpp.speculative: the output is the dense model's); the Completion's
+        timings["speculative"] then reports acceptance and the draft/verify split.
 
         The arguments are checked here, before the first piece is asked for (a bad
         one raises at once). A stream owns its context while it runs: evaluating,
@@ -768,7 +771,8 @@ class Context(_NativeHandle):
         return _run_stream(self.start_generation(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
-            stop=stop, ignore_eos=ignore_eos, stats=stats, logits_processor=logits_processor))
+            stop=stop, ignore_eos=ignore_eos, stats=stats, logits_processor=logits_processor,
+            draft=draft, draft_max=draft_max))
 
     def start_generation(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                          temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
@@ -776,7 +780,8 @@ class Context(_NativeHandle):
                          repeat_last_n: int = 64, seed: int | None = None,
                          stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
                          stats: Completion | None = None,
-                         logits_processor=None) -> Generation:
+                         logits_processor=None, draft=None,
+                         draft_max: int | None = None) -> Generation:
         """stream()'s generation as a Generation, run a step at a time by the caller (the
         server's batching scheduler): same arguments, checked here."""
         model = self.model
@@ -823,6 +828,13 @@ class Context(_NativeHandle):
         repeat_last_n = _int_arg("repeat_last_n", repeat_last_n)
         sampler = _new_sampler(model.n_vocab, temperature, top_k, top_p, min_p, repeat_penalty,
                                repeat_last_n, seed)
+        if draft is not None or draft_max is not None:
+            from .speculative import start_speculative
+
+            return start_speculative(self, draft, draft_max, float(temperature) <= 0,
+                                     prompt_ids, sampler, max_tokens,
+                                     repeat_last_n, stops, bool(ignore_eos), stats,
+                                     logits_processor)
         return Generation(self, prompt_ids, sampler, max_tokens, repeat_last_n, stops,
                           bool(ignore_eos), stats, logits_processor)
 
@@ -947,12 +959,7 @@ class Generation:
         """Pick the next token from the context's logits; returns the text it completes
         ("" while a character or a possible stop string is incomplete) and sets `done` at
         EOS, a stop string or max_tokens, else `next_token`."""
-        ctx = self.ctx
-        with ctx._calling() as ptr:  # the caller may have closed the context meanwhile
-            if ctx._use != self._mine:
-                raise RuntimeError(_INTERFERED)
-            token = ctx._sample(ptr, self.sampler, self.prompt_ids, self.result.tokens,
-                                self.logits_processor)
+        token = self._pick()
         self.next_token = None
         if token == self.eos and not self.ignore_eos:
             self.finish_reason, self.done = "stop", True
@@ -977,6 +984,16 @@ class Generation:
         else:
             self.next_token = token
         return piece
+
+    def _pick(self) -> int:
+        """The next token, sampled from the context's logits (speculative decoding's
+        Generation hands out the tokens its last verification decided first)."""
+        ctx = self.ctx
+        with ctx._calling() as ptr:  # the caller may have closed the context meanwhile
+            if ctx._use != self._mine:
+                raise RuntimeError(_INTERFERED)
+            return ctx._sample(ptr, self.sampler, self.prompt_ids, self.result.tokens,
+                               self.logits_processor)
 
     def _claim(self, ptr) -> bool:
         """Before next_token is evaluated (the context's lock held): raise if another call

@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
                    help="FFN mode (default auto: the file's sparse mode: sparse with "
                         "predictors, gate with gate thresholds)")
+    p.add_argument("--draft", metavar="self", default=None, choices=["self"],
+                   help="speculative decoding of every request: the file's sparse mode drafts, "
+                        "the dense model verifies (the dense model's output)")
+    p.add_argument("-md", "--model-draft", metavar="FILE", default=None,
+                   help="speculative decoding with a draft model of the same vocabulary")
+    p.add_argument("--draft-max", type=int, default=None,
+                   help="most tokens drafted per verification (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, host-device")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
                    help="device memory the model may use, e.g. 6G (a bare number is GiB)")
@@ -124,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=template, chat_template_from_flag=template is not None,
             template_timeout=args.template_timeout, template_memory=args.template_memory,
             body_timeout=args.body_timeout, allow_hosts=tuple(args.allow_host),
-            allow_origins=tuple(args.allow_origin))
+            allow_origins=tuple(args.allow_origin), draft_max=args.draft_max,
+            draft=args.model_draft if args.model_draft is not None else args.draft)
+        if args.model_draft is not None and args.draft is not None:
+            raise ValueError("give --draft self or --model-draft FILE, not both")
         app = create_app(settings)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

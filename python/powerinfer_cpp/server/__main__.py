@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-chunk", type=int, default=256, metavar="N",
                    help="prompt tokens evaluated per batching step, between the other slots' "
                         "decode steps (default 256)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=1024, metavar="MiB",
+                   help="RAM for the prompt cache of prefixes evicted from slots (a request "
+                        "reuses the longest prefix of its prompt found in any slot or there; "
+                        "default 1024 MiB, 0: off, -1: no limit)")
+    p.add_argument("--slot-save-path", metavar="DIR",
+                   help="directory where POST /slots/{id}?action=save writes a slot's KV cache "
+                        "and action=restore reads one (default: none, the actions are off)")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="largest max_tokens a request may ask for (default: the context size)")
     p.add_argument("--max-body", type=int, default=1 << 20,
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=template, chat_template_from_flag=template is not None,
             template_timeout=args.template_timeout, template_memory=args.template_memory,
             body_timeout=args.body_timeout, allow_hosts=tuple(args.allow_host),
-            allow_origins=tuple(args.allow_origin))
+            allow_origins=tuple(args.allow_origin), cache_ram=args.cache_ram,
+            slot_save_path=args.slot_save_path)
         app = create_app(settings)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -95,7 +95,7 @@ class ContextState:
 
     __slots__ = ("tokens", "n_exact", "data")
 
-    def __init__(self, tokens: Sequence[int], n_exact: int, data: bytes):
+    def __init__(self, tokens: Sequence[int], n_exact: int, data: bytes | bytearray):
         self.tokens = [int(t) for t in tokens]
         self.n_exact = int(n_exact)
         self.data = data
@@ -605,7 +605,8 @@ class Context(_NativeHandle):
             buf = bytearray(size[0])
             written = ffi.new("uint64_t *")
             check(lib.gh_context_state_save(ptr, n, ffi.from_buffer(buf), len(buf), written))
-            return ContextState(self._cached[:n], min(self._n_exact, n), bytes(buf))
+            # the buffer itself (no copy: a long cache's state is tens of MB)
+            return ContextState(self._cached[:n], min(self._n_exact, n), buf)
 
     def load_state(self, state: ContextState) -> None:
         """Replace the cache by a saved state (of this model and cache type; n_ctx must hold

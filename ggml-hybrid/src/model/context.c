@@ -246,18 +246,33 @@ typedef struct {
 } state_header;
 _Static_assert(sizeof(state_header) == STATE_HEADER, "state header layout");
 
-/* A 64-bit hash, 8 bytes per step: FNV-1a's prime on words. Each step is a bijection of
- * the running value, so changing any one word (or the length) changes the result. */
+/* A 64-bit hash: FNV-1a's prime on 8-byte words, in four independent lanes (word i goes to
+ * lane i % 4, so the multiplies overlap: a state of tens of MB is hashed at memory speed),
+ * the lanes then folded in order. Each step is a bijection of its lane for a given word
+ * and injective in the word for a given lane, so changing any one word (or the length)
+ * changes the result. */
+static uint64_t hash_step(uint64_t h, uint64_t w) {
+    h = (h ^ w) * 0x100000001b3ull;
+    return h ^ (h >> 29);
+}
+
 static uint64_t hash_bytes(uint64_t h, const void * data, size_t n) {
     const uint8_t * p = data;
+    const uint64_t len = n;
+    uint64_t lane[4] = { h, h ^ 1, h ^ 2, h ^ 3 };
+    for (; n >= 32; p += 32, n -= 32) {
+        uint64_t w[4];
+        memcpy(w, p, 32);
+        for (int k = 0; k < 4; k++) lane[k] = hash_step(lane[k], w[k]);
+    }
+    h = hash_step(hash_step(hash_step(lane[0], lane[1]), lane[2]), lane[3]);
     for (; n >= 8; p += 8, n -= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
-        h = (h ^ w) * 0x100000001b3ull;
-        h ^= h >> 29;
+        h = hash_step(h, w);
     }
     for (; n; p++, n--) h = (h ^ *p) * 0x100000001b3ull;
-    return h;
+    return hash_step(h, len);
 }
 
 static uint64_t hash_i64(uint64_t h, int64_t v) { return hash_bytes(h, &v, sizeof v); }

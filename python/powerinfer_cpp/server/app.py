@@ -385,6 +385,7 @@ def timings(job: Job) -> dict:
     reuse = job.reuse
     return {"prompt_n": r.n_prompt_tokens, "cached_n": getattr(r, "n_cached_tokens", 0),
             "cached_from": reuse.source if reuse is not None and reuse.n else None,
+            "cache_ms": reuse.ms if reuse is not None else 0.0,
             "prompt_ms": t.get("prompt_s", 0.0) * 1e3,
             "predicted_n": len(r.tokens), "predicted_ms": t.get("decode_s", 0.0) * 1e3,
             "predicted_per_second": t.get("decode_tok_per_s", 0.0),

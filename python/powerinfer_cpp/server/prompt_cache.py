@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("uvicorn.error")
@@ -103,10 +104,12 @@ class PromptCache:
 @dataclass
 class Reuse:
     """Where a prompt's cached prefix came from: "slot" (this slot's own cache), "slot N"
-    (copied from slot N), "ram" (the RAM cache) or None; n: its tokens."""
+    (copied from slot N), "ram" (the RAM cache) or None; n: its tokens; ms: the time spent
+    on it (the look, the copy, and saving what the slot held to the RAM cache)."""
 
     source: str | None = None
     n: int = 0
+    ms: float = 0.0
 
 
 def load_prefix(slot, prompt_ids: list[int], slots, cache: PromptCache | None) -> Reuse:
@@ -115,6 +118,13 @@ def load_prefix(slot, prompt_ids: list[int], slots, cache: PromptCache | None) -
     driven: the batching thread, or the slot's worker). What the slot held beyond it goes
     to the cache first, so it is not lost. At least the prompt's last token is left to
     evaluate (its logits start the reply)."""
+    t0 = time.perf_counter()
+    r = _load_prefix(slot, prompt_ids, slots, cache)
+    r.ms = (time.perf_counter() - t0) * 1e3
+    return r
+
+
+def _load_prefix(slot, prompt_ids, slots, cache) -> Reuse:
     ctx = slot.ctx
     want = prompt_ids[:-1]
     mine = ctx.reusable_tokens

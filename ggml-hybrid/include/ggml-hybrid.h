@@ -359,25 +359,33 @@ int32_t gh_n_logit_rows(const gh_context * c);
  * context's FFN mode (set the sparse batch to 0 for the dense FFN's states). */
 gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out);
 
-/* Batched decode (continuous batching in a server): the next token of each of n contexts
- * of one model, tokens[i] for ctxs[i], in ONE forward pass. Norms, projections, the FFN and
- * the head run over the n tokens together, so each weight is read once for all of them;
- * each token's keys and values join its own context's cache and it attends over that
- * cache alone. Afterwards each context holds one more token and its logits as a gh_eval of
- * that token leaves them (gh_get_logits(ctxs[i], 0)), equal to a gh_eval's up to the
- * rounding of the matmul's multi-token tiles against its one-token tiles: bit for bit
- * where a type's two tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
+/* Batches of several contexts (continuous batching in a server): the next tokens of each
+ * of n contexts of one model in ONE forward pass: n_tokens[i] >= 1 tokens for ctxs[i] (a
+ * decoding context its next token, a context reading a prompt a chunk of it), given one
+ * context after another in tokens (sum n_tokens[i] of them). Norms, projections, the FFN
+ * and the head run over all the tokens together, so each weight is read once for all of
+ * them; each context's tokens join its own cache after its n_past and attend causally over
+ * that cache alone. Afterwards each context holds n_tokens[i] more tokens and the logits a
+ * gh_eval of those tokens leaves (logits_all = 0: its last token's, gh_get_logits(ctxs[i],
+ * 0); else one row per token), equal to a gh_eval's up to the rounding of the matmul's
+ * tiles, which group a pass's token rows differently from one context's own pass: bit for
+ * bit where a type's tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
  * Q4_1 at AVX2 and scalar, every architecture's f32 test model within 1e-5), else apart by
  * that rounding (SmolLM2 Q4_1 at AVX-512: 7e-7 of the largest logit; tests/test_batch.py
  * allows 1e-4 and asks for the same greedy token). The pass borrows ctxs[0]'s buffers and
- * threads (n <= its n_batch) and its statistics count the pass (times, weight bytes, n
- * tokens); the other contexts' statistics do not change.
- * Every context must be distinct, of the same model, have room for one more token, and
- * run one-token batches densely (the dense FFN mode, or any mode with a sparse batch of 0:
- * gh_context_set_sparse_batch), else GH_ERR_UNSUPPORTED naming the context: the sparse
- * modes select each token's own neurons and are not batched yet (decode those contexts
- * with gh_eval). On any error no context changes. Each context is claimed as gh_eval
- * claims it (GH_ERR_BUSY, and nothing done, if one is in a call on another thread). */
+ * threads (sum n_tokens[i] <= its n_batch) and its statistics count the pass (times, weight
+ * bytes, all the tokens); the other contexts' statistics do not change.
+ * Every context must be distinct (a context's tokens are one run), of the same model, have
+ * room for its tokens, and run batches of its n_tokens[i] densely (the dense FFN mode, or a
+ * sparse batch below n_tokens[i]: gh_context_set_sparse_batch), else GH_ERR_UNSUPPORTED
+ * naming the context: the sparse modes select each token's own neurons and are not batched
+ * yet (evaluate those contexts with gh_eval). On any error no context changes. Each context
+ * is claimed as gh_eval claims it (GH_ERR_BUSY, and nothing done, if one is in a call on
+ * another thread). */
+gh_status gh_eval_batch_ex(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                           const int32_t * tokens, int32_t logits_all);
+/* Batched decode: gh_eval_batch_ex with one token per context (tokens[i] for ctxs[i]) and
+ * each context's logits of it kept. */
 gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens);
 
 /* Profiling (offline predictor training): gh_eval (logits of the last token only) that

@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each slot's generation on its own (a thread per slot, each "
                         "reading the weights for its own tokens) instead of evaluating the "
                         "busy slots' next tokens as one batch per step")
-    p.add_argument("--prompt-chunk", type=int, default=256, metavar="N",
-                   help="prompt tokens evaluated per batching step, between the other slots' "
-                        "decode steps (default 256)")
+    p.add_argument("--prompt-chunk", "-b", "--batch-size", dest="prompt_chunk", type=int,
+                   default=256, metavar="N",
+                   help="tokens per batched forward pass: the busy slots' next tokens and a "
+                        "chunk of a joining request's prompt, evaluated together (default 256)")
     p.add_argument("-cram", "--cache-ram", type=int, default=1024, metavar="MiB",
                    help="RAM for the prompt cache of prefixes evicted from slots (a request "
                         "reuses the longest prefix of its prompt found in any slot or there; "

@@ -60,7 +60,7 @@ class Settings:
     threads: int = 0            # of a forward pass; 0 = every core with batching (one pass
                                 # runs at a time), else the cores divided among the slots
     batching: bool = True       # continuous batching (batching.py); False: a thread per slot
-    prompt_chunk: int = 256     # prompt tokens a batching step evaluates
+    prompt_chunk: int = 256     # tokens per batched pass: decode tokens + a prompt chunk
     max_tokens: int = 0         # cap on a request's max_tokens; 0 = the context size
     max_body: int = 1 << 20     # bytes
     api_key: str | None = None

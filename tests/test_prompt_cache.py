@@ -355,10 +355,11 @@ def cold(tiny):
         yield run
 
 
-def test_server_reuses_a_prefix_from_the_ram_cache(tiny, ids, cold):
+@pytest.mark.parametrize("batching", [[], ["--no-cont-batching"]], ids=["batching", "nocb"])
+def test_server_reuses_a_prefix_from_the_ram_cache(tiny, ids, cold, batching):
     p, a, b, q = ids[:120], ids[130:140], ids[150:160], ids[200:260]
     with running_server(tiny, "--parallel", "1", "--ctx", "512", "-t", "1",
-                        "--cache-ram", "64") as url:
+                        "--cache-ram", "64", *batching) as url:
         r1 = _complete(url, p + a)
         assert r1["timings"]["cached_n"] == 0
         _complete(url, q)  # evicts p + a (and its reply) to the RAM cache
@@ -366,6 +367,8 @@ def test_server_reuses_a_prefix_from_the_ram_cache(tiny, ids, cold):
         t = r3["timings"]
         assert t["cached_from"] == "ram" and t["cached_n"] == 120 and t["prompt_n"] == 130
         assert r3["choices"][0]["text"] == cold(p + b)
+    if batching:
+        return
     with running_server(tiny, "--parallel", "1", "--ctx", "512", "-t", "1",
                         "--cache-ram", "0") as url:  # off: evaluated again
         _complete(url, p + a)
@@ -464,7 +467,11 @@ def test_slot_save_restore_erase(tiny, ids, cold, tmp_path):
             assert r.status_code == 503 or done, r.text
             if r.status_code == 503:
                 assert "busy" in r.json()["error"]["message"]
-    with running_server(tiny, "--parallel", "1", "--ctx", "256", "-t", "1") as url:
-        r = _act(url, 0, "save", "x.bin")
+    with running_server(tiny, "--parallel", "1", "--ctx", "256", "-t", "1",
+                        "--api-key", "k") as url:
+        auth = {"Authorization": "Bearer k"}
+        assert httpx.get(url + "/slots").status_code == 401  # the key guards the slots too
+        assert _act(url, 0, "erase").status_code == 401
+        r = _act(url, 0, "save", "x.bin", headers=auth)
         assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
-        assert httpx.get(url + "/slots").json()[0]["id"] == 0
+        assert httpx.get(url + "/slots", headers=auth).json()[0]["id"] == 0

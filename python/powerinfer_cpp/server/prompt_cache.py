@@ -146,7 +146,7 @@ def _load_prefix(slot, prompt_ids, slots, cache) -> Reuse:
         # the slot's cache beyond the shared prefix is about to be overwritten: keep it
         try:
             cache.put(ctx.save_state(len(mine)))
-        except (RuntimeError, ValueError) as e:  # e.g. out of memory: only a lost reuse
+        except (RuntimeError, ValueError, MemoryError) as e:  # only a lost reuse
             log.warning("prompt cache: could not save slot %d's prefix: %s", slot.index, e)
     if source is None:
         return Reuse("slot" if own else None, own)
@@ -159,7 +159,7 @@ def _load_prefix(slot, prompt_ids, slots, cache) -> Reuse:
                 return Reuse("slot" if own else None, own)
         ctx.load_state(state)
         ctx.reset(best_n)
-    except (RuntimeError, ValueError) as e:  # refused and unchanged: evaluate it all
+    except (RuntimeError, ValueError, MemoryError) as e:  # unchanged: evaluate it all
         log.warning("prompt cache: could not restore a prefix into slot %d: %s", slot.index, e)
         return Reuse("slot" if own else None, own)
     if source == "ram":

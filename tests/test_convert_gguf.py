@@ -121,8 +121,8 @@ def test_llama_cpp_swiglu_file_gets_gate_thresholds(tmp_path):
     assert len(fields[F.KEY_SPARSE_GATE_THRESHOLD].contents()) == dm.n_layer
     assert _tensors(out)["blk.0.ffn_down_t.weight"].tensor_type == Q.Q8_0
     with Model(str(out)) as m:
-        assert m.context.ffn_mode == "gate"
-        ctx = m.create_context(n_ctx=64, cache_type="f32")
+        assert m.context.ffn_mode in ("gate", "dense")  # `auto`: gate where estimated faster
+        ctx = m.create_context(n_ctx=64, cache_type="f32", ffn="gate")
         for t in IDS:
             ctx.eval([t])
         assert 0.3 < 1 - ctx.stats()["density"] < 0.7

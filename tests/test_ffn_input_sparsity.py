@@ -159,7 +159,9 @@ def files(tmp_path_factory):
 
 def _run(path, ids, input_sparse=None, window=256):
     with Model(path, n_ctx=window, n_threads=1, cache_type="f32") as m:
-        ctx = m.create_context(n_ctx=window, n_threads=1, cache_type="f32", input_sparse=input_sparse)
+        # the file's gate mode (`auto` picks dense where the estimate says so)
+        ctx = m.create_context(n_ctx=window, n_threads=1, cache_type="f32", ffn="file",
+                               input_sparse=input_sparse)
         ctx.sparse_batch = window
         out = []
         for s in range(0, len(ids), window):

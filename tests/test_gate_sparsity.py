@@ -252,7 +252,7 @@ def test_budget_default_keeps_heldout_ppl_within_2_percent(swiglu_default, tmp_p
     assert 0 <= _f32(f, F.KEY_SPARSE_PPL_INCREASE) <= 0.02
     target = _f32(f, F.KEY_SPARSE_TARGET)
     assert target >= 0.25, target
-    with Model(path, n_ctx=64) as m:
+    with Model(path, n_ctx=64, ffn="file") as m:  # the file's mode (`auto` may pick dense)
         assert m.context.ffn_mode == "gate"
     r = _measure(path, _heldout_ids(path, swiglu_default["n_calib"]), tmp_path)
     inc = r["ppl"] / r["ppl_dense"] - 1
@@ -280,7 +280,7 @@ def test_calibration_reaches_the_sparsity_on_heldout_text(sparsity, allocation, 
         assert rep[0].gate_costs.shape == (4, 9)
     ids = _heldout_ids(path, rep[0].n_calib_tokens, 1024)
     with Model(path, n_ctx=512, n_threads=2) as m:
-        ctx = m.create_context(n_ctx=512)
+        ctx = m.create_context(n_ctx=512, ffn="file")  # the file's gate mode, whatever `auto` says
         ctx.sparse_batch = 512
         for s in range(0, len(ids), 512):
             ctx.reset()
@@ -300,7 +300,7 @@ def test_zero_sparsity_equals_dense_on_the_shipped_model(tmp_path):
     assert _thresholds(path) == [0.0] * 4
     ids = _heldout_ids(path, 256, 40)
     with Model(path, n_ctx=64, n_threads=2) as m:
-        gate = m.create_context(n_ctx=64)
+        gate = m.create_context(n_ctx=64, ffn="file")  # the file's gate mode, whatever `auto` says
         dense = m.create_context(n_ctx=64, ffn="dense")
         g = np.stack([gate.eval([t]) for t in ids])
         d = np.stack([dense.eval([t]) for t in ids])

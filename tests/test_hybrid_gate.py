@@ -38,7 +38,7 @@ def tokens(gate_file):
 
 
 def decode(m: Model, tokens):
-    ctx = m.create_context(n_ctx=64, n_threads=2)
+    ctx = m.create_context(n_ctx=64, n_threads=2, ffn="gate")  # named: `auto` may pick dense
     assert ctx.ffn_mode == "gate"
     return np.stack([ctx.eval([t]) for t in tokens]), ctx.stats()
 

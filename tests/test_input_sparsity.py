@@ -128,9 +128,10 @@ def files(tmp_path_factory):
     return {"path": Path(path), "plain": Path(plain), "rep": rep[0], "later": later, "dir": d}
 
 
-def _run(path, ids, threads=1, ffn="auto", input_sparse=None, window=256):
-    """Logits of ids (windows, every token in the file's sparse mode) and the stats (one
-    thread unless asked: a busy machine stalls a pool's every call)."""
+def _run(path, ids, threads=1, ffn="file", input_sparse=None, window=256):
+    """Logits of ids (windows, every token in the file's sparse mode: "file", since `auto`
+    picks dense where the estimate says so) and the stats (one thread unless asked: a
+    busy machine stalls a pool's every call)."""
     with Model(path, n_ctx=window, n_threads=threads, cache_type="f32") as m:
         ctx = m.create_context(n_ctx=window, n_threads=threads, cache_type="f32", ffn=ffn,
                                input_sparse=input_sparse)
@@ -266,7 +267,7 @@ def test_host_device_stays_correct(files):
                vram_budget="256M") as m:
         info = m.device_info()
         assert info["attention_layers"] == 4 and info["head_on_device"]
-        ctx = m.create_context(n_ctx=64, n_threads=1, cache_type="f32")
+        ctx = m.create_context(n_ctx=64, n_threads=1, cache_type="f32", ffn="file")
         assert ctx.input_sparse
         ctx.sparse_batch = 64
         dev = ctx.eval(ids, logits_all=True).copy()
@@ -286,7 +287,7 @@ def _file_tensors(path):
     return out
 
 
-def _profile(path, ids, window, ffn="auto", record_ffn=False):
+def _profile(path, ids, window, ffn="file", record_ffn=False):
     """profile_inputs in the file's mode (ffn), or gh_eval_profile_ex with the FFN's input
     recorded too (record_ffn, one window); the recorded inputs and the stats."""
     from powerinfer_cpp.sparse.profile import profile_inputs
@@ -336,7 +337,7 @@ def test_profile_records_the_sparse_mode_inputs(files):
     head_t = w[F.input_sparse_tensor_name(F.T_OUTPUT_T)]
     keep = np.abs(h_in[-1]) > thr_head
     with Model(path, n_ctx=64, n_threads=1, cache_type="f32") as m:
-        ctx = m.create_context(n_ctx=64, n_threads=1, cache_type="f32")
+        ctx = m.create_context(n_ctx=64, n_threads=1, cache_type="f32", ffn="file")
         ctx.sparse_batch = 64
         logits = ctx.eval(ids, logits_all=False).copy().reshape(-1)
         ctx.close()

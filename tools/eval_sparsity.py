@@ -162,7 +162,7 @@ def windows(ids, window: int):
 def decode(path: str, ids, window: int, threads: int, ffn: str = "dense", input_sparse: bool | None = None,
            row=None) -> dict:
     """Decode ids one token at a time (windows from an empty cache) in the given FFN mode
-    ("auto": the file's) and call row(position, log-probs of the next token) for each;
+    ("file": the file's own mode) and call row(position, log-probs of the next token) for each;
     returns the context's stats. Raises if a sparse mode did not run on every token."""
     with Model(path, n_ctx=window, n_threads=threads, cache_type="f32") as m:
         inp = input_sparse if m.info.has_input_sparsity else None
@@ -195,7 +195,7 @@ def dense_reference(path: str, ids, window: int, threads: int) -> tuple[np.ndarr
     return out, st
 
 
-def evaluate(path: str, ids, ref: np.ndarray, window: int, threads: int, ffn: str = "auto",
+def evaluate(path: str, ids, ref: np.ndarray, window: int, threads: int, ffn: str = "file",
              input_sparse: bool | None = True) -> dict:
     """summarize() of the file's decode against the dense log-probs ref, with the run's
     weight bytes per token (total and per stage), FFN density and input densities."""
@@ -223,7 +223,7 @@ def parse_run(spec: str) -> dict:
     label, _, rest = spec.rpartition("=") if "=" in spec else ("", "", spec)
     path, _, mode = rest.partition("@")
     opts = [o for o in mode.split(",") if o]
-    ffn = next((o for o in opts if o != "noinput"), "auto")
+    ffn = next((o for o in opts if o != "noinput"), "file")
     return {"label": label or os.path.basename(path), "path": path, "ffn": ffn,
             "input_sparse": "noinput" not in opts}
 
@@ -305,7 +305,7 @@ def harness(args) -> int:
         for p, meta in man["files"].items():
             if args.match and not any(m in f"{meta['method']} {meta['level']:g}" for m in args.match.split(",")):
                 continue
-            runs.append({"label": f"{meta['method']} {meta['level']:g}", "path": p, "ffn": "auto",
+            runs.append({"label": f"{meta['method']} {meta['level']:g}", "path": p, "ffn": "file",
                          "input_sparse": True, "meta": meta})
     text = open(args.text, encoding="utf-8").read()
     with Model(args.dense, n_ctx=16) as m:

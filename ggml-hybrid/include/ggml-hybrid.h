@@ -436,15 +436,46 @@ typedef enum {
 
 /* Sparse, oracle and gate need ffn_down_t in every layer, sparse also a predictor in every
  * layer (files converted with --sparse), gate the gate thresholds (--sparsity); otherwise
- * GH_ERR_UNSUPPORTED with the reason. A new context is sparse when the model has
- * predictors and ffn_down_t in every layer, else gate when it has thresholds and
- * ffn_down_t, else dense. The sparse
+ * GH_ERR_UNSUPPORTED with the reason. A new context is in the `auto` mode's choice
+ * (gh_model_ffn_auto): the file's mode (sparse when the model has predictors and
+ * ffn_down_t in every layer, else gate when it has thresholds and ffn_down_t, else dense)
+ * where estimated faster than dense, else dense. The sparse
  * modes apply to batches of up to gh_context_get_sparse_batch tokens (decode), run one
  * token at a time; bigger batches (prompts) use the dense FFN. Profiling the FFN (ffn_in or
  * mask of gh_eval_profile) runs dense; profiling only the projections' inputs keeps the
  * context's modes (gh_eval_profile_ex). */
 gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode);
 int32_t gh_context_get_ffn_mode(const gh_context * c);
+/* The `auto` mode (a new context's): the file's sparse or gate mode only where it is
+ * estimated faster than dense on this machine, else dense. Estimate, in units of the dense
+ * FFN's time, each weight's bytes at its path's rate (dense matmul 1; gathered row-dots
+ * ratio_rows, column-sparse down ratio_cols: the kernel ratios per byte read that
+ * tools/bench_sparse_kernels.py measured at the density, for the types and SIMD level):
+ *   sparse (bytes_pred + d (bytes_gate + bytes_up) / ratio_rows + d bytes_down / ratio_cols) / B
+ *   gate   (bytes_gate + d bytes_up / ratio_rows + d bytes_down / ratio_cols) / B
+ * (B = bytes_gate + bytes_up + bytes_down); the mode is kept iff est_time < 1. density: what
+ * the file's calibration recorded (1 - powerinfer.sparse.target_sparsity for gate files, the
+ * mean of the blk.N.ffn_freq frequencies for predictor files); outside [0, 1] (not recorded),
+ * or types without measured ratios at the level: the file's mode is kept. */
+typedef struct {
+    int32_t candidate;        /* the file's mode: GH_FFN_SPARSE, GH_FFN_GATE or GH_FFN_DENSE */
+    int32_t simd_level;       /* gh_simd */
+    int32_t type_gate;        /* gh_type of the gate/up rows */
+    int32_t type_down;        /* gh_type of ffn_down_t */
+    double  density;          /* active fraction of the neurons; < 0: unknown */
+    double  bytes_gate, bytes_up, bytes_down, bytes_pred; /* one layer's (up 0: ungated) */
+} gh_ffn_auto_in;
+typedef struct {
+    int32_t mode;             /* the choice: GH_FFN_SPARSE, GH_FFN_GATE or GH_FFN_DENSE */
+    int32_t file_mode;        /* the file's mode (the candidate), whatever the estimate */
+    double  density;
+    double  ratio_rows, ratio_cols; /* the kernel ratios used (0: none) */
+    double  est_time;         /* the estimate, dense = 1 */
+    char    why[256];         /* the choice and its reason, one line */
+} gh_ffn_auto_choice;
+gh_status gh_ffn_auto_decide(const gh_ffn_auto_in * in, gh_ffn_auto_choice * out);
+/* The choice for a model at the current SIMD level (what gh_context_new starts with). */
+gh_status gh_model_ffn_auto(const gh_model * m, gh_ffn_auto_choice * out);
 /* Input sparsity of the projections that the FFN modes leave dense: attention q/k/v (their
  * shared input, the attention norm's output), o (the heads' concatenated outputs) and the
  * head (the final norm's output). Input i is used iff |x_i| > its calibrated threshold, and

@@ -191,11 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     p.add_argument("--no-prompt", "--no-display-prompt", action="store_true",
                    help="do not echo the prompt")
-    p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
+    p.add_argument("--ffn", choices=["auto", "file", "dense", "sparse", "oracle", "gate"], default="auto",
                    help="FFN mode: sparse (predictor; needs a file converted with --sparse), "
                         "gate (gate-magnitude thresholds; a file converted with --sparsity), "
-                        "dense, oracle (exact active set; testing), auto = the file's sparse mode "
-                        "(default)")
+                        "dense, oracle (exact active set; testing), file = the file's sparse mode, "
+                        "auto = the file's mode where estimated faster than dense here (default; "
+                        "`python -m powerinfer_cpp.inspect FILE` says which and why)")
     p.add_argument("--input-sparse", choices=["auto", "on", "off"], default="auto",
                    help="input-sparse attention and head in the sparse/gate modes (a file converted "
                         "with --input-sparsity): auto = on when the file has it (default)")

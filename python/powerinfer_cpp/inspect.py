@@ -137,6 +137,9 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
             ng = int(np.asarray(gi.data).sum()) if gi is not None else "-"
             out.append(f"{l:5d}  {h!s:>11}  {format_size(pb):>10}  {share:>8}  {ty:>14}  {mf:>9}  {ng!s:>11}")
     out.append(loadable(path))
+    mode = auto_mode(path)
+    if mode:
+        out.append(mode)
     if tensors:
         out.append("tensors:")
         for t in r.tensors:
@@ -178,6 +181,27 @@ def loadable(path: str | os.PathLike) -> str:
         return "loads: yes (weights and tokenizer)"
     n = f" ({len(reasons)} problems)" if len(reasons) > 1 else ""
     return f"loads: no{n}\n" + preflight.format_problems(reasons)
+
+
+def auto_mode(path: str | os.PathLike) -> str | None:
+    """The FFN mode a new context starts in (`auto`) on this machine and why: "ffn mode
+    (auto): dense: gate at density 83% is estimated at 1.31x the dense FFN's time ...",
+    or None when the runtime does not load the file."""
+    from ._native import NativeError, check, ffi, lib
+
+    out = ffi.new("gh_model **")
+    params = lib.gh_model_default_params()
+    params.load = lib.GH_LOAD_MMAP
+    try:
+        check(lib.gh_model_load_ex(os.fspath(path).encode(), ffi.new("gh_model_params *", params), out))
+    except NativeError:
+        return None
+    try:
+        ch = ffi.new("gh_ffn_auto_choice *")
+        check(lib.gh_model_ffn_auto(out[0], ch))
+        return f"ffn mode (auto): {ffi.string(ch.why).decode()}"
+    finally:
+        lib.gh_model_free(out[0])
 
 
 class PlotError(ValueError):

@@ -25,8 +25,10 @@ _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8
                12: "q4_k", 13: "q5_k", 14: "q6_k", 10: "q2_k", 11: "q3_k", 20: "iq4_nl", 23: "iq4_xs",
                39: "mxfp4", 16: "iq2_xxs", 17: "iq2_xs", 22: "iq2_s", 18: "iq3_xxs", 21: "iq3_s",
                19: "iq1_s", 29: "iq1_m"}
-# FFN modes (gh_ffn_mode); "auto" = the runtime's default for the file (sparse when every
-# layer has a predictor and ffn_down_t, else gate when it has gate thresholds, else dense)
+# FFN modes (gh_ffn_mode); "file" = the file's own mode (sparse when every layer has a
+# predictor and ffn_down_t, else gate when it has gate thresholds, else dense); "auto" (a new
+# context's) = the file's mode where estimated faster than dense on this machine, else dense
+# (gh_model_ffn_auto; `python -m powerinfer_cpp.inspect FILE` says which and why)
 FFN_MODES = {"dense": 0, "sparse": 1, "oracle": 2, "gate": 3}
 # KV cache storage types (gh_context_params.cache_type); f16 is the default, as llama.cpp's
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
@@ -199,8 +201,10 @@ class Model(_NativeHandle):
 
     `ffn` chooses how contexts compute the feed-forward: "dense", "sparse" (predictor;
     needs a file converted with --sparse), "oracle" (exact active set, dense results;
-    for tests) or "auto" (sparse when the file has predictors in every layer, else
-    dense). Contexts made by create_context() default to it too.
+    for tests), "gate", "file" (the file's own mode: sparse when it has predictors in every
+    layer, else gate when it has gate thresholds, else dense) or "auto" (the file's mode
+    where estimated faster than dense on this machine, else dense: gh_model_ffn_auto).
+    Contexts made by create_context() default to it too.
 
     `input_sparse` (None: on when the file has it) runs the attention's and the head's
     projections input-sparse in the sparse and gate FFN modes (files converted with
@@ -655,15 +659,15 @@ class Context(_NativeHandle):
             return _FFN_NAMES[lib.gh_context_get_ffn_mode(ptr)]
 
     def set_ffn_mode(self, mode: str) -> None:
-        """Switch the FFN mode ("dense", "sparse", "oracle", or "auto" = the file's
-        default); NativeError if the file lacks what the mode needs (predictors,
-        ffn_down_t). Takes effect at the next eval; the cache stays valid."""
+        """Switch the FFN mode ("dense", "sparse", "oracle", "gate", "file" = the file's own
+        mode, or "auto" = the file's mode where estimated faster than dense here, else
+        dense); NativeError if the file lacks what the mode needs (predictors, ffn_down_t).
+        Takes effect at the next eval; the cache stays valid."""
         m = _ffn_mode(mode)
-        if m is None:
-            info = self.model.info
-            full = info.has_down_t == info.n_layer
-            m = (FFN_MODES["sparse"] if full and info.has_predictor == info.n_layer else
-                 FFN_MODES["gate"] if full and info.has_gate_threshold else FFN_MODES["dense"])
+        if m is None or m == -1:
+            ch = ffi.new("gh_ffn_auto_choice *")
+            check(lib.gh_model_ffn_auto(self.model._handle(), ch))
+            m = ch.mode if m is None else ch.file_mode
         with self._calling() as ptr:
             check(lib.gh_context_set_ffn_mode(ptr, m))
 
@@ -1287,12 +1291,14 @@ class Sampler:
 
 
 def _ffn_mode(name: str) -> int | None:
-    """gh_ffn_mode of a mode name; None for "auto"."""
+    """gh_ffn_mode of a mode name; None for "auto", -1 for "file" (both: per model)."""
     if name == "auto":
         return None
+    if name == "file":
+        return -1
     if name not in FFN_MODES:
-        raise ValueError(f"unknown FFN mode {name!r} (choose from auto, dense, sparse, oracle, "
-                         "gate)")
+        raise ValueError(f"unknown FFN mode {name!r} (choose from auto, file, dense, sparse, "
+                         "oracle, gate)")
     return FFN_MODES[name]
 
 

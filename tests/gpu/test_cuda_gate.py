@@ -31,7 +31,7 @@ def gate_file(tmp_path_factory):
 
 
 def decode(m: Model, tokens):
-    ctx = m.create_context(n_ctx=64, n_threads=2)
+    ctx = m.create_context(n_ctx=64, n_threads=2, ffn="file")  # the file's gate mode (`auto` may pick dense)
     assert ctx.ffn_mode == "gate"
     return np.stack([ctx.eval([t]) for t in tokens]), ctx.stats()
 

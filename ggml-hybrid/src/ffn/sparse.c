@@ -10,6 +10,7 @@
  * depend on the thread count and nothing needs reducing. */
 #include "ffn/sparse.h"
 #include "ffn/input_ffn.h"
+#include "ffn/auto_mode.h"
 #include "model/model.h"
 #include "backend/hybrid.h"
 #include "cpu/kernels.h"
@@ -306,14 +307,6 @@ void gh_sparse_state_free(gh_sparse_state * s) {
     free(s);
 }
 
-static bool all_layers(const gh_model * m, bool pred) {
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        const gh_layer * L = &m->layers[il];
-        if (!L->has_down_t || (pred && !L->has_pred)) return false;
-    }
-    return true;
-}
-
 gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
     gh_sparse_state * s = calloc(1, sizeof *s);
     if (!s) { gh_fail(GH_ERR_OOM, "out of memory"); return NULL; }
@@ -329,8 +322,8 @@ gh_sparse_state * gh_sparse_state_new(const gh_model * m) {
             scratch = GH_MAX(scratch, gh_sparse_predict_scratch_size(&L->fc1, &L->fc2));
         }
     }
-    s->mode = all_layers(m, true) ? GH_FFN_SPARSE
-            : all_layers(m, false) && m->info.has_gate_threshold ? GH_FFN_GATE : GH_FFN_DENSE;
+    gh_ffn_auto_choice ch;  /* `auto`: the file's mode where estimated faster than dense */
+    s->mode = gh_ffn_auto_mode(m, gh_simd_get(), &ch) ? GH_FFN_DENSE : ch.mode;
     s->batch_max = GH_SPARSE_BATCH_MAX_DEFAULT;
     const size_t fb = (size_t) ff * sizeof(float);
     s->ph = gh_aligned_alloc((size_t) h * sizeof(float));

@@ -85,7 +85,8 @@ def sparse_inputs(path: str, cal: InputCalibration, ids: Sequence[int], window: 
 
     patch_calibration(path, cal)
     with Model(path, n_ctx=window, n_threads=n_threads, cache_type="f32") as m:
-        ctx = m.create_context(n_ctx=window, n_threads=n_threads, cache_type="f32", input_sparse=True)
+        ctx = m.create_context(n_ctx=window, n_threads=n_threads, cache_type="f32", ffn="file",
+                               input_sparse=True)
         try:
             ctx.sparse_batch = window  # every window's tokens in the sparse mode
             a_in, a_out, h_in = profile_inputs(ctx, ids, window, progress)

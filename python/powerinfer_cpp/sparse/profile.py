@@ -173,7 +173,7 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
         a_in = np.empty((info.n_layer, n_in, info.n_embd), dtype=np.float32) if n_in else None
         a_out = np.empty((info.n_layer, n_in, dq), dtype=np.float32) if n_in else None
         h_in = np.empty((n_in, info.n_embd), dtype=np.float32) if n_in else None
-        ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch)
+        ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads, n_batch=n_batch, ffn="file")
         window = n_ctx  # the windows rec_at was planned for
         bar = None
         if progress:

@@ -1,0 +1,192 @@
+/* The `auto` FFN mode: which mode a new context starts in (see auto_mode.h).
+ *
+ * The rule: a sparse mode (predictor or gate) is chosen only where its estimated time for
+ * the FFN is below the dense FFN's. The estimate counts weight bytes, each at its path's
+ * rate: the dense matmul's rate is 1; a gathered row-dot (gate/up over the active list)
+ * reads at r_rows(d) of it and the column-sparse down (axpy over the list) at r_cols(d),
+ * the kernel ratios measured at density d by tools/bench_sparse_kernels.py. So, in units
+ * of the dense FFN's time (bytes: gate b_g, up b_u, down b_d, predictor b_p; B = b_g + b_u + b_d):
+ *   sparse  (b_p + d b_g / r_rows + d b_u / r_rows + d b_d / r_cols) / B
+ *   gate    (b_g + d b_u / r_rows + d b_d / r_cols) / B          (the gate stays dense)
+ * and the mode is kept iff that is < 1. The density d is what the file's calibration
+ * recorded: 1 - powerinfer.sparse.target_sparsity (gate files), or the mean of the
+ * blk.N.ffn_freq neuron frequencies (predictor files). A file that records no density
+ * keeps its mode (nothing to estimate from), and says so; so does one whose weight types
+ * have no measured ratios at the SIMD level. */
+#include "ffn/auto_mode.h"
+#include "model/model.h"
+#include "gguf/gguf.h"
+#include "types/types.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Kernel ratios (sparse GB/s / dense GB/s per byte read) at densities 10%, 50%, 90%,
+ * measured on an AMD EPYC (2 cores shared with other work: medians of alternating reps,
+ * CPU time) with
+ *   PYTHONPATH=python python tools/bench_sparse_kernels.py --density 0.1,0.5,0.9
+ * (docs/BENCHMARKS.md, "Sparse kernels per byte read"): the lowest over 1 and 2 threads and
+ * the two shapes (SmolLM2's 576 x 1536, and 2048 x 5632; the K-quants and IQ4_XS: the
+ * latter only). The lowest, because the 2-thread column path scales worst and decode runs
+ * on every core: SmolLM2's F16 gate file (density 83%) decoded slower than dense at 2
+ * threads, which the 1-thread ratios alone would not predict at AVX2. A type not measured
+ * at the level has no estimate: the file's mode is kept, as with no recorded density. */
+typedef struct {
+    int   type;
+    float rows[3], cols[3];
+} ratio_row;
+
+static const ratio_row RATIOS_AVX512[] = {
+    { GH_TYPE_F16,    { 0.43f, 0.61f, 0.73f }, { 0.33f, 0.37f, 0.38f } },
+    { GH_TYPE_Q8_0,   { 0.18f, 0.37f, 0.51f }, { 0.18f, 0.19f, 0.24f } },
+    { GH_TYPE_Q4_0,   { 0.17f, 0.41f, 0.53f }, { 0.15f, 0.17f, 0.21f } },
+    { GH_TYPE_Q4_1,   { 0.38f, 0.56f, 0.79f }, { 0.21f, 0.20f, 0.24f } },
+    { GH_TYPE_Q4_K,   { 0.47f, 0.72f, 1.05f }, { 0.42f, 0.53f, 0.64f } },
+    { GH_TYPE_Q6_K,   { 0.32f, 0.41f, 0.49f }, { 0.32f, 0.42f, 0.45f } },
+    { GH_TYPE_IQ4_XS, { 0.29f, 0.67f, 0.88f }, { 0.23f, 0.28f, 0.33f } },
+};
+static const ratio_row RATIOS_AVX2[] = {
+    { GH_TYPE_F16,    { 0.50f, 0.68f, 0.84f }, { 0.36f, 0.45f, 0.46f } },
+    { GH_TYPE_Q8_0,   { 0.24f, 0.40f, 0.58f }, { 0.13f, 0.16f, 0.21f } },
+    { GH_TYPE_Q4_0,   { 0.20f, 0.46f, 0.59f }, { 0.16f, 0.21f, 0.27f } },
+    { GH_TYPE_Q4_1,   { 0.41f, 0.63f, 0.86f }, { 0.23f, 0.22f, 0.27f } },
+    { GH_TYPE_Q4_K,   { 0.45f, 0.71f, 0.98f }, { 0.46f, 0.53f, 0.65f } },
+    { GH_TYPE_Q6_K,   { 0.25f, 0.33f, 0.44f }, { 0.44f, 0.54f, 0.57f } },
+    { GH_TYPE_IQ4_XS, { 0.30f, 0.65f, 0.84f }, { 0.31f, 0.34f, 0.38f } },
+};
+
+/* r at density d: linear between the measured points, flat outside them. */
+static double interp3(const float v[3], double d) {
+    static const double x[3] = { 0.1, 0.5, 0.9 };
+    if (d <= x[0]) return v[0];
+    if (d >= x[2]) return v[2];
+    const int i = d < x[1] ? 0 : 1;
+    return v[i] + (v[i + 1] - v[i]) * (d - x[i]) / (x[i + 1] - x[i]);
+}
+
+double gh_ffn_kernel_ratio(int type, int simd_level, int cols_path, double density, bool * measured) {
+    const ratio_row * t = simd_level >= GH_SIMD_AVX512 ? RATIOS_AVX512 : RATIOS_AVX2;
+    const size_t n = simd_level >= GH_SIMD_AVX512 ? sizeof RATIOS_AVX512 / sizeof *t
+                                                  : sizeof RATIOS_AVX2 / sizeof *t;
+    if (measured) *measured = false;
+    /* the scalar level has no table: its dense tiles and gathered rows are the same code per
+     * row, but nothing was measured, so it takes the AVX2 table's guesses */
+    double lo = INFINITY;
+    for (size_t i = 0; i < n; i++) {
+        const double r = interp3(cols_path ? t[i].cols : t[i].rows, density);
+        if (t[i].type == type) {
+            if (measured) *measured = simd_level >= GH_SIMD_AVX2;
+            return r;
+        }
+        lo = fmin(lo, r);
+    }
+    return lo;
+}
+
+static double weight_bytes(const gh_weight * w) { return (double) w->rows * (double) w->row_bytes; }
+
+gh_status gh_ffn_auto_decide(const gh_ffn_auto_in * in, gh_ffn_auto_choice * out) {
+    memset(out, 0, sizeof *out);
+    out->mode = in->candidate;
+    out->file_mode = in->candidate;
+    out->density = in->density;
+    out->est_time = 1.0;
+    if (in->candidate == GH_FFN_DENSE) {
+        snprintf(out->why, sizeof out->why, "dense: the file has no sparse mode");
+        return GH_OK;
+    }
+    const char * name = in->candidate == GH_FFN_SPARSE ? "sparse" : "gate";
+    if (!(in->density >= 0.0 && in->density <= 1.0)) {
+        snprintf(out->why, sizeof out->why, "%s: the file records no density to estimate its speed from "
+                 "(the file's mode is kept)", name);
+        return GH_OK;
+    }
+    const double B = in->bytes_gate + in->bytes_up + in->bytes_down;
+    if (!(B > 0)) return gh_fail(GH_ERR_INVALID_ARG, "gh_ffn_auto_decide: the FFN's bytes must be positive");
+    bool m1, m2;
+    const double d = in->density;
+    /* an ungated FFN's "gate" rows are its up rows: read over the list in both modes */
+    const double r_rows = gh_ffn_kernel_ratio(in->type_gate, in->simd_level, 0, d, &m1);
+    const double r_cols = gh_ffn_kernel_ratio(in->type_down, in->simd_level, 1, d, &m2);
+    if (!m1 || !m2) {
+        /* no measurement, no estimate: as with no recorded density */
+        snprintf(out->why, sizeof out->why, "%s: no kernel ratios measured for %s at the %s level "
+                 "(the file's mode is kept)", name, gh_type_name(m1 ? in->type_down : in->type_gate),
+                 in->simd_level >= GH_SIMD_AVX512 ? "AVX-512" : in->simd_level >= GH_SIMD_AVX2 ? "AVX2" : "scalar");
+        return GH_OK;
+    }
+    const double rows_t = d * in->bytes_up / r_rows, down_t = d * in->bytes_down / r_cols;
+    const double t = in->candidate == GH_FFN_SPARSE
+                   ? (in->bytes_pred + d * in->bytes_gate / r_rows + rows_t + down_t) / B
+                   : (in->bytes_gate + rows_t + down_t) / B;
+    out->ratio_rows = r_rows;
+    out->ratio_cols = r_cols;
+    out->est_time = t;
+    out->mode = t < 1.0 ? in->candidate : GH_FFN_DENSE;
+    snprintf(out->why, sizeof out->why,
+             "%s: %s at density %.0f%% is estimated at %.2fx the dense FFN's time (kernel ratios per "
+             "byte read: rows %.2f, cols %.2f, %s)", out->mode == GH_FFN_DENSE ? "dense" : name, name,
+             100.0 * d, t, r_rows, r_cols, in->simd_level >= GH_SIMD_AVX512 ? "AVX-512" : in->simd_level >= GH_SIMD_AVX2 ? "AVX2" : "scalar");
+    return GH_OK;
+}
+
+/* The density the file's calibration recorded, or -1. */
+static double file_density(const gh_model * m, int candidate) {
+    if (candidate == GH_FFN_GATE) {
+        float s;
+        bool err = false;
+        if (gh_gguf_get_f32(m->gguf, "powerinfer.sparse.target_sparsity", &s, &err) && s >= 0.0f && s <= 1.0f) {
+            return 1.0 - s;
+        }
+        return -1.0;
+    }
+    double sum = 0.0;
+    int64_t n = 0;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        char name[64];
+        snprintf(name, sizeof name, "blk.%d.ffn_freq", il);
+        const gh_gguf_tensor * fq = gh_gguf_find_tensor(m->gguf, name);
+        if (!fq) return -1.0;  /* (checked at load: f32 [n_ff] in [0, 1]) */
+        for (int64_t i = 0; i < fq->ne[0]; i++) {
+            float v;
+            memcpy(&v, (const uint8_t *) fq->data + i * 4, 4);
+            sum += v;
+        }
+        n += fq->ne[0];
+    }
+    return n > 0 ? sum / (double) n : -1.0;
+}
+
+/* The mode the file supports: sparse when every layer has a predictor and ffn_down_t,
+ * else gate when it has the gate thresholds and ffn_down_t, else dense. */
+static int file_mode(const gh_model * m) {
+    bool down_t = m->hp.n_layer > 0, pred = down_t;
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        down_t = down_t && m->layers[il].has_down_t;
+        pred = pred && m->layers[il].has_pred;
+    }
+    return down_t && pred ? GH_FFN_SPARSE : down_t && m->info.has_gate_threshold ? GH_FFN_GATE : GH_FFN_DENSE;
+}
+
+gh_status gh_ffn_auto_mode(const gh_model * m, int simd_level, gh_ffn_auto_choice * out) {
+    const int candidate = file_mode(m);
+    gh_ffn_auto_in in = { .candidate = candidate, .simd_level = simd_level, .density = -1.0 };
+    if (candidate != GH_FFN_DENSE && m->hp.n_layer > 0) {
+        const gh_layer * L = &m->layers[0];
+        const bool gated = m->hp.gated;
+        in.density = file_density(m, candidate);
+        in.type_gate = L->gate.type;
+        in.type_down = L->down_t.type;
+        in.bytes_gate = weight_bytes(&L->gate);
+        in.bytes_up = gated ? weight_bytes(&L->up) : 0.0;
+        in.bytes_down = weight_bytes(&L->down_t);
+        in.bytes_pred = L->has_pred ? weight_bytes(&L->fc1) + weight_bytes(&L->fc2) : 0.0;
+    }
+    return gh_ffn_auto_decide(&in, out);
+}
+
+gh_status gh_model_ffn_auto(const gh_model * m, gh_ffn_auto_choice * out) {
+    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_ffn_auto: NULL argument");
+    return gh_ffn_auto_mode(m, gh_simd_get(), out);
+}

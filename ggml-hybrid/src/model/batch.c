@@ -5,7 +5,7 @@
  * feature of the forward pass (an architecture, a block kind) needs no change here. */
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "ffn/sparse.h"
+#include "ffn/exec.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -79,7 +79,7 @@ static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t *
     const double t0 = gh_now();
     gh_forward_batch(w, tokens, n, GH_LOGITS_ALL, 0);
     w->seq = NULL;
-    gh_stats_tokens(w, n, gh_now() - t0);
+    gh_stats_tokens(&w->stats, n, gh_now() - t0);
     if (w->dev_status) {
         /* a device op failed: no context's position moved, so no token is in a cache */
         for (int32_t i = 0; i < n; i++) ctxs[i]->n_logit_rows = 0;

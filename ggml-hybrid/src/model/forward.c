@@ -2,7 +2,7 @@
  * (model/arch.h), and the eval entry points. */
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "ffn/sparse.h"
+#include "ffn/exec.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -113,7 +113,7 @@ static double sparse_proj(gh_context * c, const gh_weight * w, const float * thr
         used += gh_matvec_t_sparse(c->tp, w, x + (int64_t) t * w->rows, thr, c->in_ids, c->in_a,
                                    y + (int64_t) t * ldy);
     }
-    gh_stats_inputs(c, head, (int64_t) n * w->rows, used);
+    gh_stats_inputs(&c->stats, head, (int64_t) n * w->rows, used);
     return (double) used * (double) w->row_bytes;
 }
 
@@ -352,19 +352,18 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
             sublayer_input(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         }
         const double t_ffn = gh_now();
-        gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
+        gh_stats_add(&c->stats, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
 
         if (sparse_ffn) {
-            /* one token at a time: predictor (or exact mask) -> active rows only; it
+            /* each token its own active rows (a batched decode's over their union); it
              * counts its own times and bytes (the predictor's apart from the FFN's) */
             const double t_norm = gh_now();
-            for (int32_t t = 0; t < n; t++)
-                gh_sparse_ffn(c, il, c->xb + t * d, c->x + t * d, c->xb2 + t * d);
+            gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
             const double t_add = gh_now();
             sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
             if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
-            gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
+            gh_stats_add(&c->stats, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
         if (hp->n_expert) gh_moe_ffn(c, il, n);
@@ -372,7 +371,7 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
-        gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
+        gh_stats_add(&c->stats, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
     }
 
     if (!c->seq) c->n_past += n; /* a batched decode's contexts: gh_eval_batch */
@@ -396,7 +395,7 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
     const double bytes = project(c, &head, c->xb, nt, insp);
     if (hp->final_softcap > 0) gh_softcap(logits, (int64_t) nt * hp->n_vocab, hp->final_softcap);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
-    gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
+    gh_stats_add(&c->stats, GH_STAGE_OTHER, 0.0, bytes);
 }
 
 static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
@@ -432,7 +431,7 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
         c->prof_t0 = i;
         const double t0 = gh_now();
         gh_forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
-        gh_stats_tokens(c, n, gh_now() - t0);
+        gh_stats_tokens(&c->stats, n, gh_now() - t0);
         if (c->dev_status) {
             /* a device op failed: these tokens are not in the cache, and no logits */
             c->n_past = n_past0;

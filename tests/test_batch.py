@@ -157,21 +157,72 @@ def test_bad_batches_are_refused_and_change_nothing(model, shipped_gguf):
         eval_batch([g, g])
 
 
-def test_sparse_contexts_are_refused_unless_dense_for_one_token(shipped_sparse):
-    """The sparse modes pick each token's own neurons: not batched (the server decodes such
-    slots one by one); with a sparse batch of 0 their one-token batches run dense, and
-    batch."""
+def _batched_vs_alone(m, n: int, steps: int, mode: str | None = None) -> bool:
+    """n contexts at different positions decode `steps` steps through gh_eval_batch; each
+    step is compared to gh_eval of the same token on a twin context (greedy token equal,
+    logits within LOGIT_BOUND). Returns whether every step was bit for bit equal."""
+    ctxs = [m.create_context(n_ctx=N_CTX) for _ in range(n)]
+    twins = [m.create_context(n_ctx=N_CTX) for _ in range(n)]
+    last = []
+    for i, (c, t) in enumerate(zip(ctxs, twins)):
+        if mode:
+            c.set_ffn_mode(mode)
+            t.set_ffn_mode(mode)
+        ids = m.tokenize(PROMPTS[i % len(PROMPTS)])[: 3 + i]
+        c.eval(ids)
+        last.append(t.eval(ids))
+    exact = True
+    for step in range(steps):
+        tokens = [int(lg.argmax()) for lg in last]
+        _native_batch(ctxs, tokens)
+        last = [t.eval([tok]) for t, tok in zip(twins, tokens)]
+        for i, (c, ref) in enumerate(zip(ctxs, last)):
+            got = _logits(c)
+            _compare(got, ref, f"{mode or 'default'} mode, step {step}, context {i}")
+            exact &= bool(np.array_equal(got, ref))
+            assert c.n_past == twins[i].n_past
+    return exact
+
+
+@pytest.mark.parametrize("mode,n", [("sparse", 2), ("sparse", 5), ("oracle", 3)])
+def test_sparse_contexts_batched_equal_alone(shipped_sparse, mode, n):
+    """The predictor's mode (and the oracle's) under a batch: each row selects its own
+    neurons, gate/up run over the union of the rows' lists, each row's own mask applied;
+    every context's logits equal what it gets decoding alone (bit for bit with the f16
+    file's gathered four-row dots; the bound for the rest)."""
+    with Model(shipped_sparse["sparse"], n_ctx=N_CTX, n_threads=2) as m:
+        exact = _batched_vs_alone(m, n, 6, mode)
+    print(f"{mode} x{n}: batched logits bit for bit equal to alone: {exact}")
+    assert exact
+
+
+@pytest.mark.parametrize("n", [2, 6])
+def test_gate_contexts_batched_equal_alone(swiglu_default, n):
+    """The gate mode under a batch (the SwiGLU file's calibrated thresholds): two rows'
+    union is sparse (gathered rows), six rows' is past the density cut (the dense gate/up
+    matmuls, each row's own mask still applied); each context equals its lone decode."""
+    with Model(swiglu_default["sparse"], n_ctx=N_CTX, n_threads=2) as m:
+        assert m.create_context(n_ctx=16).ffn_mode == "gate"
+        exact = _batched_vs_alone(m, n, 5)
+    print(f"gate x{n}: batched logits bit for bit equal to alone: {exact}")
+
+
+def test_mixed_ffn_modes_are_refused(shipped_sparse):
+    """One pass runs one FFN mode: contexts set differently are refused (nothing changes);
+    with a sparse batch of 0 every one-token step runs dense, and such contexts batch."""
     with Model(shipped_sparse["sparse"], n_ctx=64, n_threads=1) as m:
         a, b, ref = (m.create_context(n_ctx=64) for _ in range(3))
         assert a.ffn_mode == "sparse"
         for c in (a, b, ref):
             c.eval(m.tokenize(PROMPTS[0]))
-        with pytest.raises(NativeError, match="sparse FFN mode") as e:
+        b.set_ffn_mode("dense")
+        with pytest.raises(NativeError, match="one FFN mode") as e:
             _native_batch([a, b], [5, 6])
         assert e.value.status == lib.GH_ERR_UNSUPPORTED
         assert a.n_past == b.n_past == ref.n_past
         g = a.start_generation([1], max_tokens=1)
-        assert not g.batchable()
+        assert g.batchable() and g.batch_key() != b.start_generation([1], max_tokens=1).batch_key()
+        b.set_ffn_mode("sparse")
         for c in (a, b, ref):
             c.sparse_batch = 0
         _native_batch([a, b], [5, 6])

@@ -988,12 +988,17 @@ class Generation:
                 self.next_token = None  # its logits are ready for sample()
 
     def batchable(self) -> bool:
-        """Whether eval_batch can take this generation's next token: its context runs
-        one-token batches densely (gh_eval_batch; the sparse modes pick each token's own
-        neurons and decode alone, by step())."""
+        """Whether eval_batch can take this generation's next token: in every FFN mode (in
+        the sparse modes each row of the batched pass selects its own neurons and gives what
+        the context gets alone); contexts batched together must share batch_key()."""
+        return True
+
+    def batch_key(self) -> tuple:
+        """What the contexts of one eval_batch must share (gh_eval_batch refuses a mix):
+        the FFN mode, whether one-token steps run it (sparse batch >= 1) and input sparsity."""
         with self.ctx._calling() as ptr:
-            return (lib.gh_context_get_ffn_mode(ptr) == FFN_MODES["dense"] or
-                    lib.gh_context_get_sparse_batch(ptr) < 1)
+            return (int(lib.gh_context_get_ffn_mode(ptr)), lib.gh_context_get_sparse_batch(ptr) > 0,
+                    bool(lib.gh_context_get_input_sparse(ptr)))
 
     def flush(self) -> str:
         """At a normal end: the held-back text that turned out not to start a stop string."""
@@ -1039,7 +1044,7 @@ def _run_stream(gen: Generation) -> Iterator[str]:
 def eval_batch(gens: Sequence[Generation]) -> None:
     """Evaluate the next token of every generation in ONE forward pass (gh_eval_batch:
     each weight read once for all of them; each token attends over its own context's
-    cache). Each must be batchable(), have a next_token, and be on a context of its own of
+    cache). Each must be batchable(), share one batch_key(), have a next_token, and be on a context of its own of
     the same model; a generation whose context is full is marked done and left out. On an
     error no context has advanced and each generation may be stepped again."""
     if len({id(g.ctx) for g in gens}) != len(gens):

@@ -134,3 +134,83 @@ gh_status gh_op_sparse_down(int type, const void * w, int64_t rows, int64_t cols
     op_pool_release(tp, cached);
     return GH_OK;
 }
+
+gh_status gh_op_sparse_glu_union(int type, const void * gate, const void * up, int64_t rows,
+                                 int64_t cols, int act, float act_t, const float * x, int32_t n,
+                                 const uint8_t * mask, float * a, int n_threads) {
+    static const char fn[] = "gh_op_sparse_glu_union";
+    gh_status st;
+    if ((st = check_matrix(fn, "gate", type, gate, rows, cols))) return st;
+    if (up && (st = check_matrix(fn, "up", type, up, rows, cols))) return st;
+    if (act < GH_ACT_SILU || act > GH_ACT_FATRELU) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: unknown activation %d", fn, act);
+    }
+    if (act == GH_ACT_DRELU && !up) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: dReLU needs up (it has no ungated form)", fn);
+    }
+    if (!isfinite(act_t)) return gh_fail(GH_ERR_INVALID_ARG, "%s: threshold must be finite", fn);
+    if (n < 1 || n > GH_UNION_MAX) {
+        return gh_fail(GH_ERR_INVALID_ARG, "%s: %d tokens, not in [1, %d]", fn, n, GH_UNION_MAX);
+    }
+    if (!x || !mask || !a) return gh_fail(GH_ERR_INVALID_ARG, "%s: NULL buffer", fn);
+    gh_weight wg = make_weight(type, gate, rows, cols), wu = make_weight(type, up, rows, cols);
+    const gh_glu_spec f = { .act = act, .act_t = act_t, .gate = &wg, .up = up ? &wu : NULL };
+    const size_t stride = (GH_MAX(gh_sparse_glu_scratch_size(&wg, f.up), 64) + 63) & ~(size_t) 63;
+    const size_t fb = (size_t) n * (size_t) rows * sizeof(float);
+    uint64_t * tm = gh_aligned_alloc((size_t) rows * sizeof(uint64_t));
+    uint64_t * utm = gh_aligned_alloc((size_t) rows * sizeof(uint64_t));
+    int32_t * uids = gh_aligned_alloc((size_t) rows * sizeof(int32_t));
+    float * gc = gh_aligned_alloc(fb), * uc = gh_aligned_alloc(fb);
+    float * cg = gh_aligned_alloc((size_t) rows * sizeof(float));
+    float * cu = gh_aligned_alloc((size_t) rows * sizeof(float));
+    float * ca = gh_aligned_alloc((size_t) rows * sizeof(float));
+    void * xq = gh_aligned_alloc((size_t) n * stride);
+    gh_threadpool * tp = NULL;
+    bool cached = false;
+    st = !tm || !utm || !uids || !gc || !uc || !cg || !cu || !ca || !xq
+             ? gh_fail(GH_ERR_OOM, "%s: out of memory", fn) : op_pool(fn, n_threads, &tp, &cached);
+    if (!st) {
+        /* the union and each neuron's tokens */
+        int64_t nu = 0;
+        for (int64_t i = 0; i < rows; i++) {
+            tm[i] = 0;
+            for (int32_t t = 0; t < n; t++) if (mask[(int64_t) t * rows + i]) tm[i] |= (uint64_t) 1 << t;
+            uids[nu] = (int32_t) i;
+            utm[nu] = tm[i];
+            nu += tm[i] != 0;
+        }
+        gh_union_glu_rows(tp, &f, x, n, NULL, 0, uids, utm, nu, gc, uc, rows, xq, stride, NULL);
+        /* each token's own list, in its order, through the activation (the executor's
+         * batch path, ffn/exec.c) */
+        const bool skip_up = act == GH_ACT_RELU || act == GH_ACT_DRELU || act == GH_ACT_FATRELU;
+        const float cut = act == GH_ACT_FATRELU ? act_t : 0.0f;
+        for (int32_t t = 0; t < n; t++) {
+            float * at = a + (int64_t) t * rows;
+            for (int64_t i = 0; i < rows; i++) at[i] = 0.0f;
+            int64_t m = 0;
+            for (int64_t k = 0; k < nu; k++) {
+                if (!(utm[k] & ((uint64_t) 1 << t))) continue;
+                const float g = gc[(int64_t) t * rows + k];
+                cg[m] = g;
+                cu[m] = !up || (skip_up && !(g > cut)) ? 0.0f : uc[(int64_t) t * rows + k];
+                m++;
+            }
+            gh_glu(act, act_t, cg, up ? cu : NULL, ca, m);
+            m = 0;
+            for (int64_t k = 0; k < nu; k++) {
+                if (utm[k] & ((uint64_t) 1 << t)) at[uids[k]] = ca[m++];
+            }
+        }
+        op_pool_release(tp, cached);
+    }
+    gh_aligned_free(tm);
+    gh_aligned_free(utm);
+    gh_aligned_free(uids);
+    gh_aligned_free(gc);
+    gh_aligned_free(uc);
+    gh_aligned_free(cg);
+    gh_aligned_free(cu);
+    gh_aligned_free(ca);
+    gh_aligned_free(xq);
+    return st;
+}

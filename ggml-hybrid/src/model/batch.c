@@ -54,11 +54,16 @@ static gh_status check_claimed(gh_context * const * ctxs, int32_t n) {
             return gh_fail(GH_ERR_RANGE, "context full: context %d holds %d tokens of n_ctx = %d, "
                            "no room for its next token", i, c->n_past, c->n_ctx);
         }
-        if (gh_sparse_applies(c, 1)) {
-            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d runs one-token batches "
-                           "through a sparse FFN mode (ffn mode %d), which picks each token's own "
-                           "neurons and is not batched; decode it with gh_eval, or set its FFN "
-                           "mode to dense or its sparse batch to 0", i, gh_context_get_ffn_mode(c));
+        /* the pass runs context 0's FFN mode for every row (each row selecting its own
+         * neurons): the others must decode alone as it does */
+        const gh_context * c0 = ctxs[0];
+        if (c->ffn_mode != c0->ffn_mode || gh_sparse_applies(c, 1) != gh_sparse_applies(c0, 1) ||
+            gh_input_sparse_applies(c, 1) != gh_input_sparse_applies(c0, 1)) {
+            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d decodes with FFN mode %d, "
+                           "sparse batch %d, input sparsity %d, but context 0 with %d, %d, %d; a "
+                           "batch runs one FFN mode (set the contexts alike)", i, c->ffn_mode,
+                           c->sparse_batch > 0, c->input_sparse, c0->ffn_mode,
+                           c0->sparse_batch > 0, c0->input_sparse);
         }
     }
     return GH_OK;

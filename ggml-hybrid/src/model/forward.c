@@ -320,8 +320,9 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
     const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, hd = hp->head_dim;
 
-    const bool sparse_ffn = gh_sparse_applies(c, n);
-    const bool insp = gh_input_sparse_applies(c, n);
+    /* a batched decode's tokens are each their own sequence's one-token step */
+    const bool sparse_ffn = gh_sparse_applies(c, c->seq ? 1 : n);
+    const bool insp = gh_input_sparse_applies(c, c->seq ? 1 : n);
     embed(c, tokens, n, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
         for (int32_t t = 0; t < n; t++) {

@@ -382,6 +382,31 @@ def test_server_concurrent_requests_equal_sequential(dense_server, reference):
     assert _metric(dense_server, "powerinfer_batched_steps_total") > steps0
 
 
+@pytest.fixture(scope="module")
+def sparse_server(shipped_sparse):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from server_util import running_server
+
+    with running_server(shipped_sparse["sparse"], "--parallel", "3", "--ctx", str(N_CTX), "-t",
+                        "1", "--prompt-chunk", "4", "--queue", "8") as url:
+        yield url
+
+
+def test_server_sparse_concurrent_requests_equal_sequential(sparse_server, shipped_sparse):
+    """The predictor's sparse file served: three concurrent greedy requests go through
+    batched passes (each row its own neurons) and each reply equals the sequential one."""
+    with Model(shipped_sparse["sparse"], n_ctx=N_CTX, n_threads=1) as m:
+        jobs = [(PROMPTS[i], 24) for i in range(3)]
+        want = [m.create_context(n_ctx=N_CTX).generate(p, max_tokens=n, temperature=0,
+                                                       ignore_eos=True).text for p, n in jobs]
+    steps0 = _metric(sparse_server, "powerinfer_batched_steps_total")
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda j: _complete(sparse_server, *j), jobs))
+    assert got == want
+    assert _metric(sparse_server, "powerinfer_batched_steps_total") > steps0
+
+
 def _stream(url, prompt, n):
     return httpx.stream("POST", url + "/v1/completions", timeout=120, json={
         "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,

@@ -10,8 +10,10 @@ Each step it
      other generation decoding, the whole prompt at once);
   4. evaluates the next token of every decoding generation in ONE forward pass
      (model.eval_batch: each weight is read once per step, not once per slot).
-Generations whose context runs a sparse FFN mode (sparse, gate, oracle) decode one by one
-in step 4: the sparse modes pick each token's own neurons and are not batched yet.
+In the sparse FFN modes (sparse, gate, oracle) each row of that pass selects its own
+neurons and gate/up run over the union of the rows' lists (ffn/exec.c), so a slot gets the
+reply it gets alone; generations are batched with those of the same batch_key() (FFN mode,
+input sparsity: one pass runs one mode).
 
 Each slot keeps its own context (its KV cache and cached prefix); the batched pass borrows
 the first decoding slot's buffers and threads, so the slots' contexts take every core
@@ -105,14 +107,16 @@ class Batcher:
                 _guard(job, lambda: job.gen.prefill(chunk))
                 break
         decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
-        batch = []
-        for job in decoding:  # 4. the next tokens: together where the FFN mode allows
+        groups: dict = {}
+        for job in decoding:  # 4. the next tokens: together, one pass per FFN mode
             try:
                 if job.gen.batchable():
-                    batch.append(job)
+                    groups.setdefault(job.gen.batch_key(), []).append(job)
             except BaseException as e:
                 job.end(error=e)
-        if len(batch) > 1:
+        for batch in groups.values():
+            if len(batch) < 2:
+                continue
             try:
                 eval_batch([j.gen for j in batch])
                 self.steps += 1

@@ -400,7 +400,7 @@ gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_t
                              float * attn_in, int64_t attn_in_stride,
                              float * attn_out_in, int64_t attn_out_in_stride, float * head_in);
 
-/* ---- sparse FFN (sparse.c) ---- */
+/* ---- sparse FFN (ffn/: strategy_*.c select, exec.c computes) ---- */
 
 /* How a context computes the feed-forward of each layer. */
 typedef enum {

@@ -423,3 +423,13 @@ def test_batched_decode_equals_single_steps(arch_case):
                                     np.float32)
                 err = np.abs(got - ref).max() / (ref.max() - ref.min())
                 assert err <= 1e-5, (arch_case["variant"], step, i, err)
+
+
+def test_mixed_batches_equal_gh_eval(arch_case):
+    """gh_eval_batch_ex (the server's prompt chunks in the decode pass): decode tokens and
+    prompt chunks of several contexts in one pass equal gh_eval of each context's tokens
+    (f32 weights and cache: within 1e-5 of the logit range), and so does the next step."""
+    from batch_util import check_mixed_batches
+
+    with Model(arch_case["gguf"], n_ctx=64, n_threads=2) as m:
+        check_mixed_batches(m, "f32", 1e-5)

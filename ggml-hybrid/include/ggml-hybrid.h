@@ -340,35 +340,44 @@ int32_t gh_n_logit_rows(const gh_context * c);
  * context's FFN mode (set the sparse batch to 0 for the dense FFN's states). */
 gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out);
 
-/* Batched decode (continuous batching in a server): the next token of each of n contexts
- * of one model, tokens[i] for ctxs[i], in ONE forward pass. Norms, projections, the FFN and
- * the head run over the n tokens together, so each weight is read once for all of them;
- * each token's keys and values join its own context's cache and it attends over that
- * cache alone. Afterwards each context holds one more token and its logits as a gh_eval of
- * that token leaves them (gh_get_logits(ctxs[i], 0)), equal to a gh_eval's up to the
- * rounding of the matmul's multi-token tiles against its one-token tiles: bit for bit
- * where a type's two tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
+/* Batches of several contexts (continuous batching in a server): the next tokens of each
+ * of n contexts of one model in ONE forward pass: n_tokens[i] >= 1 tokens for ctxs[i] (a
+ * decoding context its next token, a context reading a prompt a chunk of it), given one
+ * context after another in tokens (sum n_tokens[i] of them). Norms, projections, the FFN
+ * and the head run over all the tokens together, so each weight is read once for all of
+ * them; each context's tokens join its own cache after its n_past and attend causally over
+ * that cache alone. Afterwards each context holds n_tokens[i] more tokens and the logits a
+ * gh_eval of those tokens leaves (logits_all = 0: its last token's, gh_get_logits(ctxs[i],
+ * 0); else one row per token), equal to a gh_eval's up to the rounding of the matmul's
+ * tiles, which group a pass's token rows differently from one context's own pass: bit for
+ * bit where a type's tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
  * Q4_1 at AVX2 and scalar, every architecture's f32 test model within 1e-5), else apart by
  * that rounding (SmolLM2 Q4_1 at AVX-512: 7e-7 of the largest logit; tests/test_batch.py
  * allows 1e-4 and asks for the same greedy token). The pass borrows ctxs[0]'s buffers and
- * threads (n <= its n_batch) and its statistics count the pass (times, weight bytes, n
- * tokens); the other contexts' statistics do not change.
+ * threads (sum n_tokens[i] <= its n_batch) and its statistics count the pass (times, weight
+ * bytes, all the tokens); the other contexts' statistics do not change.
  * The sparse FFN modes (sparse, gate, oracle) batch too: each token selects its own active
  * neurons (its predictor, its gate's threshold); gate and up run once over the union of
  * the tokens' lists, each union row read from memory once for all of them (past a union
  * density of one half, where gathered rows cannot beat the streamed ones, as the dense
  * matmuls); each token then takes only its own neurons, so one outside its list adds
  * exactly zero, and runs its activation and down_t's axpy over its own list. So each
- * context's logits are those it gets decoding alone: bit for bit where the gathered
- * four-row dot (and, past the cut, the matmul's tiles) sum each row alike (measured: the
- * shipped f16 models, predictor, oracle and gate modes, at AVX-512), else apart by that
- * rounding, within the bound above. A layer split with a device, and the input-sparse FFN,
- * run token by token.
- * Every context must be distinct, of the same model, have room for one more token, and run
- * ctxs[0]'s FFN mode with its input sparsity, each decoding one token sparse (sparse batch
- * >= 1) or dense (0) alike, else GH_ERR_UNSUPPORTED naming the context: one pass runs one
- * mode. On any error no context changes. Each context is claimed as gh_eval
- * claims it (GH_ERR_BUSY, and nothing done, if one is in a call on another thread). */
+ * context's logits are those it gets alone: bit for bit where the gathered four-row dot
+ * (and, past the cut, the matmul's tiles) sum each row alike (measured: the shipped f16
+ * models, predictor, oracle and gate modes, at AVX-512), else apart by that rounding,
+ * within the bound above. A layer split with a device, and the input-sparse FFN, run
+ * token by token.
+ * Every context must be distinct (a context's tokens are one run), of the same model, have
+ * room for its tokens, and evaluate its n_tokens[i] as ctxs[0] evaluates its own: all
+ * through the dense FFN (the dense mode, or a sparse batch below the context's count:
+ * gh_context_set_sparse_batch), or all through one sparse mode with one input sparsity,
+ * else GH_ERR_UNSUPPORTED naming the context: one pass runs one FFN. On any error no
+ * context changes. Each context is claimed as gh_eval claims it (GH_ERR_BUSY, and nothing
+ * done, if one is in a call on another thread). */
+gh_status gh_eval_batch_ex(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                           const int32_t * tokens, int32_t logits_all);
+/* Batched decode: gh_eval_batch_ex with one token per context (tokens[i] for ctxs[i]) and
+ * each context's logits of it kept. */
 gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens);
 
 /* Profiling (offline predictor training): gh_eval (logits of the last token only) that
@@ -601,6 +610,16 @@ void gh_sampler_accept(gh_sampler * s, int32_t token);
 void gh_sampler_reset(gh_sampler * s);
 /* Sample from one row of logits (n_vocab floats). Does not accept the token. */
 gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_token);
+/* The distribution gh_sampler_sample draws from (speculative decoding compares two of
+ * them): probs[i] (n_vocab floats, summing to 1) after the repetition penalty, temperature,
+ * top-k, top-p and min-p, as if the n_extra tokens `extra` (drafted, not accepted yet; may be
+ * NULL when n_extra is 0) had been accepted after the history; greedy (temperature <= 0): 1
+ * at the token gh_sampler_sample picks, 0 elsewhere. Draws no random number. */
+gh_status gh_sampler_probs(gh_sampler * s, const float * logits, const int32_t * extra,
+                           int32_t n_extra, float * probs);
+/* The next uniform number in [0, 1) of the sampler's seeded stream (the one
+ * gh_sampler_sample draws from), for draws made outside it. */
+double gh_sampler_random(gh_sampler * s);
 
 /* CFFI-END */
 

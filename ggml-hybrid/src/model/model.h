@@ -167,10 +167,12 @@ struct gh_context {
     /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
      * refused instead of overwriting the buffers and cache the first one uses */
     atomic_int      busy;
-    /* batched decode (gh_eval_batch, model/batch.c): while set, token t of the forward pass
-     * is the next token of context seq[t] (its position, its KV cache), and this context
-     * lends the pass its buffers and threads; NULL otherwise */
+    /* a batch of several contexts (gh_eval_batch_ex, model/batch.c): while set, token t of
+     * the forward pass is context seq[t]'s, at position seq_pos[t] of its KV cache (each
+     * context's tokens are consecutive rows), and this context lends the pass its buffers
+     * and threads; NULL otherwise */
     struct gh_context * const * seq;
+    const int32_t *             seq_pos;
 };
 
 /* A model from a GGUF image in memory (not copied: it must outlive the model), without a

@@ -322,7 +322,8 @@ def _drive(model, jobs: dict, chunk: int, join_at: dict, ffn: dict | None = None
     pass of the decoding ones' next tokens and a chunk of the oldest prompt still being
     read; alone, a prompt at once), each on a context of its own; join_at[name] = the step
     at which a generation starts, ffn[name] its context's FFN mode (default: the model's);
-    a generation whose context is not batchable() decodes alone. Returns each one's text."""
+    the decoding ones grouped by batch_key() as the scheduler groups them (a group of one
+    decodes alone). Returns each one's text."""
     active, out, step = {}, {}, 0
     while len(out) < len(jobs):
         for name, (prompt, n) in jobs.items():
@@ -340,14 +341,19 @@ def _drive(model, jobs: dict, chunk: int, join_at: dict, ffn: dict | None = None
                 out[name] = g.result.text
                 del active[name]
         dec = [g for g in active.values() if g.next_token is not None]
-        batch = [g for g in dec if g.batchable()]
+        groups: dict = {}
+        for g in dec:
+            if g.batchable():
+                groups.setdefault(g.batch_key(), []).append(g)
+        batch = groups.pop(("dense",), [])  # the pass the prompt chunk joins
         reading = next((g for g in active.values() if not g.prefilled), None)
         if reading is not None and (not dec or not batch):
             reading.prefill(chunk if dec else None)
             reading = None
         members = batch + ([reading] if reading is not None else [])
-        if len(members) > 1:
-            eval_batch(members, chunk)
+        for members, ch in [(members, chunk)] + [(grp, None) for grp in groups.values()]:
+            if len(members) > 1:
+                eval_batch(members, ch)
         for g in dec:
             if g.next_token is not None:
                 g.step()

@@ -192,21 +192,72 @@ def test_bad_mixed_batches_are_refused_and_change_nothing(model):
     check_bad_mixed_batches(model)
 
 
-def test_sparse_contexts_are_refused_unless_dense_for_one_token(shipped_sparse):
-    """The sparse modes pick each token's own neurons: not batched (the server decodes such
-    slots one by one); with a sparse batch of 0 their one-token batches run dense, and
-    batch."""
+def _batched_vs_alone(m, n: int, steps: int, mode: str | None = None) -> bool:
+    """n contexts at different positions decode `steps` steps through gh_eval_batch; each
+    step is compared to gh_eval of the same token on a twin context (greedy token equal,
+    logits within LOGIT_BOUND). Returns whether every step was bit for bit equal."""
+    ctxs = [m.create_context(n_ctx=N_CTX) for _ in range(n)]
+    twins = [m.create_context(n_ctx=N_CTX) for _ in range(n)]
+    last = []
+    for i, (c, t) in enumerate(zip(ctxs, twins)):
+        if mode:
+            c.set_ffn_mode(mode)
+            t.set_ffn_mode(mode)
+        ids = m.tokenize(PROMPTS[i % len(PROMPTS)])[: 3 + i]
+        c.eval(ids)
+        last.append(t.eval(ids))
+    exact = True
+    for step in range(steps):
+        tokens = [int(lg.argmax()) for lg in last]
+        _native_batch(ctxs, tokens)
+        last = [t.eval([tok]) for t, tok in zip(twins, tokens)]
+        for i, (c, ref) in enumerate(zip(ctxs, last)):
+            got = _logits(c)
+            _compare(got, ref, f"{mode or 'default'} mode, step {step}, context {i}")
+            exact &= bool(np.array_equal(got, ref))
+            assert c.n_past == twins[i].n_past
+    return exact
+
+
+@pytest.mark.parametrize("mode,n", [("sparse", 2), ("sparse", 5), ("oracle", 3)])
+def test_sparse_contexts_batched_equal_alone(shipped_sparse, mode, n):
+    """The predictor's mode (and the oracle's) under a batch: each row selects its own
+    neurons, gate/up run over the union of the rows' lists, each row's own mask applied;
+    every context's logits equal what it gets decoding alone (bit for bit with the f16
+    file's gathered four-row dots; the bound for the rest)."""
+    with Model(shipped_sparse["sparse"], n_ctx=N_CTX, n_threads=2) as m:
+        exact = _batched_vs_alone(m, n, 6, mode)
+    print(f"{mode} x{n}: batched logits bit for bit equal to alone: {exact}")
+    assert exact
+
+
+@pytest.mark.parametrize("n", [2, 6])
+def test_gate_contexts_batched_equal_alone(swiglu_default, n):
+    """The gate mode under a batch (the SwiGLU file's calibrated thresholds): two rows'
+    union is sparse (gathered rows), six rows' is past the density cut (the dense gate/up
+    matmuls, each row's own mask still applied); each context equals its lone decode."""
+    with Model(swiglu_default["sparse"], n_ctx=N_CTX, n_threads=2) as m:
+        assert m.create_context(n_ctx=16).ffn_mode == "gate"
+        exact = _batched_vs_alone(m, n, 5)
+    print(f"gate x{n}: batched logits bit for bit equal to alone: {exact}")
+
+
+def test_mixed_ffn_modes_are_refused(shipped_sparse):
+    """One pass runs one FFN mode: contexts set differently are refused (nothing changes);
+    with a sparse batch of 0 every one-token step runs dense, and such contexts batch."""
     with Model(shipped_sparse["sparse"], n_ctx=64, n_threads=1) as m:
         a, b, ref = (m.create_context(n_ctx=64) for _ in range(3))
         assert a.ffn_mode == "sparse"
         for c in (a, b, ref):
             c.eval(m.tokenize(PROMPTS[0]))
-        with pytest.raises(NativeError, match="sparse FFN mode") as e:
+        b.set_ffn_mode("dense")
+        with pytest.raises(NativeError, match="a batch runs one FFN") as e:
             _native_batch([a, b], [5, 6])
         assert e.value.status == lib.GH_ERR_UNSUPPORTED
         assert a.n_past == b.n_past == ref.n_past
         g = a.start_generation([1], max_tokens=1)
-        assert not g.batchable()
+        assert g.batchable() and g.batch_key() != b.start_generation([1], max_tokens=1).batch_key()
+        b.set_ffn_mode("sparse")
         for c in (a, b, ref):
             c.sparse_batch = 0
         _native_batch([a, b], [5, 6])
@@ -271,7 +322,8 @@ def _drive(model, jobs: dict, chunk: int, join_at: dict, ffn: dict | None = None
     pass of the decoding ones' next tokens and a chunk of the oldest prompt still being
     read; alone, a prompt at once), each on a context of its own; join_at[name] = the step
     at which a generation starts, ffn[name] its context's FFN mode (default: the model's);
-    a generation whose context is not batchable() decodes alone. Returns each one's text."""
+    the decoding ones grouped by batch_key() as the scheduler groups them (a group of one
+    decodes alone). Returns each one's text."""
     active, out, step = {}, {}, 0
     while len(out) < len(jobs):
         for name, (prompt, n) in jobs.items():
@@ -289,14 +341,19 @@ def _drive(model, jobs: dict, chunk: int, join_at: dict, ffn: dict | None = None
                 out[name] = g.result.text
                 del active[name]
         dec = [g for g in active.values() if g.next_token is not None]
-        batch = [g for g in dec if g.batchable()]
+        groups: dict = {}
+        for g in dec:
+            if g.batchable():
+                groups.setdefault(g.batch_key(), []).append(g)
+        batch = groups.pop(("dense",), [])  # the pass the prompt chunk joins
         reading = next((g for g in active.values() if not g.prefilled), None)
         if reading is not None and (not dec or not batch):
             reading.prefill(chunk if dec else None)
             reading = None
         members = batch + ([reading] if reading is not None else [])
-        if len(members) > 1:
-            eval_batch(members, chunk)
+        for members, ch in [(members, chunk)] + [(grp, None) for grp in groups.values()]:
+            if len(members) > 1:
+                eval_batch(members, ch)
         for g in dec:
             if g.next_token is not None:
                 g.step()
@@ -384,6 +441,31 @@ def test_server_concurrent_requests_equal_sequential(dense_server, reference):
     assert got == [reference(p, n) for p, n in jobs]
     # the three generations overlapped, so their tokens went through batched passes
     assert _metric(dense_server, "powerinfer_batched_steps_total") > steps0
+
+
+@pytest.fixture(scope="module")
+def sparse_server(shipped_sparse):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from server_util import running_server
+
+    with running_server(shipped_sparse["sparse"], "--parallel", "3", "--ctx", str(N_CTX), "-t",
+                        "1", "--prompt-chunk", "4", "--queue", "8") as url:
+        yield url
+
+
+def test_server_sparse_concurrent_requests_equal_sequential(sparse_server, shipped_sparse):
+    """The predictor's sparse file served: three concurrent greedy requests go through
+    batched passes (each row its own neurons) and each reply equals the sequential one."""
+    with Model(shipped_sparse["sparse"], n_ctx=N_CTX, n_threads=1) as m:
+        jobs = [(PROMPTS[i], 24) for i in range(3)]
+        want = [m.create_context(n_ctx=N_CTX).generate(p, max_tokens=n, temperature=0,
+                                                       ignore_eos=True).text for p, n in jobs]
+    steps0 = _metric(sparse_server, "powerinfer_batched_steps_total")
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda j: _complete(sparse_server, *j), jobs))
+    assert got == want
+    assert _metric(sparse_server, "powerinfer_batched_steps_total") > steps0
 
 
 def _stream(url, prompt, n):

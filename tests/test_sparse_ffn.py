@@ -523,3 +523,82 @@ def test_generate_cli_ffn(shipped_sparse, capsys):
         assert ("density" in err) == (mode == "sparse")
     assert main(["-m", str(shipped_sparse["dense"]), "-p", "x", "-n", "2", "--ffn", "sparse"]) == 1
     assert "convert the model with --sparse" in capsys.readouterr().err
+
+
+# ---- gh_op_sparse_glu_union: several tokens' lists over their union ---------------------
+
+def _has_dot4(t: int, level: int) -> bool:
+    """Whether the gathered four-row dot runs for type t at this level (the union's values
+    are then each token's own list's bit for bit, rows.h)."""
+    form = next(f for f in range(64) if ffi.string(lib.gh_kernel_form_name(f)) == b"dot4")
+    return lib.gh_kernel_source(t, form, level, ffi.NULL, ffi.NULL) >= 0
+
+
+@pytest.mark.parametrize("tname", list(TYPES))
+@pytest.mark.parametrize("act", [RELU, SILU, 5])  # 5 = FATReLU
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_glu_union_vs_numpy_and_own_lists(tname, act, gated):
+    """The batched decode's union op: n tokens with their own masks (one empty, one full, the
+    others sparse and overlapping). A neuron outside a token's list is exactly 0; a listed
+    one is act(g, u) within numpy's bound, and equals gh_op_sparse_glu over the token's own
+    list, bit for bit where the type's gathered four-row dot runs."""
+    t = TYPES[tname]
+    rows, cols, n, thr = 301, block_cols(t, 256), 5, 0.05
+    rng = np.random.default_rng(17 * t + act + gated)
+    graw, gd = encode(t, rng.standard_normal((rows, cols)) / np.sqrt(cols))
+    uraw, ud = encode(t, rng.standard_normal((rows, cols)) / np.sqrt(cols))
+    x = rng.standard_normal((n, cols)).astype(np.float32)
+    mask = np.zeros((n, rows), dtype=np.uint8)
+    mask[1] = 1
+    mask[2] = rng.random(rows) < 0.1
+    mask[3] = rng.random(rows) < 0.3
+    mask[4, 40:90] = 1
+    u = uraw if gated else None
+    g_all, u_all = x.astype(np.float64) @ gd.T.astype(np.float64), x.astype(np.float64) @ ud.T
+    gs, us = np.abs(x) @ np.abs(gd).T, np.abs(x) @ np.abs(ud).T
+    e = GLU_EPS[t]
+    act_t = thr if act == 5 else 0.0
+    for level in simd_levels():
+        with simd_level(level):
+            outs = []
+            for nt in (1, 2):
+                a = np.full((n, rows), np.nan, dtype=np.float32)
+                check(lib.gh_op_sparse_glu_union(t, vptr(graw), vptr(u) if gated else ffi.NULL, rows,
+                                                 cols, act, act_t, fptr(x), n,
+                                                 ffi.from_buffer("uint8_t[]", mask), fptr(a), nt))
+                outs.append(a)
+            np.testing.assert_array_equal(outs[0], outs[1])  # not the thread count's
+            a = outs[0]
+            exact = _has_dot4(t, level)
+            for k in range(n):
+                ids = np.flatnonzero(mask[k]).astype(np.int32)
+                assert np.all(a[k][mask[k] == 0] == 0.0), (level, k)
+                if ids.size == 0:
+                    continue
+                own = sparse_glu(t, graw, u, rows, cols, act, x[k], ids, 2, act_t)
+                if exact:
+                    np.testing.assert_array_equal(a[k][ids], own, err_msg=f"level {level} token {k}")
+                g = g_all[k, ids]
+                h = np.where(g > act_t, g, 0.0) if act != SILU else g / (1 + np.exp(-g))
+                if gated:
+                    ref = h * u_all[k, ids]
+                    bound = 1.2 * e * (gs[k, ids] * np.abs(u_all[k, ids]) + us[k, ids] *
+                                       np.abs(g) + e * gs[k, ids] * us[k, ids]) + 1e-7
+                else:
+                    ref = h
+                    bound = 1.2 * e * gs[k, ids] + 1e-7
+                assert np.all(np.abs(a[k][ids] - ref) <= bound), (level, k)
+
+
+def test_sparse_glu_union_refuses_bad_input():
+    w = np.zeros((4, 32), dtype=np.float32)
+    x = np.zeros((2, 32), dtype=np.float32)
+    mask = np.ones((2, 4), dtype=np.uint8)
+    a = np.zeros((2, 4), dtype=np.float32)
+    m = ffi.from_buffer("uint8_t[]", mask)
+    assert lib.gh_op_sparse_glu_union(F32, vptr(w), vptr(w), 4, 32, RELU, 0.0, fptr(x), 65, m,
+                                      fptr(a), 1) == GH_ERR_INVALID_ARG
+    assert lib.gh_op_sparse_glu_union(F32, vptr(w), vptr(w), 4, 32, 9, 0.0, fptr(x), 2, m,
+                                      fptr(a), 1) == GH_ERR_INVALID_ARG
+    assert lib.gh_op_sparse_glu_union(F32, vptr(w), vptr(w), 4, 32, RELU, 0.0, fptr(x), 2,
+                                      ffi.NULL, fptr(a), 1) == GH_ERR_INVALID_ARG

@@ -379,13 +379,24 @@ gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens,
  * allows 1e-4 and asks for the same greedy token). The pass borrows ctxs[0]'s buffers and
  * threads (sum n_tokens[i] <= its n_batch) and its statistics count the pass (times, weight
  * bytes, all the tokens); the other contexts' statistics do not change.
+ * The sparse FFN modes (sparse, gate, oracle) batch too: each token selects its own active
+ * neurons (its predictor, its gate's threshold); gate and up run once over the union of
+ * the tokens' lists, each union row read from memory once for all of them (past a union
+ * density of one half, where gathered rows cannot beat the streamed ones, as the dense
+ * matmuls); each token then takes only its own neurons, so one outside its list adds
+ * exactly zero, and runs its activation and down_t's axpy over its own list. So each
+ * context's logits are those it gets alone: bit for bit where the gathered four-row dot
+ * (and, past the cut, the matmul's tiles) sum each row alike (measured: the shipped f16
+ * models, predictor, oracle and gate modes, at AVX-512), else apart by that rounding,
+ * within the bound above. A layer split with a device, and the input-sparse FFN, run
+ * token by token.
  * Every context must be distinct (a context's tokens are one run), of the same model, have
- * room for its tokens, and run batches of its n_tokens[i] densely (the dense FFN mode, or a
- * sparse batch below n_tokens[i]: gh_context_set_sparse_batch), else GH_ERR_UNSUPPORTED
- * naming the context: the sparse modes select each token's own neurons and are not batched
- * yet (evaluate those contexts with gh_eval). On any error no context changes. Each context
- * is claimed as gh_eval claims it (GH_ERR_BUSY, and nothing done, if one is in a call on
- * another thread). */
+ * room for its tokens, and evaluate its n_tokens[i] as ctxs[0] evaluates its own: all
+ * through the dense FFN (the dense mode, or a sparse batch below the context's count:
+ * gh_context_set_sparse_batch), or all through one sparse mode with one input sparsity,
+ * else GH_ERR_UNSUPPORTED naming the context: one pass runs one FFN. On any error no
+ * context changes. Each context is claimed as gh_eval claims it (GH_ERR_BUSY, and nothing
+ * done, if one is in a call on another thread). */
 gh_status gh_eval_batch_ex(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
                            const int32_t * tokens, int32_t logits_all);
 /* Batched decode: gh_eval_batch_ex with one token per context (tokens[i] for ctxs[i]) and
@@ -421,7 +432,7 @@ gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_t
                              float * attn_in, int64_t attn_in_stride,
                              float * attn_out_in, int64_t attn_out_in_stride, float * head_in);
 
-/* ---- sparse FFN (sparse.c) ---- */
+/* ---- sparse FFN (ffn/: strategy_*.c select, exec.c computes) ---- */
 
 /* How a context computes the feed-forward of each layer. */
 typedef enum {
@@ -561,6 +572,15 @@ gh_status gh_op_sparse_predict(int fc1_type, const void * fc1, int fc2_type, con
 gh_status gh_op_sparse_glu(int type, const void * gate, const void * up, int64_t rows,
                            int64_t cols, int act, float act_t, const float * x,
                            const int32_t * ids, int64_t n, float * a, int n_threads);
+/* The batched decode's gate/up (gh_eval_batch's sparse modes): n tokens (1..64), x: n x
+ * cols, mask: n x rows bytes (token t lists neuron i when mask[t * rows + i] != 0). Gate
+ * and up run over the union of the lists, each union row read once for all tokens; then
+ * a[t * rows + i] = act(gate[i] . x_t, up[i] . x_t) for the neurons token t lists and exactly
+ * 0 for the others, equal to gh_op_sparse_glu over the token's own list (bit for bit where
+ * the type has a gathered four-row dot kernel). */
+gh_status gh_op_sparse_glu_union(int type, const void * gate, const void * up, int64_t rows,
+                                 int64_t cols, int act, float act_t, const float * x, int32_t n,
+                                 const uint8_t * mask, float * a, int n_threads);
 /* y[c] = sum_k a[k] * W[ids[k]][c] for c < cols (W: rows x cols of type, the transposed
  * down projection; ids in any order, each in [0, rows); y overwritten). Threads split the
  * columns: the result does not depend on n_threads. */

@@ -1138,12 +1138,21 @@ class Generation:
                 self.next_token = None  # its logits are ready for sample()
 
     def batchable(self) -> bool:
-        """Whether eval_batch can take this generation's next token: its context runs
-        one-token batches densely (gh_eval_batch; the sparse modes pick each token's own
-        neurons and decode alone, by step())."""
+        """Whether eval_batch can take this generation's next token: in every FFN mode (in
+        the sparse modes each row of the batched pass selects its own neurons and gives what
+        the context gets alone); contexts batched together must share batch_key()."""
+        return True
+
+    def batch_key(self, n_tokens: int = 1) -> tuple:
+        """What the generations of one eval_batch must share (gh_eval_batch_ex refuses a
+        mix): whether its n_tokens run through the dense FFN (the dense mode, a sparse batch
+        below n_tokens, or a prompt: prefill reads it densely), else its sparse mode and
+        input sparsity. A decode step is one token; a prompt chunk reads as ("dense",)."""
         with self.ctx._calling() as ptr:
-            return (lib.gh_context_get_ffn_mode(ptr) == FFN_MODES["dense"] or
-                    lib.gh_context_get_sparse_batch(ptr) < 1)
+            mode = int(lib.gh_context_get_ffn_mode(ptr))
+            if mode == FFN_MODES["dense"] or lib.gh_context_get_sparse_batch(ptr) < n_tokens:
+                return ("dense",)
+            return (mode, bool(lib.gh_context_get_input_sparse(ptr)))
 
     def flush(self) -> str:
         """At a normal end: the held-back text that turned out not to start a stop string."""
@@ -1201,7 +1210,8 @@ def _dense_prompt(ptr):
 def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None) -> int:
     """Evaluate every generation's next tokens in ONE forward pass (gh_eval_batch_ex: each
     weight read once for all of them; each context's tokens attend over its own cache): a
-    decoding generation's next_token (it must be batchable()), a generation still reading
+    decoding generation's next_token (it must be batchable(); all must share one
+    batch_key()), a generation still reading
     its prompt its next prompt_chunk prompt tokens (None: the rest; through the dense FFN,
     as prefill() reads them). Each must be on a context of its own of the same model, and
     all the tokens together within the first one's n_batch; a decoding generation whose

@@ -300,7 +300,7 @@ gh_status gh_device_op_hot_ffn(const char * device, int type, const void * gate,
         !(st = put_weight(&o, 2, down_type, down_t, n_hot, n_embd, &f.down_t)) &&
         !(st = put_bias(&o, 3, gate_b, n_hot, &f.gate_b)) &&
         !(st = put_bias(&o, 4, up_b, n_hot, &f.up_b)) &&
-        !(st = o.b->ops->hot_ffn(o.s, &f, x, rows, n_rows, y, NULL))) {
+        !(st = o.b->ops->hot_ffn(o.s, &f, x, rows, NULL, n_rows, y, NULL))) {
         st = o.b->ops->sync(o.s, NULL);
     }
     oneshot_end(&o);

@@ -41,9 +41,8 @@ typedef struct {
  * down_t: n_hot x n_embd, neuron k's output vector). An ungated FFN has its up rows as
  * `gate` and no `up` (gated = 0). gate_b / up_b: device f32 [n_hot] biases, compacted
  * like the rows, or NULL. act (gh_act) and act_t (FATReLU's threshold) are the model's.
- * gate_test (gate-magnitude sparsity): a listed row is active iff its g passes the layer's
- * cut points, g > gate_cut or gate_lo < g < gate_hi (|act(g)| > the calibrated threshold,
- * model.h); an inactive row has a = 0 and its up and down rows are not read. */
+ * Which rows are active is the FFN strategy's choice (ffn/strategy.h), made before the
+ * call: the device is given the list. */
 typedef struct {
     int64_t    n_hot;
     gh_dweight gate, up, down_t;
@@ -51,8 +50,6 @@ typedef struct {
     int32_t    act;
     float      act_t;
     float *    gate_b, * up_b;
-    int32_t    gate_test;
-    float      gate_cut, gate_lo, gate_hi;
 } gh_dffn;
 
 /* Capacities a stream's staging buffers must hold (floats / ids per op call). */
@@ -89,14 +86,16 @@ typedef struct {
     gh_status (*predict)(gh_stream * s, const gh_dweight * fc1, const gh_dweight * fc2,
                          const float * x, float * score);
     /* One token's FFN over the hot rows listed: for k < n_rows, r = rows[k] (a compacted
-     * row index < f->n_hot): a_k = act(gate[r] . x + gate_b[r], up[r] . x + up_b[r]) (u = 1
-     * when ungated; 0 for a row failing f->gate_test); y = sum_k a_k down_t[r] (y:
-     * f->down_t.cols floats, host, overwritten; n_rows = 0 gives zeros; the down bias is
-     * the CPU's, added once after the merge). *n_nonzero (may be NULL; host, written by
-     * the sync) = the listed rows with a_k != 0, i.e. whose down row was read: with
-     * gate_test, the active ones. */
+     * row index < f->n_hot): a_k = act(g_k, up[r] . x + up_b[r]) with g_k = g[k] when g
+     * (host, [n_rows], bias included: a strategy that computed the gates to choose the
+     * rows hands them over, so no gate row is read twice) is given, else gate[r] . x +
+     * gate_b[r] (u = 1 when ungated); y = sum_k a_k down_t[r] (y: f->down_t.cols floats,
+     * host, overwritten; n_rows = 0 gives zeros; the down bias is the CPU's, added once
+     * after the merge). *n_nonzero (may be NULL; host, written by the sync) = the listed
+     * rows with a_k != 0, i.e. whose down row was read. */
     gh_status (*hot_ffn)(gh_stream * s, const gh_dffn * f, const float * x,
-                         const int32_t * rows, int64_t n_rows, float * y, int64_t * n_nonzero);
+                         const int32_t * rows, const float * g, int64_t n_rows, float * y,
+                         int64_t * n_nonzero);
     /* Waits for everything enqueued; *device_seconds (may be NULL) = time the device spent
      * on that work (its own clock). Errors of any earlier op surface here. */
     gh_status (*sync)(gh_stream * s, double * device_seconds);

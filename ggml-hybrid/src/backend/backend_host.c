@@ -107,7 +107,8 @@ typedef struct {
     int64_t n;        /* matmul tokens; hot_ffn rows */
     float * y;        /* host output */
     int64_t * n_nonzero; /* hot_ffn: host output, may be NULL */
-    int slot;         /* staging slot of x (and rows) */
+    bool given_g;     /* hot_ffn: the listed rows' gates were given (staged in g[slot]) */
+    int slot;         /* staging slot of x (and rows, gates) */
 } host_op;
 
 #define QUEUE 8 /* ops in flight per stream; enqueueing a ninth waits for the first */
@@ -123,11 +124,11 @@ typedef struct {
     gh_stream_params p;
     float * x[QUEUE];     /* input staging ("device" copies of x) */
     int32_t * rows[QUEUE];
+    float * g[QUEUE];     /* hot_ffn's given gates */
     int slot_next;
     float * tmp;          /* one dequantized row */
     float * hid;          /* predictor hidden / hot gates, then activations */
     float * up;           /* hot ups */
-    uint8_t * pass;       /* hot rows that passed the gate test */
     double busy;          /* seconds of work since the last sync */
 } host_stream;
 
@@ -159,11 +160,10 @@ static void run_op(host_stream * s, const host_op * o) {
         const int32_t * rows = s->rows[o->slot];
         const int64_t d = f->down_t.cols;
         for (int64_t k = 0; k < o->n; k++) {
-            const float g = ref_dot(&f->gate, rows[k], x, s->tmp) + (f->gate_b ? f->gate_b[rows[k]] : 0.0f);
-            s->hid[k] = g;
-            s->pass[k] = !f->gate_test || g > f->gate_cut || (g > f->gate_lo && g < f->gate_hi);
+            s->hid[k] = o->given_g ? s->g[o->slot][k]
+                      : ref_dot(&f->gate, rows[k], x, s->tmp) + (f->gate_b ? f->gate_b[rows[k]] : 0.0f);
             s->up[k] = 0.0f;
-            if (f->gated && s->pass[k])
+            if (f->gated)
                 s->up[k] = ref_dot(&f->up, rows[k], x, s->tmp) + (f->up_b ? f->up_b[rows[k]] : 0.0f);
         }
         /* the CPU runtime's activation */
@@ -171,7 +171,7 @@ static void run_op(host_stream * s, const host_op * o) {
         for (int64_t c = 0; c < d; c++) o->y[c] = 0.0f;
         int64_t nz = 0;
         for (int64_t k = 0; k < o->n; k++) {
-            if (!s->pass[k] || s->hid[k] == 0.0f) continue;
+            if (s->hid[k] == 0.0f) continue;
             gh_type_traits_get(f->down_t.type)->to_float(
                 (const uint8_t *) f->down_t.data + (size_t) rows[k] * f->down_t.row_bytes, s->tmp, d);
             for (int64_t c = 0; c < d; c++) o->y[c] += s->hid[k] * s->tmp[c];
@@ -220,11 +220,11 @@ static void hs_free(gh_stream * st) {
     for (int i = 0; i < QUEUE; i++) {
         gh_aligned_free(s->x[i]);
         gh_aligned_free(s->rows[i]);
+        gh_aligned_free(s->g[i]);
     }
     gh_aligned_free(s->tmp);
     gh_aligned_free(s->hid);
     gh_aligned_free(s->up);
-    gh_aligned_free(s->pass);
     free(s);
 }
 
@@ -239,15 +239,15 @@ static gh_status hs_new(gh_backend * b, const gh_stream_params * p, gh_stream **
     for (int i = 0; i < QUEUE && ok; i++) {
         s->x[i] = gh_aligned_alloc((size_t) nin * sizeof(float));
         s->rows[i] = gh_aligned_alloc((size_t) nrow * sizeof(int32_t));
-        ok = s->x[i] && s->rows[i];
+        s->g[i] = gh_aligned_alloc((size_t) nrow * sizeof(float));
+        ok = s->x[i] && s->rows[i] && s->g[i];
     }
     /* a dequantized row is at most max(max_in, max_hidden, max_out) long */
     const int64_t wide = GH_MAX(GH_MAX(nin, p->max_hidden), GH_MAX(p->max_out, 1));
     s->tmp = ok ? gh_aligned_alloc((size_t) wide * sizeof(float)) : NULL;
     s->hid = ok ? gh_aligned_alloc((size_t) GH_MAX(GH_MAX(p->max_hidden, nrow), 1) * sizeof(float)) : NULL;
     s->up = ok ? gh_aligned_alloc((size_t) nrow * sizeof(float)) : NULL;
-    s->pass = ok ? gh_aligned_alloc((size_t) nrow) : NULL;
-    if (!s->tmp || !s->hid || !s->up || !s->pass) {
+    if (!s->tmp || !s->hid || !s->up) {
         hs_free(&s->base);
         return gh_fail(GH_ERR_OOM, "host-device: out of memory for a stream's buffers");
     }
@@ -268,7 +268,7 @@ static gh_status hs_new(gh_backend * b, const gh_stream_params * p, gh_stream **
 
 /* Copies the inputs into a free staging slot and queues the op. */
 static gh_status enqueue(host_stream * s, host_op * o, const float * x, int64_t nx,
-                         const int32_t * rows, int64_t nrows) {
+                         const int32_t * rows, const float * g, int64_t nrows) {
     if (nx > s->p.max_in || nrows > s->p.max_rows) {
         return gh_fail(GH_ERR_INVALID_ARG, "host-device: op input of %lld floats / %lld rows "
                        "exceeds the stream's capacity (%lld / %lld)", (long long) nx,
@@ -283,6 +283,7 @@ static gh_status enqueue(host_stream * s, host_op * o, const float * x, int64_t 
     pthread_mutex_unlock(&s->mu);
     memcpy(s->x[o->slot], x, (size_t) nx * sizeof(float));
     if (nrows) memcpy(s->rows[o->slot], rows, (size_t) nrows * sizeof(int32_t));
+    if (nrows && g) memcpy(s->g[o->slot], g, (size_t) nrows * sizeof(float));
     pthread_mutex_lock(&s->mu);
     s->q[(s->head + s->count) % QUEUE] = *o;
     s->count++;
@@ -306,7 +307,7 @@ static gh_status hs_matmul(gh_stream * st, const gh_dweight * w, const float * x
                        "stream's %lld", (long long) n, (long long) w->rows, (long long) s->p.max_out);
     }
     host_op o = { .op = OP_MATMUL, .w = w, .n = n, .y = y };
-    return enqueue(s, &o, x, n * w->cols, NULL, 0);
+    return enqueue(s, &o, x, n * w->cols, NULL, NULL, 0);
 }
 
 static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dweight * fc2,
@@ -322,11 +323,12 @@ static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dwe
                        (long long) fc1->rows, (long long) fc2->rows);
     }
     host_op o = { .op = OP_PREDICT, .w = fc1, .w2 = fc2, .y = score };
-    return enqueue(s, &o, x, fc1->cols, NULL, 0);
+    return enqueue(s, &o, x, fc1->cols, NULL, NULL, 0);
 }
 
 static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
-                            const int32_t * rows, int64_t n_rows, float * y, int64_t * n_nonzero) {
+                            const int32_t * rows, const float * g, int64_t n_rows, float * y,
+                            int64_t * n_nonzero) {
     host_stream * s = (host_stream *) st;
     gh_status ts;
     if ((ts = hs_check_type(s, "hot_ffn's gate", f->gate.type)) ||
@@ -340,8 +342,9 @@ static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
                            rows[k], (long long) f->n_hot);
         }
     }
-    host_op o = { .op = OP_HOT_FFN, .f = f, .n = n_rows, .y = y, .n_nonzero = n_nonzero };
-    return enqueue(s, &o, x, f->gate.cols, rows, n_rows);
+    host_op o = { .op = OP_HOT_FFN, .f = f, .n = n_rows, .y = y, .n_nonzero = n_nonzero,
+                  .given_g = g != NULL };
+    return enqueue(s, &o, x, f->gate.cols, rows, g, n_rows);
 }
 
 static gh_status hs_sync(gh_stream * st, double * device_seconds) {

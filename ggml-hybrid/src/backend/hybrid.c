@@ -3,7 +3,7 @@
  * neuron split of the FFN weights, and the device matmul the forward pass calls. */
 #include "backend/hybrid.h"
 #include "model/model.h"
-#include "ffn/sparse.h"
+#include "core/stats.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -280,13 +280,6 @@ static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t 
         st = put_rows(hy, &L->down_t, ids, n, tmp, &D->hot.down_t);
     }
     free(tmp);
-    D->hot_gate = D->hot;
-    if (L->has_gate_thr) {
-        D->hot_gate.gate_test = 1;
-        D->hot_gate.gate_cut = L->gate_cut;
-        D->hot_gate.gate_lo = L->gate_lo;
-        D->hot_gate.gate_hi = L->gate_hi;
-    }
     if (!st) {
         hy->info.hot_bytes += n * neuron_bytes(L);
         hy->info.n_hot += n;
@@ -470,7 +463,7 @@ void gh_hybrid_matmul_async(gh_context * c, const gh_dweight * w, const float * 
     for (int64_t t0 = 0; t0 < n && !c->dev_status; t0 += GH_DEVICE_CHUNK) {
         const int64_t nt = GH_MIN((int64_t) GH_DEVICE_CHUNK, n - t0);
         gh_status st = ops->matmul(c->stream, w, x + t0 * w->cols, nt, y + t0 * w->rows);
-        gh_stats_device(c, 0.0, 0.0, (double) nt * w->cols * 4, (double) nt * w->rows * 4,
+        gh_stats_device(&c->stats, 0.0, 0.0, (double) nt * w->cols * 4, (double) nt * w->rows * 4,
                         (double) w->rows * w->row_bytes);
         if (st) c->dev_status = st;
     }
@@ -482,6 +475,6 @@ void gh_hybrid_sync(gh_context * c) {
     const double tw = gh_now();
     double dev = 0.0;
     gh_status st = c->model->hy->b->ops->sync(c->stream, &dev);
-    gh_stats_device(c, dev, gh_now() - tw, 0.0, 0.0, 0.0);
+    gh_stats_device(&c->stats, dev, gh_now() - tw, 0.0, 0.0, 0.0);
     if (st && !c->dev_status) c->dev_status = st;
 }

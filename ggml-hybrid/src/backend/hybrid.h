@@ -17,12 +17,10 @@ typedef struct {
     bool       pred;             /* fc1, fc2 on the device */
     gh_dweight fc1, fc2;
     gh_dffn    hot;              /* hot.n_hot == 0: the layer's FFN is CPU only */
-    gh_dffn    hot_gate;         /* hot with the layer's gate test (files with gate
-                                  * thresholds): the gate mode's device half */
     int32_t *  bucket;           /* [n_hot] neuron ids, ascending (host) */
     int32_t *  row_of;           /* [n_ff] compacted row of a neuron, -1 if cold (host) */
-    int32_t *  cold;             /* [n_cold] the other neurons, ascending (host): the gate
-                                  * mode's CPU half computes their gate */
+    int32_t *  cold;             /* [n_cold] the other neurons, ascending (host): where a
+                                  * strategy needs the dense gate, the CPU computes theirs */
     int64_t    n_cold;
 } gh_dlayer;
 

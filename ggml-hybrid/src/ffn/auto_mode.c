@@ -14,6 +14,7 @@
  * keeps its mode (nothing to estimate from), and says so; so does one whose weight types
  * have no measured ratios at the SIMD level. */
 #include "ffn/auto_mode.h"
+#include "ffn/strategy.h"
 #include "model/model.h"
 #include "gguf/gguf.h"
 #include "types/types.h"
@@ -160,14 +161,8 @@ static double file_density(const gh_model * m, int candidate) {
 
 /* The mode the file supports: sparse when every layer has a predictor and ffn_down_t,
  * else gate when it has the gate thresholds and ffn_down_t, else dense. */
-static int file_mode(const gh_model * m) {
-    bool down_t = m->hp.n_layer > 0, pred = down_t;
-    for (int il = 0; il < m->hp.n_layer; il++) {
-        down_t = down_t && m->layers[il].has_down_t;
-        pred = pred && m->layers[il].has_pred;
-    }
-    return down_t && pred ? GH_FFN_SPARSE : down_t && m->info.has_gate_threshold ? GH_FFN_GATE : GH_FFN_DENSE;
-}
+/* the file's mode: the first strategy of the registry's default order the file can run */
+static int file_mode(const gh_model * m) { return gh_ffn_default_mode(m); }
 
 gh_status gh_ffn_auto_mode(const gh_model * m, int simd_level, gh_ffn_auto_choice * out) {
     const int candidate = file_mode(m);

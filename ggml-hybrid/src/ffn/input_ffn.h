@@ -7,10 +7,10 @@
  *              selection on the down projection's own input instead of a predictor)
  * thr_in NULL: every nonzero input (the dense result up to the order of the sums); thr_down
  * NULL: every nonzero h_j. Used by the gate FFN mode when the context runs input-sparse and
- * the layer's FFN input thresholds are not all 0 (ffn/sparse.c); the gate's own thresholds
+ * the layer's FFN input thresholds are not all 0 (ffn/exec.c); the gate's own thresholds
  * are then unused: the down rows are chosen by |h|, which reads the up value the gate
  * criterion guesses. A layer with only down thresholds keeps the gate mode's selection and
- * skips the down rows whose |h| does not pass (sparse.c cpu_part). */
+ * skips the down rows whose |h| does not pass (exec.c cpu_part). */
 #ifndef GH_INPUT_FFN_H
 #define GH_INPUT_FFN_H
 

@@ -6,7 +6,7 @@
  * each expert's rows as they split a dense weight's. Each output row is a sum over the
  * token's experts in ascending expert id, the same for any batch split and thread count. */
 #include "ffn/moe.h"
-#include "ffn/sparse.h"
+#include "core/stats.h"
 #include "model/model.h"
 
 #include <math.h>
@@ -258,7 +258,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
         }
         bytes += (double) d * sizeof(float);
     }
-    gh_stats_add(c, GH_STAGE_FFN, 0.0, bytes);
+    gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
 }
 
 gh_status gh_context_get_expert_counts(const gh_context * c, int64_t * counts, int64_t n) {

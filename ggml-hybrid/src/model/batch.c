@@ -6,7 +6,7 @@
  * forward pass (an architecture, a block kind) needs no change here. */
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "ffn/sparse.h"
+#include "ffn/exec.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,12 +70,19 @@ static gh_status check_claimed(gh_context * const * ctxs, int32_t n, const int32
             return gh_fail(GH_ERR_RANGE, "context full: context %d holds %d tokens of n_ctx = %d, "
                            "no room for its %d more", i, c->n_past, c->n_ctx, k);
         }
-        if (gh_sparse_applies(c, k)) {
-            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d runs %d-token batches "
-                           "through a sparse FFN mode (ffn mode %d), which picks each token's own "
-                           "neurons and is not batched; evaluate it with gh_eval, or set its FFN "
-                           "mode to dense or its sparse batch below %d", i, k,
-                           gh_context_get_ffn_mode(c), k);
+        /* the pass runs one FFN for every row (in a sparse mode each row selecting its own
+         * neurons): each context must evaluate its tokens as it would alone, as context 0 */
+        const gh_context * c0 = ctxs[0];
+        const int32_t k0 = count_of(n_tokens, 0);
+        const bool s0 = gh_sparse_applies(c0, k0), s = gh_sparse_applies(c, k);
+        if (s != s0 || (s && (c->ffn_mode != c0->ffn_mode ||
+                              gh_input_sparse_applies(c, k) != gh_input_sparse_applies(c0, k0)))) {
+            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d evaluates its %d tokens "
+                           "through FFN mode %d (%s, input sparsity %d), but context 0 its %d "
+                           "through mode %d (%s, %d); a batch runs one FFN (set the contexts "
+                           "alike)", i, k, c->ffn_mode, s ? "sparse" : "dense",
+                           gh_input_sparse_applies(c, k), k0, c0->ffn_mode,
+                           s0 ? "sparse" : "dense", gh_input_sparse_applies(c0, k0));
         }
     }
     return GH_OK;
@@ -146,7 +153,7 @@ static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t *
     w->seq = NULL;
     w->seq_pos = NULL;
     free(seq);
-    gh_stats_tokens(w, total, gh_now() - t0);
+    gh_stats_tokens(&w->stats, total, gh_now() - t0);
     if (w->dev_status) {
         /* a device op failed: no context's position moved, so no token is in a cache */
         for (int32_t i = 0; i < n; i++) ctxs[i]->n_logit_rows = 0;

@@ -1,7 +1,10 @@
 /* Contexts: the KV cache, the activation buffers and the thread pool a forward pass runs in. */
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "ffn/sparse.h"
+#include "ffn/exec.h"
+#include "ffn/strategy.h"
+#include "ffn/auto_mode.h"
+#include "core/stats.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -30,7 +33,8 @@ static int default_threads(void) {
 void gh_context_free(gh_context * c) {
     if (!c) return;
     gh_threadpool_free(c->tp);
-    gh_sparse_state_free(c->sparse);
+    gh_ffn_state_free(c->ffn);
+    gh_stats_free(&c->stats);
     gh_moe_state_free(c->moe);
     gh_aligned_free(c->in_ids);
     gh_aligned_free(c->in_a);
@@ -157,14 +161,18 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));
         c->logits_cap = 1;
         c->logits = gh_aligned_alloc((size_t) hp->n_vocab * sizeof(float));
-        c->sparse = gh_sparse_state_new(m);
+        c->ffn = gh_ffn_state_new(m, n_batch);
+        gh_ffn_auto_choice ch;  /* `auto`: the file's mode where estimated faster than dense */
+        c->ffn_mode = gh_ffn_auto_mode(m, gh_simd_get(), &ch) ? GH_FFN_DENSE : ch.mode;
+        c->sparse_batch = GH_SPARSE_BATCH_MAX_DEFAULT;
+        const bool stats_ok = gh_stats_init(&c->stats, hp->n_layer) == GH_OK;
         const size_t nin = GH_MAX(d, dq);
         c->in_ids = gh_aligned_alloc(nin * sizeof(int32_t));
         c->in_a = gh_aligned_alloc(nin * sizeof(float));
         c->in_qkv = gh_aligned_alloc((dq + 2 * dkv) * sizeof(float));
         c->input_sparse = m->info.has_input_sparsity != 0;
         ok = c->x && c->xb && c->xb2 && c->xb3 && c->q && c->att && c->rope && c->hb && c->hb2 &&
-             c->mm_scratch && c->logits && c->sparse && c->in_ids && c->in_a && c->in_qkv;
+             c->mm_scratch && c->logits && c->ffn && stats_ok && c->in_ids && c->in_a && c->in_qkv;
     }
     if (ok && hp->n_expert) {
         c->moe = gh_moe_state_new(m, n_batch);
@@ -432,4 +440,129 @@ gh_status gh_context_state_load(gh_context * c, const void * buf, uint64_t size,
     }
     gh_ctx_leave(c);
     return st;
+}
+
+/* ----------------------------------------------- FFN mode, input sparsity, stats -- */
+
+static gh_status set_ffn_mode(gh_context * c, int32_t mode) {
+    const gh_ffn_strategy * s = gh_ffn_strategy_of(mode);
+    if (!s) {
+        return gh_fail(GH_ERR_INVALID_ARG, "unknown FFN mode %d (%s)", mode, gh_ffn_mode_list());
+    }
+    gh_status st = s->check ? s->check(c->model, true) : GH_OK;
+    if (st) return st;
+    c->ffn_mode = mode;
+    return GH_OK;
+}
+
+gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_set_ffn_mode");
+    if (st) return st;
+    st = set_ffn_mode(c, mode);
+    gh_ctx_leave(c);
+    return st;
+}
+
+int32_t gh_context_get_ffn_mode(const gh_context * c) {
+    return c ? c->ffn_mode : GH_FFN_DENSE;
+}
+
+gh_status gh_context_set_sparse_batch(gh_context * c, int32_t n_max) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (n_max < 0) return gh_fail(GH_ERR_INVALID_ARG, "sparse batch limit must be >= 0, got %d", n_max);
+    gh_status st = gh_ctx_enter(c, "gh_context_set_sparse_batch");
+    if (st) return st;
+    c->sparse_batch = n_max;
+    gh_ctx_leave(c);
+    return GH_OK;
+}
+
+int32_t gh_context_get_sparse_batch(const gh_context * c) {
+    return c ? c->sparse_batch : 0;
+}
+
+gh_status gh_context_set_input_sparse(gh_context * c, int32_t on) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    if (on != 0 && on != 1) return gh_fail(GH_ERR_INVALID_ARG, "input sparsity is 0 (off) or 1 (on), got %d", on);
+    if (on && !c->model->info.has_input_sparsity) {
+        return gh_fail(GH_ERR_UNSUPPORTED,
+                       "input-sparse projections need the transposed attention and head weights "
+                       "and their calibrated input thresholds (blk.N.attn_qkv_t.weight, "
+                       "blk.N.attn_qkv_in_thr, ...), but the file has none: convert the model "
+                       "with --input-sparsity S");
+    }
+    gh_status st = gh_ctx_enter(c, "gh_context_set_input_sparse");
+    if (st) return st;
+    c->input_sparse = on != 0;
+    gh_ctx_leave(c);
+    return GH_OK;
+}
+
+int32_t gh_context_get_input_sparse(const gh_context * c) {
+    return c && c->input_sparse ? 1 : 0;
+}
+
+gh_status gh_context_reset_stats(gh_context * c) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_reset_stats");
+    if (st) return st;
+    gh_stats_reset(&c->stats);
+    gh_moe_reset_stats(c->moe);
+    gh_ctx_leave(c);
+    return GH_OK;
+}
+
+gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
+                               double * layer_density, int32_t n_layer) {
+    if (!c || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_get_stats: NULL argument");
+    const gh_stats * s = &c->stats;
+    const gh_model_info * hp = &c->model->info;
+    if (layer_density && n_layer < hp->n_layer) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_context_get_stats: layer_density holds %d values, "
+                       "the model has %d layers", n_layer, hp->n_layer);
+    }
+    memset(out, 0, sizeof *out);
+    out->n_layer = hp->n_layer;
+    out->ffn_mode = c->ffn_mode;
+    out->n_tokens = s->n_tokens;
+    out->n_sparse_tokens = s->n_sparse_tokens;
+    out->n_active = s->n_active;
+    out->n_up_rows = s->n_up_rows;
+    out->n_down_rows = s->n_down_rows;
+    const double denom = (double) s->n_sparse_tokens * hp->n_layer * hp->n_ff;
+    out->density = denom > 0 ? (double) s->n_active / denom : 0.0;
+    out->bytes_attention = s->bytes[GH_STAGE_ATTENTION];
+    out->bytes_predictor = s->bytes[GH_STAGE_PREDICTOR];
+    out->bytes_ffn = s->bytes[GH_STAGE_FFN];
+    out->bytes_head = s->bytes[GH_STAGE_OTHER];
+    const double total = out->bytes_attention + out->bytes_predictor + out->bytes_ffn +
+                         out->bytes_head;
+    out->bytes_per_token = s->n_tokens > 0 ? total / (double) s->n_tokens : 0.0;
+    out->t_attention = s->t[GH_STAGE_ATTENTION];
+    out->t_predictor = s->t[GH_STAGE_PREDICTOR];
+    out->t_ffn = s->t[GH_STAGE_FFN];
+    out->t_total = s->t_total;
+    out->t_other = GH_MAX(0.0, s->t_total - out->t_attention - out->t_predictor - out->t_ffn);
+    out->n_active_device = s->n_active_device;
+    out->n_active_cpu = s->n_active - s->n_active_device;
+    out->bytes_device = s->bytes_device;
+    out->bytes_uploaded = s->bytes_up;
+    out->bytes_downloaded = s->bytes_down;
+    out->t_device = s->t_device;
+    out->t_cpu_ffn = s->t_cpu_ffn;
+    out->t_wait = s->t_wait;
+    out->n_attn_inputs = s->n_attn_in;
+    out->n_attn_inputs_used = s->n_attn_used;
+    out->n_head_inputs = s->n_head_in;
+    out->n_head_inputs_used = s->n_head_used;
+    out->attn_input_density = s->n_attn_in ? (double) s->n_attn_used / (double) s->n_attn_in : 0.0;
+    out->head_input_density = s->n_head_in ? (double) s->n_head_used / (double) s->n_head_in : 0.0;
+    if (layer_density) {
+        for (int il = 0; il < hp->n_layer; il++) {
+            layer_density[il] = s->n_sparse_tokens > 0
+                ? (double) s->layer_active[il] / ((double) s->n_sparse_tokens * hp->n_ff) : 0.0;
+        }
+    }
+    return GH_OK;
 }

@@ -2,7 +2,7 @@
  * (model/arch.h), and the eval entry points. */
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "ffn/sparse.h"
+#include "ffn/exec.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -121,7 +121,7 @@ static double sparse_proj(gh_context * c, const gh_weight * w, const float * thr
         used += gh_matvec_t_sparse(c->tp, w, x + (int64_t) t * w->rows, thr, c->in_ids, c->in_a,
                                    y + (int64_t) t * ldy);
     }
-    gh_stats_inputs(c, head, (int64_t) n * w->rows, used);
+    gh_stats_inputs(&c->stats, head, (int64_t) n * w->rows, used);
     return (double) used * (double) w->row_bytes;
 }
 
@@ -333,8 +333,11 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
     const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, hd = hp->head_dim;
 
-    const bool sparse_ffn = gh_sparse_applies(c, n);
-    const bool insp = gh_input_sparse_applies(c, n);
+    /* a batch of contexts runs the FFN its first context runs its own tokens with
+     * (gh_eval_batch_ex checked that every context runs its tokens alike) */
+    const int32_t k0 = c->seq ? seq_run_end(c, 0, n) : n;
+    const bool sparse_ffn = gh_sparse_applies(c, k0);
+    const bool insp = gh_input_sparse_applies(c, k0);
     embed(c, tokens, n, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
         for (int32_t t = 0; t < n; t++) {
@@ -369,19 +372,18 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
             sublayer_input(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         }
         const double t_ffn = gh_now();
-        gh_stats_add(c, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
+        gh_stats_add(&c->stats, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
 
         if (sparse_ffn) {
-            /* one token at a time: predictor (or exact mask) -> active rows only; it
+            /* each token its own active rows (a batched decode's over their union); it
              * counts its own times and bytes (the predictor's apart from the FFN's) */
             const double t_norm = gh_now();
-            for (int32_t t = 0; t < n; t++)
-                gh_sparse_ffn(c, il, c->xb + t * d, c->x + t * d, c->xb2 + t * d);
+            gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
             const double t_add = gh_now();
             sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
             if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
-            gh_stats_add(c, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
+            gh_stats_add(&c->stats, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
         if (hp->n_expert) gh_moe_ffn(c, il, n);
@@ -389,7 +391,7 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
-        gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
+        gh_stats_add(&c->stats, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
     }
 
     if (!c->seq) c->n_past += n; /* a batch's contexts: gh_eval_batch_ex */
@@ -424,7 +426,7 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
     const double bytes = project(c, &head, c->xb, nt, insp);
     if (hp->final_softcap > 0) gh_softcap(logits, (int64_t) nt * hp->n_vocab, hp->final_softcap);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
-    gh_stats_add(c, GH_STAGE_OTHER, 0.0, bytes);
+    gh_stats_add(&c->stats, GH_STAGE_OTHER, 0.0, bytes);
 }
 
 static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
@@ -460,7 +462,7 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
         c->prof_t0 = i;
         const double t0 = gh_now();
         gh_forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
-        gh_stats_tokens(c, n, gh_now() - t0);
+        gh_stats_tokens(&c->stats, n, gh_now() - t0);
         if (c->dev_status) {
             /* a device op failed: these tokens are not in the cache, and no logits */
             c->n_past = n_past0;

@@ -3,7 +3,6 @@
  * is taken when the file has it and checked for shape. */
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "ffn/sparse.h"
 #include "types/types.h"
 
 #include <math.h>

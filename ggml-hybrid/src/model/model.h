@@ -15,6 +15,7 @@
 #include "types/types.h"
 #include "model/arch.h"
 #include "ffn/moe.h"
+#include "core/stats.h"
 
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
@@ -151,8 +152,13 @@ struct gh_context {
     float *         prof_attn_out;
     int64_t         prof_attn_out_stride;
     float *         prof_head;
-    /* sparse FFN: mode, per-token buffers and statistics (sparse.c) */
-    struct gh_sparse_state * sparse;
+    /* the FFN's mode (a row of ffn/strategy.c's registry), the batches it applies to
+     * (gh_context_set_sparse_batch) and the executor's buffers (ffn/exec.c) */
+    int32_t         ffn_mode;
+    int32_t         sparse_batch;
+    struct gh_ffn_state * ffn;
+    /* statistics since the last reset (core/stats.h; gh_context_get_stats) */
+    gh_stats        stats;
     /* mixture-of-experts FFN: buffers and selection counts (moe.c; NULL without experts) */
     struct gh_moe_state * moe;
     /* hybrid: the context's device stream (NULL on the CPU) and the first device error of

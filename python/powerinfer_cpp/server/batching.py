@@ -11,9 +11,11 @@ Each step it
      -b), the decode tokens first, the prompt the rest. So a long prompt is spread over
      several steps and the others' tokens come at the pace of one pass of that size, not
      after the whole prompt (with no other generation decoding, the whole prompt at once).
-Generations whose context runs a sparse FFN mode (sparse, gate, oracle) decode one by one
-after the pass (the sparse modes pick each token's own neurons and are not batched yet);
-with only those decoding, the prompt chunk runs in a pass of its own.
+In the sparse FFN modes (sparse, gate, oracle) each row of a pass selects its own neurons
+and gate/up run over the union of the rows' lists (ffn/exec.c), so a slot gets the reply it
+gets alone. One pass runs one FFN, so the decoding generations are grouped by batch_key():
+the dense ones' pass also takes the prompt chunk (a prompt reads through the dense FFN);
+each sparse mode's generations get a pass of their own (without them, the chunk too).
 
 Each slot keeps its own context (its KV cache and cached prefix); the batched pass borrows
 the first member's buffers and threads, so the slots' contexts take every core (one pass
@@ -100,13 +102,14 @@ class Batcher:
             if not job.ended and g.done and g.prefilled:  # (max_tokens 0: after its prompt)
                 job.end()
         decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
-        batch = []
-        for job in decoding:  # 3. the next tokens: together where the FFN mode allows
+        groups: dict = {}
+        for job in decoding:  # 3. the next tokens: together, one pass per FFN (batch_key)
             try:
                 if job.gen.batchable():
-                    batch.append(job)
+                    groups.setdefault(job.gen.batch_key(), []).append(job)
             except BaseException as e:
                 job.end(error=e)
+        batch = groups.pop(("dense",), [])  # the pass the prompt chunk joins
         reading = next((j for j in active if not j.ended and not j.gen.prefilled), None)
         chunk = None
         if reading is not None and not decoding:
@@ -123,7 +126,9 @@ class Batcher:
                 _guard(reading, lambda: reading.gen.prefill(min(self.prompt_chunk, n_batch)))
                 reading = None
         members = batch + ([reading] if reading is not None else [])
-        if len(members) > 1:
+        for members, chunk in [(members, chunk)] + [(g, None) for g in groups.values()]:
+            if len(members) < 2:
+                continue
             try:
                 self.batched_tokens += eval_batch([j.gen for j in members], chunk)
                 self.steps += 1

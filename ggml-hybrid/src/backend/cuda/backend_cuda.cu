@@ -82,27 +82,30 @@ k_matmul(const uint8_t * __restrict__ w, size_t row_bytes, int64_t rows, int64_t
     }
 }
 
-/* a[k] = act(gate[r] . x + gate_b[r], up[r] . x + up_b[r]) for k < n_rows, r = rows[k]
- * (up NULL: an ungated FFN, u = 1; a NULL bias adds nothing); one warp per k. */
+/* a[k] = act(g_k, up[r] . x + up_b[r]) for k < n_rows, r = rows[k], where g_k =
+ * g_in[k] when given (the host computed the gates, bias included) else gate[r] . x +
+ * gate_b[r] (up NULL: an ungated FFN, u = 1; a NULL bias adds nothing); one warp per k.
+ * g_in may be a itself: every lane reads g_in[k] before lane 0 writes a[k] (__syncwarp). */
 template <int T, bool VEC>
 __global__ void __launch_bounds__(MM_WARPS * WARP)
 k_hot_glu(const uint8_t * __restrict__ gate, const uint8_t * __restrict__ up, size_t row_bytes,
           int64_t cols, const float * __restrict__ x, const int32_t * __restrict__ rows,
           int64_t n_rows, const float * __restrict__ gate_b, const float * __restrict__ up_b,
-          int act, float act_t, int gate_test, float cut, float lo, float hi,
-          float * __restrict__ a) {
+          int act, float act_t, const float * g_in, float * a) {
     const int lane = threadIdx.x % WARP;
     const int64_t k = (int64_t) blockIdx.x * MM_WARPS + threadIdx.x / WARP;
     if (k >= n_rows) return;
     const int32_t r = __ldg(rows + k);
     const size_t off = (size_t) r * row_bytes;
     float g[1] = {0.0f}, u[1] = {0.0f};
-    row_dot<T, VEC, 1>(gate + off, cols, x, cols, 1, lane, g);
-    float gs = warp_sum(g[0]); /* the butterfly leaves the same sum in every lane */
-    if (gate_b) gs += __ldg(gate_b + r);
-    if (gate_test && !(gs > cut || (gs > lo && gs < hi))) { /* the whole warp */
-        if (lane == 0) a[k] = 0.0f;
-        return;
+    float gs;
+    if (g_in) {
+        gs = g_in[k];
+        __syncwarp();
+    } else {
+        row_dot<T, VEC, 1>(gate + off, cols, x, cols, 1, lane, g);
+        gs = warp_sum(g[0]); /* the butterfly leaves the same sum in every lane */
+        if (gate_b) gs += __ldg(gate_b + r);
     }
     if (up) row_dot<T, VEC, 1>(up + off, cols, x, cols, 1, lane, u);
     float us = up ? warp_sum(u[0]) : 1.0f;
@@ -595,7 +598,8 @@ gh_status cs_predict(gh_stream * gs, const gh_dweight * fc1, const gh_dweight * 
 }
 
 gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
-                     const int32_t * rows, int64_t n_rows, float * y, int64_t * n_nonzero) {
+                     const int32_t * rows, const float * g_rows, int64_t n_rows, float * y,
+                     int64_t * n_nonzero) {
     cuda_stream * s = reinterpret_cast<cuda_stream *>(gs);
     static const char fn[] = "hot_ffn";
     if (!f) return gh_fail(GH_ERR_INVALID_ARG, "cuda hot_ffn: f is NULL");
@@ -638,7 +642,9 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
     /* slices of the row list for the down kernel (rows.cuh: deterministic) */
     int64_t n_slices, chunk;
     down_slices(n_rows, d_out, &n_slices, &chunk);
-    const size_t in_bytes = align_up((size_t) d_in * sizeof(float), 256) + (size_t) n_rows * sizeof(int32_t);
+    const size_t in_bytes = align_up((size_t) d_in * sizeof(float), 256) +
+                            align_up((size_t) n_rows * sizeof(int32_t), 256) +
+                            (g_rows ? (size_t) n_rows * sizeof(float) : 0);
     if ((st = op_begin(s, in_bytes, (size_t) d_out + (n_nonzero ? 1 : 0)))) return st;
     if (n_nonzero && s->n_pend + 2 > s->cap_pend) {
         /* op_begin left room for one pending entry; the count needs a second */
@@ -661,6 +667,8 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
     }
     if ((st = stage_in(s, s->d_x, x, (size_t) d_in * sizeof(float)))) return st;
     if ((st = stage_in(s, s->d_rows, rows, (size_t) n_rows * sizeof(int32_t)))) return st;
+    /* given gates go to d_a, which the gate/up kernel then overwrites with the activations */
+    if (g_rows && (st = stage_in(s, s->d_a, g_rows, (size_t) n_rows * sizeof(float)))) return st;
     if (n_rows > 0) {
         const unsigned gblocks = (unsigned) ((n_rows + MM_WARPS - 1) / MM_WARPS);
         const bool vec = float_vec_ok(&f->gate) && (!f->gated || float_vec_ok(&f->up));
@@ -668,13 +676,12 @@ gh_status cs_hot_ffn(gh_stream * gs, const gh_dffn * f, const float * x,
         const uint8_t * u = f->gated ? static_cast<const uint8_t *>(f->up.data) : NULL;
         const float * gb = f->gate_b, * ub = f->up_b;
         const float t = f->act_t;
-        const int gt = f->gate_test;
-        const float cut = f->gate_cut, lo = f->gate_lo, hi = f->gate_hi;
+        const float * gin = g_rows ? s->d_a : NULL;
         const bool known = with_weight_type(f->gate.type, vec, [&](auto tc, auto v) {
             k_hot_glu<decltype(tc)::value, decltype(v)::value>
                 <<<gblocks, MM_WARPS * WARP, 0, s->st>>>(g, u, f->gate.row_bytes, d_in, s->d_x,
-                                                         s->d_rows, n_rows, gb, ub, act, t, gt,
-                                                         cut, lo, hi, s->d_a);
+                                                         s->d_rows, n_rows, gb, ub, act, t, gin,
+                                                         s->d_a);
         });
         if (!known) return type_refused(fn, "gate", f->gate.type);
         if ((st = check_launch(s, "hot_ffn gate/up kernel launch"))) return st;

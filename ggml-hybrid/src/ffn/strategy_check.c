@@ -1,0 +1,29 @@
+/* What the strategies' checks share (strategy.h: gh_ffn_check_layers), apart from the
+ * registry that lists the strategies, so that nothing runs back up to it. */
+#include "ffn/strategy.h"
+#include "model/model.h"
+
+gh_status gh_ffn_check_layers(const gh_model * m, const char * mode, bool pred, bool report) {
+    if (m->hp.n_expert) {
+        return !report ? GH_ERR_UNSUPPORTED
+             : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN mode is not available for "
+                       "mixture-of-experts models yet (%d experts per layer): their experts run "
+                       "dense", mode, m->hp.n_expert);
+    }
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const gh_layer * L = &m->layers[il];
+        if (!L->has_down_t) {
+            return !report ? GH_ERR_UNSUPPORTED
+                 : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN needs the transposed down projection, "
+                           "but layer %d has none (blk.%d.ffn_down_t.weight): convert the model "
+                           "with --sparse", mode, il, il);
+        }
+        if (pred && !L->has_pred) {
+            return !report ? GH_ERR_UNSUPPORTED
+                 : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN needs a predictor in every layer, but "
+                           "layer %d has none (blk.%d.fc1.weight, blk.%d.fc2.weight): convert "
+                           "the model with --sparse", mode, il, il, il);
+        }
+    }
+    return GH_OK;
+}

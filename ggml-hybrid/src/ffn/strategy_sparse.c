@@ -1,0 +1,55 @@
+/* The sparse FFN (PowerInfer): a per-layer predictor scores every neuron from the
+ * residual stream (or the normed input), and the neurons whose score passes the file's
+ * threshold are active. The predictor runs on the device when the placement put it there
+ * (the scores come back, the threshold is applied here). */
+#include "ffn/strategy.h"
+#include "ffn/rows.h"
+#include "model/model.h"
+#include "backend/hybrid.h"
+#include "core/stats.h"
+
+static gh_status check(const gh_model * m, bool report) {
+    return gh_ffn_check_layers(m, "sparse", true, report);
+}
+
+static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float * x, float thr,
+                              float * score, int32_t * ids) {
+    const gh_backend_ops * ops = c->model->hy->b->ops;
+    gh_status st = ops->predict(c->stream, &D->fc1, &D->fc2, x, score);
+    const double tw = gh_now();
+    double dev = 0.0;
+    if (!st) st = ops->sync(c->stream, &dev);
+    gh_stats_device(&c->stats, dev, gh_now() - tw, (double) D->fc1.cols * 4,
+                    (double) D->fc2.rows * 4,
+                    (double) (D->fc1.rows * D->fc1.row_bytes + D->fc2.rows * D->fc2.row_bytes));
+    if (st) {
+        c->dev_status = st;
+        return 0;
+    }
+    int64_t n = 0;
+    for (int64_t i = 0; i < D->fc2.rows; i++) {
+        if (score[i] >= thr) ids[n++] = (int32_t) i;
+    }
+    return n;
+}
+
+static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
+    gh_context * c = in->c;
+    const gh_model * m = c->model;
+    const gh_layer * L = &m->layers[in->il];
+    const gh_dlayer * D = m->hy ? &m->hy->layers[in->il] : NULL;
+    const float * px = m->hp.pred_residual ? in->resid : in->x;
+    const double t0 = gh_now();
+    const int64_t n = D && D->pred
+        ? predict_device(c, D, px, m->info.sparse_threshold, in->b->score, ids)
+        : gh_sparse_predict(c->tp, &L->fc1, &L->fc2, px, m->info.sparse_threshold, in->b->ph,
+                            in->b->score, ids, in->b->scratch);
+    gh_stats_add(&c->stats, GH_STAGE_PREDICTOR, gh_now() - t0,
+                 (double) (L->fc1.rows * L->fc1.row_bytes + L->fc2.rows * L->fc2.row_bytes));
+    return n;
+}
+
+const gh_ffn_strategy gh_ffn_sparse = {
+    .name = "sparse", .mode = GH_FFN_SPARSE, .input_sparse = true,
+    .check = check, .select = select_ids,
+};

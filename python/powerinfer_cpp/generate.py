@@ -210,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the device's free memory minus 256 MiB)")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
+    p.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
+                   help="mixture-of-experts models on a device: keep the experts of the first N "
+                        "layers on the CPU (default 0)")
+    p.add_argument("--expert-cache", metavar="SIZE", default=None,
+                   help="mixture-of-experts models on a device: device memory for a cache of "
+                        "recently used CPU experts (LRU), e.g. 512M (default: none)")
     p.add_argument("-cnv", "--chat", "--conversation", action="store_true",
                    help="chat: an interactive conversation through the file's chat template "
                         "(-p, if given, is the first message; /reset clears the history, "
@@ -362,6 +368,7 @@ def _run(args, Model) -> int:
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
                       device=args.device, vram_budget=args.vram_budget,
                       reset_gpu_index=args.reset_gpu_index, load=args.load,
+                      n_cpu_moe=args.n_cpu_moe, expert_cache=args.expert_cache,
                       cache_type=args.cache_type, n_batch=args.batch_size,
                       input_sparse={"auto": None, "on": True, "off": False}[args.input_sparse])
         dinfo = model.device_info()

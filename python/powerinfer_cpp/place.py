@@ -87,8 +87,9 @@ def _copy_fields(reader, w, skip: set[str]) -> None:
             w.add_key_value(name, f.contents(), main)
 
 
-def _stored_expert_freq(reader, path: str, n_layer: int, n_expert: int) -> np.ndarray | None:
-    """The blk.N.ffn_exp_freq of a file (its side file's first), or None when it has none."""
+def _stored_expert_freq(reader, path: str, n_layer: int, n_expert: int) -> tuple[np.ndarray | None, dict]:
+    """The blk.N.ffn_exp_freq of a file (its side file's first) and the keys stored with
+    them, or (None, {}) when it has none."""
     import gguf
 
     side = path + F.GPUIDX_SUFFIX
@@ -104,8 +105,8 @@ def _stored_expert_freq(reader, path: str, n_layer: int, n_expert: int) -> np.nd
             if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(t.n_elements) != n_expert:
                 raise PlaceError(f"{path}: {name} missing or not F32[{n_expert}]")
             out[l] = np.asarray(t.data, dtype=np.float64).reshape(n_expert)
-        return out
-    return None
+        return out, read_fields(r)
+    return None, {}
 
 
 def replace_expert_placement(path: str | os.PathLike, budget: int,
@@ -158,9 +159,9 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
         freq, n_tok = profile_experts(path, ids, n_ctx=n_ctx, n_threads=n_threads)
         source = os.path.basename(os.fspath(profile))
     else:
-        freq = _stored_expert_freq(reader, path, n_layer, n_expert)
-        n_tok = int(fields.get(F.KEY_EXPERT_PROFILE_TOKENS, 0))
-        source = str(fields.get(F.KEY_EXPERT_PROFILE_SOURCE, ""))
+        freq, stored = _stored_expert_freq(reader, path, n_layer, n_expert)
+        n_tok = int(stored.get(F.KEY_EXPERT_PROFILE_TOKENS, 0))
+        source = str(stored.get(F.KEY_EXPERT_PROFILE_SOURCE, ""))
         if freq is None:
             raise PlaceError(f"{path} has no expert frequencies (blk.N.{F.T_FFN_EXP_FREQ}): profile "
                              "the model with --profile TEXT")

@@ -197,3 +197,116 @@ def solve_experts(freq, tensors: dict, budget: int, *, cache: int = 0, n_cpu_moe
                                status=f"ILP {sname}; greedy kept", seconds=time.perf_counter() - t0, **res)
     return ExpertPlacement(on=on, solver="ilp" if on.any() else "none", status=sname,
                            seconds=time.perf_counter() - t0, **res)
+
+
+# ---------------------------------------------------------------------------
+# Selection traces and the expert cache, replayed
+# ---------------------------------------------------------------------------
+
+def selection_trace(path, tokens, n_ctx: int = 512, n_threads: int = 0) -> np.ndarray:
+    """bool [n_tokens, n_layer, n_expert]: the experts each token chose in each layer, from
+    decoding ``tokens`` one at a time on the CPU (the selection counts' steps); windows of
+    ``n_ctx`` tokens."""
+    from ..model import Model
+
+    tokens = [int(t) for t in tokens]
+    with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
+        ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads)
+        out = np.zeros((len(tokens), m.info.n_layer, m.info.n_expert), dtype=bool)
+        prev = ctx.expert_counts()
+        for i, t in enumerate(tokens):
+            if ctx.n_past >= ctx.n_ctx:
+                ctx.reset(0)
+            ctx.eval([t])
+            now = ctx.expert_counts()
+            out[i] = now > prev
+            prev = now
+    return out
+
+
+@dataclass
+class CacheReplay:
+    """What a decode over a trace does with a static placement and an expert cache."""
+    runs_device: int = 0     # expert runs on the device (placed or cached)
+    runs_cpu: int = 0
+    hits: int = 0            # runs of non-placed experts the cache held
+    misses: int = 0          # ... it did not hold (uploaded when a slot was free to take)
+    uploads: int = 0
+    # per token: runs on the device / CPU and uploads, summed over the layers
+    per_token: np.ndarray | None = None  # int [n_tokens, 3]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
+                 policy: str = "lru") -> CacheReplay:
+    """The runtime's decode over ``trace`` (selection_trace) with the experts ``on`` placed
+    and a cache of ``slots`` experts (ffn/moe.c): per token, per layer, per chosen expert
+    in ascending id: placed -> device; held -> hit; else a miss that takes the slot to
+    evict (one this layer call is not using) and uploads the expert. ``policy`` "lru" is
+    the runtime's (the least recently used slot, the lowest index among equals); "lfu"
+    evicts the slot whose expert was chosen least often so far (ties: least recently
+    used), for comparison."""
+    if policy not in ("lru", "lfu"):
+        raise ValueError(f"unknown cache policy {policy!r} (lru, lfu)")
+    n_tok, n_layer, n_expert = trace.shape
+    on = np.zeros((n_layer, n_expert), dtype=bool) if on is None else np.asarray(on, dtype=bool)
+    r = CacheReplay(per_token=np.zeros((n_tok, 3), dtype=np.int64))
+    key = [-1] * slots
+    used = [0] * slots
+    where: dict[int, int] = {}
+    seen = np.zeros(n_layer * n_expert, dtype=np.int64)  # choices so far (lfu)
+    tick = 0
+    for t in range(n_tok):
+        for l in range(n_layer):
+            tick += 1
+            for e in np.flatnonzero(trace[t, l]):
+                k = l * n_expert + int(e)
+                seen[k] += 1
+                if on[l, e]:
+                    r.runs_device += 1
+                    r.per_token[t, 0] += 1
+                    continue
+                if slots == 0:
+                    r.runs_cpu += 1
+                    r.per_token[t, 1] += 1
+                    continue
+                s = where.get(k)
+                if s is not None:
+                    r.hits += 1
+                    used[s] = tick
+                    r.runs_device += 1
+                    r.per_token[t, 0] += 1
+                    continue
+                r.misses += 1
+                best = -1
+                for i in range(slots):
+                    if used[i] == tick:
+                        continue
+                    if best < 0:
+                        best = i
+                    elif policy == "lru" or key[i] < 0 or key[best] < 0:
+                        if (key[i] < 0) != (key[best] < 0) and policy == "lfu":
+                            best = i if key[i] < 0 else best
+                        elif used[i] < used[best]:
+                            best = i
+                    else:
+                        fi, fb = seen[key[i]], seen[key[best]]
+                        if fi < fb or (fi == fb and used[i] < used[best]):
+                            best = i
+                if best < 0:
+                    r.runs_cpu += 1
+                    r.per_token[t, 1] += 1
+                    continue
+                if key[best] >= 0:
+                    del where[key[best]]
+                key[best] = k
+                where[k] = best
+                used[best] = tick
+                r.uploads += 1
+                r.runs_device += 1
+                r.per_token[t, 0] += 1
+                r.per_token[t, 2] += 1
+    return r

@@ -324,3 +324,17 @@ def test_budget_kv_of_the_runtime_order(qwen2moe_gguf):
         assert info["dense_bytes"] == dense
         assert info["experts"]["cache_bytes"] == cache
         assert info["experts"]["bytes"] == min(max(left, 0) // int(eb[0]), nl * ne) * int(eb[0])
+
+
+def test_format_doc_lists_the_expert_placement():
+    """docs/FORMAT.md "Expert placement" names exactly format.py's tensors and keys."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text(encoding="utf-8")
+    start = text.index("## Expert placement\n")
+    sec = text[start:text.index("\n## ", start + 1)]
+    tensors = set(re.findall(r"^\| `blk\.N\.([a-z_]+)` \|", sec, re.M))
+    keys = set(re.findall(r"^\| `(powerinfer\.[a-z_.]+)` \|", sec, re.M))
+    assert tensors == set(F.EXPERT_TENSORS)
+    assert keys | {F.KEY_GPU_VRAM_BUDGET, F.KEY_GPU_SOLVER} == set(F.EXPERT_KEYS)

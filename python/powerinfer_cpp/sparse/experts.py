@@ -232,8 +232,8 @@ class CacheReplay:
     hits: int = 0            # runs of non-placed experts the cache held
     misses: int = 0          # ... it did not hold (uploaded when a slot was free to take)
     uploads: int = 0
-    # per token: runs on the device / CPU and uploads, summed over the layers
-    per_token: np.ndarray | None = None  # int [n_tokens, 3]
+    # per token and layer: runs on the device, runs on the CPU, uploads
+    per_token: np.ndarray | None = None  # int [n_tokens, n_layer, 3]
 
     @property
     def hit_rate(self) -> float:
@@ -253,7 +253,7 @@ def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
         raise ValueError(f"unknown cache policy {policy!r} (lru, lfu)")
     n_tok, n_layer, n_expert = trace.shape
     on = np.zeros((n_layer, n_expert), dtype=bool) if on is None else np.asarray(on, dtype=bool)
-    r = CacheReplay(per_token=np.zeros((n_tok, 3), dtype=np.int64))
+    r = CacheReplay(per_token=np.zeros((n_tok, n_layer, 3), dtype=np.int64))
     key = [-1] * slots
     used = [0] * slots
     where: dict[int, int] = {}
@@ -267,18 +267,18 @@ def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
                 seen[k] += 1
                 if on[l, e]:
                     r.runs_device += 1
-                    r.per_token[t, 0] += 1
+                    r.per_token[t, l, 0] += 1
                     continue
                 if slots == 0:
                     r.runs_cpu += 1
-                    r.per_token[t, 1] += 1
+                    r.per_token[t, l, 1] += 1
                     continue
                 s = where.get(k)
                 if s is not None:
                     r.hits += 1
                     used[s] = tick
                     r.runs_device += 1
-                    r.per_token[t, 0] += 1
+                    r.per_token[t, l, 0] += 1
                     continue
                 r.misses += 1
                 best = -1
@@ -298,7 +298,7 @@ def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
                             best = i
                 if best < 0:
                     r.runs_cpu += 1
-                    r.per_token[t, 1] += 1
+                    r.per_token[t, l, 1] += 1
                     continue
                 if key[best] >= 0:
                     del where[key[best]]
@@ -307,6 +307,6 @@ def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
                 used[best] = tick
                 r.uploads += 1
                 r.runs_device += 1
-                r.per_token[t, 0] += 1
-                r.per_token[t, 2] += 1
+                r.per_token[t, l, 0] += 1
+                r.per_token[t, l, 2] += 1
     return r

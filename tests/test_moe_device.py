@@ -338,3 +338,26 @@ def test_format_doc_lists_the_expert_placement():
     keys = set(re.findall(r"^\| `(powerinfer\.[a-z_.]+)` \|", sec, re.M))
     assert tensors == set(F.EXPERT_TENSORS)
     assert keys | {F.KEY_GPU_VRAM_BUDGET, F.KEY_GPU_SOLVER} == set(F.EXPERT_KEYS)
+
+
+def test_generate_and_llama_take_the_moe_knobs(case, capsys):
+    """generate's --n-cpu-moe / --expert-cache and Llama(n_cpu_moe=, expert_cache=) reach the
+    placement; generate's timing block says where the experts ran."""
+    from powerinfer_cpp.api import Llama
+    from powerinfer_cpp.generate import main
+
+    eb = case["eb"]
+    rc = main(["-m", case["gguf"], "-p", "In the beginning", "-n", "6", "--temp", "0", "-t", "2",
+               "--device", "host-device", "--n-cpu-moe", "1", "--expert-cache", f"{2 * eb / 1024}K"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "expert cache 2 experts" in err and "of expert runs on the device" in err
+    llm = Llama(case["gguf"], n_ctx=64, device="host-device", n_cpu_moe=1, expert_cache=2 * eb,
+                verbose=False)
+    try:
+        on = llm._model.expert_placement()
+        assert not on[0].any() and on[1:].all()
+        assert llm._model.device_info()["experts"]["cache_slots"] == 2
+        assert llm._init_args["n_cpu_moe"] == 1 and llm._init_args["expert_cache"] == 2 * eb
+    finally:
+        llm.close()

@@ -264,8 +264,10 @@ typedef struct {
     int32_t n_cpu_moe;        /* the experts of the first n_cpu_moe layers stay on the CPU
                                * (llama.cpp's --n-cpu-moe); >= 0 */
     int64_t expert_cache;     /* bytes of each context's device cache of recently used CPU
-                               * experts (LRU; 0 = none), taken from the budget before the
-                               * experts are placed; whole experts, at least one */
+                               * experts (LRU; 0 = none), whole experts, at least one; the
+                               * budget reserves one context's before the experts are placed
+                               * (each further context allocates its own beside the budget,
+                               * as its stream's buffers are) */
 } gh_model_params;
 
 gh_model_params gh_model_default_params(void);

@@ -237,6 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _device_summary(info: dict) -> str:
     """Where the model was placed, as a line of the timing block."""
     mib = 1 << 20
+    ex = info.get("experts") or {}
+    if ex.get("n_experts"):
+        return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
+                f"{info['budget'] / mib:.1f} MiB budget (attention, routers, head "
+                f"{info['dense_bytes'] / mib:.1f}, experts {ex['bytes'] / mib:.1f}: {ex['device']} of "
+                f"{ex['n_experts']}, placed by {ex['source']}; expert cache {ex['cache_slots']} experts, "
+                f"{ex['cache_bytes'] / mib:.1f} MiB); head {'yes' if info['head_on_device'] else 'no'}")
     return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
             f"{info['budget'] / mib:.1f} MiB budget (dense {info['dense_bytes'] / mib:.1f}, "
             f"hot neurons {info['hot_bytes'] / mib:.1f} = {info['hot_share']:.1%} of neurons, "
@@ -265,9 +272,17 @@ def _stats_summary(st: dict, n_layer: int) -> str:
     lines.append("stages      = " + ", ".join(
         f"{k} {t[k] / total:.0%}" for k in ("attention", "predictor", "ffn", "other")))
     dv = st["device"]
+    ex = st.get("experts") or {}
+    if ex.get("runs_device") or ex.get("cache_hits") or ex.get("cache_misses"):
+        runs = ex["runs_device"] + ex["runs_cpu"]
+        lines.append(f"experts     = {ex['runs_device'] / runs:10.1%} of expert runs on the device; "
+                     f"cache {ex['cache_hits']} hits, {ex['cache_misses']} misses "
+                     f"({ex['cache_hit_rate']:.1%}), {ex['bytes_cache_uploaded'] / 1e6:.2f} MB uploaded")
     if dv["neurons_device"] or dv["bytes_uploaded"]:
         dt = dv["time_s"]
-        lines.append(f"hybrid      = {dv['device_share']:10.1%} of active neurons on the device; "
+        moe = ex.get("runs_device", 0) + ex.get("runs_cpu", 0) > 0  # experts: no neuron split
+        share = "" if moe else f"{dv['device_share']:10.1%} of active neurons on the device; "
+        lines.append(f"hybrid      = {share}"
                      f"device {dt['device'] * 1e3:.1f} ms, CPU ffn {dt['cpu_ffn'] * 1e3:.1f} ms, "
                      f"waited {dt['wait'] * 1e3:.1f} ms; {dv['bytes_uploaded'] / 1e6:.2f} MB up, "
                      f"{dv['bytes_downloaded'] / 1e6:.2f} MB down")

@@ -5,6 +5,7 @@
                                      [--no-sparse] [--verify [N]]        # issue-5 model (default)
     python tools/make_bench_model.py --plain [--layers 8 ...]            # dense bench model
     python tools/make_bench_model.py --plain --arch qwen2|falcon|llama3  # dense ~1B of that shape
+    python tools/make_bench_model.py --arch qwen3moe --types q4_k_m     # MoE, Qwen3-30B-A3B block
     python tools/make_bench_model.py --arch opt [...]                    # OPT-shaped issue-5 model
     python tools/make_bench_model.py --swiglu [--sparsity 0.5]           # SwiGLU 1.1B, gate mode
     python tools/make_bench_model.py ... --hf-only                       # the HF folder, no GGUFs
@@ -68,6 +69,18 @@ their published models do:
 
 ``--layers``, ``--d``, ``--heads``, ``--kv-heads``, ``--ff`` scale them down (the
 architecture's layout and keys stay); ``--arch qwen2|falcon|llama3`` implies ``--plain``.
+
+Mixture of experts (``--arch qwen3moe``)
+----------------------------------------
+Qwen3-30B-A3B's block with random weights as ``--plain`` (``Qwen3MoeForCausalLM``: d=2048,
+32 heads / 4 KV heads of head_dim 128 (wider than d / heads, as published), per-head q/k
+RMSNorm, 128 experts of width ``--ff`` 768 (``moe_intermediate_size``), 8 used per token
+(``--experts``, ``--experts-used``), renormalised top-k weights, RMSNorm eps 1e-6,
+rope_theta 1e6, untied head) at 20 layers instead of 48 (``--layers``): 12.5B parameters,
+~7.6 GB in Q4_K_M, so the experts' bytes are far beyond any cache as in the real model,
+while the HF folder (fp16, 25 GB) still fits the disk. A token reads 8 of 128 experts:
+~0.39 GB of weights per token in Q4_K_M. The router is random, so routing is near uniform
+(no hot experts): this model measures expert execution speed, not placement.
 
 Construction (``--sparse-construction``)
 ----------------------------------------
@@ -228,8 +241,13 @@ SHAPE_DEFAULTS = {
     # Llama-3.2-1B
     ("plain", "llama3"): {**_BASE, "d": 2048, "ff": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "act": "silu",
                           "rope_theta": 500000.0, "tied": True, "max_pos": 131072},
+    # Qwen3-30B-A3B's block at 20 of its 48 layers; ff = moe_intermediate_size
+    ("plain", "qwen3moe"): {**_BASE, "d": 2048, "ff": 768, "layers": 20, "heads": 32, "kv_heads": 4,
+                            "act": "silu", "rope_theta": 1e6, "rms_eps": 1e-6, "tied": False,
+                            "max_pos": 40960},
 }
-PLAIN_ONLY = ("qwen2", "falcon", "llama3")
+PLAIN_ONLY = ("qwen2", "falcon", "llama3", "qwen3moe")
+QWEN3MOE_HEAD_DIM = 128
 # Llama-3.2-1B's rope_scaling
 LLAMA3_ROPE_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                        "original_max_position_embeddings": 8192, "rope_type": "llama3"}
@@ -237,6 +255,8 @@ LLAMA3_ROPE_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor
 
 def shape_name(a) -> str:
     kv = f"-kv{a.kv_heads}" if a.arch != "opt" else ""   # OPT: always one KV head per head
+    if a.arch == "qwen3moe":
+        kv += f"-e{a.experts}x{a.experts_used}"
     base = (f"{a.arch}-d{a.d}-l{a.layers}-h{a.heads}{kv}-ff{a.ff}-v{a.vocab}"
             f"-{a.act}-s{a.seed}")
     if a.kind in ("plain", "swiglu"):
@@ -262,7 +282,7 @@ def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
         return hf_tensors_opt(a)
     if a.arch == "falcon":
         return hf_tensors_falcon(a)
-    hd = a.d // a.heads
+    hd = QWEN3MOE_HEAD_DIM if a.arch == "qwen3moe" else a.d // a.heads
     q_rows, kv_rows = a.heads * hd, a.kv_heads * hd
     qkv_bias = a.arch == "qwen2"
     out = [("model.embed_tokens.weight", (a.vocab, a.d))]
@@ -273,6 +293,16 @@ def hf_tensors(a) -> list[tuple[str, tuple[int, ...]]]:
             out.append((p + f"self_attn.{proj}.weight", (rows, a.d)))
             if qkv_bias:
                 out.append((p + f"self_attn.{proj}.bias", (rows,)))
+        if a.arch == "qwen3moe":
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+                    (p + "self_attn.o_proj.weight", (a.d, q_rows)),
+                    (p + "post_attention_layernorm.weight", (a.d,)),
+                    (p + "mlp.gate.weight", (a.experts, a.d))]
+            for e in range(a.experts):
+                out += [(p + f"mlp.experts.{e}.gate_proj.weight", (a.ff, a.d)),
+                        (p + f"mlp.experts.{e}.up_proj.weight", (a.ff, a.d)),
+                        (p + f"mlp.experts.{e}.down_proj.weight", (a.d, a.ff))]
+            continue
         out += [
             (p + "self_attn.o_proj.weight", (a.d, q_rows)),
             (p + "post_attention_layernorm.weight", (a.d,)),
@@ -771,6 +801,13 @@ def hf_config(a) -> dict:
         "eos_token_id": 2,
         "torch_dtype": "float16",
     }
+    if a.arch == "qwen3moe":
+        cfg.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                    "head_dim": QWEN3MOE_HEAD_DIM, "num_experts": a.experts,
+                    "num_experts_per_tok": a.experts_used, "moe_intermediate_size": a.ff,
+                    "intermediate_size": 6144, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                    "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": False,
+                    "sliding_window": None})
     if a.arch == "qwen2":
         # Qwen2.5-1.5B's: sliding-window attention switched off
         cfg.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": 21})
@@ -1016,6 +1053,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--ff", type=int, default=None,
                    help="FFN size n_ff (default 5632; qwen2 8960, falcon 4d, llama3 8192)")
     g.add_argument("--vocab", type=int, default=32000, help="vocab rows (default 32000; >= 4096)")
+    g.add_argument("--experts", type=int, default=128, help="--arch qwen3moe: experts per layer (default 128)")
+    g.add_argument("--experts-used", type=int, default=8,
+                   help="--arch qwen3moe: experts per token (default 8)")
     g.add_argument("--act", default=None, choices=["relu", "silu", "gelu"],
                    help="hidden_act (default relu; qwen2 and llama3 silu, falcon gelu)")
     g.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
@@ -1086,6 +1126,8 @@ def finish_shape_args(a) -> None:
     a.ln_eps = 1e-5     # OPT's LayerNorm (torch's default; OPT's config has no key for it) and Falcon's
     if a.d % a.heads or a.heads % a.kv_heads or a.vocab < 4096:
         sys.exit("error: need d % heads == 0, heads % kv_heads == 0, vocab >= 4096")
+    if a.arch == "qwen3moe" and not 1 <= a.experts_used <= a.experts:
+        sys.exit("error: need 1 <= --experts-used <= --experts")
     if a.arch in ("qwen2", "falcon", "llama3") and (a.d // a.heads) % 2:
         sys.exit("error: RoPE needs an even head size (d / heads)")
     if a.kind == "sparse":

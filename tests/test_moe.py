@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 N_POS = 24
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2moe", "qwen3moe-top1", "olmoe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2moe", "qwen3moe-top1", "olmoe", "gptoss"])
 def case(request, tmp_path_factory):
     variant = request.param
     d = tmp_path_factory.mktemp(variant)
@@ -116,7 +116,8 @@ def test_info(case):
     assert info.n_expert == kw.get("num_experts", kw.get("num_local_experts"))
     assert info.n_expert_used == kw["num_experts_per_tok"]
     assert info.n_ff_shexp == kw.get("shared_expert_intermediate_size", 0)
-    assert info.expert_norm == kw.get("norm_topk_prob", case["variant"].startswith("mixtral"))
+    # Mixtral and gpt-oss always renormalise (gpt-oss: a softmax over the top-k logits)
+    assert info.expert_norm == kw.get("norm_topk_prob", case["variant"].startswith(("mixtral", "gptoss")))
 
 
 def test_sparse_modes_refused(case, tmp_path):
@@ -202,14 +203,15 @@ def test_cli_converts_moe_dense_by_default(case, tmp_path, capsys):
 
 def test_router_f32_and_experts_quantized(case, tmp_path):
     """A q4_0 file keeps the routers F32 (as llama.cpp's) and stores each expert tensor as 3-D
-    Q4_0 rows (the block runs along a row of one expert)."""
+    Q4_0 rows (the block runs along a row of one expert); biases (gpt-oss's [n_expert, rows]
+    expert biases too) stay F32."""
     import gguf
 
     path = convert(case["hf"], tmp_path / "q4.gguf", "q4_0", progress=False)
     ts = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     Q = gguf.GGMLQuantizationType
     for name, t in ts.items():
-        if "ffn_gate_inp" in name:
+        if "ffn_gate_inp" in name or name.endswith(".bias"):
             assert t.tensor_type == Q.F32, name
         elif "_exps" in name:
             assert t.tensor_type == Q.Q4_0 and len(t.shape) == 3, name
@@ -271,3 +273,226 @@ def test_router_ties_resolved_as_transformers(tmp_path):
     with torch.no_grad():
         want = hf_reference_model(d)(torch.tensor([ids])).logits[0].double().numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)
+
+
+# ---- gpt-oss: what its row in the architecture table exercises, its bad files, MXFP4 ------
+
+@pytest.fixture(scope="module")
+def gptoss_gguf(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gptoss")
+    hf = make_hf_model("gptoss", d / "hf", seed=5)
+    return convert(hf, d / "f32.gguf", "f32", progress=False), hf, d
+
+
+def _logits(path, ids):
+    with Model(path, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        return m.eval(ids, logits_all=True).astype(np.float64)
+
+
+def test_gptoss_features_move_the_logits(gptoss_gguf):
+    """Each gpt-oss feature the table's f32 bound (1e-4 of the logit range) checks moves the
+    tiny model's logits by more than that: without the sinks, the windows, the SwiGLU's clamp,
+    YaRN, the router's or the experts' biases, the logits differ by > 5e-4 of their range
+    (measured: YaRN 8.6e-4, the random model's attention scores being small; the others
+    > 1e-2)."""
+    src, _, d = gptoss_gguf
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 384, size=32)]
+    base = _logits(src, ids)
+    A = "gpt-oss"
+    changes = {
+        "sinks": dict(tensors={f"blk.{il}.attn_sinks.weight": lambda a: np.full_like(a, -1e4) for il in (0, 1)}),
+        "window": dict(kv={f"{A}.attention.sliding_window": (64, VT.UINT32)}),
+        "clamp": dict(kv={f"{A}.swiglu_clamp_exp": (1e4, VT.FLOAT32)}),
+        "yarn": dict(kv={f"{A}.rope.scaling.type": ("none", VT.STRING)}),
+        "router-bias": dict(tensors={f"blk.{il}.ffn_gate_inp.bias": np.zeros_like for il in (0, 1)}),
+        "expert-bias": dict(tensors={f"blk.{il}.ffn_down_exps.bias": np.zeros_like for il in (0, 1)}),
+    }
+    for name, kw in changes.items():
+        got = _logits(rewrite_gguf(src, d / f"no-{name}.gguf", **kw), ids)
+        moved = np.abs(got - base).max() / np.ptp(base)
+        print(f"without {name}: logits move {moved:.3f} of their range")
+        assert moved > 5e-4, name
+
+
+def test_gptoss_llama_cpp_file(gptoss_gguf, tmp_path):
+    """llama.cpp's gpt-oss file has none of our keys (activation, SwiGLU limit, YaRN's betas:
+    its defaults 7, 32, 1 apply): with the limit the model has (7), the same logits."""
+    _, _, d = gptoss_gguf
+    hf = make_hf_model("gptoss-top4", tmp_path / "hf", seed=2)
+    ours = convert(hf, tmp_path / "ours.gguf", "f32", progress=False)
+    A = "gpt-oss"
+    lcpp = rewrite_gguf(ours, tmp_path / "lcpp.gguf", drop_kv=[
+        "powerinfer.format_version", "powerinfer.ffn_activation", "powerinfer.hf_hidden_act",
+        f"{A}.swiglu_clamp_exp", f"{A}.rope.scaling.yarn_beta_fast", f"{A}.rope.scaling.yarn_beta_slow",
+        f"{A}.expert_weights_norm", f"{A}.expert_gating_func"])
+    ids = list(range(3, 3 + N_POS))
+    np.testing.assert_array_equal(_logits(lcpp, ids), _logits(ours, ids))
+    with Model(lcpp) as m:
+        assert m.info.arch == A and m.info.n_expert == 8 and m.info.n_expert_used == 4
+        assert m.info.ffn_act == "swiglu_oai" and m.info.expert_norm
+
+
+GPTOSS_BAD = {
+    "no-sinks": (dict(drop=["blk.1.attn_sinks.weight"]),
+                 r"missing tensor 'blk\.1\.attn_sinks\.weight' \(architecture 'gpt-oss' has a learned "
+                 r"attention sink per head: \[4\] logits\)"),
+    "short-sinks": (dict(tensors={"blk.0.attn_sinks.weight": lambda a: a[:3]}), r"blk\.0\.attn_sinks\.weight"),
+    "count": (dict(kv={"gpt-oss.expert_count": (3, VT.UINT32)}),
+              r"tensor 'blk\.0\.ffn_gate_inp\.weight' \(the router\) has shape \[64, 4, 1, 1\], expected "
+              r"\[64, 3\]"),
+    "no-router": (dict(drop=["blk.0.ffn_gate_inp.weight"]), r"missing tensor 'blk\.0\.ffn_gate_inp\.weight'"),
+    "no-router-bias": (dict(drop=["blk.1.ffn_gate_inp.bias"]),
+                       r"missing tensor 'blk\.1\.ffn_gate_inp\.bias' \(architecture 'gpt-oss' has biased"),
+    "no-expert-bias": (dict(drop=["blk.0.ffn_up_exps.bias"]), r"missing tensor 'blk\.0\.ffn_up_exps\.bias'"),
+    "expert-bias-shape": (dict(tensors={"blk.1.ffn_down_exps.bias": lambda a: a[:3]}),
+                          r"tensor 'blk\.1\.ffn_down_exps\.bias' has shape \[64, 3, 1, 1\], expected \[64, 4\]"),
+    "limit": (dict(kv={"gpt-oss.swiglu_clamp_exp": (0.0, VT.FLOAT32)}),
+              r"key 'gpt-oss\.swiglu_clamp_exp' = 0 \(the clamped SwiGLU's limit must be finite and > 0\)"),
+    "yarn-ctx": (dict(drop_kv=["gpt-oss.rope.scaling.original_context_length"]),
+                 r"missing required key 'gpt-oss\.rope\.scaling\.original_context_length'"),
+    "ffn-norm": (dict(drop=["blk.0.post_attention_norm.weight"]),
+                 r"blk\.0\.post_attention_norm\.weight"),
+}
+
+
+@pytest.mark.parametrize("bad", list(GPTOSS_BAD))
+def test_bad_gptoss_files(gptoss_gguf, bad):
+    src, _, d = gptoss_gguf
+    kw, match = GPTOSS_BAD[bad]
+    with pytest.raises(NativeError, match=match):
+        Model(rewrite_gguf(src, d / f"bad-{bad}.gguf", **kw))
+
+
+def test_gptoss_config_refusals(tmp_path):
+    """What the runtime does not compute is refused by the converter, by name."""
+    import json
+
+    hf = make_hf_model("gptoss", tmp_path / "hf", seed=1)
+    cfg = json.loads((hf / "config.json").read_text())
+    cases = {
+        "swiglu_alpha": ({"swiglu_alpha": 1.5}, "swiglu_alpha=1.5"),
+        "attention_bias": ({"attention_bias": False}, "attention_bias=false"),
+        "truncate": ({"rope_parameters": {**cfg["rope_parameters"], "truncate": True}}, "truncate true"),
+        "quantized": ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config 'gptq'"),
+    }
+    for name, (upd, match) in cases.items():
+        (hf / "config.json").write_text(json.dumps({**cfg, **upd}))
+        with pytest.raises(ConvertError, match=match):
+            convert(hf, tmp_path / f"{name}.gguf", "f32", progress=False)
+
+
+# MXFP4 experts (llama.cpp's gpt-oss files): normalized RMS logit error against transformers
+# run with the same dequantized expert weights (our MXFP4 dots round the activations to 8
+# bits, as llama.cpp's do), and against the f32 model (the 4-bit experts' own error).
+# Measured on this tiny model: 3.0e-4 and 7.6e-3; the bounds a few times above (a misaddressed
+# block or a wrong nibble order gives errors of order 1).
+MXFP4_NRMSE_SAME_WEIGHTS = 2e-3
+MXFP4_NRMSE_F32 = 3e-2
+
+
+def test_gptoss_mxfp4_experts(gptoss_gguf):
+    """The f32 file with every ffn_*_exps weight quantized to MXFP4 by gguf.quants (block 32
+    along a row of one expert, as llama.cpp's converter stores gpt-oss's experts), against
+    transformers given the dequantized weights (gate and up back into their interleaved
+    columns) and against the f32 model."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    src, hf, d = gptoss_gguf
+    MX = gguf.GGMLQuantizationType.MXFP4
+    deq = {}
+
+    def to_mxfp4(name):
+        def f(a):
+            q = quantize(np.ascontiguousarray(a, dtype=np.float32), MX)
+            deq[name] = dequantize(q, MX).reshape(a.shape)
+            return q, MX
+        return f
+
+    names = [f"blk.{il}.ffn_{p}_exps.weight" for il in (0, 1) for p in ("gate", "up", "down")]
+    path = rewrite_gguf(src, d / "mxfp4.gguf", tensors={n: to_mxfp4(n) for n in names})
+    with Model(path) as m:
+        assert m.info.weight_type == "mxfp4"
+    ids = [int(t) for t in np.random.default_rng(4).integers(3, 384, size=N_POS)]
+    got = _logits(path, ids)
+    ref = hf_reference_model(hf)
+    with torch.no_grad():
+        f32 = ref(torch.tensor([ids])).logits[0].double().numpy()
+        for il, layer in enumerate(ref.model.layers):
+            ex = layer.mlp.experts
+            gu = ex.gate_up_proj.data  # [n_expert, d, 2 ff], gate and up interleaved
+            gu[:, :, 0::2] = torch.from_numpy(deq[f"blk.{il}.ffn_gate_exps.weight"].transpose(0, 2, 1))
+            gu[:, :, 1::2] = torch.from_numpy(deq[f"blk.{il}.ffn_up_exps.weight"].transpose(0, 2, 1))
+            ex.down_proj.data[:] = torch.from_numpy(deq[f"blk.{il}.ffn_down_exps.weight"].transpose(0, 2, 1))
+        same = ref(torch.tensor([ids])).logits[0].double().numpy()
+
+    def nrmse(a, b):
+        return np.sqrt(((a - b) ** 2).mean() / ((b - b.mean()) ** 2).mean())
+
+    e_same, e_f32 = nrmse(got, same), nrmse(got, f32)
+    print(f"mxfp4 experts: nrmse {e_same:.2e} against the same weights, {e_f32:.2e} against f32")
+    assert e_same < MXFP4_NRMSE_SAME_WEIGHTS and e_f32 < MXFP4_NRMSE_F32
+
+
+def _hf_mxfp4(codes_ggml: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 bytes [..., G * 17] as the released checkpoints store them: (blocks
+    [..., G, 16] with values 2j / 2j + 1 in byte j's low / high nibble, scales [..., G])."""
+    q = codes_ggml.reshape(codes_ggml.shape[:-1] + (-1, 17))
+    vals = np.concatenate([q[..., 1:] & 0x0F, q[..., 1:] >> 4], axis=-1)  # value order 0..31
+    return (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8), q[..., 0].copy()
+
+
+def test_gptoss_mxfp4_checkpoint(gptoss_gguf, tmp_path):
+    """A checkpoint as the released ones (quantization_config mxfp4, the experts as
+    *_blocks / *_scales, gate and up rows interleaved) converts with its experts kept MXFP4
+    bit for bit (any outtype), and runs as transformers does on the weights its own
+    dequantization (convert_moe_packed_tensors) gives."""
+    import json
+    import shutil
+
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    _, hf, _ = gptoss_gguf
+    d = tmp_path / "mx"
+    shutil.copytree(hf, d)
+    sd = load_file(str(d / "model.safetensors"))
+    MX = gguf.GGMLQuantizationType.MXFP4
+    want_bytes, deq = {}, {}
+    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = np.ascontiguousarray(sd.pop(k).transpose(0, 2, 1))  # [E, out, in]
+        q = quantize(rows, MX)
+        blocks, scales = _hf_mxfp4(q)
+        sd[k + "_blocks"], sd[k + "_scales"] = blocks, scales
+        deq[k] = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                            dtype=torch.float32)  # [E, in, out], transformers' layout
+        want_bytes[k] = q
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (d / "config.json").write_text(json.dumps(cfg))
+    path = convert(d, tmp_path / "mx.gguf", "f16", progress=False)
+    ts = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for il in (0, 1):
+        L = f"model.layers.{il}.mlp.experts."
+        gu, dn = want_bytes[L + "gate_up_proj"], want_bytes[L + "down_proj"]
+        for name, want in ((f"blk.{il}.ffn_gate_exps.weight", gu[:, 0::2]),
+                           (f"blk.{il}.ffn_up_exps.weight", gu[:, 1::2]),
+                           (f"blk.{il}.ffn_down_exps.weight", dn)):
+            assert ts[name].tensor_type == MX, name
+            np.testing.assert_array_equal(np.asarray(ts[name].data).reshape(want.shape), want, err_msg=name)
+        assert ts[f"blk.{il}.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    ref = hf_reference_model(hf)
+    with torch.no_grad():
+        for il, layer in enumerate(ref.model.layers):
+            L = f"model.layers.{il}.mlp.experts."
+            layer.mlp.experts.gate_up_proj.data[:] = deq[L + "gate_up_proj"]
+            layer.mlp.experts.down_proj.data[:] = deq[L + "down_proj"]
+        ids = [int(t) for t in np.random.default_rng(5).integers(3, 384, size=N_POS)]
+        want = ref(torch.tensor([ids])).logits[0].double().numpy()
+    got = _logits(path, ids)
+    nrmse = np.sqrt(((got - want) ** 2).mean() / ((want - want.mean()) ** 2).mean())
+    print(f"mxfp4 checkpoint (f16 rest): nrmse {nrmse:.2e} against transformers on its dequantized experts")
+    assert nrmse < MXFP4_NRMSE_SAME_WEIGHTS

@@ -37,7 +37,7 @@ N_POS = 24
 CALIB = "models/tiny-relu-kjv/heldout.txt"
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen2moe", "qwen3moe-top1", "olmoe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen2moe", "qwen3moe-top1", "olmoe", "gptoss"])
 def case(request, tmp_path_factory):
     variant = request.param
     d = tmp_path_factory.mktemp(variant + "-dev")

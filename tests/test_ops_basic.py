@@ -15,6 +15,7 @@ from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr, iptr  # noqa: E402
 
 GH_ACT_SILU, GH_ACT_RELU, GH_ACT_DRELU, GH_ACT_GELU, GH_ACT_GELU_ERF, GH_ACT_FATRELU = 0, 1, 2, 3, 4, 5
+GH_ACT_SWIGLU_OAI = 6
 GH_ERR_INVALID_ARG = 4
 
 
@@ -313,6 +314,29 @@ def test_glu(simd, act, n):
         assert np.all(err <= bound), (err / np.maximum(bound, 1e-300)).max()
 
 
+@pytest.mark.parametrize("limit", [0.5, 7.0])
+def test_glu_swiglu_oai(limit):
+    """gpt-oss's clamped SwiGLU against numpy: g = min(gate, limit), u = clamp(up, -limit,
+    limit), (u + 1) * g * sigmoid(1.702 g), as transformers' GptOssExperts; gate and up
+    range past the limit on both sides. It has no ungated form."""
+    g, u = glu_inputs(4097, 3)
+    u = u * 10  # up beyond +-limit too
+    out = np.empty_like(g)
+    check(lib.gh_op_glu(GH_ACT_SWIGLU_OAI, limit, fptr(g), fptr(u), fptr(out), len(g)))
+    gg = np.minimum(g.astype(np.float64), limit)
+    uu = np.clip(u.astype(np.float64), -limit, limit)
+    with np.errstate(over="ignore"):
+        glu = gg / (1.0 + np.exp(-float(np.float32(1.702)) * gg))  # the gain as the float it is
+    ref = (uu + 1.0) * glu
+    assert np.all(np.isfinite(out))
+    # u + 1 is rounded to float (as in torch): near u = -1 an absolute 6e-8 of (|u| + 1) |glu|
+    bound = 1e-6 * np.abs(ref) + 2e-7 * (np.abs(uu) + 1.0) * np.abs(glu) + 1e-37
+    assert np.all(np.abs(out - ref) <= bound), (np.abs(out - ref) / bound).max()
+    assert (g > limit).any() and (np.abs(u) > limit).any()
+    expect_invalid(lib.gh_op_glu(GH_ACT_SWIGLU_OAI, limit, fptr(g), ffi.NULL, fptr(out), len(g)),
+                   "the clamped SwiGLU needs up")
+
+
 @pytest.mark.parametrize("act", list(ACTS), ids=list(ACTS))
 def test_glu_in_place(act):
     a = ACTS[act]
@@ -507,9 +531,10 @@ def test_attention_kv_refuses_other_types():
 
 
 # Gemma's attention (gh_op_attention_ext): the scores' own scale, soft-capping c tanh(s / c)
-# of the scaled scores, and a sliding window (query at position p sees keys p - W + 1 .. p).
+# of the scaled scores, and a sliding window (query at position p sees keys p - W + 1 .. p);
+# gpt-oss's sinks: a logit per head in the softmax whose share is dropped.
 
-def ref_attention_ext(q, k, v, n_past, scale, softcap, window):
+def ref_attention_ext(q, k, v, n_past, scale, softcap, window, sinks=None):
     n_tokens, n_head, d = q.shape
     group = n_head // k.shape[1]
     qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
@@ -521,17 +546,21 @@ def ref_attention_ext(q, k, v, n_past, scale, softcap, window):
             s = kd[lo:p + 1, h // group, :] @ qd[t, h] * scale
             if softcap:
                 s = softcap * np.tanh(s / softcap)
-            e = np.exp(s - s.max())
-            out[t, h] = e @ vd[lo:p + 1, h // group, :] / e.sum()
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            e = np.exp(s - mx)
+            den = e.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - mx))
+            out[t, h] = e @ vd[lo:p + 1, h // group, :] / den
     return out
 
 
-def run_attention_ext(kind, q, kq, vq, n_head_kv, n_past, n_threads, scale, softcap, window):
+def run_attention_ext(kind, q, kq, vq, n_head_kv, n_past, n_threads, scale, softcap, window,
+                      sinks=None):
     n_tokens, n_head, d = q.shape
     out = np.full(q.shape, np.nan, dtype=np.float32)
     check(lib.gh_op_attention_ext(KV_TYPES.get(kind, 0), fptr(q), ffi.from_buffer(kq),
                                   ffi.from_buffer(vq), fptr(out), n_tokens, n_past, n_head,
-                                  n_head_kv, d, n_threads, scale, softcap, window))
+                                  n_head_kv, d, n_threads, scale, softcap, window,
+                                  ffi.NULL if sinks is None else fptr(sinks)))
     return out
 
 
@@ -559,6 +588,30 @@ def test_attention_ext_window_scale_softcap(simd, kind, head_dim, n_tokens, n_pa
     assert np.array_equal(out1, out3)
 
 
+@pytest.mark.parametrize("kind", ["f32", "f16"])
+@pytest.mark.parametrize("n_tokens,n_past,window", [(1, 0, 0), (1, 150, 4), (13, 60, 5), (20, 130, 0)])
+def test_attention_ext_sinks(simd, kind, n_tokens, n_past, window):
+    """gpt-oss's attention sinks, per head: some far below the scores (no effect), some among
+    them, some far above (they take almost all the weight: the running max must move to the
+    sink before the sum is taken), with and without a window; 1 and 3 threads agree."""
+    head_dim = 64
+    q, k, v = attn_inputs(n_tokens, n_past, 8, 2, head_dim, seed=n_tokens + n_past, q_scale=3.0)
+    kq, kd, vq, vd = (k, k, v, v) if kind == "f32" else (*kv_store(kind, k), *kv_store(kind, v))
+    sinks = np.array([-30.0, -1.0, 0.0, 0.5, 2.0, 5.0, 40.0, 90.0], dtype=np.float32)
+    scale = 1.0 / math.sqrt(head_dim)
+    out1 = run_attention_ext(kind, q, kq, vq, 2, n_past, 1, scale, 0.0, window, sinks)
+    out3 = run_attention_ext(kind, q, kq, vq, 2, n_past, 3, scale, 0.0, window, sinks)
+    ref = ref_attention_ext(q, kd, vd, n_past, scale, 0.0, window, sinks)
+    np.testing.assert_allclose(out1, ref, rtol=0, atol=2e-5)
+    assert np.array_equal(out1, out3)
+    plain = ref_attention_ext(q, kd, vd, n_past, scale, 0.0, window)
+    assert np.abs(ref - plain).max() > 0.1  # the sinks matter
+    bad = sinks.copy()
+    bad[3] = np.inf
+    with pytest.raises(NativeError, match="sink 3"):
+        run_attention_ext(kind, q, kq, vq, 2, n_past, 1, scale, 0.0, window, bad)
+
+
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_attention_ext_window_reads_nothing_outside(simd, head_dim):
     """Keys before the window (here NaN, in the blocks of 64 before it and in its own) are
@@ -581,7 +634,7 @@ def test_attention_ext_invalid_args():
                                      (1.0, 0.0, -3, "window")):
         with pytest.raises(NativeError, match=word):
             check(lib.gh_op_attention_ext(0, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
-                                          16, 1, scale, cap, window))
+                                          16, 1, scale, cap, window, ffi.NULL))
 
 
 # ---------------------------------------------------------------------------- bad arguments

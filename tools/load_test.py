@@ -4,6 +4,7 @@ and per-token latency at several numbers of concurrent clients.
     python tools/load_test.py -m MODEL.gguf --parallel 4 --threads 2 --clients 1,2,4
     python tools/load_test.py -m MODEL.gguf --parallel 4 --threads 2 --no-cont-batching
     python tools/load_test.py --url http://127.0.0.1:8080 --clients 1,4   # a running server
+    python tools/load_test.py -m MODEL.gguf --parallel 2 --threads 2 --ctx 2048 --join 1500
 
 Each client sends its requests one after another (streamed /v1/completions, greedy, the
 same number of tokens each, prompts varied per request), and times every chunk; the
@@ -12,7 +13,10 @@ with the clients; --no-cont-batching starts the server with a thread per slot in
 the comparison). With -m the tool starts the server itself on a free port and also
 measures the Python API's decode speed on the same file and thread count, alternated with
 one-client server requests (the reference for the server's decode), and a chat turn over a
-cached history against the same new message sent alone.
+cached history against the same new message sent alone. --join N measures instead how much
+a long prompt joining stalls a client that is decoding: client A streams; after its 8th
+token client B sends a prompt of about N tokens; A's largest gap between two tokens while
+B's prompt is read (until B's first token) against A's median gap before B came.
 Not a test: it prints a Markdown table for docs/BENCHMARKS.md.
 """
 
@@ -167,6 +171,47 @@ def decode_vs_python_api(url: str, headers: dict, model: str, threads: int,
     return statistics.median(api), statistics.median(srv), statistics.median(ratio)
 
 
+def join_stall(url: str, headers: dict, n_prompt: int, rounds: int = 3) -> list[dict]:
+    """Per round: A's median gap between tokens before B joins, A's largest gap while B's
+    prompt (about n_prompt tokens) is read, B's prompt tokens and time to first token."""
+    long_prompt = "And it came to pass, that the sons of God saw the daughters of men. " * \
+        max(1, n_prompt // 16)
+    out = []
+    for k in range(rounds):
+        times: list[float] = []
+        started = concurrent.futures.Future()
+
+        def client_a():
+            body = {"prompt": PROMPTS[k % len(PROMPTS)], "max_tokens": 160, "temperature": 0,
+                    "stream": True, "ignore_eos": True}
+            with httpx.Client() as c, c.stream("POST", url + "/v1/completions", json=body,
+                                               headers=headers, timeout=600) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]" and \
+                            json.loads(line[6:]).get("choices"):
+                        times.append(time.perf_counter())
+                        if len(times) == 8:
+                            started.set_result(None)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            a = ex.submit(client_a)
+            started.result(timeout=600)
+            t_join = time.perf_counter()
+            b = one_request(httpx.Client(), url, long_prompt + f" {k}", 2, headers)
+            t_first = t_join + b["ttft"]
+            usage = httpx.post(url + "/v1/completions", headers=headers, timeout=600, json={
+                "prompt": long_prompt + f" {k}", "max_tokens": 1}).json()["usage"]
+            a.result()
+        gaps = [(t1 - t0, t0, t1) for t0, t1 in zip(times, times[1:])]
+        before = [g for g, _, t1 in gaps if t1 <= t_join]
+        during = [g for g, t0, t1 in gaps if t1 > t_join and t0 < t_first]
+        out.append({"base_ms": statistics.median(before) * 1e3,
+                    "max_ms": max(during, default=float("nan")) * 1e3,
+                    "n_during": len(during), "prompt_tokens": usage["prompt_tokens"],
+                    "ttft_ms": b["ttft"] * 1e3})
+    return out
+
+
 def main(argv=None) -> int:
     """Entry point."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -183,6 +228,11 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--api-key", default=os.environ.get("POWERINFER_API_KEY"))
+    ap.add_argument("--join", type=int, default=0, metavar="N",
+                    help="measure instead the stall a prompt of about N tokens joining causes "
+                         "a decoding client (see above)")
+    ap.add_argument("--prompt-chunk", type=int, default=0,
+                    help="the started server's --prompt-chunk (0: its default)")
     args = ap.parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     proc = None
@@ -196,7 +246,8 @@ def main(argv=None) -> int:
              str(port), "--parallel", str(args.parallel), "-t", str(args.threads), "--ctx",
              str(args.ctx), "--queue", "64"] + (["--api-key", args.api_key] if args.api_key
                                                 else [])
-            + (["--no-cont-batching"] if args.no_cont_batching else []))
+            + (["--no-cont-batching"] if args.no_cont_batching else [])
+            + (["--prompt-chunk", str(args.prompt_chunk)] if args.prompt_chunk else []))
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
             try:
@@ -204,6 +255,21 @@ def main(argv=None) -> int:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
+    if args.join:
+        try:
+            one_request(httpx.Client(), url, "warm up", 8, headers)
+            rows = join_stall(url, headers, args.join)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        print("\n| round | B's prompt tokens | A's median gap before (ms) | A's largest gap "
+              "while B's prompt is read (ms) | A's tokens meanwhile | B's TTFT (ms) |")
+        print("|---|---|---|---|---|---|")
+        for i, r in enumerate(rows):
+            print(f"| {i + 1} | {r['prompt_tokens']} | {r['base_ms']:.1f} | {r['max_ms']:.1f} "
+                  f"| {r['n_during']} | {r['ttft_ms']:.0f} |")
+        return 0
     try:
         one_request(httpx.Client(), url, "warm up", 8, headers)
         rows = [run_level(url, int(c), args.requests, args.max_tokens, headers)

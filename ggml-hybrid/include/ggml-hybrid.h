@@ -67,7 +67,9 @@ typedef enum {
     GH_ACT_DRELU = 2,  /* dReLU:  relu(gate) * relu(up)      (Bamboo, TurboSparse) */
     GH_ACT_GELU  = 3,  /* GeGLU:  gelu_tanh(gate) * up      (HF gelu_new / gelu_pytorch_tanh) */
     GH_ACT_GELU_ERF = 4, /* GeGLU with exact erf GELU       (HF "gelu") */
-    GH_ACT_FATRELU = 5  /* fatrelu(gate) * up, fatrelu(g) = g if g > t else 0   (ProSparse) */
+    GH_ACT_FATRELU = 5, /* fatrelu(gate) * up, fatrelu(g) = g if g > t else 0   (ProSparse) */
+    GH_ACT_SWIGLU_OAI = 6 /* gpt-oss's clamped SwiGLU with limit t: g = min(gate, t),
+                           * (clamp(up, -t, t) + 1) * g * sigmoid(1.702 g) (gated only) */
 } gh_act;
 /* An ungated FFN (OPT, Falcon) applies the same kinds to up alone: act(up) (dReLU has no
  * ungated form). */
@@ -147,12 +149,14 @@ gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const
                              float * out, int64_t n_tokens, int64_t n_past, int n_head,
                              int n_head_kv, int head_dim, int n_threads);
 /* The same with the scores' scale (gh_op_attention_kv: 1/sqrt(head_dim)), soft-capping of
- * the scaled scores s -> softcap * tanh(s / softcap) (0: none) and a sliding window: the
- * query at position p sees the keys at positions p - window + 1 .. p (0: 0 .. p). Gemma. */
+ * the scaled scores s -> softcap * tanh(s / softcap) (0: none), a sliding window: the
+ * query at position p sees the keys at positions p - window + 1 .. p (0: 0 .. p) (Gemma),
+ * and attention sinks: sinks[h] (n_head finite values; NULL: none) is one more logit in
+ * head h's softmax whose share is dropped (gpt-oss). */
 gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
                               float * out, int64_t n_tokens, int64_t n_past, int n_head,
                               int n_head_kv, int head_dim, int n_threads, float scale,
-                              float softcap, int64_t window);
+                              float softcap, int64_t window, const float * sinks);
 
 /* ---- GGUF files (the same reader the model loader uses) ---- */
 
@@ -364,25 +368,33 @@ int32_t gh_n_logit_rows(const gh_context * c);
  * context's FFN mode (set the sparse batch to 0 for the dense FFN's states). */
 gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out);
 
-/* Batched decode (continuous batching in a server): the next token of each of n contexts
- * of one model, tokens[i] for ctxs[i], in ONE forward pass. Norms, projections, the FFN and
- * the head run over the n tokens together, so each weight is read once for all of them;
- * each token's keys and values join its own context's cache and it attends over that
- * cache alone. Afterwards each context holds one more token and its logits as a gh_eval of
- * that token leaves them (gh_get_logits(ctxs[i], 0)), equal to a gh_eval's up to the
- * rounding of the matmul's multi-token tiles against its one-token tiles: bit for bit
- * where a type's two tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
+/* Batches of several contexts (continuous batching in a server): the next tokens of each
+ * of n contexts of one model in ONE forward pass: n_tokens[i] >= 1 tokens for ctxs[i] (a
+ * decoding context its next token, a context reading a prompt a chunk of it), given one
+ * context after another in tokens (sum n_tokens[i] of them). Norms, projections, the FFN
+ * and the head run over all the tokens together, so each weight is read once for all of
+ * them; each context's tokens join its own cache after its n_past and attend causally over
+ * that cache alone. Afterwards each context holds n_tokens[i] more tokens and the logits a
+ * gh_eval of those tokens leaves (logits_all = 0: its last token's, gh_get_logits(ctxs[i],
+ * 0); else one row per token), equal to a gh_eval's up to the rounding of the matmul's
+ * tiles, which group a pass's token rows differently from one context's own pass: bit for
+ * bit where a type's tiles sum alike (measured: the shipped f16 model at AVX-512, SmolLM2
  * Q4_1 at AVX2 and scalar, every architecture's f32 test model within 1e-5), else apart by
  * that rounding (SmolLM2 Q4_1 at AVX-512: 7e-7 of the largest logit; tests/test_batch.py
  * allows 1e-4 and asks for the same greedy token). The pass borrows ctxs[0]'s buffers and
- * threads (n <= its n_batch) and its statistics count the pass (times, weight bytes, n
- * tokens); the other contexts' statistics do not change.
- * Every context must be distinct, of the same model, have room for one more token, and
- * run one-token batches densely (the dense FFN mode, or any mode with a sparse batch of 0:
- * gh_context_set_sparse_batch), else GH_ERR_UNSUPPORTED naming the context: the sparse
- * modes select each token's own neurons and are not batched yet (decode those contexts
- * with gh_eval). On any error no context changes. Each context is claimed as gh_eval
- * claims it (GH_ERR_BUSY, and nothing done, if one is in a call on another thread). */
+ * threads (sum n_tokens[i] <= its n_batch) and its statistics count the pass (times, weight
+ * bytes, all the tokens); the other contexts' statistics do not change.
+ * Every context must be distinct (a context's tokens are one run), of the same model, have
+ * room for its tokens, and run batches of its n_tokens[i] densely (the dense FFN mode, or a
+ * sparse batch below n_tokens[i]: gh_context_set_sparse_batch), else GH_ERR_UNSUPPORTED
+ * naming the context: the sparse modes select each token's own neurons and are not batched
+ * yet (evaluate those contexts with gh_eval). On any error no context changes. Each context
+ * is claimed as gh_eval claims it (GH_ERR_BUSY, and nothing done, if one is in a call on
+ * another thread). */
+gh_status gh_eval_batch_ex(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                           const int32_t * tokens, int32_t logits_all);
+/* Batched decode: gh_eval_batch_ex with one token per context (tokens[i] for ctxs[i]) and
+ * each context's logits of it kept. */
 gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens);
 
 /* Profiling (offline predictor training): gh_eval (logits of the last token only) that
@@ -613,6 +625,16 @@ void gh_sampler_accept(gh_sampler * s, int32_t token);
 void gh_sampler_reset(gh_sampler * s);
 /* Sample from one row of logits (n_vocab floats). Does not accept the token. */
 gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_token);
+/* The distribution gh_sampler_sample draws from (speculative decoding compares two of
+ * them): probs[i] (n_vocab floats, summing to 1) after the repetition penalty, temperature,
+ * top-k, top-p and min-p, as if the n_extra tokens `extra` (drafted, not accepted yet; may be
+ * NULL when n_extra is 0) had been accepted after the history; greedy (temperature <= 0): 1
+ * at the token gh_sampler_sample picks, 0 elsewhere. Draws no random number. */
+gh_status gh_sampler_probs(gh_sampler * s, const float * logits, const int32_t * extra,
+                           int32_t n_extra, float * probs);
+/* The next uniform number in [0, 1) of the sampler's seeded stream (the one
+ * gh_sampler_sample draws from), for draws made outside it. */
+double gh_sampler_random(gh_sampler * s);
 
 /* CFFI-END */
 

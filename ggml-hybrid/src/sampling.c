@@ -122,37 +122,53 @@ static int32_t argmax(const float * logits, int32_t n) {
     return best;
 }
 
-gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_token) {
-    if (!s || !logits || !out_token) return gh_fail(GH_ERR_INVALID_ARG, "gh_sampler_sample: NULL argument");
+/* The token `back` places before the newest of the penalty's window: the accepted history
+ * followed by extra[0..n_extra) (drafted tokens not accepted yet), newest last. */
+static int32_t window_token(const gh_sampler * s, const int32_t * extra, int32_t n_extra,
+                            int32_t back) {
+    if (back < n_extra) return extra[n_extra - 1 - back];
+    back -= n_extra;
+    const int32_t r = s->p.repeat_last_n;
+    return s->history[((s->hist_pos - 1 - back) % r + r) % r];
+}
+
+/* Applies the penalty, temperature, top-k, top-p and min-p to logits as if `extra` had been
+ * accepted after the history; leaves the kept candidates in s->cand[0..n) with their
+ * unnormalised probabilities in .p (greedy: the one best token, p = 1) and returns n. */
+static int32_t warp(gh_sampler * s, const float * logits, const int32_t * extra,
+                    int32_t n_extra) {
     const int32_t nv = s->n_vocab;
     const gh_sampler_params * p = &s->p;
-    const bool penalize = p->repeat_penalty != 1.0f && s->n_hist > 0;
+    const int32_t n_win = GH_MIN(s->n_hist + n_extra, p->repeat_last_n);
+    const bool penalize = p->repeat_penalty != 1.0f && n_win > 0;
+    gh_cand * c = s->cand;
 
     if (p->temperature <= 0 && !penalize) { /* greedy fast path: no copy */
-        *out_token = argmax(logits, nv);
-        return GH_OK;
+        c[0].id = argmax(logits, nv);
+        c[0].p = 1.0f;
+        return 1;
     }
-    gh_cand * c = s->cand;
     for (int32_t i = 0; i < nv; i++) { c[i].id = i; c[i].logit = logits[i]; }
     if (penalize) {
         /* Each distinct token in the window is penalised once (CTRL-style). */
-        for (int32_t i = 0; i < s->n_hist; i++) {
-            int32_t t = s->history[i];
+        for (int32_t i = 0; i < n_win; i++) {
+            int32_t t = window_token(s, extra, n_extra, i);
             if (t < 0 || t >= nv || s->seen[t]) continue;
             s->seen[t] = 1;
             float l = c[t].logit;
             c[t].logit = l > 0 ? l / p->repeat_penalty : l * p->repeat_penalty;
         }
-        for (int32_t i = 0; i < s->n_hist; i++) {
-            int32_t t = s->history[i];
+        for (int32_t i = 0; i < n_win; i++) {
+            int32_t t = window_token(s, extra, n_extra, i);
             if (t >= 0 && t < nv) s->seen[t] = 0;
         }
     }
     if (p->temperature <= 0) {
         int32_t best = 0;
         for (int32_t i = 1; i < nv; i++) if (c[i].logit > c[best].logit) best = i;
-        *out_token = c[best].id;
-        return GH_OK;
+        c[0] = c[best]; /* c[best].id == best: the copy above kept ids in place */
+        c[0].p = 1.0f;
+        return 1;
     }
     const float inv_t = 1.0f / p->temperature;
     for (int32_t i = 0; i < nv; i++) c[i].logit *= inv_t;
@@ -181,7 +197,18 @@ gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_
         while (keep < n && c[keep].p >= cut) keep++;
         n = keep;
     }
-    sum = 0;
+    return n;
+}
+
+gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_token) {
+    if (!s || !logits || !out_token) return gh_fail(GH_ERR_INVALID_ARG, "gh_sampler_sample: NULL argument");
+    const int32_t n = warp(s, logits, NULL, 0);
+    const gh_cand * c = s->cand;
+    if (s->p.temperature <= 0) { /* greedy: no random number drawn */
+        *out_token = c[0].id;
+        return GH_OK;
+    }
+    double sum = 0;
     for (int32_t i = 0; i < n; i++) sum += c[i].p;
     double r = rng_uniform(&s->rng) * sum, acc = 0;
     int32_t pick = n - 1;
@@ -192,3 +219,19 @@ gh_status gh_sampler_sample(gh_sampler * s, const float * logits, int32_t * out_
     *out_token = c[pick].id;
     return GH_OK;
 }
+
+gh_status gh_sampler_probs(gh_sampler * s, const float * logits, const int32_t * extra,
+                           int32_t n_extra, float * probs) {
+    if (!s || !logits || !probs || (n_extra && !extra) || n_extra < 0) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_sampler_probs: NULL or negative argument");
+    }
+    const int32_t n = warp(s, logits, extra, n_extra);
+    const gh_cand * c = s->cand;
+    double sum = 0;
+    for (int32_t i = 0; i < n; i++) sum += c[i].p;
+    memset(probs, 0, (size_t) s->n_vocab * sizeof *probs);
+    for (int32_t i = 0; i < n; i++) probs[c[i].id] = (float) (c[i].p / sum);
+    return GH_OK;
+}
+
+double gh_sampler_random(gh_sampler * s) { return s ? rng_uniform(&s->rng) : 0.0; }

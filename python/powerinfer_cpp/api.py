@@ -71,7 +71,7 @@ _INIT_UNSUPPORTED = {
     "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "logits_all": False,
     "offload_kqv": True, "flash_attn": False, "no_perf": False,
     "lora_base": None, "lora_scale": 1.0, "lora_path": None, "numa": False,
-    "chat_handler": None, "draft_model": None, "tokenizer": None, "type_k": None,
+    "chat_handler": None, "tokenizer": None, "type_k": None,
     "type_v": None, "spm_infill": False,
 }
 # create_completion / create_chat_completion arguments we do not implement
@@ -91,6 +91,31 @@ _CHAT_FORMATS = {
                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                "{% endif %}"),
 }
+
+
+def _draft_arg(model, draft_model, draft_max):
+    """Llama(draft_model=...): None, "self" (the file's sparse mode drafts) or a draft model
+    (a path or a Model; a llama-cpp-python LlamaDraftModel object is refused), checked now."""
+    if draft_model is None:
+        if draft_max is not None:
+            raise ValueError("Llama(): draft_max needs a draft_model ('self' or a GGUF file)")
+        return None
+    from . import speculative
+
+    if isinstance(draft_model, str) and draft_model == "self":
+        speculative.self_draft_mode(model)
+        return "self"
+    if isinstance(draft_model, (str, os.PathLike)):
+        return speculative.load_draft_model(model, draft_model)
+    from .model import Model
+
+    if isinstance(draft_model, Model):
+        speculative.check_vocab(model, draft_model)
+        return draft_model
+    raise UnsupportedArgumentError(
+        f"Llama(): draft_model must be 'self', a GGUF file path or a powerinfer_cpp Model, not "
+        f"{type(draft_model).__name__} (llama-cpp-python's draft objects such as prompt "
+        "lookup decoding are not supported)")
 
 
 def check_unsupported(where: str, given: dict, table: dict) -> None:
@@ -315,7 +340,8 @@ class Llama:
                  chat_format: str | None = None, verbose: bool = True,
                  chat_template: str | None = None, ffn: str = "auto",
                  device: str | None = None, vram_budget: int | str | None = None,
-                 embedding: bool = False, pooling_type: int = -1, n_cpu_moe: int = 0,
+                 embedding: bool = False, pooling_type: int = -1, draft_model=None,
+                 draft_max: int | None = None, n_cpu_moe: int = 0,
                  expert_cache: int | str | None = None, **kwargs):
         check_unsupported("Llama()", kwargs, _INIT_UNSUPPORTED)
         from .model import Model, device_available
@@ -327,7 +353,8 @@ class Llama:
             use_mmap=use_mmap, last_n_tokens_size=last_n_tokens_size, chat_format=chat_format,
             verbose=verbose, chat_template=chat_template, ffn=ffn, device=device,
             vram_budget=vram_budget, embedding=embedding, pooling_type=pooling_type,
-            n_cpu_moe=n_cpu_moe, expert_cache=expert_cache, **kwargs)
+            draft_model=draft_model, draft_max=draft_max, n_cpu_moe=n_cpu_moe,
+            expert_cache=expert_cache, **kwargs)
         self._last_logits: np.ndarray | None = None  # of the last eval(), for sample()
 
         if n_threads_batch is not None and n_threads_batch != n_threads:
@@ -368,6 +395,8 @@ class Llama:
                             expert_cache=expert_cache)
         try:
             self._ctx = self._model.context
+            self._draft = _draft_arg(self._model, draft_model, draft_max)
+            self._draft_max = draft_max
             if chat_format is not None and chat_template is None:
                 chat_template = _CHAT_FORMATS[chat_format]
             self._chat_template_src = chat_template
@@ -881,6 +910,10 @@ class Llama:
         kw = dict(max_tokens=n, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
                   repeat_penalty=repeat_penalty, repeat_last_n=self._repeat_last_n,
                   stop=stops, seed=seed)
+        if self._draft is not None and constraint is None:
+            # speculative decoding: the same tokens, sooner (a grammar's matcher only moves
+            # forward, so a constrained reply decodes plainly)
+            kw.update(draft=self._draft, draft_max=self._draft_max)
         proc = make_logits_processor(self._model.eos_id, logits_processor, logit_bias,
                                      stopping_criteria)
         if constraint is not None:

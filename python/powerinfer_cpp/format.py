@@ -34,6 +34,7 @@ ARCH_GEMMA3 = "gemma3"    # Gemma 3 text (Gemma 2's block with q/k norms, 5 loca
 ARCH_QWEN2MOE = "qwen2moe"  # Qwen1.5-MoE / Qwen2-MoE (experts + a shared expert)
 ARCH_QWEN3MOE = "qwen3moe"  # Qwen3-MoE
 ARCH_OLMOE = "olmoe"        # OLMoE
+ARCH_GPTOSS = "gpt-oss"     # gpt-oss (attention sinks, sliding windows, biased experts, MXFP4)
 # Mixtral is ARCH_LLAMA with KEY_EXPERT_COUNT > 0 (llama.cpp writes it so)
 
 #: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
@@ -42,14 +43,15 @@ SMOLLM3_NOPE_EVERY = 4
 
 #: gemma2 / gemma3: layer il is local (sliding window) iff il % n < n - 1, where n is this
 #: period, unless KEY_SLIDING_WINDOW_PATTERN says otherwise (llama.cpp's defaults).
-SWA_PERIOD = {ARCH_GEMMA2: 2, ARCH_GEMMA3: 6}
+SWA_PERIOD = {ARCH_GEMMA2: 2, ARCH_GEMMA3: 6, ARCH_GPTOSS: 2}
 
 #: GGUF architectures this project writes / reads.
 ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
-                 ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE)
+                 ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE,
+                 ARCH_GPTOSS)
 #: The architectures whose FFN is always a mixture of experts (llama is one when its file
 #: has KEY_EXPERT_COUNT > 0: Mixtral).
-MOE_ARCHITECTURES = (ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE)
+MOE_ARCHITECTURES = (ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE, ARCH_GPTOSS)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -79,7 +81,13 @@ ACT_DRELU = "drelu"  # dReLU:  relu(gate) * relu(up) (gated only)
 ACT_GELU = "gelu"    # GeGLU:  gelu_tanh(gate) * up (tanh approximation; HF gelu_new, gelu_pytorch_tanh)
 ACT_GELU_ERF = "gelu_erf"  # GeGLU with the exact erf GELU (HF "gelu")
 ACT_FATRELU = "fatrelu"    # ProSparse: fatrelu(gate) * up, fatrelu(x) = x if x > t else 0
-ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU, ACT_GELU_ERF, ACT_FATRELU)
+#: gpt-oss's clamped SwiGLU (gated only), limit t = KEY_SWIGLU_CLAMP_EXP:
+#: (clamp(up, -t, t) + 1) * g * sigmoid(1.702 g), g = min(gate, t)
+ACT_SWIGLU_OAI = "swiglu_oai"
+ACTIVATIONS = (ACT_SILU, ACT_RELU, ACT_DRELU, ACT_GELU, ACT_GELU_ERF, ACT_FATRELU, ACT_SWIGLU_OAI)
+#: gpt-oss's sigmoid gain in ACT_SWIGLU_OAI (swiglu_alpha; a constant of the runtime, as of
+#: llama.cpp: no key carries it)
+SWIGLU_OAI_ALPHA = 1.702
 DEFAULT_ACTIVATION = ACT_SILU
 
 #: Activation kinds whose FFN outputs are exactly sparse (zero for a neuron
@@ -121,6 +129,13 @@ KEY_ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # gemma3: the local layers
 KEY_ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
 KEY_ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
 KEY_ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+#: YaRN (gpt-oss): the pre-extension context (u32, required with it) and the ramp's rotation
+#: counts (f32; absent: 32 and 1)
+KEY_ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+KEY_ROPE_SCALING_YARN_BETA_FAST = "{arch}.rope.scaling.yarn_beta_fast"
+KEY_ROPE_SCALING_YARN_BETA_SLOW = "{arch}.rope.scaling.yarn_beta_slow"
+#: the clamped SwiGLU's limit (f32, or one per layer; absent: 7), ACT_SWIGLU_OAI
+KEY_SWIGLU_CLAMP_EXP = "{arch}.swiglu_clamp_exp"
 # How an embedding model pools its tokens' hidden states (llama.cpp's llama_pooling_type);
 # read by embeddings.py, never written by the converter (a causal LM does not say)
 KEY_POOLING_TYPE = "{arch}.pooling_type"
@@ -143,6 +158,7 @@ EXPERT_GATING_SOFTMAX = 1
 
 ROPE_SCALING_NONE = "none"
 ROPE_SCALING_LINEAR = "linear"
+ROPE_SCALING_YARN = "yarn"
 
 # Tokenizer keys
 KEY_TOKENIZER_MODEL = "tokenizer.ggml.model"
@@ -446,7 +462,9 @@ T_ATTN_V = "attn_v"
 T_ATTN_OUTPUT = "attn_output"
 T_ATTN_Q_NORM = "attn_q_norm"  # qwen3: RMSNorm of each q head [hd]; olmo2: of all of q [n_head·hd]
 T_ATTN_K_NORM = "attn_k_norm"  # qwen3: RMSNorm of each k head [hd]; olmo2: of all of k
-T_POST_ATTN_NORM = "post_attention_norm"  # olmo2, gemma2/3: norm of the attention's output
+T_ATTN_SINKS = "attn_sinks"    # gpt-oss: [n_head] a logit per head in the softmax's denominator
+T_POST_ATTN_NORM = "post_attention_norm"  # olmo2, gemma2/3: norm of the attention's output;
+#                                            gpt-oss: the FFN's input norm (llama.cpp's name)
 T_POST_FFW_NORM = "post_ffw_norm"         # olmo2, gemma2/3: norm of the FFN's output
 T_FFN_NORM = "ffn_norm"
 T_FFN_GATE = "ffn_gate"
@@ -458,6 +476,8 @@ T_FFN_GATE_INP = "ffn_gate_inp"        # [n_expert, d] router, stored F32 as lla
 T_FFN_GATE_EXPS = "ffn_gate_exps"      # [n_expert, n_ff_exp, d]
 T_FFN_UP_EXPS = "ffn_up_exps"          # [n_expert, n_ff_exp, d]
 T_FFN_DOWN_EXPS = "ffn_down_exps"      # [n_expert, d, n_ff_exp]
+# gpt-oss: ffn_gate_inp.bias [n_expert], ffn_{gate,up}_exps.bias [n_expert, n_ff_exp] and
+# ffn_down_exps.bias [n_expert, d] (biases are F32 whatever their rank)
 T_FFN_GATE_SHEXP = "ffn_gate_shexp"    # [n_ff_shexp, d]
 T_FFN_UP_SHEXP = "ffn_up_shexp"        # [n_ff_shexp, d]
 T_FFN_DOWN_SHEXP = "ffn_down_shexp"    # [d, n_ff_shexp]
@@ -475,7 +495,7 @@ LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_Q, T_ATTN_K, T_ATTN_V, T_ATTN_OUTPUT,
 #: Every dense per-layer tensor kind of any architecture (biases are the same kinds
 #: with the ".bias" suffix).
 ALL_LAYER_TENSORS = (T_ATTN_NORM, T_ATTN_NORM_2, T_ATTN_QKV, T_ATTN_Q, T_ATTN_K, T_ATTN_V,
-                     T_ATTN_OUTPUT, T_ATTN_Q_NORM, T_ATTN_K_NORM, T_POST_ATTN_NORM, T_FFN_NORM,
+                     T_ATTN_OUTPUT, T_ATTN_Q_NORM, T_ATTN_K_NORM, T_ATTN_SINKS, T_POST_ATTN_NORM, T_FFN_NORM,
                      T_FFN_GATE, T_FFN_UP, T_FFN_DOWN, T_POST_FFW_NORM) + MOE_LAYER_TENSORS
 
 #: Layer-tensor prefix: blk.{layer}.

@@ -54,7 +54,8 @@ def _n_gpu_layers(text: str) -> int:
 # clear answer. (flags, nargs, the value that changes nothing, what to say): a note for
 # those that are ignored (None: nothing to say, the output is the same), an error
 # ("refuse") for those whose request cannot be met.
-_SPECULATIVE = "speculative decoding (a draft model) is not supported by this runtime"
+_SPECULATIVE = ("this speculative decoding flag is not supported by this runtime (--draft self, "
+                "-md/--model-draft FILE and --draft-max N are)")
 _LLAMA_FLAGS = [
     (("--color", "-co"), 0, None, None),
     (("--jinja",), 0, None, None),           # chat templates are always rendered with jinja
@@ -75,9 +76,7 @@ _LLAMA_FLAGS = [
                                          "runs on one device (--device)"),
     (("--keep",), 1, None, "--keep has no effect here: the context is not shifted; "
                            "generation stops when it is full"),
-    (("-md", "--model-draft"), 1, "refuse", _SPECULATIVE),
-    (("--draft", "--draft-max", "--draft-n", "--draft-min", "--draft-p-min"), 1, "refuse",
-     _SPECULATIVE),
+    (("--draft-min", "--draft-p-min"), 1, "refuse", _SPECULATIVE),
     (("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), 1, "refuse", _SPECULATIVE),
     (("--grammar", "--grammar-file", "-j", "--json-schema", "-jf", "--json-schema-file"), 1,
      "refuse", "grammars and JSON schemas are not supported by this runtime"),
@@ -200,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-sparse", choices=["auto", "on", "off"], default="auto",
                    help="input-sparse attention and head in the sparse/gate modes (a file converted "
                         "with --input-sparsity): auto = on when the file has it (default)")
+    p.add_argument("--draft", metavar="self|N", default=None,
+                   help="speculative decoding: 'self' drafts with the file's sparse mode and "
+                        "verifies with the dense model (the dense model's output, sooner); a "
+                        "number is llama.cpp's --draft N (= --draft-max N)")
+    p.add_argument("-md", "--model-draft", metavar="FILE", default=None,
+                   help="speculative decoding with a draft model of the same vocabulary")
+    p.add_argument("--draft-max", "--draft-n", type=int, default=None,
+                   help="most tokens drafted per verification (default 8; adapts below it)")
     p.add_argument("--device", "-dev", default=None,
                    help="where to run: cpu (default), cuda, cuda:N (a build with nvcc), or "
                         "host-device (a simulated device in host RAM; runs the hybrid path "
@@ -404,7 +411,9 @@ def _run(args, Model) -> int:
         # stream() checks every argument before returning: a bad one fails before the echo
         # -n -1 (and llama.cpp's -2): until the context is full
         n_predict = None if args.n_predict < 0 else args.n_predict
+        draft, draft_max = _draft_args(args)
         pieces = model.stream(prompt, max_tokens=n_predict, temperature=args.temp,
+                              draft=draft, draft_max=draft_max,
                               top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty,
                               repeat_last_n=args.repeat_last_n, seed=args.seed,
@@ -438,14 +447,40 @@ def _run(args, Model) -> int:
     if dinfo["device"] != "cpu":
         print(_device_summary(dinfo), file=sys.stderr)
     print(_stats_summary(model.context.stats(), model.info.n_layer), file=sys.stderr)
+    sp = t.get("speculative")
+    if sp:
+        print(f"speculative = {sp['acceptance']:10.1%} of {sp['drafted']} drafted tokens kept "
+              f"({sp['draft']}; {sp['rounds']} verifications, {sp['tokens_per_round']:.2f} "
+              f"tokens each); draft {sp['draft_s'] * 1e3:.1f} ms, verify "
+              f"{sp['verify_s'] * 1e3:.1f} ms", file=sys.stderr)
     model.close()
     return 0
+
+
+def _draft_args(args) -> tuple:
+    """(draft, draft_max) of stream() from --draft, -md/--model-draft and --draft-max."""
+    draft, draft_max = None, args.draft_max
+    if args.draft is not None:
+        if args.draft == "self":
+            draft = "self"
+        elif args.draft.isdigit():  # llama.cpp: --draft N is the draft length
+            draft_max = int(args.draft)
+        else:
+            raise ValueError(f"--draft takes 'self' or a number of tokens, not {args.draft!r}")
+    if args.model_draft is not None:
+        if draft == "self":
+            raise ValueError("give --draft self or --model-draft FILE, not both")
+        draft = args.model_draft
+    if draft is None and draft_max is not None:
+        raise ValueError("--draft-max needs a drafter: --draft self or --model-draft FILE")
+    return draft, draft_max
 
 
 def _chat(args, model, first: str | None) -> int:
     """The interactive chat loop: each turn renders the whole history through the chat
     template; the context keeps its cache, so only the tokens after the common prefix
     (the new message) are evaluated."""
+    draft, draft_max = _draft_args(args)
     from .chat import ChatTemplate
     from .model import Completion
 
@@ -507,7 +542,8 @@ def _chat(args, model, first: str | None) -> int:
                                     top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                                     repeat_penalty=args.repeat_penalty,
                                     repeat_last_n=args.repeat_last_n, seed=args.seed,
-                                    stop=stops, stats=stats):
+                                    stop=stops, stats=stats, draft=draft,
+                                    draft_max=draft_max):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:

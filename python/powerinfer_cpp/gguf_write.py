@@ -73,10 +73,11 @@ _OUTTYPE_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4
 
 
 def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | None = None,
-                 mix: QuantMix | None = None):
+                 mix: QuantMix | None = None, suffix: str | None = "weight"):
     """(GGML type, note) a dense tensor of this kind, layer and numpy shape is stored as.
 
-    1-D tensors (norms, biases, frequencies) and the expert routers are always F32. A 3-D
+    1-D tensors (norms, biases, frequencies), every bias (``suffix``; gpt-oss's expert biases
+    are 2-D) and the expert routers are always F32. A 3-D
     expert tensor [n_expert, rows, cols] is stored as its rows (their length is the last
     axis), by the rule of its kind (the ``_m`` mixes: ``base``, llama.cpp's MoE-specific
     choices are not followed). Q4_0 / Q4_1 / Q5_0 / Q5_1
@@ -87,7 +88,7 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     need a length divisible by the block size (32; K-quants and IQ4_XS 256): other rows fall
     back as llama.cpp's quantizer does (fit_rows)."""
     from gguf import GGMLQuantizationType as Q
-    if len(shape) == 1 or kind in F.F32_KINDS:
+    if len(shape) == 1 or kind in F.F32_KINDS or suffix == "bias":
         return Q.F32, ""
     t = Q[_OUTTYPE_TYPE[outtype]]
     if outtype in ("iq4_nl", "iq4_xs"):

@@ -20,7 +20,7 @@ from ._native import NativeError, NativeValueError, check, ffi, lib
 from .sizes import parse_size
 from .tokenizer import Tokenizer, load_tokenizer
 
-_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu"}
+_ACT_NAMES = {0: "silu", 1: "relu", 2: "drelu", 3: "gelu", 4: "gelu_erf", 5: "fatrelu", 6: "swiglu_oai"}
 _TYPE_NAMES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 30: "bf16",
                12: "q4_k", 13: "q5_k", 14: "q6_k", 10: "q2_k", 11: "q3_k", 20: "iq4_nl", 23: "iq4_xs",
                39: "mxfp4", 16: "iq2_xxs", 17: "iq2_xs", 22: "iq2_s", 18: "iq3_xxs", 21: "iq3_s",
@@ -486,6 +486,9 @@ class Context(_NativeHandle):
         out = ffi.new("gh_context **")
         check(lib.gh_context_new(model._handle(), ffi.new("gh_context_params *", p), out))
         self._ptr = out[0]
+        # tokens one forward pass takes (gh_context_new's rule: 0 or more than n_ctx = n_ctx)
+        n_ctx_now = lib.gh_context_n_ctx(self._ptr)
+        self.n_batch = min(n_batch, n_ctx_now) if n_batch > 0 else n_ctx_now
         model._contexts.add(self)  # closed with the model, however it was made
         self._use = 0  # bumped by every eval/reset; a stream stops if it changed under it
         self._seen = threading.local()  # .use: self._use after this thread's last call
@@ -783,7 +786,7 @@ class Context(_NativeHandle):
                min_p: float = 0.05, repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                seed: int | None = None, stop: str | Sequence[str] | None = None,
                ignore_eos: bool = False, stats: Completion | None = None,
-               logits_processor=None) -> Iterator[str]:
+               logits_processor=None, draft=None, draft_max: int | None = None) -> Iterator[str]:
         """Yield text pieces as they are generated.
 
         The cache keeps the longest common prefix of its tokens and the prompt (a chat
@@ -796,7 +799,10 @@ class Context(_NativeHandle):
         or when the context is full. Pass a Completion as `stats` to receive tokens,
         finish reason, timings and how many prompt tokens came from the cache.
         `logits_processor(input_ids, logits) -> logits` (a float32 array of n_vocab) may
-        change each token's logits before sampling.
+        change each token's logits before sampling. `draft` ("self", a draft Model or its
+        file) decodes speculatively, `draft_max` tokens drafted at most per verification
+        (see powerinfer_cpp.speculative: the output is the dense model's); the Completion's
+        timings["speculative"] then reports acceptance and the draft/verify split.
 
         The arguments are checked here, before the first piece is asked for (a bad
         one raises at once). A stream owns its context while it runs: evaluating,
@@ -806,7 +812,8 @@ class Context(_NativeHandle):
         return _run_stream(self.start_generation(
             prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, seed=seed,
-            stop=stop, ignore_eos=ignore_eos, stats=stats, logits_processor=logits_processor))
+            stop=stop, ignore_eos=ignore_eos, stats=stats, logits_processor=logits_processor,
+            draft=draft, draft_max=draft_max))
 
     def start_generation(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                          temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
@@ -814,7 +821,8 @@ class Context(_NativeHandle):
                          repeat_last_n: int = 64, seed: int | None = None,
                          stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
                          stats: Completion | None = None,
-                         logits_processor=None) -> Generation:
+                         logits_processor=None, draft=None,
+                         draft_max: int | None = None) -> Generation:
         """stream()'s generation as a Generation, run a step at a time by the caller (the
         server's batching scheduler): same arguments, checked here."""
         model = self.model
@@ -861,6 +869,13 @@ class Context(_NativeHandle):
         repeat_last_n = _int_arg("repeat_last_n", repeat_last_n)
         sampler = _new_sampler(model.n_vocab, temperature, top_k, top_p, min_p, repeat_penalty,
                                repeat_last_n, seed)
+        if draft is not None or draft_max is not None:
+            from .speculative import start_speculative
+
+            return start_speculative(self, draft, draft_max, float(temperature) <= 0,
+                                     prompt_ids, sampler, max_tokens,
+                                     repeat_last_n, stops, bool(ignore_eos), stats,
+                                     logits_processor)
         return Generation(self, prompt_ids, sampler, max_tokens, repeat_last_n, stops,
                           bool(ignore_eos), stats, logits_processor)
 
@@ -941,49 +956,51 @@ class Generation:
         """Evaluate the next n_max prompt tokens (None: the rest); True once the whole
         prompt is in the cache and its last token's logits are there."""
         ctx = self.ctx
+        with ctx._calling() as ptr:
+            chunk = self._prompt_chunk(ptr, n_max)
+            with _dense_prompt(ptr):
+                ctx._eval_ids(ptr, chunk, False)
+            self._prompt_done(len(chunk))
+        return self.prefilled
+
+    def _prompt_chunk(self, ptr, n_max: int | None) -> list[int]:
+        """The next n_max prompt tokens (None: the rest) to evaluate, the cached prefix
+        kept at the first call (the context's lock held)."""
+        ctx = self.ctx
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        with ctx._calling() as ptr:
-            if self._at is None:
-                # Keep the cached prefix, as far as it was computed exactly: a prompt
-                # (reused or not) always runs through the dense FFN, so the reply is the one
-                # a fresh context gives, whatever this context did before. At least the
-                # last prompt token is evaluated (its logits start the generation).
-                keep = 0
-                limit = min(ctx._n_exact, len(self.prompt_ids) - 1)
-                while keep < limit and ctx._cached[keep] == self.prompt_ids[keep]:
-                    keep += 1
-                check(lib.gh_context_truncate(ptr, keep))
-                del ctx._cached[keep:]
-                ctx._n_exact = min(ctx._n_exact, keep)
-                self.result.n_cached_tokens = keep
-                self._at = keep
-            elif ctx._use != self._mine:
-                raise RuntimeError(_INTERFERED)
-            end = len(self.prompt_ids) if n_max is None else min(len(self.prompt_ids),
-                                                                  self._at + max(n_max, 1))
-            sparse_batch = lib.gh_context_get_sparse_batch(ptr)
-            check(lib.gh_context_set_sparse_batch(ptr, 0))
-            try:
-                ctx._eval_ids(ptr, self.prompt_ids[self._at:end], False)
-            finally:
-                check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
-            self._at = end
-            self._mine = ctx._use
+        if self._at is None:
+            # Keep the cached prefix, as far as it was computed exactly: a prompt (reused or
+            # not) always runs through the dense FFN, so the reply is the one a fresh
+            # context gives, whatever this context did before. At least the last prompt
+            # token is evaluated (its logits start the generation).
+            keep = 0
+            limit = min(ctx._n_exact, len(self.prompt_ids) - 1)
+            while keep < limit and ctx._cached[keep] == self.prompt_ids[keep]:
+                keep += 1
+            check(lib.gh_context_truncate(ptr, keep))
+            del ctx._cached[keep:]
+            ctx._n_exact = min(ctx._n_exact, keep)
+            self.result.n_cached_tokens = keep
+            self._at = keep
+        elif ctx._use != self._mine:
+            raise RuntimeError(_INTERFERED)
+        end = len(self.prompt_ids) if n_max is None else min(len(self.prompt_ids),
+                                                              self._at + max(n_max, 1))
+        return self.prompt_ids[self._at:end]
+
+    def _prompt_done(self, n: int) -> None:
+        """n more prompt tokens are in the cache (after _prompt_chunk's)."""
+        self._at += n
+        self._mine = self.ctx._use
         if self.prefilled:
             self._t1 = time.perf_counter()
-        return self.prefilled
 
     def sample(self) -> str:
         """Pick the next token from the context's logits; returns the text it completes
         ("" while a character or a possible stop string is incomplete) and sets `done` at
         EOS, a stop string or max_tokens, else `next_token`."""
-        ctx = self.ctx
-        with ctx._calling() as ptr:  # the caller may have closed the context meanwhile
-            if ctx._use != self._mine:
-                raise RuntimeError(_INTERFERED)
-            token = ctx._sample(ptr, self.sampler, self.prompt_ids, self.result.tokens,
-                                self.logits_processor)
+        token = self._pick()
         self.next_token = None
         if token == self.eos and not self.ignore_eos:
             self.finish_reason, self.done = "stop", True
@@ -1008,6 +1025,16 @@ class Generation:
         else:
             self.next_token = token
         return piece
+
+    def _pick(self) -> int:
+        """The next token, sampled from the context's logits (speculative decoding's
+        Generation hands out the tokens its last verification decided first)."""
+        ctx = self.ctx
+        with ctx._calling() as ptr:  # the caller may have closed the context meanwhile
+            if ctx._use != self._mine:
+                raise RuntimeError(_INTERFERED)
+            return ctx._sample(ptr, self.sampler, self.prompt_ids, self.result.tokens,
+                               self.logits_processor)
 
     def _claim(self, ptr) -> bool:
         """Before next_token is evaluated (the context's lock held): raise if another call
@@ -1077,35 +1104,65 @@ def _run_stream(gen: Generation) -> Iterator[str]:
         gen.finish()
 
 
-def eval_batch(gens: Sequence[Generation]) -> None:
-    """Evaluate the next token of every generation in ONE forward pass (gh_eval_batch:
-    each weight read once for all of them; each token attends over its own context's
-    cache). Each must be batchable(), have a next_token, and be on a context of its own of
-    the same model; a generation whose context is full is marked done and left out. On an
-    error no context has advanced and each generation may be stepped again."""
+@contextlib.contextmanager
+def _dense_prompt(ptr):
+    """A prompt runs through the dense FFN (sparse batch 0 while it is evaluated), so a
+    reply does not depend on how its prompt was split (Generation.prefill)."""
+    sparse_batch = lib.gh_context_get_sparse_batch(ptr)
+    check(lib.gh_context_set_sparse_batch(ptr, 0))
+    try:
+        yield
+    finally:
+        check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
+
+
+def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None) -> int:
+    """Evaluate every generation's next tokens in ONE forward pass (gh_eval_batch_ex: each
+    weight read once for all of them; each context's tokens attend over its own cache): a
+    decoding generation's next_token (it must be batchable()), a generation still reading
+    its prompt its next prompt_chunk prompt tokens (None: the rest; through the dense FFN,
+    as prefill() reads them). Each must be on a context of its own of the same model, and
+    all the tokens together within the first one's n_batch; a decoding generation whose
+    context is full is marked done and left out. On an error no context has advanced and
+    each generation may be stepped (or prefilled) again. Returns the tokens evaluated."""
     if len({id(g.ctx) for g in gens}) != len(gens):
         raise ValueError("eval_batch: two generations share a context")
-    if any(g.next_token is None for g in gens):
+    if any(g.prefilled and g.next_token is None for g in gens):
         raise ValueError("eval_batch: a generation has no token to evaluate (sample() first)")
     with contextlib.ExitStack() as stack:
         # every context's lock, in one global order (another thread takes one at a time)
         ptrs = {id(g): stack.enter_context(g.ctx._calling())
                 for g in sorted(gens, key=lambda g: id(g.ctx))}
-        live = [(g, ptrs[id(g)]) for g in gens if g._claim(ptrs[id(g)])]
+        live = []  # (generation, its pointer, its tokens, whether they are prompt tokens)
+        for g in gens:
+            p = ptrs[id(g)]
+            if not g.prefilled:
+                live.append((g, p, g._prompt_chunk(p, prompt_chunk), True))
+            elif g._claim(p):
+                live.append((g, p, [g.next_token], False))
         if not live:
-            return
-        tokens = np.array([g.next_token for g, _ in live], dtype=np.int32)
-        cptrs = ffi.new("gh_context *[]", [p for _, p in live])
-        for g, p in live:
-            g.ctx._before_eval(p, 1)
+            return 0
+        counts = np.array([len(ids) for _, _, ids, _ in live], dtype=np.int32)
+        tokens = np.array([t for _, _, ids, _ in live for t in ids], dtype=np.int32)
+        cptrs = ffi.new("gh_context *[]", [p for _, p, _, _ in live])
+        for _, p, _, prompt in live:
+            if prompt:
+                stack.enter_context(_dense_prompt(p))
+        for g, p, ids, _ in live:
+            g.ctx._before_eval(p, len(ids))
         try:
-            check(lib.gh_eval_batch(cptrs, len(live), ffi.from_buffer("int32_t[]", tokens)))
+            check(lib.gh_eval_batch_ex(cptrs, len(live), ffi.from_buffer("int32_t[]", counts),
+                                       ffi.from_buffer("int32_t[]", tokens), 0))
         finally:
-            for g, p in live:
-                g.ctx._after_eval(p, [g.next_token])
+            for g, p, ids, _ in live:
+                g.ctx._after_eval(p, ids)
                 g._mine = g.ctx._use  # our own call: the generation carries on
-        for g, _ in live:
-            g.next_token = None  # its logits are ready for sample()
+        for g, _, ids, prompt in live:
+            if prompt:
+                g._prompt_done(len(ids))
+            else:
+                g.next_token = None  # its logits are ready for sample()
+    return int(tokens.size)
 
 
 def _new_sampler(n_vocab: int, temperature, top_k, top_p, min_p, repeat_penalty,

@@ -714,6 +714,15 @@ void gh_glu(int act, float t, const float * gate, const float * up, float * out,
     case GH_ACT_GELU_ERF:
         ops_kernels_get().gelu_erf_glu(gate, up, out, n);
         break;
+    case GH_ACT_SWIGLU_OAI:
+        /* in float, as transformers' GptOssExperts: the gate clamped above, up on both sides,
+         * up shifted by 1; alpha is the released models' constant (llama.cpp fixes it too) */
+        for (int64_t i = 0; i < n; i++) {
+            const float g = gate[i] < t ? gate[i] : t;
+            const float u = up[i] < -t ? -t : up[i] > t ? t : up[i];
+            out[i] = (u + 1.0f) * (g / (1.0f + expf(-GH_SWIGLU_OAI_ALPHA * g)));
+        }
+        break;
     default:
         break; /* validated by callers */
     }
@@ -768,6 +777,7 @@ typedef struct {
     float         scale;      /* q.k times this */
     float         softcap;    /* scores -> c tanh(scores / c) (0: none) */
     int64_t       window;     /* a query at position p sees keys (p - window, p] (0: [0, p]) */
+    const float * sinks;      /* [n_head] per-head logits in the denominator only (NULL: none) */
     ops_kernels   kern;
     att_scores_fn scores;     /* per-query block kernels for this head size, or NULL */
     att_values_fn values;
@@ -794,12 +804,14 @@ static void attn_unit(const attn_job * j, int64_t unit) {
     int64_t       beg[ATT_MAX_Q], lim[ATT_MAX_Q];   /* keys [beg, lim) are visible */
     float         m[ATT_MAX_Q], l[ATT_MAX_Q];
     float         sc[ATT_MAX_Q][ATT_BLOCK];
+    int           head[ATT_MAX_Q];
     int nq = 0;
     for (int64_t t = t0; t < t1; t++) {
         for (int h = h0; h < h0 + j->sub; h++) {
             int64_t row = (t * j->n_head + h) * (int64_t) d;
             qr[nq] = j->q + row;
             orow[nq] = j->out + row;
+            head[nq] = h;
             lim[nq] = j->n_past + t + 1;
             beg[nq] = j->window > 0 ? GH_MAX(0, lim[nq] - j->window) : 0;
             m[nq] = -INFINITY;
@@ -898,6 +910,18 @@ static void attn_unit(const attn_job * j, int64_t unit) {
             }
         }
     }
+    /* an attention sink: one more logit in the softmax with no value (the max taken over
+     * it too, as transformers does, so a large sink cannot overflow the sum) */
+    for (int i = 0; j->sinks && i < nq; i++) {
+        const float s = j->sinks[head[i]];
+        if (s > m[i]) {
+            const float c = expf(m[i] - s);
+            l[i] *= c;
+            for (int e = 0; e < d; e++) orow[i][e] *= c;
+            m[i] = s;
+        }
+        l[i] += expf(s - m[i]);
+    }
     for (int i = 0; i < nq; i++) {
         float inv = 1.0f / l[i];
         for (int e = 0; e < d; e++) orow[i][e] *= inv;
@@ -926,7 +950,7 @@ void gh_attention_ex(gh_threadpool * tp, const float * q, const void * k, const 
                      int n_head_kv, int head_dim, const gh_attn_opts * o) {
     attn_job j = {
         .q = q, .k = k, .v = v, .out = out,
-        .scale = o->scale, .softcap = o->softcap, .window = o->window,
+        .scale = o->scale, .softcap = o->softcap, .window = o->window, .sinks = o->sinks,
         .kv_row = gh_row_size(kv_type, (int64_t) n_head_kv * head_dim),
         .kv_head = gh_row_size(kv_type, head_dim),
         .n_tokens = n_tokens, .n_past = n_past,
@@ -1028,10 +1052,11 @@ gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
 
 gh_status gh_op_glu(int act, float t, const float * gate, const float * up, float * out,
                     int64_t n) {
-    if (act < GH_ACT_SILU || act > GH_ACT_FATRELU)
+    if (act < GH_ACT_SILU || act > GH_ACT_SWIGLU_OAI)
         return gh_fail(GH_ERR_INVALID_ARG, "glu: unknown activation %d", act);
-    if (act == GH_ACT_DRELU && !up)
-        return gh_fail(GH_ERR_INVALID_ARG, "glu: dReLU needs up (it has no ungated form)");
+    if ((act == GH_ACT_DRELU || act == GH_ACT_SWIGLU_OAI) && !up)
+        return gh_fail(GH_ERR_INVALID_ARG, "glu: %s needs up (it has no ungated form)",
+                       act == GH_ACT_DRELU ? "dReLU" : "the clamped SwiGLU");
     if (!isfinite(t)) return gh_fail(GH_ERR_INVALID_ARG, "glu: threshold (%g) must be finite", (double) t);
     if (!gate || !out) return gh_fail(GH_ERR_INVALID_ARG, "glu: gate and out must not be NULL");
     if (n <= 0) return gh_fail(GH_ERR_INVALID_ARG, "glu: n (%lld) must be positive", (long long) n);
@@ -1064,13 +1089,13 @@ gh_status gh_op_attention_kv(int kv_type, const float * q, const void * k, const
     if (head_dim <= 0)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: head_dim (%d) must be positive", head_dim);
     return gh_op_attention_ext(kv_type, q, k, v, out, n_tokens, n_past, n_head, n_head_kv,
-                               head_dim, n_threads, 1.0f / sqrtf((float) head_dim), 0.0f, 0);
+                               head_dim, n_threads, 1.0f / sqrtf((float) head_dim), 0.0f, 0, NULL);
 }
 
 gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, const void * v,
                               float * out, int64_t n_tokens, int64_t n_past, int n_head,
                               int n_head_kv, int head_dim, int n_threads, float scale,
-                              float softcap, int64_t window) {
+                              float softcap, int64_t window, const float * sinks) {
     if (!isfinite(scale) || !(scale > 0))
         return gh_fail(GH_ERR_INVALID_ARG, "attention: scale (%g) must be finite and > 0", (double) scale);
     if (!isfinite(softcap) || softcap < 0)
@@ -1090,6 +1115,10 @@ gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, cons
     if (n_head % n_head_kv != 0)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: n_head (%d) is not a multiple of n_head_kv (%d)",
                        n_head, n_head_kv);
+    for (int h = 0; sinks && h < n_head; h++) {
+        if (!isfinite(sinks[h]))
+            return gh_fail(GH_ERR_INVALID_ARG, "attention: sink %d (%g) must be finite", h, (double) sinks[h]);
+    }
     if (n_threads <= 0)
         return gh_fail(GH_ERR_INVALID_ARG, "attention: n_threads (%d) must be positive", n_threads);
     uint64_t n_kv_total, q_elems, kv_elems;
@@ -1104,7 +1133,7 @@ gh_status gh_op_attention_ext(int kv_type, const float * q, const void * k, cons
     gh_threadpool * tp;
     bool kept;
     if (gh_op_pool_acquire(n_threads, &tp, &kept)) return GH_ERR_OOM; /* message set */
-    const gh_attn_opts o = { .scale = scale, .softcap = softcap, .window = window };
+    const gh_attn_opts o = { .scale = scale, .softcap = softcap, .window = window, .sinks = sinks };
     gh_attention_ex(tp, q, k, v, kv_type, out, n_tokens, n_past, n_head, n_head_kv, head_dim, &o);
     gh_op_pool_release(tp, kept);
     return GH_OK;

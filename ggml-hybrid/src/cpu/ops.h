@@ -62,7 +62,11 @@ void gh_rope_angles(int head_dim, int32_t pos, float theta, float freq_scale,
 void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox);
 /* x[i] = c tanh(x[i] / c): soft-capping (Gemma 2's final logits), c > 0. */
 void gh_softcap(float * x, int64_t n, float c);
-/* out = act(gate) * up, or act(gate) when up is NULL; t: FATReLU's threshold. */
+/* gpt-oss's sigmoid gain in its clamped SwiGLU (GH_ACT_SWIGLU_OAI): swiglu_alpha of the
+ * released configs, a constant in llama.cpp; the converter refuses other values. */
+#define GH_SWIGLU_OAI_ALPHA 1.702f
+/* out = act(gate) * up, or act(gate) when up is NULL; t: FATReLU's threshold, the clamped
+ * SwiGLU's limit. */
 void gh_glu(int act, float t, const float * gate, const float * up, float * out, int64_t n);
 /* Causal attention over a KV cache; see gh_op_attention. Threads split tiles of the
  * query heads that share a kv head (times a few tokens), so each K/V row is read once per
@@ -78,6 +82,8 @@ typedef struct {
     float   scale;
     float   softcap;
     int64_t window;
+    const float * sinks;  /* [n_head] a logit per query head that joins its softmax's
+                           * denominator only (gpt-oss's attention sinks); NULL: none */
 } gh_attn_opts;
 void gh_attention_ex(gh_threadpool * tp, const float * q, const void * k, const void * v,
                      int kv_type, float * out, int64_t n_tokens, int64_t n_past, int n_head,

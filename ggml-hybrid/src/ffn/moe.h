@@ -3,10 +3,10 @@
  * architecture has one.
  *
  * One layer over n tokens x (already normed):
- *   p      = softmax(router . x)                        [n_expert]
+ *   p      = softmax(router . x + router_b)             [n_expert]
  *   E      = the n_expert_used experts with the largest p (ties: the lower id)
  *   w_e    = p_e (/ sum_{E} p when hp.expert_norm) * hp.expert_scale
- *   y      = sum_{e in E} w_e * down_e(act(gate_e x) * up_e x)
+ *   y      = sum_{e in E} w_e * (down_e(act(gate_e x + gb_e, up_e x + ub_e)) + db_e)
  *          (+ sigmoid(shexp_gate . x) * down_sh(act(gate_sh x) * up_sh x))
  * Expert weights live in llama.cpp's 3-D tensors [n_expert][rows][cols]: expert e's matrix
  * is rows e*rows .. of the 2-D view (gh_expert), so each expert's rows are read in place,
@@ -24,6 +24,9 @@ typedef struct {
     gh_weight router;                         /* ffn_gate_inp: [n_expert rows][n_embd] */
     gh_weight gate_exps, up_exps, down_exps;  /* expert 0 of ffn_{gate,up,down}_exps:
                                                * [n_ff_exp][n_embd], [n_embd][n_ff_exp] */
+    float *   router_b;                       /* [n_expert] (NULL: none; so the rest) */
+    float *   gate_exps_b, * up_exps_b;       /* [n_expert][n_ff_exp] (gpt-oss) */
+    float *   down_exps_b;                    /* [n_expert][n_embd] */
     gh_weight gate_shexp, up_shexp, down_shexp; /* the shared expert (rows 0: none) */
     float *   shexp_gate;                     /* ffn_gate_inp_shexp [n_embd] (model-owned) */
     /* the expert placement data (model-owned; NULL where the file has none): each expert's

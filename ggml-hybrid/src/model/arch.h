@@ -29,7 +29,8 @@ typedef struct {
     bool    gated;          /* down(act(gate x) * up x); else down(act(up x)) */
     int32_t ffn_act;        /* gh_act */
     bool    act_from_file;  /* powerinfer.ffn_activation present */
-    float   act_threshold;  /* FATReLU's t (powerinfer.ffn_act_threshold) */
+    float   act_threshold;  /* FATReLU's t (powerinfer.ffn_act_threshold); the clamped
+                             * SwiGLU's limit ({arch}.swiglu_clamp_exp, default 7) */
     /* block */
     gh_norm_kind norm;
     float   norm_eps;
@@ -42,7 +43,9 @@ typedef struct {
     float   rope_theta;
     float   rope_freq_scale;   /* linear scaling: positions times this (1 / factor) */
     float * rope_freqs;        /* [head_dim / 2] frequency divisors (rope_freqs.weight,
-                                * Llama-3 scaling), owned; NULL: none */
+                                * Llama-3 scaling; YaRN's ramp, computed at load), owned;
+                                * NULL: none */
+    float   rope_attn_factor;  /* cos and sin times this (YaRN's 0.1 ln(factor) + 1; else 1) */
     int32_t nope_every;        /* layers il with (il + 1) % nope_every == 0 have no RoPE
                                 * (0: every layer has it) */
     /* sliding-window layers (Gemma): a local layer (gh_layer.swa) attends to the n_swa most
@@ -105,6 +108,16 @@ typedef struct gh_arch {
     bool         expert_norm;  /* renormalised top-k weights when the file has no
                                 * {arch}.expert_weights_norm (llama.cpp fixes it per architecture) */
     bool         shared_expert;/* a shared expert beside the routed ones (blk.N.ffn_*_shexp) */
+    /* gpt-oss */
+    bool         expert_biases;/* ffn_gate_inp.bias and ffn_{gate,up,down}_exps.bias required
+                                * (other MoE architectures: read where the file has them) */
+    bool         attn_sinks;   /* blk.N.attn_sinks.weight [n_head] required: a logit per head
+                                * in each softmax's denominator */
+    const char * ffn_norm;     /* the FFN's input norm's tensor (NULL: "ffn_norm"; gpt-oss:
+                                * llama.cpp names it "post_attention_norm") */
+    bool         yarn_exact;   /* YaRN's ramp between its unrounded correction dims (the
+                                * model's reference and transformers' truncate=false), not
+                                * llama.cpp's floor/ceil of them */
 } gh_arch;
 
 /* The descriptor for general.architecture = name, or NULL. */
@@ -114,6 +127,6 @@ const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
     gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3, gh_arch_gemma2, gh_arch_gemma3,
-    gh_arch_qwen2moe, gh_arch_qwen3moe, gh_arch_olmoe;
+    gh_arch_qwen2moe, gh_arch_qwen3moe, gh_arch_olmoe, gh_arch_gptoss;
 
 #endif

@@ -1,30 +1,31 @@
-/* Batched decode (gh_eval_batch): the next token of each of several contexts of one model
- * in one forward pass, the engine of the server's continuous batching. The pass is
- * forward.c's own (gh_forward_batch) over n token rows; only the attention tells the rows
- * apart, each row joining and reading its own context's KV cache (gh_context.seq). So a
- * feature of the forward pass (an architecture, a block kind) needs no change here. */
+/* Batches of several contexts (gh_eval_batch_ex): each context's next tokens (a decode
+ * token, or a chunk of a prompt) in one forward pass, the engine of the server's
+ * continuous batching. The pass is forward.c's own (gh_forward_batch) over the token rows
+ * of every context together; only the attention tells the rows apart, each context's run of
+ * rows joining and reading its own KV cache (gh_context.seq, .seq_pos). So a feature of the
+ * forward pass (an architecture, a block kind) needs no change here. */
 #include "model/model.h"
 #include "backend/hybrid.h"
 #include "ffn/sparse.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* Context i's token count (n_tokens NULL: one each, gh_eval_batch). */
+static int32_t count_of(const int32_t * n_tokens, int32_t i) { return n_tokens ? n_tokens[i] : 1; }
 
 /* What must hold before anything changes (contexts not yet claimed: the checks read only
  * what a call on another thread does not write, and are repeated for the mode under the
- * claim). */
-static gh_status check_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens) {
+ * claim). *total = the batch's token rows. */
+static gh_status check_batch(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                             const int32_t * tokens, int32_t * total) {
     if (!ctxs || !tokens || n <= 0) {
         return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: no contexts or tokens given (n = %d)", n);
     }
     const gh_context * c0 = ctxs[0];
     if (!c0) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: context 0 is NULL");
-    if (n > c0->n_batch) {
-        return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: %d contexts, but context 0 (whose "
-                       "buffers the pass uses) takes batches of at most n_batch = %d tokens",
-                       n, c0->n_batch);
-    }
-    const int32_t n_vocab = c0->model->hp.n_vocab;
+    int64_t rows = 0;
     for (int32_t i = 0; i < n; i++) {
         const gh_context * c = ctxs[i];
         if (!c) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: context %d is NULL", i);
@@ -35,51 +36,117 @@ static gh_status check_batch(gh_context * const * ctxs, int32_t n, const int32_t
         for (int32_t j = 0; j < i; j++) {
             if (ctxs[j] == c) {
                 return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: contexts %d and %d are the "
-                               "same context; a batch takes one token per context", j, i);
+                               "same context; give each context's tokens as one run", j, i);
             }
         }
-        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+        if (count_of(n_tokens, i) < 1) {
+            return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: context %d is given %d tokens; "
+                           "each context of a batch takes at least 1", i, count_of(n_tokens, i));
+        }
+        rows += count_of(n_tokens, i);
+    }
+    if (rows > c0->n_batch) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_batch: %lld tokens in all, but context 0 "
+                       "(whose buffers the pass uses) takes batches of at most n_batch = %d "
+                       "tokens", (long long) rows, c0->n_batch);
+    }
+    const int32_t n_vocab = c0->model->hp.n_vocab;
+    for (int32_t t = 0; t < (int32_t) rows; t++) {
+        if (tokens[t] < 0 || tokens[t] >= n_vocab) {
             return gh_fail(GH_ERR_RANGE, "token id %d at index %d is outside the vocabulary "
-                           "[0, %d)", tokens[i], i, n_vocab);
+                           "[0, %d)", tokens[t], t, n_vocab);
         }
     }
+    *total = (int32_t) rows;
     return GH_OK;
 }
 
 /* Checks that need the contexts claimed (their cache position and mode are stable). */
-static gh_status check_claimed(gh_context * const * ctxs, int32_t n) {
+static gh_status check_claimed(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens) {
     for (int32_t i = 0; i < n; i++) {
         const gh_context * c = ctxs[i];
-        if (c->n_past + 1 > c->n_ctx) {
+        const int32_t k = count_of(n_tokens, i);
+        if ((int64_t) c->n_past + k > c->n_ctx) {
             return gh_fail(GH_ERR_RANGE, "context full: context %d holds %d tokens of n_ctx = %d, "
-                           "no room for its next token", i, c->n_past, c->n_ctx);
+                           "no room for its %d more", i, c->n_past, c->n_ctx, k);
         }
-        if (gh_sparse_applies(c, 1)) {
-            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d runs one-token batches "
+        if (gh_sparse_applies(c, k)) {
+            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d runs %d-token batches "
                            "through a sparse FFN mode (ffn mode %d), which picks each token's own "
-                           "neurons and is not batched; decode it with gh_eval, or set its FFN "
-                           "mode to dense or its sparse batch to 0", i, gh_context_get_ffn_mode(c));
+                           "neurons and is not batched; evaluate it with gh_eval, or set its FFN "
+                           "mode to dense or its sparse batch below %d", i, k,
+                           gh_context_get_ffn_mode(c), k);
         }
     }
     return GH_OK;
 }
 
-static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens) {
+/* The logit rows context i must hold: its own (all its tokens' or its last one's); context
+ * 0's buffer receives the pass's rows of every context. */
+static int32_t rows_needed(int32_t i, int32_t n, const int32_t * n_tokens, int32_t total,
+                           int32_t logits_all) {
+    if (i == 0) return logits_all ? total : n;
+    return logits_all ? count_of(n_tokens, i) : 1;
+}
+
+/* Makes every context's logits hold its rows before anything changes: the new buffers are
+ * all allocated first (into fresh [n]), so running out of memory leaves every context as it
+ * was. The rows' old values are not kept: the pass overwrites them. */
+static gh_status reserve_logits(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                                int32_t total, int32_t logits_all, float ** fresh) {
+    const int32_t n_vocab = ctxs[0]->model->hp.n_vocab;
+    gh_status st = GH_OK;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t need = rows_needed(i, n, n_tokens, total, logits_all);
+        fresh[i] = NULL;
+        if (need <= ctxs[i]->logits_cap || st) continue;
+        fresh[i] = gh_aligned_alloc((size_t) need * n_vocab * sizeof(float));
+        if (!fresh[i]) st = gh_fail(GH_ERR_OOM, "out of memory for %d rows of logits", need);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (!fresh[i]) continue;
+        if (st) {
+            gh_aligned_free(fresh[i]);
+            continue;
+        }
+        gh_aligned_free(ctxs[i]->logits);
+        ctxs[i]->logits = fresh[i];
+        ctxs[i]->logits_cap = rows_needed(i, n, n_tokens, total, logits_all);
+    }
+    return st;
+}
+
+static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                           const int32_t * tokens, int32_t total, int32_t logits_all) {
     gh_context * w = ctxs[0]; /* lends the pass its buffers, threads and device stream */
-    const int32_t n_vocab = w->model->hp.n_vocab;
-    if (n > w->logits_cap) {
-        float * l = gh_aligned_alloc((size_t) n * n_vocab * sizeof(float));
-        if (!l) return gh_fail(GH_ERR_OOM, "out of memory for %d rows of logits", n);
-        gh_aligned_free(w->logits);
-        w->logits = l;
-        w->logits_cap = n;
+    const size_t n_vocab = (size_t) w->model->hp.n_vocab;
+    /* each row's context and position, and the contexts' new logit buffers (a few bytes
+     * per token, once per pass) */
+    gh_context ** seq = malloc((size_t) total * sizeof *seq + (size_t) n * sizeof(float *) +
+                               (size_t) total * sizeof(int32_t));
+    if (!seq) return gh_fail(GH_ERR_OOM, "out of memory for a batch of %d tokens", total);
+    float ** fresh = (float **) (seq + total);
+    int32_t * pos = (int32_t *) (fresh + n);
+    gh_status st = reserve_logits(ctxs, n, n_tokens, total, logits_all, fresh);
+    if (st) {
+        free(seq);
+        return st;
+    }
+    for (int32_t i = 0, t = 0; i < n; i++) {
+        for (int32_t j = 0; j < count_of(n_tokens, i); j++, t++) {
+            seq[t] = ctxs[i];
+            pos[t] = ctxs[i]->n_past + j;
+        }
     }
     w->dev_status = GH_OK;
-    w->seq = ctxs;
+    w->seq = seq;
+    w->seq_pos = pos;
     const double t0 = gh_now();
-    gh_forward_batch(w, tokens, n, GH_LOGITS_ALL, 0);
+    gh_forward_batch(w, tokens, total, logits_all ? GH_LOGITS_ALL : GH_LOGITS_LAST, 0);
     w->seq = NULL;
-    gh_stats_tokens(w, n, gh_now() - t0);
+    w->seq_pos = NULL;
+    free(seq);
+    gh_stats_tokens(w, total, gh_now() - t0);
     if (w->dev_status) {
         /* a device op failed: no context's position moved, so no token is in a cache */
         for (int32_t i = 0; i < n; i++) ctxs[i]->n_logit_rows = 0;
@@ -88,23 +155,32 @@ static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t *
         return gh_fail(w->dev_status, "device '%s' failed during gh_eval_batch (no context "
                        "changed): %s", w->model->hy->info.device, msg);
     }
-    for (int32_t i = 0; i < n; i++) {
+    /* the pass's rows are in w->logits in the contexts' order (each context's last row, or
+     * all of its rows); context 0's come first, so they are already in place */
+    for (int32_t i = 0, row = 0; i < n; i++) {
         gh_context * c = ctxs[i];
-        /* row i is context i's; context 0's is already its row 0 */
-        if (i > 0) memcpy(c->logits, w->logits + (size_t) i * n_vocab, (size_t) n_vocab * sizeof(float));
-        c->n_logit_rows = 1;
-        c->n_past += 1;
+        const int32_t k = logits_all ? count_of(n_tokens, i) : 1;
+        if (i > 0) memcpy(c->logits, w->logits + row * n_vocab, k * n_vocab * sizeof(float));
+        row += k;
+        c->n_logit_rows = k;
+        c->n_past += count_of(n_tokens, i);
     }
     return GH_OK;
 }
 
-gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens) {
-    gh_status st = check_batch(ctxs, n, tokens);
+gh_status gh_eval_batch_ex(gh_context * const * ctxs, int32_t n, const int32_t * n_tokens,
+                           const int32_t * tokens, int32_t logits_all) {
+    int32_t total = 0;
+    gh_status st = check_batch(ctxs, n, n_tokens, tokens, &total);
     if (st) return st;
     int32_t claimed = 0;
     while (claimed < n && !(st = gh_ctx_enter(ctxs[claimed], "gh_eval_batch"))) claimed++;
-    if (!st) st = check_claimed(ctxs, n);
-    if (!st) st = run_batch(ctxs, n, tokens);
+    if (!st) st = check_claimed(ctxs, n, n_tokens);
+    if (!st) st = run_batch(ctxs, n, n_tokens, tokens, total, logits_all);
     while (claimed > 0) gh_ctx_leave(ctxs[--claimed]);
     return st;
+}
+
+gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens) {
+    return gh_eval_batch_ex(ctxs, n, NULL, tokens, 0);
 }

@@ -144,10 +144,14 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->xb3 = gh_aligned_alloc(nb * d * sizeof(float));
         c->q = gh_aligned_alloc(nb * dq * sizeof(float));
         c->att = gh_aligned_alloc(nb * dq * sizeof(float));
-        /* with sliding-window layers, the local layers' angles follow the global ones' */
+        /* with sliding-window layers whose RoPE differs (Gemma 3: its own base, unscaled), the
+         * local layers' angles follow the global ones'; otherwise they share them (gpt-oss:
+         * YaRN in both) */
         const size_t n_rope = nb * (size_t) hp->head_dim;
-        c->rope = gh_aligned_alloc((hp->swa ? 2 : 1) * n_rope * sizeof(float));
-        c->rope_swa = hp->swa && c->rope ? c->rope + n_rope : NULL;
+        const bool own_swa = hp->swa && (hp->rope_theta_swa != hp->rope_theta ||
+                                         hp->rope_freq_scale_swa != hp->rope_freq_scale);
+        c->rope = gh_aligned_alloc((own_swa ? 2 : 1) * n_rope * sizeof(float));
+        c->rope_swa = own_swa && c->rope ? c->rope + n_rope : NULL;
         c->hb = gh_aligned_alloc(nb * ff * sizeof(float));
         c->hb2 = gh_aligned_alloc(nb * ff * sizeof(float));
         c->mm_scratch = gh_aligned_alloc(max_scratch(m, nb));

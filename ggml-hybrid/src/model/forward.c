@@ -11,10 +11,18 @@
 #include <string.h>
 
 /* Token t's position: the next free row of its context's cache. The batch's tokens are
- * c's own, t rows after n_past, or, in a batched decode (gh_eval_batch: c->seq set), each
- * the next token of its own context. */
+ * c's own, t rows after n_past, or, in a batch of several contexts (gh_eval_batch_ex:
+ * c->seq set), row t of context seq[t]'s own run of tokens, at seq_pos[t]. */
 static int32_t token_pos(const gh_context * c, int32_t t) {
-    return c->seq ? c->seq[t]->n_past : c->n_past + t;
+    return c->seq ? c->seq_pos[t] : c->n_past + t;
+}
+
+/* In a batch of several contexts: the rows t..end-1 that are context seq[t]'s (a context's
+ * tokens are consecutive rows); returns end. */
+static int32_t seq_run_end(const gh_context * c, int32_t t, int32_t n) {
+    int32_t e = t + 1;
+    while (e < n && c->seq[e] == c->seq[t]) e++;
+    return e;
 }
 
 /* x[t] = token_embd[tokens[t]] (times embd_scale: Gemma) (+ position_embd[pos + offset]
@@ -233,7 +241,7 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     const bool local = hp->swa && hp->swa[il];
     if (hp->rope != GH_ROPE_NONE && !nope) {
         const int neox = hp->rope == GH_ROPE_NEOX;
-        const float * cs = local ? c->rope_swa : c->rope;
+        const float * cs = local && c->rope_swa ? c->rope_swa : c->rope;
         for (int32_t t = 0; t < n; t++) {
             gh_rope(c->q + t * dq, hp->n_head, (int) hd, cs + t * hd, neox);
             gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, cs + t * hd, neox);
@@ -242,15 +250,19 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     /* the full cache is kept for local layers too: they are interleaved with global ones,
      * which need it, and the window is a mask */
     const gh_attn_opts ao = { .scale = hp->attn_scale, .softcap = hp->attn_softcap,
-                              .window = local ? hp->n_swa : 0 };
+                              .window = local ? hp->n_swa : 0, .sinks = L->sinks };
     if (c->seq) {
-        /* batched decode: each token is the next of its own context, whose cache it joins
-         * and attends over (the context's cache type) */
-        for (int32_t t = 0; t < n; t++) {
+        /* a batch of several contexts: each context's run of tokens joins its own cache
+         * after its n_past and attends causally over it (the context's cache type) */
+        for (int32_t t = 0, e; t < n; t = e) {
+            e = seq_run_end(c, t, n);
             const gh_context * s = c->seq[t];
-            store_kv(s, il, s->n_past, kc + (int64_t) t * dkv, vc + (int64_t) t * dkv, dkv);
+            for (int32_t r = t; r < e; r++) {
+                store_kv(s, il, c->seq_pos[r], kc + (int64_t) r * dkv, vc + (int64_t) r * dkv, dkv);
+            }
             gh_attention_ex(c->tp, c->q + t * dq, s->k_cache[il], s->v_cache[il], s->cache_type,
-                            c->att + t * dq, 1, s->n_past, hp->n_head, hp->n_head_kv, (int) hd, &ao);
+                            c->att + t * dq, e - t, c->seq_pos[t], hp->n_head, hp->n_head_kv,
+                            (int) hd, &ao);
         }
     } else {
         if (!kv_f32) {
@@ -306,9 +318,10 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
     gh_stats_dense_ffn(c, il, n, c->hb);
 }
 
-/* Runs n tokens (n <= n_batch) at positions n_past.. (or, with c->seq set, each token as
- * the next of its own context: gh_eval_batch); writes logits for no token, the last token
- * (to row 0) or every token (to rows row0..row0+n-1).
+/* Runs n tokens (n <= n_batch) at positions n_past.. (or, with c->seq set, each context's
+ * run of tokens after its own n_past: gh_eval_batch_ex); writes logits for no token, the
+ * last token (to row 0; with c->seq set, the last token of each context, to rows 0, 1, ..
+ * in the contexts' order) or every token (to rows row0..row0+n-1).
  *
  * Sequential block: x += attn(norm1(x)); x += ffn(norm2(x)).
  * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x.
@@ -327,6 +340,10 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
         for (int32_t t = 0; t < n; t++) {
             gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta, hp->rope_freq_scale,
                            hp->rope_freqs, c->rope + t * hd);
+            /* YaRN's attention factor scales cos and sin (q.k by its square), as
+             * transformers' rotary embedding does */
+            for (int64_t i = 0; hp->rope_attn_factor != 1.0f && i < hd; i++)
+                c->rope[t * hd + i] *= hp->rope_attn_factor;
             if (c->rope_swa) {
                 gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta_swa,
                                hp->rope_freq_scale_swa, NULL, c->rope_swa + t * hd);
@@ -375,17 +392,28 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
         gh_stats_add(c, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
     }
 
-    if (!c->seq) c->n_past += n; /* a batched decode's contexts: gh_eval_batch */
+    if (!c->seq) c->n_past += n; /* a batch's contexts: gh_eval_batch_ex */
     if (c->prof_head) {
         /* every token's head input (the logits stay the last token's) */
         norm_rows(hp, m->output_norm, m->output_norm_b, c->x, n,
                   c->prof_head + (int64_t) c->prof_t0 * d);
     }
     if (which == GH_LOGITS_NONE) return;
-    /* head: only the rows whose logits are kept */
-    const int32_t t0 = which == GH_LOGITS_ALL ? 0 : n - 1;
-    const int32_t nt = n - t0;
-    norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
+    /* head: only the rows whose logits are kept (in a batch of several contexts, the last
+     * row of each context's run), gathered into xb */
+    int32_t nt;
+    if (which == GH_LOGITS_LAST && c->seq) {
+        nt = 0;
+        for (int32_t t = 0; t < n; t = seq_run_end(c, t, n)) {
+            const int32_t last = seq_run_end(c, t, n) - 1;
+            norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) last * d, 1,
+                      c->xb + (int64_t) nt++ * d);
+        }
+    } else {
+        const int32_t t0 = which == GH_LOGITS_ALL ? 0 : n - 1;
+        nt = n - t0;
+        norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
+    }
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
     const bool dev_head = m->hy && m->hy->head;
     const proj_site head = {

@@ -180,6 +180,7 @@ static int parse_act(const char * s) {
     if (!strcmp(s, "gelu") || !strcmp(s, "geglu")) return GH_ACT_GELU;
     if (!strcmp(s, "gelu_erf")) return GH_ACT_GELU_ERF;
     if (!strcmp(s, "fatrelu")) return GH_ACT_FATRELU;
+    if (!strcmp(s, "swiglu_oai")) return GH_ACT_SWIGLU_OAI;
     return -1;
 }
 
@@ -206,7 +207,7 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
     if (n_expert > 0 && arch->moe == GH_MOE_NONE) {
         return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: architecture '%s' has no "
                        "mixture-of-experts form here (experts run for: llama (Mixtral), "
-                       "qwen2moe, qwen3moe, olmoe)", AKEY("expert_count"), n_expert, arch->name);
+                       "qwen2moe, qwen3moe, olmoe, gpt-oss)", AKEY("expert_count"), n_expert, arch->name);
     }
     if (n_expert == 0) {
         if (arch->moe == GH_MOE_REQUIRED) {
@@ -240,6 +241,105 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
     hp->n_ff_shexp = (int32_t) ff_sh;
     hp->expert_norm = norm;
     hp->expert_scale = scale == 0.0f ? 1.0f : scale;
+    return GH_OK;
+}
+
+/* YaRN RoPE scaling (rope.scaling.factor, rope.scaling.original_context_length, optional
+ * rope.scaling.yarn_beta_fast / yarn_beta_slow / yarn_attn_factor, llama.cpp's keys and
+ * defaults 32, 1, 1): per frequency i the inverse frequency blends the interpolated
+ * 1 / (factor base^(2i/d)) and the original 1 / base^(2i/d) by a linear ramp between the
+ * correction dims of beta_fast and beta_slow rotations over the original context (as
+ * transformers' _compute_yarn_parameters, in float), stored as rope_freqs divisors; cos and
+ * sin are scaled by attn_factor (0.1 ln(factor) + 1). The ramp's ends are rounded
+ * (floor / ceil, llama.cpp's and transformers' default) unless the architecture says
+ * (gpt-oss: its reference does not round). */
+static gh_status load_yarn(gh_model * m, uint32_t head_dim) {
+    const gh_gguf * g = m->gguf;
+    const gh_arch * arch = m->arch;
+    gh_hparams * hp = &m->hp;
+    char key[128];
+    gh_status st;
+    float factor, beta_fast, beta_slow, attn;
+    uint32_t orig;
+    if ((st = get_f32_opt(g, AKEY("rope.scaling.factor"), &factor, 0.0f))) return st;
+    if (!(factor >= 1.0f) || isinf(factor)) {
+        return gh_fail(GH_ERR_FORMAT, "YaRN RoPE scaling needs %s.rope.scaling.factor >= 1 (got %g)",
+                       arch->name, factor);
+    }
+    if ((st = get_count(g, AKEY("rope.scaling.original_context_length"), true, 0, 1, UINT32_MAX, &orig)))
+        return st;
+    if ((st = get_f32_opt(g, AKEY("rope.scaling.yarn_beta_fast"), &beta_fast, 32.0f))) return st;
+    if ((st = get_f32_opt(g, AKEY("rope.scaling.yarn_beta_slow"), &beta_slow, 1.0f))) return st;
+    if ((st = get_f32_opt(g, AKEY("rope.scaling.yarn_attn_factor"), &attn, 1.0f))) return st;
+    if (!(beta_fast > 0) || !(beta_slow > 0) || !(attn > 0) || isinf(beta_fast) || isinf(beta_slow) ||
+        isinf(attn)) {
+        return gh_fail(GH_ERR_FORMAT, "YaRN RoPE scaling: %s.rope.scaling.yarn_beta_fast (%g), "
+                       "yarn_beta_slow (%g) and yarn_attn_factor (%g) must be finite and > 0",
+                       arch->name, beta_fast, beta_slow, attn);
+    }
+    const int half = (int) head_dim / 2;
+    float * div = malloc((size_t) half * sizeof(float));
+    if (!div) return gh_fail(GH_ERR_OOM, "out of memory");
+    if ((st = own(m, div))) return st;
+    const double base = hp->rope_theta, dim = head_dim;
+    /* the dimension at which a frequency turns n_rot times over the original context */
+    double lo = dim * log(orig / (beta_fast * 2 * 3.14159265358979323846)) / (2 * log(base));
+    double hi = dim * log(orig / (beta_slow * 2 * 3.14159265358979323846)) / (2 * log(base));
+    if (!arch->yarn_exact) {
+        lo = floor(lo);
+        hi = ceil(hi);
+    }
+    lo = GH_MAX(lo, 0.0);
+    hi = GH_MIN(hi, dim - 1);
+    if (lo == hi) hi += 0.001;
+    for (int i = 0; i < half; i++) {
+        const float pos_freq = powf((float) base, (float) (2 * i) / (float) head_dim);
+        const float extra = 1.0f / pos_freq, inter = 1.0f / (factor * pos_freq);
+        float ramp = (float) (((double) i - lo) / (hi - lo));
+        ramp = ramp < 0.0f ? 0.0f : ramp > 1.0f ? 1.0f : ramp;
+        const float keep = 1.0f - ramp; /* the share of the original frequency */
+        const float inv = inter * (1.0f - keep) + extra * keep;
+        /* gh_rope_angles divides its own 1 / base^(2i/d) by this: inv again, to a rounding */
+        div[i] = (float) ((double) (1.0f / powf((float) base, (float) (2 * i) / (float) head_dim)) / inv);
+    }
+    hp->rope_freqs = div;
+    hp->rope_attn_factor = attn * (factor > 1.0f ? 0.1f * logf(factor) + 1.0f : 1.0f);
+    return GH_OK;
+}
+
+/* The clamped SwiGLU's limit: {arch}.swiglu_clamp_exp (llama.cpp's key: one f32, or one per
+ * layer, which must then be equal here), else 7 (the released gpt-oss models', which
+ * llama.cpp's files do not carry). */
+static gh_status load_swiglu_limit(gh_model * m, uint32_t n_layer) {
+    const gh_gguf * g = m->gguf;
+    const gh_arch * arch = m->arch;
+    char key[128];
+    float t = 7.0f;
+    const gh_gguf_kv * kv = gh_gguf_find_kv(g, AKEY("swiglu_clamp_exp"));
+    if (kv && kv->type == GH_GGUF_ARRAY) {
+        if (kv->arr_type != GH_GGUF_FLOAT32 || kv->arr_n != n_layer) {
+            return gh_fail(GH_ERR_FORMAT, "key '%s' must be an f32 or an array of %u f32 (one per "
+                           "layer), not an array of %llu %s", key, n_layer,
+                           (unsigned long long) kv->arr_n, gh_gguf_vtype_name(kv->arr_type));
+        }
+        memcpy(&t, kv->arr_data, sizeof t);
+        for (uint32_t il = 1; il < n_layer; il++) {
+            float v;
+            memcpy(&v, kv->arr_data + (size_t) il * sizeof v, sizeof v);
+            if (v != t) {
+                return gh_fail(GH_ERR_UNSUPPORTED, "key '%s': layer %u's limit %g differs from layer "
+                               "0's %g (one limit for every layer is supported)", key, il, v, t);
+            }
+        }
+    } else {
+        gh_status st = get_f32_opt(g, key, &t, 7.0f);
+        if (st) return st;
+    }
+    if (!isfinite(t) || !(t > 0)) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %g (the clamped SwiGLU's limit must be finite and "
+                       "> 0)", key, t);
+    }
+    m->hp.act_threshold = t;
     return GH_OK;
 }
 
@@ -309,6 +409,7 @@ static gh_status load_hparams(gh_model * m) {
     hp->nope_every = arch->nope_every;
     hp->rope_theta = 10000.0f;
     hp->rope_freq_scale = 1.0f;
+    hp->rope_attn_factor = 1.0f;
     if (arch->rope != GH_ROPE_NONE) {
         if ((st = get_u32_opt(g, AKEY("rope.dimension_count"), &rope_dim, head_dim))) return st;
         if (rope_dim != head_dim) {
@@ -328,10 +429,12 @@ static gh_status load_hparams(gh_model * m) {
                                "(got %g)", arch->name, factor);
             }
             hp->rope_freq_scale = 1.0f / factor;
+        } else if (scaling && !strcmp(scaling, "yarn")) {
+            if ((st = load_yarn(m, head_dim))) return st;
         } else if (scaling && strcmp(scaling, "none") != 0) {
             return gh_fail(GH_ERR_UNSUPPORTED, "RoPE scaling '%.32s' (%s.rope.scaling.type) is not "
-                           "supported (supported: none, linear, and Llama-3's rope_freqs.weight)",
-                           scaling, arch->name);
+                           "supported (supported: none, linear, yarn, and Llama-3's "
+                           "rope_freqs.weight)", scaling, arch->name);
         }
     }
 
@@ -341,7 +444,7 @@ static gh_status load_hparams(gh_model * m) {
         if (a < 0) {
             return gh_fail(GH_ERR_UNSUPPORTED,
                            "unknown FFN activation '%.32s' in powerinfer.ffn_activation "
-                           "(known: silu, relu, drelu, gelu, gelu_erf, fatrelu)", act);
+                           "(known: silu, relu, drelu, gelu, gelu_erf, fatrelu, swiglu_oai)", act);
         }
         hp->ffn_act = a;
         hp->act_from_file = true;
@@ -362,12 +465,15 @@ static gh_status load_hparams(gh_model * m) {
         if (!isfinite(t) || t < 0) return gh_fail(GH_ERR_FORMAT, "%s is %g (must be finite, >= 0)", tk, t);
         hp->act_threshold = t;
     }
+    if (hp->ffn_act == GH_ACT_SWIGLU_OAI) {
+        if ((st = load_swiglu_limit(m, n_layer))) return st;
+    }
     hp->gated = arch->gated;
     hp->qk_norm = arch->qk_norm;
     hp->post_norms = arch->post_norms;
-    if (!hp->gated && hp->ffn_act == GH_ACT_DRELU) {
-        return gh_fail(GH_ERR_UNSUPPORTED, "powerinfer.ffn_activation is drelu, which needs a gated "
-                       "FFN, but architecture '%s' has none", arch->name);
+    if (!hp->gated && (hp->ffn_act == GH_ACT_DRELU || hp->ffn_act == GH_ACT_SWIGLU_OAI)) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "powerinfer.ffn_activation is %s, which needs a gated "
+                       "FFN, but architecture '%s' has none", act, arch->name);
     }
 
 
@@ -894,6 +1000,13 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
         if ((st = load_vector(m, BLK("attn_k_norm.weight"), per_head ? hp->head_dim : dkv, &L->k_norm)))
             return st;
     }
+    if (m->arch->attn_sinks) {
+        if (!gh_gguf_find_tensor(m->gguf, BLK("attn_sinks.weight"))) {
+            return gh_fail(GH_ERR_FORMAT, "missing tensor '%s' (architecture '%s' has a learned "
+                           "attention sink per head: [%d] logits)", name, m->arch->name, hp->n_head);
+        }
+        if ((st = load_vector(m, name, hp->n_head, &L->sinks))) return st;
+    }
 #undef BLK
     return GH_OK;
 }
@@ -941,6 +1054,41 @@ static gh_status load_experts(const gh_model * m, const char * name, int64_t col
     return GH_OK;
 }
 
+/* An expert bias: [n1][n0] f32-convertible values (n1 0: a vector of n0), kept as an f32
+ * copy; absent: NULL, or an error naming it when the architecture requires it. */
+static gh_status load_expert_bias(gh_model * m, const char * name, int64_t n0, int64_t n1,
+                                  bool required, float ** out) {
+    *out = NULL;
+    const gh_gguf_tensor * t = gh_gguf_find_tensor(m->gguf, name);
+    if (!t) {
+        if (!required) return GH_OK;
+        return gh_fail(GH_ERR_FORMAT, "missing tensor '%s' (architecture '%s' has biased routers "
+                       "and experts)", name, m->arch->name);
+    }
+    if (t->ne[0] != n0 || t->ne[1] != (n1 ? n1 : 1) || t->ne[2] != 1 || t->ne[3] != 1) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected "
+                       "[%lld, %lld] (the experts' width or embedding_length, %s.expert_count)",
+                       name, (long long) t->ne[0], (long long) t->ne[1], (long long) t->ne[2],
+                       (long long) t->ne[3], (long long) n0, (long long) (n1 ? n1 : 1), m->arch->name);
+    }
+    const gh_type_traits * tr = gh_type_traits_get(t->type);
+    const int64_t n = n0 * (n1 ? n1 : 1);
+    if (!tr || !tr->to_float || n0 % tr->block_size) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "tensor '%s': type %s unsupported for a bias", name,
+                       gh_type_name(t->type));
+    }
+    float * v = malloc((size_t) n * sizeof(float));
+    if (!v) return gh_fail(GH_ERR_OOM, "out of memory loading '%s'", name);
+    gh_status st = own(m, v);
+    if (st) return st;
+    /* row by row: a row is whole blocks (n0 % block_size == 0) */
+    const size_t rb = gh_row_size(t->type, n0);
+    for (int64_t r = 0; r < (n1 ? n1 : 1); r++) tr->to_float((const uint8_t *) t->data + r * rb, v + r * n0, n0);
+    warn_nonfinite(m, name, count_nonfinite(v, n), n);
+    *out = v;
+    return GH_OK;
+}
+
 /* Layer il's mixture of experts (ffn/moe.h): the router ffn_gate_inp, the experts'
  * ffn_{gate,up,down}_exps and, where the architecture has one, the shared expert
  * ffn_{gate,up,down}_shexp with its gate vector ffn_gate_inp_shexp. A dense FFN tensor in
@@ -974,6 +1122,16 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
     if ((st = load_experts(m, BLK("ffn_gate_exps.weight"), d, ff, &M->gate_exps))) return st;
     if ((st = load_experts(m, BLK("ffn_up_exps.weight"), d, ff, &M->up_exps))) return st;
     if ((st = load_experts(m, BLK("ffn_down_exps.weight"), ff, d, &M->down_exps))) return st;
+    /* the biases: [n_expert] for the router, [n_expert][rows] for each expert tensor */
+    const bool req = m->arch->expert_biases;
+    if ((st = load_expert_bias(m, BLK("ffn_gate_inp.bias"), hp->n_expert, 0, req, &M->router_b)))
+        return st;
+    if ((st = load_expert_bias(m, BLK("ffn_gate_exps.bias"), ff, hp->n_expert, req, &M->gate_exps_b)))
+        return st;
+    if ((st = load_expert_bias(m, BLK("ffn_up_exps.bias"), ff, hp->n_expert, req, &M->up_exps_b)))
+        return st;
+    if ((st = load_expert_bias(m, BLK("ffn_down_exps.bias"), d, hp->n_expert, req, &M->down_exps_b)))
+        return st;
     if (m->arch->shared_expert) {
         if ((st = load_weight(m, BLK("ffn_gate_shexp.weight"), d, fs, &M->gate_shexp))) return st;
         if ((st = load_weight(m, BLK("ffn_up_shexp.weight"), d, fs, &M->up_shexp))) return st;
@@ -1040,7 +1198,7 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
     snprintf(base, sizeof base, "blk.%d.attn_norm", il);
     if (pre && (st = load_norm(m, base, true, &L->attn_norm, &L->attn_norm_b))) return st;
     if ((st = load_attention(m, il, L))) return st;
-    snprintf(base, sizeof base, "blk.%d.ffn_norm", il);
+    snprintf(base, sizeof base, "blk.%d.%s", il, m->arch->ffn_norm ? m->arch->ffn_norm : "ffn_norm");
     const bool sequential = !m->hp.parallel;
     if (pre && (st = load_norm(m, base, sequential, &L->ffn_norm, &L->ffn_norm_b))) return st;
     if (m->hp.post_norms) {
@@ -1103,6 +1261,10 @@ static gh_status load_rope_freqs(gh_model * m) {
     if (m->hp.rope == GH_ROPE_NONE) {
         return gh_fail(GH_ERR_FORMAT, "tensor 'rope_freqs.weight': architecture '%s' has no RoPE",
                        m->arch->name);
+    }
+    if (m->hp.rope_freqs) {
+        return gh_fail(GH_ERR_FORMAT, "tensor 'rope_freqs.weight' in a file with YaRN RoPE scaling "
+                       "(%s.rope.scaling.type): the two scalings exclude each other", m->arch->name);
     }
     const int64_t n = m->hp.head_dim / 2;
     gh_status st = check_1d(t, GH_TYPE_F32, n, "head_dim / 2 RoPE frequency divisors");

@@ -24,6 +24,7 @@ typedef struct {
     gh_weight wq, wk, wv, wo;            /* a fused attn_qkv is viewed as its three row ranges */
     float *   bq, * bk, * bv, * bo;
     float *   q_norm, * k_norm;      /* RMSNorm weights of q and k (hp.qk_norm; NULL: none) */
+    float *   sinks;                 /* [n_head] attention sink logits (gpt-oss; NULL: none) */
     /* the FFN's input norm: ffn_norm (sequential block), attn_norm (parallel block with
      * two norms, llama.cpp's naming) or none (parallel block: the FFN reads the
      * attention's normed input) */
@@ -161,10 +162,12 @@ struct gh_context {
     /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
      * refused instead of overwriting the buffers and cache the first one uses */
     atomic_int      busy;
-    /* batched decode (gh_eval_batch, model/batch.c): while set, token t of the forward pass
-     * is the next token of context seq[t] (its position, its KV cache), and this context
-     * lends the pass its buffers and threads; NULL otherwise */
+    /* a batch of several contexts (gh_eval_batch_ex, model/batch.c): while set, token t of
+     * the forward pass is context seq[t]'s, at position seq_pos[t] of its KV cache (each
+     * context's tokens are consecutive rows), and this context lends the pass its buffers
+     * and threads; NULL otherwise */
     struct gh_context * const * seq;
+    const int32_t *             seq_pos;
 };
 
 /* A model from a GGUF image in memory (not copied: it must outlive the model), without a

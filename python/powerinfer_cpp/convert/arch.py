@@ -79,6 +79,9 @@ class TensorMap:
     sources: tuple[str, ...] = ()             # HF tensor names read (none: computed)
     source_shapes: tuple[tuple[int, ...], ...] = ()  # their expected shapes
     transform: Callable[..., np.ndarray] | None = None  # f(*source arrays) -> array of `shape`
+    raw_type: str | None = None               # GGML type name: transform returns the tensor's
+    #                                           bytes in it, written as they are (any outtype;
+    #                                           sources read as stored: gpt-oss's MXFP4)
 
 
 def direct(name: str, kind: str, hf_name: str, shape: tuple[int, ...],

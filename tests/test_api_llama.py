@@ -225,10 +225,7 @@ LLAMA_CPP_PYTHON_METHODS = [
     "n_vocab", "tokenizer", "token_eos", "token_bos", "token_nl", "pooling_type", "close",
     "logits_to_logprobs", "longest_token_prefix", "from_pretrained",
 ]
-REFUSED = {
-    "save_state": ([], "KV cache"),
-    "load_state": ([None], "KV cache"), "set_cache": ([object()], "KV cache"),
-}
+REFUSED = {"set_cache": ([object()], "KV cache")}
 
 
 def test_every_llama_cpp_python_method_exists(llm):

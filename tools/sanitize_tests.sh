@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 
 BUILD=build/asan
 PY=${PYTHON:-python3}
-TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py tests/test_gguf_reader.py tests/test_load.py tests/test_model.py tests/test_api.py tests/test_bad_models.py tests/test_sparse_runtime.py tests/test_sparse_pipeline.py tests/test_sparse_ffn.py tests/test_device_ops.py tests/gpu/test_cuda_ops.py tests/test_hybrid.py tests/test_threads.py tests/test_gate_sparsity.py tests/test_architectures.py tests/test_pwri.py tests/test_embeddings.py::test_hidden_states_equal_transformers tests/test_embeddings.py::test_pooling_from_the_file tests/test_embeddings.py::test_host_device_equals_cpu tests/test_moe_device.py"}
+TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py tests/test_gguf_reader.py tests/test_load.py tests/test_model.py tests/test_api.py tests/test_bad_models.py tests/test_sparse_runtime.py tests/test_sparse_pipeline.py tests/test_sparse_ffn.py tests/test_device_ops.py tests/gpu/test_cuda_ops.py tests/test_hybrid.py tests/test_threads.py tests/test_gate_sparsity.py tests/test_architectures.py tests/test_pwri.py tests/test_embeddings.py::test_hidden_states_equal_transformers tests/test_embeddings.py::test_pooling_from_the_file tests/test_embeddings.py::test_host_device_equals_cpu tests/test_prompt_cache.py::test_restored_state_continues_as_the_continuous_run tests/test_prompt_cache.py::test_bad_states_are_refused_and_change_nothing tests/test_prompt_cache.py::test_state_calls_claim_the_context tests/test_moe_device.py"}
 REPORTS=$PWD/$BUILD/reports
 
 echo "== sanitize: building $BUILD (ASan + UBSan)"

@@ -343,7 +343,7 @@ typedef struct {
 gh_context_params gh_context_default_params(void);
 /* A context serves one call at a time. A call that changes or runs it (gh_eval,
  * gh_eval_profile, gh_context_truncate, _set_threads, _set_ffn_mode, _set_sparse_batch,
- * _reset_stats) while another thread is inside one of them on the same context is refused
+ * _reset_stats, _state_save, _state_load) while another thread is inside one of them on the same context is refused
  * with GH_ERR_BUSY and changes nothing; give each thread its own context (they may share
  * one model). gh_context_free must not race a call on the same context. */
 gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context ** out);
@@ -354,6 +354,25 @@ int32_t gh_context_cache_type(const gh_context * c);
 gh_status gh_context_set_threads(gh_context * c, int32_t n_threads);
 /* Forget the cache after position n_past (0 clears it). */
 gh_status gh_context_truncate(gh_context * c, int32_t n_past);
+/* States: the keys and values of a context's first n_tokens cached tokens, saved to a
+ * buffer and loaded into a context of the same model (a prompt cache; a server slot saved
+ * to disk). A state is tagged with the model's identity (architecture, shape and a sample
+ * of its weights), the cache type and row size, and ends with a checksum; it holds neither
+ * the token ids (the caller keeps them) nor logits. Host byte order.
+ * _size: the bytes a state of n_tokens takes (0 <= n_tokens <= n_ctx).
+ * _save: writes the state of the first n_tokens (<= n_past) to buf (size bytes, at least
+ *   _size's), *written (may be NULL) = its bytes. The cache is not changed.
+ * _load: replaces the cache by the state's tokens (n_past = *n_tokens, may be NULL); the
+ *   logits are dropped (gh_get_logits returns NULL until the next gh_eval). A state that is
+ *   not one or is truncated or corrupt (GH_ERR_FORMAT), from another model or cache type
+ *   (GH_ERR_INVALID_ARG) or longer than n_ctx (GH_ERR_RANGE) is refused, naming the
+ *   problem, and the context is unchanged.
+ * _save and _load claim the context as gh_eval does (GH_ERR_BUSY). */
+gh_status gh_context_state_size(const gh_context * c, int32_t n_tokens, uint64_t * size);
+gh_status gh_context_state_save(gh_context * c, int32_t n_tokens, void * buf, uint64_t size,
+                                uint64_t * written);
+gh_status gh_context_state_load(gh_context * c, const void * buf, uint64_t size,
+                                int32_t * n_tokens);
 
 /* Run tokens at the current position and append them to the cache. With
  * logits_all = 0 only the last token's logits are kept, else one row per token. */

@@ -5,9 +5,9 @@ __version__ = "0.1.0"
 # Imported lazily so that pure-Python tools (the converter) work without loading the
 # native library.
 _LAZY = {
-    "Model": "model", "Context": "model", "Completion": "model", "ModelInfo": "model",
+    "Model": "model", "Context": "model", "ContextState": "model", "Completion": "model", "ModelInfo": "model",
     "device_available": "model", "parse_size": "model",
-    "Llama": "api", "UnsupportedArgumentError": "api", "UnsupportedFeatureError": "api",
+    "Llama": "api", "LlamaState": "api", "UnsupportedArgumentError": "api", "UnsupportedFeatureError": "api",
     "ChatTemplate": "chat", "ChatTemplateError": "chat",
     "LlamaGrammar": "structured", "GrammarError": "structured", "EmbeddingError": "embeddings",
     "NativeError": "_native", "NativeIOError": "_native", "NativeValueError": "_native",

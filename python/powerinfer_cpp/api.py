@@ -58,8 +58,10 @@ def _not_supported(method: str, why: str):
                                   "(see docs/API.md)")
 
 
-_NO_STATE = ("the context's KV cache cannot be saved or restored yet; it keeps the longest "
-             "common prefix of the tokens between calls by itself")
+_NO_STATE_CACHE = ("a cache object of several saved KV cache states (LlamaRAMCache, "
+                   "LlamaDiskCache) is not implemented; save_state() / load_state() save and "
+                   "restore one, the context keeps the longest common prefix of the tokens "
+                   "between calls by itself, and the server has --cache-ram")
 
 
 # llama-cpp-python's Llama() arguments we do not implement, with their defaults there.
@@ -530,8 +532,7 @@ class Llama:
         of its tokens between calls by itself. A LlamaRAMCache / LlamaDiskCache of
         several saved states is not supported."""
         if cache is not None:
-            _not_supported("set_cache", "a cache of saved states needs save_state(), and "
-                           + _NO_STATE)
+            _not_supported("set_cache", _NO_STATE_CACHE)
 
     # -- tokens in, logits out: llama-cpp-python's low-level loop ----------------------
 
@@ -705,16 +706,53 @@ class Llama:
             vecs = [vecs]
         return embedding_response(vecs, model or self.model_path, n)
 
+    # -- saved states ----------------------------------------------------------------
+
+    def save_state(self) -> "LlamaState":
+        """The context's state as llama-cpp-python's LlamaState: the token ids it holds,
+        the logits of the last eval() (one row, or none), and the KV cache
+        (`llama_state`, ContextState.to_bytes()); load_state() restores it into this Llama or
+        another of the same model file and cache type."""
+        def work():
+            st = self._ctx.save_state()
+            scores = (np.zeros((0, self.n_vocab()), dtype=np.single) if self._last_logits is None
+                      else np.asarray(self._last_logits, dtype=np.single).reshape(1, -1).copy())
+            blob = st.to_bytes()
+            return LlamaState(np.asarray(st.tokens, dtype=np.intc), scores, st.n_tokens, blob,
+                              len(blob), self._init_args["seed"], self._seed_rng.getstate())
+
+        return self._call(work)
+
+    def load_state(self, state: "LlamaState") -> None:
+        """Restore a save_state(): the tokens, the logits sample() starts from and the KV
+        cache. A state of another model, cache type or a context too small for it, or a
+        corrupt one, raises (ValueError or NativeError naming the problem) and changes
+        nothing."""
+        from .model import ContextState
+
+        if not isinstance(state, LlamaState):
+            raise TypeError(f"load_state() takes the LlamaState of save_state(), not "
+                            f"{type(state).__name__}")
+        st = ContextState.from_bytes(state.llama_state)
+        if st.tokens != [int(t) for t in np.asarray(state.input_ids).ravel()] or \
+                st.n_tokens != state.n_tokens:
+            raise ValueError("the LlamaState's input_ids / n_tokens do not match its "
+                             "llama_state")
+        scores = np.asarray(state.scores, dtype=np.single)
+        if scores.size and scores.reshape(-1, scores.shape[-1]).shape[-1] != self.n_vocab():
+            raise ValueError(f"the LlamaState's scores have {scores.shape[-1]} columns, this "
+                             f"model's vocabulary {self.n_vocab()}")
+
+        def work():
+            self._ctx.load_state(st)
+            self._last_logits = (scores.reshape(-1, scores.shape[-1])[-1].copy()
+                                 if scores.size and st.n_tokens else None)
+            if state.rng_state is not None:
+                self._seed_rng.setstate(state.rng_state)
+
+        self._call(work)
+
     # -- what this engine does not do (yet) ----------------------------------------------
-
-
-    def save_state(self):
-        """Not supported: saving the context's state."""
-        _not_supported("save_state", _NO_STATE)
-
-    def load_state(self, state) -> None:
-        """Not supported: restoring the context's state."""
-        _not_supported("load_state", _NO_STATE)
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str | None = None, **kwargs):
@@ -982,6 +1020,24 @@ class Llama:
                   f"({getattr(result, 'n_cached_tokens', 0)} cached) in "
                   f"{t.get('prompt_s', 0) * 1e3:.1f} ms, decode {t.get('decode_tokens', 0)} "
                   f"tokens at {t.get('decode_tok_per_s', 0):.1f} tokens/s", file=sys.stderr)
+
+
+class LlamaState:
+    """A Llama's saved state (Llama.save_state), with llama-cpp-python's fields:
+    input_ids (np.intc, the tokens the context holds), scores (the last eval()'s logits,
+    [1, n_vocab], or [0, n_vocab] when there are none), n_tokens, llama_state (bytes: the
+    KV cache, ContextState.to_bytes()), llama_state_size and seed; rng_state: the state of
+    the generator that seeds calls passing no seed."""
+
+    def __init__(self, input_ids, scores, n_tokens: int, llama_state: bytes,
+                 llama_state_size: int, seed: int, rng_state=None):
+        self.input_ids = input_ids
+        self.scores = scores
+        self.n_tokens = n_tokens
+        self.llama_state = llama_state
+        self.llama_state_size = llama_state_size
+        self.seed = seed
+        self.rng_state = rng_state
 
 
 class LlamaTokenizer:

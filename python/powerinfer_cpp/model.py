@@ -85,6 +85,56 @@ class Completion:
     n_cached_tokens: int = 0
 
 
+class ContextState:
+    """A saved KV cache (Context.save_state): the token ids it holds, how many of them were
+    computed exactly (the prefix a later prompt may reuse, see Generation.prefill) and the
+    runtime's state of their keys and values (gh_context_state_save: tagged with the model,
+    the cache type and a checksum). to_bytes() / from_bytes() keep one on disk."""
+
+    MAGIC = b"GHSLOT01"
+
+    __slots__ = ("tokens", "n_exact", "data")
+
+    def __init__(self, tokens: Sequence[int], n_exact: int, data: bytes | bytearray):
+        self.tokens = [int(t) for t in tokens]
+        self.n_exact = int(n_exact)
+        self.data = data
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        """What the state holds in memory (its keys and values, and the token ids)."""
+        return len(self.data) + 4 * len(self.tokens)
+
+    def to_bytes(self) -> bytes:
+        """MAGIC, the token count and n_exact (uint32 little-endian), the ids (int32), then
+        the runtime's state."""
+        head = np.array([len(self.tokens), self.n_exact], dtype="<u4").tobytes()
+        return (self.MAGIC + head + np.asarray(self.tokens, dtype="<i4").tobytes()
+                + bytes(self.data))
+
+    @classmethod
+    def from_bytes(cls, blob) -> "ContextState":
+        """The state to_bytes() wrote; ValueError naming the problem for anything else (the
+        runtime checks the rest when it is loaded)."""
+        mv = memoryview(blob)
+        if len(mv) < 16 or bytes(mv[:8]) != cls.MAGIC:
+            raise ValueError("not a saved context state (it does not start with "
+                             f"{cls.MAGIC.decode()})")
+        n, n_exact = (int(x) for x in np.frombuffer(mv[8:16], dtype="<u4"))
+        if n_exact > n or len(mv) < 16 + 4 * n:
+            raise ValueError(f"a truncated or corrupt context state ({len(mv)} bytes for "
+                             f"{n} tokens)")
+        tokens = np.frombuffer(mv[16:16 + 4 * n], dtype="<i4").tolist()
+        return cls(tokens, n_exact, bytes(mv[16 + 4 * n:]))
+
+    def __repr__(self) -> str:
+        return f"ContextState(n_tokens={self.n_tokens}, n_exact={self.n_exact}, nbytes={self.nbytes})"
+
+
 class _NativeHandle:
     """Owns one native object: freed by close(), a with-block or garbage collection;
     use after close raises instead of touching freed memory.
@@ -541,6 +591,23 @@ class Context(_NativeHandle):
         with self._lock:
             return list(self._cached)
 
+    @property
+    def reusable_tokens(self) -> list[int]:
+        """The cached tokens a later prompt may reuse: those computed exactly (by the dense
+        FFN's result, see Generation.prefill), a prefix of cached_tokens (a copy)."""
+        with self._lock:
+            return self._cached[:self._n_exact]
+
+    def peek_reusable_tokens(self) -> list[int] | None:
+        """reusable_tokens, or None at once when another thread is in a call on this
+        context (a look that must not wait for someone else's prompt)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._cached[:self._n_exact]
+        finally:
+            self._lock.release()
+
     def set_threads(self, n_threads: int) -> None:
         """Change the number of threads the forward pass uses (0 = all cores)."""
         with self._calling() as ptr:
@@ -552,6 +619,58 @@ class Context(_NativeHandle):
             check(lib.gh_context_truncate(ptr, _int32("n_past", n_past)))
             del self._cached[n_past:]
             self._n_exact = min(self._n_exact, n_past)
+            self._changed()
+
+    def state_size(self, n_tokens: int | None = None) -> int:
+        """Bytes of the runtime's state of n_tokens cached tokens (default: all of them)."""
+        with self._calling() as ptr:
+            n = len(self._cached) if n_tokens is None else _int32("n_tokens", n_tokens)
+            out = ffi.new("uint64_t *")
+            check(lib.gh_context_state_size(ptr, n, out))
+            return int(out[0])
+
+    def save_state(self, n_tokens: int | None = None) -> ContextState:
+        """The keys and values of the first n_tokens cached tokens (default: all) and their
+        ids, to restore into this or another context of the same model (load_state). The
+        cache is not changed."""
+        with self._calling() as ptr:
+            n = len(self._cached) if n_tokens is None else _int32("n_tokens", n_tokens)
+            size = ffi.new("uint64_t *")
+            check(lib.gh_context_state_size(ptr, n, size))
+            buf = bytearray(size[0])
+            written = ffi.new("uint64_t *")
+            check(lib.gh_context_state_save(ptr, n, ffi.from_buffer(buf), len(buf), written))
+            # the buffer itself (no copy: a long cache's state is tens of MB)
+            return ContextState(self._cached[:n], min(self._n_exact, n), buf)
+
+    def load_state(self, state: ContextState) -> None:
+        """Replace the cache by a saved state (of this model and cache type; n_ctx must hold
+        it). ValueError or NativeError naming the problem, the cache unchanged, for a state
+        that is corrupt, truncated or of another model. The next eval() continues after the
+        state's tokens (its logits are not kept: evaluate at least one token)."""
+        if not isinstance(state, ContextState):
+            raise TypeError(f"load_state() takes a ContextState, not {type(state).__name__}")
+        ids = state.tokens
+        if ids and (min(ids) < 0 or max(ids) >= self.model.n_vocab):
+            raise ValueError("the state holds a token id outside this model's vocabulary")
+        if not 0 <= state.n_exact <= len(ids):
+            raise ValueError(f"the state's n_exact ({state.n_exact}) is not within its "
+                             f"{len(ids)} tokens")
+        with self._calling() as ptr:
+            size = ffi.new("uint64_t *")
+            if len(ids) > lib.gh_context_n_ctx(ptr):
+                raise ValueError(f"the state holds {len(ids)} tokens, more than this "
+                                 f"context's {lib.gh_context_n_ctx(ptr)}")
+            check(lib.gh_context_state_size(ptr, len(ids), size))
+            data = state.data
+            if len(data) != size[0]:
+                raise ValueError(f"the state's data is {len(data)} bytes; {len(ids)} tokens "
+                                 f"of this context take {size[0]} (truncated, or saved from "
+                                 "another model or cache type)")
+            n = ffi.new("int32_t *")
+            check(lib.gh_context_state_load(ptr, ffi.from_buffer(data), len(data), n))
+            self._cached = list(ids)
+            self._n_exact = state.n_exact
             self._changed()
 
     def _changed(self) -> None:

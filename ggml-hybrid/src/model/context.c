@@ -227,3 +227,209 @@ gh_status gh_context_truncate(gh_context * c, int32_t n_past) {
     gh_ctx_leave(c);
     return st;
 }
+
+/* ------------------------------------------------------------------ states -- */
+
+/* A saved state: a fixed header, then per layer the keys of the first n_tokens positions
+ * and then their values (kv_row bytes each, the cache's own layout), then a checksum of
+ * everything before it. Host byte order: a state is for this machine's contexts (a
+ * prompt cache, a slot saved to disk), not an interchange format. */
+#define STATE_MAGIC "GHKV"
+#define STATE_VERSION 1u
+enum { STATE_HEADER = 40, STATE_TAIL = 8 };
+
+typedef struct {
+    char     magic[4];
+    uint32_t version;
+    uint64_t model_id;   /* model_fingerprint of the model that made it */
+    int32_t  n_layer;
+    int32_t  n_kv_dim;   /* n_head_kv * head_dim */
+    int32_t  cache_type;
+    int32_t  n_tokens;
+    uint64_t kv_row;     /* bytes of one position's keys (or values) of one layer */
+} state_header;
+_Static_assert(sizeof(state_header) == STATE_HEADER, "state header layout");
+
+/* A 64-bit hash: FNV-1a's prime on 8-byte words, in four independent lanes (word i goes to
+ * lane i % 4, so the multiplies overlap: a state of tens of MB is hashed at memory speed),
+ * the lanes then folded in order. Each step is a bijection of its lane for a given word
+ * and injective in the word for a given lane, so changing any one word (or the length)
+ * changes the result. */
+static uint64_t hash_step(uint64_t h, uint64_t w) {
+    h = (h ^ w) * 0x100000001b3ull;
+    return h ^ (h >> 29);
+}
+
+static uint64_t hash_bytes(uint64_t h, const void * data, size_t n) {
+    const uint8_t * p = data;
+    const uint64_t len = n;
+    uint64_t lane[4] = { h, h ^ 1, h ^ 2, h ^ 3 };
+    for (; n >= 32; p += 32, n -= 32) {
+        uint64_t w[4];
+        memcpy(w, p, 32);
+        for (int k = 0; k < 4; k++) lane[k] = hash_step(lane[k], w[k]);
+    }
+    h = hash_step(hash_step(hash_step(lane[0], lane[1]), lane[2]), lane[3]);
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = hash_step(h, w);
+    }
+    for (; n; p++, n--) h = (h ^ *p) * 0x100000001b3ull;
+    return hash_step(h, len);
+}
+
+static uint64_t hash_i64(uint64_t h, int64_t v) { return hash_bytes(h, &v, sizeof v); }
+
+/* The model's identity: its architecture, shape and a sample of the weights the cache is
+ * made from (the first key and value row of every layer, 16 token embedding rows spread
+ * over the vocabulary, the output norm): two files differ here unless their weights agree
+ * there, and it costs a few kilobytes to read. */
+static uint64_t model_fingerprint(const gh_model * m) {
+    const gh_hparams * hp = &m->hp;
+    uint64_t h = hash_bytes(0xcbf29ce484222325ull, m->arch->name, strlen(m->arch->name));
+    const int64_t dims[] = { hp->n_layer, hp->n_embd, hp->n_head, hp->n_head_kv, hp->head_dim,
+                             hp->n_ff, hp->n_vocab, hp->n_expert };
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++) h = hash_i64(h, dims[i]);
+    for (int il = 0; il < hp->n_layer; il++) {
+        const gh_weight * ws[] = { &m->layers[il].wk, &m->layers[il].wv };
+        for (int k = 0; k < 2; k++) {
+            h = hash_i64(h, ws[k]->type);
+            if (ws[k]->data && ws[k]->rows > 0) {
+                h = hash_bytes(h, ws[k]->data, gh_row_size(ws[k]->type, ws[k]->cols));
+            }
+        }
+    }
+    if (m->embd && hp->n_vocab > 0) {
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t row = i * (hp->n_vocab - 1) / 15;
+            h = hash_bytes(h, m->embd + (size_t) row * m->embd_row_bytes, m->embd_row_bytes);
+        }
+    }
+    if (m->output_norm) h = hash_bytes(h, m->output_norm, (size_t) hp->n_embd * sizeof(float));
+    return h;
+}
+
+static uint64_t state_bytes(const gh_context * c, int32_t n_tokens) {
+    return STATE_HEADER + 2ull * (uint64_t) c->model->hp.n_layer * (uint64_t) n_tokens * c->kv_row +
+           STATE_TAIL;
+}
+
+gh_status gh_context_state_size(const gh_context * c, int32_t n_tokens, uint64_t * size) {
+    if (!c || !size) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_state_size: context or size is NULL");
+    if (n_tokens < 0 || n_tokens > c->n_ctx) {
+        return gh_fail(GH_ERR_RANGE, "a state of %d tokens: the context holds at most %d", n_tokens,
+                       c->n_ctx);
+    }
+    *size = state_bytes(c, n_tokens);
+    return GH_OK;
+}
+
+gh_status gh_context_state_save(gh_context * c, int32_t n_tokens, void * buf, uint64_t size,
+                                uint64_t * written) {
+    if (written) *written = 0;
+    if (!c || !buf) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_state_save: context or buffer is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_state_save");
+    if (st) return st;
+    const uint64_t need = n_tokens >= 0 ? state_bytes(c, n_tokens) : 0;
+    if (n_tokens < 0 || n_tokens > c->n_past) {
+        st = gh_fail(GH_ERR_RANGE, "cannot save %d tokens: the cache holds %d", n_tokens, c->n_past);
+    } else if (size < need) {
+        st = gh_fail(GH_ERR_INVALID_ARG, "the buffer has %llu bytes, a state of %d tokens needs %llu",
+                     (unsigned long long) size, n_tokens, (unsigned long long) need);
+    } else {
+        const gh_hparams * hp = &c->model->hp;
+        state_header hd = { .version = STATE_VERSION, .model_id = model_fingerprint(c->model),
+                            .n_layer = hp->n_layer, .n_kv_dim = hp->n_head_kv * hp->head_dim,
+                            .cache_type = c->cache_type, .n_tokens = n_tokens, .kv_row = c->kv_row };
+        memcpy(hd.magic, STATE_MAGIC, 4);
+        uint8_t * p = buf;
+        memcpy(p, &hd, STATE_HEADER);
+        p += STATE_HEADER;
+        const size_t n_bytes = (size_t) n_tokens * c->kv_row;
+        for (int il = 0; il < hp->n_layer; il++) {
+            memcpy(p, c->k_cache[il], n_bytes);
+            p += n_bytes;
+            memcpy(p, c->v_cache[il], n_bytes);
+            p += n_bytes;
+        }
+        const uint64_t sum = hash_bytes(0xcbf29ce484222325ull, buf, (size_t) (need - STATE_TAIL));
+        memcpy(p, &sum, STATE_TAIL);
+        if (written) *written = need;
+    }
+    gh_ctx_leave(c);
+    return st;
+}
+
+/* Checks a state against the context it would go into; GH_OK with its token count. */
+static gh_status state_check(const gh_context * c, const uint8_t * buf, uint64_t size,
+                             int32_t * n_tokens) {
+    state_header hd;
+    if (size < STATE_HEADER + STATE_TAIL) {
+        return gh_fail(GH_ERR_FORMAT, "not a context state: %llu bytes, less than its header",
+                       (unsigned long long) size);
+    }
+    memcpy(&hd, buf, STATE_HEADER);
+    if (memcmp(hd.magic, STATE_MAGIC, 4) != 0) {
+        return gh_fail(GH_ERR_FORMAT, "not a context state (its first bytes are not \"GHKV\")");
+    }
+    if (hd.version != STATE_VERSION) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "a context state of version %u; this runtime reads "
+                       "version %u", hd.version, STATE_VERSION);
+    }
+    const gh_hparams * hp = &c->model->hp;
+    if (hd.model_id != model_fingerprint(c->model) || hd.n_layer != hp->n_layer ||
+        hd.n_kv_dim != hp->n_head_kv * hp->head_dim) {
+        return gh_fail(GH_ERR_INVALID_ARG, "the state was saved from another model (%d layers, "
+                       "key width %d, identity %016llx; this context's model: %d, %d, %016llx)",
+                       hd.n_layer, hd.n_kv_dim, (unsigned long long) hd.model_id, hp->n_layer,
+                       hp->n_head_kv * hp->head_dim,
+                       (unsigned long long) model_fingerprint(c->model));
+    }
+    if (hd.cache_type != c->cache_type || hd.kv_row != c->kv_row) {
+        const char * a = gh_type_name(hd.cache_type), * b = gh_type_name(c->cache_type);
+        return gh_fail(GH_ERR_INVALID_ARG, "the state's KV cache is %s, this context's %s: make "
+                       "the context with the cache type the state was saved from",
+                       a ? a : "of an unknown type", b ? b : "?");
+    }
+    if (hd.n_tokens < 0 || hd.n_tokens > c->n_ctx) {
+        return gh_fail(GH_ERR_RANGE, "the state holds %d tokens, more than this context's %d",
+                       hd.n_tokens, c->n_ctx);
+    }
+    const uint64_t need = state_bytes(c, hd.n_tokens);
+    if (size != need) {
+        return gh_fail(GH_ERR_FORMAT, "the state of %d tokens should be %llu bytes, got %llu "
+                       "(truncated or padded)", hd.n_tokens, (unsigned long long) need,
+                       (unsigned long long) size);
+    }
+    uint64_t sum;
+    memcpy(&sum, buf + need - STATE_TAIL, STATE_TAIL);
+    if (sum != hash_bytes(0xcbf29ce484222325ull, buf, (size_t) (need - STATE_TAIL))) {
+        return gh_fail(GH_ERR_FORMAT, "the state is corrupt (its checksum does not match)");
+    }
+    *n_tokens = hd.n_tokens;
+    return GH_OK;
+}
+
+gh_status gh_context_state_load(gh_context * c, const void * buf, uint64_t size, int32_t * n_tokens) {
+    if (n_tokens) *n_tokens = 0;
+    if (!c || !buf) return gh_fail(GH_ERR_INVALID_ARG, "gh_context_state_load: context or buffer is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_state_load");
+    if (st) return st;
+    int32_t n = 0;
+    if (!(st = state_check(c, buf, size, &n))) {
+        const uint8_t * p = (const uint8_t *) buf + STATE_HEADER;
+        const size_t n_bytes = (size_t) n * c->kv_row;
+        for (int il = 0; il < c->model->hp.n_layer; il++) {
+            memcpy(c->k_cache[il], p, n_bytes);
+            p += n_bytes;
+            memcpy(c->v_cache[il], p, n_bytes);
+            p += n_bytes;
+        }
+        c->n_past = n;
+        c->n_logit_rows = 0; /* the logits were of other tokens: evaluate one for new ones */
+        if (n_tokens) *n_tokens = n;
+    }
+    gh_ctx_leave(c);
+    return st;
+}

@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                    default=256, metavar="N",
                    help="tokens per batched forward pass: the busy slots' next tokens and a "
                         "chunk of a joining request's prompt, evaluated together (default 256)")
+    p.add_argument("-cram", "--cache-ram", type=int, default=1024, metavar="MiB",
+                   help="RAM for the prompt cache of prefixes evicted from slots (a request "
+                        "reuses the longest prefix of its prompt found in any slot or there; "
+                        "default 1024 MiB, 0: off, -1: no limit)")
+    p.add_argument("--slot-save-path", metavar="DIR",
+                   help="directory where POST /slots/{id}?action=save writes a slot's KV cache "
+                        "and action=restore reads one (default: none, the actions are off)")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="largest max_tokens a request may ask for (default: the context size)")
     p.add_argument("--max-body", type=int, default=1 << 20,
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             template_timeout=args.template_timeout, template_memory=args.template_memory,
             body_timeout=args.body_timeout, allow_hosts=tuple(args.allow_host),
             allow_origins=tuple(args.allow_origin), draft_max=args.draft_max,
-            draft=args.model_draft if args.model_draft is not None else args.draft)
+            draft=args.model_draft if args.model_draft is not None else args.draft,
+            cache_ram=args.cache_ram, slot_save_path=args.slot_save_path)
         if args.model_draft is not None and args.draft is not None:
             raise ValueError("give --draft self or --model-draft FILE, not both")
         app = create_app(settings)

@@ -35,6 +35,8 @@ from .guard import Guard
 from .metrics import Metrics
 from .prepare import PromptPreparer, check_logit_bias, parse_json
 from .protocol import ChatBody, CompletionBody, EmbeddingBody, _Body
+from . import slot_actions
+from .prompt_cache import PromptCache
 from .slots import Job, QueueFull, Slot, SlotPool
 from .templates import TemplateCompileError, TemplateRunner
 
@@ -77,6 +79,8 @@ class Settings:
     allow_origins: tuple[str, ...] = ()
     draft: str | None = None         # speculative decoding: "self" or a draft model's file
     draft_max: int | None = None     # most tokens drafted per verification (None: default)
+    cache_ram: int = 1024            # MiB of evicted prompt prefixes kept (0: off, -1: no limit)
+    slot_save_path: str | None = None  # the directory of POST /slots/{id}?action=save|restore
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -130,6 +134,14 @@ class Server:
         except ChatTemplateError as e:
             self.template, self.template_error = None, str(e)
         self.pool: SlotPool | None = None  # made on the event loop, at startup
+        if s.cache_ram < -1:
+            raise ValueError("--cache-ram must be >= 0 MiB (0: off) or -1 (no limit)")
+        self.prompt_cache = PromptCache(None if s.cache_ram == -1 else s.cache_ram << 20)
+        if s.slot_save_path:
+            d = Path(s.slot_save_path)
+            if d.exists() and not d.is_dir():
+                raise ValueError(f"--slot-save-path {d} is not a directory")
+            d.mkdir(parents=True, exist_ok=True)
         self.batcher = Batcher(s.prompt_chunk) if s.batching else None
         self.executor = None if s.batching else concurrent.futures.ThreadPoolExecutor(
             max_workers=s.parallel, thread_name_prefix="slot")
@@ -400,7 +412,10 @@ def timings(job: Job) -> dict:
     density) for the web page."""
     r, st = job.result, job.stats
     t = r.timings or {}
+    reuse = job.reuse
     return {"prompt_n": r.n_prompt_tokens, "cached_n": getattr(r, "n_cached_tokens", 0),
+            "cached_from": reuse.source if reuse is not None and reuse.n else None,
+            "cache_ms": reuse.ms if reuse is not None else 0.0,
             "prompt_ms": t.get("prompt_s", 0.0) * 1e3,
             "predicted_n": len(r.tokens), "predicted_ms": t.get("decode_s", 0.0) * 1e3,
             "predicted_per_second": t.get("decode_tok_per_s", 0.0),
@@ -491,7 +506,7 @@ def create_app(settings: Settings) -> FastAPI:
     server = Server(settings)
 
     async def lifespan(app):
-        server.pool = SlotPool(server.slots, settings.queue)
+        server.pool = SlotPool(server.slots, settings.queue, server.prompt_cache)
         try:
             yield
         finally:
@@ -639,6 +654,8 @@ def create_app(settings: Settings) -> FastAPI:
         body = await _parse(request, EmbeddingBody)
         server.check_model(body.model)
         return JSONResponse(await server.embeddings.handle(body, server.name))
+
+    slot_actions.add_routes(app, server)
 
     @app.get("/")
     async def index():

@@ -21,6 +21,7 @@ class Slot:
     index: int
     ctx: object
     cached: list[int] = field(default_factory=list)
+    last_used: float = 0.0  # when it was last handed out (time.monotonic)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -33,15 +34,18 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class SlotPool:
     """Hands free slots to requests (the one whose cache shares the longest prefix with
-    the prompt, so a chat's next turn lands where its history is cached); requests that
-    find none wait in a FIFO of at most `max_queue`, beyond which acquire() raises
-    QueueFull. Used from the event loop only; release() is scheduled onto it by workers."""
+    the prompt, so a chat's next turn lands where its history is cached; among equals the
+    least recently used); requests that find none wait in a FIFO of at most `max_queue`,
+    beyond which acquire() raises QueueFull. Used from the event loop only; release() is
+    scheduled onto it by workers. `cache`: the RAM cache of evicted prefixes (None: off);
+    the prefix a prompt reuses may come from any slot or from it (prompt_cache.py)."""
 
-    def __init__(self, slots: list[Slot], max_queue: int):
+    def __init__(self, slots: list[Slot], max_queue: int, cache=None):
         self.slots = slots
         self.free = list(slots)
         self.waiters: collections.deque[asyncio.Future] = collections.deque()
         self.max_queue = max_queue
+        self.cache = cache
 
     @property
     def n_busy(self) -> int:
@@ -54,8 +58,10 @@ class SlotPool:
     async def acquire(self, prompt_ids: list[int]) -> Slot:
         """A free slot, waiting in the queue if there is none."""
         if self.free and not self.waiters:
-            best = max(self.free, key=lambda s: _common_prefix(s.cached, prompt_ids))
+            best = max(self.free, key=lambda s: (_common_prefix(s.cached, prompt_ids),
+                                                 -s.last_used))
             self.free.remove(best)
+            best.last_used = time.monotonic()
             return best
         if self.n_waiting >= self.max_queue:
             raise QueueFull
@@ -72,6 +78,14 @@ class SlotPool:
                 except ValueError:
                     pass
             raise
+
+    def take(self, slot: Slot) -> bool:
+        """Claim one slot by its id for a slot action (save, restore, erase): False when it
+        is busy (or promised to a waiting request)."""
+        if slot not in self.free or self.waiters:
+            return False
+        self.free.remove(slot)
+        return True
 
     def release(self, slot: Slot) -> None:
         """Give a slot back: to the oldest waiter, else to the free list."""
@@ -106,6 +120,7 @@ class Job:
         self.stats: dict = {}   # ctx.stats() of this generation
         self.error: BaseException | None = None
         self.gen = None         # the Generation (batched runs)
+        self.reuse = None       # where the prompt's cached prefix came from (prompt_cache)
         self.ended = False
         self.batch_future = None  # completed by end() (batched runs)
 
@@ -149,9 +164,17 @@ class Job:
         from ..model import Completion
 
         self.result = Completion("", [], "length", 0)
+        self._load_prefix()
         self.slot.ctx.reset_stats()
         self.gen = self.slot.ctx.start_generation(self.prompt_ids, stats=self.result,
                                                   **self.kwargs)
+
+    def _load_prefix(self) -> None:
+        """The longest prefix of the prompt cached in any slot or the RAM cache, into this
+        slot's context (on the thread that drives it)."""
+        from .prompt_cache import load_prefix
+
+        self.reuse = load_prefix(self.slot, self.prompt_ids, self.pool.slots, self.pool.cache)
 
     def sample(self) -> None:
         """The next token from the logits, its text to the client."""
@@ -202,6 +225,7 @@ class Job:
         try:
             if self.cancel.is_set():
                 return
+            self._load_prefix()
             ctx.reset_stats()
             pieces = ctx.stream(self.prompt_ids, stats=self.result, **self.kwargs)
             cancelled = False

@@ -5,7 +5,8 @@ logits of every MoE variant against transformers in f32, f16, q8_0, q4_0, greedy
 - a decode step reads exactly the router and its k experts per layer (plus the shared
   expert); a prompt reads each expert some token chose once;
 - any batch split (tokens grouped by expert) equals token by token;
-- bad files refused by name; sparse modes, sparse conversion and devices refused for now."""
+- bad files refused by name; sparse modes and sparse conversion refused for now (devices:
+  test_moe_device.py)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def test_info(case):
     assert info.expert_norm == kw.get("norm_topk_prob", case["variant"].startswith(("mixtral", "gptoss")))
 
 
-def test_sparse_modes_and_devices_refused(case, tmp_path):
+def test_sparse_modes_refused(case, tmp_path):
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     with Model(case["gguf"]) as m:
@@ -127,8 +128,6 @@ def test_sparse_modes_and_devices_refused(case, tmp_path):
             with pytest.raises(NativeError, match=f"the {mode} FFN mode is not available for "
                                                   "mixture-of-experts models"):
                 m.context.set_ffn_mode(mode)
-    with pytest.raises(NativeError, match="runs on the CPU only for now, not on device 'host-device'"):
-        Model(case["gguf"], device="host-device")
     with pytest.raises(ConvertError, match="sparse conversion .* of a mixture-of-experts model"):
         convert(case["hf"], tmp_path / "s.gguf", "f32", progress=False, sparse=True,
                 sparse_options=SparseOptions(sparsity=0.5))

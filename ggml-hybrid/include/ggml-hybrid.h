@@ -264,13 +264,25 @@ typedef struct {
     int32_t reset_gpu_index;  /* 1: ignore the file's GPU index and place the hot neurons
                                * at load (greedy, from blk.N.ffn_freq) */
     int32_t load;             /* gh_load_mode of the weights (default GH_LOAD_AUTO) */
+    /* mixture-of-experts models (ignored without experts): */
+    int32_t n_cpu_moe;        /* the experts of the first n_cpu_moe layers stay on the CPU
+                               * (llama.cpp's --n-cpu-moe); >= 0 */
+    int64_t expert_cache;     /* bytes of each context's device cache of recently used CPU
+                               * experts (LRU; 0 = none), whole experts, at least one; the
+                               * budget reserves one context's before the experts are placed
+                               * (each further context allocates its own beside the budget,
+                               * as its stream's buffers are) */
 } gh_model_params;
 
 gh_model_params gh_model_default_params(void);
-/* gh_model_load that also puts the model on a device (a mixture-of-experts model: the
- * CPU only for now, another device is refused): the dense parts in priority order
- * (attention weights of each layer, then predictors, then the output head; each in layer
- * order, stopping at the first that does not fit), then the hot FFN neurons. The file's
+/* gh_model_load that also puts the model on a device: the dense parts in priority order
+ * (attention weights of each layer, then predictors (a mixture of experts: its routers),
+ * then the output head; each in layer order, stopping at the first that does not fit),
+ * then the hot FFN neurons, or for a mixture of experts its expert cache and then whole
+ * experts: the file's expert placement (blk.N.ffn_exp_gpu) when it places some and they
+ * fit, else by the
+ * expert frequencies (blk.N.ffn_exp_freq, most frequent first), else in layer order;
+ * never in the first n_cpu_moe layers. The file's
  * GPU index (blk.N.gpu_bucket) is used when it fits what is left; when it does not, or
  * the file's index is empty, or reset_gpu_index is set, the neurons are placed at load by
  * the greedy rule of the offline placement (value per byte over frequency-ordered groups,
@@ -292,7 +304,19 @@ typedef struct {
     int32_t head_on_device;
     int32_t index_source;       /* 0 no hot neurons, 1 the file's index, 2 placed at load */
     char    note[256];          /* what the loader decided and why ("" if nothing to say) */
+    /* mixture of experts */
+    int64_t n_experts;          /* n_layer * n_expert (0: no experts) */
+    int64_t n_experts_device;   /* experts placed on the device */
+    int64_t expert_bytes;       /* of used_bytes: those experts */
+    int64_t expert_cache_bytes; /* each context's expert cache (whole experts) */
+    int32_t expert_cache_slots; /* experts the cache holds */
+    int32_t expert_source;      /* 0 none placed, 1 the file's placement, 2 by frequency, 3 in
+                                 * layer order (no frequencies) */
 } gh_device_info;
+
+/* Mixture-of-experts models on a device: where[l * n_expert + e] = 1 if expert e of layer l
+ * is on the device, else 0 (n >= n_layer * n_expert; all 0 on the CPU). */
+gh_status gh_model_expert_placement(const gh_model * m, int8_t * where, int64_t n);
 
 gh_status gh_model_device_info(const gh_model * m, gh_device_info * out);
 /* Releases the caller's model; its memory goes when its last context is freed too. */
@@ -545,6 +569,13 @@ typedef struct {
     int64_t n_head_inputs, n_head_inputs_used;
     double  attn_input_density; /* n_attn_inputs_used / n_attn_inputs; 0 if none */
     double  head_input_density; /* n_head_inputs_used / n_head_inputs; 0 if none */
+    /* mixture of experts on a device: expert runs (an expert over the tokens of a batch
+     * that chose it) on the device (placed or cached) and on the CPU; of the runs of CPU
+     * experts, those the expert cache held (hits) and those it uploaded (misses), and the
+     * bytes it uploaded */
+    int64_t n_expert_runs_device, n_expert_runs_cpu;
+    int64_t n_cache_hits, n_cache_misses;
+    double  bytes_cache_uploaded;
 } gh_context_stats;
 
 /* layer_density (may be NULL): n_layer >= the model's layer count values, each that

@@ -330,6 +330,9 @@ class Llama:
     GPU: with a CUDA build and a visible GPU the model is placed on "cuda" under the VRAM
     budget placement (all of the device's free memory minus 256 MiB, or `vram_budget`),
     whatever the number; otherwise a RuntimeWarning says so and it runs on the CPU.
+    A mixture-of-experts model takes `n_cpu_moe` (the experts of the first N layers stay
+    on the CPU, llama.cpp's --n-cpu-moe) and `expert_cache` (device bytes of a cache of
+    recently used CPU experts), as `Model` does.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, n_gpu_layers: int = 0,
@@ -340,7 +343,8 @@ class Llama:
                  chat_template: str | None = None, ffn: str = "auto",
                  device: str | None = None, vram_budget: int | str | None = None,
                  embedding: bool = False, pooling_type: int = -1, draft_model=None,
-                 draft_max: int | None = None, **kwargs):
+                 draft_max: int | None = None, n_cpu_moe: int = 0,
+                 expert_cache: int | str | None = None, **kwargs):
         check_unsupported("Llama()", kwargs, _INIT_UNSUPPORTED)
         from .model import Model, device_available
 
@@ -351,7 +355,8 @@ class Llama:
             use_mmap=use_mmap, last_n_tokens_size=last_n_tokens_size, chat_format=chat_format,
             verbose=verbose, chat_template=chat_template, ffn=ffn, device=device,
             vram_budget=vram_budget, embedding=embedding, pooling_type=pooling_type,
-            draft_model=draft_model, draft_max=draft_max, **kwargs)
+            draft_model=draft_model, draft_max=draft_max, n_cpu_moe=n_cpu_moe,
+            expert_cache=expert_cache, **kwargs)
         self._last_logits: np.ndarray | None = None  # of the last eval(), for sample()
 
         if n_threads_batch is not None and n_threads_batch != n_threads:
@@ -388,7 +393,8 @@ class Llama:
         self._lock = _OwnerLock()
         self._model = Model(self.model_path, n_ctx=n_ctx, n_threads=n_threads or 0,
                             n_batch=n_batch, ffn=ffn, device=device, vram_budget=vram_budget,
-                            load="auto" if use_mmap else "read")
+                            load="auto" if use_mmap else "read", n_cpu_moe=n_cpu_moe,
+                            expert_cache=expert_cache)
         try:
             self._ctx = self._model.context
             self._draft = _draft_arg(self._model, draft_model, draft_max)

@@ -654,6 +654,38 @@ GPU_INDEX_TENSORS = (T_GPU_IDX, T_GPU_BUCKET)
 SPARSE_NO_SUFFIX = (T_FFN_FREQ, T_GPU_IDX, T_GPU_BUCKET)
 
 
+# Expert placement of a mixture-of-experts file (docs/FORMAT.md "Expert placement"):
+# per layer, each expert's selection frequency over the profiled tokens and the offline
+# placement; written by `python -m powerinfer_cpp.place --profile` into the side file or a
+# whole model file, like the neuron index.
+T_FFN_EXP_FREQ = "ffn_exp_freq"  # blk.N.ffn_exp_freq F32 [n_expert], each in [0, 1]
+T_FFN_EXP_GPU = "ffn_exp_gpu"    # blk.N.ffn_exp_gpu I32 [n_expert], 1 = on the device
+EXPERT_TENSORS = (T_FFN_EXP_FREQ, T_FFN_EXP_GPU)
+#: Tokens the expert frequencies were counted over (u32), and the calibration text's name.
+KEY_EXPERT_PROFILE_TOKENS = "powerinfer.experts.profile_tokens"
+KEY_EXPERT_PROFILE_SOURCE = "powerinfer.experts.profile_source"
+#: Bytes (u64) the placement left to the experts (after attention, routers, head and the
+#: expert cache) and the bytes of the experts it placed; the device budget it was solved
+#: for is KEY_GPU_VRAM_BUDGET, the solver KEY_GPU_SOLVER.
+KEY_EXPERT_BYTES_LEFT = "powerinfer.experts.bytes_left"
+KEY_EXPERT_BYTES = "powerinfer.experts.bytes"
+#: The n_cpu_moe (u32) and the expert cache bytes (u64) it was solved for.
+KEY_EXPERT_N_CPU_MOE = "powerinfer.experts.n_cpu_moe"
+KEY_EXPERT_CACHE = "powerinfer.experts.cache_bytes"
+#: Share (f32, 0..1) of the profiled expert selections the placed experts serve.
+KEY_EXPERT_SERVED_SHARE = "powerinfer.experts.served_share"
+EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_BYTES_LEFT,
+               KEY_EXPERT_BYTES, KEY_EXPERT_N_CPU_MOE, KEY_EXPERT_CACHE, KEY_EXPERT_SERVED_SHARE,
+               KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
+
+
+def expert_tensor_name(kind: str, layer: int) -> str:
+    """``blk.N.ffn_exp_freq`` / ``blk.N.ffn_exp_gpu`` (no suffix)."""
+    if kind not in EXPERT_TENSORS:
+        raise ValueError(f"not an expert placement tensor: {kind!r}")
+    return f"blk.{layer}.{kind}"
+
+
 def sparse_tensor_name(kind: str, layer: int) -> str:
     """Name of a per-layer sparse tensor: ``blk.N.fc1.weight``,
     ``blk.N.ffn_freq`` (frequencies and GPU index carry no suffix)."""

@@ -218,6 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the device's free memory minus 256 MiB)")
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
+    p.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
+                   help="mixture-of-experts models on a device: keep the experts of the first N "
+                        "layers on the CPU (default 0)")
+    p.add_argument("--expert-cache", metavar="SIZE", default=None,
+                   help="mixture-of-experts models on a device: device memory for a cache of "
+                        "recently used CPU experts (LRU), e.g. 512M (default: none)")
     p.add_argument("-cnv", "--chat", "--conversation", action="store_true",
                    help="chat: an interactive conversation through the file's chat template "
                         "(-p, if given, is the first message; /reset clears the history, "
@@ -239,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _device_summary(info: dict) -> str:
     """Where the model was placed, as a line of the timing block."""
     mib = 1 << 20
+    ex = info.get("experts") or {}
+    if ex.get("n_experts"):
+        return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
+                f"{info['budget'] / mib:.1f} MiB budget (attention, routers, head "
+                f"{info['dense_bytes'] / mib:.1f}, experts {ex['bytes'] / mib:.1f}: {ex['device']} of "
+                f"{ex['n_experts']}, placed by {ex['source']}; expert cache {ex['cache_slots']} experts, "
+                f"{ex['cache_bytes'] / mib:.1f} MiB); head {'yes' if info['head_on_device'] else 'no'}")
     return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
             f"{info['budget'] / mib:.1f} MiB budget (dense {info['dense_bytes'] / mib:.1f}, "
             f"hot neurons {info['hot_bytes'] / mib:.1f} = {info['hot_share']:.1%} of neurons, "
@@ -267,9 +280,17 @@ def _stats_summary(st: dict, n_layer: int) -> str:
     lines.append("stages      = " + ", ".join(
         f"{k} {t[k] / total:.0%}" for k in ("attention", "predictor", "ffn", "other")))
     dv = st["device"]
+    ex = st.get("experts") or {}
+    if ex.get("runs_device") or ex.get("cache_hits") or ex.get("cache_misses"):
+        runs = ex["runs_device"] + ex["runs_cpu"]
+        lines.append(f"experts     = {ex['runs_device'] / runs:10.1%} of expert runs on the device; "
+                     f"cache {ex['cache_hits']} hits, {ex['cache_misses']} misses "
+                     f"({ex['cache_hit_rate']:.1%}), {ex['bytes_cache_uploaded'] / 1e6:.2f} MB uploaded")
     if dv["neurons_device"] or dv["bytes_uploaded"]:
         dt = dv["time_s"]
-        lines.append(f"hybrid      = {dv['device_share']:10.1%} of active neurons on the device; "
+        moe = ex.get("runs_device", 0) + ex.get("runs_cpu", 0) > 0  # experts: no neuron split
+        share = "" if moe else f"{dv['device_share']:10.1%} of active neurons on the device; "
+        lines.append(f"hybrid      = {share}"
                      f"device {dt['device'] * 1e3:.1f} ms, CPU ffn {dt['cpu_ffn'] * 1e3:.1f} ms, "
                      f"waited {dt['wait'] * 1e3:.1f} ms; {dv['bytes_uploaded'] / 1e6:.2f} MB up, "
                      f"{dv['bytes_downloaded'] / 1e6:.2f} MB down")
@@ -370,6 +391,7 @@ def _run(args, Model) -> int:
         model = Model(path, n_ctx=args.ctx, n_threads=args.threads, ffn=args.ffn,
                       device=args.device, vram_budget=args.vram_budget,
                       reset_gpu_index=args.reset_gpu_index, load=args.load,
+                      n_cpu_moe=args.n_cpu_moe, expert_cache=args.expert_cache,
                       cache_type=args.cache_type, n_batch=args.batch_size,
                       input_sparse={"auto": None, "on": True, "off": False}[args.input_sparse])
         dinfo = model.device_info()

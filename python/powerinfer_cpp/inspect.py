@@ -136,6 +136,9 @@ def describe(path: str | os.PathLike, tensors: bool = False) -> str:
             gi = gpu_idx.get(F.sparse_tensor_name(F.T_GPU_IDX, l))
             ng = int(np.asarray(gi.data).sum()) if gi is not None else "-"
             out.append(f"{l:5d}  {h!s:>11}  {format_size(pb):>10}  {share:>8}  {ty:>14}  {mf:>9}  {ng!s:>11}")
+    n_expert = int(ak(F.KEY_EXPERT_COUNT) or 0)
+    if n_expert and n_layer:
+        _experts(path, out, fields, by_name, n_layer, n_expert, int(ak(F.KEY_EXPERT_USED_COUNT) or 0))
     out.append(loadable(path))
     mode = auto_mode(path)
     if mode:
@@ -206,6 +209,43 @@ def auto_mode(path: str | os.PathLike) -> str | None:
 
 class PlotError(ValueError):
     """The plot cannot be drawn (no neuron statistics, or matplotlib missing)."""
+
+
+def _experts(path: str, out: list[str], fields: dict, by_name: dict, n_layer: int, n_expert: int,
+             k: int) -> None:
+    """The experts of a mixture-of-experts file: per layer one expert's bytes, and where `place`
+    wrote them (the side file first, as the runtime reads it) each expert's selection
+    frequency and placement ("*" = on the device), most frequent first."""
+    idx, idx_tensors, idx_from = _side_index(path, [])
+    src, t = (idx, idx_tensors) if idx_tensors is not None and \
+        F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) in idx_tensors else (fields, by_name)
+    eb = [sum(int(by_name[n].n_bytes) for n in (F.tensor_name(kind, l) for kind in
+                                                 (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS))
+              if n in by_name) // n_expert for l in range(n_layer)]
+    out.append(f"experts: {n_expert} per layer, {k} per token; one expert {format_size(eb[0])}, "
+               f"all {format_size(sum(eb) * n_expert)}")
+    if F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) not in t:
+        out.append("  expert frequencies: none (profile them: python -m powerinfer_cpp.place MODEL "
+                   "--vram-budget SIZE --profile TEXT)")
+        return
+    where = idx_from if t is not by_name else ""
+    b = src.get(F.KEY_GPU_VRAM_BUDGET)
+    out.append(f"  profiled over {src.get(F.KEY_EXPERT_PROFILE_TOKENS, '?')} tokens of "
+               f"{src.get(F.KEY_EXPERT_PROFILE_SOURCE, '?') or '?'}; placement for "
+               f"{format_size(int(b)) if b is not None else '?'} (solver {src.get(F.KEY_GPU_SOLVER, '?')}, "
+               f"n_cpu_moe {src.get(F.KEY_EXPERT_N_CPU_MOE, '?')}, expert cache "
+               f"{format_size(int(src.get(F.KEY_EXPERT_CACHE, 0)))}): "
+               f"{format_size(int(src.get(F.KEY_EXPERT_BYTES, 0)))} of experts, served selections "
+               f"{float(src.get(F.KEY_EXPERT_SERVED_SHARE, 0)):.1%}{where}")
+    out.append("  layer  device  expert:frequency by falling frequency (* = on the device)")
+    for l in range(n_layer):
+        fr = t.get(F.expert_tensor_name(F.T_FFN_EXP_FREQ, l))
+        gp = t.get(F.expert_tensor_name(F.T_FFN_EXP_GPU, l))
+        f = np.asarray(fr.data, dtype=np.float64) if fr is not None else np.zeros(n_expert)
+        g = np.asarray(gp.data) if gp is not None else np.zeros(n_expert, dtype=np.int32)
+        order = np.argsort(-f, kind="stable")
+        cells = " ".join(f"{int(e)}{'*' if g[e] else ''}:{f[e]:.3f}" for e in order)
+        out.append(f"  {l:5d}  {int(g.sum()):>3}/{n_expert:<3} {cells}")
 
 
 def _side_index(path: str, out: list[str]) -> tuple[dict | None, dict | None, str]:

@@ -218,6 +218,15 @@ class Model(_NativeHandle):
     index, or, when that index does not fit or `reset_gpu_index` is set, hot neurons
     placed at load. `device_info()` says what was placed and why.
 
+    A mixture-of-experts model on a device gets attention, routers and head first, then
+    whole experts: the file's expert placement (`python -m powerinfer_cpp.place
+    --profile`), else the most frequently selected first, else in layer order.
+    `n_cpu_moe` keeps the experts of the first N layers on the CPU (llama.cpp's
+    --n-cpu-moe); `expert_cache` (bytes or a size) gives each context a device cache of
+    recently used CPU experts (LRU), taken from the budget before the experts are placed.
+    `expert_placement()` says which experts are on the device; a context's
+    `stats()["experts"]` counts device / CPU expert runs and the cache's hits and uploads.
+
     `load` says how the weights reach memory: "read" copies the file into private
     memory in 2 MiB (transparent huge) pages, which the scattered rows of the sparse FFN
     need to avoid TLB misses; "mmap" maps the file (shared page cache, nothing copied);
@@ -229,7 +238,8 @@ class Model(_NativeHandle):
                  n_batch: int = 512, check_weights: bool = False, ffn: str = "auto",
                  device: str = "cpu", vram_budget: int | str | None = None,
                  reset_gpu_index: bool = False, load: str = "auto", cache_type: str = "f16",
-                 input_sparse: bool | None = None):
+                 input_sparse: bool | None = None, n_cpu_moe: int = 0,
+                 expert_cache: int | str | None = None):
         path = os.fspath(path)
         if load not in _LOAD_MODES:
             raise ValueError(f"load must be one of {', '.join(_LOAD_MODES)}, not {load!r}")
@@ -244,6 +254,9 @@ class Model(_NativeHandle):
             raise TypeError(f"device must be a string (cpu, host-device, cuda, cuda:N), not "
                             f"{type(device).__name__}")
         budget = -1 if vram_budget is None else parse_size(vram_budget, "vram_budget")
+        if isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int) or n_cpu_moe < 0:
+            raise ValueError(f"n_cpu_moe must be a number of layers >= 0, not {n_cpu_moe!r}")
+        cache = 0 if expert_cache is None else parse_size(expert_cache, "expert_cache")
         t0 = time.perf_counter()
         out = ffi.new("gh_model **")
         params = ffi.new("gh_model_params *")
@@ -252,6 +265,8 @@ class Model(_NativeHandle):
         params.vram_budget = budget
         params.reset_gpu_index = 1 if reset_gpu_index else 0
         params.load = _LOAD_MODES[load]
+        params.n_cpu_moe = n_cpu_moe
+        params.expert_cache = cache
         try:
             check(lib.gh_model_load_ex(path.encode(), params, out))
         except NativeError as e:
@@ -342,7 +357,24 @@ class Model(_NativeHandle):
             "index_source": {0: "none", 1: "file", 2: "load"}.get(d.index_source, "?"),
             "resolved": d.index_source == 2,
             "note": ffi.string(d.note).decode("utf-8", "replace"),
+            "experts": {
+                "n_experts": d.n_experts,
+                "device": d.n_experts_device,
+                "bytes": d.expert_bytes,
+                "cache_bytes": d.expert_cache_bytes,
+                "cache_slots": d.expert_cache_slots,
+                "source": {0: "none", 1: "file", 2: "frequency", 3: "layer order"}.get(
+                    d.expert_source, "?"),
+            },
         }
+
+    def expert_placement(self) -> np.ndarray:
+        """Mixture-of-experts models: bool [n_layer, n_expert], True where the expert was
+        placed on the device (all False on the CPU; [n_layer, 0] without experts)."""
+        out = np.zeros((self.info.n_layer, self.info.n_expert), dtype=np.int8)
+        with self._calling() as ptr:
+            check(lib.gh_model_expert_placement(ptr, ffi.cast("int8_t *", out.ctypes.data), out.size))
+        return out.astype(bool)
 
     # -- tokens -----------------------------------------------------------------
 
@@ -734,6 +766,15 @@ class Context(_NativeHandle):
                 "bytes_uploaded": st.bytes_uploaded,
                 "bytes_downloaded": st.bytes_downloaded,
                 "time_s": {"device": st.t_device, "cpu_ffn": st.t_cpu_ffn, "wait": st.t_wait},
+            },
+            "experts": {
+                "runs_device": st.n_expert_runs_device,
+                "runs_cpu": st.n_expert_runs_cpu,
+                "cache_hits": st.n_cache_hits,
+                "cache_misses": st.n_cache_misses,
+                "cache_hit_rate": (st.n_cache_hits / (st.n_cache_hits + st.n_cache_misses)
+                                   if st.n_cache_hits + st.n_cache_misses else 0.0),
+                "bytes_cache_uploaded": st.bytes_cache_uploaded,
             },
         }
 

@@ -1,6 +1,8 @@
-"""Re-solve the GPU neuron placement of a sparse GGUF for another VRAM budget.
+"""Re-solve the GPU neuron placement of a sparse GGUF for another VRAM budget, or the
+expert placement of a mixture-of-experts GGUF.
 
     python -m powerinfer_cpp.place MODEL.gguf --vram-budget 8G [-o OUT.gguf]
+    python -m powerinfer_cpp.place MOE.gguf --vram-budget 8G --profile TEXT [--n-cpu-moe N]
 
 Uses the neuron frequencies stored in the file (``blk.N.ffn_freq``), so no
 profiling is needed. Only the GPU index changes: the ``blk.N.gpu_idx`` /
@@ -28,7 +30,7 @@ from .sparse.placement import Placement
 
 log = logging.getLogger("powerinfer_cpp.place")
 
-__all__ = ["PlaceError", "replace_index", "read_fields", "placement_inputs", "main"]
+__all__ = ["PlaceError", "replace_index", "replace_expert_placement", "read_fields", "placement_inputs", "main"]
 
 
 class PlaceError(Exception):
@@ -85,6 +87,144 @@ def _copy_fields(reader, w, skip: set[str]) -> None:
             w.add_key_value(name, f.contents(), main)
 
 
+def _stored_expert_freq(reader, path: str, n_layer: int, n_expert: int) -> tuple[np.ndarray | None, dict]:
+    """The blk.N.ffn_exp_freq of a file (its side file's first) and the keys stored with
+    them, or (None, {}) when it has none."""
+    import gguf
+
+    side = path + F.GPUIDX_SUFFIX
+    readers = [gguf.GGUFReader(side)] if os.path.isfile(side) else []
+    for r in readers + [reader]:
+        by_name = {t.name: t for t in r.tensors}
+        if F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) not in by_name:
+            continue
+        out = np.zeros((n_layer, n_expert))
+        for l in range(n_layer):
+            name = F.expert_tensor_name(F.T_FFN_EXP_FREQ, l)
+            t = by_name.get(name)
+            if t is None or t.tensor_type != gguf.GGMLQuantizationType.F32 or int(t.n_elements) != n_expert:
+                raise PlaceError(f"{path}: {name} missing or not F32[{n_expert}]")
+            out[l] = np.asarray(t.data, dtype=np.float64).reshape(n_expert)
+        return out, read_fields(r)
+    return None, {}
+
+
+def replace_expert_placement(path: str | os.PathLike, budget: int,
+                             out_path: str | os.PathLike | None = None, *,
+                             profile: str | os.PathLike | None = None, profile_tokens: int = 4096,
+                             n_ctx: int = 512, n_cpu_moe: int = 0, expert_cache: int = 0,
+                             method: str = "ilp", time_limit: float = 10.0, n_threads: int = 0,
+                             progress: bool = False):
+    """The expert placement of the mixture-of-experts GGUF ``path`` for ``budget`` bytes
+    (sparse/experts.py), written with the expert frequencies as blk.N.ffn_exp_freq /
+    blk.N.ffn_exp_gpu: to the side file ``path + GPUIDX_SUFFIX`` (default), or into a whole
+    model file ``out_path``. The frequencies come from profiling the model over the text
+    file ``profile`` (its first ``profile_tokens`` tokens), else from the file's stored
+    ones. Returns the ExpertPlacement."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFValueType as V
+
+    from .sparse.experts import profile_experts, solve_experts
+
+    path = os.fspath(path)
+    side = out_path is None
+    out_path = path + F.GPUIDX_SUFFIX if side else os.fspath(out_path)
+    reader = gguf.GGUFReader(path)
+    fields = read_fields(reader)
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    n_layer = int(fields[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
+    n_expert = int(fields[F.arch_key(F.KEY_EXPERT_COUNT, arch)])
+    if n_cpu_moe < 0:
+        raise PlaceError(f"n_cpu_moe must be >= 0 layers, got {n_cpu_moe}")
+    if out_path != path or os.path.exists(out_path):
+        try:
+            check_output_path(os.path.abspath(out_path))
+        except ConvertError as e:
+            raise PlaceError(str(e)) from None
+    source = ""
+    if profile is not None:
+        if profile_tokens < 1:
+            raise PlaceError(f"profile_tokens must be >= 1, got {profile_tokens}")
+        try:
+            with open(profile, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlaceError(f"cannot read the calibration text {profile}: {e}") from None
+        from .model import Model
+        with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
+            ids = m.tokenize(text)[:profile_tokens]
+        if not ids:
+            raise PlaceError(f"the calibration text {profile} holds no tokens")
+        freq, n_tok = profile_experts(path, ids, n_ctx=n_ctx, n_threads=n_threads)
+        source = os.path.basename(os.fspath(profile))
+    else:
+        freq, stored = _stored_expert_freq(reader, path, n_layer, n_expert)
+        n_tok = int(stored.get(F.KEY_EXPERT_PROFILE_TOKENS, 0))
+        source = str(stored.get(F.KEY_EXPERT_PROFILE_SOURCE, ""))
+        if freq is None:
+            raise PlaceError(f"{path} has no expert frequencies (blk.N.{F.T_FFN_EXP_FREQ}): profile "
+                             "the model with --profile TEXT")
+    tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
+    try:
+        pl = solve_experts(freq, tensors, budget, cache=expert_cache, n_cpu_moe=n_cpu_moe,
+                           method=method, time_limit=time_limit)
+    except (KeyError, ValueError) as e:
+        raise PlaceError(f"{path}: {e}") from None
+
+    def expert_jobs():
+        jobs = []
+        for l in range(n_layer):
+            jobs.append(TensorJob(F.expert_tensor_name(F.T_FFN_EXP_FREQ, l), (n_expert,), Q.F32,
+                                  lambda a=freq[l].astype(np.float32): a))
+            jobs.append(TensorJob(F.expert_tensor_name(F.T_FFN_EXP_GPU, l), (n_expert,), Q.I32,
+                                  lambda a=pl.on[l].astype(np.int32): a))
+        return jobs
+
+    def keys(w):
+        w.add_key_value(F.KEY_EXPERT_PROFILE_TOKENS, int(n_tok), V.UINT32)
+        w.add_key_value(F.KEY_EXPERT_PROFILE_SOURCE, source, V.STRING)
+        w.add_key_value(F.KEY_EXPERT_BYTES_LEFT, int(max(pl.left, 0)), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_BYTES, int(pl.bytes), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_N_CPU_MOE, int(pl.n_cpu_moe), V.UINT32)
+        w.add_key_value(F.KEY_EXPERT_CACHE, int(pl.cache_bytes), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_SERVED_SHARE, float(pl.served_share), V.FLOAT32)
+        w.add_key_value(F.KEY_GPU_VRAM_BUDGET, int(budget), V.UINT64)
+        w.add_key_value(F.KEY_GPU_SOLVER, pl.solver, V.STRING)
+
+    try:
+        if side:
+            model_bytes = os.path.getsize(path)
+
+            def side_setup(w):
+                keys(w)
+                w.add_key_value(F.KEY_GPU_MODEL_BYTES, model_bytes, V.UINT64)
+
+            write_gguf(out_path, side_setup, expert_jobs(), progress, arch=F.GPUIDX_ARCH)
+            return pl
+        kinds = set(F.EXPERT_TENSORS)
+        jobs = []
+        for t in reader.tensors:
+            if F.parse_tensor_name(t.name)[0] in kinds:
+                continue
+            shape = tuple(int(v) for v in reversed(t.shape))
+            jobs.append(TensorJob(t.name, shape, t.tensor_type, lambda a=t.data: a, raw=True))
+        jobs += expert_jobs()
+
+        def setup(w):
+            _copy_fields(reader, w, set(F.EXPERT_KEYS))
+            keys(w)
+
+        write_gguf(out_path, setup, jobs, progress, arch=arch)
+    except ConvertError as e:
+        raise PlaceError(str(e)) from None
+    stale = out_path + F.GPUIDX_SUFFIX
+    if os.path.exists(stale):
+        os.remove(stale)
+        log.warning("removed %s: it held another placement for %s", stale, out_path)
+    return pl
+
+
 def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathLike | None = None, *,
                   ctx: int | None = None, group_size: int | None = None, min_layer_share: float = 0.05,
                   method: str = "ilp", time_limit: float = 10.0, progress: bool = False) -> Placement:
@@ -112,6 +252,10 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
         raise PlaceError(f"cannot read {path}: not a valid GGUF file (truncated or corrupt: "
                          f"{e})") from None
     fields = read_fields(reader)
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    if int(fields.get(F.arch_key(F.KEY_EXPERT_COUNT, arch), 0) or 0) > 0:
+        return replace_expert_placement(path, budget, None if side else out_path, method=method,
+                                        time_limit=time_limit, progress=progress)
     if not F.is_sparse(fields):
         raise PlaceError(f"{path} is not a sparse file (no {F.KEY_SPARSE_THRESHOLD} or "
                          f"{F.KEY_SPARSE_GATE_THRESHOLD}); convert the model with "
@@ -180,6 +324,18 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
     return pl
 
 
+def _is_moe(path: str) -> bool:
+    """Whether the GGUF at path is a mixture of experts (False for a file it cannot read:
+    replace_index says what is wrong with it)."""
+    import gguf
+    try:
+        fields = read_fields(gguf.GGUFReader(path))
+    except Exception:  # gguf raises ValueError / struct errors on bad files
+        return False
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    return int(fields.get(F.arch_key(F.KEY_EXPERT_COUNT, arch), 0) or 0) > 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m powerinfer_cpp.place",
                                  description="Re-solve the GPU neuron placement of a sparse GGUF "
@@ -194,14 +350,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="a layer gets no GPU neurons or at least this share of them (default 0.05)")
     ap.add_argument("--placement", choices=("ilp", "greedy"), default="ilp")
     ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
+    moe = ap.add_argument_group("mixture-of-experts models (whole experts on the device)")
+    moe.add_argument("--profile", metavar="TEXT", help="count the experts' selections over this text "
+                     "file (default: the frequencies stored in the file)")
+    moe.add_argument("--profile-tokens", type=int, default=4096, help="tokens of TEXT to profile (default 4096)")
+    moe.add_argument("--n-cpu-moe", type=int, default=0, metavar="N",
+                     help="keep the experts of the first N layers on the CPU (default 0)")
+    moe.add_argument("--expert-cache", default="0", metavar="SIZE",
+                     help="device bytes of the run-time expert cache to leave free (default 0)")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         budget = parse_size(args.vram_budget)
-        pl = replace_index(args.model, budget, args.outfile, ctx=args.ctx, group_size=args.group_size,
-                           min_layer_share=args.min_layer_share, method=args.placement,
-                           time_limit=args.time_limit, progress=False)
+        if _is_moe(args.model):
+            pl = replace_expert_placement(args.model, budget, args.outfile, profile=args.profile,
+                                          profile_tokens=args.profile_tokens, n_cpu_moe=args.n_cpu_moe,
+                                          expert_cache=parse_size(args.expert_cache, "expert cache"),
+                                          method=args.placement, time_limit=args.time_limit)
+        else:
+            pl = replace_index(args.model, budget, args.outfile, ctx=args.ctx,
+                               group_size=args.group_size, min_layer_share=args.min_layer_share,
+                               method=args.placement, time_limit=args.time_limit, progress=False)
     except (PlaceError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

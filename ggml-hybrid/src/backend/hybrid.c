@@ -136,6 +136,14 @@ static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
                             (st = check_weight_type(m, hy, il, "predictor fc2", &L->fc2)))) {
             break;
         }
+        if (m->hp.n_expert) {
+            const gh_moe_layer * M = &L->moe;
+            if ((st = check_weight_type(m, hy, il, "router", &M->router)) ||
+                (st = check_weight_type(m, hy, il, "experts' gate", &M->gate_exps)) ||
+                (st = check_weight_type(m, hy, il, "experts' up", &M->up_exps)) ||
+                (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps))) break;
+            continue;
+        }
         /* the hot neurons' rows (only layers with down_t get any) */
         if (!L->has_down_t) continue;
         if ((st = check_weight_type(m, hy, il, "ffn gate", &L->gate)) ||
@@ -247,6 +255,147 @@ static gh_status greedy(const gh_model * m, int64_t left, int32_t ** hot, int64_
     return st;
 }
 
+/* ---------------------------------------------------------------- experts -- */
+
+/* One expert's bytes on the device (gate, up and down; the views are expert 0's). */
+static int64_t expert_bytes(const gh_moe_layer * M) {
+    return (int64_t) (wbytes(&M->gate_exps) + wbytes(&M->up_exps) + wbytes(&M->down_exps));
+}
+
+/* Expert e of layer il to the device: one allocation, gate | up | down. */
+static gh_status put_expert(gh_model * m, gh_hybrid * hy, int il, int32_t e) {
+    const gh_moe_layer * M = &m->layers[il].moe;
+    gh_dlayer * D = &hy->layers[il];
+    if (!D->exps) {
+        D->exps = calloc((size_t) m->hp.n_expert, sizeof *D->exps);
+        if (!D->exps) return gh_fail(GH_ERR_OOM, "out of memory");
+    }
+    void * base;
+    gh_status st = dev_alloc(hy, (size_t) expert_bytes(M), &base);
+    if (st) return st;
+    st = gh_expert_upload(hy->b, M, e, base, &D->exps[e]);
+    if (!st) {
+        hy->info.n_experts_device++;
+        hy->info.expert_bytes += expert_bytes(M);
+    }
+    return st;
+}
+
+gh_status gh_expert_upload(gh_backend * b, const gh_moe_layer * M, int32_t e, void * base,
+                           gh_dexpert * out) {
+    const gh_weight * ws[3] = { &M->gate_exps, &M->up_exps, &M->down_exps };
+    gh_dweight * ds[3] = { &out->gate, &out->up, &out->down };
+    size_t off = 0;
+    for (int i = 0; i < 3; i++) {
+        const gh_weight w = gh_expert(ws[i], e);
+        ds[i]->type = w.type;
+        ds[i]->rows = w.rows;
+        ds[i]->cols = w.cols;
+        ds[i]->row_bytes = w.row_bytes;
+        ds[i]->data = (uint8_t *) base + off;
+        gh_status st = b->ops->upload(b, ds[i]->data, w.data, wbytes(&w));
+        if (st) return st;
+        off += wbytes(&w);
+    }
+    return GH_OK;
+}
+
+typedef struct { float f; int32_t il, e; } expert_freq;
+
+/* Falling frequency; ties by layer, then expert id (placement.py's order). */
+static int by_expert_freq(const void * a, const void * b) {
+    const expert_freq * x = a, * y = b;
+    if (x->f != y->f) return x->f > y->f ? -1 : 1;
+    if (x->il != y->il) return x->il < y->il ? -1 : 1;
+    return (x->e > y->e) - (x->e < y->e);
+}
+
+/* The expert cache, then whole experts in what is left: the file's placement
+ * (blk.N.ffn_exp_gpu, validated at load) when it places some and they fit, else the most frequent first
+ * (blk.N.ffn_exp_freq), else in layer order; the first n_cpu_moe layers get none. */
+static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_params * p, int64_t left) {
+    const gh_hparams * hp = &m->hp;
+    const int nl = hp->n_layer, ne = hp->n_expert;
+    gh_device_info * in = &hy->info;
+    int64_t eb_max = 0;
+    for (int il = 0; il < nl; il++) eb_max = GH_MAX(eb_max, expert_bytes(&m->layers[il].moe));
+    if (p->expert_cache > 0) {
+        int64_t slots = GH_MAX((int64_t) 1, p->expert_cache / eb_max);
+        if (slots * eb_max > left) {
+            note(hy, "The expert cache of %lld experts (%.1f MiB) does not fit the %.1f MiB left: "
+                 "%lld experts.", (long long) slots, slots * eb_max / 1048576.0, left / 1048576.0,
+                 (long long) (left / eb_max));
+            slots = GH_MAX((int64_t) 0, left / eb_max);
+        }
+        slots = GH_MIN(slots, (int64_t) nl * ne);
+        hy->cache_slots = (int32_t) slots;
+        hy->slot_bytes = (size_t) eb_max;
+        in->expert_cache_slots = (int32_t) slots;
+        in->expert_cache_bytes = slots * eb_max;
+        left -= slots * eb_max;
+    }
+    const int first = GH_MIN(p->n_cpu_moe, nl);
+    gh_status st = GH_OK;
+
+    /* the file's placement, if it fits */
+    int64_t file_bytes = 0, file_n = 0;
+    bool has_file = false, has_freq = false;
+    for (int il = 0; il < nl; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        has_freq |= M->freq != NULL;
+        if (!M->on_gpu) continue;
+        has_file = true;
+        if (il < first) continue;
+        for (int32_t e = 0; e < ne; e++) {
+            if (M->on_gpu[e]) { file_bytes += expert_bytes(M); file_n++; }
+        }
+    }
+    if (has_file && file_n > 0 && file_bytes <= left) {
+        for (int il = first; il < nl && !st; il++) {
+            const gh_moe_layer * M = &m->layers[il].moe;
+            for (int32_t e = 0; M->on_gpu && e < ne && !st; e++) {
+                if (M->on_gpu[e]) st = put_expert(m, hy, il, e);
+            }
+        }
+        in->expert_source = 1;
+        return st;
+    }
+    if (has_file && file_n == 0) {
+        note(hy, "The file's expert placement puts none on the device%s: experts placed at load.",
+             first > 0 ? " past the first n_cpu_moe layers" : "");
+    } else if (has_file) {
+        note(hy, "The file's expert placement needs %.1f MiB but %.1f MiB are left: experts "
+             "re-placed at load.", file_bytes / 1048576.0, left / 1048576.0);
+    }
+    const int64_t n = (int64_t) (nl - first) * ne;
+    expert_freq * order = malloc((size_t) GH_MAX(n, 1) * sizeof *order);
+    if (!order) return gh_fail(GH_ERR_OOM, "out of memory");
+    int64_t k = 0;
+    for (int il = first; il < nl; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        for (int32_t e = 0; e < ne; e++) {
+            order[k].f = M->freq ? M->freq[e] : 0.0f;
+            order[k].il = il;
+            order[k].e = e;
+            k++;
+        }
+    }
+    if (has_freq) qsort(order, (size_t) n, sizeof *order, by_expert_freq);
+    else if (n > 0 && left > 0) {
+        note(hy, "The file has no expert frequencies (blk.N.ffn_exp_freq; `python -m "
+             "powerinfer_cpp.place --profile`): experts placed in layer order.");
+    }
+    for (int64_t i = 0; i < n && !st; i++) {
+        const int64_t b = expert_bytes(&m->layers[order[i].il].moe);
+        if (b > left) continue;
+        st = put_expert(m, hy, order[i].il, order[i].e);
+        left -= b;
+    }
+    free(order);
+    if (!st) in->expert_source = in->n_experts_device ? (has_freq ? 2 : 3) : 0;
+    return st;
+}
+
 /* ------------------------------------------------------------- placement -- */
 
 static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t * ids, int64_t n) {
@@ -335,6 +484,14 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
         in->dense_bytes += b;
         in->n_predictor_layers++;
     }
+    for (int il = 0; il < nl && !stop && hp->n_expert; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        const int64_t b = (int64_t) wbytes(&M->router);
+        if (b > left) { stop = true; break; }
+        if ((st = put(hy, &M->router, &hy->layers[il].router))) return st;
+        left -= b;
+        in->dense_bytes += b;
+    }
     if (!stop && (int64_t) wbytes(&m->output) <= left) {
         if ((st = put(hy, &m->output, &hy->output))) return st;
         hy->head = true;
@@ -342,6 +499,8 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
         in->dense_bytes += (int64_t) wbytes(&m->output);
         in->head_on_device = 1;
     }
+
+    if (hp->n_expert) return place_experts(m, hy, p, left);
 
     /* hot neurons: the file's index if it fits, else placed here */
     int64_t file_bytes = 0, file_hot = 0;
@@ -410,6 +569,7 @@ void gh_hybrid_free(gh_hybrid * hy) {
         free(hy->layers[il].bucket);
         free(hy->layers[il].row_of);
         free(hy->layers[il].cold);
+        free(hy->layers[il].exps);
     }
     free(hy->layers);
     gh_backend_free(hy->b);
@@ -419,6 +579,13 @@ void gh_hybrid_free(gh_hybrid * hy) {
 gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     m->hy = NULL;
     if (!p || !p->device || strcmp(p->device, "cpu") == 0) return GH_OK;
+    if (p->n_cpu_moe < 0) {
+        return gh_fail(GH_ERR_INVALID_ARG, "n_cpu_moe must be >= 0 layers, got %d", p->n_cpu_moe);
+    }
+    if (p->expert_cache < 0) {
+        return gh_fail(GH_ERR_INVALID_ARG, "expert_cache must be >= 0 bytes, got %lld",
+                       (long long) p->expert_cache);
+    }
     if (p->vram_budget < -1) {
         return gh_fail(GH_ERR_INVALID_ARG, "vram_budget must be >= 0 bytes (or -1 for the default), "
                        "got %lld", (long long) p->vram_budget);
@@ -431,7 +598,8 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     hy->n_layer = m->hp.n_layer;
     if (!hy->layers) st = gh_fail(GH_ERR_OOM, "out of memory");
     snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
-    hy->info.n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
+    hy->info.n_neurons = m->hp.n_expert ? 0 : (int64_t) m->hp.n_layer * m->hp.n_ff;
+    hy->info.n_experts = (int64_t) m->hp.n_layer * m->hp.n_expert;
     m->hy = hy; /* so that gh_model_free releases a partial placement */
     if (!st) st = check_types(m, hy);
     if (!st) st = place(m, hy, p);
@@ -442,7 +610,9 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
 
 gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
     const gh_hparams * hp = &m->hp;
-    const int64_t d = hp->n_embd, dq = (int64_t) hp->n_head * hp->head_dim;
+    /* an expert's down projection reads n_ff_exp inputs per token */
+    const int64_t d = GH_MAX((int64_t) hp->n_embd, (int64_t) hp->n_ff_exp),
+                  dq = (int64_t) hp->n_head * hp->head_dim;
     int64_t h = 1;
     for (int il = 0; il < hp->n_layer; il++) {
         if (m->layers[il].has_pred) h = GH_MAX(h, m->layers[il].fc1.rows);
@@ -477,4 +647,22 @@ void gh_hybrid_sync(gh_context * c) {
     gh_status st = c->model->hy->b->ops->sync(c->stream, &dev);
     gh_stats_device(&c->stats, dev, gh_now() - tw, 0.0, 0.0, 0.0);
     if (st && !c->dev_status) c->dev_status = st;
+}
+
+gh_status gh_model_expert_placement(const gh_model * m, int8_t * where, int64_t n) {
+    if (!m) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_expert_placement: model is NULL");
+    const int64_t need = (int64_t) m->hp.n_layer * m->hp.n_expert;
+    if (need == 0) return GH_OK;
+    if (!where || n < need) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_model_expert_placement: where holds %lld values, "
+                       "the model has %d layers of %d experts (%lld)", (long long) (where ? n : 0),
+                       m->hp.n_layer, m->hp.n_expert, (long long) need);
+    }
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const gh_dexpert * x = m->hy ? m->hy->layers[il].exps : NULL;
+        for (int32_t e = 0; e < m->hp.n_expert; e++) {
+            where[(int64_t) il * m->hp.n_expert + e] = x && x[e].gate.data ? 1 : 0;
+        }
+    }
+    return GH_OK;
 }

@@ -6,6 +6,14 @@
 
 #include "backend/backend.h"
 #include "cpu/ops.h"
+#include "ffn/moe.h"
+
+/* One expert of a mixture-of-experts layer on the device: its gate, up and down matrices
+ * as the file holds them (gate/up: n_ff_exp x n_embd, down: n_embd x n_ff_exp), run by
+ * the backend's matmul (ffn/moe.c). gate.data == NULL: the expert is on the CPU. */
+typedef struct {
+    gh_dweight gate, up, down;
+} gh_dexpert;
 
 /* One layer's device-resident parts. The hot neurons are a neuron-split of gate, up and
  * down_t: the device holds their rows compacted (row k = neuron bucket[k]); the CPU keeps
@@ -22,6 +30,10 @@ typedef struct {
     int32_t *  cold;             /* [n_cold] the other neurons, ascending (host): where a
                                   * strategy needs the dense gate, the CPU computes theirs */
     int64_t    n_cold;
+    /* mixture of experts: the router (router.data NULL: on the CPU) and the placed experts
+     * ([n_expert]; NULL when the layer has none on the device) */
+    gh_dweight router;
+    gh_dexpert * exps;
 } gh_dlayer;
 
 typedef struct gh_hybrid {
@@ -31,6 +43,10 @@ typedef struct gh_hybrid {
     bool           head;
     gh_dweight     output;
     gh_device_info info;
+    /* the expert cache each context makes (ffn/moe.c): slots of slot_bytes, one expert
+     * each (0 slots: none) */
+    int32_t        cache_slots;
+    size_t         slot_bytes;
     void **        bufs;         /* every device allocation, freed with the model */
     int            n_bufs, cap_bufs;
 } gh_hybrid;
@@ -41,6 +57,11 @@ struct gh_context;
 /* Places the model on p->device (the model is loaded; m->hy stays NULL for cpu). */
 gh_status gh_hybrid_place(struct gh_model * m, const gh_model_params * p);
 void gh_hybrid_free(gh_hybrid * hy);
+
+/* Uploads expert e of M to the device memory at base (expert_bytes of it: gate | up |
+ * down) and describes it in *out (the expert cache's refills, ffn/moe.c). */
+gh_status gh_expert_upload(gh_backend * b, const gh_moe_layer * M, int32_t e, void * base,
+                           gh_dexpert * out);
 
 /* Tokens per device matmul call: a context's staging buffers hold this many rows of
  * activations, and bigger batches are sent in chunks. */

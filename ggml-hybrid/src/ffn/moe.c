@@ -7,9 +7,11 @@
  * token's experts in ascending expert id, the same for any batch split and thread count. */
 #include "ffn/moe.h"
 #include "core/stats.h"
+#include "backend/hybrid.h"
 #include "model/model.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,6 +29,23 @@ struct gh_moe_state {
     float *   yg;      /* [n_batch][n_embd] one expert's outputs */
     void *    scratch; /* gh_matmul scratch for n_batch tokens of any expert weight */
     int64_t * counts;  /* [n_layer][n_expert] selections since the last reset */
+    /* a model on a device (NULL / 0 otherwise): each (token, expert) entry's output, kept
+     * until the merge so that the sum runs in expert order as on the CPU; the device
+     * experts' gate and up outputs; where each expert of the current layer runs */
+    float *   ye;      /* [n_batch * k][n_embd] */
+    float *   hgd, * hud; /* [n_batch * k][n_ff_exp] */
+    const gh_dexpert ** dev; /* [n_expert] the device copy an expert runs from, or NULL */
+    /* the expert cache (hy->cache_slots slots of hy->slot_bytes): LRU over all layers */
+    gh_backend * b;
+    int32_t    n_slots;
+    void **    slot_mem;   /* [n_slots] device memory */
+    gh_dexpert * slot_w;   /* [n_slots] the expert a slot holds, as a device weight */
+    int64_t *  slot_key;   /* [n_slots] layer * n_expert + expert, or -1 (empty) */
+    uint64_t * slot_used;  /* [n_slots] the layer call that last used it (0: never) */
+    int32_t *  slot_of;    /* [n_layer * n_expert] the slot holding an expert, or -1 */
+    uint64_t   tick;       /* layer calls so far */
+    int64_t    runs_dev, runs_cpu, hits, misses;
+    double     bytes_cache;
 };
 
 void gh_moe_state_free(gh_moe_state * s) {
@@ -44,7 +63,58 @@ void gh_moe_state_free(gh_moe_state * s) {
     gh_aligned_free(s->yg);
     gh_aligned_free(s->scratch);
     free(s->counts);
+    gh_aligned_free(s->ye);
+    gh_aligned_free(s->hgd);
+    gh_aligned_free(s->hud);
+    free(s->dev);
+    for (int32_t i = 0; s->slot_mem && i < s->n_slots; i++) {
+        if (s->slot_mem[i]) s->b->ops->free(s->b, s->slot_mem[i]);
+    }
+    free(s->slot_mem);
+    free(s->slot_w);
+    free(s->slot_key);
+    free(s->slot_used);
+    free(s->slot_of);
     free(s);
+}
+
+/* The device half's buffers and the expert cache of a context of a model on a device. */
+static gh_status hybrid_state(const gh_model * m, gh_moe_state * s) {
+    const gh_hparams * hp = &m->hp;
+    const gh_hybrid * hy = m->hy;
+    const size_t nk = (size_t) s->n_batch * (size_t) s->k, ne = (size_t) s->n_expert;
+    s->ye = gh_aligned_alloc(nk * (size_t) hp->n_embd * sizeof(float));
+    s->hgd = gh_aligned_alloc(nk * (size_t) hp->n_ff_exp * sizeof(float));
+    s->hud = gh_aligned_alloc(nk * (size_t) hp->n_ff_exp * sizeof(float));
+    s->dev = calloc(ne, sizeof *s->dev);
+    if (!s->ye || !s->hgd || !s->hud || !s->dev) {
+        return gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch",
+                       s->n_batch);
+    }
+    if (!hy->cache_slots) return GH_OK;
+    const int32_t n = hy->cache_slots;
+    s->b = hy->b;
+    s->slot_mem = calloc((size_t) n, sizeof *s->slot_mem);
+    s->slot_w = calloc((size_t) n, sizeof *s->slot_w);
+    s->slot_key = malloc((size_t) n * sizeof *s->slot_key);
+    s->slot_used = calloc((size_t) n, sizeof *s->slot_used);
+    s->slot_of = malloc((size_t) s->n_layer * ne * sizeof *s->slot_of);
+    if (!s->slot_mem || !s->slot_w || !s->slot_key || !s->slot_used || !s->slot_of) {
+        return gh_fail(GH_ERR_OOM, "out of memory");
+    }
+    s->n_slots = n;
+    for (int32_t i = 0; i < n; i++) s->slot_key[i] = -1;
+    for (size_t i = 0; i < (size_t) s->n_layer * ne; i++) s->slot_of[i] = -1;
+    for (int32_t i = 0; i < n; i++) {
+        gh_status st = hy->b->ops->alloc(hy->b, hy->slot_bytes, &s->slot_mem[i]);
+        if (st) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", gh_last_error());
+            return gh_fail(st, "the context's expert cache (%d experts of %.1f MiB) does not fit on "
+                           "the device: %s", n, hy->slot_bytes / 1048576.0, msg);
+        }
+    }
+    return GH_OK;
 }
 
 static size_t scratch_of(const gh_weight * w, int64_t n) {
@@ -92,12 +162,30 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
         gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch", n_batch);
         return NULL;
     }
+    if (m->hy && hybrid_state(m, s)) {
+        gh_moe_state_free(s);
+        return NULL;
+    }
     return s;
 }
 
 void gh_moe_reset_stats(gh_moe_state * s) {
-    if (s) memset(s->counts, 0, (size_t) s->n_layer * (size_t) s->n_expert * sizeof(int64_t));
+    if (!s) return;
+    memset(s->counts, 0, (size_t) s->n_layer * (size_t) s->n_expert * sizeof(int64_t));
+    s->runs_dev = s->runs_cpu = s->hits = s->misses = 0;
+    s->bytes_cache = 0.0;
 }
+
+void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs_cpu,
+                      int64_t * hits, int64_t * misses, double * bytes_cache) {
+    *runs_dev = s ? s->runs_dev : 0;
+    *runs_cpu = s ? s->runs_cpu : 0;
+    *hits = s ? s->hits : 0;
+    *misses = s ? s->misses : 0;
+    *bytes_cache = s ? s->bytes_cache : 0.0;
+}
+
+static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out);
 
 /* p = softmax(p) in place, in float as transformers' router computes it. */
 static void softmax(float * p, int32_t n) {
@@ -171,6 +259,132 @@ static const float * expert_bias(const float * b, int32_t e, int64_t len) {
     return b ? b + (int64_t) e * len : NULL;
 }
 
+/* Where expert e of layer il runs in this layer call: its placed copy, else the cache's
+ * (refilled on a miss: the least recently used slot that this call is not using), else
+ * NULL (the CPU). Counts the cache's hits, misses and uploaded bytes. */
+static const gh_dexpert * device_copy(gh_context * c, int il, int32_t e) {
+    gh_moe_state * s = c->moe;
+    const gh_dlayer * D = &c->model->hy->layers[il];
+    if (D->exps && D->exps[e].gate.data) return &D->exps[e];
+    if (!s->n_slots || c->dev_status) return NULL;
+    const int64_t key = (int64_t) il * s->n_expert + e;
+    int32_t slot = s->slot_of[key];
+    if (slot >= 0) {
+        s->hits++;
+        s->slot_used[slot] = s->tick;
+        return &s->slot_w[slot];
+    }
+    s->misses++;
+    for (int32_t i = 0; i < s->n_slots; i++) {
+        if (s->slot_used[i] == s->tick) continue; /* this call's: in use */
+        if (slot < 0 || s->slot_used[i] < s->slot_used[slot]) slot = i;
+    }
+    if (slot < 0) return NULL;
+    if (s->slot_key[slot] >= 0) s->slot_of[s->slot_key[slot]] = -1;
+    s->slot_key[slot] = -1;
+    const gh_moe_layer * M = &c->model->layers[il].moe;
+    gh_status st = gh_expert_upload(s->b, M, e, s->slot_mem[slot], &s->slot_w[slot]);
+    if (st) {
+        c->dev_status = st;
+        return NULL;
+    }
+    s->slot_key[slot] = key;
+    s->slot_of[key] = slot;
+    s->slot_used[slot] = s->tick;
+    s->bytes_cache += (double) (M->gate_exps.rows * M->gate_exps.row_bytes +
+                                M->up_exps.rows * M->up_exps.row_bytes +
+                                M->down_exps.rows * M->down_exps.row_bytes);
+    return &s->slot_w[slot];
+}
+
+/* The routed experts of a model on a device (tokens already grouped): the device experts'
+ * gate and up are enqueued, the CPU experts run meanwhile, then the device experts'
+ * activation (host) and down; each (token, expert) output lands in s->ye and the merge
+ * adds them in expert order, as the CPU-only loop does. Returns the weight bytes read. */
+static double hybrid_experts(gh_context * c, int il, int32_t n) {
+    const gh_model * m = c->model;
+    const gh_hparams * hp = &m->hp;
+    const gh_moe_layer * M = &m->layers[il].moe;
+    gh_moe_state * s = c->moe;
+    const int32_t ne = hp->n_expert;
+    const int64_t d = hp->n_embd, ff = hp->n_ff_exp;
+    const float * x = c->xb;
+    double bytes = 0.0;
+    int64_t * counts = s->counts + (int64_t) il * ne;
+    s->tick++;
+    bool any_dev = false;
+    for (int32_t e = 0; e < ne; e++) {
+        const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
+        s->dev[e] = NULL;
+        if (cnt == 0) continue;
+        counts[e] += cnt;
+        s->dev[e] = device_copy(c, il, e);
+        any_dev |= s->dev[e] != NULL;
+    }
+    /* the gathered inputs of one expert (the device copies them before returning) */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int32_t e = 0; e < ne; e++) {
+            const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
+            if (cnt == 0 || (pass == 0) != (s->dev[e] != NULL)) continue;
+            const float * xe = x;
+            if (cnt < n) {
+                for (int32_t j = 0; j < cnt; j++) {
+                    memcpy(s->xg + (int64_t) j * d, x + (int64_t) s->tok[first + j] * d,
+                           (size_t) d * sizeof(float));
+                }
+                xe = s->xg;
+            }
+            if (pass == 0) {
+                gh_hybrid_matmul_async(c, &s->dev[e]->gate, xe, cnt, s->hgd + (int64_t) first * ff);
+                gh_hybrid_matmul_async(c, &s->dev[e]->up, xe, cnt, s->hud + (int64_t) first * ff);
+                bytes += (double) (M->gate_exps.rows * M->gate_exps.row_bytes +
+                                   M->up_exps.rows * M->up_exps.row_bytes +
+                                   M->down_exps.rows * M->down_exps.row_bytes);
+                s->runs_dev++;
+            } else {
+                const gh_weight g = gh_expert(&M->gate_exps, e), u = gh_expert(&M->up_exps, e),
+                                dn = gh_expert(&M->down_exps, e);
+                bytes += run_expert(c, s, &g, &u, &dn, expert_bias(M->gate_exps_b, e, ff),
+                                    expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d),
+                                    xe, cnt, s->ye + (int64_t) first * d);
+                s->runs_cpu++;
+            }
+        }
+    }
+    if (any_dev) {
+        gh_hybrid_sync(c);
+        for (int32_t e = 0; e < ne; e++) {
+            const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
+            if (cnt == 0 || !s->dev[e]) continue;
+            float * h = s->hgd + (int64_t) first * ff, * hu = s->hud + (int64_t) first * ff;
+            /* the biases and the activation on the host, as run_expert does them */
+            add_rows(h, expert_bias(M->gate_exps_b, e, ff), cnt, ff);
+            add_rows(hu, expert_bias(M->up_exps_b, e, ff), cnt, ff);
+            gh_glu(hp->ffn_act, hp->act_threshold, h, hu, h, (int64_t) cnt * ff);
+            gh_hybrid_matmul_async(c, &s->dev[e]->down, h, cnt, s->ye + (int64_t) first * d);
+        }
+        gh_hybrid_sync(c);
+        for (int32_t e = 0; e < ne; e++) {
+            const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
+            if (cnt && s->dev[e]) {
+                add_rows(s->ye + (int64_t) first * d, expert_bias(M->down_exps_b, e, d), cnt, d);
+            }
+        }
+    }
+    /* merge: each token's experts in ascending id */
+    float * y = c->xb2;
+    memset(y, 0, (size_t) n * d * sizeof(float));
+    for (int32_t e = 0; e < ne; e++) {
+        for (int32_t j = s->start[e]; j < s->start[e + 1]; j++) {
+            float * yt = y + (int64_t) s->tok[j] * d;
+            const float * ye = s->ye + (int64_t) j * d;
+            const float w = s->tok_w[j];
+            for (int64_t i = 0; i < d; i++) yt[i] += w * ye[i];
+        }
+    }
+    return bytes;
+}
+
 void gh_moe_ffn(gh_context * c, int il, int32_t n) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
@@ -186,7 +400,13 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
     }
 
     /* route: every token's k experts and weights */
-    gh_matmul(c->tp, &M->router, x, n, s->probs, ne, s->scratch);
+    const gh_dweight * dr = c->model->hy ? &c->model->hy->layers[il].router : NULL;
+    if (dr && dr->data) {
+        gh_hybrid_matmul_async(c, dr, x, n, s->probs);
+        gh_hybrid_sync(c);
+    } else {
+        gh_matmul(c->tp, &M->router, x, n, s->probs, ne, s->scratch);
+    }
     add_rows(s->probs, M->router_b, n, ne);
     double bytes = (double) M->router.rows * M->router.row_bytes;
     for (int32_t t = 0; t < n; t++) {
@@ -210,6 +430,13 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
             s->tok[pos] = t;
             s->tok_w[pos] = s->sel_w[(int64_t) t * k + j];
         }
+    }
+
+    if (c->model->hy) {
+        bytes += hybrid_experts(c, il, n);
+        shared_expert(c, il, n, &bytes);
+        gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
+        return;
     }
 
     /* each chosen expert once over its tokens: its rows are read once per batch */
@@ -240,7 +467,18 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
         }
     }
 
-    /* the shared expert: every token, scaled by its sigmoid gate */
+    shared_expert(c, il, n, &bytes);
+    gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
+}
+
+/* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 */
+static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out) {
+    const gh_moe_layer * M = &c->model->layers[il].moe;
+    gh_moe_state * s = c->moe;
+    const int64_t d = c->model->hp.n_embd;
+    const float * x = c->xb;
+    float * y = c->xb2;
+    double bytes = 0.0;
     if (M->gate_shexp.rows) {
         bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, NULL, NULL, NULL, x,
                             n, s->yg);
@@ -258,7 +496,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
         }
         bytes += (double) d * sizeof(float);
     }
-    gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
+    *bytes_out += bytes;
 }
 
 gh_status gh_context_get_expert_counts(const gh_context * c, int64_t * counts, int64_t n) {

@@ -29,6 +29,12 @@ typedef struct {
     float *   down_exps_b;                    /* [n_expert][n_embd] */
     gh_weight gate_shexp, up_shexp, down_shexp; /* the shared expert (rows 0: none) */
     float *   shexp_gate;                     /* ffn_gate_inp_shexp [n_embd] (model-owned) */
+    /* the expert placement data (model-owned; NULL where the file has none): each expert's
+     * selection frequency, blk.N.ffn_exp_freq (the share of profiled tokens whose top-k
+     * held it, in [0, 1]), and the offline placement, blk.N.ffn_exp_gpu (1 = on the
+     * device) */
+    float *   freq;
+    int8_t *  on_gpu;
 } gh_moe_layer;
 
 /* Expert e's matrix of a 3-D expert tensor viewed as expert 0 (rows contiguous, experts
@@ -49,6 +55,10 @@ gh_moe_state * gh_moe_state_new(const struct gh_model * m, int32_t n_batch);
 void gh_moe_state_free(gh_moe_state * s);
 /* Zeroes the selection counts (gh_context_reset_stats). */
 void gh_moe_reset_stats(gh_moe_state * s);
+
+/* The expert runs and the expert cache's counters (zeros for NULL; gh_context_get_stats). */
+void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs_cpu,
+                      int64_t * hits, int64_t * misses, double * bytes_cache);
 
 /* The FFN of layer il over the n normed tokens in c->xb into c->xb2; counts its weight
  * bytes (router, the experts some token chose, the shared expert) in the FFN stage. */

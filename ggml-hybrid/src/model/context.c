@@ -552,6 +552,8 @@ gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
     out->t_device = s->t_device;
     out->t_cpu_ffn = s->t_cpu_ffn;
     out->t_wait = s->t_wait;
+    gh_moe_get_stats(c->moe, &out->n_expert_runs_device, &out->n_expert_runs_cpu,
+                     &out->n_cache_hits, &out->n_cache_misses, &out->bytes_cache_uploaded);
     out->n_attn_inputs = s->n_attn_in;
     out->n_attn_inputs_used = s->n_attn_used;
     out->n_head_inputs = s->n_head_in;

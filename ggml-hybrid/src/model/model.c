@@ -1137,6 +1137,49 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
         if ((st = load_weight(m, BLK("ffn_down_shexp.weight"), fs, d, &M->down_shexp))) return st;
         if ((st = load_vector(m, BLK("ffn_gate_inp_shexp.weight"), d, &M->shexp_gate))) return st;
     }
+    /* the expert placement data (docs/FORMAT.md "Expert placement"), from the GPU index side
+     * file when there is one, as the neuron index is */
+    const gh_gguf * gx = m->gpuidx ? m->gpuidx : m->gguf;
+    const int32_t ne = hp->n_expert;
+    const gh_gguf_tensor * tf = gh_gguf_find_tensor(gx, BLK("ffn_exp_freq"));
+    if (tf) {
+        if ((st = check_1d(tf, GH_TYPE_F32, ne, "the selection frequency of each expert"))) return st;
+        M->freq = malloc((size_t) ne * sizeof(float));
+        if (!M->freq || (st = own(m, M->freq))) return M->freq ? st : gh_fail(GH_ERR_OOM, "out of memory");
+        for (int32_t e = 0; e < ne; e++) {
+            float v;
+            memcpy(&v, (const uint8_t *) tf->data + 4 * (size_t) e, 4);
+            if (!(v >= 0.0f && v <= 1.0f)) {
+                return gh_fail(GH_ERR_FORMAT, "tensor '%s': expert %d's frequency is %g (must be "
+                               "in [0, 1])", tf->name, e, (double) v);
+            }
+            M->freq[e] = v;
+        }
+    }
+    const gh_gguf_tensor * tg = gh_gguf_find_tensor(gx, BLK("ffn_exp_gpu"));
+    if (tg) {
+        if ((st = check_1d(tg, GH_TYPE_I32, ne, "a 0/1 flag per expert"))) return st;
+        M->on_gpu = malloc((size_t) ne);
+        if (!M->on_gpu || (st = own(m, M->on_gpu))) {
+            return M->on_gpu ? st : gh_fail(GH_ERR_OOM, "out of memory");
+        }
+        for (int32_t e = 0; e < ne; e++) {
+            const int32_t v = rd_i32(tg->data, e);
+            if (v != 0 && v != 1) {
+                return gh_fail(GH_ERR_FORMAT, "tensor '%s': expert %d's entry is %d (must be 0 "
+                               "or 1)", tg->name, e, v);
+            }
+            M->on_gpu[e] = (int8_t) v;
+        }
+    } else if (il > 0 && m->layers[0].moe.on_gpu) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.0.ffn_exp_gpu places layer 0's "
+                       "experts, so every layer needs its expert placement", name);
+    }
+    if (il > 0 && !m->layers[0].moe.on_gpu && M->on_gpu) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' places layer %d's experts but "
+                       "'blk.0.ffn_exp_gpu' is missing: every layer needs its expert placement",
+                       tg->name, il);
+    }
 #undef BLK
     return GH_OK;
 }
@@ -1459,13 +1502,6 @@ gh_model_params gh_model_default_params(void) {
 gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_model ** out) {
     gh_status st = model_load(path, p ? p->load : GH_LOAD_AUTO, out);
     if (st || !p) return st;
-    if ((*out)->hp.n_expert && p->device && strcmp(p->device, "cpu") != 0) {
-        const int32_t ne = (*out)->hp.n_expert;
-        gh_model_free(*out);
-        *out = NULL;
-        return gh_fail(GH_ERR_UNSUPPORTED, "%s: a mixture-of-experts model (%d experts per layer) "
-                       "runs on the CPU only for now, not on device '%s'", path, ne, p->device);
-    }
     st = gh_hybrid_place(*out, p);
     if (st) {
         char msg[1024];

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, host-device")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
                    help="device memory the model may use, e.g. 6G (a bare number is GiB)")
+    p.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
+                   help="mixture-of-experts models on a device: the experts of the first N "
+                        "layers stay on the CPU (default 0)")
+    p.add_argument("--expert-cache", metavar="SIZE", default=None,
+                   help="mixture-of-experts models on a device: each slot's cache of recently "
+                        "used CPU experts, e.g. 512M (default: none)")
     p.add_argument("--chat-template-file", help="a jinja chat template to use instead of the "
                                                 "file's tokenizer.chat_template")
     p.add_argument("--template-timeout", type=float, default=2.0, metavar="S",
@@ -135,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             max_tokens=args.max_tokens, max_body=args.max_body,
             api_key=args.api_key or os.environ.get("POWERINFER_API_KEY") or None,
             ffn=args.ffn, device=args.device, vram_budget=args.vram_budget,
+            n_cpu_moe=args.n_cpu_moe, expert_cache=args.expert_cache,
             chat_template=template, chat_template_from_flag=template is not None,
             template_timeout=args.template_timeout, template_memory=args.template_memory,
             body_timeout=args.body_timeout, allow_hosts=tuple(args.allow_host),

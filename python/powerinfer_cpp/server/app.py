@@ -67,6 +67,8 @@ class Settings:
     ffn: str = "auto"
     device: str = "cpu"
     vram_budget: str | None = None
+    n_cpu_moe: int = 0               # MoE: the experts of the first N layers stay on the CPU
+    expert_cache: str | None = None  # MoE: each context's device cache of CPU experts
     chat_template: str | None = None
     chat_template_from_flag: bool = False  # --chat-template-file: over a limit, refuse to start
     template_timeout: float = 2.0    # s: a chat template's render deadline
@@ -96,7 +98,8 @@ class Server:
         if s.queue < 0:
             raise ValueError("--queue must be >= 0")
         self.model = Model(s.model, n_ctx=s.n_ctx, ffn=s.ffn, device=s.device,
-                           vram_budget=s.vram_budget)
+                           vram_budget=s.vram_budget, n_cpu_moe=s.n_cpu_moe,
+                           expert_cache=s.expert_cache)
         if s.prompt_chunk < 1:
             raise ValueError("--prompt-chunk must be >= 1")
         cores = os.cpu_count() or 1

@@ -1,0 +1,312 @@
+"""Expert placement of a mixture-of-experts model: which whole experts go on the device.
+
+Profile: the expert selection counts of the native runtime (``Context.expert_counts``) over
+calibration text give, per layer, each expert's frequency = the share of tokens whose top-k
+held it (a layer's frequencies sum to k).
+
+Budget, in the runtime's order (backend/hybrid.c): each layer's attention projections, each
+layer's router, the output head (each group in layer order, stopping at the first that does
+not fit), then the expert cache a context makes (whole experts of the largest layer's size,
+at least one), then the experts. The ILP (python-mip, CBC) over binary ``x[l,e]`` (l not
+among the first ``n_cpu_moe`` layers)::
+
+    maximize   sum_{l,e} freq[l,e] * bytes[l] * x[l,e]   (expert bytes per token the device
+                                                        reads instead of the CPU)
+    subject to sum_{l,e} bytes[l] * x[l,e] <= bytes left
+
+warm-started from the greedy rule the runtime uses without a stored placement (most
+frequent first, ties by layer then id, each taken if it still fits) and never returned worse
+than it. With equal expert sizes in every layer the greedy rule is optimal; the ILP matters
+when layers store their experts in different types (the ``_m`` mixes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import format as F
+from ..sizes import format_size
+
+__all__ = ["ExpertPlacement", "expert_budget", "profile_experts", "solve_experts"]
+
+
+@dataclass
+class ExpertPlacement:
+    """on[l, e]: expert e of layer l on the device."""
+    on: np.ndarray                  # bool [n_layer, n_expert]
+    freq: np.ndarray                # float64 [n_layer, n_expert]
+    expert_bytes: np.ndarray        # int64 [n_layer]: one expert's bytes
+    budget: int
+    dense_bytes: int                # attention, routers, head placed before
+    cache_bytes: int                # the expert cache, whole experts
+    left: int                       # bytes left to the experts
+    n_cpu_moe: int
+    solver: str                     # "ilp", "greedy" or "none"
+    status: str = ""
+    seconds: float = 0.0
+    greedy_value: float = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return int((self.on.sum(axis=1) * self.expert_bytes).sum())
+
+    @property
+    def value(self) -> float:
+        return float((self.freq * self.expert_bytes[:, None] * self.on).sum())
+
+    @property
+    def served_share(self) -> float:
+        """Share of the profiled expert selections that the device's experts serve."""
+        total = float(self.freq.sum())
+        return float((self.freq * self.on).sum()) / total if total > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"expert placement ({self.solver}, {self.seconds:.2f} s"
+                f"{', ' + self.status if self.status else ''}): budget {format_size(self.budget)}, "
+                f"attention/routers/head {format_size(self.dense_bytes)}, expert cache "
+                f"{format_size(self.cache_bytes)}, experts {format_size(self.bytes)} of "
+                f"{format_size(self.left)} left; device experts per layer "
+                f"{[int(v) for v in self.on.sum(axis=1)]}, served selections {self.served_share:.2%}")
+
+
+def _nbytes(tensors: dict, name: str) -> int:
+    from .placement import tensor_nbytes
+    q, s = tensors[name]
+    return tensor_nbytes(q, s)
+
+
+def expert_budget(tensors: dict, n_layer: int, n_expert: int, budget: int,
+                  cache: int = 0) -> tuple[int, int, int, np.ndarray]:
+    """(dense bytes placed, cache bytes, bytes left for experts, one expert's bytes per
+    layer) for ``budget``, as the runtime spends it (module doc)."""
+    left = int(budget)
+    dense = 0
+    stop = False
+    groups = [[F.tensor_name(k, l) for k in (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_OUTPUT,
+                                             F.T_ATTN_QKV)] for l in range(n_layer)]
+    groups += [[F.tensor_name(F.T_FFN_GATE_INP, l)] for l in range(n_layer)]
+    head = F.tensor_name(F.T_OUTPUT)
+    groups.append([head if head in tensors else F.tensor_name(F.T_TOKEN_EMBD)])
+    for g in groups:
+        b = sum(_nbytes(tensors, n) for n in g if n in tensors)
+        if b > left:
+            stop = True
+            break
+        left -= b
+        dense += b
+    del stop
+    eb = np.array([sum(_nbytes(tensors, F.tensor_name(k, l)) for k in
+                       (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS)) // n_expert
+                   for l in range(n_layer)], dtype=np.int64)
+    cache_bytes = 0
+    if cache > 0:
+        slot = int(eb.max())
+        slots = max(1, int(cache) // slot)
+        slots = min(slots, max(0, left // slot), n_layer * n_expert)
+        cache_bytes = slots * slot
+        left -= cache_bytes
+    return dense, cache_bytes, left, eb
+
+
+def profile_experts(path, tokens, n_ctx: int = 512, n_threads: int = 0) -> tuple[np.ndarray, int]:
+    """(freq [n_layer, n_expert], tokens counted): the selection counts of the model at
+    ``path`` (on the CPU) over ``tokens``, run in windows of ``n_ctx`` tokens, divided by
+    the token count."""
+    from ..model import Model
+
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError("no calibration tokens to profile the experts over")
+    with Model(path, n_ctx=n_ctx, n_threads=n_threads, n_batch=min(n_ctx, 512)) as m:
+        if not m.info.n_expert:
+            raise ValueError(f"{path} is not a mixture-of-experts model (no experts to profile)")
+        ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads)
+        n = min(n_ctx, m.context.n_ctx)
+        for i in range(0, len(tokens), n):
+            ctx.reset(0)
+            ctx.eval(tokens[i:i + n])
+        counts = ctx.expert_counts()
+    return counts.astype(np.float64) / len(tokens), len(tokens)
+
+
+def _greedy(freq: np.ndarray, eb: np.ndarray, left: int, first: int) -> np.ndarray:
+    n_layer, n_expert = freq.shape
+    on = np.zeros(freq.shape, dtype=bool)
+    cand = [(-float(freq[l, e]), l, e) for l in range(first, n_layer) for e in range(n_expert)]
+    cand.sort()
+    for _, l, e in cand:
+        if eb[l] <= left:
+            on[l, e] = True
+            left -= int(eb[l])
+    return on
+
+
+def solve_experts(freq, tensors: dict, budget: int, *, cache: int = 0, n_cpu_moe: int = 0,
+                  method: str = "ilp", time_limit: float = 10.0) -> ExpertPlacement:
+    """The expert placement for ``budget`` bytes of a model described by ``{name: (qtype,
+    numpy shape)}`` with expert frequencies ``freq`` [n_layer, n_expert]."""
+    freq = np.asarray(freq, dtype=np.float64)
+    if freq.ndim != 2 or not np.isfinite(freq).all() or (freq < 0).any() or (freq > 1).any():
+        raise ValueError("expert frequencies must be a [n_layer, n_expert] array of values in [0, 1]")
+    if method not in ("ilp", "greedy"):
+        raise ValueError(f"unknown placement method {method!r} (ilp, greedy)")
+    if n_cpu_moe < 0:
+        raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
+    n_layer, n_expert = freq.shape
+    t0 = time.perf_counter()
+    dense, cache_bytes, left, eb = expert_budget(tensors, n_layer, n_expert, budget, cache)
+    first = min(n_cpu_moe, n_layer)
+    greedy = _greedy(freq, eb, left, first)
+    gval = float((freq * eb[:, None] * greedy).sum())
+    res = dict(freq=freq, expert_bytes=eb, budget=int(budget), dense_bytes=dense,
+               cache_bytes=cache_bytes, left=left, n_cpu_moe=first, greedy_value=gval)
+    free = [(l, e) for l in range(first, n_layer) for e in range(n_expert)]
+    if sum(int(eb[l]) for l, _ in free) <= left or method == "greedy" or left <= 0 or not free:
+        solver = "none" if not greedy.any() else ("ilp" if method == "ilp" else "greedy")
+        status = "all fit" if greedy.sum() == len(free) and free else ""
+        return ExpertPlacement(on=greedy, solver=solver, status=status,
+                               seconds=time.perf_counter() - t0, **res)
+    with contextlib.redirect_stdout(io.StringIO()):  # mip announces itself on import
+        import mip
+    m = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
+    m.verbose = 0
+    m.threads = 1
+    m.seed = 0
+    vmax = max(float((freq * eb[:, None]).max()), 1e-30)
+    x = {(l, e): m.add_var(var_type=mip.BINARY, name=f"x_{l}_{e}") for l, e in free}
+    m.objective = mip.xsum(float(freq[l, e] * eb[l]) / vmax * v for (l, e), v in x.items())
+    m += mip.xsum(int(eb[l]) * v for (l, _), v in x.items()) <= int(left), "budget"
+    with contextlib.redirect_stdout(io.StringIO()):
+        m.start = [(v, 1.0 if greedy[l, e] else 0.0) for (l, e), v in x.items()]
+    status = m.optimize(max_seconds=max(0.1, float(time_limit)))
+    on = None
+    if status in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE) and m.num_solutions:
+        on = np.zeros(freq.shape, dtype=bool)
+        for (l, e), v in x.items():
+            on[l, e] = v.x >= 0.5
+        if int((on.sum(axis=1) * eb).sum()) > left:
+            on = None
+    sname = status.name.lower()
+    if on is None or float((freq * eb[:, None] * on).sum()) + 1e-12 * max(gval, 1.0) < gval:
+        return ExpertPlacement(on=greedy, solver="greedy" if greedy.any() else "none",
+                               status=f"ILP {sname}; greedy kept", seconds=time.perf_counter() - t0, **res)
+    return ExpertPlacement(on=on, solver="ilp" if on.any() else "none", status=sname,
+                           seconds=time.perf_counter() - t0, **res)
+
+
+# ---------------------------------------------------------------------------
+# Selection traces and the expert cache, replayed
+# ---------------------------------------------------------------------------
+
+def selection_trace(path, tokens, n_ctx: int = 512, n_threads: int = 0) -> np.ndarray:
+    """bool [n_tokens, n_layer, n_expert]: the experts each token chose in each layer, from
+    decoding ``tokens`` one at a time on the CPU (the selection counts' steps); windows of
+    ``n_ctx`` tokens."""
+    from ..model import Model
+
+    tokens = [int(t) for t in tokens]
+    with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
+        ctx = m.create_context(n_ctx=n_ctx, n_threads=n_threads)
+        out = np.zeros((len(tokens), m.info.n_layer, m.info.n_expert), dtype=bool)
+        prev = ctx.expert_counts()
+        for i, t in enumerate(tokens):
+            if ctx.n_past >= ctx.n_ctx:
+                ctx.reset(0)
+            ctx.eval([t])
+            now = ctx.expert_counts()
+            out[i] = now > prev
+            prev = now
+    return out
+
+
+@dataclass
+class CacheReplay:
+    """What a decode over a trace does with a static placement and an expert cache."""
+    runs_device: int = 0     # expert runs on the device (placed or cached)
+    runs_cpu: int = 0
+    hits: int = 0            # runs of non-placed experts the cache held
+    misses: int = 0          # ... it did not hold (uploaded when a slot was free to take)
+    uploads: int = 0
+    # per token and layer: runs on the device, runs on the CPU, uploads
+    per_token: np.ndarray | None = None  # int [n_tokens, n_layer, 3]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+
+def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
+                 policy: str = "lru") -> CacheReplay:
+    """The runtime's decode over ``trace`` (selection_trace) with the experts ``on`` placed
+    and a cache of ``slots`` experts (ffn/moe.c): per token, per layer, per chosen expert
+    in ascending id: placed -> device; held -> hit; else a miss that takes the slot to
+    evict (one this layer call is not using) and uploads the expert. ``policy`` "lru" is
+    the runtime's (the least recently used slot, the lowest index among equals); "lfu"
+    evicts the slot whose expert was chosen least often so far (ties: least recently
+    used), for comparison."""
+    if policy not in ("lru", "lfu"):
+        raise ValueError(f"unknown cache policy {policy!r} (lru, lfu)")
+    n_tok, n_layer, n_expert = trace.shape
+    on = np.zeros((n_layer, n_expert), dtype=bool) if on is None else np.asarray(on, dtype=bool)
+    r = CacheReplay(per_token=np.zeros((n_tok, n_layer, 3), dtype=np.int64))
+    key = [-1] * slots
+    used = [0] * slots
+    where: dict[int, int] = {}
+    seen = np.zeros(n_layer * n_expert, dtype=np.int64)  # choices so far (lfu)
+    tick = 0
+    for t in range(n_tok):
+        for l in range(n_layer):
+            tick += 1
+            for e in np.flatnonzero(trace[t, l]):
+                k = l * n_expert + int(e)
+                seen[k] += 1
+                if on[l, e]:
+                    r.runs_device += 1
+                    r.per_token[t, l, 0] += 1
+                    continue
+                if slots == 0:
+                    r.runs_cpu += 1
+                    r.per_token[t, l, 1] += 1
+                    continue
+                s = where.get(k)
+                if s is not None:
+                    r.hits += 1
+                    used[s] = tick
+                    r.runs_device += 1
+                    r.per_token[t, l, 0] += 1
+                    continue
+                r.misses += 1
+                best = -1
+                for i in range(slots):
+                    if used[i] == tick:
+                        continue
+                    if best < 0:
+                        best = i
+                    elif policy == "lru" or key[i] < 0 or key[best] < 0:
+                        if (key[i] < 0) != (key[best] < 0) and policy == "lfu":
+                            best = i if key[i] < 0 else best
+                        elif used[i] < used[best]:
+                            best = i
+                    else:
+                        fi, fb = seen[key[i]], seen[key[best]]
+                        if fi < fb or (fi == fb and used[i] < used[best]):
+                            best = i
+                if best < 0:
+                    r.runs_cpu += 1
+                    r.per_token[t, l, 1] += 1
+                    continue
+                if key[best] >= 0:
+                    del where[key[best]]
+                key[best] = k
+                where[k] = best
+                used[best] = tick
+                r.uploads += 1
+                r.runs_device += 1
+                r.per_token[t, l, 0] += 1
+                r.per_token[t, l, 2] += 1
+    return r

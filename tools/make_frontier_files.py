@@ -15,6 +15,12 @@ thresholds are patched in place, as sparse/gate_eval.py and input_eval.py do):
     sites-C-greedy-K.gguf          the same sites at per-site levels from each site's measured KL
                                    curve, greedy by KL per byte up to a summed KL of K
                                    (sparse/site_allocation.py; --site-tokens, --site-grid)
+    sites-mixed-greedy-proxy-K.gguf
+                                   per-site levels from proxy curves (--site-proxy A: numpy output
+                                   errors at 5..90% under magnitude and wina, scaled by a runtime
+                                   KL at level A per --anchor-layers group, or --anchor-costs /
+                                   --proxy-scale without new runs), each site by the criterion
+                                   whose predicted KL is lower (--sites-criterion mixed)
 
 Every calibration reads --calib only; evaluate on text disjoint from it.
 

@@ -238,17 +238,14 @@ def site_files(args) -> dict:
                                                                         x.shape[1]) for s in grid])
             say(f"proxy output errors of {len(keys)} sites x {len(grid)} levels x {len(crits)} criteria: "
                 f"{time.time() - t0:.0f} s")
-            # a group's KL shared among its units in proportion to their output errors at the anchor level:
-            # every unit of a group gets the group's KL per unit of error
             scale = None
             if args.proxy_scale:  # KL per unit of output error from another run's proxy (same sites)
-                while not os.path.exists(args.proxy_scale):  # that run may still be computing it
-                    time.sleep(10)
-                time.sleep(2)
                 ps = json.load(open(args.proxy_scale))
                 assert ps["keys"] == [[list(k) for k in g] for g in keys] and ps["grid"] == grid
                 e0 = np.asarray(ps["errors"][crits[0]])[:, anchor]
                 scale = np.asarray(ps["anchor_kl"]) / np.maximum(e0, 1e-30)
+            # a group's KL shared among its units in proportion to their output errors at the anchor level:
+            # every unit of a group gets the group's KL per unit of error
             unit = {k: i for i, g in enumerate(keys) for k in g}
             e_ref = errs[crits[0]][:, anchor]
             anchor_kl = np.zeros(len(keys)) if scale is None else scale * e_ref
@@ -387,6 +384,8 @@ def main() -> int:
     ap.add_argument("--combine", default="", metavar="G+I,...",
                     help="also copy input file I (a name in --out) with gate file G's thresholds")
     args = ap.parse_args()
+    if args.proxy_scale and not os.path.isfile(args.proxy_scale):
+        ap.error(f"--proxy-scale {args.proxy_scale}: no such file (a site-proxy json of an earlier run)")
     os.makedirs(args.out, exist_ok=True)
     manifest_path = os.path.join(args.out, "manifest.json")
     manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else {}

@@ -4,7 +4,9 @@ inputs' columns, down over the rows whose |act(g) * u| passes) against numpy for
 types, SIMD levels and thread counts, with empty, one and all inputs/rows kept; on the
 shipped SwiGLU model the FFN sites' held-out sparsity at the requested level, a file at
 level 0 equal to the gate mode without input sparsity, the bytes following the densities;
-the generalized greedy allocation on made-up curves and on the model's measured ones."""
+the generalized greedy allocation on made-up curves and on the model's measured ones; WINA on
+every site (the FFN's included) at its level on held-out text, the proxy's output errors
+against numpy, a per-site mixed-criterion table at level 0 equal to dense."""
 
 from __future__ import annotations
 
@@ -289,3 +291,127 @@ def test_site_greedy_on_the_model(files, tmp_path):
     # the level-0 calibration runs dense: no KL
     assert ev.measure(tok, None, inputs=copy.deepcopy(table.base))["kl"] < 1e-6
     patch_calibration(ev_path, table.base)
+
+
+# ---- WINA on every site, the output-error proxy, per-site criteria ---------------------------
+
+
+def test_output_errors_vs_numpy():
+    """Both paths (direct, and through the Gram matrix when the output is wider) equal the
+    squared output error of the skipped inputs computed directly, every input kept gives 0
+    and every input skipped gives ||W x||^2."""
+    from powerinfer_cpp.sparse.site_allocation import output_errors
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((9, 16)).astype(np.float32)
+    for n_out in (8, 40):  # narrower (direct) and wider (Gram) than the input
+        w_t = rng.standard_normal((16, n_out)).astype(np.float32)
+        thr = [np.zeros(16, np.float32), np.full(16, 0.5, np.float32), rng.uniform(0, 2, 16).astype(np.float32),
+               np.full(16, np.inf, np.float32)]
+        got = output_errors(x, w_t, thr)
+        for t, g in zip(thr, got):
+            skipped = np.where(np.abs(x) <= t, x, 0.0).astype(np.float64)
+            want = float(np.mean(np.sum(np.square(skipped @ w_t.astype(np.float64)), axis=1)))
+            assert g == pytest.approx(want, rel=1e-4, abs=1e-6)
+        assert got[0] == 0.0
+        assert got[-1] == pytest.approx(float(np.mean(np.sum(np.square(x.astype(np.float64) @ w_t), axis=1))),
+                                        rel=1e-4)
+
+
+def test_proxy_curves_scale_and_choice():
+    from powerinfer_cpp.sparse.site_allocation import proxy_curves
+    mag = np.array([[1.0, 4.0, 9.0], [2.0, 4.0, 8.0]])
+    wina = np.array([[0.5, 5.0, 9.0], [2.0, 2.0, 2.0]])
+    curves, choice = proxy_curves({"magnitude": mag, "wina": wina}, 1, np.array([0.04, 0.4]))
+    # c = anchor KL / magnitude's error at the anchor level: 0.01 and 0.1
+    np.testing.assert_allclose(curves, [[0.005, 0.04, 0.09], [0.2, 0.2, 0.2]])
+    assert choice == [["wina", "magnitude", "magnitude"], ["magnitude", "wina", "wina"]]
+
+
+@pytest.fixture(scope="module")
+def wina_cal(files):
+    """Magnitude and WINA calibrations of every site (the FFN's included) from one profile."""
+    from powerinfer_cpp.gguf_write import decode_matrix
+    from powerinfer_cpp.sparse.input_sparsity import calibrate_input_levels
+    from powerinfer_cpp.sparse.profile import profile_model
+
+    path = str(files["path"])
+    with Model(path, n_ctx=16) as m:
+        ids = m.tokenize(HELDOUT.read_text(encoding="utf-8"))[:2048]
+    prof = profile_model(path, ids, n_ctx=256, n_threads=1, progress=False, inputs=1024)
+    r = gguf.GGUFReader(path)
+    tw = {t.name: t for t in r.tensors}
+    kinds = {"qkv": F.T_ATTN_QKV_T, "o": F.T_ATTN_OUTPUT_T, "head": F.T_OUTPUT_T, "ffn": F.T_FFN_GATE_UP_T}
+
+    def weights_t(site, layer):
+        t = tw[F.sparse_tensor_name(F.T_FFN_DOWN_T, layer) if site == "down"
+               else F.input_sparse_tensor_name(kinds[site], layer)]
+        return decode_matrix(np.asarray(t.data), t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+
+    levels = [0.0, 0.15, S_IN, 0.45]
+    cals = {c: calibrate_input_levels(prof, levels, c, weights_t, ffn=True) for c in F.INPUT_CRITERIA}
+    w = {k: weights_t(*k) for k in cals["wina"][0].keys()}
+    del r, tw
+    return {"cals": cals, "levels": levels, "prof": prof, "w": w}
+
+
+def test_wina_every_site_hits_its_level(files, wina_cal, tmp_path):
+    """WINA's thresholds (t / ||W[:, i]||) on every site: the share skipped on the profile's
+    held-out tokens and, in the runtime on later text, the down rows read, within 3 points of
+    the requested level; the score is |x_i| * ||W[:, i]|| (numpy on the stored thresholds)."""
+    from powerinfer_cpp.sparse.input_sparsity import column_norms
+    cals, levels = wina_cal["cals"]["wina"], wina_cal["levels"]
+    for cal, s in zip(cals[1:], levels[1:]):
+        assert cal.criterion == "wina"
+        for site, v in cal.heldout_sparsity.items():
+            assert abs(v - s) <= 0.03, (site, s, cal.summary())
+    cal = cals[levels.index(S_IN)]
+    prof = wina_cal["prof"]
+    for key in cal.keys():
+        norm = column_norms(wina_cal["w"][key])
+        thr = cal.thresholds(key)
+        x = {"qkv": prof.attn_in, "o": prof.attn_out_in, "ffn": prof.x}.get(key[0])
+        if key[0] == "head":
+            x = prof.head_in
+        elif key[0] == "down":
+            continue  # its inputs are computed (down_inputs); the rule is the same
+        else:
+            x = x[key[1]]
+        x = np.asarray(x[:cal.n_fit], np.float32)
+        # the runtime's test |x_i| > thr_i is the score test |x_i| * norm_i > t (up to rounding)
+        by_thr = np.abs(x) > thr[None, :]
+        by_score = np.abs(x).astype(np.float64) * norm[None, :] > cal.t[key]
+        assert float((by_thr != by_score).mean()) <= 1e-3
+        assert abs(float((np.abs(x) * norm[None, :] <= cal.t[key]).mean()) - S_IN) <= 0.03
+    p = tmp_path / "wina.gguf"
+    shutil.copy(files["path"], p)
+    patch_calibration(str(p), cal)
+    _, st = _run(p, files["later"][:512])
+    assert abs(st["density"] - (1 - S_IN)) <= 0.03, st["density"]  # down rows read on held-out text
+    ins = st["input_sparse"]
+    assert abs(float(ins["attention_density"]) - (1 - S_IN)) <= 0.05, ins
+    assert abs(float(ins["head_density"]) - (1 - S_IN)) <= 0.05, ins
+
+
+def test_mixed_table_level_zero_is_dense_and_picks_criteria(files, wina_cal, tmp_path):
+    """MixedSiteTable: every site at 0 gives zero thresholds and the dense result exactly; at a
+    level each site's thresholds are those of the criterion chosen for it."""
+    from powerinfer_cpp.sparse.site_allocation import MixedSiteTable, SiteTable
+    tables = {c: SiteTable(v) for c, v in wina_cal["cals"].items()}
+    keys = tables["wina"].keys
+    choice = {k: ["magnitude"] + ["wina" if i % 2 else "magnitude" for _ in tables["wina"].levels[1:]]
+              for i, k in enumerate(keys)}
+    mixed = MixedSiteTable(tables, choice)
+    zero = mixed.calibration({})
+    assert all(not np.any(zero.thresholds(k)) for k in keys)
+    p = tmp_path / "mixed.gguf"
+    shutil.copy(files["path"], p)
+    patch_calibration(str(p), zero)
+    ids = files["later"][:128]
+    on, _ = _run(p, ids, input_sparse=True)
+    off, _ = _run(p, ids, input_sparse=False)
+    np.testing.assert_array_equal(on, off)
+    cal = mixed.calibration({k: S_IN for k in keys})
+    assert cal.criterion == "mixed"
+    for i, k in enumerate(keys):
+        want = tables["wina" if i % 2 else "magnitude"].calibration({k: S_IN}).thresholds(k)
+        np.testing.assert_array_equal(cal.thresholds(k), want)

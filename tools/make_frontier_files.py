@@ -15,6 +15,12 @@ thresholds are patched in place, as sparse/gate_eval.py and input_eval.py do):
     sites-C-greedy-K.gguf          the same sites at per-site levels from each site's measured KL
                                    curve, greedy by KL per byte up to a summed KL of K
                                    (sparse/site_allocation.py; --site-tokens, --site-grid)
+    sites-mixed-greedy-proxy-K.gguf
+                                   per-site levels from proxy curves (--site-proxy A: numpy output
+                                   errors at 5..90% under magnitude and wina, scaled by a runtime
+                                   KL at level A per --anchor-layers group, or --anchor-costs /
+                                   --proxy-scale without new runs), each site by the criterion
+                                   whose predicted KL is lower (--sites-criterion mixed)
 
 Every calibration reads --calib only; evaluate on text disjoint from it.
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -114,23 +121,34 @@ def input_files(args, crit: str, levels) -> dict:
 
 def site_files(args) -> dict:
     """One conversion with every site's input tensors (FFN's included, gate mode at 0), one
-    profile, calibrations at 0, 0.05, ..., 0.9; uniform levels patched in, and the greedy."""
+    profile, calibrations at 0, 0.05, ..., 0.9 per criterion (magnitude, wina; "mixed": both,
+    each site at each level by the one the proxy predicts lower); uniform levels patched in,
+    and the greedy on measured curves (--site-grid) or on proxy curves (--site-proxy A: numpy
+    output errors at every level, scaled by one runtime KL per site at level A)."""
     from powerinfer_cpp.sparse.gate_eval import GateEvaluator
-    from powerinfer_cpp.sparse.site_allocation import (SiteTable, allocate_sites, group_sites, predicted_bytes,
-                                                       refine_curves, site_bytes, site_costs)
+    from powerinfer_cpp.sparse.input_sparsity import _per_channel, down_inputs
+    from powerinfer_cpp.sparse.site_allocation import (MixedSiteTable, SiteTable, allocate_sites, group_sites,
+                                                       output_errors, predicted_bytes, proxy_curves, refine_curves,
+                                                       site_bytes, site_costs)
     crit = args.sites_criterion
+    crits = list(F.INPUT_CRITERIA) if crit == "mixed" else [crit]
     rep: list = []
-    base = os.path.join(args.out, f"sites-{crit}-cal.gguf")
+    base = os.path.join(args.out, "sites-cal.gguf")
     if not os.path.exists(base + ".json"):  # kept: a later step's failure need not redo it
         convert_from_gguf(args.model, base, progress=False, report=rep, sparse_options=SparseOptions(
             calib=args.calib, calib_tokens=args.sites_calib_tokens, sparsity=0.0, input_sparsity=0.5,
-            input_criterion=crit, input_refit=False, input_ffn=True, n_threads=args.threads))
+            input_criterion=crits[0], input_refit=False, input_ffn=True, n_threads=args.threads))
         json.dump({"n_calib_tokens": rep[0].n_calib_tokens}, open(base + ".json", "w"))
     n_cal = json.load(open(base + ".json"))["n_calib_tokens"]
     with Model(base, n_ctx=16) as m:
         ids = m.tokenize(open(args.calib, encoding="utf-8").read())
     ids = ids[:n_cal]
-    prof = profile_model(base, ids, n_ctx=512, n_threads=args.threads, progress=False, inputs=4096)
+    prof_path = base + ".profile.pkl"
+    if os.path.exists(prof_path):
+        prof = pickle.load(open(prof_path, "rb"))
+    else:
+        prof = profile_model(base, ids, n_ctx=512, n_threads=args.threads, progress=False, inputs=4096)
+        pickle.dump(prof, open(prof_path, "wb"), protocol=4)
     import gguf
     from powerinfer_cpp.gguf_write import decode_matrix
     rd = gguf.GGUFReader(base)
@@ -144,61 +162,147 @@ def site_files(args) -> dict:
         return decode_matrix(np.asarray(t.data), t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
 
     levels = [round(0.05 * i, 2) for i in range(19)]
-    cals = calibrate_input_levels(prof, levels, crit, weights_t, ffn=True)
-    del rd, tw
-    say("site calibration: " + cals[levels.index(0.5)].summary())
-    table = SiteTable(cals)
+    tables = {}
+    for c in crits:
+        cals = calibrate_input_levels(prof, levels, c, weights_t, ffn=True)
+        say(f"site calibration ({c}): " + cals[levels.index(0.5)].summary())
+        tables[c] = SiteTable(cals)
+    table = tables[crits[0]]
     out = {"n_calib_tokens": n_cal, "files": {}}
     for spec in filter(None, args.sites_uniform.split(",")):
         # "S": every site at S; "ffn+down:S": only those site kinds (the others dense)
-        kinds, _, lvl = spec.rpartition(":")
+        kinds_, _, lvl = spec.rpartition(":")
         s = float(lvl)
-        only_kinds = set(kinds.split("+")) if kinds else None
-        tag = f"{kinds}-" if kinds else ""
-        p = os.path.join(args.out, f"sites-{crit}-uniform-{tag}{s:g}.gguf")
-        shutil.copyfile(base, p)
-        patch_calibration(p, table.calibration({k: s for k in table.keys if only_kinds is None or k[0] in only_kinds}))
-        out["files"][p] = {"method": f"sites uniform{' ' + kinds if kinds else ''} ({crit})", "level": s}
+        only_kinds = set(kinds_.split("+")) if kinds_ else None
+        tag = f"{kinds_}-" if kinds_ else ""
+        for c in crits:
+            p = os.path.join(args.out, f"sites-{c}-uniform-{tag}{s:g}.gguf")
+            shutil.copyfile(base, p)
+            patch_calibration(p, tables[c].calibration(
+                {k: s for k in table.keys if only_kinds is None or k[0] in only_kinds}))
+            out["files"][p] = {"method": f"sites uniform{' ' + kinds_ if kinds_ else ''} ({c})", "level": s}
     budgets = floats(args.sites_kl)
     if budgets:
-        grid = floats(args.site_grid)
         weights = site_bytes(base)
         keys = group_sites(table.keys, args.site_layers)
-        cache = os.path.join(args.out, f"site-costs-{crit}-{args.site_tokens}-{args.site_layers}.json")
-        if os.path.exists(cache):
-            c = json.load(open(cache))
-            costs = np.asarray(c["costs"])
-            assert c["grid"] == grid and len(costs) == len(keys)
+        ev = None
+        mid = len(ids) // 2  # calibration text, away from its first (short-context) tokens
+        tok = ids[mid:mid + args.site_tokens + 1]
+
+        def measure(cal):
+            nonlocal ev
+            if ev is None:
+                ev_path = os.path.join(args.out, "sites-eval.gguf")
+                shutil.copyfile(base, ev_path)
+                ev = GateEvaluator(ev_path, window=args.site_tokens, n_threads=args.threads)
+            return ev.measure(tok, None, inputs=cal)["kl"]
+
+        choice = None
+        if args.site_proxy:
+            grid = levels[1:]
+            a = float(args.site_proxy)
+            anchor = grid.index(round(a, 2))
+            # the runtime's KL at level a of the anchor groups (--anchor-layers consecutive layers of one
+            # kind: fewer runs), from --anchor-costs (a site-costs json of earlier measured curves) or measured
+            akeys = group_sites(table.keys, args.anchor_layers)
+            cache = args.anchor_costs or os.path.join(
+                args.out, f"site-anchors-{crits[0]}-{a:g}-{args.site_tokens}-{args.anchor_layers}.json")
+            if args.proxy_scale:
+                group_kl = None
+            elif os.path.exists(cache):
+                c = json.load(open(cache))
+                group_kl = np.asarray(c["costs"])[:, [round(v, 2) for v in c["grid"]].index(round(a, 2))]
+                assert [[list(k) for k in g] for g in akeys] == [[list(k) for k in g] for g in c["keys"]]
+            else:
+                group_kl = site_costs(measure, table, akeys, [a], progress=False, say=say)[:, 0]
+                json.dump({"grid": [a], "keys": [[list(k) for k in g] for g in akeys],
+                           "costs": group_kl[:, None].tolist()}, open(cache, "w"))
+            n0 = prof.n_input_tokens - max(1, int(round(prof.n_input_tokens * 0.2)))  # the fit's held-out tokens
+            sl = slice(n0, n0 + args.proxy_tokens)
+            errs = {c: np.zeros((len(keys), len(grid))) for c in crits}
+            t0 = time.time()
+            for i, g in enumerate(keys):
+                for key in g:
+                    site, l = key
+                    w = weights_t(site, l)
+                    x = {"qkv": lambda: prof.attn_in[l], "o": lambda: prof.attn_out_in[l], "ffn": lambda: prof.x[l],
+                         "head": lambda: prof.head_in}.get(site, lambda: None)()
+                    if site == "down":
+                        gu = weights_t("ffn", l)
+                        x = down_inputs(prof.x[l][sl], gu, prof.ffn_act, gu.shape[1] == 2 * w.shape[0])
+                    else:
+                        x = x[sl]
+                    for c in crits:
+                        tb = tables[c]
+                        errs[c][i] += output_errors(x, w, [_per_channel(tb.threshold(key, s), tb.base.gain.get(key),
+                                                                        x.shape[1]) for s in grid])
+            say(f"proxy output errors of {len(keys)} sites x {len(grid)} levels x {len(crits)} criteria: "
+                f"{time.time() - t0:.0f} s")
+            scale = None
+            if args.proxy_scale:  # KL per unit of output error from another run's proxy (same sites)
+                ps = json.load(open(args.proxy_scale))
+                assert ps["keys"] == [[list(k) for k in g] for g in keys] and ps["grid"] == grid
+                e0 = np.asarray(ps["errors"][crits[0]])[:, anchor]
+                scale = np.asarray(ps["anchor_kl"]) / np.maximum(e0, 1e-30)
+            # a group's KL shared among its units in proportion to their output errors at the anchor level:
+            # every unit of a group gets the group's KL per unit of error
+            unit = {k: i for i, g in enumerate(keys) for k in g}
+            e_ref = errs[crits[0]][:, anchor]
+            anchor_kl = np.zeros(len(keys)) if scale is None else scale * e_ref
+            for kl_g, g in zip(group_kl if scale is None else [], akeys):
+                units = sorted({unit[k] for k in g})
+                tot = float(sum(e_ref[u] for u in units))
+                for u in units:
+                    anchor_kl[u] = kl_g * (e_ref[u] / tot if tot > 0 else 1.0 / len(units))
+            costs, choice_g = proxy_curves(errs, anchor, anchor_kl, ref=crits[0])
+            choice = {k: ["magnitude" if crit == "mixed" else crit] + row for g, row in zip(keys, choice_g) for k in g}
+            json.dump({"grid": grid, "keys": [[list(k) for k in g] for g in keys], "anchor_kl": anchor_kl.tolist(),
+                       "errors": {c: e.tolist() for c, e in errs.items()}, "costs": costs.tolist(),
+                       "choice": choice_g},
+                      open(os.path.join(args.out, f"site-proxy-{crit}-{a:g}.json"), "w"))
+            sel = MixedSiteTable(tables, choice)
+            tag = "proxy"
         else:
-            ev_path = os.path.join(args.out, "sites-eval.gguf")
-            shutil.copyfile(base, ev_path)
-            ev = GateEvaluator(ev_path, window=args.site_tokens, n_threads=args.threads)
-            mid = len(ids) // 2  # calibration text, away from its first (short-context) tokens
-            tok = ids[mid:mid + args.site_tokens + 1]
-            costs = site_costs(lambda cal: ev.measure(tok, None, inputs=cal)["kl"], table, keys, grid,
-                               progress=False, say=say)
-            os.remove(ev_path)
-            json.dump({"grid": grid, "keys": [[list(k) for k in g] for g in keys], "costs": costs.tolist()},
-                      open(cache, "w"))
+            grid = floats(args.site_grid)
+            cache = os.path.join(args.out, f"site-costs-{crit}-{args.site_tokens}-{args.site_layers}.json")
+            if os.path.exists(cache):
+                c = json.load(open(cache))
+                costs = np.asarray(c["costs"])
+                assert c["grid"] == grid and len(costs) == len(keys)
+            else:
+                costs = site_costs(measure, table, keys, grid, progress=False, say=say)
+                json.dump({"grid": grid, "keys": [[list(k) for k in g] for g in keys], "costs": costs.tolist()},
+                          open(cache, "w"))
+            if args.site_refine:  # a coarse grid: power law below its first level (refine_curves)
+                costs, grid = refine_curves(costs, grid)
+            sel = table
+            tag = "refined" if args.site_refine else ""
         dense_sites = float(sum(weights.values()))
-        if args.site_refine:  # a coarse grid: power law below its first level (refine_curves)
-            costs, grid = refine_curves(costs, grid)
         for kl in budgets:
             lv = allocate_sites(costs, keys, weights, kl, grid)
-            p = os.path.join(args.out, f"sites-{crit}-greedy{'-refined' if args.site_refine else ''}-{kl:g}.gguf")
+            p = os.path.join(args.out, f"sites-{crit}-greedy{'-' + tag if tag else ''}-{kl:g}.gguf")
             shutil.copyfile(base, p)
-            patch_calibration(p, table.calibration(lv))
+            cal = sel.calibration(lv)
+            patch_calibration(p, cal)
             by: dict = {}
             for (site, _), v in lv.items():
                 by.setdefault(site, []).append(v)
             mean = {site: float(np.mean(v)) for site, v in by.items()}
             saved = dense_sites - predicted_bytes(lv, weights)
-            out["files"][p] = {"method": f"sites greedy{' refined' if args.site_refine else ''} ({crit})",
-                               "level": kl, "site_mean_levels": mean,
-                               "predicted_saved_bytes": saved,
-                               "levels": {f"{k[0]}.{'' if k[1] is None else k[1]}": v for k, v in lv.items()}}
+            info = {"method": f"sites greedy{' ' + tag if tag else ''} ({crit})", "level": kl,
+                    "site_mean_levels": mean, "predicted_saved_bytes": saved,
+                    "levels": {f"{k[0]}.{'' if k[1] is None else k[1]}": v for k, v in lv.items()}}
+            if choice is not None:
+                used = {f"{k[0]}.{'' if k[1] is None else k[1]}": sel.criterion(k, v) for k, v in lv.items() if v > 0}
+                info["criteria"] = used
+                info["wina_share_of_sparse_sites"] = (sum(v == "wina" for v in used.values()) / len(used)
+                                                      if used else 0.0)
+            out["files"][p] = info
             say(f"{p}: predicted KL {kl}, saves {saved / 1e6:.1f} MB/token; mean level per site kind: "
                 + ", ".join(f"{k} {v:.0%}" for k, v in mean.items()))
+        if ev is not None:
+            os.remove(ev.path)
+    del rd, tw
     return out
 
 
@@ -253,7 +357,21 @@ def main() -> int:
                     help="sites: uniform levels over every site (S), or over some kinds only (ffn+down:S; kinds: "
                          "qkv, o, ffn, down, head)")
     ap.add_argument("--sites-kl", default="0.01,0.02,0.04", help="sites: summed-KL budgets of the greedy")
-    ap.add_argument("--sites-criterion", default="magnitude", choices=F.INPUT_CRITERIA)
+    ap.add_argument("--sites-criterion", default="magnitude", choices=F.INPUT_CRITERIA + ("mixed",),
+                    help="sites: the selection score; mixed: per site and level the one the proxy predicts lower")
+    ap.add_argument("--site-proxy", type=float, default=None, metavar="A",
+                    help="sites: greedy on proxy curves (numpy output errors at 0.05, ..., 0.9, scaled by one "
+                         "runtime KL per site at level A) instead of measured --site-grid curves")
+    ap.add_argument("--anchor-layers", type=int, default=1,
+                    help="sites, --site-proxy: consecutive layers of one kind measured together for the anchor KL")
+    ap.add_argument("--anchor-costs", default=None, metavar="JSON",
+                    help="sites, --site-proxy: the anchor KLs from an earlier site-costs json (same groups, its grid "
+                         "holding the anchor level) instead of measuring them")
+    ap.add_argument("--proxy-scale", default=None, metavar="JSON",
+                    help="sites, --site-proxy: each site's KL per unit of output error from another run's "
+                         "site-proxy json (the same model rotated: o and down are unchanged, and a site's output "
+                         "space is the same), no runtime measurement")
+    ap.add_argument("--proxy-tokens", type=int, default=512, help="sites: profiled tokens the output errors use")
     ap.add_argument("--site-tokens", type=int, default=64, help="sites: calibration tokens per KL measurement")
     ap.add_argument("--site-refine", action="store_true",
                     help="sites: read the measured curves as power laws below the first grid level "
@@ -266,6 +384,8 @@ def main() -> int:
     ap.add_argument("--combine", default="", metavar="G+I,...",
                     help="also copy input file I (a name in --out) with gate file G's thresholds")
     args = ap.parse_args()
+    if args.proxy_scale and not os.path.isfile(args.proxy_scale):
+        ap.error(f"--proxy-scale {args.proxy_scale}: no such file (a site-proxy json of an earlier run)")
     os.makedirs(args.out, exist_ok=True)
     manifest_path = os.path.join(args.out, "manifest.json")
     manifest = json.load(open(manifest_path)) if os.path.exists(manifest_path) else {}

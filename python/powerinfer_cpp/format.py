@@ -739,7 +739,8 @@ FFN_INPUT_SPARSE_TENSORS = (T_FFN_GATE_UP_T, T_FFN_IN_THR, T_FFN_DOWN_IN_THR)
 KEY_INPUT_SPARSITY = "powerinfer.input_sparsity.target"
 #: How the thresholds rank the inputs (string, one of INPUT_CRITERIA): "magnitude" (TEAL:
 #: |x_i|, one threshold per site), "wina" (|x_i| times the L2 norm of W's column i, stored
-#: as t / norm_i per channel).
+#: as t / norm_i per channel); "mixed" (tools only, site_allocation.MixedSiteTable): each
+#: site by one of the two. Informational: the runtime reads the thresholds only.
 KEY_INPUT_CRITERION = "powerinfer.input_sparsity.criterion"
 INPUT_CRITERIA = ("magnitude", "wina")
 #: Only when the target was chosen by a quality budget (convert --input-sparsity auto): the

@@ -15,6 +15,17 @@ nothing like a q/k/v input's (docs/BENCHMARKS.md "Sparsity on a real model"). So
 
 A site's criterion threshold at any level comes from the calibrations at a list of levels
 (``SiteTable``: interpolated between them), so the allocation needs one calibration pass.
+
+Measuring every site's curve in the runtime costs n_site x len(grid) runs (605 for
+SmolLM2-135M per layer at 5 levels). The proxy (``output_errors``, ``proxy_curves``) needs one
+per site: a skipped input set changes the site's output by ``d = W (x - kept(x))``, and for
+small changes the KL to dense is quadratic in it, ``KL_s(level) ~ c_s E||d||^2``. The squared
+output error is computed in numpy from the profiled inputs at every level and criterion (the
+Gram matrix ``W^T W`` when the output is wider than the input: the head's 49,152 rows become
+576 x 576), and one runtime KL per site at an anchor level gives ``c_s``. With curves per
+criterion, each site at each level takes the criterion whose predicted KL is lower
+(``MixedSiteTable``): WINA's ``|x_i| ||W[:, i]||`` where the column norms vary, magnitude
+where they do not.
 """
 
 from __future__ import annotations
@@ -57,6 +68,76 @@ class SiteTable:
             cal.set_t(k, self.threshold(k, float(levels.get(k, 0.0))))
         cal.sparsity = float(np.mean([levels.get(k, 0.0) for k in self.keys]))
         return cal
+
+
+class MixedSiteTable:
+    """Per site and level the threshold of one of several criteria's SiteTables (same
+    profile, same levels): ``choice[key][j]`` names the criterion at level table.levels[j]
+    (the nearest grid level is used in between)."""
+
+    def __init__(self, tables: dict, choice: dict):
+        self.tables = tables
+        first = next(iter(tables.values()))
+        for t in tables.values():
+            if not np.array_equal(t.levels, first.levels) or t.keys != first.keys:
+                raise ValueError("MixedSiteTable needs tables of the same sites and levels")
+        self.levels, self.keys, self.choice = first.levels, first.keys, choice
+
+    @property
+    def max_level(self) -> float:
+        return float(self.levels[-1])
+
+    def criterion(self, key, level: float) -> str:
+        return self.choice[key][int(np.argmin(np.abs(self.levels - level)))]
+
+    def calibration(self, levels: dict) -> InputCalibration:
+        """A calibration with every site at levels.get(key, 0), each by its chosen criterion;
+        its criterion is the common one, or "mixed"."""
+        first = next(iter(self.tables.values()))
+        cal = copy.deepcopy(first.base)
+        used = set()
+        for k in self.keys:
+            lv = float(levels.get(k, 0.0))
+            c = self.criterion(k, lv)
+            t = self.tables[c]
+            cal.gain[k] = t.base.gain.get(k)
+            cal.set_t(k, t.threshold(k, lv))
+            if lv > 0:
+                used.add(c)
+        cal.criterion = used.pop() if len(used) == 1 else ("mixed" if used else cal.criterion)
+        cal.sparsity = float(np.mean([levels.get(k, 0.0) for k in self.keys]))
+        return cal
+
+
+def output_errors(x: np.ndarray, w_t: np.ndarray, thresholds) -> np.ndarray:
+    """[len(thresholds)]: for each per-channel threshold vector thr [in], the mean over x's
+    tokens [n, in] of ||W (x - kept(x))||^2, kept(x) zeroing the inputs with |x_i| <= thr_i
+    (the runtime's test); w_t: W transposed [in, out]. Through the Gram matrix w_t w_t^T
+    [in, in] when out > in (the same value, fewer operations)."""
+    x = np.asarray(x, np.float32)
+    w_t = np.asarray(w_t, np.float32)
+    g = (w_t @ w_t.T) if w_t.shape[1] > w_t.shape[0] else None
+    out = np.zeros(len(thresholds))
+    for j, thr in enumerate(thresholds):
+        d = np.where(np.abs(x) <= np.asarray(thr, np.float32)[None, :], x, 0.0).astype(np.float32)
+        e = (d @ g) * d if g is not None else np.square(d @ w_t)
+        out[j] = float(e.sum(dtype=np.float64)) / max(len(x), 1)
+    return out
+
+
+def proxy_curves(errors: dict, anchor: int, anchor_kl: np.ndarray, ref: str | None = None) -> tuple:
+    """KL curves from output errors: errors[criterion] [n_site, n_level] (output_errors per
+    site), anchor_kl [n_site] the runtime's KL with only site i at level index ``anchor`` by
+    criterion ``ref`` (default: the first). Returns (curves [n_site, n_level]: the lower
+    criterion's predicted KL per level, choice [n_site][n_level]: its name)."""
+    names = list(errors)
+    ref = names[0] if ref is None else ref
+    e_ref = np.asarray(errors[ref], np.float64)
+    c = np.asarray(anchor_kl, np.float64) / np.maximum(e_ref[:, anchor], 1e-30)
+    stack = np.stack([c[:, None] * np.asarray(errors[n], np.float64) for n in names])
+    best = np.argmin(stack, axis=0)
+    curves = np.take_along_axis(stack, best[None], axis=0)[0]
+    return curves, [[names[b] for b in row] for row in best]
 
 
 def site_bytes(path: str) -> dict:

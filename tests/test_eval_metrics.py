@@ -101,7 +101,7 @@ def test_windows_and_run_specs(ev):
     assert ws[0][1] == [0, 1, 2, 3, 4] and ws[-1][1] == [8, 9, 10]
     # every position 0..9 is scored once: a window scores len(w) - 1 positions
     assert sum(len(w) - 1 for _, w in ws) == len(ids) - 1
-    assert ev.parse_run("a.gguf") == {"label": "a.gguf", "path": "a.gguf", "ffn": "auto", "input_sparse": True}
+    assert ev.parse_run("a.gguf") == {"label": "a.gguf", "path": "a.gguf", "ffn": "file", "input_sparse": True}
     assert ev.parse_run("g30=/x/b.gguf@gate,noinput") == {"label": "g30", "path": "/x/b.gguf", "ffn": "gate",
                                                           "input_sparse": False}
 

@@ -423,12 +423,14 @@ GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
             for (size_t k = 0; k < 4 * gb; k += 64) _mm_prefetch(pl + k, GH_PF_HINT);
             pl += 4 * gb;
         } else if (pfm == PF_ROWS) { /* first and last byte cover a Q4_0 group's lines (72
-                                      * bytes); the larger groups (80..136) the middle too */
+                                      * bytes); the larger groups (80..136) the middle too
+                                      * (Q8_0's 136 bytes span up to four lines) */
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 const char * q = (const char *) pf[r] + g * gb;
                 _mm_prefetch(q, GH_PF_HINT);
                 if (kind != B_Q4_0) _mm_prefetch(q + 64, GH_PF_HINT);
+                if (gb > 129) _mm_prefetch(q + 128, GH_PF_HINT);
                 _mm_prefetch(q + gb - 1, GH_PF_HINT);
             }
         }

@@ -504,12 +504,14 @@ GH_INLINE void dot4_q(const bool is_q4, int64_t n, const void * const * rows,
     const block_q8_x4 * xg = x;
     for (int64_t g = 0; g < ng_full; g++) {
         const size_t off = 4 * g * bs;
-        /* a group is 72 (136) bytes of each row: its first and last byte cover its lines */
+        /* a group is 72 (136) bytes of each row: its first and last byte cover Q4_0's
+         * lines, Q8_0's up to four lines want +64 and +128 too */
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             _mm_prefetch((const char *) pf[r] + off, GH_PF_HINT);
             _mm_prefetch((const char *) pf[r] + off + 4 * bs - 1, GH_PF_HINT);
             if (!is_q4) _mm_prefetch((const char *) pf[r] + off + 64, GH_PF_HINT);
+            if (!is_q4) _mm_prefetch((const char *) pf[r] + off + 128, GH_PF_HINT);
         }
         const uint8_t * p[4] = { (const uint8_t *) rows[0] + off, (const uint8_t *) rows[1] + off,
                                  (const uint8_t *) rows[2] + off, (const uint8_t *) rows[3] + off };

@@ -669,6 +669,8 @@ GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
+        /* 210 bytes span five lines when a block starts in a line's last 17 bytes */
+        _mm_prefetch((const char *) pf + i * bs + 192, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
         const float d = _cvtsh_ss(b->d);
         __m256i v[8]; /* 32 values each: vector 4h + g = half h, group g */

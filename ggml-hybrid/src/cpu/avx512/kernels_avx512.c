@@ -664,6 +664,8 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
         const uint8_t * b = w + i * bs;
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        /* Q5_K's 176 bytes span four lines when a block starts past a line's 16th byte */
+        if (bs > 128) _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
         uint16_t dh, dmh;
         memcpy(&dh, b, 2);

@@ -115,7 +115,7 @@ static void matmul_t_task(void * arg, int ith, int nth) {
                 const void * pf[4];
                 for (int j = 0; j < 4; j++) {
                     const int64_t ip = GH_MIN(n_rows - 1, i + 1 + 4 * (AXPY_PF_GROUPS - 1) + j);
-                    pf[j] = wd + job->ids[ip] * w->row_bytes + off;
+                    pf[j] = wd + (job->ids ? job->ids[ip] : ip) * w->row_bytes + off;
                 }
                 job->axpy4pf(c1 - c0, s, rows, pf, job->y + c0);
             } else if (job->axpy4) {
@@ -194,6 +194,7 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
     matmul_t_job job = {
         .w = w, .h = h, .n_tokens = n_tokens, .ldh = ldh, .y = y, .ldy = ldy,
         .axpy = ks->axpy, .axpy_f = gh_kernels_get(GH_TYPE_F32)->axpy, .axpy4 = ks->axpy4,
+        .axpy4pf = n_tokens == 1 ? ks->axpy4pf : NULL,
         .axpy16 = n_tokens == 1 ? ks->axpy16 : NULL,
         .mm16 = n_tokens > 1 ? ks->matmul16 : NULL,
         .tiles = gh_kernels_get(GH_TYPE_F32)->tiles,

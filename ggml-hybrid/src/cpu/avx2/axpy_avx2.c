@@ -161,13 +161,13 @@ AVX2_INLINE bool b32_has_min(const int type) { return type == GH_TYPE_Q4_1 || ty
 GH_STATIC_ASSERT(offsetof(block_q4_1, m) == 2 && offsetof(block_q5_1, m) == 2, "min after d");
 
 /* Every fourth block prefetches those four blocks' bytes of the pf rows: their first and
- * last byte cover Q4_0's 72 bytes' lines, `mid` adds the line at +64 (the 80..96 bytes of
- * Q4_1, Q5_0, Q5_1; Q8_0's 136 bytes would want it too, but its calls pass bs = 34 > 64,
- * false, as before these types came: left as it was measured). */
+ * last byte cover Q4_0's 72 bytes' lines, `mid` adds the lines at +64 (the 80..96 bytes of
+ * Q4_1, Q5_0, Q5_1) and +128 (Q8_0's 136 bytes, up to four lines: without the middle ones
+ * every scattered row missed on them; docs/BENCHMARKS.md). */
 AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs, bool mid) {
     for (int k = 0; k < 4; k++) {
         _mm_prefetch((const char *) pf[k] + i * bs, _MM_HINT_T1);
-        if (mid) _mm_prefetch((const char *) pf[k] + i * bs + 64, _MM_HINT_T1);
+        if (mid) for (size_t o = 64; o < 4 * bs - 1; o += 64) _mm_prefetch((const char *) pf[k] + i * bs + o, _MM_HINT_T1);
         _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);
     }
 }
@@ -263,7 +263,8 @@ AVX2_INLINE void axpy4_quant_avx2(const int type, int64_t n, const float * s, co
                                   const void * const * pf, float * restrict y) {
     const size_t bs = b32_bytes(type);
     /* (the IQ kinds' 68..72 bytes may span three lines too) */
-    const bool mid = type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_0 || type == GH_TYPE_Q5_1 || b32_is_iq(type);
+    const bool mid = type == GH_TYPE_Q8_0 || type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_0 ||
+                     type == GH_TYPE_Q5_1 || b32_is_iq(type);
     const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
         if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs, mid);

@@ -423,12 +423,14 @@ GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
             for (size_t k = 0; k < 4 * gb; k += 64) _mm_prefetch(pl + k, GH_PF_HINT);
             pl += 4 * gb;
         } else if (pfm == PF_ROWS) { /* first and last byte cover a Q4_0 group's lines (72
-                                      * bytes); the larger groups (80..136) the middle too */
+                                      * bytes); the larger groups (80..136) the middle too
+                                      * (Q8_0's 136 bytes span up to four lines) */
 #pragma GCC unroll 4
             for (int r = 0; r < 4; r++) {
                 const char * q = (const char *) pf[r] + g * gb;
                 _mm_prefetch(q, GH_PF_HINT);
                 if (kind != B_Q4_0) _mm_prefetch(q + 64, GH_PF_HINT);
+                if (gb > 129) _mm_prefetch(q + 128, GH_PF_HINT);
                 _mm_prefetch(q + gb - 1, GH_PF_HINT);
             }
         }
@@ -605,6 +607,8 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
         const uint8_t * b = w + i * bs;
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        /* Q5_K's 176 bytes span four lines when a block starts past a line's 16th byte */
+        if (bs > 128) _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
         uint16_t dh, dmh;
         memcpy(&dh, b, 2);
@@ -667,6 +671,8 @@ GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
+        /* 210 bytes span five lines when a block starts in a line's last 17 bytes */
+        _mm_prefetch((const char *) pf + i * bs + 192, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
         const float d = _cvtsh_ss(b->d);
         __m256i v[8]; /* 32 values each: vector 4h + g = half h, group g */

@@ -235,9 +235,10 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
 
 /* Four rows per pass with prefetch: every fourth block prefetches those four blocks'
  * bytes of the pf rows (their first and last byte cover Q4_0's 72 bytes' lines; MID adds
- * the line at +64, for the 88..96 bytes of Q5_0, Q5_1; Q8_0's 136 bytes would want
- * it too, but bs > 64 is false for its 34-byte blocks: left as it was measured). The sums
- * are those of name##_4. */
+ * the lines at +64 (the 88..96 bytes of Q5_0, Q5_1) and +128 (Q8_0's 136 bytes, up to four
+ * lines: without the middle ones every scattered row missed on them, and the sparse down
+ * ran at 0.2x the dense GB/s per byte; docs/BENCHMARKS.md). The sums are those of
+ * name##_4. */
 #define DEFINE_AXPY_QUANT_PF(name, block_t, VALS, HAS_MIN, MINF, SCALEF, MID)                      \
     AVX512_FN static void name##_4pf(int64_t n, const float * s, const void * const * row, \
                                      const void * const * pf, float * restrict y) {         \
@@ -247,7 +248,8 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
             if ((i & 3) == 0) {                                                             \
                 for (int k = 0; k < 4; k++) {                                               \
                     _mm_prefetch((const char *) pf[k] + i * bs, _MM_HINT_T1);               \
-                    if (MID) _mm_prefetch((const char *) pf[k] + i * bs + 64, _MM_HINT_T1); \
+                    if (MID) for (size_t o = 64; o < 4 * bs - 1; o += 64)                  \
+                        _mm_prefetch((const char *) pf[k] + i * bs + o, _MM_HINT_T1);       \
                     _mm_prefetch((const char *) pf[k] + (i + 4) * bs - 1, _MM_HINT_T1);     \
                 }                                                                           \
             }                                                                               \
@@ -257,7 +259,7 @@ AVX512_FN static inline __m512 i8_to_ps(__m128i q) {
 
 DEFINE_AXPY_QUANT_PF(axpy_q4_0_avx512, block_q4_0, q4_0_vals, 0, NO_MIN, FP16_D, 0)
 
-DEFINE_AXPY_QUANT_PF(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN, FP16_D, bs > 64)
+DEFINE_AXPY_QUANT_PF(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN, FP16_D, 1)
 
 DEFINE_AXPY_QUANT(axpy_q8_0_avx512, block_q8_0, q8_0_vals, 0, NO_MIN, FP16_D)
 DEFINE_AXPY_QUANT(axpy_q4_0_avx512, block_q4_0, q4_0_vals, 0, NO_MIN, FP16_D)

@@ -504,12 +504,14 @@ GH_INLINE void dot4_q(const bool is_q4, int64_t n, const void * const * rows,
     const block_q8_x4 * xg = x;
     for (int64_t g = 0; g < ng_full; g++) {
         const size_t off = 4 * g * bs;
-        /* a group is 72 (136) bytes of each row: its first and last byte cover its lines */
+        /* a group is 72 (136) bytes of each row: its first and last byte cover Q4_0's
+         * lines, Q8_0's up to four lines want +64 and +128 too */
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) {
             _mm_prefetch((const char *) pf[r] + off, GH_PF_HINT);
             _mm_prefetch((const char *) pf[r] + off + 4 * bs - 1, GH_PF_HINT);
             if (!is_q4) _mm_prefetch((const char *) pf[r] + off + 64, GH_PF_HINT);
+            if (!is_q4) _mm_prefetch((const char *) pf[r] + off + 128, GH_PF_HINT);
         }
         const uint8_t * p[4] = { (const uint8_t *) rows[0] + off, (const uint8_t *) rows[1] + off,
                                  (const uint8_t *) rows[2] + off, (const uint8_t *) rows[3] + off };
@@ -662,6 +664,8 @@ GH_INLINE void k4_row(const int NT, const bool is_q5, int64_t n, const uint8_t *
         const uint8_t * b = w + i * bs;
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
+        /* Q5_K's 176 bytes span four lines when a block starts past a line's 16th byte */
+        if (bs > 128) _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
         uint16_t dh, dmh;
         memcpy(&dh, b, 2);
@@ -725,6 +729,8 @@ GH_INLINE void k6_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
         _mm_prefetch((const char *) pf + i * bs, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 64, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + 128, GH_PF_HINT);
+        /* 210 bytes span five lines when a block starts in a line's last 17 bytes */
+        _mm_prefetch((const char *) pf + i * bs + 192, GH_PF_HINT);
         _mm_prefetch((const char *) pf + i * bs + bs - 1, GH_PF_HINT);
         const float d = _cvtsh_ss(b->d);
         const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) b->scales));

@@ -87,8 +87,13 @@ static void matmul_task(void * arg, int ith, int nth) {
         const char * wd = w->data;
         const int64_t r_begin = (item - P->first_item) * P->chunk;
         const int64_t r_end = GH_MIN(w->rows, r_begin + P->chunk);
-        for (int64_t t = 0; t < job->n_tokens; t += nt) {
-            const int tn = (int) GH_MIN(nt, job->n_tokens - t);
+        /* balanced token tiles (5 tokens at nt 4: 3 + 2, not 4 + 1): a lone last token
+         * would run the prompt kernel at one token, which reads the rows again for it
+         * alone (measured: SmolLM2 Q8_0, 5 tokens 14.5 ms against 6.1 ms for 3) */
+        const int64_t n_tiles = (job->n_tokens + nt - 1) / nt;
+        const int64_t tw = (job->n_tokens + n_tiles - 1) / n_tiles;
+        for (int64_t t = 0; t < job->n_tokens; t += tw) {
+            const int tn = (int) GH_MIN(tw, job->n_tokens - t);
             const char * xt = job->xq + t * job->xq_stride;
             float * yt = P->y + t * P->ldy;
             for (int64_t r = r_begin; r < r_end; r += mr) {

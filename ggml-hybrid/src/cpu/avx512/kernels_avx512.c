@@ -349,6 +349,13 @@ GH_INLINE void q_group_r4(const bool is_q4, const uint8_t * const * p, int64_t a
     q_step_r4(is_q4, u, xg, acc);
 }
 
+/* lanes 4i + r -> y[r] */
+GH_INLINE void r4_store(__m512 acc, float * y) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(y, q);
+}
+
 GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws, const void * x,
                          float * y) {
     __m512 acc = _mm512_setzero_ps();
@@ -379,10 +386,58 @@ GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws,
                                  wb + 3 * ws + 4 * g * bs };
         q_group_r4(is_q4, p, (nb % 4) * (int64_t) bs, xg + g, &acc);
     }
-    /* lanes 4i + r -> y[r] */
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(y, q);
+    r4_store(acc, y);
+}
+
+/* Four rows, NT tokens: tile_q_r4's sums for each token (each group's rows unpacked once
+ * for all of them), so a batch's logits equal its tokens' one by one bit for bit. Summing
+ * otherwise (per lane in float, as q_step) differs by rounding that the activations' int8
+ * codes then amplify: SmolLM2 Q8_0 batched against one-token logits were 2.2e-2 of their
+ * range apart, and speculative verification changed greedy text. */
+GH_INLINE void tile_q_r4n(const int NT, const bool is_q4, int64_t n, const void * w, size_t ws,
+                          const void * x, size_t xs, float * y, int64_t ldy) {
+    __m512 acc[MAXT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t nb = n / 32;
+    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const uint8_t * wb = w;
+    const int64_t ng_full = nb / 4;
+    /* the four rows are short streams the hardware prefetcher misses: tile_q_r4's linear
+     * prefetch of the tiles GH_PF_TILES ahead (without it a 49152 x 576 Q8_0 head ran 2
+     * tokens at 2.2x the time of one) */
+    const uint8_t * pf = wb + GH_PF_TILES * 4 * ws;
+    for (int64_t g = 0; g < ng_full; g++) {
+#pragma GCC unroll 8
+        for (size_t k = 0; k < 4 * 4 * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
+        pf += 4 * 4 * bs;
+        /* a whole group's size as a constant: the unpacking's full-width loads */
+        const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
+                                 wb + 3 * ws + 4 * g * bs };
+        wgroup u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) u[r] = is_q4 ? unpack_q4_0(p[r], 4 * (int64_t) bs) : unpack_q8_0(p[r], 4 * (int64_t) bs);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            q_step_r4(is_q4, u, (const block_q8_x4 *) ((const char *) x + t * xs) + g, &acc[t]);
+        }
+    }
+    if (nb % 4) {
+#pragma GCC unroll 8
+        for (size_t k = 0; k < 4 * (size_t) (nb % 4) * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
+        const int64_t g = ng_full, avail = (nb % 4) * (int64_t) bs;
+        const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
+                                 wb + 3 * ws + 4 * g * bs };
+        wgroup u[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) u[r] = is_q4 ? unpack_q4_0(p[r], avail) : unpack_q8_0(p[r], avail);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            q_step_r4(is_q4, u, (const block_q8_x4 *) ((const char *) x + t * xs) + g, &acc[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) r4_store(acc[t], y + t * ldy);
 }
 
 /* is_q4: Q4_0 weights (else Q8_0); the zero point is 8 (128) times the block sum. */
@@ -610,8 +665,33 @@ static void gemm_f16(int64_t n, const void * w, size_t ws, int nr, const void * 
     gemm_f16_tiles(n, w, ws, nr, x, xs, nt, y, ldy);
 }
 DEFINE_GEMM(gemm_bf16, 4, 6, tile_bf16,)
-DEFINE_GEMM(gemm_q8_0, 4, 4, tile_q, false,)
-DEFINE_GEMM(gemm_q4_0, 4, 4, tile_q, true,)
+DEFINE_GEMM(gemm_q8_0_rows, 4, 4, tile_q, false,)
+DEFINE_GEMM(gemm_q4_0_rows, 4, 4, tile_q, true,)
+
+/* Four rows and any number of tokens through tile_q_r4's sums (see tile_q_r4n), so every
+ * token of a batch gets the one-token result; fewer rows as DEFINE_GEMM does (its one-row
+ * and multi-token paths sum alike). */
+#define DEFINE_GEMM_Q(name, rows, is_q4)                                                       \
+    static void name(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, \
+                     int nt, float * y, int64_t ldy) {                                        \
+        if (nr != 4 || nt == 1) { rows(n, w, ws, nr, x, xs, nt, y, ldy); return; }           \
+        for (int t = 0; t < nt; t += MAXT) {                                                  \
+            const void * xt = (const char *) x + t * xs;                                      \
+            float * yt = y + t * ldy;                                                         \
+            switch (nt - t) {                                                                 \
+                case 1: tile_q_r4(is_q4, n, w, ws, xt, yt); break;                            \
+                case 2: tile_q_r4n(2, is_q4, n, w, ws, xt, xs, yt, ldy); break;               \
+                case 3: tile_q_r4n(3, is_q4, n, w, ws, xt, xs, yt, ldy); break;               \
+                case 4: tile_q_r4n(4, is_q4, n, w, ws, xt, xs, yt, ldy); break;               \
+                case 5: tile_q_r4n(5, is_q4, n, w, ws, xt, xs, yt, ldy); break;               \
+                case 6: tile_q_r4n(6, is_q4, n, w, ws, xt, xs, yt, ldy); break;               \
+                case 7: tile_q_r4n(7, is_q4, n, w, ws, xt, xs, yt, ldy); break;               \
+                default: tile_q_r4n(MAXT, is_q4, n, w, ws, xt, xs, yt, ldy); break;           \
+            }                                                                                 \
+        }                                                                                     \
+    }
+DEFINE_GEMM_Q(gemm_q8_0, gemm_q8_0_rows, false)
+DEFINE_GEMM_Q(gemm_q4_0, gemm_q4_0_rows, true)
 
 #define DEFINE_DOT(name, gemm)                                                  \
     static void name(int64_t n, float * s, const void * w, const void * x) {    \
@@ -846,8 +926,8 @@ const gh_kernel_set gh_dot_rows_avx512[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, 4, 6, 4, dot4_f32),
     [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16_tiles, NULL, gemm_f16_tiles, 4, 6, 4, dot4_f16),
     [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, 4, 6, 4, dot4_bf16),
-    [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, 4, 4, dot4_q8_0),
-    [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, 4, 4, dot4_q4_0),
+    [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, MAXT, 4, dot4_q8_0),
+    [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, MAXT, 4, dot4_q4_0),
     /* the other 32-value block types: kernels in kernels_b32_avx512.c */
 #define B32_ROW(sfx) GH_DOT_ROW(gh_avx512_vec_dot_##sfx, q8_x4_from_float_x, gh_avx512_gemm_##sfx, 4, \
                                 GH_B32_AVX512_NT, 4, gh_avx512_dot4_##sfx)

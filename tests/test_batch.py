@@ -485,23 +485,32 @@ def _texts(lines):
 def test_server_a_request_joining_mid_generation_changes_nothing(dense_server, reference):
     """A streams; after some of its text, B arrives with a long prompt (read 3 tokens per
     pass in the same passes as A's next token, --prompt-chunk 4): both texts are what each
-    gets alone."""
-    _wait_idle(dense_server)
-    steps0 = _metric(dense_server, "powerinfer_batched_steps_total")
-    tokens0 = _metric(dense_server, "powerinfer_batched_tokens_total")
-    with _stream(dense_server, PROMPTS[4], 128) as r:
-        pieces = _texts(r.iter_lines())
-        a = [next(pieces) for _ in range(3)]
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            b = ex.submit(_complete, dense_server, LONG, 24)
-            a += list(pieces)
-            b = b.result()
-    assert "".join(a) == reference(PROMPTS[4], 128)
-    assert b == reference(LONG, 24)
-    # the two decoding passes take 2 tokens each; those with more carried B's prompt
-    steps = _metric(dense_server, "powerinfer_batched_steps_total") - steps0
-    tokens = _metric(dense_server, "powerinfer_batched_tokens_total") - tokens0
-    assert tokens > 2 * steps > 0
+    gets alone. The tiny model writes A's 200 tokens in a fraction of a second, so on a busy
+    machine B can arrive after A is done: the scenario is repeated (B's prompt new each
+    time, so the prompt cache holds none of it) until B's prompt rode in A's passes."""
+    overlapped = 0
+    for lead in ("Then", "Now", "Lo", "So", "Behold", "Verily"):
+        _wait_idle(dense_server)
+        steps0 = _metric(dense_server, "powerinfer_batched_steps_total")
+        tokens0 = _metric(dense_server, "powerinfer_batched_tokens_total")
+        long_b = f"{lead} {LONG}"
+        with _stream(dense_server, PROMPTS[4], 200) as r:
+            pieces = _texts(r.iter_lines())
+            a = [next(pieces) for _ in range(3)]
+            with concurrent.futures.ThreadPoolExecutor(1) as ex:
+                b = ex.submit(_complete, dense_server, long_b, 24)
+                a += list(pieces)
+                b = b.result()
+        assert "".join(a) == reference(PROMPTS[4], 200)
+        assert b == reference(long_b, 24)
+        # the decoding passes take one token per slot; those with more carried B's prompt
+        steps = _metric(dense_server, "powerinfer_batched_steps_total") - steps0
+        tokens = _metric(dense_server, "powerinfer_batched_tokens_total") - tokens0
+        if steps > 0:
+            assert tokens > 2 * steps
+            overlapped += 1
+            break
+    assert overlapped, "B never arrived while A was decoding (6 tries)"
 
 
 def test_server_a_disconnect_frees_its_slot_and_the_others_go_on(dense_server, reference):

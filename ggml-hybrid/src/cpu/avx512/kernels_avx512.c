@@ -356,40 +356,7 @@ GH_INLINE void r4_store(__m512 acc, float * y) {
     _mm_storeu_ps(y, q);
 }
 
-GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws, const void * x,
-                         float * y) {
-    __m512 acc = _mm512_setzero_ps();
-    const int64_t nb = n / 32;
-    const int64_t ng_full = nb / 4;
-    const size_t bs = is_q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
-    const uint8_t * wb = w;
-    const block_q8_x4 * xg = x;
-    /* The four rows are short streams; prefetch the rows of the tile GH_PF_TILES
-     * ahead as one linear stream, a group's worth of bytes per group. */
-    const uint8_t * pf = wb + GH_PF_TILES * 4 * ws;
-    for (int64_t g = 0; g < ng_full; g++) {
-#pragma GCC unroll 8
-        for (size_t k = 0; k < 4 * 4 * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
-        pf += 4 * 4 * bs;
-        const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
-                                 wb + 3 * ws + 4 * g * bs };
-        q_group_r4(is_q4, p, 4 * (int64_t) bs, xg + g, &acc);
-    }
-    if (nb % 4) {
-        /* the rest of the tile's bytes of the stream: a row of 4g + 1..3 blocks (576
-         * columns, say) would otherwise leave its last lines to demand misses, which
-         * halved decode GB/s on such rows (docs/BENCHMARKS.md, real models) */
-#pragma GCC unroll 8
-        for (size_t k = 0; k < 4 * (size_t) (nb % 4) * bs; k += 64) _mm_prefetch((const char *) pf + k, GH_PF_HINT);
-        const int64_t g = ng_full;
-        const uint8_t * p[4] = { wb + 4 * g * bs, wb + ws + 4 * g * bs, wb + 2 * ws + 4 * g * bs,
-                                 wb + 3 * ws + 4 * g * bs };
-        q_group_r4(is_q4, p, (nb % 4) * (int64_t) bs, xg + g, &acc);
-    }
-    r4_store(acc, y);
-}
-
-/* Four rows, NT tokens: tile_q_r4's sums for each token (each group's rows unpacked once
+/* Four rows, NT tokens: the one-token sums (q_step_r4) for each token (each group's rows unpacked once
  * for all of them), so a batch's logits equal its tokens' one by one bit for bit. Summing
  * otherwise (per lane in float, as q_step) differs by rounding that the activations' int8
  * codes then amplify: SmolLM2 Q8_0 batched against one-token logits were 2.2e-2 of their
@@ -438,6 +405,13 @@ GH_INLINE void tile_q_r4n(const int NT, const bool is_q4, int64_t n, const void 
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) r4_store(acc[t], y + t * ldy);
+}
+
+/* Four rows, one token (decode): lane 4i + r holds row r's block i, the integer sums
+ * reduced per block before they are scaled (q_step_r4). */
+GH_INLINE void tile_q_r4(const bool is_q4, int64_t n, const void * w, size_t ws, const void * x,
+                         float * y) {
+    tile_q_r4n(1, is_q4, n, w, ws, x, 0, y, 0);
 }
 
 /* is_q4: Q4_0 weights (else Q8_0); the zero point is 8 (128) times the block sum. */

@@ -47,7 +47,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .structured import GrammarError, json_schema_grammar
+from .structured import JSON_DEFAULTS, GrammarError, json_schema_grammar
 
 
 class ToolError(ValueError):
@@ -241,22 +241,25 @@ class ToolPlan:
     def grammar_text(self) -> str:
         """The Lark grammar of the reply (llguidance's dialect)."""
         f, special_ids = self.fmt, self.special_ids
+        # compact JSON, as structured.py's (a model cannot spend its tokens on whitespace)
+        compact = {"x-guidance": JSON_DEFAULTS}
         rules = []
         if f.as_list:
             arr = {"type": "array", "items": self.schema(), "minItems": 1,
-                   **({} if self.parallel else {"maxItems": 1})}
+                   **({} if self.parallel else {"maxItems": 1}), **compact}
             rules.append(f"calls: {self._lit(f.open, special_ids)} %json {json.dumps(arr)} "
                          f"{self._lit(f.close, special_ids)}".rstrip())
         else:
             block = f"{self._lit(f.open, special_ids)} call {self._lit(f.close, special_ids)}"
             more = f" ({_lark_str(f.sep)} {block})*" if self.parallel else ""
             rules.append(f"calls: {block}{more}")
-            rules.append(f"call: %json {json.dumps(self.schema())}")
+            rules.append(f"call: %json {json.dumps({**self.schema(), **compact})}")
         if self.mode != "auto":
             rules.insert(0, "start: calls")
         elif f.json_answer:
             rules.insert(0, "start: calls | answer")
-            rules.append('answer: "{\\"response\\":" %json {"type": "string"} "}"')
+            rules.append('answer: "{\\"response\\":" %json '
+                         f'{json.dumps({"type": "string", **compact})} "}}"')
         else:
             # a plain answer: any text that does not begin like a call
             start = self._visible(f.open).strip() or ("[" if f.as_list else "{")

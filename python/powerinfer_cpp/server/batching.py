@@ -110,15 +110,30 @@ class Batcher:
                 job.end()
         decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
         groups: dict = {}  # batch key -> (jobs whose next_token joins, (job, part) pairs)
+        room: dict = {}  # batch key -> tokens its pass may still take (its first's n_batch)
+        alone: list = []  # (job, part) of parts with no room left in their pass
+        speculative = [j for j in decoding if hasattr(j.gen, "batch_part")]
         for job in decoding:  # 3. the next tokens: together, one pass per FFN (batch key)
+            if job in speculative:
+                continue
             try:
-                batch_part = getattr(job.gen, "batch_part", None)
-                if batch_part is not None:  # speculative: a draft step or a verification
-                    part = batch_part()
-                    if part is not None:
-                        groups.setdefault(part.key, ([], []))[1].append((job, part))
-                elif job.gen.batchable():
-                    groups.setdefault(job.gen.batch_key(), ([], []))[0].append(job)
+                if job.gen.batchable():
+                    key = job.gen.batch_key()
+                    room[key] = room.setdefault(key, job.gen.ctx.n_batch) - 1
+                    groups.setdefault(key, ([], []))[0].append(job)
+            except BaseException as e:
+                job.end(error=e)
+        for job in speculative:  # a draft step or a verification: into its FFN's pass
+            try:
+                part = job.gen.batch_part()
+                if part is None:
+                    continue
+                left = room.setdefault(part.key, part.ctx.n_batch)
+                if part.n > left:
+                    alone.append((job, part))
+                    continue
+                room[part.key] = left - part.n
+                groups.setdefault(part.key, ([], []))[1].append((job, part))
             except BaseException as e:
                 job.end(error=e)
         batch, parts = groups.pop(("dense",), ([], []))  # the pass the prompt chunk joins
@@ -143,6 +158,9 @@ class Batcher:
                 reading = None
         members = batch + ([reading] if reading is not None else [])
         handled = set()  # jobs whose tokens were evaluated here
+        for job, part in alone:
+            _guard(job, lambda: job.gen.run_part(part))
+            handled.add(job)
         for members, parts, chunk in [(members, parts, chunk)] + [
                 (g, p, None) for g, p in groups.values()]:
             if len(members) + len(parts) < 2:

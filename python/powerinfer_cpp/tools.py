@@ -417,6 +417,8 @@ class ToolStream:
         self.kind: str | None = None  # "calls" or "text" once the reply's start says which
         self.sent_text = 0            # characters of the answer sent
         self.calls: list[dict] = []   # per call: id, whether its head was sent, args sent
+        self._scans: dict = {}        # JSON values' ends found so far (_value_end)
+        self._answer: list | None = None  # generic answer: [next char to decode, its _Scan]
 
     def feed(self, piece: str) -> dict | None:
         self.buf += piece
@@ -453,12 +455,39 @@ class ToolStream:
                     return None  # could still be a call
                 self.kind = "calls" if squeezed.startswith(start) else "text"
         if self.kind == "text":
-            text = self.buf
             if plan.fmt.json_answer:
-                text = _partial_json_answer(text, final)
-            new, self.sent_text = text[self.sent_text:], max(len(text), self.sent_text)
+                new = self._json_answer(final)
+            else:
+                new, self.sent_text = self.buf[self.sent_text:], len(self.buf)
             return {"content": new} if new else None
         return self._call_deltas(self._partial_calls())
+
+    def _json_answer(self, final: bool) -> str:
+        """The generic format's {"response": "..."}: the answer's characters decoded since
+        the last call, the longest piece of its JSON string that decodes (an escape or a
+        surrogate pair may be cut); at the end, text that is no such object as it is."""
+        if self._answer is None:
+            m = re.match(r'\s*\{\s*"response"\s*:\s*"', self.buf)
+            if m is None:
+                if not final:
+                    return ""
+                new, self.sent_text = self.buf[self.sent_text:], len(self.buf)
+                return new
+            self._answer = [m.end(), _Scan(self.buf, m.end() - 1)]
+        at, scan = self._answer
+        end = scan.run(self.buf)
+        seg = self.buf[at:end - 1 if end is not None else len(self.buf)]
+        for cut in range(len(seg), max(len(seg) - 12, -1), -1):
+            try:
+                out = json.loads('"' + seg[:cut] + '"')
+            except ValueError:
+                continue
+            if out and "\ud800" <= out[-1] <= "\udbff" and not (end is not None and
+                                                              cut == len(seg)):
+                continue  # half a surrogate pair: wait for the other half
+            self._answer[0] = at + cut
+            return out
+        return ""
 
     def _partial_calls(self) -> list[tuple[str | None, str]]:
         """[(name or None while it is incomplete, the arguments' text so far)]."""
@@ -476,7 +505,7 @@ class ToolStream:
                 pos += 1
             if pos >= len(text) or text[pos] != "{":
                 break
-            fields = _object_fields(text, pos)
+            fields = _object_fields(text, pos, self._scans)
             name = None
             if "name" in fields and fields["name"][1] is not None:
                 try:
@@ -490,7 +519,7 @@ class ToolStream:
                 a, b = fields[key]
                 args = text[a:b if b is not None else len(text)]
             out.append((name if isinstance(name, str) else None, args))
-            end = _value_end(text, pos)
+            end = _value_end(text, pos, self._scans)
             if end is None:
                 break
             pos = end
@@ -534,52 +563,69 @@ def _lark_re(text: str) -> str:
                    for c in text)
 
 
-def _value_end(text: str, i: int) -> int | None:
-    """Where the JSON value starting at text[i] ends; None while it is incomplete."""
+class _Scan:
+    """Where the JSON string, array or object starting at text[i] ends, resumed where the
+    last call stopped (a streamed reply's text only grows: each character is read once)."""
+
+    def __init__(self, text: str, i: int):
+        self.in_str = text[i] == '"'
+        self.pos = i + 1 if self.in_str else i
+        self.depth, self.esc, self.end = 0, False, None
+
+    def run(self, text: str) -> int | None:
+        j, n = self.pos, len(text)
+        while self.end is None and j < n:
+            ch = text[j]
+            j += 1
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+                    if self.depth == 0:
+                        self.end = j
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = j
+        self.pos = j
+        return self.end
+
+
+_SCALAR = re.compile(r"[^,}\]\s]*")
+
+
+def _value_end(text: str, i: int, scans: dict | None = None) -> int | None:
+    """Where the JSON value starting at text[i] ends; None while it is incomplete. scans
+    (start -> _Scan) keeps the work done on a growing text."""
     if i >= len(text):
         return None
-    c = text[i]
-    if c == '"':
-        j = i + 1
-        while j < len(text):
-            if text[j] == "\\":
-                j += 2
-                continue
-            if text[j] == '"':
-                return j + 1
-            j += 1
-        return None
-    if c in "{[":
-        depth, j, in_str = 0, i, False
-        while j < len(text):
-            ch = text[j]
-            if in_str:
-                if ch == "\\":
-                    j += 1
-                elif ch == '"':
-                    in_str = False
-            elif ch == '"':
-                in_str = True
-            elif ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
-    m = re.compile(r"[^,}\]\s]*").match(text, i)
+    if text[i] in '"{[':
+        if scans is None:
+            return _Scan(text, i).run(text)
+        scan = scans.get(i)
+        if scan is None:
+            scan = scans[i] = _Scan(text, i)
+        return scan.run(text)
+    m = _SCALAR.match(text, i)
     return m.end() if m.end() < len(text) else None
 
 
-def _object_fields(text: str, i: int) -> dict[str, tuple[int, int | None]]:
+def _object_fields(text: str, i: int,
+                   scans: dict | None = None) -> dict[str, tuple[int, int | None]]:
     """The members of the JSON object at text[i] seen so far: key -> (value start, value
     end or None while incomplete)."""
     out: dict[str, tuple[int, int | None]] = {}
     ws = re.compile(r"\s*")
     pos = ws.match(text, i + 1).end()
     while pos < len(text) and text[pos] == '"':
-        kend = _value_end(text, pos)
+        kend = _value_end(text, pos, scans)
         if kend is None:
             break
         key = json.loads(text[pos:kend])
@@ -589,7 +635,7 @@ def _object_fields(text: str, i: int) -> dict[str, tuple[int, int | None]]:
         pos = ws.match(text, pos + 1).end()
         if pos >= len(text):
             break
-        vend = _value_end(text, pos)
+        vend = _value_end(text, pos, scans)
         out[key] = (pos, vend)
         if vend is None:
             break
@@ -610,24 +656,6 @@ def _item_spans(text: str, i: int) -> list[tuple[int, int]]:
         end = _value_end(text, pos)
         spans.append((pos, end))
         pos = end
-
-
-def _partial_json_answer(text: str, final: bool) -> str:
-    """The generic format's answer, {"response": "..."}, decoded as far as it has come."""
-    m = re.match(r'\s*\{\s*"response"\s*:\s*"', text)
-    if m is None:
-        return text if final else ""
-    body = text[m.end():]
-    end = _value_end('"' + body, 0)
-    if end is not None:
-        body = body[:end - 2]
-    # the longest prefix that decodes (an escape may be cut)
-    for cut in range(len(body), max(len(body) - 12, -1), -1):
-        try:
-            return json.loads('"' + body[:cut] + '"')
-        except ValueError:
-            continue
-    return ""
 
 
 def new_call_id() -> str:

@@ -60,7 +60,8 @@ OUTPUTS = {
         (f'{{"tool_calls": [{{"name": "get_time", "arguments": {T1}}}]}}', [("get_time", T1)])],
 }
 ANSWERS = {"hermes": "It is <b>sunny</b> {really}.", "mistral": "[1, 2] are numbers",
-           "llama3": "Sunny, 21 C {approx}", "generic": '{"response": "Sunny \\"21\\" C \\ud83d\\ude00 \\u00e9\\n\\\\"}'}
+           "llama3": "Sunny, 21 C {approx}",
+           "generic": '{"response": "Sunny \\"21\\" C \\ud83d\\ude00 \\u00e9\\n\\\\"}'}
 
 
 def test_format_for_template():

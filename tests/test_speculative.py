@@ -114,6 +114,57 @@ def test_smollm2_q4_1_self_speculative(tmp_path):
     assert out.timings["speculative"]["accepted"] < out.timings["speculative"]["drafted"]
 
 
+def _simd_levels() -> list[int]:
+    from powerinfer_cpp._native import lib
+    return list(range(int(lib.gh_simd_supported()) + 1))
+
+
+@pytest.fixture
+def simd_level(request):
+    """The SIMD level of a test (set before its models load; restored after)."""
+    from powerinfer_cpp._native import lib
+    prev = lib.gh_simd_set(request.param)
+    assert prev != -2
+    yield request.param
+    lib.gh_simd_set(prev)
+
+
+@pytest.mark.parametrize("simd_level", _simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", ["gate_f16", "gate_q8_0"])
+def test_gate_file_batch_is_one_token_decode(files, name, simd_level):
+    """A gate file's dense pass over n tokens (what verification runs: ffn_down_t through
+    the transposed matmul's batch path) gives every token the logits one-token decode gives
+    it, bit for bit, for every n a verification of draft_max <= 15 can have."""
+    with Model(files[name], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize("And God said unto Moses, I AM THAT I AM: and he said, Thus shalt "
+                         "thou say unto the children of Israel")
+        base, n_max = 6, 16
+        assert len(ids) >= base + n_max
+        c = m.create_context(n_ctx=N_CTX, ffn="dense")
+        c.eval(ids[:base])
+        one = [np.asarray(c.eval([t])).reshape(-1).copy() for t in ids[base:base + n_max]]
+        for n in (2, 5, 9, 16):
+            c.reset()
+            c.eval(ids[:base])
+            rows = np.asarray(c.eval(ids[base:base + n], logits_all=True)).reshape(n, -1)
+            for i in range(n):
+                assert np.array_equal(rows[i], one[i]), f"{name} level {simd_level}: n={n}, token {i}"
+
+
+@pytest.mark.parametrize("simd_level", _simd_levels(), indirect=True)
+def test_self_speculative_greedy_is_dense_greedy_at_every_simd_level(files, simd_level):
+    """The Q8_0 gate file (whose batched down once summed unlike decode's and drifted from
+    it after a few tokens on SmolLM2) at each SIMD level: draft_max 8 (verifications of up
+    to 9 tokens) gives the dense greedy text of that level."""
+    path = files["gate_q8_0"]
+    ref = _dense_greedy(path, 120)
+    with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+        out = m.generate(PROMPT, max_tokens=120, temperature=0, ignore_eos=True, draft="self",
+                         draft_max=8)
+    assert out.tokens == ref
+    assert out.timings["speculative"]["drafted"] > 0
+
+
 def test_drafts_stop_at_the_end_of_the_context(files):
     """max_tokens=None on a small context: the drafts shrink to the room left, and the
     reply fills the context exactly as the dense one does."""

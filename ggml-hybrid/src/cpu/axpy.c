@@ -9,11 +9,15 @@
  * many threads there are.
  *
  * Decode (one token): each active row's segment is dequantized and accumulated in one
- * pass (a fused axpy per type). Batches: a block of rows is dequantized once into a
- * small buffer and then added into every token whose activation is nonzero, or, when most
- * of the block's activations are nonzero (a SwiGLU prompt), multiplied in register tiles
- * (Q4_0 and the K-quants: in the int8 groups of 16 rows of the decode form, each token's
- * factors its own). */
+ * pass (a fused axpy per type). Batches of up to AXPY_EXACT_MAX tokens run each token's
+ * decode sums (the same kernels in the same order: a batch equals its tokens one by one,
+ * bit for bit, which speculative verification needs). Larger batches: a block of rows is
+ * dequantized once into a small buffer and then added into every token whose activation
+ * is nonzero, or, when most of the block's activations are nonzero (a SwiGLU prompt),
+ * multiplied in register tiles (Q4_0 and the K-quants: in the int8 groups of 16 rows of
+ * the decode form, each token's factors its own; with every row nonzero for every token
+ * and whole groups those are the decode's sums at any batch size, so they serve the small
+ * batches too). */
 #include "cpu/ops.h"
 #include "cpu/kernels.h"
 
@@ -28,6 +32,13 @@
 #define AXPY_PF_GROUPS 2 /* list path, in-kernel prefetch: groups of four rows ahead */
 #endif
 #define AXPY_PF_ROWS 8   /* list path, no in-kernel prefetch: rows ahead */
+#define AXPY_EXACT_SEG 256 /* exact batch path: columns per segment (floats; a multiple of every block size) */
+/* Batches of up to this many tokens sum as their tokens' decode (exact path, below). At
+ * 16 it costs what the f32 tiles cost or less in F16 and, at AVX2, Q8_0; AVX-512 Q8_0 is
+ * 1.4x faster at 2 tokens, even at 8 and 1.16x slower at 16 (the whole SmolLM2 gate file's
+ * eval, docs/BENCHMARKS.md): 16 covers the default speculative verification (9 tokens)
+ * and a server's decode steps of up to 16 slots. */
+#define AXPY_EXACT_MAX 16
 
 /* ---- the threaded op ---- */
 
@@ -50,6 +61,8 @@ typedef struct {
     const float *     a;
     int64_t           n_ids;
     int64_t           n_active;
+    bool              exact;       /* batch path: each token's decode sums (AXPY_EXACT_MAX) */
+    bool              all_nonzero; /* every token's h is nonzero on every active row */
 } matmul_t_job;
 
 /* Byte offset of column c (a multiple of the block size) within a row. */
@@ -57,6 +70,118 @@ static size_t col_offset(const gh_type_traits * tt, int64_t c) {
     return (size_t) (c / tt->block_size) * tt->type_size;
 }
 
+
+/* One token's sums over the columns [c0, c1) (a multiple of the block size from a block
+ * boundary, or the row's end): h the token's activations (list path: job->ids, job->a),
+ * y its output row. The order of the terms of each y[c] depends on the token's nonzero
+ * rows alone, not on c0 and c1. */
+static void one_token(const matmul_t_job * job, const float * h, int64_t c0, int64_t c1, float * y) {
+    const gh_weight * w = job->w;
+    const gh_type_traits * tt = gh_type_traits_get(w->type);
+    const char * wd = w->data;
+    /* Active rows in groups of sixteen where the type has that form, else of four (one
+     * pass over y per group), then the rest of four and one, in row order (list path:
+     * in list order). The grouping depends on the list alone, so the dense form and the
+     * list form of one token sum alike, whatever the thread count. */
+    const size_t off = col_offset(tt, c0);
+    const int gsize = job->axpy16 ? 16 : 4;
+    float s[16];
+    const void * rows[16];
+    int k = 0;
+    const int64_t n_rows = job->ids ? job->n_ids : w->rows;
+    const size_t seg = col_offset(tt, c1 - c0 + tt->block_size - 1);
+    for (int64_t i = 0; i < n_rows; i++) {
+        const int64_t r = job->ids ? job->ids[i] : i;
+        const float hr = job->ids ? job->a[i] : h[r];
+        if (hr == 0.0f) continue;
+        s[k] = hr;
+        rows[k] = wd + r * w->row_bytes + off;
+        if (job->ids && !job->axpy4pf && !job->axpy16 && i + AXPY_PF_ROWS < n_rows) {
+            /* list rows are scattered: fetch this column range of a row ahead (into
+             * L2: into L1 they would evict the rows being added) */
+            const char * next = wd + job->ids[i + AXPY_PF_ROWS] * w->row_bytes + off;
+            for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(next + o, 0, 2);
+        }
+        if (++k < gsize) continue;
+        k = 0;
+        if (job->axpy16) {
+            /* the kernel prefetches the next sixteen rows of the list (past the end:
+             * the last row again) */
+            const void * pf[16];
+            if (job->ids) {
+                for (int j = 0; j < 16; j++) {
+                    pf[j] = wd + job->ids[GH_MIN(n_rows - 1, i + 1 + j)] * w->row_bytes + off;
+                }
+            }
+            job->axpy16(c1 - c0, s, rows, job->ids ? pf : NULL, y + c0);
+        } else if (job->axpy4pf) {
+            /* the kernel prefetches the rows of the group AXPY_PF_GROUPS ahead (by list
+             * position; past the end: the last row again) */
+            const void * pf[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t ip = GH_MIN(n_rows - 1, i + 1 + 4 * (AXPY_PF_GROUPS - 1) + j);
+                pf[j] = wd + (job->ids ? job->ids[ip] : ip) * w->row_bytes + off;
+            }
+            job->axpy4pf(c1 - c0, s, rows, pf, y + c0);
+        } else if (job->axpy4) {
+            job->axpy4(c1 - c0, s, rows, y + c0);
+        } else {
+            for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], y + c0);
+        }
+    }
+    int j = 0;
+    for (; job->axpy4 && j + 4 <= k; j += 4) job->axpy4(c1 - c0, s + j, rows + j, y + c0);
+    for (; j < k; j++) job->axpy(c1 - c0, s[j], rows[j], y + c0);
+}
+
+/* Every token's sums over [c0, c1) where every token's h is nonzero on exactly the rows
+ * job->active (a SwiGLU batch: the usual case): one_token's groups, each group's segment
+ * added into every token in turn while it is in L1 (the first token's call prefetches
+ * as decode's does); the sums are each token's one_token sums, bit for bit. */
+static void tokens_nonzero(const matmul_t_job * job, int64_t c0, int64_t c1) {
+    const gh_weight * w = job->w;
+    const gh_type_traits * tt = gh_type_traits_get(w->type);
+    const char * wd = w->data;
+    const size_t off = col_offset(tt, c0);
+    const int64_t n = c1 - c0, nt = job->n_tokens, na = job->n_active;
+    const int gsize = job->axpy16 ? 16 : 4;
+    const void * rows[16];
+    float s[16];
+    int64_t k0 = 0;
+    for (; k0 + gsize <= na; k0 += gsize) {
+        for (int j = 0; j < gsize; j++) rows[j] = wd + job->active[k0 + j] * w->row_bytes + off;
+        const void * pf[4];
+        if (!job->axpy16 && job->axpy4pf) {
+            for (int j = 0; j < 4; j++) {
+                const int64_t kp = GH_MIN(na - 1, k0 + 4 + 4 * (AXPY_PF_GROUPS - 1) + j);
+                pf[j] = wd + job->active[kp] * w->row_bytes + off;
+            }
+        }
+        for (int64_t t = 0; t < nt; t++) {
+            const float * ht = job->h + t * job->ldh;
+            float * yt = job->y + t * job->ldy + c0;
+            for (int j = 0; j < gsize; j++) s[j] = ht[job->active[k0 + j]];
+            if (job->axpy16) job->axpy16(n, s, rows, NULL, yt);
+            else if (job->axpy4pf && (t == 0 || !job->axpy4)) job->axpy4pf(n, s, rows, pf, yt);
+            else if (job->axpy4) job->axpy4(n, s, rows, yt);
+            else for (int j = 0; j < 4; j++) job->axpy(n, s[j], rows[j], yt);
+        }
+    }
+    /* the rest: fours, then ones (one_token's tail) */
+    for (int64_t t = 0; t < nt; t++) {
+        const float * ht = job->h + t * job->ldh;
+        float * yt = job->y + t * job->ldy + c0;
+        int64_t k = k0;
+        for (; job->axpy4 && k + 4 <= na; k += 4) {
+            for (int j = 0; j < 4; j++) {
+                rows[j] = wd + job->active[k + j] * w->row_bytes + off;
+                s[j] = ht[job->active[k + j]];
+            }
+            job->axpy4(n, s, rows, yt);
+        }
+        for (; k < na; k++) job->axpy(n, ht[job->active[k]], wd + job->active[k] * w->row_bytes + off, yt);
+    }
+}
 
 static void matmul_t_task(void * arg, int ith, int nth) {
     const matmul_t_job * job = arg;
@@ -74,59 +199,24 @@ static void matmul_t_task(void * arg, int ith, int nth) {
     const char * wd = w->data;
 
     if (job->n_tokens == 1) {
-        /* Active rows in groups of sixteen where the type has that form, else of four (one
-         * pass over y per group), then the rest of four and one, in row order (list path:
-         * in list order). The grouping depends on the list alone, so the dense form and the
-         * list form of one token sum alike, whatever the thread count. */
-        const size_t off = col_offset(tt, c0);
-        const int gsize = job->axpy16 ? 16 : 4;
-        float s[16];
-        const void * rows[16];
-        int k = 0;
-        const int64_t n_rows = job->ids ? job->n_ids : w->rows;
-        const size_t seg = col_offset(tt, c1 - c0 + tt->block_size - 1);
-        for (int64_t i = 0; i < n_rows; i++) {
-            const int64_t r = job->ids ? job->ids[i] : i;
-            const float hr = job->ids ? job->a[i] : job->h[r];
-            if (hr == 0.0f) continue;
-            s[k] = hr;
-            rows[k] = wd + r * w->row_bytes + off;
-            if (job->ids && !job->axpy4pf && !job->axpy16 && i + AXPY_PF_ROWS < n_rows) {
-                /* list rows are scattered: fetch this column range of a row ahead (into
-                 * L2: into L1 they would evict the rows being added) */
-                const char * next = wd + job->ids[i + AXPY_PF_ROWS] * w->row_bytes + off;
-                for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(next + o, 0, 2);
-            }
-            if (++k < gsize) continue;
-            k = 0;
-            if (job->axpy16) {
-                /* the kernel prefetches the next sixteen rows of the list (past the end:
-                 * the last row again) */
-                const void * pf[16];
-                if (job->ids) {
-                    for (int j = 0; j < 16; j++) {
-                        pf[j] = wd + job->ids[GH_MIN(n_rows - 1, i + 1 + j)] * w->row_bytes + off;
-                    }
-                }
-                job->axpy16(c1 - c0, s, rows, job->ids ? pf : NULL, job->y + c0);
-            } else if (job->axpy4pf) {
-                /* the kernel prefetches the rows of the group AXPY_PF_GROUPS ahead (by list
-                 * position; past the end: the last row again) */
-                const void * pf[4];
-                for (int j = 0; j < 4; j++) {
-                    const int64_t ip = GH_MIN(n_rows - 1, i + 1 + 4 * (AXPY_PF_GROUPS - 1) + j);
-                    pf[j] = wd + (job->ids ? job->ids[ip] : ip) * w->row_bytes + off;
-                }
-                job->axpy4pf(c1 - c0, s, rows, pf, job->y + c0);
-            } else if (job->axpy4) {
-                job->axpy4(c1 - c0, s, rows, job->y + c0);
+        one_token(job, job->h, c0, c1, job->y);
+        return;
+    }
+    if (job->exact) {
+        /* each token's decode sums (one_token's order and kernels, so a batch's logits are
+         * its tokens' one by one: speculative verification keeps plain decode's greedy
+         * text), a segment of columns at a time so that its rows stay in cache from one
+         * token to the next */
+        for (int64_t cs = c0; cs < c1; cs += AXPY_EXACT_SEG) {
+            const int64_t ce = GH_MIN(c1, cs + AXPY_EXACT_SEG);
+            if (job->all_nonzero) {
+                tokens_nonzero(job, cs, ce);
             } else {
-                for (int j = 0; j < 4; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
+                for (int64_t t = 0; t < job->n_tokens; t++) {
+                    one_token(job, job->h + t * job->ldh, cs, ce, job->y + t * job->ldy);
+                }
             }
         }
-        int j = 0;
-        for (; job->axpy4 && j + 4 <= k; j += 4) job->axpy4(c1 - c0, s + j, rows + j, job->y + c0);
-        for (; j < k; j++) job->axpy(c1 - c0, s[j], rows[j], job->y + c0);
         return;
     }
 
@@ -191,13 +281,14 @@ void gh_matmul_t_list(gh_threadpool * tp, const gh_weight * w, const int32_t * i
 void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64_t n_tokens,
                  int64_t ldh, float * y, int64_t ldy) {
     const gh_kernel_set * ks = gh_kernels_get(w->type);
+    const bool exact = n_tokens > 1 && n_tokens <= AXPY_EXACT_MAX;
     matmul_t_job job = {
         .w = w, .h = h, .n_tokens = n_tokens, .ldh = ldh, .y = y, .ldy = ldy,
         .axpy = ks->axpy, .axpy_f = gh_kernels_get(GH_TYPE_F32)->axpy, .axpy4 = ks->axpy4,
-        .axpy4pf = n_tokens == 1 ? ks->axpy4pf : NULL,
-        .axpy16 = n_tokens == 1 ? ks->axpy16 : NULL,
-        .mm16 = n_tokens > 1 ? ks->matmul16 : NULL,
+        .axpy4pf = n_tokens == 1 || exact ? ks->axpy4pf : NULL,
+        .axpy16 = n_tokens == 1 || exact ? ks->axpy16 : NULL,
         .tiles = gh_kernels_get(GH_TYPE_F32)->tiles,
+        .exact = exact,
     };
     int32_t * active = NULL;
     if (n_tokens > 1) {
@@ -211,7 +302,7 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
             }
             return;
         }
-        if (job.tiles || job.mm16) {
+        if (job.tiles || ks->matmul16 || job.exact) {
             /* the counts first (token by token, in h's order); the active rows follow from them */
             int32_t * cnt = active + w->rows;
             memset(cnt, 0, (size_t) w->rows * sizeof(int32_t));
@@ -226,6 +317,18 @@ void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64
                 }
             }
             job.nzc = cnt;
+            job.all_nonzero = true;
+            for (int64_t k = 0; k < job.n_active; k++) job.all_nonzero &= cnt[k] == n_tokens;
+            if (ks->matmul16 && (!exact || (job.all_nonzero && job.n_active % 16 == 0))) {
+                /* the int8 groups' batch form: with every token's h nonzero on every active
+                 * row and whole groups of 16, each token's sums are its axpy16 decode's (at
+                 * any n), and it unpacks each group once for all tokens (Q4_0 gate file,
+                 * 16 tokens: 1.6x faster than axpy16 token by token) */
+                job.exact = false;
+                job.mm16 = ks->matmul16;
+                job.axpy4pf = NULL;
+                job.axpy16 = NULL;
+            }
         } else {
             for (int64_t r = 0; r < w->rows; r++) {
                 int64_t t = 0;

@@ -33,7 +33,8 @@ void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, c
  * [n_tokens] rows of ldh floats (>= w->rows), y [n_tokens] rows of ldy floats
  * (overwritten). Threads split y's columns in block-aligned chunks and each sweeps
  * every row for its columns (no reduction, so results do not depend on the thread
- * count); rows whose h is zero are skipped. */
+ * count); rows whose h is zero are skipped. A batch of up to 16 tokens gives each token
+ * what it gets alone (n_tokens 1), bit for bit (axpy.c, AXPY_EXACT_MAX). */
 void gh_matmul_t(gh_threadpool * tp, const gh_weight * w, const float * h, int64_t n_tokens,
                  int64_t ldh, float * y, int64_t ldy);
 

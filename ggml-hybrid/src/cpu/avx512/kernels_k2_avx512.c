@@ -201,38 +201,11 @@ GH_INLINE void k_row(const int NT, const int kind, int64_t n, const uint8_t * w,
     else k2_row(NT, kind == K_Q3, n, w, pf, x, xs, y, ldy);
 }
 
-/* Rows one after the other (one linear stream, prefetched K_PF_BYTES ahead); tokens in
- * tiles of KNT. */
-GH_INLINE void gemm_k(const int kind, int64_t n, const void * w, size_t ws, int nr, const void * x,
-                      size_t xs, int nt, float * y, int64_t ldy) {
-    for (int r = 0; r < nr; r++) {
-        const uint8_t * wr = (const uint8_t *) w + r * ws;
-        for (int t = 0; t < nt; t += KNT) {
-            const char * xt = (const char *) x + t * xs;
-            float * yt = y + t * ldy + r;
-            switch (GH_MIN(KNT, nt - t)) {
-                case 1: k_row(1, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
-                case 2: k_row(2, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
-                case 3: k_row(3, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
-                default: k_row(4, kind, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
-            }
-        }
-    }
-}
+#include "cpu/kq_driver.h"
 
-#define DEFINE_K(sfx, KIND)                                                                           \
-    void gh_avx512_gemm_##sfx(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, \
-                              int nt, float * y, int64_t ldy) {                                       \
-        gemm_k(KIND, n, w, ws, nr, x, xs, nt, y, ldy);                                               \
-    }                                                                                                 \
-    void gh_avx512_vec_dot_##sfx(int64_t n, float * s, const void * w, const void * x) {             \
-        gemm_k(KIND, n, w, 0, 1, x, 0, 1, s, 1);                                                      \
-    }                                                                                                 \
-    /* four gathered rows: each the one-row sum of the dense decode */                               \
-    void gh_avx512_dot4_##sfx(int64_t n, const void * const * rows, const void * const * pf,          \
-                              const void * x, float * y) {                                            \
-        for (int r = 0; r < 4; r++) k_row(1, KIND, n, rows[r], pf[r], x, 0, y + r, 1);                \
-    }
+/* (exported: kernels_avx512.c's dot table names them) */
+#define DEFINE_K(sfx, KIND) \
+    KQ_DEFINE(, gh_avx512_gemm_##sfx, gh_avx512_vec_dot_##sfx, gh_avx512_dot4_##sfx, KIND)
 
 DEFINE_K(q2_K, K_Q2)
 DEFINE_K(q3_K, K_Q3)

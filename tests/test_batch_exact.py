@@ -1,0 +1,104 @@
+"""A batch of tokens equals its tokens one by one, bit for bit, in both matmul ops, every
+type and every SIMD level: what speculative verification and batched decode rely on to
+reproduce plain decode's logits (and so its greedy text; the model-level checks are in
+test_speculative.py).
+
+* gh_op_matmul (the projections): any batch size; the multi-token tiles run each token
+  through the one-token tile's sums.
+* gh_op_matmul_t (the transposed down of every --sparsity / gate file): batches of up to
+  EXACT_MAX tokens run each token's decode sums (cpu/axpy.c, AXPY_EXACT_MAX); larger ones
+  are only within rounding (checked against numpy in test_sparse_ffn.py and here).
+Both with dense activations (a SwiGLU FFN: every row used by every token) and ReLU-like
+ones (half of them zero, each token its own rows), and rows that are and are not whole
+groups of 16 (the int8 forms' groups). Every batch is also checked against numpy on the
+dequantized weights, so the equal results are right ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from powerinfer_cpp._native import check, lib
+from cbuf import fptr  # noqa: E402
+from opref import BLOCK, TYPES, encode, vptr  # noqa: E402
+
+#: cpu/axpy.c's AXPY_EXACT_MAX: the largest batch of the transposed matmul that sums as decode
+EXACT_MAX = 16
+#: |batch - numpy| / max |numpy| (int8 activations of the quantized types: ~1e-3 measured)
+REF_BOUND = 2e-2
+
+
+def simd_levels() -> list[int]:
+    return list(range(int(lib.gh_simd_supported()) + 1))
+
+
+@pytest.fixture
+def simd_level(request):
+    prev = lib.gh_simd_set(request.param)
+    assert prev != -2
+    yield request.param
+    lib.gh_simd_set(prev)
+
+
+_weights: dict = {}
+
+
+def weights(t: int, rows: int, cols: int):
+    key = (t, rows, cols)
+    if key not in _weights:
+        w = np.random.default_rng(rows * 31 + cols).standard_normal((rows, cols)).astype(np.float32)
+        raw, wd = encode(t, w)
+        _weights[key] = (np.ascontiguousarray(raw), wd)
+    return _weights[key]
+
+
+def run(op, t: int, raw: np.ndarray, rows: int, cols: int, x: np.ndarray, n_out: int) -> np.ndarray:
+    y = np.full((x.shape[0], n_out), np.nan, np.float32)
+    check(op(t, vptr(raw), rows, cols, fptr(x), x.shape[0], fptr(y), 1))
+    return y
+
+
+def one_by_one(op, t, raw, rows, cols, x, n_out) -> np.ndarray:
+    return np.concatenate([run(op, t, raw, rows, cols, np.ascontiguousarray(x[i:i + 1]), n_out)
+                           for i in range(x.shape[0])])
+
+
+def check_ref(got: np.ndarray, ref: np.ndarray, what: str) -> None:
+    err = float(np.abs(got - ref).max() / np.abs(ref).max())
+    assert err < REF_BOUND, f"{what}: {err:.2e} from numpy"
+
+
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_batch_is_its_tokens(name, simd_level):
+    t = TYPES[name]
+    rows, cols = 70, 512  # 4-row tiles and a partial one; whole blocks of every type
+    raw, wd = weights(t, rows, cols)
+    rng = np.random.default_rng(7)
+    for n in (2, 3, 5, 8, 9, 16, 17, 33):
+        x = rng.standard_normal((n, cols)).astype(np.float32)
+        got = run(lib.gh_op_matmul, t, raw, rows, cols, x, rows)
+        what = f"{name} level {simd_level} n={n}"
+        assert np.array_equal(got, one_by_one(lib.gh_op_matmul, t, raw, rows, cols, x, rows)), what
+        check_ref(got, x.astype(np.float64) @ wd.astype(np.float64).T, what)
+
+
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+@pytest.mark.parametrize("name", list(TYPES))
+def test_matmul_t_batch_is_its_tokens(name, simd_level):
+    t = TYPES[name]
+    cols = 512 if BLOCK[t] == 256 else 288  # (288: a segment of 256 columns and a rest)
+    rng = np.random.default_rng(11)
+    for rows in (64, 200):  # whole groups of 16 rows, and a partial one
+        raw, wd = weights(t, rows, cols)
+        for sparse in (False, True):
+            for n in (2, 3, 5, 9, EXACT_MAX, EXACT_MAX + 1):
+                h = rng.standard_normal((n, rows)).astype(np.float32)
+                if sparse:
+                    h[rng.random(h.shape) < 0.5] = 0.0
+                got = run(lib.gh_op_matmul_t, t, raw, rows, cols, h, cols)
+                what = f"{name} level {simd_level} rows={rows} sparse={sparse} n={n}"
+                check_ref(got, h.astype(np.float64) @ wd.astype(np.float64), what)
+                if n <= EXACT_MAX:
+                    ref = one_by_one(lib.gh_op_matmul_t, t, raw, rows, cols, h, cols)
+                    assert np.array_equal(got, ref), what

@@ -636,10 +636,12 @@ DEFINE_GEMM_F(gemm_f16, F_MR, F_NT, W_F16)
  * stream with its two chains (tile_f), no software prefetch: the hardware prefetcher
  * follows one linear stream, where the interleaved four-row tile is four short streams
  * that it picks up late (Zen 4, SmolLM2's F16 weights from DRAM, 1 thread: 27.9 against
- * 25.4 GB/s; docs/BENCHMARKS.md, "AVX2 F16 decode"). The same sums as the tile. */
+ * 25.4 GB/s; docs/BENCHMARKS.md, "AVX2 F16 decode"); rows of up to F16_ROW_MAX_N values,
+ * as AVX-512's streamed rows (5632 columns: 15 GB/s streamed). The same sums as the tile. */
+#define F16_ROW_MAX_N 2730 /* x (4n bytes) and the row (2n) in half of a 32 KiB L1d, as AVX-512's */
 static void gemm_f16_streamed(int64_t n, const void * w, size_t ws, int nr, const void * x,
                               size_t xs, int nt, float * y, int64_t ldy) {
-    if (nt != 1) {
+    if (nt != 1 || n > F16_ROW_MAX_N) { /* longer rows: the weight stream evicts x every row */
         gemm_f16(n, w, ws, nr, x, xs, nt, y, ldy);
         return;
     }

@@ -135,16 +135,16 @@ GH_INLINE void tile_f16_set(const int MR, const int NT, const int p, int64_t S, 
 }
 
 /* y[t * ldy + r] = W[r] . X[t]: rows at wr[r], 8 values per step, the last n % 8 through
- * zero-padded copies. F32 and BF16: one accumulator per row and token. F16: two, the
- * even steps in one and the odd ones in the other (the tail's step by its parity), y =
- * hsum(even + odd): an F16 row's sum is then two chains of FMAs, so one row alone moves
- * 16 values per FMA latency and decode can read F16 rows one after another as a single
- * stream (gh_dot_row_avx2_f16_streamed) at the memory's rate; with one chain it was
- * latency-bound (docs/BENCHMARKS.md, "AVX2 F16 decode"). A one-token tile holds both sets
- * (2 MR registers); a wider one has no registers for them and runs the even steps, then
- * the odd ones, over the same rows (which prompt tiles keep in L1/L2): the same FMAs per
- * lane in the same order, so every form of an F16 row (decode, gathered, prompt tile,
- * any thread count) gives the same bits. */
+ * zero-padded copies. F32 and BF16: one accumulator per row and token. F16: two sets,
+ * steps 4b..4b+3 (one cache line of the row) into set b & 1 (the tail, step S, by its
+ * block), y = hsum(set 0 + set 1): an F16 row's sum is then two chains of FMAs, so one row
+ * alone keeps up with the memory and decode can read F16 rows one after another as a
+ * single stream (gh_dot_row_avx2_f16_streamed); with one chain it was latency-bound
+ * (docs/BENCHMARKS.md, "AVX2 F16 decode"). A one-token tile holds both sets (2 MR
+ * registers); a wider one has no registers for them and runs set 0's blocks, then set 1's,
+ * over the same rows: the same FMAs per lane in the same order, so every form of an F16 row
+ * (decode, gathered, prompt tile, any thread count) gives the same bits. (The second pass
+ * costs the prompt: 1536-column rows 1.2x the time, their x no longer in L1 for it.) */
 GH_INLINE void tile_f(const int MR, const int NT, const int kind, const int pfm, int64_t n,
                       const char * const * wr, const char * const * pf, const void * x,
                       size_t xs, float * y, int64_t ldy) {

@@ -19,20 +19,23 @@ from powerinfer_cpp import Model  # noqa: E402
 from powerinfer_cpp._native import check, ffi, lib  # noqa: E402
 
 DENSE, SPARSE, GATE = 0, 1, 3
-F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8
+F32, F16, Q4_0, Q8_0, Q6_K = 0, 1, 2, 8, 14
 AVX2, AVX512 = 1, 2
-# the table's F16 rows (auto_mode.c): ratios at densities 10%, 50%, 90%
-F16_AVX512_ROWS, F16_AVX512_COLS = (0.43, 0.61, 0.73), (0.33, 0.37, 0.38)
+# the table's F16 rows (auto_mode.c): ratios at densities 10%, 50%, 90%, and the dense
+# down_t axpy's
+F16_AVX512_ROWS, F16_AVX512_COLS, F16_AVX512_DT = (0.46, 0.59, 0.70), (0.46, 0.59, 0.71), 1.11
 
 
 def decide(candidate, density, type_gate=F16, type_down=F16, simd=AVX512, gate=1.0, up=1.0, down=1.0,
-           pred=0.0):
+           pred=0.0, dense_down_t=0, full=False):
     i = ffi.new("gh_ffn_auto_in *")
     i.candidate, i.simd_level, i.type_gate, i.type_down, i.density = candidate, simd, type_gate, type_down, density
     i.bytes_gate, i.bytes_up, i.bytes_down, i.bytes_pred = gate, up, down, pred
+    i.dense_down_t = dense_down_t
     out = ffi.new("gh_ffn_auto_choice *")
     check(lib.gh_ffn_auto_decide(i, out))
-    return out.mode, out.est_time, out.ratio_rows, out.ratio_cols, ffi.string(out.why).decode()
+    r = (out.mode, out.est_time, out.ratio_rows, out.ratio_cols, ffi.string(out.why).decode())
+    return r + (out.ratio_dt,) if full else r
 
 
 def interp(v, d):
@@ -56,11 +59,38 @@ def test_gate_estimate_is_the_formula(d):
     assert why.startswith("gate:" if mode == GATE else "dense:") and f"{expect:.2f}x" in why
 
 
+@pytest.mark.parametrize("d", [0.1, 0.5, 0.83, 0.9])
+def test_dense_baseline_is_the_down_t_axpy_where_the_file_has_down_t(d):
+    # a gate or sparse file stores ffn_down_t: its dense FFN runs down as the axpy over every
+    # row, at ratio_dt of the dense matmul's rate, and that is what the mode is compared with
+    mode, t, rr, rc, why, rdt = decide(GATE, d, gate=1.0, up=2.0, down=3.0, dense_down_t=1, full=True)
+    assert rdt == pytest.approx(F16_AVX512_DT, rel=1e-6)
+    expect = (1.0 + d * 2.0 / rr + d * 3.0 / rc) / (1.0 + 2.0 + 3.0 / rdt)
+    assert t == pytest.approx(expect, rel=1e-9)
+    assert mode == (GATE if expect < 1.0 else DENSE)
+    assert "down_t whole" in why and f"{rdt:.2f}" in why and f"{expect:.2f}x" in why
+    # sparse: the predictor and every matrix over the same baseline
+    mode, t, rr, rc, _, rdt = decide(SPARSE, d, gate=2.0, up=2.0, down=3.0, pred=0.25, dense_down_t=1, full=True)
+    assert t == pytest.approx((0.25 + d * 4.0 / rr + d * 3.0 / rc) / (4.0 + 3.0 / rdt), rel=1e-9)
+    # with ffn_down (dense_down_t 0) the baseline is the dense matmul: ratio_dt 1
+    assert decide(GATE, d, full=True)[5] == 1.0
+
+
+def test_a_slow_dense_down_t_keeps_the_mode():
+    # Q6_K at AVX-512: the axpy over every row of down_t reads at a sixth of the dense
+    # matmul's rate, so density 83% (SmolLM2's 2% budget) pays against it, not against the
+    # matmul the file does not run
+    d = 0.83
+    assert decide(GATE, d, Q6_K, Q6_K, AVX512)[0] == DENSE
+    assert decide(GATE, d, Q6_K, Q6_K, AVX512, dense_down_t=1)[0] == GATE
+
+
 def test_smollm2_density_prefers_dense_and_low_density_keeps_gate():
     # SmolLM2's 2% budget: 16.9% gate sparsity (density 83%): slower than dense at F16 and Q4_0
     for t in (F16, Q4_0, Q8_0):
         for simd in (AVX2, AVX512):
             assert decide(GATE, 0.83, t, t, simd)[0] == DENSE
+            assert decide(GATE, 0.83, t, t, simd, dense_down_t=1)[0] == DENSE
     # a ReLU-like density keeps the mode
     assert decide(GATE, 0.1)[0] == GATE
     assert decide(SPARSE, 0.1, pred=0.1)[0] == SPARSE
@@ -129,7 +159,7 @@ def test_context_starts_in_the_rules_choice(gate_files):
             lib.gh_simd_set(simd)
             for s, path in gate_files.items():
                 # the rule at 90% density (sparsity 10%) says dense, at 10% gate, for F16 here
-                want = decide(GATE, 1.0 - s, F16, F16, simd, down=1.0)[0]
+                want = decide(GATE, 1.0 - s, F16, F16, simd, down=1.0, dense_down_t=1)[0]
                 assert want == (DENSE if s < 0.5 else GATE)
                 with Model(path, n_ctx=32) as m:
                     assert m.context.ffn_mode == ("dense" if want == DENSE else "gate")

@@ -8,12 +8,16 @@ timed on the same bytes' worth of weights:
          gate/up path of the sparse FFN);
   cols   gh_op_sparse_down: the axpy over a sorted id list of the transposed down
          projection (down_t; the column-sparse path, which gh_op_sparse_cols and the
-         input-sparse projections share).
+         input-sparse projections share);
+  dt     gh_op_matmul_t of one token: the axpy over every row of down_t, which is what a
+         sparse or gate file's dense FFN runs for its down projection (such a file stores
+         ffn_down_t, not ffn_down); one ratio per type, whatever the density.
 GB/s = weight bytes the call reads (dense: the whole matrix; sparse: the listed rows) /
 time, and 'ratio' = sparse GB/s / dense GB/s: 1.0 means reading 20% fewer bytes is 20%
 faster. The rows path is compared with the dense matmul of the same matrix (n_ff x n_embd),
-the cols path with the dense matmul of the down projection (n_embd x n_ff), which is what
-dense decode runs.
+the cols and dt paths with the dense matmul of the down projection (n_embd x n_ff), which
+is what dense decode of a file with ffn_down runs (ffn/auto_mode.c compares cols with dt for
+files that carry ffn_down_t).
 
 Shapes: "smol" is SmolLM2-135M's FFN (n_embd 576, n_ff 1536), "2048" a 2048 x 5632 FFN.
 A type whose block does not divide a row (the K-quants and IQ4_XS on 576 columns: a real
@@ -33,7 +37,7 @@ spin while they wait, so at 2 threads a descheduled partner inflates the CPU tim
 
     PYTHONPATH=python python tools/bench_sparse_kernels.py [--types f16,q4_0] [--simd avx512,avx2]
         [--threads 1,2] [--density 0.1,0.3,0.5,0.7,0.9] [--shapes smol,2048] [--reps 21]
-        [--per-call] [--paths rows,cols]
+        [--per-call] [--paths rows,cols,dt]
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--density", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--shapes", default="smol,2048")
-    ap.add_argument("--paths", default="rows,cols")
+    ap.add_argument("--paths", default="rows,cols,dt")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--per-call", action="store_true")
     ap.add_argument("--wall", action="store_true", help="wall time instead of CPU time / threads")
@@ -148,11 +152,26 @@ def main() -> None:
                     continue
                 for nth in [int(v) for v in args.threads.split(",")]:
                     for path in paths:
-                        if path == "cols" and not down:
+                        if path in ("cols", "dt") and not down:
                             print(f"{name:7} {isa:6} {nth:3} {shape:5} {path:4} n/a (block {bs} does not "
                                   f"divide {n_ff})")
                             continue
                         cells, dense_gbs = [], []
+                        if path == "dt":  # one cell: every row, no list
+                            hk = rng.standard_normal(R).astype(np.float32)
+
+                            def fa(i):
+                                check(lib.gh_op_matmul(t, p(down[i % len(down)]), n_embd * k, n_ff,
+                                                       p(h, "float *"), 1, p(y, "float *"), nth))
+
+                            def fb(i):
+                                check(lib.gh_op_matmul_t(t, p(gate[i % len(gate)]), R, n_embd,
+                                                         p(hk, "float *"), 1, p(y, "float *"), nth))
+                            sa, sb = median_pair(fa, fb, args.reps, nth, args.wall)
+                            ga, gb = n_embd * k * rb_down / sa / 1e9, R * rb_gate / sb / 1e9
+                            print(f"{name:7} {isa:6} {nth:3} {shape:5} {path:4} {ga:6.1f} | "
+                                  f"100%: {gb:9.1f} {gb / ga:5.2f}", flush=True)
+                            continue
                         for d in dens:
                             n = max(1, int(round(d * R)))
                             lists = [np.sort(rng.choice(R, n, replace=False)).astype(np.int32) for _ in range(8)]

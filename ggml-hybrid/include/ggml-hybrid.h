@@ -488,11 +488,15 @@ int32_t gh_context_get_ffn_mode(const gh_context * c);
 /* The `auto` mode (a new context's): the file's sparse or gate mode only where it is
  * estimated faster than dense on this machine, else dense. Estimate, in units of the dense
  * FFN's time, each weight's bytes at its path's rate (dense matmul 1; gathered row-dots
- * ratio_rows, column-sparse down ratio_cols: the kernel ratios per byte read that
- * tools/bench_sparse_kernels.py measured at the density, for the types and SIMD level):
- *   sparse (bytes_pred + d (bytes_gate + bytes_up) / ratio_rows + d bytes_down / ratio_cols) / B
- *   gate   (bytes_gate + d bytes_up / ratio_rows + d bytes_down / ratio_cols) / B
- * (B = bytes_gate + bytes_up + bytes_down); the mode is kept iff est_time < 1. density: what
+ * ratio_rows, column-sparse down ratio_cols, the dense down_t axpy ratio_dt: the kernel
+ * ratios per byte read that tools/bench_sparse_kernels.py measured at the density, for the
+ * types and SIMD level):
+ *   sparse (bytes_pred + d (bytes_gate + bytes_up) / ratio_rows + d bytes_down / ratio_cols) / D
+ *   gate   (bytes_gate + d bytes_up / ratio_rows + d bytes_down / ratio_cols) / D
+ * where D, the dense FFN's time, is bytes_gate + bytes_up + bytes_down / ratio_dt when the
+ * dense FFN runs its down projection through ffn_down_t (dense_down_t: what a sparse or gate
+ * file stores, so its dense mode runs the axpy over every row), else with ratio_dt = 1 (the
+ * dense matmul of ffn_down); the mode is kept iff est_time < 1. density: what
  * the file's calibration recorded (1 - powerinfer.sparse.target_sparsity for gate files, the
  * mean of the blk.N.ffn_freq frequencies for predictor files); outside [0, 1] (not recorded),
  * or types without measured ratios at the level: the file's mode is kept. */
@@ -503,12 +507,14 @@ typedef struct {
     int32_t type_down;        /* gh_type of ffn_down_t */
     double  density;          /* active fraction of the neurons; < 0: unknown */
     double  bytes_gate, bytes_up, bytes_down, bytes_pred; /* one layer's (up 0: ungated) */
+    int32_t dense_down_t;     /* 1: the dense FFN's down runs through ffn_down_t (see above) */
 } gh_ffn_auto_in;
 typedef struct {
     int32_t mode;             /* the choice: GH_FFN_SPARSE, GH_FFN_GATE or GH_FFN_DENSE */
     int32_t file_mode;        /* the file's mode (the candidate), whatever the estimate */
     double  density;
     double  ratio_rows, ratio_cols; /* the kernel ratios used (0: none) */
+    double  ratio_dt;         /* the dense down_t axpy's ratio used (1: the dense FFN has ffn_down) */
     double  est_time;         /* the estimate, dense = 1 */
     char    why[256];         /* the choice and its reason, one line */
 } gh_ffn_auto_choice;

@@ -96,6 +96,8 @@ extern const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT];
 /* AVX-512 F16 rows read one after another instead of the interleaved tile (the
  * selection takes it on AMD parts; see kernels_avx512.c). */
 extern const gh_kernel_set gh_dot_row_avx512_f16_streamed;
+/* AVX2 F16 decode likewise (kernels_avx2.c, gemm_f16_streamed). */
+extern const gh_kernel_set gh_dot_row_avx2_f16_streamed;
 
 /* The kernels for `type` at the current SIMD level (initialises SIMD on first use);
  * NULL for a type without kernels. */

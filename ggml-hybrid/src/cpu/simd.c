@@ -101,11 +101,12 @@ static void overlay(gh_kernel_set * k, const gh_kernel_set * l) {
     if (l->tiles) k->tiles = l->tiles;
 }
 
-/* Level l's dot row of type t in use (AVX-512 F16 on AMD: the streamed row, see
- * kernels_avx512.c). */
+/* Level l's dot row of type t in use (AVX-512 and AVX2 F16 on AMD: the streamed rows, see
+ * kernels_avx512.c and kernels_avx2.c). */
 static const gh_kernel_set * dot_row(int l, int t) {
 #if defined(GH_X86)
     if (l == GH_SIMD_AVX512 && t == GH_TYPE_F16 && g_amd) return &gh_dot_row_avx512_f16_streamed;
+    if (l == GH_SIMD_AVX2 && t == GH_TYPE_F16 && g_amd) return &gh_dot_row_avx2_f16_streamed;
 #endif
     return &DOT_TABLES[l][t];
 }

@@ -3,16 +3,22 @@
  * The rule: a sparse mode (predictor or gate) is chosen only where its estimated time for
  * the FFN is below the dense FFN's. The estimate counts weight bytes, each at its path's
  * rate: the dense matmul's rate is 1; a gathered row-dot (gate/up over the active list)
- * reads at r_rows(d) of it and the column-sparse down (axpy over the list) at r_cols(d),
- * the kernel ratios measured at density d by tools/bench_sparse_kernels.py. So, in units
- * of the dense FFN's time (bytes: gate b_g, up b_u, down b_d, predictor b_p; B = b_g + b_u + b_d):
- *   sparse  (b_p + d b_g / r_rows + d b_u / r_rows + d b_d / r_cols) / B
- *   gate    (b_g + d b_u / r_rows + d b_d / r_cols) / B          (the gate stays dense)
- * and the mode is kept iff that is < 1. The density d is what the file's calibration
- * recorded: 1 - powerinfer.sparse.target_sparsity (gate files), or the mean of the
- * blk.N.ffn_freq neuron frequencies (predictor files). A file that records no density
- * keeps its mode (nothing to estimate from), and says so; so does one whose weight types
- * have no measured ratios at the SIMD level. */
+ * reads at r_rows(d) of it, the column-sparse down (axpy over the list) at r_cols(d), and
+ * the axpy over every row of down_t at r_dt: the kernel ratios measured at density d by
+ * tools/bench_sparse_kernels.py. So (bytes: gate b_g, up b_u, down b_d, predictor b_p):
+ *   sparse  b_p + d b_g / r_rows + d b_u / r_rows + d b_d / r_cols
+ *   gate    b_g + d b_u / r_rows + d b_d / r_cols          (the gate stays dense)
+ *   dense   b_g + b_u + b_d / r_dt
+ * and the mode is kept iff its time is below dense's. r_dt is the dense path the file
+ * actually runs: a sparse or gate file stores ffn_down_t, not ffn_down, so its dense FFN
+ * runs down as the axpy over every row (forward.c, ffn_dense), which reads at well under
+ * the dense matmul's rate; with ffn_down (not such a file) r_dt = 1. (Comparing with the
+ * dense matmul instead charged the column path its whole gap to a matmul such a file never
+ * runs, and kept dense where the file's mode was faster.) The density d is
+ * what the file's calibration recorded: 1 - powerinfer.sparse.target_sparsity (gate files),
+ * or the mean of the blk.N.ffn_freq neuron frequencies (predictor files). A file that
+ * records no density keeps its mode (nothing to estimate from), and says so; so does one
+ * whose weight types have no measured ratios at the SIMD level. */
 #include "ffn/auto_mode.h"
 #include "ffn/strategy.h"
 #include "model/model.h"
@@ -23,38 +29,43 @@
 #include <stdio.h>
 #include <string.h>
 
-/* Kernel ratios (sparse GB/s / dense GB/s per byte read) at densities 10%, 50%, 90%,
- * measured on an AMD EPYC (2 cores shared with other work: medians of alternating reps,
- * CPU time) with
- *   PYTHONPATH=python python tools/bench_sparse_kernels.py --density 0.1,0.5,0.9
- * (docs/BENCHMARKS.md, "Sparse kernels per byte read"): the lowest over 1 and 2 threads and
- * the two shapes (SmolLM2's 576 x 1536, and 2048 x 5632; the K-quants and IQ4_XS: the
- * latter only). The lowest, because the 2-thread column path scales worst and decode runs
- * on every core: SmolLM2's F16 gate file (density 83%) decoded slower than dense at 2
- * threads, which the 1-thread ratios alone would not predict at AVX2. A type not measured
- * at the level has no estimate: the file's mode is kept, as with no recorded density. */
+/* Kernel ratios (path GB/s / dense matmul GB/s per byte read) at densities 10%, 50%, 90%
+ * (rows, cols) and of the axpy over every row of down_t (dt), measured 2026-12-05 on an AMD
+ * EPYC (Zen 4, 2 cores shared with ~8 other processes: medians of 11 alternating reps,
+ * process CPU time, 1 thread) with
+ *   PYTHONPATH=python python tools/bench_sparse_kernels.py --threads 1 --density 0.1,0.5,0.9 \
+ *       --types f16,q8_0,q4_0,q4_1,q4_k,q6_k,iq4_xs --reps 11
+ * (docs/BENCHMARKS.md, "Sparse kernel ratios again"). Each is the conservative one over the
+ * two shapes (SmolLM2's 576 x 1536, and 2048 x 5632; the K-quants and IQ4_XS: the latter
+ * only): the lowest rows and cols ratio (the sparse paths at their slowest) and the highest
+ * dt (dense at its fastest), so a mode is kept only where it is faster on both shapes'
+ * numbers. The old table (before the decode tiles' tail prefetch and the rows below) took
+ * the lowest over 1 and 2 threads; 2-thread CPU times were not measurable on the shared
+ * machine this time. A type not measured at the level has no estimate: the file's mode is
+ * kept, as with no recorded density. */
 typedef struct {
     int   type;
     float rows[3], cols[3];
+    float dt; /* the axpy over every row of down_t (gh_op_matmul_t, one token) */
 } ratio_row;
 
 static const ratio_row RATIOS_AVX512[] = {
-    { GH_TYPE_F16,    { 0.43f, 0.61f, 0.73f }, { 0.33f, 0.37f, 0.38f } },
-    { GH_TYPE_Q8_0,   { 0.18f, 0.37f, 0.51f }, { 0.18f, 0.19f, 0.24f } },
-    { GH_TYPE_Q4_0,   { 0.17f, 0.41f, 0.53f }, { 0.15f, 0.17f, 0.21f } },
-    { GH_TYPE_Q4_1,   { 0.38f, 0.56f, 0.79f }, { 0.21f, 0.20f, 0.24f } },
-    { GH_TYPE_Q4_K,   { 0.47f, 0.72f, 1.05f }, { 0.42f, 0.53f, 0.64f } },
-    { GH_TYPE_Q6_K,   { 0.32f, 0.41f, 0.49f }, { 0.32f, 0.42f, 0.45f } },
-    { GH_TYPE_IQ4_XS, { 0.29f, 0.67f, 0.88f }, { 0.23f, 0.28f, 0.33f } },
+    { GH_TYPE_F16,    { 0.46f, 0.59f, 0.70f }, { 0.46f, 0.59f, 0.71f }, 1.11f },
+    { GH_TYPE_Q8_0,   { 0.30f, 0.41f, 0.67f }, { 0.25f, 0.37f, 0.64f }, 0.77f },
+    { GH_TYPE_Q4_0,   { 0.32f, 0.41f, 0.54f }, { 0.17f, 0.24f, 0.38f }, 0.47f },
+    { GH_TYPE_Q4_1,   { 0.41f, 0.57f, 0.80f }, { 0.20f, 0.28f, 0.42f }, 0.48f },
+    { GH_TYPE_Q4_K,   { 0.54f, 0.79f, 1.06f }, { 0.59f, 0.69f, 0.72f }, 0.34f },
+    { GH_TYPE_Q6_K,   { 0.57f, 0.79f, 1.18f }, { 0.41f, 0.49f, 0.51f }, 0.16f },
+    { GH_TYPE_IQ4_XS, { 0.59f, 0.82f, 1.09f }, { 0.48f, 0.51f, 0.52f }, 0.52f },
 };
 static const ratio_row RATIOS_AVX2[] = {
-    { GH_TYPE_F16,    { 0.50f, 0.68f, 0.84f }, { 0.36f, 0.45f, 0.46f } },
-    { GH_TYPE_Q8_0,   { 0.24f, 0.40f, 0.58f }, { 0.13f, 0.16f, 0.21f } },
-    { GH_TYPE_Q4_0,   { 0.20f, 0.46f, 0.59f }, { 0.16f, 0.21f, 0.27f } },
-    { GH_TYPE_Q4_1,   { 0.41f, 0.63f, 0.86f }, { 0.23f, 0.22f, 0.27f } },
-    { GH_TYPE_Q4_K,   { 0.45f, 0.71f, 0.98f }, { 0.46f, 0.53f, 0.65f } },
-    { GH_TYPE_Q6_K,   { 0.25f, 0.33f, 0.44f }, { 0.44f, 0.54f, 0.57f } },
-    { GH_TYPE_IQ4_XS, { 0.30f, 0.65f, 0.84f }, { 0.31f, 0.34f, 0.38f } },
+    { GH_TYPE_F16,    { 0.43f, 0.55f, 0.70f }, { 0.49f, 0.59f, 0.72f }, 0.94f },
+    { GH_TYPE_Q8_0,   { 0.36f, 0.48f, 0.82f }, { 0.23f, 0.36f, 0.58f }, 0.65f },
+    { GH_TYPE_Q4_0,   { 0.37f, 0.47f, 0.59f }, { 0.22f, 0.30f, 0.45f }, 0.54f },
+    { GH_TYPE_Q4_1,   { 0.43f, 0.62f, 0.86f }, { 0.23f, 0.31f, 0.46f }, 0.50f },
+    { GH_TYPE_Q4_K,   { 0.54f, 0.77f, 1.03f }, { 0.63f, 0.78f, 0.80f }, 0.36f },
+    { GH_TYPE_Q6_K,   { 0.60f, 0.83f, 1.21f }, { 0.77f, 0.88f, 0.90f }, 0.28f },
+    { GH_TYPE_IQ4_XS, { 0.69f, 0.90f, 1.05f }, { 0.52f, 0.55f, 0.57f }, 0.57f },
 };
 
 /* r at density d: linear between the measured points, flat outside them. */
@@ -66,7 +77,11 @@ static double interp3(const float v[3], double d) {
     return v[i] + (v[i + 1] - v[i]) * (d - x[i]) / (x[i + 1] - x[i]);
 }
 
-double gh_ffn_kernel_ratio(int type, int simd_level, int cols_path, double density, bool * measured) {
+static double row_ratio(const ratio_row * r, int path, double density) {
+    return path == GH_FFN_PATH_DT ? r->dt : interp3(path == GH_FFN_PATH_COLS ? r->cols : r->rows, density);
+}
+
+double gh_ffn_kernel_ratio(int type, int simd_level, int path, double density, bool * measured) {
     const ratio_row * t = simd_level >= GH_SIMD_AVX512 ? RATIOS_AVX512 : RATIOS_AVX2;
     const size_t n = simd_level >= GH_SIMD_AVX512 ? sizeof RATIOS_AVX512 / sizeof *t
                                                   : sizeof RATIOS_AVX2 / sizeof *t;
@@ -75,7 +90,7 @@ double gh_ffn_kernel_ratio(int type, int simd_level, int cols_path, double densi
      * row, but nothing was measured, so it takes the AVX2 table's guesses */
     double lo = INFINITY;
     for (size_t i = 0; i < n; i++) {
-        const double r = interp3(cols_path ? t[i].cols : t[i].rows, density);
+        const double r = row_ratio(&t[i], path, density);
         if (t[i].type == type) {
             if (measured) *measured = simd_level >= GH_SIMD_AVX2;
             return r;
@@ -108,8 +123,10 @@ gh_status gh_ffn_auto_decide(const gh_ffn_auto_in * in, gh_ffn_auto_choice * out
     bool m1, m2;
     const double d = in->density;
     /* an ungated FFN's "gate" rows are its up rows: read over the list in both modes */
-    const double r_rows = gh_ffn_kernel_ratio(in->type_gate, in->simd_level, 0, d, &m1);
-    const double r_cols = gh_ffn_kernel_ratio(in->type_down, in->simd_level, 1, d, &m2);
+    const double r_rows = gh_ffn_kernel_ratio(in->type_gate, in->simd_level, GH_FFN_PATH_ROWS, d, &m1);
+    const double r_cols = gh_ffn_kernel_ratio(in->type_down, in->simd_level, GH_FFN_PATH_COLS, d, &m2);
+    const double r_dt = in->dense_down_t ? gh_ffn_kernel_ratio(in->type_down, in->simd_level, GH_FFN_PATH_DT, 1.0, NULL)
+                                         : 1.0;
     if (!m1 || !m2) {
         /* no measurement, no estimate: as with no recorded density */
         snprintf(out->why, sizeof out->why, "%s: no kernel ratios measured for %s at the %s level "
@@ -118,17 +135,26 @@ gh_status gh_ffn_auto_decide(const gh_ffn_auto_in * in, gh_ffn_auto_choice * out
         return GH_OK;
     }
     const double rows_t = d * in->bytes_up / r_rows, down_t = d * in->bytes_down / r_cols;
-    const double t = in->candidate == GH_FFN_SPARSE
-                   ? (in->bytes_pred + d * in->bytes_gate / r_rows + rows_t + down_t) / B
-                   : (in->bytes_gate + rows_t + down_t) / B;
+    const double dense = in->bytes_gate + in->bytes_up + in->bytes_down / r_dt;
+    const double t = (in->candidate == GH_FFN_SPARSE ? in->bytes_pred + d * in->bytes_gate / r_rows + rows_t + down_t
+                                                     : in->bytes_gate + rows_t + down_t) / dense;
     out->ratio_rows = r_rows;
     out->ratio_cols = r_cols;
+    out->ratio_dt = r_dt;
     out->est_time = t;
     out->mode = t < 1.0 ? in->candidate : GH_FFN_DENSE;
-    snprintf(out->why, sizeof out->why,
-             "%s: %s at density %.0f%% is estimated at %.2fx the dense FFN's time (kernel ratios per "
-             "byte read: rows %.2f, cols %.2f, %s)", out->mode == GH_FFN_DENSE ? "dense" : name, name,
-             100.0 * d, t, r_rows, r_cols, in->simd_level >= GH_SIMD_AVX512 ? "AVX-512" : in->simd_level >= GH_SIMD_AVX2 ? "AVX2" : "scalar");
+    const char * isa = in->simd_level >= GH_SIMD_AVX512 ? "AVX-512" : in->simd_level >= GH_SIMD_AVX2 ? "AVX2" : "scalar";
+    if (in->dense_down_t) {
+        snprintf(out->why, sizeof out->why,
+                 "%s: %s at density %.0f%% is estimated at %.2fx the dense FFN's time (dense runs "
+                 "down_t whole; kernel ratios per byte read: rows %.2f, cols %.2f, down_t whole %.2f, %s)",
+                 out->mode == GH_FFN_DENSE ? "dense" : name, name, 100.0 * d, t, r_rows, r_cols, r_dt, isa);
+    } else {
+        snprintf(out->why, sizeof out->why,
+                 "%s: %s at density %.0f%% is estimated at %.2fx the dense FFN's time (kernel ratios per "
+                 "byte read: rows %.2f, cols %.2f, %s)", out->mode == GH_FFN_DENSE ? "dense" : name, name,
+                 100.0 * d, t, r_rows, r_cols, isa);
+    }
     return GH_OK;
 }
 
@@ -177,6 +203,7 @@ gh_status gh_ffn_auto_mode(const gh_model * m, int simd_level, gh_ffn_auto_choic
         in.bytes_up = gated ? weight_bytes(&L->up) : 0.0;
         in.bytes_down = weight_bytes(&L->down_t);
         in.bytes_pred = L->has_pred ? weight_bytes(&L->fc1) + weight_bytes(&L->fc2) : 0.0;
+        in.dense_down_t = L->has_down_t; /* (always, for these modes: see file_mode) */
     }
     return gh_ffn_auto_decide(&in, out);
 }

@@ -7,11 +7,13 @@
 
 #include "core/common.h"
 
-/* The kernel ratio (sparse GB/s / dense GB/s per byte read) of type at the SIMD level and
- * density: the gathered row-dots (cols_path 0) or the column-sparse axpy (1); *measured
- * (may be NULL): whether the table has the type at the level (else the level's lowest
- * ratio, which the auto rule does not use). */
-double gh_ffn_kernel_ratio(int type, int simd_level, int cols_path, double density, bool * measured);
+/* The kernel ratio (path GB/s / dense matmul GB/s per byte read) of type at the SIMD level
+ * and density: the gathered row-dots (path GH_FFN_PATH_ROWS), the column-sparse axpy
+ * (GH_FFN_PATH_COLS) or the axpy over every row of down_t (GH_FFN_PATH_DT, density
+ * ignored); *measured (may be NULL): whether the table has the type at the level (else the
+ * level's lowest ratio, which the auto rule does not use). */
+enum { GH_FFN_PATH_ROWS, GH_FFN_PATH_COLS, GH_FFN_PATH_DT };
+double gh_ffn_kernel_ratio(int type, int simd_level, int path, double density, bool * measured);
 
 /* The file's mode (sparse, gate or dense) kept only where estimated faster than dense. */
 gh_status gh_ffn_auto_mode(const gh_model * m, int simd_level, gh_ffn_auto_choice * out);

@@ -6,6 +6,14 @@
 
 #include "cpu/kernels.h"
 
+/* Tokens of an IQ4_NL prompt tile and of an IQ4_XS row pass (the table's nt for both):
+ * 8, where Q4_0's tiles take 6 and the K-quants' passes 4. Their levels cost a sign and a
+ * second maddubs per 32 values, so the tile unpacks more per token; spread over 8 tokens,
+ * 128-token matmuls (SmolLM2 shapes, 1 thread, CPU time) ran IQ4_XS 0.91x and IQ4_NL
+ * 0.96x the time of 4 and 6 tokens (docs/BENCHMARKS.md, "IQ4 prompt tiles"). MXFP4 keeps
+ * Q4_0's 6. */
+#define GH_IQ4_AVX2_NT 8
+
 void gh_avx2_gemm_iq4_nl(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
                          float * y, int64_t ldy);
 void gh_avx2_vec_dot_iq4_nl(int64_t n, float * s, const void * w, const void * x);

@@ -41,6 +41,7 @@
 #define F_MR 3
 #define F_NT 4
 #define QNT 6
+#define GH_MIN_I(a, b) ((a) < (b) ? (a) : (b))
 
 GH_INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -73,60 +74,138 @@ GH_INLINE __m256 load_x(const int kind, const void * p) {
 }
 
 
-/* y[t * ldy + r] = W[r] . X[t]: rows at wr[r], one accumulator per row and token, 8
- * values per step, the last n % 8 through zero-padded copies. */
+/* One step of tile_f: the 8 values at i of every row and token into the accumulator set
+ * `set` (acc[r][t + set]; set 1 only in a one-token F16 tile), with the step's prefetch. */
+GH_INLINE void tile_f_step(const int MR, const int NT, const int kind, const int pfm, const int set,
+                           int64_t i, const char * const * wr, const char * const * pf,
+                           const char * xb, size_t xs, const char ** pl, const char ** pend,
+                           __m256 acc[MAXR][MAXT]) {
+    const size_t wsz = kind == W_F32 ? 4 : 2;  /* bytes per weight */
+    const size_t xsz = kind == W_BF16 ? 2 : 4; /* bytes per activation */
+    if (pfm == PF_LINEAR) { /* MR * 8 weights' bytes of the stream per step */
+        *pend += MR * 8 * wsz;
+        for (; *pl < *pend; *pl += 64) _mm_prefetch(*pl, GH_PF_HINT);
+    } else if (pfm == PF_ROWS && ((i * wsz) & 63) == 0) {
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) _mm_prefetch(pf[r] + i * wsz, GH_PF_HINT);
+    }
+    __m256 wv[MAXR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) wv[r] = load_w(kind, wr[r] + i * wsz);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        const __m256 xv = load_x(kind, xb + t * xs + i * xsz);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r][t + set] = _mm256_fmadd_ps(wv[r], xv, acc[r][t + set]);
+    }
+}
+
+/* The last n % 8 values (k of them) at i, through zero-padded copies, into set `set`. */
+GH_INLINE void tile_f_tail(const int MR, const int NT, const int kind, const int set, int64_t i,
+                           size_t k, const char * const * wr, const char * xb, size_t xs,
+                           __m256 acc[MAXR][MAXT]) {
+    const size_t wsz = kind == W_F32 ? 4 : 2;
+    const size_t xsz = kind == W_BF16 ? 2 : 4;
+    _Alignas(32) char wt[MAXR][32] = { { 0 } };
+    _Alignas(32) char xt[MAXT][32] = { { 0 } };
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) memcpy(wt[r], wr[r] + i * wsz, k * wsz);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) memcpy(xt[t], xb + t * xs + i * xsz, k * xsz);
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        const __m256 xv = load_x(kind, xt[t]);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) acc[r][t + set] = _mm256_fmadd_ps(load_w(kind, wt[r]), xv, acc[r][t + set]);
+    }
+}
+
+/* An F16 prompt tile's set p (tile_f): its blocks of four steps, and the tail if it is
+ * the set's. */
+GH_INLINE void tile_f16_set(const int MR, const int NT, const int p, int64_t S, size_t k,
+                            const char * const * wr, const char * xb, size_t xs,
+                            __m256 acc[MAXR][MAXT]) {
+    int64_t b0 = 4 * p;
+    for (; b0 + 4 <= S; b0 += 8) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) tile_f_step(MR, NT, W_F16, PF_NONE, 0, 8 * (b0 + j), wr, NULL, xb, xs, NULL, NULL, acc);
+    }
+    for (int64_t s = b0; s < S; s++) tile_f_step(MR, NT, W_F16, PF_NONE, 0, 8 * s, wr, NULL, xb, xs, NULL, NULL, acc);
+    if (k && ((S / 4) & 1) == p) tile_f_tail(MR, NT, W_F16, 0, 8 * S, k, wr, xb, xs, acc);
+}
+
+/* y[t * ldy + r] = W[r] . X[t]: rows at wr[r], 8 values per step, the last n % 8 through
+ * zero-padded copies. F32 and BF16: one accumulator per row and token. F16: two sets,
+ * steps 4b..4b+3 (one cache line of the row) into set b & 1 (the tail, step S, by its
+ * block), y = hsum(set 0 + set 1): an F16 row's sum is then two chains of FMAs, so one row
+ * alone keeps up with the memory and decode can read F16 rows one after another as a
+ * single stream (gh_dot_row_avx2_f16_streamed); with one chain it was latency-bound
+ * (docs/BENCHMARKS.md, "AVX2 F16 decode"). A one-token tile holds both sets (2 MR
+ * registers); a wider one has no registers for them and runs set 0's blocks, then set 1's,
+ * over the same rows: the same FMAs per lane in the same order, so every form of an F16 row
+ * (decode, gathered, prompt tile, any thread count) gives the same bits. (The second pass
+ * costs the prompt: 1536-column rows 1.2x the time, their x no longer in L1 for it.) */
 GH_INLINE void tile_f(const int MR, const int NT, const int kind, const int pfm, int64_t n,
                       const char * const * wr, const char * const * pf, const void * x,
                       size_t xs, float * y, int64_t ldy) {
-    const size_t wsz = kind == W_F32 ? 4 : 2;  /* bytes per weight */
-    const size_t xsz = kind == W_BF16 ? 2 : 4; /* bytes per activation */
+    const bool two = kind == W_F16;   /* two accumulator sets */
+    const int64_t S = n / 8;          /* full steps */
+    const size_t k = (size_t) (n - 8 * S); /* the tail's values */
     __m256 acc[MAXR][MAXT];
-#pragma GCC unroll 8
-    for (int r = 0; r < MR; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) acc[r][t] = _mm256_setzero_ps();
-
     const char * xb = x;
     const char * pl = pfm == PF_LINEAR ? pf[0] : NULL; /* next line to prefetch */
     const char * pend = pl;                            /* end of the stream's bytes so far */
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        if (pfm == PF_LINEAR) { /* MR * 8 weights' bytes of the stream per step */
-            pend += MR * 8 * wsz;
-            for (; pl < pend; pl += 64) _mm_prefetch(pl, GH_PF_HINT);
-        } else if (pfm == PF_ROWS && ((i * wsz) & 63) == 0) {
 #pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) _mm_prefetch(pf[r] + i * wsz, GH_PF_HINT);
+    for (int r = 0; r < MR; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < MAXT; t++) acc[r][t] = _mm256_setzero_ps(); /* (unused ones: dead) */
+    if (!two) {
+        for (int64_t s = 0; s < S; s++) tile_f_step(MR, NT, kind, pfm, 0, 8 * s, wr, pf, xb, xs, &pl, &pend, acc);
+        if (k) tile_f_tail(MR, NT, kind, 0, 8 * S, k, wr, xb, xs, acc);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++)
+#pragma GCC unroll 8
+            for (int r = 0; r < MR; r++) y[t * ldy + r] = hsum(acc[r][t]);
+        return;
+    }
+    /* F16: step s (the tail is step S) into set (s / 4) & 1: four steps (one cache line of
+     * each row) to a set, then four to the other */
+    if (NT == 1) { /* both sets in registers: acc[r][0] and acc[r][1] */
+        int64_t s = 0;
+        for (; s + 8 <= S; s += 8) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) tile_f_step(MR, NT, kind, pfm, 0, 8 * (s + j), wr, pf, xb, xs, &pl, &pend, acc);
+#pragma GCC unroll 4
+            for (int j = 4; j < 8; j++) tile_f_step(MR, NT, kind, pfm, 1, 8 * (s + j), wr, pf, xb, xs, &pl, &pend, acc);
         }
-        __m256 wv[MAXR];
+        for (const int64_t e = GH_MIN_I(S, s + 4); s < e; s++) {
+            tile_f_step(MR, NT, kind, pfm, 0, 8 * s, wr, pf, xb, xs, &pl, &pend, acc);
+        }
+        for (; s < S; s++) tile_f_step(MR, NT, kind, pfm, 1, 8 * s, wr, pf, xb, xs, &pl, &pend, acc);
+        if (k) {
+            if ((S / 4) & 1) tile_f_tail(MR, NT, kind, 1, 8 * S, k, wr, xb, xs, acc);
+            else tile_f_tail(MR, NT, kind, 0, 8 * S, k, wr, xb, xs, acc);
+        }
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) wv[r] = load_w(kind, wr[r] + i * wsz);
+        for (int r = 0; r < MR; r++) y[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        return;
+    }
+    /* several tokens: no registers for both sets; set 0's blocks of four steps, then set
+     * 1's (each line of the rows and of x is still read once) */
+    tile_f16_set(MR, NT, 0, S, k, wr, xb, xs, acc);
+    __m256 set0[MAXR][MAXT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
-            const __m256 xv = load_x(kind, xb + t * xs + i * xsz);
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+            set0[r][t] = acc[r][t];
+            acc[r][t] = _mm256_setzero_ps();
         }
-    }
-    if (i < n) {
-        const size_t k = (size_t) (n - i);
-        _Alignas(32) char wt[MAXR][32] = { { 0 } };
-        _Alignas(32) char xt[MAXT][32] = { { 0 } };
-#pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) memcpy(wt[r], wr[r] + i * wsz, k * wsz);
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) memcpy(xt[t], xb + t * xs + i * xsz, k * xsz);
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            const __m256 xv = load_x(kind, xt[t]);
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) acc[r][t] = _mm256_fmadd_ps(load_w(kind, wt[r]), xv, acc[r][t]);
-        }
-    }
+    tile_f16_set(MR, NT, 1, S, k, wr, xb, xs, acc);
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++)
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) y[t * ldy + r] = hsum(acc[r][t]);
+        for (int r = 0; r < MR; r++) y[t * ldy + r] = hsum(_mm256_add_ps(set0[r][t], acc[r][t]));
 }
 
 /* The rows of a dense tile; decode prefetches the tile GH_PF_TILES ahead. */
@@ -552,6 +631,25 @@ static void dot4_bf16(int64_t n, const void * const * rows, const void * const *
 
 DEFINE_GEMM_F(gemm_f32, F_MR, F_NT, W_F32)
 DEFINE_GEMM_F(gemm_f16, F_MR, F_NT, W_F16)
+
+/* F16 decode on AMD parts (simd.c selects it): the rows one after another, each one
+ * stream with its two chains (tile_f), no software prefetch: the hardware prefetcher
+ * follows one linear stream, where the interleaved four-row tile is four short streams
+ * that it picks up late (Zen 4, SmolLM2's F16 weights from DRAM, 1 thread: 27.9 against
+ * 25.4 GB/s; docs/BENCHMARKS.md, "AVX2 F16 decode"); rows of up to F16_ROW_MAX_N values,
+ * as AVX-512's streamed rows (5632 columns: 15 GB/s streamed). The same sums as the tile. */
+#define F16_ROW_MAX_N 2730 /* x (4n bytes) and the row (2n) in half of a 32 KiB L1d, as AVX-512's */
+static void gemm_f16_streamed(int64_t n, const void * w, size_t ws, int nr, const void * x,
+                              size_t xs, int nt, float * y, int64_t ldy) {
+    if (nt != 1 || n > F16_ROW_MAX_N) { /* longer rows: the weight stream evicts x every row */
+        gemm_f16(n, w, ws, nr, x, xs, nt, y, ldy);
+        return;
+    }
+    for (int r = 0; r < nr; r++) {
+        const char * wr[1] = { (const char *) w + r * ws };
+        tile_f(1, 1, W_F16, PF_NONE, n, wr, NULL, x, 0, y + r, 1);
+    }
+}
 DEFINE_GEMM_F(gemm_bf16, F_MR, F_NT, W_BF16)
 
 #define DEFINE_DOT(name, gemm)                                                  \
@@ -875,11 +973,11 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_Q2_K] = GH_DOT_ROW(vec_dot_q2_K, q8_K_from_float_x, gemm_q2_K, 4, KNT, 4, dot4_q2_K),
     [GH_TYPE_Q3_K] = GH_DOT_ROW(vec_dot_q3_K, q8_K_from_float_x, gemm_q3_K, 4, KNT, 4, dot4_q3_K),
     /* the non-linear 4-bit types: kernels in kernels_iq4_avx2.c */
-    [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx2_gemm_iq4_nl, 4, QNT, 4,
+    [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx2_gemm_iq4_nl, 4, GH_IQ4_AVX2_NT, 4,
                                   gh_avx2_dot4_iq4_nl),
     [GH_TYPE_MXFP4]  = GH_DOT_ROW(gh_avx2_vec_dot_mxfp4, q8_x4_from_float_x, gh_avx2_gemm_mxfp4, 4, QNT, 4,
                                   gh_avx2_dot4_mxfp4),
-    [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx2_gemm_iq4_xs, 4, KNT, 4,
+    [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx2_gemm_iq4_xs, 4, GH_IQ4_AVX2_NT, 4,
                                   gh_avx2_dot4_iq4_xs),
 #if GH_IQ_GRIDS
     /* the IQ lattice types: kernels in kernels_iqlat_avx2.c (tiles of row dots) */
@@ -894,3 +992,8 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
 #undef IQLAT_ROW
 #endif
 };
+
+/* F16 decode with its rows read one after another (simd.c: on AMD parts; see
+ * gemm_f16_streamed). */
+const gh_kernel_set gh_dot_row_avx2_f16_streamed = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16_streamed, F_MR,
+                                                              F_NT, 4, dot4_f16);

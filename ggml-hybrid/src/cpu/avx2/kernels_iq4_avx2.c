@@ -14,7 +14,8 @@
  *     (IQ4_NL: fp16 d; MXFP4: 2^(e - 128) from the e8m0 byte), short tiles repeat their
  *     last row so a row's value does not depend on its tile.
  *   IQ4_XS x Q8_K: one row at a time (one linear stream), each 256-value block's levels
- *     looked up once for up to KNT tokens, the signed 6-bit scales through madd (xs_row). */
+ *     looked up once for up to KNT tokens, the signed 6-bit scales through madd (xs_row).
+ * Both prompt shapes take GH_IQ4_AVX2_NT tokens (iq4_avx2.h). */
 #include "cpu/avx2/iq4_avx2.h"
 #include "cpu/prefetch.h"
 
@@ -22,8 +23,8 @@
 #include <string.h>
 
 #define GH_INLINE static inline __attribute__((always_inline))
-#define QNT 6  /* tokens of a prompt tile (as Q4_0's) */
-#define KNT 4  /* tokens of an IQ4_XS row pass (as the K-quants') */
+#define QNT GH_IQ4_AVX2_NT  /* most tokens of a prompt tile (MXFP4's table entry: 6) */
+#define KNT GH_IQ4_AVX2_NT  /* tokens of an IQ4_XS row pass */
 #define K_PF_BYTES 1024
 
 enum { IQ_NL, IQ_MX };
@@ -198,7 +199,9 @@ GH_INLINE void gemm_r4(const int kind, int64_t n, const void * w, size_t ws, int
             case 3: tile_r4(3, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 4: tile_r4(4, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 5: tile_r4(5, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            default: tile_r4(6, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 6: tile_r4(6, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 7: tile_r4(7, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            default: tile_r4(8, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
         }
         for (int k = 0; k < tn; k++)
             for (int r = 0; r < nr; r++) y[(t + k) * ldy + r] = out[k][r];
@@ -240,7 +243,7 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
     const __m256i shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     __m256 acc[KNT];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / QK_K; i++) {
         const block_iq4_xs * b = (const block_iq4_xs *) w + i;
@@ -271,7 +274,7 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
             alo[c] = _mm256_abs_epi8(lo[c]);
             ahi[c] = _mm256_abs_epi8(hi[c]);
         }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + i;
             __m256i s = _mm256_setzero_si256();
@@ -286,7 +289,7 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
             acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * yb->d), _mm256_cvtepi32_ps(s), acc[t]);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < NT; t++) y[t * ldy] = hsum(acc[t]);
 }
 
@@ -301,7 +304,11 @@ GH_INLINE void xs_rows(int64_t n, const void * w, size_t ws, int nr, const void 
                 case 1: xs_row(1, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
                 case 2: xs_row(2, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
                 case 3: xs_row(3, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
-                default: xs_row(4, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 4: xs_row(4, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 5: xs_row(5, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 6: xs_row(6, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                case 7: xs_row(7, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
+                default: xs_row(8, n, wr, wr + K_PF_BYTES, xt, xs, yt, ldy); break;
             }
         }
     }

@@ -5,6 +5,7 @@
 #define GH_CPU_AVX2_IQ4_H
 
 #include "cpu/kernels.h"
+#include "types/iq4.h"
 
 void gh_avx2_gemm_iq4_nl(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
                          float * y, int64_t ldy);

@@ -288,7 +288,7 @@ def _file_tensors(path):
 
 
 def _profile(path, ids, window, ffn="file", record_ffn=False):
-    """profile_inputs in the file's mode (ffn), or gh_eval_profile_ex with the FFN's input
+    """profile_inputs in the file's mode (ffn), or gh_eval_profile with the FFN's input
     recorded too (record_ffn, one window); the recorded inputs and the stats."""
     from powerinfer_cpp.sparse.profile import profile_inputs
     with Model(path, n_ctx=window, n_threads=1, cache_type="f32") as m:
@@ -303,9 +303,11 @@ def _profile(path, ids, window, ffn="file", record_ffn=False):
             rec = (np.empty((info.n_layer, n, info.n_embd), np.float32),
                    np.empty((info.n_layer, n, dq), np.float32), np.empty((n, info.n_embd), np.float32))
             with ctx._calling() as ptr:
-                check(lib.gh_eval_profile_ex(ptr, ffi.from_buffer("int32_t[]", np.asarray(ids, np.int32)), n,
-                                             fptr(x), 0, ffi.NULL, 0, fptr(rec[0]), 0, fptr(rec[1]), 0,
-                                             fptr(rec[2])))
+                bufs = ffi.new("gh_profile_bufs *", {"ffn_in": fptr(x), "attn_in": fptr(rec[0]),
+                                                     "attn_out_in": fptr(rec[1]),
+                                                     "head_in": fptr(rec[2])})
+                check(lib.gh_eval_profile(ptr, ffi.from_buffer("int32_t[]", np.asarray(ids, np.int32)), n,
+                                          bufs))
         st = ctx.stats()
         ctx.close()
     return rec, st

@@ -462,8 +462,9 @@ def test_profile_text_and_errors(random_gguf):
         ctx = m.create_context(n_ctx=16)
         x = np.zeros(m.info.n_embd * 4, dtype=np.float32)
         toks = np.array([1, 2, 3], dtype=np.int32)
-        st = lib.gh_eval_profile(ctx._handle(), ffi.from_buffer("int32_t[]", toks), 3,
-                                 ffi.cast("float *", x.ctypes.data), m.info.n_embd * 2, ffi.NULL, 0)
+        bufs = ffi.new("gh_profile_bufs *", {"ffn_in": ffi.cast("float *", x.ctypes.data),
+                                             "ffn_in_stride": m.info.n_embd * 2})
+        st = lib.gh_eval_profile(ctx._handle(), ffi.from_buffer("int32_t[]", toks), 3, bufs)
         assert st == GH_ERR_INVALID_ARG
         assert "strides" in ffi.string(lib.gh_last_error()).decode()
         assert ctx.n_past == 0

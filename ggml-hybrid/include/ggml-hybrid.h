@@ -431,34 +431,38 @@ gh_status gh_eval_batch_ex(gh_context * const * ctxs, int32_t n, const int32_t *
  * each context's logits of it kept. */
 gh_status gh_eval_batch(gh_context * const * ctxs, int32_t n, const int32_t * tokens);
 
-/* Profiling (offline predictor training): gh_eval (logits of the last token only) that
- * also hands back, for every layer l and token t of this call,
+/* Profiling (offline predictor training, input-sparsity calibration): gh_eval (logits of
+ * the last token only) that also hands back, for every layer l and token t of this call,
+ * what the buffers of *out ask for (each may be NULL: not recorded):
  *   ffn_in[l * ffn_in_stride + t * n_embd + j]  the FFN input: the RMS-normed x that
  *                                               feeds gate and up (n_embd floats);
- *   mask[l * mask_stride + t * n_ff + i]        1 if neuron i is active, else 0.
- * A neuron is active iff its activation output is nonzero: ReGLU gate > 0; dReLU
- * gate > 0 and up > 0; SwiGLU/GeGLU act(gate) * up != 0 (almost always: those models
- * are not sparse). Strides are in elements; 0 means packed (n_tokens * n_embd,
- * n_tokens * n_ff), so a caller can also write into a slice of a larger per-layer
- * array. Either output may be NULL. Results do not depend on the thread count. */
-gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
-                          float * ffn_in, int64_t ffn_in_stride,
-                          uint8_t * mask, int64_t mask_stride);
-/* gh_eval_profile that also hands back the projections' inputs (input-sparsity
- * calibration), each may be NULL:
+ *   mask[l * mask_stride + t * n_ff + i]        1 if neuron i is active, else 0;
  *   attn_in[l * attn_in_stride + t * n_embd + j]   the attention norm's output (q/k/v input);
  *   attn_out_in[l * attn_out_in_stride + t * dq + j]  the heads' outputs (o's input),
  *                                                  dq = n_head * head_dim;
  *   head_in[t * n_embd + j]                        the final norm's output of every token.
- * Strides as for gh_eval_profile (0: packed). With ffn_in and mask both NULL the batch runs in
- * the context's FFN mode and input sparsity (the sparse batch limit applies as in gh_eval),
- * and these are the inputs each projection sees there, before its thresholds are applied
- * (what they are compared against); with either set, the whole call runs dense. */
-gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_tokens,
-                             float * ffn_in, int64_t ffn_in_stride,
-                             uint8_t * mask, int64_t mask_stride,
-                             float * attn_in, int64_t attn_in_stride,
-                             float * attn_out_in, int64_t attn_out_in_stride, float * head_in);
+ * A neuron is active iff its activation output is nonzero: ReGLU gate > 0; dReLU
+ * gate > 0 and up > 0; SwiGLU/GeGLU act(gate) * up != 0 (almost always: those models
+ * are not sparse). Strides are in elements; 0 means packed (n_tokens * n_embd,
+ * n_tokens * n_ff, n_tokens * dq), so a caller can also write into a slice of a larger
+ * per-layer array. Results do not depend on the thread count. With ffn_in and mask both
+ * NULL the batch runs in the context's FFN mode and input sparsity (the sparse batch limit
+ * applies as in gh_eval), and the projections' inputs are those each projection sees
+ * there, before its thresholds are applied (what they are compared against); with either
+ * set, the whole call runs dense. A mixture-of-experts model records no mask. */
+typedef struct gh_profile_bufs {
+    float *   ffn_in;
+    int64_t   ffn_in_stride;
+    uint8_t * mask;
+    int64_t   mask_stride;
+    float *   attn_in;
+    int64_t   attn_in_stride;
+    float *   attn_out_in;
+    int64_t   attn_out_in_stride;
+    float *   head_in;
+} gh_profile_bufs;
+gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                          const gh_profile_bufs * out);
 
 /* ---- sparse FFN (ffn/: strategy_*.c select, exec.c computes) ---- */
 
@@ -482,7 +486,7 @@ typedef enum {
  * modes apply to batches of up to gh_context_get_sparse_batch tokens (decode), run one
  * token at a time; bigger batches (prompts) use the dense FFN. Profiling the FFN (ffn_in or
  * mask of gh_eval_profile) runs dense; profiling only the projections' inputs keeps the
- * context's modes (gh_eval_profile_ex). */
+ * context's modes. */
 gh_status gh_context_set_ffn_mode(gh_context * c, int32_t mode);
 int32_t gh_context_get_ffn_mode(const gh_context * c);
 /* The `auto` mode (a new context's): the file's sparse or gate mode only where it is

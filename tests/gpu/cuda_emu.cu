@@ -29,6 +29,7 @@
 
 extern "C" {
 #include "types/types.h"
+#include "types/iq4.h"
 }
 
 #include "backend/cuda/rows.cuh"

@@ -3,7 +3,7 @@
  * neuron split of the FFN weights, and the device matmul the forward pass calls. */
 #include "backend/hybrid.h"
 #include "model/model.h"
-#include "core/stats.h"
+#include "core/tap.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -633,8 +633,10 @@ void gh_hybrid_matmul_async(gh_context * c, const gh_dweight * w, const float * 
     for (int64_t t0 = 0; t0 < n && !c->dev_status; t0 += GH_DEVICE_CHUNK) {
         const int64_t nt = GH_MIN((int64_t) GH_DEVICE_CHUNK, n - t0);
         gh_status st = ops->matmul(c->stream, w, x + t0 * w->cols, nt, y + t0 * w->rows);
-        gh_stats_device(&c->stats, 0.0, 0.0, (double) nt * w->cols * 4, (double) nt * w->rows * 4,
-                        (double) w->rows * w->row_bytes);
+        const gh_tap_ev ev = { .point = GH_TAP_DEVICE, .il = -1, .up = (double) nt * w->cols * 4,
+                               .down = (double) nt * w->rows * 4,
+                               .bytes = (double) w->rows * w->row_bytes };
+        gh_tap_emit(&c->tap, &ev);
         if (st) c->dev_status = st;
     }
     /* on an error gh_eval reports it; leave no uninitialised values behind */
@@ -645,7 +647,8 @@ void gh_hybrid_sync(gh_context * c) {
     const double tw = gh_now();
     double dev = 0.0;
     gh_status st = c->model->hy->b->ops->sync(c->stream, &dev);
-    gh_stats_device(&c->stats, dev, gh_now() - tw, 0.0, 0.0, 0.0);
+    const gh_tap_ev ev = { .point = GH_TAP_DEVICE, .il = -1, .seconds = dev, .wait = gh_now() - tw };
+    gh_tap_emit(&c->tap, &ev);
     if (st && !c->dev_status) c->dev_status = st;
 }
 

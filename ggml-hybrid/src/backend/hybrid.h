@@ -6,7 +6,7 @@
 
 #include "backend/backend.h"
 #include "cpu/ops.h"
-#include "ffn/moe.h"
+#include "ffn/experts.h"
 
 /* One expert of a mixture-of-experts layer on the device: its gate, up and down matrices
  * as the file holds them (gate/up: n_ff_exp x n_embd, down: n_embd x n_ff_exp), run by

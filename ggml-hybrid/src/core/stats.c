@@ -1,5 +1,6 @@
 /* The context's statistics (stats.h). */
 #include "core/stats.h"
+#include "core/tap.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -32,38 +33,44 @@ void gh_stats_reset(gh_stats * s) {
     if (la) memset(la, 0, (size_t) nl * sizeof(int64_t));
 }
 
-void gh_stats_add(gh_stats * s, gh_stage stage, double seconds, double bytes) {
-    s->t[stage] += seconds;
-    s->bytes[stage] += bytes;
-}
-
-void gh_stats_device(gh_stats * s, double device_s, double wait_s, double up_bytes,
-                     double down_bytes, double weight_bytes) {
-    s->t_device += device_s;
-    s->t_wait += wait_s;
-    s->bytes_up += up_bytes;
-    s->bytes_down += down_bytes;
-    s->bytes_device += weight_bytes;
-}
-
-void gh_stats_tokens(gh_stats * s, int32_t n, double seconds) {
-    s->n_tokens += n;
-    s->t_total += seconds;
-}
-
-void gh_stats_inputs(gh_stats * s, bool head, int64_t n_in, int64_t n_used) {
-    if (head) {
-        s->n_head_in += n_in;
-        s->n_head_used += n_used;
-    } else {
-        s->n_attn_in += n_in;
-        s->n_attn_used += n_used;
+void gh_stats_observe(gh_stats * s, const gh_tap_ev * ev) {
+    switch (ev->point) {
+    case GH_TAP_STAGE:
+        s->t[ev->stage] += ev->seconds;
+        s->bytes[ev->stage] += ev->bytes;
+        break;
+    case GH_TAP_DEVICE:
+        s->t_cpu_ffn += ev->cpu;
+        s->t_device += ev->seconds;
+        s->t_wait += ev->wait;
+        s->bytes_up += ev->up;
+        s->bytes_down += ev->down;
+        s->bytes_device += ev->bytes;
+        break;
+    case GH_TAP_SELECT:
+        s->n_active += ev->count;
+        s->n_active_device += ev->count2;
+        s->layer_active[ev->il] += ev->count;
+        if (ev->il == 0) s->n_sparse_tokens++;
+        break;
+    case GH_TAP_ROWS:
+        s->n_up_rows += ev->count;
+        s->n_down_rows += ev->count2;
+        break;
+    case GH_TAP_INPUTS:
+        if (ev->stage == GH_STAGE_OTHER) { /* the head */
+            s->n_head_in += ev->count;
+            s->n_head_used += ev->count2;
+        } else {
+            s->n_attn_in += ev->count;
+            s->n_attn_used += ev->count2;
+        }
+        break;
+    case GH_TAP_TOKENS:
+        s->n_tokens += ev->n;
+        s->t_total += ev->seconds;
+        break;
+    default: /* buffers: the profiler's */
+        break;
     }
-}
-
-void gh_stats_active(gh_stats * s, int il, int64_t n, int64_t n_dev) {
-    s->n_active += n;
-    s->n_active_device += n_dev;
-    s->layer_active[il] += n;
-    if (il == 0) s->n_sparse_tokens++;
 }

@@ -1,7 +1,7 @@
-/* The statistics a context keeps (one gh_stats, owned by the context) and the clock the
- * forward pass times its stages with. Plain counters: whoever does the work adds to them,
- * gh_context_get_stats (model/context.c) reads them out. Nothing here knows of models or
- * contexts, so every module may record into it without an include running back up. */
+/* The statistics a context keeps (one gh_stats, owned by the context) and the clock. Plain
+ * counters, added to by one observer of the context's tap (core/tap.h: the forward pass
+ * names what it did, gh_stats_observe counts it); gh_context_get_stats (model/context.c)
+ * reads them out. Nothing here knows of models or contexts. */
 #ifndef GH_STATS_H
 #define GH_STATS_H
 
@@ -29,18 +29,11 @@ gh_status gh_stats_init(gh_stats * s, int n_layer);
 void gh_stats_free(gh_stats * s);
 void gh_stats_reset(gh_stats * s);
 
-/* A stage's time in seconds and the weight bytes it read. */
-void gh_stats_add(gh_stats * s, gh_stage stage, double seconds, double bytes);
-/* A device call: its time on the device's clock, the CPU's wait for it, activation bytes
- * sent and received, and weight bytes the device read. */
-void gh_stats_device(gh_stats * s, double device_s, double wait_s, double up_bytes,
-                     double down_bytes, double weight_bytes);
-/* After each forward call: n tokens and the call's seconds. */
-void gh_stats_tokens(gh_stats * s, int32_t n, double seconds);
-/* Input-sparse projections: n_in input channels seen, n_used of them used, by the attention
- * (head false) or the head. */
-void gh_stats_inputs(gh_stats * s, bool head, int64_t n_in, int64_t n_used);
-/* One sparse token's FFN in layer il: n active neurons, n_dev of them on the device. */
-void gh_stats_active(gh_stats * s, int il, int64_t n, int64_t n_dev);
+/* Adds what an event of the tap (core/tap.h) counts: a stage's time and bytes, a device
+ * call, a token's selection, rows computed, a projection's inputs, a forward call's tokens.
+ * The context's tap hands every count event here; this is the one place that knows which
+ * counter an event adds to. */
+struct gh_tap_ev;
+void gh_stats_observe(gh_stats * s, const struct gh_tap_ev * ev);
 
 #endif

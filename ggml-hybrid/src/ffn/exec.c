@@ -12,7 +12,7 @@
 #include "ffn/input_ffn.h"
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "core/stats.h"
+#include "core/tap.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -131,7 +131,8 @@ bool gh_sparse_applies(const gh_context * c, int32_t n) {
     /* the FFN's recording (its input, the true mask) is of the dense FFN; the projections'
      * inputs are recorded on either path, so that one profile pass in the sparse modes gives
      * each input-sparse site the inputs it sees there (input_eval.refit) */
-    return st && st->select && n <= c->sparse_batch && !c->prof_x && !c->prof_mask;
+    return st && st->select && n <= c->sparse_batch && !gh_tap_wants(&c->tap, GH_TAP_FFN_IN) &&
+           !gh_tap_wants(&c->tap, GH_TAP_FFN_GATE) && !gh_tap_wants(&c->tap, GH_TAP_FFN_ACT);
 }
 
 bool gh_input_sparse_applies(const gh_context * c, int32_t n) {
@@ -200,8 +201,7 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
         }
     }
     gh_matmul_t_list(c->tp, &L->down_t, s->down_ids, s->down_a, n_down, y);
-    c->stats.n_up_rows += n_up;
-    c->stats.n_down_rows += n_down;
+    gh_tap_count(&c->tap, GH_TAP_ROWS, -1, GH_STAGE_FFN, n_up, n_down);
     return (gate_g ? 0.0 : (double) n * (double) L->gate.row_bytes) +
            (double) n_up * (double) L->up.row_bytes + (double) n_down * (double) L->down_t.row_bytes;
 }
@@ -235,15 +235,17 @@ static double execute(gh_context * c, const gh_layer * L, const gh_dlayer * D, c
     const double tc = gh_now();
     double bytes = cpu_part(c, L, x, gate_g, s->cold, n_cold, y);
     const double tw = gh_now();
-    c->stats.t_cpu_ffn += tw - tc;
+    gh_tap_ev ev = { .point = GH_TAP_DEVICE, .il = -1, .cpu = tw - tc };
     if (n_hot) {
         double dev = 0.0;
         if (!st) st = ops->sync(c->stream, &dev);
         const double rows_b = (double) n_hot * (double) ((gate_g ? 0 : D->hot.gate.row_bytes) +
                               D->hot.up.row_bytes + D->hot.down_t.row_bytes);
-        gh_stats_device(&c->stats, dev, gh_now() - tw,
-                        (double) (L->gate.cols * 4 + n_hot * (gate_g ? 8 : 4)),
-                        (double) L->down_t.cols * 4, rows_b);
+        ev.seconds = dev;
+        ev.wait = gh_now() - tw;
+        ev.up = (double) (L->gate.cols * 4 + n_hot * (gate_g ? 8 : 4));
+        ev.down = (double) L->down_t.cols * 4;
+        ev.bytes = rows_b;
         bytes += rows_b;
         if (st) {
             c->dev_status = st;
@@ -251,6 +253,7 @@ static double execute(gh_context * c, const gh_layer * L, const gh_dlayer * D, c
             for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += s->y_dev[j];
         }
     }
+    gh_tap_emit(&c->tap, &ev);
     *n_dev = n_hot;
     return bytes;
 }
@@ -260,7 +263,6 @@ static double execute(gh_context * c, const gh_layer * L, const gh_dlayer * D, c
 static void input_sparse_ffn(gh_context * c, int il, const gh_layer * L, const float * x, float * y) {
     gh_ffn_state * s = c->ffn;
     const gh_hparams * hp = &c->model->hp;
-    const double t0 = gh_now();
     const gh_ffn_in_spec f = { .gate_up_t = &L->gate_up_t, .down_t = &L->down_t,
                                .thr_in = L->ffn_in_on ? L->thr_ffn_in : NULL,
                                .thr_down = L->down_in_on ? L->thr_down_in : NULL,
@@ -271,9 +273,9 @@ static void input_sparse_ffn(gh_context * c, int il, const gh_layer * L, const f
     int64_t n_in = 0, n_down = 0;
     const double bytes = gh_ffn_input_sparse(c->tp, &f, x, y, &w, &n_in, &n_down);
     if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
-    gh_stats_add(&c->stats, GH_STAGE_FFN, gh_now() - t0, bytes);
-    c->stats.n_down_rows += n_down;
-    gh_stats_active(&c->stats, il, n_down, 0);
+    gh_tap_stage(&c->tap, GH_STAGE_FFN, bytes);
+    gh_tap_count(&c->tap, GH_TAP_ROWS, -1, GH_STAGE_FFN, 0, n_down);
+    gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, n_down, 0);
 }
 
 void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
@@ -289,21 +291,20 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid,
         input_sparse_ffn(c, il, L, x, y);
         return;
     }
-    const double t0 = gh_now();
     double bytes = 0.0;
     if (st->needs_gate) dense_gate(c, L, D, x, &bytes);
     const float * gate_g = st->needs_gate ? s->g_dense : NULL;
     const gh_ffn_select_in in = { .c = c, .il = il, .x = x, .resid = resid, .g = gate_g,
                                   .b = &s->sel };
     const int64_t n = st->select(&in, s->ids);
-    /* a selection that reads weights of its own times itself (the predictor's stage); a
-     * gate computed here is the FFN's */
-    const double t1 = st->needs_gate ? t0 : gh_now();
+    /* a selection that reads weights of its own times itself (the predictor's stage), the
+     * others' time is no stage's; a gate computed here is the FFN's */
+    if (!st->needs_gate) gh_tap_mark(&c->tap);
     int64_t n_dev = 0;
     bytes += execute(c, L, D, x, gate_g, s->ids, n, y, &n_dev);
     if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
-    gh_stats_add(&c->stats, GH_STAGE_FFN, gh_now() - t1, bytes);
-    gh_stats_active(&c->stats, il, n, n_dev);
+    gh_tap_stage(&c->tap, GH_STAGE_FFN, bytes);
+    gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, n, n_dev);
 }
 
 /* Batched decode's FFN of tokens from different sequences (gh_eval_batch): each token
@@ -328,7 +329,6 @@ static void batch_union(gh_context * c, int il, int32_t n, const float * x, cons
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     gh_ffn_state * s = c->ffn;
     const int64_t d = hp->n_embd, ff = hp->n_ff;
-    const double t0 = gh_now();
     double bytes = 0.0;
     /* the dense gate of every token: one matmul reads the gate once */
     if (st->needs_gate) {
@@ -349,9 +349,9 @@ static void batch_union(gh_context * c, int il, int32_t n, const float * x, cons
         const int64_t nt = st->select(&in, s->ids);
         const uint64_t bit = (uint64_t) 1 << t;
         for (int64_t k = 0; k < nt; k++) s->tm[s->ids[k]] |= bit;
-        gh_stats_active(&c->stats, il, nt, 0);
+        gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, nt, 0);
     }
-    const double t1 = st->needs_gate ? t0 : gh_now();
+    if (!st->needs_gate) gh_tap_mark(&c->tap); /* as in gh_sparse_ffn */
     int64_t nu = 0;
     for (int64_t i = 0; i < ff; i++) {
         s->uids[nu] = (int32_t) i;
@@ -429,11 +429,11 @@ static void batch_union(gh_context * c, int il, int32_t n, const float * x, cons
         float * yt = y + t * d;
         gh_matmul_t_list(c->tp, &L->down_t, s->down_ids, s->down_a, n_down, yt);
         if (L->down_b) for (int64_t j = 0; j < d; j++) yt[j] += L->down_b[j];
-        c->stats.n_down_rows += n_down;
+        gh_tap_count(&c->tap, GH_TAP_ROWS, -1, GH_STAGE_FFN, 0, n_down);
         bytes += (double) n_down * (double) L->down_t.row_bytes;
     }
-    c->stats.n_up_rows += n_up;
-    gh_stats_add(&c->stats, GH_STAGE_FFN, gh_now() - t1, bytes);
+    gh_tap_count(&c->tap, GH_TAP_ROWS, -1, GH_STAGE_FFN, n_up, 0);
+    gh_tap_stage(&c->tap, GH_STAGE_FFN, bytes);
 }
 
 void gh_sparse_ffn_batch(gh_context * c, int il, int32_t n, const float * x, const float * resid,
@@ -457,7 +457,7 @@ void gh_sparse_ffn_batch(gh_context * c, int il, int32_t n, const float * x, con
     }
 }
 
-void gh_stats_dense_ffn(gh_context * c, int il, int32_t n, const float * h) {
+double gh_dense_ffn_bytes(const gh_context * c, int il, int32_t n, const float * h) {
     const gh_layer * L = &c->model->layers[il];
     const int64_t ff = c->model->hp.n_ff;
     double bytes = (double) (L->gate.rows * L->gate.row_bytes + L->up.rows * L->up.row_bytes);
@@ -472,5 +472,5 @@ void gh_stats_dense_ffn(gh_context * c, int il, int32_t n, const float * h) {
     } else {
         bytes += (double) (L->down.rows * L->down.row_bytes);
     }
-    gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
+    return bytes;
 }

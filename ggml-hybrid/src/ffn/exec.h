@@ -41,8 +41,8 @@ void gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float *
  * and the dense gate/up kernels agree; rows.h). Otherwise token by token. */
 void gh_sparse_ffn_batch(struct gh_context * c, int il, int32_t n, const float * x,
                          const float * resid, float * y);
-/* A dense FFN pass over n tokens: counts its weight bytes (down_t: only rows that some
- * token's activation needs, found from h = [n][n_ff] activations). */
-void gh_stats_dense_ffn(struct gh_context * c, int il, int32_t n, const float * h);
+/* The weight bytes a dense FFN pass over n tokens of layer il reads (down_t: only rows
+ * that some token's activation needs, found from h = [n][n_ff] activations). */
+double gh_dense_ffn_bytes(const struct gh_context * c, int il, int32_t n, const float * h);
 
 #endif

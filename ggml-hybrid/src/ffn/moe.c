@@ -6,7 +6,7 @@
  * each expert's rows as they split a dense weight's. Each output row is a sum over the
  * token's experts in ascending expert id, the same for any batch split and thread count. */
 #include "ffn/moe.h"
-#include "core/stats.h"
+#include "core/tap.h"
 #include "backend/hybrid.h"
 #include "model/model.h"
 
@@ -394,10 +394,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
     const int64_t d = hp->n_embd;
     const float * x = c->xb;
     float * y = c->xb2;
-    if (c->prof_x) {
-        memcpy(c->prof_x + il * c->prof_x_stride + (int64_t) c->prof_t0 * d, x,
-               (size_t) n * d * sizeof(float));
-    }
+    gh_tap_buf(&c->tap, GH_TAP_FFN_IN, il, n, x, NULL);
 
     /* route: every token's k experts and weights */
     const gh_dweight * dr = c->model->hy ? &c->model->hy->layers[il].router : NULL;
@@ -435,7 +432,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
     if (c->model->hy) {
         bytes += hybrid_experts(c, il, n);
         shared_expert(c, il, n, &bytes);
-        gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
+        gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
         return;
     }
 
@@ -468,7 +465,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
     }
 
     shared_expert(c, il, n, &bytes);
-    gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);
+    gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
 }
 
 /* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 */

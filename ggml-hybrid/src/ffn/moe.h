@@ -16,34 +16,7 @@
 #ifndef GH_MOE_H
 #define GH_MOE_H
 
-#include "core/common.h"
-#include "cpu/ops.h"
-
-/* A layer's experts (model.h gh_layer.moe); rows 0 / NULL where absent. */
-typedef struct {
-    gh_weight router;                         /* ffn_gate_inp: [n_expert rows][n_embd] */
-    gh_weight gate_exps, up_exps, down_exps;  /* expert 0 of ffn_{gate,up,down}_exps:
-                                               * [n_ff_exp][n_embd], [n_embd][n_ff_exp] */
-    float *   router_b;                       /* [n_expert] (NULL: none; so the rest) */
-    float *   gate_exps_b, * up_exps_b;       /* [n_expert][n_ff_exp] (gpt-oss) */
-    float *   down_exps_b;                    /* [n_expert][n_embd] */
-    gh_weight gate_shexp, up_shexp, down_shexp; /* the shared expert (rows 0: none) */
-    float *   shexp_gate;                     /* ffn_gate_inp_shexp [n_embd] (model-owned) */
-    /* the expert placement data (model-owned; NULL where the file has none): each expert's
-     * selection frequency, blk.N.ffn_exp_freq (the share of profiled tokens whose top-k
-     * held it, in [0, 1]), and the offline placement, blk.N.ffn_exp_gpu (1 = on the
-     * device) */
-    float *   freq;
-    int8_t *  on_gpu;
-} gh_moe_layer;
-
-/* Expert e's matrix of a 3-D expert tensor viewed as expert 0 (rows contiguous, experts
- * one after another). */
-static inline gh_weight gh_expert(const gh_weight * w, int32_t e) {
-    gh_weight v = *w;
-    v.data = (const uint8_t *) w->data + (size_t) e * (size_t) w->rows * w->row_bytes;
-    return v;
-}
+#include "ffn/experts.h"
 
 struct gh_context;
 struct gh_model;

@@ -6,7 +6,7 @@
 #include "ffn/rows.h"
 #include "model/model.h"
 #include "backend/hybrid.h"
-#include "core/stats.h"
+#include "core/tap.h"
 
 static gh_status check(const gh_model * m, bool report) {
     return gh_ffn_check_layers(m, "sparse", true, report);
@@ -19,9 +19,11 @@ static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float *
     const double tw = gh_now();
     double dev = 0.0;
     if (!st) st = ops->sync(c->stream, &dev);
-    gh_stats_device(&c->stats, dev, gh_now() - tw, (double) D->fc1.cols * 4,
-                    (double) D->fc2.rows * 4,
-                    (double) (D->fc1.rows * D->fc1.row_bytes + D->fc2.rows * D->fc2.row_bytes));
+    const gh_tap_ev ev = {
+        .point = GH_TAP_DEVICE, .il = -1, .seconds = dev, .wait = gh_now() - tw,
+        .up = (double) D->fc1.cols * 4, .down = (double) D->fc2.rows * 4,
+        .bytes = (double) (D->fc1.rows * D->fc1.row_bytes + D->fc2.rows * D->fc2.row_bytes) };
+    gh_tap_emit(&c->tap, &ev);
     if (st) {
         c->dev_status = st;
         return 0;
@@ -39,12 +41,12 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     const gh_layer * L = &m->layers[in->il];
     const gh_dlayer * D = m->hy ? &m->hy->layers[in->il] : NULL;
     const float * px = m->hp.pred_residual ? in->resid : in->x;
-    const double t0 = gh_now();
+    gh_tap_mark(&c->tap); /* the predictor's stage starts here */
     const int64_t n = D && D->pred
         ? predict_device(c, D, px, m->info.sparse_threshold, in->b->score, ids)
         : gh_sparse_predict(c->tp, &L->fc1, &L->fc2, px, m->info.sparse_threshold, in->b->ph,
                             in->b->score, ids, in->b->scratch);
-    gh_stats_add(&c->stats, GH_STAGE_PREDICTOR, gh_now() - t0,
+    gh_tap_stage(&c->tap, GH_STAGE_PREDICTOR,
                  (double) (L->fc1.rows * L->fc1.row_bytes + L->fc2.rows * L->fc2.row_bytes));
     return n;
 }

@@ -148,12 +148,10 @@ static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t *
     w->dev_status = GH_OK;
     w->seq = seq;
     w->seq_pos = pos;
-    const double t0 = gh_now();
     gh_forward_batch(w, tokens, total, logits_all ? GH_LOGITS_ALL : GH_LOGITS_LAST, 0);
     w->seq = NULL;
     w->seq_pos = NULL;
     free(seq);
-    gh_stats_tokens(&w->stats, total, gh_now() - t0);
     if (w->dev_status) {
         /* a device op failed: no context's position moved, so no token is in a cache */
         for (int32_t i = 0; i < n; i++) ctxs[i]->n_logit_rows = 0;

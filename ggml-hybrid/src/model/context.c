@@ -4,7 +4,7 @@
 #include "ffn/exec.h"
 #include "ffn/strategy.h"
 #include "ffn/auto_mode.h"
-#include "core/stats.h"
+#include "core/tap.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -166,6 +166,7 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         c->ffn_mode = gh_ffn_auto_mode(m, gh_simd_get(), &ch) ? GH_FFN_DENSE : ch.mode;
         c->sparse_batch = GH_SPARSE_BATCH_MAX_DEFAULT;
         const bool stats_ok = gh_stats_init(&c->stats, hp->n_layer) == GH_OK;
+        c->tap.stats = &c->stats;
         const size_t nin = GH_MAX(d, dq);
         c->in_ids = gh_aligned_alloc(nin * sizeof(int32_t));
         c->in_a = gh_aligned_alloc(nin * sizeof(float));

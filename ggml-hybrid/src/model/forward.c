@@ -81,34 +81,6 @@ static void sublayer_output(const gh_hparams * hp, const float * w, const float 
     if (w) norm_rows(hp, w, b, y, n, y);
 }
 
-/* Whether act(g, u) is zero exactly when g <= the cut (ReLU family), so the mask and the
- * sparse paths can read the pre-activation. */
-static bool relu_family(int act) {
-    return act == GH_ACT_RELU || act == GH_ACT_DRELU || act == GH_ACT_FATRELU;
-}
-
-/* Profiling (gh_eval_profile): which neurons of n tokens are active. The ReLU family reads
- * the pre-activation gate (and up, for dReLU) before the GLU; the others read its output. */
-static void profile_mask(gh_context * c, int il, int32_t n, const float * gate, const float * up,
-                         bool post_glu) {
-    const gh_hparams * hp = &c->model->hp;
-    const int64_t ff = hp->n_ff;
-    const int act = hp->ffn_act;
-    const float cut = act == GH_ACT_FATRELU ? hp->act_threshold : 0.0f;
-    for (int32_t t = 0; t < n; t++) {
-        uint8_t * mk = c->prof_mask + il * c->prof_mask_stride + (int64_t) (c->prof_t0 + t) * ff;
-        const float * g = gate + t * ff;
-        if (post_glu) {
-            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] != 0.0f;
-        } else if (act == GH_ACT_DRELU) {
-            const float * u = up + t * ff;
-            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] > 0.0f && u[i] > 0.0f;
-        } else {
-            for (int64_t i = 0; i < ff; i++) mk[i] = g[i] > cut;
-        }
-    }
-}
-
 static double weight_bytes(const gh_weight * w) { return (double) w->rows * (double) w->row_bytes; }
 
 /* The input-sparse projection of n token rows x [n][w->rows] through the transposed w into
@@ -121,7 +93,8 @@ static double sparse_proj(gh_context * c, const gh_weight * w, const float * thr
         used += gh_matvec_t_sparse(c->tp, w, x + (int64_t) t * w->rows, thr, c->in_ids, c->in_a,
                                    y + (int64_t) t * ldy);
     }
-    gh_stats_inputs(&c->stats, head, (int64_t) n * w->rows, used);
+    gh_tap_count(&c->tap, GH_TAP_INPUTS, -1, head ? GH_STAGE_OTHER : GH_STAGE_ATTENTION,
+                 (int64_t) n * w->rows, used);
     return (double) used * (double) w->row_bytes;
 }
 
@@ -214,10 +187,7 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     float * kc = kv_f32 ? (float *) c->k_cache[il] + (int64_t) p0 * dkv : c->k_cur;
     float * vc = kv_f32 ? (float *) c->v_cache[il] + (int64_t) p0 * dkv : c->v_cur;
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
-    if (c->prof_attn) {
-        memcpy(c->prof_attn + il * c->prof_attn_stride + (int64_t) c->prof_t0 * d, c->xb,
-               (size_t) n * d * sizeof(float));
-    }
+    gh_tap_buf(&c->tap, GH_TAP_ATTN_IN, il, n, c->xb, NULL);
     /* a layer whose attention is on the device runs it densely there */
     const bool dev_att = D && D->att;
     const proj_site qkv = {
@@ -273,10 +243,7 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         gh_attention_ex(c->tp, c->q, c->k_cache[il], c->v_cache[il], c->cache_type, c->att, n, p0,
                         hp->n_head, hp->n_head_kv, (int) hd, &ao);
     }
-    if (c->prof_attn_out) {
-        memcpy(c->prof_attn_out + il * c->prof_attn_out_stride + (int64_t) c->prof_t0 * dq, c->att,
-               (size_t) n * dq * sizeof(float));
-    }
+    gh_tap_buf(&c->tap, GH_TAP_ATTN_OUT_IN, il, n, c->att, NULL);
     const proj_site o = {
         .k = 1, .w = { &L->wo }, .dev = { dev_att ? &D->wo : NULL }, .t = L->o_on ? &L->wo_t : NULL,
         .thr = L->thr_o, .y = { out }, .ld = { d },
@@ -286,17 +253,14 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
     return bytes;
 }
 
-/* The dense FFN of layer il over c->xb into c->xb2 (profiling its inputs and masks when
- * asked). */
+/* The dense FFN of layer il over c->xb into c->xb2 (its input, gate and activation shown
+ * to the tap). */
 static void ffn_dense(gh_context * c, int il, int32_t n) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_layer * L = &m->layers[il];
     const int64_t d = hp->n_embd, ff = hp->n_ff;
-    if (c->prof_x) {
-        memcpy(c->prof_x + il * c->prof_x_stride + (int64_t) c->prof_t0 * d, c->xb,
-               (size_t) n * d * sizeof(float));
-    }
+    gh_tap_buf(&c->tap, GH_TAP_FFN_IN, il, n, c->xb, NULL);
     if (hp->gated) {
         const gh_weight * ws[2] = { &L->gate, &L->up };
         float * ys[2] = { c->hb, c->hb2 };
@@ -307,15 +271,14 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
         gh_matmul(c->tp, &L->gate, c->xb, n, c->hb, ff, c->mm_scratch);
     }
     add_bias(c->hb, L->gate_b, n, ff, ff);
-    const bool pre = relu_family(hp->ffn_act);
-    if (c->prof_mask && pre) profile_mask(c, il, n, c->hb, c->hb2, false);
+    gh_tap_buf(&c->tap, GH_TAP_FFN_GATE, il, n, c->hb, hp->gated ? c->hb2 : NULL);
     gh_glu(hp->ffn_act, hp->act_threshold, c->hb, hp->gated ? c->hb2 : NULL, c->hb,
            (int64_t) n * ff);
-    if (c->prof_mask && !pre) profile_mask(c, il, n, c->hb, NULL, true);
+    gh_tap_buf(&c->tap, GH_TAP_FFN_ACT, il, n, c->hb, NULL);
     if (L->has_down_t) gh_matmul_t(c->tp, &L->down_t, c->hb, n, ff, c->xb2, d);
     else gh_matmul(c->tp, &L->down, c->hb, n, c->xb2, d, c->mm_scratch);
     add_bias(c->xb2, L->down_b, n, d, d);
-    gh_stats_dense_ffn(c, il, n, c->hb);
+    gh_tap_bytes(&c->tap, GH_STAGE_FFN, gh_dense_ffn_bytes(c, il, n, c->hb));
 }
 
 /* Runs n tokens (n <= n_batch) at positions n_past.. (or, with c->seq set, each context's
@@ -328,7 +291,7 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
  * Without input norms a sublayer reads x itself; with output norms (post_norms) each
  * sublayer's output is normed before it is added: x += post_norm1(attn(..)), and so on.
  * The FFN's residual input (the x its norm reads) is what a PowerInfer predictor reads. */
-void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
+static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, hd = hp->head_dim;
@@ -353,9 +316,9 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
             }
         }
     }
+    gh_tap_mark(&c->tap); /* embedding the tokens is no stage's */
     for (int il = 0; il < hp->n_layer; il++) {
         const gh_layer * L = &m->layers[il];
-        const double t_att = gh_now();
         sublayer_input(hp, L->attn_norm, L->attn_norm_b, c->x, n, c->xb);
         /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
          * norm1(x) when there is no second norm) and add the attention's output after the
@@ -371,34 +334,24 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
             add_inplace(c->x, c->xb2, (int64_t) n * d);
             sublayer_input(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         }
-        const double t_ffn = gh_now();
-        gh_stats_add(&c->stats, GH_STAGE_ATTENTION, t_ffn - t_att, att_bytes);
+        gh_tap_stage(&c->tap, GH_STAGE_ATTENTION, att_bytes);
 
-        if (sparse_ffn) {
-            /* each token its own active rows (a batched decode's over their union); it
-             * counts its own times and bytes (the predictor's apart from the FFN's) */
-            const double t_norm = gh_now();
-            gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
-            const double t_add = gh_now();
-            sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
-            if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
-            add_inplace(c->x, c->xb2, (int64_t) n * d);
-            gh_stats_add(&c->stats, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
-            continue;
-        }
-        if (hp->n_expert) gh_moe_ffn(c, il, n);
+        /* the sparse FFN: each token its own active rows (a batched decode's over their
+         * union), its stages (the predictor's apart from the FFN's) and bytes its own */
+        if (sparse_ffn) gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
+        else if (hp->n_expert) gh_moe_ffn(c, il, n);
         else ffn_dense(c, il, n);
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
-        gh_stats_add(&c->stats, GH_STAGE_FFN, gh_now() - t_ffn, 0.0);
+        gh_tap_stage(&c->tap, GH_STAGE_FFN, 0.0);
     }
 
     if (!c->seq) c->n_past += n; /* a batch's contexts: gh_eval_batch_ex */
-    if (c->prof_head) {
+    if (gh_tap_wants(&c->tap, GH_TAP_HEAD_IN)) {
         /* every token's head input (the logits stay the last token's) */
-        norm_rows(hp, m->output_norm, m->output_norm_b, c->x, n,
-                  c->prof_head + (int64_t) c->prof_t0 * d);
+        norm_rows(hp, m->output_norm, m->output_norm_b, c->x, n, c->xb);
+        gh_tap_buf(&c->tap, GH_TAP_HEAD_IN, -1, n, c->xb, NULL);
     }
     if (which == GH_LOGITS_NONE) return;
     /* head: only the rows whose logits are kept (in a batch of several contexts, the last
@@ -426,11 +379,17 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
     const double bytes = project(c, &head, c->xb, nt, insp);
     if (hp->final_softcap > 0) gh_softcap(logits, (int64_t) nt * hp->n_vocab, hp->final_softcap);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
-    gh_stats_add(&c->stats, GH_STAGE_OTHER, 0.0, bytes);
+    gh_tap_bytes(&c->tap, GH_STAGE_OTHER, bytes);
 }
 
-static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
-                             int32_t logits_all) {
+void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
+    gh_tap_begin(&c->tap);
+    forward(c, tokens, n, which, row0);
+    gh_tap_end(&c->tap, n);
+}
+
+gh_status gh_eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                         int32_t logits_all) {
     if (!tokens || n_tokens <= 0) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval: no tokens given");
     const int32_t n_vocab = c->model->hp.n_vocab;
     for (int32_t i = 0; i < n_tokens; i++) {
@@ -459,10 +418,7 @@ static gh_status eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_t
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
         const int which = logits_all ? GH_LOGITS_ALL
                           : i + n == n_tokens ? GH_LOGITS_LAST : GH_LOGITS_NONE;
-        c->prof_t0 = i;
-        const double t0 = gh_now();
         gh_forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
-        gh_stats_tokens(&c->stats, n, gh_now() - t0);
         if (c->dev_status) {
             /* a device op failed: these tokens are not in the cache, and no logits */
             c->n_past = n_past0;
@@ -481,21 +437,7 @@ gh_status gh_eval(gh_context * c, const int32_t * tokens, int32_t n_tokens, int3
     if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
     gh_status st = gh_ctx_enter(c, "gh_eval");
     if (st) return st;
-    st = eval_tokens(c, tokens, n_tokens, logits_all);
-    gh_ctx_leave(c);
-    return st;
-}
-
-gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens, float * out) {
-    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
-    if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_eval_embd: out is NULL");
-    gh_status st = gh_ctx_enter(c, "gh_eval_embd");
-    if (st) return st;
-    /* the head's input of every token is what profiling's head tap records */
-    c->prof_head = out;
-    st = eval_tokens(c, tokens, n_tokens, 0);
-    c->prof_head = NULL;
-    c->prof_t0 = 0;
+    st = gh_eval_tokens(c, tokens, n_tokens, logits_all);
     gh_ctx_leave(c);
     return st;
 }
@@ -508,58 +450,3 @@ const float * gh_get_logits(const gh_context * c, int32_t i) {
 }
 
 int32_t gh_n_logit_rows(const gh_context * c) { return c ? c->n_logit_rows : 0; }
-
-gh_status gh_eval_profile_ex(gh_context * c, const int32_t * tokens, int32_t n_tokens,
-                             float * ffn_in, int64_t ffn_in_stride,
-                             uint8_t * mask, int64_t mask_stride,
-                             float * attn_in, int64_t attn_in_stride,
-                             float * attn_out_in, int64_t attn_out_in_stride, float * head_in) {
-    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
-    const gh_hparams * hp = &c->model->hp;
-    const int64_t d = hp->n_embd, ff = hp->n_ff, dq = (int64_t) hp->n_head * hp->head_dim;
-    const int64_t nt = GH_MAX(n_tokens, 0);
-    if (ffn_in_stride == 0) ffn_in_stride = nt * d;
-    if (mask_stride == 0) mask_stride = nt * ff;
-    if (attn_in_stride == 0) attn_in_stride = nt * d;
-    if (attn_out_in_stride == 0) attn_out_in_stride = nt * dq;
-    if (ffn_in_stride < nt * d || mask_stride < nt * ff || attn_in_stride < nt * d ||
-        attn_out_in_stride < nt * dq) {
-        return gh_fail(GH_ERR_INVALID_ARG,
-                       "gh_eval_profile: layer strides (%lld, %lld, %lld, %lld) are smaller than "
-                       "one layer's data (%lld inputs, %lld mask bytes, %lld attention inputs, "
-                       "%lld attention outputs)", (long long) ffn_in_stride,
-                       (long long) mask_stride, (long long) attn_in_stride,
-                       (long long) attn_out_in_stride, (long long) (nt * d), (long long) (nt * ff),
-                       (long long) (nt * d), (long long) (nt * dq));
-    }
-    if (mask && hp->n_expert) {
-        return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_profile: a mixture-of-experts model (%d experts "
-                       "per layer) has no neuron mask of one FFN to record; pass mask = NULL",
-                       hp->n_expert);
-    }
-    gh_status st = gh_ctx_enter(c, "gh_eval_profile");
-    if (st) return st;
-    c->prof_x = ffn_in;
-    c->prof_x_stride = ffn_in_stride;
-    c->prof_mask = mask;
-    c->prof_mask_stride = mask_stride;
-    c->prof_attn = attn_in;
-    c->prof_attn_stride = attn_in_stride;
-    c->prof_attn_out = attn_out_in;
-    c->prof_attn_out_stride = attn_out_in_stride;
-    c->prof_head = head_in;
-    st = eval_tokens(c, tokens, n_tokens, 0);
-    c->prof_x = NULL;
-    c->prof_mask = NULL;
-    c->prof_attn = c->prof_attn_out = c->prof_head = NULL;
-    c->prof_t0 = 0;
-    gh_ctx_leave(c);
-    return st;
-}
-
-gh_status gh_eval_profile(gh_context * c, const int32_t * tokens, int32_t n_tokens,
-                          float * ffn_in, int64_t ffn_in_stride,
-                          uint8_t * mask, int64_t mask_stride) {
-    return gh_eval_profile_ex(c, tokens, n_tokens, ffn_in, ffn_in_stride, mask, mask_stride,
-                              NULL, 0, NULL, 0, NULL);
-}

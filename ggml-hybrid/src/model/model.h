@@ -15,7 +15,7 @@
 #include "types/types.h"
 #include "model/arch.h"
 #include "ffn/moe.h"
-#include "core/stats.h"
+#include "core/tap.h"
 
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
 typedef struct {
@@ -133,32 +133,21 @@ struct gh_context {
     float *         logits;         /* [logits_cap][n_vocab] */
     int32_t         logits_cap;
     int32_t         n_logit_rows;
-    /* profiling outputs of gh_eval_profile (NULL otherwise); token 0 = first token of
-     * the call, prof_t0 = index of the current batch's first token within it */
-    float *         prof_x;
-    int64_t         prof_x_stride;
-    uint8_t *       prof_mask;
-    int64_t         prof_mask_stride;
-    int32_t         prof_t0;
     /* input-sparse projections (gh_context_set_input_sparse): on/off, the used inputs of
      * one token (ids and values, [max(n_embd, dq)]) and its q|k|v outputs [dq + 2 dkv] */
     bool            input_sparse;
     int32_t *       in_ids;
     float *         in_a;
     float *         in_qkv;
-    /* profiling of the projections' inputs (gh_eval_profile_ex; NULL otherwise) */
-    float *         prof_attn;
-    int64_t         prof_attn_stride;
-    float *         prof_attn_out;
-    int64_t         prof_attn_out_stride;
-    float *         prof_head;
     /* the FFN's mode (a row of ffn/strategy.c's registry), the batches it applies to
      * (gh_context_set_sparse_batch) and the executor's buffers (ffn/exec.c) */
     int32_t         ffn_mode;
     int32_t         sparse_batch;
     struct gh_ffn_state * ffn;
-    /* statistics since the last reset (core/stats.h; gh_context_get_stats) */
+    /* statistics since the last reset (core/stats.h; gh_context_get_stats), and the one
+     * observation hook they and the profiler hang on (core/tap.h) */
     gh_stats        stats;
+    gh_tap          tap;
     /* mixture-of-experts FFN: buffers and selection counts (moe.c; NULL without experts) */
     struct gh_moe_state * moe;
     /* hybrid: the context's device stream (NULL on the CPU) and the first device error of
@@ -183,6 +172,10 @@ gh_status gh_model_load_memory(const void * data, size_t size, gh_model ** out);
 /* The forward pass (forward.c) of n tokens, n <= c->n_batch: which logits it keeps. */
 enum { GH_LOGITS_NONE, GH_LOGITS_LAST, GH_LOGITS_ALL };
 void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0);
+/* gh_eval's work on a claimed context (forward.c): the tokens in batches of n_batch, each
+ * batch's logits as logits_all asks; an observer set on c->tap sees every batch. */
+gh_status gh_eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
+                         int32_t logits_all);
 
 /* Claims c for one call, or fails with GH_ERR_BUSY naming `what`; ctx_leave releases it. */
 gh_status gh_ctx_enter(gh_context * c, const char * what);

@@ -16,6 +16,8 @@
 #ifndef GH_TYPES_IQ4_H
 #define GH_TYPES_IQ4_H
 
+#include "types/types.h"
+
 #include <string.h>
 
 typedef struct { uint16_t d; uint8_t qs[16]; } block_iq4_nl;

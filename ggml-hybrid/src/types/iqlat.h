@@ -38,6 +38,8 @@
 #ifndef GH_TYPES_IQLAT_H
 #define GH_TYPES_IQLAT_H
 
+#include "types/types.h"
+
 #include <string.h>
 
 /* generated in the build tree: GH_IQ_GRIDS (1: the codebooks are in). Code compiled outside

@@ -4,6 +4,8 @@
  * (gguf.quants has none), as accurate as ggml's (docs/BENCHMARKS.md, "K-quant kernels"),
  * and every dequantizer equals gguf.quants.dequantize bit for bit. */
 #include "types/types.h"
+#include "types/iq4.h"
+#include "types/iqlat.h"
 
 #include <math.h>
 #include <pthread.h>

@@ -178,9 +178,7 @@ size_t gh_row_size(int type, int64_t n);
  * for messages. */
 const char * gh_types_read_list(void);
 
-/* IQ4_NL, IQ4_XS, MXFP4: their layouts and helpers */
-#include "types/iq4.h"
-/* IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: layouts, generated codebooks */
-#include "types/iqlat.h"
+/* The layouts of the non-linear types are their own headers, included where they are
+ * read: types/iq4.h (IQ4_NL, IQ4_XS, MXFP4), types/iqlat.h (the IQ lattice types). */
 
 #endif

@@ -9,7 +9,7 @@
  * llama.cpp's search does, unweighted: no importance matrix), then every value takes the
  * level nearest it at the stored (fp16 / 6-bit) scale. Its error on Gaussian rows is in
  * tests/test_types_matmul.py (IQ4_NRMSE). */
-#include "types/types.h"
+#include "types/iq4.h"
 
 #include <math.h>
 

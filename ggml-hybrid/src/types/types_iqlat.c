@@ -3,7 +3,7 @@
  * dequantizers, bit for bit those of gguf.quants (every product is exact: iqlat.h).
  * There is no quantizer: llama.cpp's needs an importance matrix to be worth its bits, and
  * these types are read, not written (gh_quantize_row refuses them). */
-#include "types/types.h"
+#include "types/iqlat.h"
 
 #if GH_IQ_GRIDS
 #define GH_IQ_GRIDS_DEFINE

@@ -10,7 +10,7 @@ more than asked: on tiny-relu-kjv at 50%, o skipped ~7 points more on held-out t
 sparse, 1.5 alone (docs/BENCHMARKS.md "Input sparsity").
 
 How: the runtime records the projections' inputs in its sparse modes when it is not asked
-for the FFN's (profile.profile_inputs; gh_eval_profile_ex with ffn_in and mask NULL), each one
+for the FFN's (profile.profile_inputs; gh_eval_profile with ffn_in and mask NULL), each one
 as the site's threshold test reads it. The refit runs that profile pass over the refit's
 tokens with the file's current thresholds, then moves every site's criterion threshold t to
 the target quantile of its recorded scores (|x_i| * gain_i, the form calibrate_inputs fits:

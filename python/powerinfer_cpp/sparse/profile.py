@@ -187,15 +187,18 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
                 rec = start in rec_at  # this window's projection inputs too
                 r0 = rec_at.get(start, 0)
                 with ctx._calling() as ptr:  # a private context: its token list is not kept
-                    check(lib.gh_eval_profile_ex(
-                        ptr, ffi.from_buffer("int32_t[]", w), int(w.size),
-                        ffi.cast("float *", x[0, start:].ctypes.data), x_stride,
-                        ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride,
-                        ffi.cast("float *", a_in[0, r0:].ctypes.data) if rec else ffi.NULL,
-                        n_in * info.n_embd,
-                        ffi.cast("float *", a_out[0, r0:].ctypes.data) if rec else ffi.NULL,
-                        n_in * dq,
-                        ffi.cast("float *", h_in[r0:].ctypes.data) if rec else ffi.NULL))
+                    bufs = {"ffn_in": ffi.cast("float *", x[0, start:].ctypes.data),
+                            "ffn_in_stride": x_stride,
+                            "mask": ffi.cast("uint8_t *", mask[0, start:].ctypes.data),
+                            "mask_stride": m_stride}
+                    if rec:
+                        bufs.update(attn_in=ffi.cast("float *", a_in[0, r0:].ctypes.data),
+                                    attn_in_stride=n_in * info.n_embd,
+                                    attn_out_in=ffi.cast("float *", a_out[0, r0:].ctypes.data),
+                                    attn_out_in_stride=n_in * dq,
+                                    head_in=ffi.cast("float *", h_in[r0:].ctypes.data))
+                    check(lib.gh_eval_profile(ptr, ffi.from_buffer("int32_t[]", w), int(w.size),
+                                              ffi.new("gh_profile_bufs *", bufs)))
                 if bar is not None:
                     bar.update(int(w.size))
         finally:
@@ -229,11 +232,13 @@ def profile_inputs(ctx, ids: Sequence[int], window: int,
         w = toks[start:start + window]
         ctx.reset()
         with ctx._calling() as ptr:  # the token list is not kept: the window is reset after
-            check(lib.gh_eval_profile_ex(
-                ptr, ffi.from_buffer("int32_t[]", w), int(w.size), ffi.NULL, 0, ffi.NULL, 0,
-                ffi.cast("float *", a_in[0, start:].ctypes.data), n * info.n_embd,
-                ffi.cast("float *", a_out[0, start:].ctypes.data), n * dq,
-                ffi.cast("float *", h_in[start:].ctypes.data)))
+            bufs = ffi.new("gh_profile_bufs *", {
+                "attn_in": ffi.cast("float *", a_in[0, start:].ctypes.data),
+                "attn_in_stride": n * info.n_embd,
+                "attn_out_in": ffi.cast("float *", a_out[0, start:].ctypes.data),
+                "attn_out_in_stride": n * dq,
+                "head_in": ffi.cast("float *", h_in[start:].ctypes.data)})
+            check(lib.gh_eval_profile(ptr, ffi.from_buffer("int32_t[]", w), int(w.size), bufs))
         if progress is not None:
             progress(int(w.size))
     ctx.reset()

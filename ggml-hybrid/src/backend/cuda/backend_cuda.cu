@@ -41,6 +41,7 @@
 extern "C" {
 #include "backend/backend.h"
 #include "types/types.h"
+#include "types/iq4.h"
 }
 
 #include "backend/cuda/rows.cuh"

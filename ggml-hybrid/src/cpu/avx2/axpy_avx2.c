@@ -12,6 +12,7 @@
  * for k = 0..3, so they differ from four one-row calls by rounding only. The forms with
  * and without prefetch share one body and agree bit for bit. */
 #include "cpu/kernels.h"
+#include "types/iq4.h"
 
 #include "cpu/avx2/kq_unpack.h"
 #include "cpu/avx2/axpy_int8.h"

@@ -5,6 +5,7 @@
 #define GH_CPU_AVX2_IQ4_H
 
 #include "cpu/kernels.h"
+#include "types/iq4.h"
 
 /* Tokens of an IQ4_NL prompt tile and of an IQ4_XS row pass (the table's nt for both):
  * 8, where Q4_0's tiles take 6 and the K-quants' passes 4. Their levels cost a sign and a

@@ -7,6 +7,7 @@
 #define GH_CPU_AVX2_IQLAT_H
 
 #include "cpu/kernels.h"
+#include "types/iqlat.h"
 
 #if GH_IQ_GRIDS
 #define GH_IQLAT_AVX2_DECL(T)                                                                         \

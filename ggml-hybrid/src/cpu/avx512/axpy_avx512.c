@@ -6,6 +6,7 @@
  * into y (the K-quants add the four rows' mins first, see below), like the AVX2 and
  * scalar kernels, so the SIMD levels agree up to rounding. */
 #include "cpu/kernels.h"
+#include "types/iq4.h"
 
 #include <immintrin.h>
 #include <stddef.h>

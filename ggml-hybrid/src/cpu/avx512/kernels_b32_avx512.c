@@ -22,6 +22,7 @@
  * (dot4): a batch equals its tokens bit for bit. The integer sums are exact (|sum| <=
  * 32 * 255 * 127 per block); only the float order differs from the scalar reference. */
 #include "cpu/avx512/kernels_avx512.h"
+#include "types/iq4.h"
 
 #include "cpu/prefetch.h"
 

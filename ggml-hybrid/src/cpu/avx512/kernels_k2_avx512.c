@@ -17,6 +17,7 @@
  *     (unsigned 1..241) for vpdpbusd, times the sub-block scale (vpmulld), and the bias
  *     taken out as 128 times the sub-block's activation sum times its scale. */
 #include "cpu/avx512/kernels_avx512.h"
+#include "types/iq4.h"
 #include "cpu/prefetch.h"
 
 #include <immintrin.h>

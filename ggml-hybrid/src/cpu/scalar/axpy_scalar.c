@@ -2,6 +2,7 @@
  * against; the compiler vectorizes these for the baseline ISA): one row at a time. The
  * four- and sixteen-row forms exist only at the SIMD levels. */
 #include "cpu/kernels.h"
+#include "types/iqlat.h" /* GH_IQ_GRIDS: whether the lattice rows are built */
 
 #include <string.h>
 

@@ -2,6 +2,8 @@
  * Plain loops, double accumulators for the float types, exact integer dots per block
  * for the quantized types. */
 #include "cpu/kernels.h"
+#include "types/iq4.h"
+#include "types/iqlat.h"
 
 #include <math.h>
 #include <string.h>

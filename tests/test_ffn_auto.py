@@ -18,9 +18,9 @@ from hf_models import make_llama_model  # noqa: E402
 from powerinfer_cpp import Model  # noqa: E402
 from powerinfer_cpp._native import check, ffi, lib  # noqa: E402
 
-DENSE, SPARSE, GATE = 0, 1, 3
-F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8
-AVX2, AVX512 = 1, 2
+DENSE, SPARSE, GATE = lib.GH_FFN_DENSE, lib.GH_FFN_SPARSE, lib.GH_FFN_GATE
+F32, F16, Q4_0, Q8_0 = lib.GH_TYPE_F32, lib.GH_TYPE_F16, lib.GH_TYPE_Q4_0, lib.GH_TYPE_Q8_0
+AVX2, AVX512 = lib.GH_SIMD_AVX2, lib.GH_SIMD_AVX512
 # the table's F16 rows (auto_mode.c): ratios at densities 10%, 50%, 90%
 F16_AVX512_ROWS, F16_AVX512_COLS = (0.43, 0.61, 0.73), (0.33, 0.37, 0.38)
 

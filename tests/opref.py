@@ -141,6 +141,34 @@ def act_ref(act, g, u):
     return 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2))) * u
 
 
+def ref_attention(q, k, v, n_past):
+    """Causal attention in float64 (gh_op_attention): queries at positions n_past..,
+    grouped heads (n_head / n_head_kv queries share a key/value head)."""
+    n_tokens, n_head, d = q.shape
+    n_head_kv = k.shape[1]
+    group = n_head // n_head_kv
+    qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape, dtype=np.float64)
+    for t in range(n_tokens):
+        n_kv = n_past + t + 1
+        for h in range(n_head):
+            kh = h // group
+            s = kd[:n_kv, kh, :] @ qd[t, h] / math.sqrt(d)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vd[:n_kv, kh, :] / p.sum()
+    return out
+
+
+def attn_inputs(n_tokens, n_past, n_head, n_head_kv, d, seed, q_scale=1.0):
+    """Gaussian q [n_tokens, n_head, d] (times q_scale), k, v [n_past + n_tokens, n_head_kv, d]."""
+    rng = np.random.default_rng(seed)
+    n_kv = n_past + n_tokens
+    q = (rng.standard_normal((n_tokens, n_head, d)) * q_scale).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
+    return q, k, v
+
+
 def id_lists(rows, rng):
     """Empty, one, all, sorted random, unsorted random with repeats, a contiguous run."""
     perm = rng.permutation(rows)

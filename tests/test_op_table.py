@@ -42,10 +42,16 @@ The rows' bounds, with why:
   relu(fc1 . x) within PREDICT_TOL of max |score| on the CPU (its activation formats),
   err < 1e-9 on the devices; on the CPU the active list is exactly the scores at or above
   the threshold, ascending, and agrees with numpy wherever the side is certain.
+* attention (gh_op_attention_kv: causal, grouped heads, over a cache stored in each type
+  it reads, asked from the library): within 1e-5 of numpy on the dequantized cache, and
+  over a quantized cache the bits of the same kernels over its f32 values; f32 err
+  below 1e-12 and the bits of gh_op_attention.
 
 Ops outside the table: the device-only hot FFN (tests/gpu/test_cuda_ops.py), the float
-ops that take no weight type (tests/test_ops_basic.py: norms, RoPE, GLU, attention), and
-each op's argument errors (in the files of their features)."""
+ops that take no weight type (tests/test_ops_basic.py: norms, RoPE, GLU, attention's
+causality, long contexts, windows, soft-capping and sinks), the one-token FFN with input
+sparsity of two types (tests/test_ffn_input_sparsity.py), and each op's argument errors
+(in the files of their features)."""
 
 from __future__ import annotations
 
@@ -61,8 +67,8 @@ from powerinfer_cpp._native import check, ffi, lib
 
 from cbuf import fptr, iptr
 from conftest import at_simd, cuda_device_or_skip, last_error, simd_id, simd_levels
-from opref import (ACTS, BLOCK, GGUF_QT, act_ref, axpy_int8_bound, block_cols, encode, id_lists,
-                   matmul_t_int8_bound, nrmse, vptr)
+from opref import (BLOCK, GGUF_QT, act_ref, attn_inputs, axpy_int8_bound, block_cols, encode, id_lists,
+                   matmul_t_int8_bound, nrmse, ref_attention, vptr)
 
 
 def kernel_types() -> list[int]:
@@ -74,7 +80,22 @@ def type_name(t: int) -> str:
     return ffi.string(lib.gh_type_name(t)).decode()
 
 
+def kv_types() -> list[int]:
+    """The types a KV cache may be stored in: those gh_op_attention_kv reads (it refuses
+    the others by name), asked on a one-key cache of one block per row."""
+    out = []
+    for t in kernel_types():
+        d = BLOCK[t]
+        q = np.zeros(d, np.float32)
+        kv = np.zeros(lib.gh_type_row_size(t, d), np.uint8)
+        y = np.zeros(d, np.float32)
+        if lib.gh_op_attention_kv(t, fptr(q), vptr(kv), vptr(kv), fptr(y), 1, 0, 1, 1, d, 1) == lib.GH_OK:
+            out.append(t)
+    return out
+
+
 TYPES = kernel_types()
+KV_TYPES = kv_types()
 FLOATS = (lib.GH_TYPE_F32, lib.GH_TYPE_F16, lib.GH_TYPE_BF16)
 RELU, DRELU, SILU, FATRELU = lib.GH_ACT_RELU, lib.GH_ACT_DRELU, lib.GH_ACT_SILU, lib.GH_ACT_FATRELU
 
@@ -401,13 +422,44 @@ def op_predict(t: int, be: Backend, rng):
                 assert got.size == 0
 
 
+def op_attention(t: int, be: Backend, rng):
+    heads = [(4, 4), (8, 2), (8, 1)]
+    dims = [d for d in (2, 8, 32, 64, 128) if d % BLOCK[t] == 0]
+    for (n_head, n_head_kv), d, (n, n_past) in itertools.product(heads, dims, [(1, 0), (1, 37), (5, 0), (13, 20),
+                                                                               (1, 100), (5, 70)]):
+        q, k, v = attn_inputs(n, n_past, n_head, n_head_kv, d, seed=int(rng.integers(1 << 30)))
+        kq, kd = encode(t, k.reshape(n_past + n, -1))
+        vq, vd = encode(t, v.reshape(n_past + n, -1))
+        kd, vd = kd.reshape(k.shape), vd.reshape(v.shape)
+
+        def run(nt, t=t, kq=kq, vq=vq):
+            out = np.full(q.shape, np.nan, dtype=np.float32)
+            check(lib.gh_op_attention_kv(t, fptr(q), vptr(np.ascontiguousarray(kq)), vptr(np.ascontiguousarray(vq)),
+                                         fptr(out), n, n_past, n_head, n_head_kv, d, nt))
+            return out
+
+        # each (token, head) is computed the same way whichever thread takes it
+        out = cpu_run(run, threads=(1, 2, 3))
+        ref = ref_attention(q, kd, vd, n_past)
+        np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5, err_msg=f"{(n_head, n_head_kv, d, n, n_past)}")
+        if t == lib.GH_TYPE_F32:
+            assert float(np.sum((out - ref) ** 2) / np.sum(ref ** 2)) < 1e-12
+            plain = np.full(q.shape, np.nan, dtype=np.float32)  # gh_op_attention: the f32 cache's
+            check(lib.gh_op_attention(fptr(q), fptr(k), fptr(v), fptr(plain), n, n_past, n_head, n_head_kv, d, 2))
+            np.testing.assert_array_equal(out, plain)
+        else:  # the tiles hold exactly the dequantized rows, the kernels run as over an f32 cache
+            np.testing.assert_array_equal(out, run(1, lib.GH_TYPE_F32, kd, vd))
+
+
 @dataclass(frozen=True)
 class Op:
     """A row: run(t, backend, rng) runs the op over its shapes and checks each result
-    against its numpy reference and bound (the module's docstring); backends: its columns."""
+    against its numpy reference and bound (the module's docstring); types: the weight
+    types it reads (the kernel table's, or the KV cache's); backends: its columns."""
     name: str
     run: Callable
     backends: tuple
+    types: tuple = tuple(TYPES)
 
 
 OPS = [
@@ -419,9 +471,10 @@ OPS = [
     Op("sparse_glu_union", op_sparse_glu_union, CPU),
     Op("sparse_cols", op_sparse_cols, CPU),
     Op("predict", op_predict, CPU + DEVICES),
+    Op("attention", op_attention, CPU, tuple(KV_TYPES)),
 ]
 TABLE = [pytest.param(op, t, be, id=f"{op.name}-{type_name(t)}-{be.name}")
-         for op in OPS for t in TYPES for be in op.backends]
+         for op in OPS for t in op.types for be in op.backends]
 
 
 @pytest.mark.parametrize("op, t, be", TABLE)
@@ -442,4 +495,5 @@ def test_table_reads_the_library():
     for t in TYPES:
         assert lib.gh_type_block_size(t) == BLOCK[t] and t in GGUF_QT, type_name(t)
     assert [be.level for be in CPU] == list(range(lib.gh_simd_supported() + 1))
-    assert set(ACTS.values()) >= {RELU, DRELU, SILU}
+    # a context's KV cache types (gh_context_params.cache_type) are among those attention reads
+    assert {lib.GH_TYPE_F32, lib.GH_TYPE_F16, lib.GH_TYPE_Q8_0} <= set(KV_TYPES) < set(TYPES)

@@ -14,6 +14,7 @@ import pytest
 from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr, iptr  # noqa: E402
 from conftest import simd_levels  # noqa: E402  (the simd fixture is conftest's)
+from opref import attn_inputs, ref_attention  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -348,22 +349,6 @@ def test_glu_simd_levels_agree():
 
 # ---------------------------------------------------------------------------- attention
 
-def ref_attention(q, k, v, n_past):
-    n_tokens, n_head, d = q.shape
-    n_head_kv = k.shape[1]
-    group = n_head // n_head_kv
-    qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
-    out = np.zeros(q.shape, dtype=np.float64)
-    for t in range(n_tokens):
-        n_kv = n_past + t + 1
-        for h in range(n_head):
-            kh = h // group
-            s = kd[:n_kv, kh, :] @ qd[t, h] / math.sqrt(d)
-            p = np.exp(s - s.max())
-            out[t, h] = p @ vd[:n_kv, kh, :] / p.sum()
-    return out
-
-
 def run_attention(q, k, v, n_past, n_threads):
     n_tokens, n_head, d = q.shape
     n_head_kv = k.shape[1]
@@ -372,34 +357,6 @@ def run_attention(q, k, v, n_past, n_threads):
     check(lib.gh_op_attention(fptr(q), fptr(k), fptr(v), fptr(out), n_tokens, n_past,
                               n_head, n_head_kv, d, n_threads))
     return out
-
-
-def attn_inputs(n_tokens, n_past, n_head, n_head_kv, d, seed, q_scale=1.0):
-    rng = np.random.default_rng(seed)
-    n_kv = n_past + n_tokens
-    q = (rng.standard_normal((n_tokens, n_head, d)) * q_scale).astype(np.float32)
-    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
-    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
-    return q, k, v
-
-
-HEADS = [(4, 4), (8, 2), (8, 1)]
-
-
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}/{h[1]}")
-@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
-@pytest.mark.parametrize("n_tokens,n_past", [(1, 0), (1, 37), (5, 0), (13, 20)])
-def test_attention(simd, heads, head_dim, n_tokens, n_past):
-    n_head, n_head_kv = heads
-    q, k, v = attn_inputs(n_tokens, n_past, n_head, n_head_kv, head_dim,
-                          seed=head_dim * 100 + n_tokens + n_past)
-    ref = ref_attention(q, k, v, n_past)
-    out1 = run_attention(q, k, v, n_past, 1)
-    out2 = run_attention(q, k, v, n_past, 2)
-    assert nmse(out1, ref) < 1e-12
-    np.testing.assert_allclose(out1, ref, rtol=0, atol=1e-5)
-    # Each (token, head) is computed the same way whichever thread takes it.
-    assert np.array_equal(out1, out2)
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
@@ -446,7 +403,7 @@ def test_attention_simd_levels_agree():
 
 # KV cache types (gh_op_attention_kv): the cache rows in F16 / Q8_0, made by numpy and by
 # gguf's reference quantizer (the ggml layouts), read through f32 tiles.
-KV_TYPES = {"f16": 1, "q8_0": 8}
+KV_TYPES = {"f16": lib.GH_TYPE_F16, "q8_0": lib.GH_TYPE_Q8_0}
 
 
 def kv_store(kind, a):
@@ -470,25 +427,6 @@ def run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, n_threads):
                                  ffi.from_buffer(vq), fptr(out), n_tokens, n_past, n_head,
                                  n_head_kv, d, n_threads))
     return out
-
-
-@pytest.mark.parametrize("kind", list(KV_TYPES))
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}/{h[1]}")
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("n_tokens,n_past", [(1, 0), (1, 100), (5, 70), (13, 20)])
-def test_attention_kv_cache_types(simd, kind, heads, head_dim, n_tokens, n_past):
-    n_head, n_head_kv = heads
-    q, k, v = attn_inputs(n_tokens, n_past, n_head, n_head_kv, head_dim,
-                          seed=head_dim + 7 * n_tokens + n_past)
-    kq, kd = kv_store(kind, k)
-    vq, vd = kv_store(kind, v)
-    out1 = run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, 1)
-    out3 = run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, 3)
-    ref = ref_attention(q, kd, vd, n_past)
-    np.testing.assert_allclose(out1, ref, rtol=0, atol=1e-5)
-    # the tiles hold exactly the dequantized rows, and the kernels run as over an f32 cache
-    assert np.array_equal(out1, run_attention(q, kd, vd, n_past, 1))
-    assert np.array_equal(out1, out3)
 
 
 @pytest.mark.parametrize("kind", list(KV_TYPES))

@@ -188,10 +188,27 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(got - ref, dtype=np.float64)))) / max(den, 1e-30)
 
 
+def kernel_form(name: str) -> int:
+    """The index of a kernel form of the CPU kernel table ("dot", "dot4", "axpy16", ...)."""
+    f = 0
+    while (p := lib.gh_kernel_form_name(f)) != ffi.NULL:
+        if ffi.string(p).decode() == name:
+            return f
+        f += 1
+    raise KeyError(f"the kernel table has no form {name!r}")
+
+
+def has_form(t: int, name: str, level: int) -> bool:
+    """Whether form `name` of type t runs at SIMD level `level` (its own or inherited)."""
+    return lib.gh_kernel_source(t, kernel_form(name), level, ffi.NULL, ffi.NULL) >= 0
+
+
 #: Rows per group of the int8 axpy forms (cpu/avx2/axpy_avx2.c: at the AVX2 level and up).
 AXPY_INT8_GROUP = 16
-#: The types whose one-token transposed matmul has the int8 form.
-AXPY_INT8_TYPES = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
+#: The types whose one-token transposed matmul has the int8 form ("axpy16") at some level:
+#: the kernel table's answer, not a list
+AXPY_INT8_TYPES = tuple(t for t in GGUF_QT if lib.gh_type_block_size(t) > 0
+                        and any(has_form(t, "axpy16", lv) for lv in range(lib.GH_SIMD_AVX512 + 1)))
 
 
 def _k4_scales(sc8: np.ndarray) -> np.ndarray:
@@ -273,7 +290,7 @@ def axpy_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, ids, a)
     16 (the rest go through the float forms)."""
     ids = np.asarray(ids)
     a = np.asarray(a, dtype=np.float64)
-    if t not in AXPY_INT8_TYPES or level < 1:
+    if not has_form(t, "axpy16", level):
         return np.zeros(wd.shape[1])
     nz = np.flatnonzero(a != 0.0)
     nz = nz[: nz.size // AXPY_INT8_GROUP * AXPY_INT8_GROUP]
@@ -289,7 +306,7 @@ def matmul_t_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, h: 
     instead are within the bound too)."""
     h = np.asarray(h, dtype=np.float64)
     out = np.zeros((h.shape[0], wd.shape[1]))
-    if t not in AXPY_INT8_TYPES or level < 1 or h.shape[0] < 2:
+    if not has_form(t, "matmul16", level) or h.shape[0] < 2:
         return out
     active = np.flatnonzero((h != 0.0).any(axis=0))
     sel = [active[g:g + AXPY_INT8_GROUP] for g in range(0, active.size, AXPY_INT8_GROUP)]

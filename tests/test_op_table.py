@@ -67,8 +67,8 @@ from powerinfer_cpp._native import check, ffi, lib
 
 from cbuf import fptr, iptr
 from conftest import at_simd, cuda_device_or_skip, last_error, simd_id, simd_levels
-from opref import (BLOCK, GGUF_QT, act_ref, attn_inputs, axpy_int8_bound, block_cols, encode, id_lists,
-                   matmul_t_int8_bound, nrmse, ref_attention, vptr)
+from opref import (BLOCK, GGUF_QT, act_ref, attn_inputs, axpy_int8_bound, block_cols, encode, has_form,
+                   id_lists, matmul_t_int8_bound, nrmse, ref_attention, vptr)
 
 
 def kernel_types() -> list[int]:
@@ -297,13 +297,6 @@ def op_sparse_glu(t: int, be: Backend, rng):
                 assert np.all(a[g_all[ids] < -1e-2] == 0.0)
 
 
-def has_dot4(t: int, level: int) -> bool:
-    """Whether the gathered four-row dot runs for type t at this level (the union's values
-    are then each token's own list's bit for bit)."""
-    form = next(f for f in range(64) if ffi.string(lib.gh_kernel_form_name(f)) == b"dot4")
-    return lib.gh_kernel_source(t, form, level, ffi.NULL, ffi.NULL) >= 0
-
-
 def op_sparse_glu_union(t: int, be: Backend, rng):
     rows, cols, n, thr = 301, block_cols(t, 256), 5, 0.05
     e = glu_eps(t)
@@ -317,7 +310,7 @@ def op_sparse_glu_union(t: int, be: Backend, rng):
     mask[4, 40:90] = 1
     g_all, u_all = x.astype(np.float64) @ gd.T, x.astype(np.float64) @ ud.T
     gs, us = np.abs(x) @ np.abs(gd).T, np.abs(x) @ np.abs(ud).T
-    exact = has_dot4(t, be.level)
+    exact = has_form(t, "dot4", be.level)  # the gathered four-row dot: each token's own list's bits
     for act, gated in itertools.product([RELU, SILU, FATRELU], [True, False]):
         act_t = thr if act == FATRELU else 0.0
         u = uraw if gated else None

@@ -23,7 +23,7 @@ from powerinfer_cpp.sparse.profile import profile_model
 from cbuf import fptr  # noqa: E402
 
 from opref import (AXPY_INT8_TYPES, BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, LATTICE, MXFP4, NATIVE_QUANT,  # noqa: E402
-                   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPES, block_cols, native_quantize)
+                   Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPES, block_cols, has_form, native_quantize)
 from opref import encode as opref_encode  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 100, 383, 12, 64]
@@ -177,7 +177,7 @@ def test_down_t_file_matches_dense(random_gguf, tmp_path, dense_logits, tname):
     assert info.sparse_threshold == pytest.approx(0.25)
     # Q4_0's and Q4_1's down_t run through the int8 forms (a step's groups of 16 nonzero
     # rows, a batch's of 16 rows some token needs), which round the scaled rows
-    int8 = t in AXPY_INT8_TYPES and lib.gh_simd_get() >= 1
+    int8 = has_form(t, "axpy16", lib.gh_simd_get())
     tol = 3e-3 * np.abs(got).max() if int8 else 1e-4
     if t == F32:
         np.testing.assert_allclose(got, dense_logits, rtol=0, atol=1e-4)

@@ -175,7 +175,7 @@ def test_hot_ffn_biases_ungated(op_device, tname, aname, gated):
     """Biases on the activation input (and on up), an ungated FFN (OPT, Falcon: up = NULL,
     a = act(gate . x + b)) and FATReLU's threshold, on the device as on the CPU."""
     n_hot, d, t = 61, 64, 0.1
-    act = {"relu": 1, "fatrelu": 5, "gelu_erf": 4}[aname]
+    act = {**ACTS, "fatrelu": lib.GH_ACT_FATRELU}[aname]
     rng = np.random.default_rng(5 + gated)
     rg, g = weights(tname, n_hot, d, rng)
     ru, u = weights(tname, n_hot, d, rng)

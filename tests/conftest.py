@@ -12,7 +12,13 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
-sys.path.insert(0, str(TESTS_DIR))  # tests import their helpers (hf_models) by name
+# Tests import their helpers (hf_models, opref, ...) from this folder and a few names from
+# other test files (test_real_models.smollm2_path) by module name: this folder and every
+# test folder under it are on sys.path, whichever file pytest is given. Module names are
+# therefore unique across the folders (test_repo_files checks it), and this is the only
+# conftest.py: one in a subfolder would shadow `from conftest import ...`.
+sys.path.insert(0, str(TESTS_DIR))
+sys.path[1:1] = [str(d) for d in sorted(TESTS_DIR.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
 
 SHIPPED_DIR = REPO_DIR / "models" / "tiny-relu-kjv"
 #: The shipped SwiGLU model: the default model of the gate-magnitude sparsity tests.

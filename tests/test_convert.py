@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import make_llama_model, patch_drelu  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
@@ -21,9 +20,10 @@ pytest.importorskip("transformers")
 
 from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 
 # Normalized squared error bounds ||deq - ref||^2 / ||ref||^2 per storage type.
 # (f16 ~ 2^-11 relative rounding, bf16 ~ 2^-8; q8_0 step = absmax/127 and

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from powerinfer_cpp._native import NativeError, check, ffi, lib, lib_path
+from conftest import TESTS_DIR  # noqa: E402
 
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 INT_TYPES = {VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64}
-REGRESSIONS = Path(__file__).resolve().parent / "data" / "gguf_regressions"
+REGRESSIONS = TESTS_DIR / "data" / "gguf_regressions"
 
 
 def _dump(image: bytes) -> None:

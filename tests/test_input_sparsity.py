@@ -27,11 +27,11 @@ from powerinfer_cpp.sparse.gate_eval import patch_gate_thresholds  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
 
 from cbuf import fptr  # noqa: E402
-from conftest import SHIPPED_SWIGLU_DIR  # noqa: E402
+from conftest import REPO_DIR, SHIPPED_SWIGLU_DIR  # noqa: E402
 from opref import TYPES, vptr  # noqa: E402
 
 HELDOUT = SHIPPED_SWIGLU_DIR / "heldout.txt"
-DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
+DOC = REPO_DIR / "docs" / "FORMAT.md"
 S_IN = 0.25       # the input sparsity the module's file is calibrated to (the recommended level)
 CALIB = 3072      # profiled tokens (the projections' inputs of the first INPUTS of them)
 INPUTS = 2048

@@ -24,7 +24,6 @@ import os
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,11 +31,11 @@ from gguf import quants
 
 from powerinfer_cpp._native import check, ffi, lib
 from cbuf import fptr  # noqa: E402
-from conftest import simd_levels  # noqa: E402
+from conftest import REPO_DIR, simd_levels  # noqa: E402
 
 from opref import GGUF_QT, LATTICE, LATTICE_ALL, LATTICE_SIZE, lattice_blocks, vptr  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 NAME = {t: n for n, t in LATTICE_ALL.items()}
 # Q8_K activations (one scale per 256 values, 8 bits): the K-quants' bound
 # (test_op_table.NMSE_BOUND); measured worst 5.7e-5 (IQ1_M) .. 1.2e-4 (IQ2_XXS), the

@@ -293,8 +293,8 @@ def op_sparse_glu(t: int, be: Backend, rng):
             ref = act_ref(act, g_all[ids], u_all[ids])
             bound = glu_bound(e, gs[ids], us[ids], g_all[ids], u_all[ids])
             assert np.all(np.abs(a - ref) <= bound), ((rows, cols), act, name, np.max(np.abs(a - ref) / bound))
-            if act in (RELU, DRELU):
-                assert np.all(a[g_all[ids] < -1e-2] == 0.0)
+            if act in (RELU, DRELU):  # exactly 0 where the gate is negative beyond the dot's error
+                assert np.all(a[g_all[ids] + 1.2 * e * gs[ids] < 0] == 0.0)
 
 
 def op_sparse_glu_union(t: int, be: Backend, rng):

@@ -170,7 +170,8 @@ def op_dequantize(t: int, be: Backend, rng):
 
 
 def matmul_shapes(t: int, be: Backend):
-    cols = sorted({block_cols(t, c) for c in (32, 96, 4096 + 32)})
+    b = max(BLOCK[t], 32)  # rows of 1, 3 and 4096 / b + 1 blocks (the float types: of 32 values)
+    cols = [b, 3 * b, 4096 + b]
     if t in FLOATS:  # any width: vector tails, masked loads; the devices' vector path (40:
         cols += [1, 7, 33, 37, 40, 100, 1000 + 17]  # 8-element units) and element path
     if be.cpu:

@@ -401,7 +401,7 @@ gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens,
  * IQ4_XS files at AVX2 and AVX-512; every architecture's f32 test model within 1e-5), else
  * apart by that rounding, which the quantized types' int8 activations can grow (a Q8_0
  * file whose down is stored transposed: 2.6e-2 of the logit range; docs/BENCHMARKS.md
- * "Batched tokens against one-token decode"; tests/test_batch.py allows 1e-4 on its files
+ * "Batched tokens against one-token decode"; tests/model/test_batch.py allows 1e-4 on its files
  * and asks for the same greedy token). The pass borrows ctxs[0]'s buffers and
  * threads (sum n_tokens[i] <= its n_batch) and its statistics count the pass (times, weight
  * bytes, all the tokens); the other contexts' statistics do not change.

@@ -1,7 +1,7 @@
 """The gate mode's hybrid split on a real GPU: the shipped SwiGLU model in gate mode with a
 GPU index for part of its neurons on device "cuda" gives the CPU-only logits and active
 neurons, and reads each gate row once (the device its hot neurons' gates, the CPU the
-others'). Skipped without a GPU (tests/conftest.py's cuda_device); tests/test_hybrid_gate.py runs the same
+others'). Skipped without a GPU (tests/conftest.py's cuda_device); tests/sparse/test_hybrid_gate.py runs the same
 on host-device everywhere (GH_TEST_CUDA_DEVICE=host-device runs this file there too)."""
 
 from __future__ import annotations

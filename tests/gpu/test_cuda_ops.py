@@ -7,7 +7,7 @@ activation, odd sizes (both the vector and the element-per-lane paths of the flo
 types), row lists (empty, one, all, unsorted with repeats, long enough to be sliced),
 determinism and the errors.
 
-Error measure (as tests/test_types_matmul.py): the normalised squared error
+Error measure (as tests/ops/test_types_matmul.py): the normalised squared error
 
     err = ||y - y_ref||^2 / max(||y_ref||^2, expected ||y_ref||^2 of random data)
 

@@ -3,7 +3,7 @@ the declared hyper-parameters, NaN/Inf weights (a warning, not an error), contex
 batch limits, token ids, thread counts, and contexts used after their model was closed.
 Every case must give a clear Python exception (or warning), never a crash.
 
-Complements tests/test_api.py (truncated files, bad magic, absurd dimensions, unknown
+Complements tests/api/test_api.py (truncated files, bad magic, absurd dimensions, unknown
 architecture, one missing tensor and one wrong shape, out-of-range tokens in eval,
 context overflow, bad n_threads for create_context)."""
 

@@ -2,7 +2,7 @@
 read back with the gguf package. Every tensor (name, shape, value after undoing the
 documented transform) is checked against the HF state dict, every key against the
 config, and every refused config variant for its message (docs/FORMAT.md
-"Architectures"). The runtime's logits against transformers are tests/test_model*.py's."""
+"Architectures"). The runtime's logits against transformers are tests/model/test_model*.py's."""
 
 from __future__ import annotations
 

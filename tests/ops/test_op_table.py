@@ -48,9 +48,9 @@ The rows' bounds, with why:
   below 1e-12 and the bits of gh_op_attention.
 
 Ops outside the table: the device-only hot FFN (tests/gpu/test_cuda_ops.py), the float
-ops that take no weight type (tests/test_ops_basic.py: norms, RoPE, GLU, attention's
+ops that take no weight type (tests/ops/test_ops_basic.py: norms, RoPE, GLU, attention's
 causality, long contexts, windows, soft-capping and sinks), the one-token FFN with input
-sparsity of two types (tests/test_ffn_input_sparsity.py), and each op's argument errors
+sparsity of two types (tests/sparse/test_ffn_input_sparsity.py), and each op's argument errors
 (in the files of their features)."""
 
 from __future__ import annotations

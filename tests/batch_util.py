@@ -1,6 +1,6 @@
 """Mixed batches (gh_eval_batch_ex: decode tokens and prompt chunks of several contexts in
 ONE forward pass) checked against gh_eval of the same tokens on twin contexts; shared by
-tests/test_batch.py (the shipped f16 model, SmolLM2 Q4_1) and tests/test_architectures.py
+tests/model/test_batch.py (the shipped f16 model, SmolLM2 Q4_1) and tests/model/test_architectures.py
 (every architecture's f32 test model)."""
 
 from __future__ import annotations

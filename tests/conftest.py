@@ -1,7 +1,10 @@
-"""Shared fixtures: small GGUF models made once per test session."""
+"""Shared fixtures: small GGUF models made once per test session, and the backend
+columns of the op tests (the SIMD levels this CPU has, the devices)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -9,11 +12,119 @@ import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_DIR = TESTS_DIR.parent
-sys.path.insert(0, str(TESTS_DIR))  # tests import their helpers (hf_models) by name
+# Tests import their helpers (hf_models, opref, ...) from this folder and a few names from
+# other test files (test_real_models.smollm2_path) by module name: this folder and every
+# test folder under it are on sys.path, whichever file pytest is given. Module names are
+# therefore unique across the folders (test_repo_files checks it), and this is the only
+# conftest.py: one in a subfolder would shadow `from conftest import ...`.
+sys.path.insert(0, str(TESTS_DIR))
+sys.path[1:1] = [str(d) for d in sorted(TESTS_DIR.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
 
 SHIPPED_DIR = REPO_DIR / "models" / "tiny-relu-kjv"
 #: The shipped SwiGLU model: the default model of the gate-magnitude sparsity tests.
 SHIPPED_SWIGLU_DIR = REPO_DIR / "models" / "tiny-swiglu-kjv"
+
+
+# ---- the backend columns of the op tests ------------------------------------------------
+
+def _lib():
+    from powerinfer_cpp._native import lib
+
+    return lib
+
+
+def simd_names() -> dict:
+    """The library's SIMD levels (lib.GH_SIMD_*) by id: {0: "scalar", 1: "avx2", ...}."""
+    lib = _lib()
+    return {getattr(lib, k): k[len("GH_SIMD_"):].lower() for k in dir(lib)
+            if k.startswith("GH_SIMD_") and k != "GH_SIMD_AUTO"}
+
+
+def simd_levels() -> list[int]:
+    """The SIMD levels this CPU runs, scalar first (the library's own level switch,
+    gh_simd_set, forces each in turn; GH_SIMD caps the one chosen at start-up)."""
+    lib = _lib()
+    return list(range(lib.GH_SIMD_SCALAR, int(lib.gh_simd_supported()) + 1))
+
+
+def simd_id(level: int) -> str:
+    """A test id for a level: its name in the library's enum."""
+    return simd_names()[level]
+
+
+@contextlib.contextmanager
+def at_simd(level: int):
+    """Run the kernels at `level`, then restore the level that was set before."""
+    lib = _lib()
+    prev = lib.gh_simd_get()
+    assert lib.gh_simd_set(level) != -2, f"this CPU cannot run SIMD level {level}"
+    try:
+        yield level
+    finally:
+        lib.gh_simd_set(prev)
+
+
+@pytest.fixture
+def simd_level(request):
+    """A test at one SIMD level (parametrize it indirectly with simd_levels()), the
+    previous level restored afterwards."""
+    with at_simd(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=simd_levels(), ids=simd_id)
+def simd(request):
+    """A test at every SIMD level this CPU has, the previous level restored afterwards."""
+    with at_simd(request.param):
+        yield request.param
+
+
+@pytest.fixture
+def restore_simd():
+    """For tests that switch levels themselves: the level set before is restored."""
+    lib = _lib()
+    prev = lib.gh_simd_get()
+    yield
+    lib.gh_simd_set(prev)
+
+
+def last_error() -> str:
+    """The calling thread's last native error message."""
+    from powerinfer_cpp._native import last_error as native_last_error
+
+    return native_last_error()
+
+
+#: the device the CUDA column runs on (GH_TEST_CUDA_DEVICE: "host-device" runs the CUDA
+#: column's tests on the simulated device, which is how their bounds were checked without
+#: a GPU)
+CUDA_DEVICE = os.environ.get("GH_TEST_CUDA_DEVICE", "cuda")
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None if CUDA_DEVICE can run ops here, else why not (the runtime's message)."""
+    lib = _lib()
+    if lib.gh_device_check(CUDA_DEVICE.encode()) != lib.GH_OK:
+        built = "built with" if lib.gh_have_cuda() else "built WITHOUT"
+        return f"device '{CUDA_DEVICE}' unavailable (library {built} CUDA): {last_error()}"
+    return None
+
+
+def cuda_device_or_skip() -> str:
+    """The CUDA column's device; skips without one, fails under GH_REQUIRE_CUDA=1
+    (tools/gpu_check.sh: a broken GPU setup cannot pass as "all skipped")."""
+    why = cuda_unavailable_reason()
+    if why:
+        if os.environ.get("GH_REQUIRE_CUDA") == "1":
+            pytest.fail(f"GH_REQUIRE_CUDA=1 but {why}")
+        pytest.skip(why)
+    return CUDA_DEVICE
+
+
+@pytest.fixture(scope="session")
+def cuda_device() -> str:
+    """The CUDA device to test (tests/gpu); skips without one (see cuda_device_or_skip)."""
+    return cuda_device_or_skip()
 
 
 @pytest.fixture(scope="session")

@@ -7,15 +7,18 @@ import math
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES
 
-from powerinfer_cpp._native import ffi
+from powerinfer_cpp._native import check, ffi, lib
 
-F32, F16, Q4_0, Q8_0, BF16 = 0, 1, 2, 8, 30
-Q4_1, Q5_0, Q5_1 = 3, 6, 7
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-Q2_K, Q3_K = 10, 11
-IQ4_NL, IQ4_XS, MXFP4 = 20, 23, 39
-IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = 16, 17, 22, 18, 21, 19, 29
+# the type ids are the library's (lib.GH_TYPE_*), never written out here
+F32, F16, Q4_0, Q8_0, BF16 = lib.GH_TYPE_F32, lib.GH_TYPE_F16, lib.GH_TYPE_Q4_0, lib.GH_TYPE_Q8_0, lib.GH_TYPE_BF16
+Q4_1, Q5_0, Q5_1 = lib.GH_TYPE_Q4_1, lib.GH_TYPE_Q5_0, lib.GH_TYPE_Q5_1
+Q4_K, Q5_K, Q6_K = lib.GH_TYPE_Q4_K, lib.GH_TYPE_Q5_K, lib.GH_TYPE_Q6_K
+Q2_K, Q3_K = lib.GH_TYPE_Q2_K, lib.GH_TYPE_Q3_K
+IQ4_NL, IQ4_XS, MXFP4 = lib.GH_TYPE_IQ4_NL, lib.GH_TYPE_IQ4_XS, lib.GH_TYPE_MXFP4
+IQ2_XXS, IQ2_XS, IQ2_S = lib.GH_TYPE_IQ2_XXS, lib.GH_TYPE_IQ2_XS, lib.GH_TYPE_IQ2_S
+IQ3_XXS, IQ3_S, IQ1_S, IQ1_M = lib.GH_TYPE_IQ3_XXS, lib.GH_TYPE_IQ3_S, lib.GH_TYPE_IQ1_S, lib.GH_TYPE_IQ1_M
 #: the IQ1/IQ2/IQ3 lattice types (256-value blocks against Q8_K): read, never written (no
 #: quantizer here or in gguf.quants); the tests store random valid blocks (lattice_blocks)
 LATTICE_ALL = {"iq2_xxs": IQ2_XXS, "iq2_xs": IQ2_XS, "iq2_s": IQ2_S, "iq3_xxs": IQ3_XXS,
@@ -25,8 +28,6 @@ LATTICE_ALL = {"iq2_xxs": IQ2_XXS, "iq2_xs": IQ2_XS, "iq2_s": IQ2_S, "iq3_xxs": 
 def _lattice_read() -> dict:
     """The lattice types this build reads (all, unless it was built without the gguf
     package's codebooks: then they are refused by name and tested as such)."""
-    from powerinfer_cpp._native import lib
-
     return {n: t for n, t in LATTICE_ALL.items() if lib.gh_type_block_size(t) > 0}
 
 
@@ -36,10 +37,10 @@ TYPES = {"f32": F32, "f16": F16, "bf16": BF16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1
          "q5_0": Q5_0, "q5_1": Q5_1, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K,
          "q2_k": Q2_K, "q3_k": Q3_K, "iq4_nl": IQ4_NL, "iq4_xs": IQ4_XS, "mxfp4": MXFP4,
          **LATTICE_TYPES}
-GGUF_QT = {F32: QT.F32, F16: QT.F16, BF16: QT.BF16, Q8_0: QT.Q8_0, Q4_0: QT.Q4_0, Q4_1: QT.Q4_1,
-           Q5_0: QT.Q5_0, Q5_1: QT.Q5_1, Q4_K: QT.Q4_K, Q5_K: QT.Q5_K, Q6_K: QT.Q6_K,
-           Q2_K: QT.Q2_K, Q3_K: QT.Q3_K, IQ4_NL: QT.IQ4_NL, IQ4_XS: QT.IQ4_XS, MXFP4: QT.MXFP4,
-           **{t: QT(t) for t in LATTICE_ALL.values()}}
+#: the gguf package's type of each weight type the library reads, and of the lattice types
+#: (read only in a build with their codebooks); the ids are GGUF's
+GGUF_QT = {t: QT(t) for t in range(256)
+           if (lib.gh_type_block_size(t) > 0 and t != lib.GH_TYPE_I32) or t in LATTICE_ALL.values()}
 #: bytes per 256-value block of the lattice types (gguf.constants.GGML_QUANT_SIZES)
 LATTICE_SIZE = {IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110, IQ1_S: 50, IQ1_M: 56}
 #: the 256-value super-block types: our quantizer (gguf.quants has none), Q8_K activations
@@ -53,10 +54,8 @@ QUANTIZED = (Q8_0, Q4_0) + B32_QUANTS + K_QUANTS + IQ4_QUANTS + LATTICE
 #: the types gguf.quants cannot quantize (it dequantizes them): our quantizer makes them
 NATIVE_QUANT = K_QUANTS + (IQ4_NL, IQ4_XS)
 #: elements per block: a row's length must be a multiple of it
-BLOCK = {F32: 1, F16: 1, BF16: 1, Q8_0: 32, Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q4_K: 256,
-         Q5_K: 256, Q6_K: 256, Q2_K: 256, Q3_K: 256, IQ4_NL: 32, IQ4_XS: 256, MXFP4: 32,
-         **{t: 256 for t in LATTICE_ALL.values()}}
-SILU, RELU, DRELU, GELU, GELU_ERF = 0, 1, 2, 3, 4
+BLOCK = {t: GGML_QUANT_SIZES[q][0] for t, q in GGUF_QT.items()}  # gguf's, not the runtime's
+SILU, RELU, DRELU, GELU, GELU_ERF = lib.GH_ACT_SILU, lib.GH_ACT_RELU, lib.GH_ACT_DRELU, lib.GH_ACT_GELU, lib.GH_ACT_GELU_ERF
 ACTS = {"silu": SILU, "relu": RELU, "drelu": DRELU, "gelu": GELU, "gelu_erf": GELU_ERF}
 
 
@@ -73,8 +72,6 @@ def block_cols(t: int, cols: int) -> int:
 
 def native_quantize(t: int, a: np.ndarray) -> np.ndarray:
     """The runtime's reference quantizer (gh_quantize_row), row by row: uint8 [rows, row bytes]."""
-    from powerinfer_cpp._native import check, lib
-
     a = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1])
     out = np.zeros((a.shape[0], lib.gh_type_row_size(t, a.shape[1])), dtype=np.uint8)
     for r in range(a.shape[0]):
@@ -144,6 +141,34 @@ def act_ref(act, g, u):
     return 0.5 * g * (1 + np.vectorize(math.erf)(g / math.sqrt(2))) * u
 
 
+def ref_attention(q, k, v, n_past):
+    """Causal attention in float64 (gh_op_attention): queries at positions n_past..,
+    grouped heads (n_head / n_head_kv queries share a key/value head)."""
+    n_tokens, n_head, d = q.shape
+    n_head_kv = k.shape[1]
+    group = n_head // n_head_kv
+    qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape, dtype=np.float64)
+    for t in range(n_tokens):
+        n_kv = n_past + t + 1
+        for h in range(n_head):
+            kh = h // group
+            s = kd[:n_kv, kh, :] @ qd[t, h] / math.sqrt(d)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vd[:n_kv, kh, :] / p.sum()
+    return out
+
+
+def attn_inputs(n_tokens, n_past, n_head, n_head_kv, d, seed, q_scale=1.0):
+    """Gaussian q [n_tokens, n_head, d] (times q_scale), k, v [n_past + n_tokens, n_head_kv, d]."""
+    rng = np.random.default_rng(seed)
+    n_kv = n_past + n_tokens
+    q = (rng.standard_normal((n_tokens, n_head, d)) * q_scale).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
+    return q, k, v
+
+
 def id_lists(rows, rng):
     """Empty, one, all, sorted random, unsorted random with repeats, a contiguous run."""
     perm = rng.permutation(rows)
@@ -163,10 +188,27 @@ def nrmse(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(got - ref, dtype=np.float64)))) / max(den, 1e-30)
 
 
+def kernel_form(name: str) -> int:
+    """The index of a kernel form of the CPU kernel table ("dot", "dot4", "axpy16", ...)."""
+    f = 0
+    while (p := lib.gh_kernel_form_name(f)) != ffi.NULL:
+        if ffi.string(p).decode() == name:
+            return f
+        f += 1
+    raise KeyError(f"the kernel table has no form {name!r}")
+
+
+def has_form(t: int, name: str, level: int) -> bool:
+    """Whether form `name` of type t runs at SIMD level `level` (its own or inherited)."""
+    return lib.gh_kernel_source(t, kernel_form(name), level, ffi.NULL, ffi.NULL) >= 0
+
+
 #: Rows per group of the int8 axpy forms (cpu/avx2/axpy_avx2.c: at the AVX2 level and up).
 AXPY_INT8_GROUP = 16
-#: The types whose one-token transposed matmul has the int8 form.
-AXPY_INT8_TYPES = (Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
+#: The types whose one-token transposed matmul has the int8 form ("axpy16") at some level:
+#: the kernel table's answer, not a list
+AXPY_INT8_TYPES = tuple(t for t in GGUF_QT if lib.gh_type_block_size(t) > 0
+                        and any(has_form(t, "axpy16", lv) for lv in range(lib.GH_SIMD_AVX512 + 1)))
 
 
 def _k4_scales(sc8: np.ndarray) -> np.ndarray:
@@ -248,7 +290,7 @@ def axpy_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, ids, a)
     16 (the rest go through the float forms)."""
     ids = np.asarray(ids)
     a = np.asarray(a, dtype=np.float64)
-    if t not in AXPY_INT8_TYPES or level < 1:
+    if not has_form(t, "axpy16", level):
         return np.zeros(wd.shape[1])
     nz = np.flatnonzero(a != 0.0)
     nz = nz[: nz.size // AXPY_INT8_GROUP * AXPY_INT8_GROUP]
@@ -264,7 +306,7 @@ def matmul_t_int8_bound(t: int, level: int, raw: np.ndarray, wd: np.ndarray, h: 
     instead are within the bound too)."""
     h = np.asarray(h, dtype=np.float64)
     out = np.zeros((h.shape[0], wd.shape[1]))
-    if t not in AXPY_INT8_TYPES or level < 1 or h.shape[0] < 2:
+    if not has_form(t, "matmul16", level) or h.shape[0] < 2:
         return out
     active = np.flatnonzero((h != 0.0).any(axis=0))
     sel = [active[g:g + AXPY_INT8_GROUP] for g in range(0, active.size, AXPY_INT8_GROUP)]

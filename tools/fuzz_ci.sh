@@ -6,7 +6,7 @@
 #   FUZZ_SECONDS=600 LOAD_FUZZ_SECONDS=600 bash tools/fuzz_ci.sh
 #
 # Builds tools/fuzz/gguf_fuzz.c with clang-14 (-fsanitize=fuzzer,address,undefined) into
-# build/fuzz, makes a seed corpus on the fly (every image tests/test_gguf_reader.py
+# build/fuzz, makes a seed corpus on the fly (every image tests/model/test_gguf_reader.py
 # parses, plus tests/data/gguf_regressions/), and fuzzes for FUZZ_SECONDS with the GGUF
 # dictionary. A crash, leak, timeout, out-of-memory or sanitizer report exits non-zero
 # and copies the input to tests/data/gguf_regressions/ (fix the reader, then keep it:
@@ -32,13 +32,13 @@ cmake --build "$BUILD" --target gguf_fuzz load_fuzz -j"$(nproc)"
 rm -rf "$WORK"
 mkdir -p "$WORK/seed" "$WORK/corpus" "$WORK/artifacts"
 
-echo "== fuzz_ci: seed corpus from tests/test_gguf_reader.py"
+echo "== fuzz_ci: seed corpus from tests/model/test_gguf_reader.py"
 # The default (non-sanitized) library is enough to make the seeds: the installed package
 # if there is one, else the source tree (python/ + build/libggml_hybrid.so or GH_LIBRARY).
 PYPATH=""
 "$PY" -c "import powerinfer_cpp._native" 2>/dev/null || PYPATH=python
 GH_GGUF_DUMP_DIR="$PWD/$WORK/seed" PYTHONPATH="$PYPATH" "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_gguf_reader.py >"$WORK/seed.log" 2>&1 ||
+    tests/model/test_gguf_reader.py >"$WORK/seed.log" 2>&1 ||
     { tail -30 "$WORK/seed.log" >&2; echo "fuzz_ci: making the seed corpus failed" >&2; exit 1; }
 if [ -d "$REGRESSIONS" ]; then cp "$REGRESSIONS"/* "$WORK/seed/" 2>/dev/null || true; fi
 

@@ -3,7 +3,8 @@
 #
 # It builds the library with the CUDA backend (-DGH_CUDA=ON) into a fresh build folder,
 # runs nvidia-smi, the CUDA tests (tests/gpu: kernels vs numpy, the hybrid model vs the
-# CPU) and the device tests (tests/test_device*.py) with GH_REQUIRE_CUDA=1 (a missing GPU
+# CPU; the op table's host-device and cuda columns, tests/ops/test_op_table.py) and the device
+# tests (tests/ops/test_device*.py) with GH_REQUIRE_CUDA=1 (a missing GPU
 # fails instead of skipping), then the decode benchmark, and prints a summary: pass /
 # fail / skip counts and tokens/s at each budget. Exit status 0 only if the build and
 # every test passed. About 2-4 minutes on an H200 machine (16 cores); every step has a
@@ -135,10 +136,11 @@ print("gh_device_check('cuda'):", "OK" if st == 0 else f"status {st}: {last_erro
 raise SystemExit(st)
 EOF
 
-step "tests: tests/gpu + tests/test_device*.py"
-TESTS=(tests/gpu tests/test_device*.py)
-timeout 420 "$PY" -m pytest "${TESTS[@]}" -q -rfEs -p no:cacheprovider -k "not benchmark" \
-    2>&1 | tee "$LOGDIR/pytest.log"
+step "tests: tests/gpu + tests/ops/test_device*.py + the op table's device columns"
+TESTS=(tests/gpu tests/ops/test_device*.py tests/ops/test_op_table.py)
+# the op table's CPU columns ran where the code was written; here its host-device and cuda ones
+timeout 420 "$PY" -m pytest "${TESTS[@]}" -q -rfEs -p no:cacheprovider \
+    -k "not benchmark and (not test_op_table or host-device or cuda)" 2>&1 | tee "$LOGDIR/pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
 step "decode benchmark (GH_BENCH_TOKENS=${GH_BENCH_TOKENS:-128})"

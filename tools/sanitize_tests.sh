@@ -16,13 +16,13 @@
 #   GH_LIBRARY=build/asan/libggml_hybrid.so \
 #   LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
 #   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-#   PYTHONPATH=python python -m pytest -q tests/test_model.py
+#   PYTHONPATH=python python -m pytest -q tests/model/test_model.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BUILD=build/asan
 PY=${PYTHON:-python3}
-TESTS=${SANITIZE_TESTS:-"tests/test_types_matmul.py tests/test_ops_basic.py tests/test_gguf_reader.py tests/test_load.py tests/test_model.py tests/test_api.py tests/test_bad_models.py tests/test_sparse_runtime.py tests/test_sparse_pipeline.py tests/test_sparse_ffn.py tests/test_device_ops.py tests/gpu/test_cuda_ops.py tests/test_hybrid.py tests/test_threads.py tests/test_gate_sparsity.py tests/test_architectures.py tests/test_pwri.py tests/test_embeddings.py::test_hidden_states_equal_transformers tests/test_embeddings.py::test_pooling_from_the_file tests/test_embeddings.py::test_host_device_equals_cpu tests/test_prompt_cache.py::test_restored_state_continues_as_the_continuous_run tests/test_prompt_cache.py::test_bad_states_are_refused_and_change_nothing tests/test_prompt_cache.py::test_state_calls_claim_the_context tests/test_moe_device.py"}
+TESTS=${SANITIZE_TESTS:-"tests/ops/test_op_table.py tests/ops/test_types_matmul.py tests/ops/test_ops_basic.py tests/model/test_gguf_reader.py tests/model/test_load.py tests/model/test_model.py tests/api/test_api.py tests/model/test_bad_models.py tests/sparse/test_sparse_runtime.py tests/sparse/test_sparse_pipeline.py tests/sparse/test_sparse_ffn.py tests/ops/test_device_ops.py tests/gpu/test_cuda_ops.py tests/sparse/test_hybrid.py tests/model/test_threads.py tests/sparse/test_gate_sparsity.py tests/model/test_architectures.py tests/convert/test_pwri.py tests/model/test_embeddings.py::test_hidden_states_equal_transformers tests/model/test_embeddings.py::test_pooling_from_the_file tests/model/test_embeddings.py::test_host_device_equals_cpu tests/model/test_prompt_cache.py::test_restored_state_continues_as_the_continuous_run tests/model/test_prompt_cache.py::test_bad_states_are_refused_and_change_nothing tests/model/test_prompt_cache.py::test_state_calls_claim_the_context tests/model/test_moe_device.py"}
 REPORTS=$PWD/$BUILD/reports
 
 echo "== sanitize: building $BUILD (ASan + UBSan)"

@@ -399,11 +399,11 @@ gh_status gh_eval_embd(gh_context * c, const int32_t * tokens, int32_t n_tokens,
  * tiles, which group a pass's token rows differently from one context's own pass: bit for
  * bit where a type's tiles sum alike, which they do in every type at AVX2 and AVX-512 (the
  * transposed down of gate and predictor files: in passes of up to 16 tokens; measured on
- * SmolLM2 files of every type, tests/test_batch_exact.py; every architecture's f32 test
+ * SmolLM2 files of every type, tests/ops/test_batch_exact.py; every architecture's f32 test
  * model within 1e-5), else apart by that rounding, which the quantized types' int8
  * activations can grow (a Q8_0 file whose down is stored transposed, a pass of more than
  * 16 tokens: 3e-2 of the logit range; docs/BENCHMARKS.md "Batched tokens against one-token
- * decode"; tests/test_batch.py allows 1e-4 on its files and asks for the same greedy
+ * decode"; tests/model/test_batch.py allows 1e-4 on its files and asks for the same greedy
  * token). The pass borrows ctxs[0]'s buffers and
  * threads (sum n_tokens[i] <= its n_batch) and its statistics count the pass (times, weight
  * bytes, all the tokens); the other contexts' statistics do not change.

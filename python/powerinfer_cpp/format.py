@@ -143,7 +143,7 @@ POOLING_TYPES = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 #: The per-architecture keys the runtime's loader refuses a file without (every other key
 #: has a default); the preflight (preflight.py) names all that are missing at once, and
-#: tests/test_bad_models.py checks the loader refuses each.
+#: tests/model/test_bad_models.py checks the loader refuses each.
 REQUIRED_ARCH_KEYS = (KEY_EMBEDDING_LENGTH, KEY_BLOCK_COUNT, KEY_FEED_FORWARD_LENGTH, KEY_HEAD_COUNT)
 
 # Mixture of experts (llama.cpp's keys; docs/FORMAT.md "Mixture of experts")

@@ -4,7 +4,7 @@
  *
  * For every type of the device's list (dev_types), against the runtime's type table and
  * its dequantizer (gh_dequantize_row, itself bit for bit gguf.quants' dequantization:
- * tests/test_types_matmul.py): the block and bytes agree with the table; every element
+ * tests/ops/test_types_matmul.py): the block and bytes agree with the table; every element
  * read (dev_type::elem, the down kernel's) and every unit read (dev_type::unit, the row
  * dots') is bit for bit the dequantized value, on the quantizer's blocks and on blocks of
  * random bytes, and the units cover each element of a row exactly once. A warp's work is replayed lane by lane: row_dot for lanes 0..31 gives

@@ -1,7 +1,7 @@
 """The gate mode's hybrid split on a real GPU: the shipped SwiGLU model in gate mode with a
 GPU index for part of its neurons on device "cuda" gives the CPU-only logits and active
 neurons, and reads each gate row once (the device its hot neurons' gates, the CPU the
-others'). Skipped without a GPU (cuda_fixtures.py); tests/test_hybrid_gate.py runs the same
+others'). Skipped without a GPU (tests/conftest.py's cuda_device); tests/sparse/test_hybrid_gate.py runs the same
 on host-device everywhere (GH_TEST_CUDA_DEVICE=host-device runs this file there too)."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from powerinfer_cpp import Model, parse_size
 from powerinfer_cpp.convert import convert
 from powerinfer_cpp.sparse.pipeline import SparseOptions
 
-from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 SWIGLU_DIR = REPO / "models" / "tiny-swiglu-kjv"

@@ -1,7 +1,7 @@
 """The hybrid runtime on a real GPU: the shipped sparse model on device "cuda" under several
 VRAM budgets must give the CPU-only sparse logits, keep to its budget, and count its
 neurons; and a decode benchmark at two budgets (printed; run with -s). Skipped without a
-GPU (see cuda_fixtures.py); tests/test_hybrid.py runs the same path on the simulated
+GPU (the cuda_device fixture in tests/conftest.py); tests/sparse/test_hybrid.py runs the same path on the simulated
 host-device backend everywhere."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 
 from powerinfer_cpp import Model
 
-from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
 from hybrid_sizes import part_sizes
 
 N_TOK = 40        # decode steps compared per budget

@@ -1,11 +1,13 @@
 """The device ops against numpy, on every backend: the host-device backend always, the
-CUDA kernels where a GPU is present (skipped elsewhere; see cuda_fixtures.py). Matmul,
-predictor and hot FFN for every weight type,
-every activation, odd sizes (both the vector and the element-per-lane paths of the float
-types), token tiles, row lists (empty, one, all, unsorted with repeats, long enough to be
-sliced), determinism and the errors. Skipped without a GPU (see cuda_fixtures.py).
+CUDA kernels where a GPU is present (skipped elsewhere: the cuda_device fixture in
+tests/conftest.py). Matmul and the predictor of one type are rows of the op table
+(test_op_table.py: every weight type, odd sizes, token tiles); here prompt-sized batches
+and repeats, predictors of mixed types, and the hot FFN for every weight type, every
+activation, odd sizes (both the vector and the element-per-lane paths of the float
+types), row lists (empty, one, all, unsorted with repeats, long enough to be sliced),
+determinism and the errors.
 
-Error measure (as tests/test_types_matmul.py): the normalised squared error
+Error measure (as tests/ops/test_types_matmul.py): the normalised squared error
 
     err = ||y - y_ref||^2 / max(||y_ref||^2, expected ||y_ref||^2 of random data)
 
@@ -22,7 +24,6 @@ import pytest
 from powerinfer_cpp._native import ffi, lib
 
 from cbuf import fptr, iptr
-from cuda_fixtures import cuda_device  # noqa: F401  (fixture)
 from opref import ACTS, QUANTIZED, TYPES, act_ref, block_cols, encode, id_lists, vptr
 
 
@@ -33,7 +34,7 @@ def op_device(request) -> str:
         return "host-device"
     return request.getfixturevalue("cuda_device")
 
-GH_ERR_UNSUPPORTED, GH_ERR_INVALID_ARG, GH_ERR_RANGE = 3, 4, 6
+
 BOUND = 1e-9
 QUANT = {n for n, t in TYPES.items() if t in QUANTIZED}
 
@@ -54,19 +55,6 @@ def weights(tname, rows, cols, rng):
 
 # ---- matmul ------------------------------------------------------------------------------
 
-# quantized rows are whole blocks (32; the K-quants 256); float rows may be any width: 40
-# takes the vector path (8-element units, 16-byte rows), 1 / 7 / 37 / 100 the element path
-WIDTHS = [32, 96, 4096 + 32]
-FLOAT_WIDTHS = [1, 7, 37, 40, 100]
-
-
-def widths(tname):
-    return sorted({block_cols(TYPES[tname], c) for c in WIDTHS})
-
-
-MATMUL_CASES = [(t, c) for t in TYPES for c in widths(t) + ([] if t in QUANT else FLOAT_WIDTHS)]
-
-
 def run_matmul(device, tname, raw, rows, cols, x):
     n = x.shape[0]
     y = np.full((n, rows), np.nan, dtype=np.float32)
@@ -74,20 +62,6 @@ def run_matmul(device, tname, raw, rows, cols, x):
                                  fptr(y))
     assert st == 0, err()
     return y
-
-
-@pytest.mark.parametrize("tname, cols", MATMUL_CASES)
-@pytest.mark.parametrize("rows", [1, 33, 97])
-@pytest.mark.parametrize("n", [1, 5, 17])  # one token; a partial tile; 3 tiles of 8
-def test_matmul(op_device, tname, cols, rows, n):
-    rng = np.random.default_rng(rows * 7919 + cols * 31 + n)
-    raw, w = weights(tname, rows, cols, rng)
-    x = rng.standard_normal((n, cols)).astype(np.float32)
-    y = run_matmul(op_device, tname, raw, rows, cols, x)
-    ref = x.astype(np.float64) @ w.T
-    expected = np.sum(w ** 2, axis=1).sum() * np.sum(x.astype(np.float64) ** 2) / cols
-    e = nmse(y, ref, expected)
-    assert e < BOUND, (tname, rows, cols, n, e)
 
 
 @pytest.mark.parametrize("tname", list(TYPES))
@@ -110,7 +84,8 @@ def test_matmul_batch_and_repeat(op_device, tname):
 
 # ---- predictor ---------------------------------------------------------------------------
 
-PREDICT_CASES = [(t, t, block_cols(TYPES[t], 96), block_cols(TYPES[t], 64), 97) for t in TYPES] + [
+# one type per predictor: the op table's predict row (test_op_table.py); here mixed types
+PREDICT_CASES = [
     ("q4_k", "q6_k", 512, 256, 300),
     ("q4_0", "f16", 4096 + 32, 128, 1000),   # a real predictor's shape
     ("f32", "q8_0", 64, 32, 1),
@@ -200,7 +175,7 @@ def test_hot_ffn_biases_ungated(op_device, tname, aname, gated):
     """Biases on the activation input (and on up), an ungated FFN (OPT, Falcon: up = NULL,
     a = act(gate . x + b)) and FATReLU's threshold, on the device as on the CPU."""
     n_hot, d, t = 61, 64, 0.1
-    act = {"relu": 1, "fatrelu": 5, "gelu_erf": 4}[aname]
+    act = {**ACTS, "fatrelu": lib.GH_ACT_FATRELU}[aname]
     rng = np.random.default_rng(5 + gated)
     rg, g = weights(tname, n_hot, d, rng)
     ru, u = weights(tname, n_hot, d, rng)
@@ -266,23 +241,23 @@ def test_errors(op_device):
     w = np.zeros((4, 32), dtype=np.float32)
     x = np.zeros(64, dtype=np.float32)
     y = np.zeros(64, dtype=np.float32)
-    assert lib.gh_device_op_matmul(dev, 99, vptr(w), 4, 32, fptr(x), 1, fptr(y)) == GH_ERR_UNSUPPORTED
+    assert lib.gh_device_op_matmul(dev, 99, vptr(w), 4, 32, fptr(x), 1, fptr(y)) == lib.GH_ERR_UNSUPPORTED
     assert lib.gh_device_op_matmul(dev, TYPES["q4_0"], vptr(w), 4, 48, fptr(x), 1,
-                                   fptr(y)) == GH_ERR_INVALID_ARG
+                                   fptr(y)) == lib.GH_ERR_INVALID_ARG
     rows = np.array([0, 4], dtype=np.int32)
-    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), ffi.NULL, ffi.NULL, 0, vptr(w), 4,
-                                    32, 1, 0.0, fptr(x), iptr(rows), 2, fptr(y)) == GH_ERR_RANGE
-    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), vptr(w), ffi.NULL, ffi.NULL, 0, vptr(w), 4,
-                                    32, 17, 0.0, fptr(x), iptr(rows), 1, fptr(y)) == GH_ERR_INVALID_ARG
-    assert lib.gh_device_op_hot_ffn(dev, 0, vptr(w), ffi.NULL, ffi.NULL, ffi.NULL, 0, vptr(w), 4,
-                                    32, 2, 0.0, fptr(x), iptr(rows), 1, fptr(y)) == GH_ERR_INVALID_ARG
+    assert lib.gh_device_op_hot_ffn(dev, lib.GH_TYPE_F32, vptr(w), vptr(w), ffi.NULL, ffi.NULL, 0, vptr(w), 4,
+                                    32, 1, 0.0, fptr(x), iptr(rows), 2, fptr(y)) == lib.GH_ERR_RANGE
+    assert lib.gh_device_op_hot_ffn(dev, lib.GH_TYPE_F32, vptr(w), vptr(w), ffi.NULL, ffi.NULL, 0, vptr(w), 4,
+                                    32, 17, 0.0, fptr(x), iptr(rows), 1, fptr(y)) == lib.GH_ERR_INVALID_ARG
+    assert lib.gh_device_op_hot_ffn(dev, lib.GH_TYPE_F32, vptr(w), ffi.NULL, ffi.NULL, ffi.NULL, 0, vptr(w), 4,
+                                    32, 2, 0.0, fptr(x), iptr(rows), 1, fptr(y)) == lib.GH_ERR_INVALID_ARG
 
 
 def test_missing_gpu_index_is_a_clear_error(cuda_device):
     if cuda_device != "cuda" and not cuda_device.startswith("cuda:"):
         pytest.skip("a CUDA device name is needed")
-    assert lib.gh_device_check(b"cuda:999") == GH_ERR_UNSUPPORTED
+    assert lib.gh_device_check(b"cuda:999") == lib.GH_ERR_UNSUPPORTED
     assert "does not exist" in err() and "cuda:0" in err()
     w = np.zeros((1, 32), dtype=np.float32)
-    assert lib.gh_device_op_matmul(b"cuda:999", 0, vptr(w), 1, 32, fptr(w[0]), 1,
-                                   fptr(w[0])) == GH_ERR_UNSUPPORTED
+    assert lib.gh_device_op_matmul(b"cuda:999", lib.GH_TYPE_F32, vptr(w), 1, 32, fptr(w[0]), 1,
+                                   fptr(w[0])) == lib.GH_ERR_UNSUPPORTED

@@ -20,7 +20,7 @@ int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     }
     gh_model_info info;
     if (gh_model_info_get(m, &info) != GH_OK || info.n_vocab < 1) __builtin_trap();
-    /* NaN/Inf weights load with a warning (by design: tests/test_bad_models.py); running
+    /* NaN/Inf weights load with a warning (by design: tests/model/test_bad_models.py); running
      * them feeds non-finite activations to the int8 quantizers of cpu/, whose float ->
      * int conversion then overflows (UBSan's first finding here, reported to the kernel
      * tables' owner; README "The load path"). The forward pass runs on finite files. */

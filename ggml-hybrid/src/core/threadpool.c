@@ -24,7 +24,7 @@
  * with no work sleeps within 1 ms and costs no CPU. The old bound (200,000 iterations,
  * mostly sched_yield) spun 0.5-0.7 s of CPU per worker after every burst of work: 4 idle
  * 2-thread contexts used 0.32-1.06 s of CPU in the 2 s after a generation, now 0.000 s
- * (tests/test_threads.py::test_idle_contexts_use_no_cpu bounds it). */
+ * (tests/model/test_threads.py::test_idle_contexts_use_no_cpu bounds it). */
 #ifndef GH_SPIN_US
 #define GH_SPIN_US 1000
 #endif

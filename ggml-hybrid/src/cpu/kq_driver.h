@@ -13,7 +13,7 @@
  * Rows are read one after the other (one linear stream, prefetched K_PF_BYTES ahead) and
  * every block is unpacked once for the tokens of a tile; a row's sum for a token does not
  * depend on the tile it ran in, so a batch equals its tokens one by one, bit for bit
- * (tests/test_types_matmul.py). */
+ * (tests/ops/test_types_matmul.py). */
 #ifndef GH_CPU_KQ_DRIVER_H
 #define GH_CPU_KQ_DRIVER_H
 

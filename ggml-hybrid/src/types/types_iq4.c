@@ -8,7 +8,7 @@
  * candidate scales (the block's largest value put on or near either end level, as
  * llama.cpp's search does, unweighted: no importance matrix), then every value takes the
  * level nearest it at the stored (fp16 / 6-bit) scale. Its error on Gaussian rows is in
- * tests/test_types_matmul.py (IQ4_NRMSE). */
+ * tests/ops/test_types_matmul.py (IQ4_NRMSE). */
 #include "types/iq4.h"
 
 #include <math.h>

@@ -30,6 +30,7 @@ from hf_models import make_hf_model  # noqa: E402
 from powerinfer_cpp import Model, NativeError  # noqa: E402
 from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import convert  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -331,7 +332,7 @@ def test_format_doc_lists_the_expert_placement():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text(encoding="utf-8")
+    text = (REPO_DIR / "docs" / "FORMAT.md").read_text(encoding="utf-8")
     start = text.index("## Expert placement\n")
     sec = text[start:text.index("\n## ", start + 1)]
     tensors = set(re.findall(r"^\| `blk\.N\.([a-z_]+)` \|", sec, re.M))

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import io
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import EXTRA_SPECIAL, QWEN2_SPLIT, TRAIN_TEXT, make_llama_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")

@@ -1,6 +1,7 @@
 """Input sparsity of the attention's and the head's projections (convert --input-sparsity,
-docs/FORMAT.md "Input sparsity"): the sparse column kernel against numpy for every type,
-SIMD level and thread count; on the shipped SwiGLU model the calibration's held-out
+docs/FORMAT.md "Input sparsity"): the sparse column kernel's bad arguments (against numpy
+for every type, SIMD level and thread count: test_op_table.py's sparse_cols row); on the
+shipped SwiGLU model the calibration's held-out
 sparsity, results independent of the thread count, sparsity 0 equal to dense, dense mode
 untouched (equal to a dense file's), the quality bound at the recommended level, the statistics; a file without the
 thresholds asked for the mode gives a clear error; FORMAT.md's section matches format.py; a
@@ -26,74 +27,17 @@ from powerinfer_cpp.sparse.gate_eval import patch_gate_thresholds  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
 
 from cbuf import fptr  # noqa: E402
-from conftest import SHIPPED_SWIGLU_DIR  # noqa: E402
-from opref import TYPES, axpy_int8_bound, block_cols, encode, vptr  # noqa: E402
+from conftest import REPO_DIR, SHIPPED_SWIGLU_DIR  # noqa: E402
+from opref import TYPES, vptr  # noqa: E402
 
 HELDOUT = SHIPPED_SWIGLU_DIR / "heldout.txt"
-DOC = Path(__file__).resolve().parents[1] / "docs" / "FORMAT.md"
+DOC = REPO_DIR / "docs" / "FORMAT.md"
 S_IN = 0.25       # the input sparsity the module's file is calibrated to (the recommended level)
 CALIB = 3072      # profiled tokens (the projections' inputs of the first INPUTS of them)
 INPUTS = 2048
-GH_ERR_UNSUPPORTED = 3
 
 
-def simd_levels():
-    return list(range(int(lib.gh_simd_supported()) + 1))
-
-
-def sparse_cols(t, raw, rows, cols, x, thr, n_threads):
-    y = np.full(cols, np.nan, dtype=np.float32)
-    n = ffi.new("int64_t *")
-    check(lib.gh_op_sparse_cols(t, vptr(raw), rows, cols, fptr(x), fptr(thr) if thr is not None else ffi.NULL,
-                                fptr(y), n, n_threads))
-    return y, int(n[0])
-
-
-# ---- the kernel: y = sum over |x_i| > thr_i of x_i * W[i] -------------------------------------
-
-
-@pytest.mark.parametrize("tname", list(TYPES))
-@pytest.mark.parametrize("rows,cols", [(1, 32), (37, 96), (129, 544)])
-def test_sparse_cols_vs_numpy(tname, rows, cols):
-    t = TYPES[tname]
-    cols = block_cols(t, cols)
-    rng = np.random.default_rng(rows * 13 + cols)
-    raw, wd = encode(t, rng.standard_normal((rows, cols)))
-    x = rng.standard_normal(rows).astype(np.float32)
-    x[::5] = 0.0
-    one = np.full(rows, np.inf, np.float32)
-    one[rows // 2] = 0.0
-    x[rows // 2] = 1.5
-    cases = {"all": None, "empty": np.full(rows, 1e30, np.float32), "one": np.minimum(one, 1e30),
-             "half": np.full(rows, float(np.median(np.abs(x))), np.float32),
-             "per-channel": (rng.random(rows) * 1.5).astype(np.float32)}
-    for name, thr in cases.items():
-        used = np.abs(x) > (thr if thr is not None else 0.0)
-        ref = x[used].astype(np.float64) @ wd[used].astype(np.float64)
-        scale = np.abs(x[used]) @ np.abs(wd[used]) if used.any() else np.zeros(cols)
-        ys = []
-        for level in simd_levels():
-            prev = lib.gh_simd_get()
-            assert lib.gh_simd_set(level) != -2
-            try:
-                y1, n1 = sparse_cols(t, raw, rows, cols, x, thr, 1)
-                y2, n2 = sparse_cols(t, raw, rows, cols, x, thr, 2)
-                if thr is None:
-                    # every nonzero input: the transposed matmul of the token, bit for bit
-                    ym = np.empty(cols, np.float32)
-                    check(lib.gh_op_matmul_t(t, vptr(raw), rows, cols, fptr(x), 1, fptr(ym), 1))
-                    np.testing.assert_array_equal(y1, ym)
-            finally:
-                lib.gh_simd_set(prev)
-            np.testing.assert_array_equal(y1, y2)  # threads split the columns
-            assert n1 == n2 == int(used.sum()), name
-            int8 = axpy_int8_bound(t, level, raw, wd, np.flatnonzero(used), x[used])  # the int8 forms' rounding
-            assert np.all(np.abs(y1 - ref) <= 4e-7 * max(n1, 1) * scale + 1e-6 + int8), (name, level)
-            ys.append((y1, int8))
-        for y, int8 in ys[1:]:  # the levels agree within their rounding
-            assert np.all(np.abs(y - ys[0][0]) <= 8e-7 * max(int(used.sum()), 1) * scale + 2e-6 + int8 + ys[0][1]), name
-        if not used.any():
-            assert np.all(ys[0][0] == 0)
+# ---- the kernel: y = sum over |x_i| > thr_i of x_i * W[i] (vs numpy: test_op_table.py) -------
 
 
 def test_sparse_cols_bad_args():
@@ -103,9 +47,9 @@ def test_sparse_cols_bad_args():
     with pytest.raises(ValueError, match="multiple"):
         check(lib.gh_op_sparse_cols(TYPES["q8_0"], vptr(w), 4, 33, fptr(x), ffi.NULL, fptr(y), ffi.NULL, 1))
     with pytest.raises(ValueError, match="NULL"):
-        check(lib.gh_op_sparse_cols(0, vptr(w), 4, 32, ffi.NULL, ffi.NULL, fptr(y), ffi.NULL, 1))
+        check(lib.gh_op_sparse_cols(lib.GH_TYPE_F32, vptr(w), 4, 32, ffi.NULL, ffi.NULL, fptr(y), ffi.NULL, 1))
     with pytest.raises(ValueError, match="n_threads"):
-        check(lib.gh_op_sparse_cols(0, vptr(w), 4, 32, fptr(x), ffi.NULL, fptr(y), ffi.NULL, 0))
+        check(lib.gh_op_sparse_cols(lib.GH_TYPE_F32, vptr(w), 4, 32, fptr(x), ffi.NULL, fptr(y), ffi.NULL, 0))
 
 
 # ---- the shipped SwiGLU model, gate FFN + input-sparse attention and head ----------------------
@@ -231,7 +175,7 @@ def test_file_without_thresholds_is_a_clear_error(files):
         assert ctx.input_sparse is False
         with pytest.raises(NativeError, match="--input-sparsity") as e:
             ctx.input_sparse = True
-        assert e.value.status == GH_ERR_UNSUPPORTED
+        assert e.value.status == lib.GH_ERR_UNSUPPORTED
 
 
 def test_partial_file_is_refused(files, tmp_path):

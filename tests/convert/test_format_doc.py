@@ -13,8 +13,9 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from powerinfer_cpp import format as F  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_DIR
 DOC = REPO / "docs" / "FORMAT.md"
 HELDOUT = REPO / "models" / "tiny-relu-kjv" / "heldout.txt"
 

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from powerinfer_cpp._native import NativeError, check, ffi, lib, lib_path
+from conftest import TESTS_DIR  # noqa: E402
 
-GH_ERR_IO, GH_ERR_FORMAT, GH_ERR_UNSUPPORTED = 1, 2, 3
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 INT_TYPES = {VT.UINT8, VT.INT8, VT.UINT16, VT.INT16, VT.UINT32, VT.INT32, VT.UINT64, VT.INT64}
-REGRESSIONS = Path(__file__).resolve().parent / "data" / "gguf_regressions"
+REGRESSIONS = TESTS_DIR / "data" / "gguf_regressions"
 
 
 def _dump(image: bytes) -> None:
@@ -384,14 +384,14 @@ def test_missing_file(tmp_path):
     p = tmp_path / "nope.gguf"
     with pytest.raises(NativeError) as ei:
         open_path(p)
-    assert ei.value.status == GH_ERR_IO
+    assert ei.value.status == lib.GH_ERR_IO
     assert str(ei.value) == f"cannot open '{p}': No such file or directory"
 
 
 def test_directory(tmp_path):
     with pytest.raises(NativeError, match="is a directory") as ei:
         open_path(tmp_path)
-    assert ei.value.status == GH_ERR_IO and str(tmp_path) in str(ei.value)
+    assert ei.value.status == lib.GH_ERR_IO and str(tmp_path) in str(ei.value)
 
 
 def test_fifo_is_not_a_regular_file(tmp_path):
@@ -406,8 +406,8 @@ def test_empty_file(tmp_path):
     p.write_bytes(b"")
     with pytest.raises(NativeError, match="file is empty") as ei:
         open_path(p)
-    assert ei.value.status == GH_ERR_FORMAT and str(p) in str(ei.value)
-    expect_error(b"", GH_ERR_FORMAT, "file is empty")
+    assert ei.value.status == lib.GH_ERR_FORMAT and str(p) in str(ei.value)
+    expect_error(b"", lib.GH_ERR_FORMAT, "file is empty")
 
 
 def small_valid_file(tmp_path) -> bytes:
@@ -441,7 +441,7 @@ def test_truncated_at_every_length(tmp_path):
     needed = data_start + end  # GGUFWriter pads after the last tensor; that padding is optional
     for n in range(len(data)):
         if n < needed:
-            expect_error(data[:n], GH_ERR_FORMAT)
+            expect_error(data[:n], lib.GH_ERR_FORMAT)
         else:
             open_mem(data[:n]).close()
     # The same through the file path, for a spread of lengths.
@@ -450,12 +450,12 @@ def test_truncated_at_every_length(tmp_path):
         p.write_bytes(data[:n])
         with pytest.raises(NativeError) as ei:
             open_path(p)
-        assert ei.value.status == GH_ERR_FORMAT and str(p) in str(ei.value)
+        assert ei.value.status == lib.GH_ERR_FORMAT and str(p) in str(ei.value)
 
 
 def test_bad_magic():
-    expect_error(b"GGUX" + bytes(20), GH_ERR_FORMAT, "bad magic")
-    expect_error(b"GG", GH_ERR_FORMAT, "bad magic")
+    expect_error(b"GGUX" + bytes(20), lib.GH_ERR_FORMAT, "bad magic")
+    expect_error(b"GG", lib.GH_ERR_FORMAT, "bad magic")
 
 
 @pytest.mark.parametrize("version,fragment", [(1, "version 1 is not supported"),
@@ -463,70 +463,70 @@ def test_bad_magic():
                                               (99, "unknown GGUF version 99"),
                                               (0x03000000, "big-endian")])
 def test_bad_version(version, fragment):
-    expect_error(image(version=version), GH_ERR_UNSUPPORTED, fragment)
+    expect_error(image(version=version), lib.GH_ERR_UNSUPPORTED, fragment)
 
 
 def test_huge_counts_rejected_before_allocation():
-    expect_error(image(n_kv=10**9), GH_ERR_FORMAT, "1000000000 keys", "cannot fit")
-    expect_error(image(n_tensors=2**60), GH_ERR_FORMAT, "1152921504606846976 tensors")
-    expect_error(image(n_kv=2**64 - 1, n_tensors=2**64 - 1), GH_ERR_FORMAT, "cannot fit")
+    expect_error(image(n_kv=10**9), lib.GH_ERR_FORMAT, "1000000000 keys", "cannot fit")
+    expect_error(image(n_tensors=2**60), lib.GH_ERR_FORMAT, "1152921504606846976 tensors")
+    expect_error(image(n_kv=2**64 - 1, n_tensors=2**64 - 1), lib.GH_ERR_FORMAT, "cannot fit")
     # Just one more key than there are bytes for.
-    expect_error(image([kv_u32("a", 1)], n_kv=2) , GH_ERR_FORMAT)
+    expect_error(image([kv_u32("a", 1)], n_kv=2) , lib.GH_ERR_FORMAT)
 
 
 def test_string_lengths():
     # A key whose length runs past the end of the file.
     img = image(n_kv=1, align=1) + struct.pack("<Q", 1000) + b"abc" + bytes(20)
-    expect_error(img, GH_ERR_FORMAT, "claims 1000 bytes")
+    expect_error(img, lib.GH_ERR_FORMAT, "claims 1000 bytes")
     img = image(n_kv=1, align=1) + struct.pack("<Q", 2**64 - 1) + bytes(20)
-    expect_error(img, GH_ERR_FORMAT, "claims 18446744073709551615 bytes")
+    expect_error(img, lib.GH_ERR_FORMAT, "claims 18446744073709551615 bytes")
     # A string value longer than the file.
     img = image([kv("s", VT.STRING, struct.pack("<Q", 500) + b"xy")], align=1)
-    expect_error(img, GH_ERR_FORMAT, "string value", "claims 500 bytes")
+    expect_error(img, lib.GH_ERR_FORMAT, "string value", "claims 500 bytes")
     # A string inside an array.
     arr = struct.pack("<IQ", VT.STRING, 2) + gstr("ok") + struct.pack("<Q", 2**63) + bytes(8)
-    expect_error(image([kv("a", VT.ARRAY, arr)], align=1), GH_ERR_FORMAT, "array string")
+    expect_error(image([kv("a", VT.ARRAY, arr)], align=1), lib.GH_ERR_FORMAT, "array string")
     # An array of strings whose count cannot fit.
     arr = struct.pack("<IQ", VT.STRING, 2**61) + gstr("x")
-    expect_error(image([kv("a", VT.ARRAY, arr)], align=1), GH_ERR_FORMAT, "2305843009213693952 strings")
+    expect_error(image([kv("a", VT.ARRAY, arr)], align=1), lib.GH_ERR_FORMAT, "2305843009213693952 strings")
     # Numeric array whose byte size overflows / does not fit.
     arr = struct.pack("<IQ", VT.UINT64, 2**62) + bytes(16)
-    expect_error(image([kv("a", VT.ARRAY, arr)], align=1), GH_ERR_FORMAT, "does not fit")
+    expect_error(image([kv("a", VT.ARRAY, arr)], align=1), lib.GH_ERR_FORMAT, "does not fit")
     # A key too long to be sane (but present in the file).
     big = "k" * (64 * 1024 + 1)
-    expect_error(image([kv_u32(big, 1)]), GH_ERR_FORMAT, "too long")
+    expect_error(image([kv_u32(big, 1)]), lib.GH_ERR_FORMAT, "too long")
     # Empty keys, keys with NUL bytes.
-    expect_error(image([kv_u32("", 1)]), GH_ERR_FORMAT, "is empty")
-    expect_error(image([kv_u32(b"a\0b", 1)]), GH_ERR_FORMAT, "NUL byte")
-    expect_error(image([kv("s", VT.STRING, gstr(b"x\0y"))]), GH_ERR_FORMAT, "NUL byte")
+    expect_error(image([kv_u32("", 1)]), lib.GH_ERR_FORMAT, "is empty")
+    expect_error(image([kv_u32(b"a\0b", 1)]), lib.GH_ERR_FORMAT, "NUL byte")
+    expect_error(image([kv("s", VT.STRING, gstr(b"x\0y"))]), lib.GH_ERR_FORMAT, "NUL byte")
     # Keys and tensor names must be UTF-8 (string values are not checked).
     for bad in (b"a\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"ab\xe2\x82"):
-        expect_error(image([kv_u32(bad, 1)]), GH_ERR_FORMAT, "not valid UTF-8")
-        expect_error(image(tensors=[tinfo(bad, [1])], data=bytes(32)), GH_ERR_FORMAT, "not valid UTF-8")
+        expect_error(image([kv_u32(bad, 1)]), lib.GH_ERR_FORMAT, "not valid UTF-8")
+        expect_error(image(tensors=[tinfo(bad, [1])], data=bytes(32)), lib.GH_ERR_FORMAT, "not valid UTF-8")
     with open_mem(image([kv_u32("ключ.✓.😀", 1), kv("s", VT.STRING, gstr(b"\xff"))])) as g:
         assert g.kvs() == {"ключ.✓.😀": (VT.UINT32, 1), "s": (VT.STRING, "\ufffd")}
 
 
 def test_value_types():
-    expect_error(image([kv("k", 13, bytes(8))]), GH_ERR_FORMAT, "key 'k': unknown value type 13")
-    expect_error(image([kv("k", 0xFFFFFFFF, bytes(8))]), GH_ERR_FORMAT, "unknown value type 4294967295")
-    expect_error(image([kv("k", VT.ARRAY, struct.pack("<IQ", 77, 1) + bytes(8))]), GH_ERR_FORMAT,
+    expect_error(image([kv("k", 13, bytes(8))]), lib.GH_ERR_FORMAT, "key 'k': unknown value type 13")
+    expect_error(image([kv("k", 0xFFFFFFFF, bytes(8))]), lib.GH_ERR_FORMAT, "unknown value type 4294967295")
+    expect_error(image([kv("k", VT.ARRAY, struct.pack("<IQ", 77, 1) + bytes(8))]), lib.GH_ERR_FORMAT,
                  "unknown array element type 77")
     nested = struct.pack("<IQ", VT.ARRAY, 1) + struct.pack("<IQ", VT.UINT8, 1) + b"\1"
-    expect_error(image([kv("k", VT.ARRAY, nested)]), GH_ERR_UNSUPPORTED, "nested arrays")
-    expect_error(image([kv("k", VT.BOOL, b"\2")]), GH_ERR_FORMAT, "bool value 2")
+    expect_error(image([kv("k", VT.ARRAY, nested)]), lib.GH_ERR_UNSUPPORTED, "nested arrays")
+    expect_error(image([kv("k", VT.BOOL, b"\2")]), lib.GH_ERR_FORMAT, "bool value 2")
     expect_error(image([kv("k", VT.ARRAY, struct.pack("<IQ", VT.BOOL, 2) + b"\1\3")]),
-                 GH_ERR_FORMAT, "bool element 1")
+                 lib.GH_ERR_FORMAT, "bool element 1")
     # Empty arrays are fine.
     with open_mem(image([kv("k", VT.ARRAY, struct.pack("<IQ", VT.STRING, 0))])) as g:
         assert g.kvs() == {"k": (VT.ARRAY, (VT.STRING, 0))}
 
 
 def test_duplicates():
-    expect_error(image([kv_u32("a", 1), kv_u32("b", 2), kv_u32("a", 3)]), GH_ERR_FORMAT,
+    expect_error(image([kv_u32("a", 1), kv_u32("b", 2), kv_u32("a", 3)]), lib.GH_ERR_FORMAT,
                  "duplicate key 'a'")
     ts = [tinfo("w", [8]), tinfo("w", [8], offset=32)]
-    expect_error(image(tensors=ts, data=bytes(64)), GH_ERR_FORMAT, "duplicate tensor name 'w'")
+    expect_error(image(tensors=ts, data=bytes(64)), lib.GH_ERR_FORMAT, "duplicate tensor name 'w'")
 
 
 def test_many_keys_hash_table():
@@ -535,37 +535,37 @@ def test_many_keys_hash_table():
         assert g.n_kv == 3000
         for i in (0, 1234, 2999):
             assert lib.gh_gguf_find_key(g.h, f"key.{i}".encode()) == i
-    expect_error(image(keys + [kv_u32("key.2999", 0)]), GH_ERR_FORMAT, "duplicate key 'key.2999'")
+    expect_error(image(keys + [kv_u32("key.2999", 0)]), lib.GH_ERR_FORMAT, "duplicate key 'key.2999'")
 
 
 def test_tensor_types():
     # refusals name the type as ggml does (Q6_K, not "type 14")
     for typ, name in ((9, "Q8_1"), (34, "TQ1_0"), (15, "Q8_K"), (35, "TQ2_0"),
                       (31, "unknown"), (1000, "unknown")):
-        expect_error(image(tensors=[tinfo("w", [32], typ)], data=bytes(4096)), GH_ERR_UNSUPPORTED,
+        expect_error(image(tensors=[tinfo("w", [32], typ)], data=bytes(4096)), lib.GH_ERR_UNSUPPORTED,
                      f"tensor 'w' has type {name} (id {typ}), which this runtime does not read")
-    expect_error(image(tensors=[tinfo("w", [16], QT.Q8_0)], data=bytes(64)), GH_ERR_FORMAT,
+    expect_error(image(tensors=[tinfo("w", [16], QT.Q8_0)], data=bytes(64)), lib.GH_ERR_FORMAT,
                  "not a multiple of the q8_0 block size 32")
-    expect_error(image(tensors=[tinfo("w", [33, 2], QT.Q4_0)], data=bytes(256)), GH_ERR_FORMAT,
+    expect_error(image(tensors=[tinfo("w", [33, 2], QT.Q4_0)], data=bytes(256)), lib.GH_ERR_FORMAT,
                  "block size")
     # K-quants are read; a row must be whole 256-blocks
     for typ, name in ((QT.Q4_K, "Q4_K"), (QT.Q5_K, "Q5_K"), (QT.Q6_K, "Q6_K"), (QT.Q2_K, "Q2_K"),
                       (QT.Q3_K, "Q3_K")):
-        expect_error(image(tensors=[tinfo("w", [288], typ)], data=bytes(4096)), GH_ERR_FORMAT,
+        expect_error(image(tensors=[tinfo("w", [288], typ)], data=bytes(4096)), lib.GH_ERR_FORMAT,
                      f"not a multiple of the {name} block size 256")
 
 
 def test_tensor_dims():
-    expect_error(image(tensors=[tinfo("w", [])], data=bytes(32)), GH_ERR_FORMAT, "n_dims 0 is not in 1..4")
-    expect_error(image(tensors=[tinfo("w", [1] * 5)], data=bytes(32)), GH_ERR_FORMAT, "n_dims 5")
-    expect_error(image(tensors=[tinfo("w", [2**62, 2**62])]), GH_ERR_FORMAT, "element count overflows")
-    expect_error(image(tensors=[tinfo("w", [2**40, 2**40, 2**40])]), GH_ERR_FORMAT, "overflows")
-    expect_error(image(tensors=[tinfo("w", [2**62 + 1])]), GH_ERR_FORMAT, "max 2^62")
-    expect_error(image(tensors=[tinfo("w", [2**64 - 1])]), GH_ERR_FORMAT, "max 2^62")
-    expect_error(image(tensors=[tinfo("w", [2**62])]), GH_ERR_FORMAT, "byte size overflows")
-    expect_error(image(tensors=[tinfo("w", [2**60])], data=bytes(64)), GH_ERR_FORMAT,
+    expect_error(image(tensors=[tinfo("w", [])], data=bytes(32)), lib.GH_ERR_FORMAT, "n_dims 0 is not in 1..4")
+    expect_error(image(tensors=[tinfo("w", [1] * 5)], data=bytes(32)), lib.GH_ERR_FORMAT, "n_dims 5")
+    expect_error(image(tensors=[tinfo("w", [2**62, 2**62])]), lib.GH_ERR_FORMAT, "element count overflows")
+    expect_error(image(tensors=[tinfo("w", [2**40, 2**40, 2**40])]), lib.GH_ERR_FORMAT, "overflows")
+    expect_error(image(tensors=[tinfo("w", [2**62 + 1])]), lib.GH_ERR_FORMAT, "max 2^62")
+    expect_error(image(tensors=[tinfo("w", [2**64 - 1])]), lib.GH_ERR_FORMAT, "max 2^62")
+    expect_error(image(tensors=[tinfo("w", [2**62])]), lib.GH_ERR_FORMAT, "byte size overflows")
+    expect_error(image(tensors=[tinfo("w", [2**60])], data=bytes(64)), lib.GH_ERR_FORMAT,
                  "extends past the end of the file")
-    expect_error(image(tensors=[tinfo("", [1])], data=bytes(32)), GH_ERR_FORMAT, "tensor name 0 at offset", "is empty")
+    expect_error(image(tensors=[tinfo("", [1])], data=bytes(32)), lib.GH_ERR_FORMAT, "tensor name 0 at offset", "is empty")
     # Zero-size dimensions are valid (an empty tensor).
     with open_mem(image(tensors=[tinfo("w", [0, 3])])) as g:
         assert g.tensors()[0]["nbytes"] == 0
@@ -576,28 +576,28 @@ def test_tensor_data_bounds_and_alignment():
     with open_mem(ok) as g:
         assert [t["offset"] for t in g.tensors()] == [0, 32]
     expect_error(image(tensors=[tinfo("a", [8]), tinfo("b", [8], offset=32)], data=bytes(63)),
-                 GH_ERR_FORMAT, "tensor 'b'", "extends past the end of the file")
+                 lib.GH_ERR_FORMAT, "tensor 'b'", "extends past the end of the file")
     expect_error(image(tensors=[tinfo("a", [8], offset=2**64 - 32)], data=bytes(64)),
-                 GH_ERR_FORMAT, "extends past the end")
-    expect_error(image(tensors=[tinfo("a", [8], offset=4)], data=bytes(64)), GH_ERR_FORMAT,
+                 lib.GH_ERR_FORMAT, "extends past the end")
+    expect_error(image(tensors=[tinfo("a", [8], offset=4)], data=bytes(64)), lib.GH_ERR_FORMAT,
                  "offset 4 is not a multiple of the alignment 32")
     expect_error(image(tensors=[tinfo("a", [16]), tinfo("b", [8], offset=32)], data=bytes(96)),
-                 GH_ERR_FORMAT, "tensors 'a' and 'b' overlap")
+                 lib.GH_ERR_FORMAT, "tensors 'a' and 'b' overlap")
     # A header whose padding to the data section is missing entirely.
     no_pad = image(tensors=[tinfo("a", [1])], align=1)
-    expect_error(no_pad, GH_ERR_FORMAT, "extends past the end")
+    expect_error(no_pad, lib.GH_ERR_FORMAT, "extends past the end")
 
 
 @pytest.mark.parametrize("align", [0, 3, 48, 2**31 + 1])
 def test_bad_alignment(align):
-    expect_error(image([kv_u32("general.alignment", align)]), GH_ERR_FORMAT,
+    expect_error(image([kv_u32("general.alignment", align)]), lib.GH_ERR_FORMAT,
                  f"general.alignment = {align} is not a power of two")
 
 
 def test_alignment_key_types():
-    expect_error(image([kv("general.alignment", VT.STRING, gstr("32"))]), GH_ERR_FORMAT,
+    expect_error(image([kv("general.alignment", VT.STRING, gstr("32"))]), lib.GH_ERR_FORMAT,
                  "general.alignment", "expected an unsigned integer, found string")
-    expect_error(image([kv("general.alignment", VT.INT32, struct.pack("<i", -32))]), GH_ERR_FORMAT,
+    expect_error(image([kv("general.alignment", VT.INT32, struct.pack("<i", -32))]), lib.GH_ERR_FORMAT,
                  "out of range")
     for a in (1, 2, 16, 256):
         kvs = [kv_u32("general.alignment", a)]
@@ -629,7 +629,7 @@ def test_random_mutations(tmp_path):
         try:
             g = open_mem(m)
         except NativeError as e:
-            assert e.status in (GH_ERR_FORMAT, GH_ERR_UNSUPPORTED), str(e)
+            assert e.status in (lib.GH_ERR_FORMAT, lib.GH_ERR_UNSUPPORTED), str(e)
             assert str(e).startswith("GGUF '<memory>': ")
             outcomes["error"] += 1
             continue

@@ -3,7 +3,7 @@ the declared hyper-parameters, NaN/Inf weights (a warning, not an error), contex
 batch limits, token ids, thread counts, and contexts used after their model was closed.
 Every case must give a clear Python exception (or warning), never a crash.
 
-Complements tests/test_api.py (truncated files, bad magic, absurd dimensions, unknown
+Complements tests/api/test_api.py (truncated files, bad magic, absurd dimensions, unknown
 architecture, one missing tensor and one wrong shape, out-of-range tokens in eval,
 context overflow, bad n_threads for create_context)."""
 
@@ -358,10 +358,10 @@ def test_native_eval_checks_tokens_itself(model):
 
     ctx = model.create_context(n_ctx=16)
     toks = ffi.new("int32_t[]", [1, N_VOCAB])
-    assert lib.gh_eval(ctx._handle(), toks, 2, 0) == 6  # GH_ERR_RANGE
+    assert lib.gh_eval(ctx._handle(), toks, 2, 0) == lib.GH_ERR_RANGE
     assert "token id 384 at index 1 is outside the vocabulary [0, 384)" in last_error()
-    assert lib.gh_eval(ctx._handle(), toks, 0, 0) == 4  # no tokens: GH_ERR_INVALID_ARG
-    assert lib.gh_eval(ctx._handle(), ffi.NULL, 1, 0) == 4
+    assert lib.gh_eval(ctx._handle(), toks, 0, 0) == lib.GH_ERR_INVALID_ARG  # no tokens
+    assert lib.gh_eval(ctx._handle(), ffi.NULL, 1, 0) == lib.GH_ERR_INVALID_ARG
     assert ctx.n_past == 0
 
 

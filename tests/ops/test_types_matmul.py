@@ -7,9 +7,11 @@
   bit on random blocks and on our quantizer's, and our quantizer's error must be that of
   ggml's reference quantizer or better (K_NRMSE: ggml's measured error on the same
   Gaussian data plus 3%; see docs/BENCHMARKS.md, "K-quant kernels").
-* Matmul: every type x every SIMD level this CPU has x odd sizes x 1 and 2 threads,
-  against numpy (float64) on the *dequantized* weights and the f32 activations. The
-  error measure is the normalized squared error
+* Matmul: every type x every SIMD level x odd sizes x 1 and 2 threads against numpy is
+  a row of the op table (test_op_table.py); here its tile edges, batches against their
+  tokens, the levels against each other, extreme values and bad arguments, against numpy
+  (float64) on the *dequantized* weights and the f32 activations. The error measure is
+  the normalized squared error
 
       err = ||y - y_ref||^2 / max(||y_ref||^2, sum_{t,r} ||W_r||^2 ||x_t||^2 / cols)
 
@@ -33,6 +35,7 @@ from gguf import quants
 
 from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr  # noqa: E402
+from conftest import simd_levels  # noqa: E402
 
 from opref import (BF16, BLOCK, F16, F32, GGUF_QT, IQ4_NL, IQ4_XS, K_QUANTS, LATTICE, LATTICE_ALL,  # noqa: E402
                    LATTICE_SIZE, MXFP4, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES,
@@ -64,30 +67,12 @@ K_CONST = {Q2_K: 0.2}
 # 0.0740 (Q4_0's reference quantizer: 0.0862, Q4_K's 0.0719); bound +3%
 IQ4_NRMSE = {IQ4_NL: 0.0738 * 1.03, IQ4_XS: 0.0740 * 1.03}
 SIMD_VS_SCALAR_BOUND = 1e-8
-GH_ERR_INVALID_ARG = 4
 
-COLS = [32, 96, 4096 + 32]
-K_COLS = [256, 768, 4096 + 256]  # the K-quants' rows: whole 256-blocks
-ROWS = [1, 3, 17, 257]
-TOKENS = [1, 3, 8, 33]
 
 
 def vptr(a: np.ndarray):
     assert a.flags.c_contiguous
     return ffi.cast("void *", a.ctypes.data)
-
-
-def simd_levels() -> list[int]:
-    return list(range(int(lib.gh_simd_supported()) + 1))
-
-
-@pytest.fixture
-def simd_level(request):
-    """Run a test at one SIMD level and restore the previous one afterwards."""
-    prev = lib.gh_simd_set(request.param)
-    assert prev != -2
-    yield request.param
-    lib.gh_simd_set(prev)
 
 
 def quantize(t: int, a: np.ndarray) -> np.ndarray:
@@ -142,14 +127,14 @@ def test_type_table():
 
 def test_simd_levels():
     sup = lib.gh_simd_supported()
-    assert 0 <= sup <= 2
+    assert lib.GH_SIMD_SCALAR <= sup <= lib.GH_SIMD_AVX512
     cur = lib.gh_simd_get()
-    assert 0 <= cur <= sup
-    assert lib.gh_simd_set(sup + 1) == -2 if sup < 2 else True
+    assert lib.GH_SIMD_SCALAR <= cur <= sup
+    assert lib.gh_simd_set(sup + 1) == -2 if sup < lib.GH_SIMD_AVX512 else True
     assert lib.gh_simd_set(7) == -2
-    prev = lib.gh_simd_set(0)
-    assert prev == cur and lib.gh_simd_get() == 0
-    assert lib.gh_simd_set(-1) == 0 and lib.gh_simd_get() == sup
+    prev = lib.gh_simd_set(lib.GH_SIMD_SCALAR)
+    assert prev == cur and lib.gh_simd_get() == lib.GH_SIMD_SCALAR
+    assert lib.gh_simd_set(lib.GH_SIMD_AUTO) == lib.GH_SIMD_SCALAR and lib.gh_simd_get() == sup
     lib.gh_simd_set(cur)
 
 
@@ -319,7 +304,7 @@ def test_quantize_invalid_args():
                    for t in LATTICE]):
         with pytest.raises(NativeError) as e:
             check(call())
-        assert e.value.status == GH_ERR_INVALID_ARG and str(e.value)
+        assert e.value.status == lib.GH_ERR_INVALID_ARG and str(e.value)
 
 
 # ---------------------------------------------------------------------- matmul
@@ -343,44 +328,6 @@ def activations(n_tokens: int, cols: int) -> np.ndarray:
     return rng.standard_normal((n_tokens, cols)).astype(np.float32)
 
 
-def shapes(t: int) -> list:
-    return list(itertools.product(K_COLS if BLOCK[t] == 256 else COLS, ROWS, TOKENS))
-
-
-@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
-@pytest.mark.parametrize("name", list(TYPES))
-def test_matmul_vs_numpy(name, simd_level):
-    t = TYPES[name]
-    worst = 0.0
-    for cols, rows, n_tokens in shapes(t):
-        wq, wd = weights(t, rows, cols)
-        x = activations(n_tokens, cols)
-        ref = x.astype(np.float64) @ wd.astype(np.float64).T
-        y1 = matmul(t, wq, rows, cols, x, 1)
-        y2 = matmul(t, wq, rows, cols, x, 2)
-        assert np.isfinite(y1).all(), (cols, rows, n_tokens)
-        assert np.array_equal(y1, y2), f"1 vs 2 threads differ at {(cols, rows, n_tokens)}"
-        err = nmse(y1, ref, wd, x)
-        worst = max(worst, err)
-        assert err < NMSE_BOUND[t], f"{name} level {simd_level} {(cols, rows, n_tokens)}: nmse {err}"
-    print(f"{name} level {simd_level}: worst nmse {worst:.2e}")
-
-
-@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
-@pytest.mark.parametrize("name", ["f32", "f16", "bf16"])
-def test_matmul_float_odd_cols(name, simd_level):
-    """Block size 1: any number of columns (vector tails, masked loads)."""
-    t = TYPES[name]
-    for cols, rows, n_tokens in itertools.product([1, 7, 33, 100, 1000 + 17], [1, 5, 9], [1, 2, 7]):
-        wq, wd = weights(t, rows, cols)
-        x = activations(n_tokens, cols)
-        ref = x.astype(np.float64) @ wd.astype(np.float64).T
-        y1 = matmul(t, wq, rows, cols, x, 1)
-        assert np.array_equal(y1, matmul(t, wq, rows, cols, x, 2))
-        err = nmse(y1, ref, wd, x)
-        assert err < NMSE_BOUND[t], f"{name} level {simd_level} {(cols, rows, n_tokens)}: nmse {err}"
-
-
 @pytest.mark.parametrize("name", list(TYPES))
 def test_matmul_simd_vs_scalar(name):
     t = TYPES[name]
@@ -393,7 +340,7 @@ def test_matmul_simd_vs_scalar(name):
             cols = block_cols(t, cols)
             wq, wd = weights(t, rows, cols)
             x = activations(n_tokens, cols)
-            lib.gh_simd_set(0)
+            lib.gh_simd_set(lib.GH_SIMD_SCALAR)
             ys = matmul(t, wq, rows, cols, x, 1)
             for level in levels[1:]:
                 lib.gh_simd_set(level)
@@ -494,7 +441,7 @@ def test_matmul_invalid_args():
     for args in bad:
         with pytest.raises(NativeError) as e:
             check(lib.gh_op_matmul(*args))
-        assert e.value.status == GH_ERR_INVALID_ARG and str(e.value)
+        assert e.value.status == lib.GH_ERR_INVALID_ARG and str(e.value)
 
 
 def test_simd_env_override():
@@ -504,7 +451,7 @@ def test_simd_env_override():
     import sys
 
     code = "from powerinfer_cpp._native import lib; print(lib.gh_simd_get(), lib.gh_simd_supported())"
-    for want, level in (("scalar", 0), ("avx2", 1), ("avx512", 2)):
+    for want, level in (("scalar", lib.GH_SIMD_SCALAR), ("avx2", lib.GH_SIMD_AVX2), ("avx512", lib.GH_SIMD_AVX512)):
         env = dict(os.environ, GH_SIMD=want)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              check=True).stdout.split()
@@ -525,7 +472,7 @@ def test_process_exits_cleanly_after_threaded_matmul():
         "w = np.ones((64, 256), np.float32); x = np.ones((1, 256), np.float32)\n"
         "y = np.empty((1, 64), np.float32)\n"
         "for _ in range(20):\n"
-        "    check(lib.gh_op_matmul(0, ffi.cast('void *', w.ctypes.data), 64, 256,\n"
+        "    check(lib.gh_op_matmul(lib.GH_TYPE_F32, ffi.cast('void *', w.ctypes.data), 64, 256,\n"
         "          ffi.cast('float *', x.ctypes.data), 1, ffi.cast('float *', y.ctypes.data), 2))\n"
         "assert (y == 256).all()\n"
     )

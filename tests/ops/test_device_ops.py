@@ -13,7 +13,6 @@ from powerinfer_cpp._native import ffi, lib
 from cbuf import fptr
 from opref import vptr
 
-GH_ERR_UNSUPPORTED, GH_ERR_INVALID_ARG = 3, 4
 
 
 def err() -> str:
@@ -23,12 +22,12 @@ def err() -> str:
 def test_device_names():
     assert lib.gh_device_check(b"cpu") == 0
     assert lib.gh_device_check(b"host-device") == 0
-    assert lib.gh_device_check(b"tpu") == GH_ERR_INVALID_ARG and "unknown device" in err()
-    assert lib.gh_device_check(b"cuda:-1") == GH_ERR_INVALID_ARG
+    assert lib.gh_device_check(b"tpu") == lib.GH_ERR_INVALID_ARG and "unknown device" in err()
+    assert lib.gh_device_check(b"cuda:-1") == lib.GH_ERR_INVALID_ARG
     w = np.zeros((1, 32), dtype=np.float32)
-    assert lib.gh_device_op_matmul(b"cpu", 0, vptr(w), 1, 32, fptr(w[0]), 1, fptr(w[0])) == GH_ERR_INVALID_ARG
+    assert lib.gh_device_op_matmul(b"cpu", lib.GH_TYPE_F32, vptr(w), 1, 32, fptr(w[0]), 1, fptr(w[0])) == lib.GH_ERR_INVALID_ARG
     if not lib.gh_have_cuda():
-        assert lib.gh_device_check(b"cuda") == GH_ERR_UNSUPPORTED
+        assert lib.gh_device_check(b"cuda") == lib.GH_ERR_UNSUPPORTED
         assert "no CUDA backend" in err()
     ok, why = device_available("cuda")
     assert ok == (lib.gh_device_check(b"cuda") == 0) and (ok or why)
@@ -40,7 +39,7 @@ def test_host_device_capacity(monkeypatch):
     w = np.zeros((64, 32), dtype=np.float32)  # 8 KiB
     x = np.zeros(32, dtype=np.float32)
     y = np.zeros(64, dtype=np.float32)
-    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 64, 32, fptr(x), 1, fptr(y)) == 5
+    assert lib.gh_device_op_matmul(b"host-device", lib.GH_TYPE_F32, vptr(w), 64, 32, fptr(x), 1, fptr(y)) == lib.GH_ERR_OOM
     assert "out of memory" in err() and "GH_HOST_DEVICE_MEM" in err()
 
 
@@ -51,10 +50,10 @@ def test_host_device_type_list(monkeypatch):
     x = np.ones(32, dtype=np.float32)
     y = np.zeros(2, dtype=np.float32)
     monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f16,bf16")
-    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == GH_ERR_UNSUPPORTED
+    assert lib.gh_device_op_matmul(b"host-device", lib.GH_TYPE_F32, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == lib.GH_ERR_UNSUPPORTED
     assert "does not read type f32 (id 0) of matmul's weight: it reads f16 and bf16" in err()
     monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f32")
-    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == 0
+    assert lib.gh_device_op_matmul(b"host-device", lib.GH_TYPE_F32, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == lib.GH_OK
     monkeypatch.setenv("GH_HOST_DEVICE_TYPES", "f32,,")
-    assert lib.gh_device_op_matmul(b"host-device", 0, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == GH_ERR_INVALID_ARG
+    assert lib.gh_device_op_matmul(b"host-device", lib.GH_TYPE_F32, vptr(w), 2, 32, fptr(x), 1, fptr(y)) == lib.GH_ERR_INVALID_ARG
     assert "GH_HOST_DEVICE_TYPES='f32,,': '' is not a type this runtime reads" in err()

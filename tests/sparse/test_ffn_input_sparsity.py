@@ -31,11 +31,10 @@ from powerinfer_cpp.sparse.thresholds import greedy_allocation  # noqa: E402
 
 from cbuf import fptr  # noqa: E402
 from conftest import SHIPPED_SWIGLU_DIR  # noqa: E402
-from opref import TYPES, axpy_int8_bound, block_cols, encode, vptr  # noqa: E402
+from opref import F32, TYPES, axpy_int8_bound, block_cols, encode, vptr  # noqa: E402
 
 HELDOUT = SHIPPED_SWIGLU_DIR / "heldout.txt"
 S_IN = 0.3
-GH_ACT_SILU = 0
 
 
 def silu(g):
@@ -45,7 +44,7 @@ def silu(g):
 def ffn_op(t, gu_raw, dt, d_raw, d, ff, x, thr_in, thr_down, n_threads):
     y = np.full(d, np.nan, np.float32)
     ni, nd = ffi.new("int64_t *"), ffi.new("int64_t *")
-    check(lib.gh_op_ffn_input_sparse(t, vptr(gu_raw), dt, vptr(d_raw), d, ff, 1, GH_ACT_SILU, 0.0, fptr(x),
+    check(lib.gh_op_ffn_input_sparse(t, vptr(gu_raw), dt, vptr(d_raw), d, ff, 1, lib.GH_ACT_SILU, 0.0, fptr(x),
                                      fptr(thr_in) if thr_in is not None else ffi.NULL,
                                      fptr(thr_down) if thr_down is not None else ffi.NULL,
                                      fptr(y), ni, nd, n_threads))
@@ -125,13 +124,13 @@ def test_ffn_op_bad_args():
     y = np.zeros(4, np.float32)
     x = np.ones(4, np.float32)
     with pytest.raises(Exception, match="NULL buffer"):
-        check(lib.gh_op_ffn_input_sparse(0, vptr(w), 0, vptr(w), 4, 4, 1, 0, 0.0, ffi.NULL, ffi.NULL,
+        check(lib.gh_op_ffn_input_sparse(F32, vptr(w), F32, vptr(w), 4, 4, 1, lib.GH_ACT_SILU, 0.0, ffi.NULL, ffi.NULL,
                                          ffi.NULL, fptr(y), ffi.NULL, ffi.NULL, 1))
     with pytest.raises(Exception, match="activation"):
-        check(lib.gh_op_ffn_input_sparse(0, vptr(w), 0, vptr(w), 4, 4, 0, 2, 0.0, fptr(x), ffi.NULL,
+        check(lib.gh_op_ffn_input_sparse(F32, vptr(w), F32, vptr(w), 4, 4, 0, lib.GH_ACT_DRELU, 0.0, fptr(x), ffi.NULL,
                                          ffi.NULL, fptr(y), ffi.NULL, ffi.NULL, 1))  # dReLU ungated
     with pytest.raises(Exception, match="n_threads"):
-        check(lib.gh_op_ffn_input_sparse(0, vptr(w), 0, vptr(w), 4, 4, 1, 0, 0.0, fptr(x), ffi.NULL,
+        check(lib.gh_op_ffn_input_sparse(F32, vptr(w), F32, vptr(w), 4, 4, 1, lib.GH_ACT_SILU, 0.0, fptr(x), ffi.NULL,
                                          ffi.NULL, fptr(y), ffi.NULL, ffi.NULL, 0))
 
 

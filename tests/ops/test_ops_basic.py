@@ -13,10 +13,8 @@ import pytest
 
 from powerinfer_cpp._native import NativeError, check, ffi, lib
 from cbuf import fptr, iptr  # noqa: E402
-
-GH_ACT_SILU, GH_ACT_RELU, GH_ACT_DRELU, GH_ACT_GELU, GH_ACT_GELU_ERF, GH_ACT_FATRELU = 0, 1, 2, 3, 4, 5
-GH_ACT_SWIGLU_OAI = 6
-GH_ERR_INVALID_ARG = 4
+from conftest import simd_levels  # noqa: E402  (the simd fixture is conftest's)
+from opref import attn_inputs, ref_attention  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -26,18 +24,6 @@ def nmse(out: np.ndarray, ref: np.ndarray) -> float:
     ref = ref.astype(np.float64)
     den = float(np.sum(ref * ref))
     return float(np.sum((out - ref) ** 2)) / max(den, 1e-300)
-
-
-def simd_levels() -> list[int]:
-    return list(range(int(lib.gh_simd_supported()) + 1))
-
-
-@pytest.fixture(params=simd_levels(), ids=lambda l: ["scalar", "avx2", "avx512"][l])
-def simd(request):
-    prev = lib.gh_simd_set(request.param)
-    assert prev != -2
-    yield request.param
-    lib.gh_simd_set(prev)
 
 
 # ---------------------------------------------------------------------------- rmsnorm
@@ -248,17 +234,17 @@ def ref_glu(act, g, u):
     g = g.astype(np.float64)
     u = u.astype(np.float64)
     with np.errstate(over="ignore"):
-        if act == GH_ACT_SILU:
+        if act == lib.GH_ACT_SILU:
             return g / (1.0 + np.exp(-g)) * u
-        if act == GH_ACT_GELU:
+        if act == lib.GH_ACT_GELU:
             # 0.5 * (1 + tanh(z)) written as sigmoid(2z): no cancellation for z << 0.
             z = math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)
             return g / (1.0 + np.exp(-2.0 * z)) * u
-    if act == GH_ACT_RELU:
+    if act == lib.GH_ACT_RELU:
         return np.maximum(g, 0.0) * u
-    if act == GH_ACT_DRELU:
+    if act == lib.GH_ACT_DRELU:
         return np.maximum(g, 0.0) * np.maximum(u, 0.0)
-    if act == GH_ACT_GELU_ERF:
+    if act == lib.GH_ACT_GELU_ERF:
         return 0.5 * g * np.vectorize(math.erfc)(-g / math.sqrt(2.0)) * u
     raise ValueError(act)
 
@@ -281,8 +267,8 @@ def run_glu(act, g, u, out=None):
     return out
 
 
-ACTS = {"silu": GH_ACT_SILU, "relu": GH_ACT_RELU, "drelu": GH_ACT_DRELU, "gelu": GH_ACT_GELU,
-        "gelu_erf": GH_ACT_GELU_ERF}
+ACTS = {"silu": lib.GH_ACT_SILU, "relu": lib.GH_ACT_RELU, "drelu": lib.GH_ACT_DRELU, "gelu": lib.GH_ACT_GELU,
+        "gelu_erf": lib.GH_ACT_GELU_ERF}
 
 
 @pytest.mark.parametrize("act", list(ACTS), ids=list(ACTS))
@@ -293,18 +279,18 @@ def test_glu(simd, act, n):
     out = run_glu(a, g, u)
     ref = ref_glu(a, g, u)
     assert np.all(np.isfinite(out))
-    if a in (GH_ACT_RELU, GH_ACT_DRELU):
+    if a in (lib.GH_ACT_RELU, lib.GH_ACT_DRELU):
         # Exact: one float multiply.
         exp32 = ref_glu(a, g, u).astype(np.float32)
         assert np.array_equal(out, exp32)
     else:
         assert nmse(out, ref) < 1e-12
         err = np.abs(out - ref)
-        if a == GH_ACT_SILU:
+        if a == lib.GH_ACT_SILU:
             # exp(-g) overflows float for g < -88.7: the result is then 0, not the
             # subnormal it should be (torch does the same).
             bound = 1e-6 * np.abs(ref) + 1e-37 * np.abs(u)
-        elif a == GH_ACT_GELU:
+        elif a == lib.GH_ACT_GELU:
             # GELU's argument g*(a + b*g^2) is rounded to float first (as in HF): an
             # absolute error of ~1e-7 in it moves gelu by ~1e-7 * |g| relative to |g*u|.
             bound = 1e-6 * np.abs(ref) + 1e-7 * np.abs(g.astype(np.float64) * u)
@@ -322,7 +308,7 @@ def test_glu_swiglu_oai(limit):
     g, u = glu_inputs(4097, 3)
     u = u * 10  # up beyond +-limit too
     out = np.empty_like(g)
-    check(lib.gh_op_glu(GH_ACT_SWIGLU_OAI, limit, fptr(g), fptr(u), fptr(out), len(g)))
+    check(lib.gh_op_glu(lib.GH_ACT_SWIGLU_OAI, limit, fptr(g), fptr(u), fptr(out), len(g)))
     gg = np.minimum(g.astype(np.float64), limit)
     uu = np.clip(u.astype(np.float64), -limit, limit)
     with np.errstate(over="ignore"):
@@ -333,7 +319,7 @@ def test_glu_swiglu_oai(limit):
     bound = 1e-6 * np.abs(ref) + 2e-7 * (np.abs(uu) + 1.0) * np.abs(glu) + 1e-37
     assert np.all(np.abs(out - ref) <= bound), (np.abs(out - ref) / bound).max()
     assert (g > limit).any() and (np.abs(u) > limit).any()
-    expect_invalid(lib.gh_op_glu(GH_ACT_SWIGLU_OAI, limit, fptr(g), ffi.NULL, fptr(out), len(g)),
+    expect_invalid(lib.gh_op_glu(lib.GH_ACT_SWIGLU_OAI, limit, fptr(g), ffi.NULL, fptr(out), len(g)),
                    "the clamped SwiGLU needs up")
 
 
@@ -363,22 +349,6 @@ def test_glu_simd_levels_agree():
 
 # ---------------------------------------------------------------------------- attention
 
-def ref_attention(q, k, v, n_past):
-    n_tokens, n_head, d = q.shape
-    n_head_kv = k.shape[1]
-    group = n_head // n_head_kv
-    qd, kd, vd = (a.astype(np.float64) for a in (q, k, v))
-    out = np.zeros(q.shape, dtype=np.float64)
-    for t in range(n_tokens):
-        n_kv = n_past + t + 1
-        for h in range(n_head):
-            kh = h // group
-            s = kd[:n_kv, kh, :] @ qd[t, h] / math.sqrt(d)
-            p = np.exp(s - s.max())
-            out[t, h] = p @ vd[:n_kv, kh, :] / p.sum()
-    return out
-
-
 def run_attention(q, k, v, n_past, n_threads):
     n_tokens, n_head, d = q.shape
     n_head_kv = k.shape[1]
@@ -387,34 +357,6 @@ def run_attention(q, k, v, n_past, n_threads):
     check(lib.gh_op_attention(fptr(q), fptr(k), fptr(v), fptr(out), n_tokens, n_past,
                               n_head, n_head_kv, d, n_threads))
     return out
-
-
-def attn_inputs(n_tokens, n_past, n_head, n_head_kv, d, seed, q_scale=1.0):
-    rng = np.random.default_rng(seed)
-    n_kv = n_past + n_tokens
-    q = (rng.standard_normal((n_tokens, n_head, d)) * q_scale).astype(np.float32)
-    k = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
-    v = rng.standard_normal((n_kv, n_head_kv, d)).astype(np.float32)
-    return q, k, v
-
-
-HEADS = [(4, 4), (8, 2), (8, 1)]
-
-
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}/{h[1]}")
-@pytest.mark.parametrize("head_dim", [2, 8, 64, 128])
-@pytest.mark.parametrize("n_tokens,n_past", [(1, 0), (1, 37), (5, 0), (13, 20)])
-def test_attention(simd, heads, head_dim, n_tokens, n_past):
-    n_head, n_head_kv = heads
-    q, k, v = attn_inputs(n_tokens, n_past, n_head, n_head_kv, head_dim,
-                          seed=head_dim * 100 + n_tokens + n_past)
-    ref = ref_attention(q, k, v, n_past)
-    out1 = run_attention(q, k, v, n_past, 1)
-    out2 = run_attention(q, k, v, n_past, 2)
-    assert nmse(out1, ref) < 1e-12
-    np.testing.assert_allclose(out1, ref, rtol=0, atol=1e-5)
-    # Each (token, head) is computed the same way whichever thread takes it.
-    assert np.array_equal(out1, out2)
 
 
 @pytest.mark.parametrize("n_threads", [1, 2, 3])
@@ -461,7 +403,7 @@ def test_attention_simd_levels_agree():
 
 # KV cache types (gh_op_attention_kv): the cache rows in F16 / Q8_0, made by numpy and by
 # gguf's reference quantizer (the ggml layouts), read through f32 tiles.
-KV_TYPES = {"f16": 1, "q8_0": 8}
+KV_TYPES = {"f16": lib.GH_TYPE_F16, "q8_0": lib.GH_TYPE_Q8_0}
 
 
 def kv_store(kind, a):
@@ -488,25 +430,6 @@ def run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, n_threads):
 
 
 @pytest.mark.parametrize("kind", list(KV_TYPES))
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}/{h[1]}")
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
-@pytest.mark.parametrize("n_tokens,n_past", [(1, 0), (1, 100), (5, 70), (13, 20)])
-def test_attention_kv_cache_types(simd, kind, heads, head_dim, n_tokens, n_past):
-    n_head, n_head_kv = heads
-    q, k, v = attn_inputs(n_tokens, n_past, n_head, n_head_kv, head_dim,
-                          seed=head_dim + 7 * n_tokens + n_past)
-    kq, kd = kv_store(kind, k)
-    vq, vd = kv_store(kind, v)
-    out1 = run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, 1)
-    out3 = run_attention_kv(kind, q, kq, vq, n_head_kv, n_past, 3)
-    ref = ref_attention(q, kd, vd, n_past)
-    np.testing.assert_allclose(out1, ref, rtol=0, atol=1e-5)
-    # the tiles hold exactly the dequantized rows, and the kernels run as over an f32 cache
-    assert np.array_equal(out1, run_attention(q, kd, vd, n_past, 1))
-    assert np.array_equal(out1, out3)
-
-
-@pytest.mark.parametrize("kind", list(KV_TYPES))
 def test_attention_kv_cache_is_causal(simd, kind):
     n_past, n_tokens = 70, 3   # the hidden rows lie in the second block of 64 keys
     q, k, v = attn_inputs(n_tokens, n_past, 4, 2, 64, seed=5)
@@ -523,10 +446,10 @@ def test_attention_kv_cache_is_causal(simd, kind):
 def test_attention_kv_refuses_other_types():
     q, k, v = attn_inputs(1, 0, 4, 2, 16, seed=1)
     with pytest.raises(NativeError, match="KV cache type q4_0 is not supported"):
-        check(lib.gh_op_attention_kv(2, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
+        check(lib.gh_op_attention_kv(lib.GH_TYPE_Q4_0, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
                                      16, 1))
     with pytest.raises(NativeError, match="multiple of 32"):
-        check(lib.gh_op_attention_kv(8, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
+        check(lib.gh_op_attention_kv(lib.GH_TYPE_Q8_0, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
                                      16, 1))
 
 
@@ -633,7 +556,7 @@ def test_attention_ext_invalid_args():
                                      (1.0, -1.0, 0, "softcap"), (1.0, float("inf"), 0, "softcap"),
                                      (1.0, 0.0, -3, "window")):
         with pytest.raises(NativeError, match=word):
-            check(lib.gh_op_attention_ext(0, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
+            check(lib.gh_op_attention_ext(lib.GH_TYPE_F32, fptr(q), fptr(k), fptr(v), fptr(q.copy()), 1, 0, 4, 2,
                                           16, 1, scale, cap, window, ffi.NULL))
 
 
@@ -642,7 +565,7 @@ def test_attention_ext_invalid_args():
 def expect_invalid(status, *words):
     with pytest.raises(NativeError) as ei:
         check(status)
-    assert ei.value.status == GH_ERR_INVALID_ARG
+    assert ei.value.status == lib.GH_ERR_INVALID_ARG
     msg = str(ei.value)
     for w in words:
         assert w in msg, msg
@@ -683,11 +606,11 @@ def test_glu_invalid_args():
     g = np.ones(4, np.float32)
     expect_invalid(lib.gh_op_glu(99, 0.0, fptr(g), fptr(g), fptr(g), 4), "unknown activation 99")
     expect_invalid(lib.gh_op_glu(-1, 0.0, fptr(g), fptr(g), fptr(g), 4), "unknown activation")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, 0.0, ffi.NULL, fptr(g), fptr(g), 4), "NULL")
-    expect_invalid(lib.gh_op_glu(GH_ACT_DRELU, 0.0, fptr(g), ffi.NULL, fptr(g), 4), "dReLU", "up")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, 0.0, fptr(g), fptr(g), ffi.NULL, 4), "NULL")
-    expect_invalid(lib.gh_op_glu(GH_ACT_SILU, 0.0, fptr(g), fptr(g), fptr(g), 0), "positive")
-    expect_invalid(lib.gh_op_glu(GH_ACT_FATRELU, float("nan"), fptr(g), fptr(g), fptr(g), 4), "threshold")
+    expect_invalid(lib.gh_op_glu(lib.GH_ACT_SILU, 0.0, ffi.NULL, fptr(g), fptr(g), 4), "NULL")
+    expect_invalid(lib.gh_op_glu(lib.GH_ACT_DRELU, 0.0, fptr(g), ffi.NULL, fptr(g), 4), "dReLU", "up")
+    expect_invalid(lib.gh_op_glu(lib.GH_ACT_SILU, 0.0, fptr(g), fptr(g), ffi.NULL, 4), "NULL")
+    expect_invalid(lib.gh_op_glu(lib.GH_ACT_SILU, 0.0, fptr(g), fptr(g), fptr(g), 0), "positive")
+    expect_invalid(lib.gh_op_glu(lib.GH_ACT_FATRELU, float("nan"), fptr(g), fptr(g), fptr(g), 4), "threshold")
     expect_invalid(lib.gh_op_layernorm(ffi.NULL, fptr(g), ffi.NULL, 4, 1, 1e-5, fptr(g)), "layernorm", "NULL")
     expect_invalid(lib.gh_op_layernorm(fptr(g), fptr(g), ffi.NULL, 0, 1, 1e-5, fptr(g)), "positive")
     expect_invalid(lib.gh_op_layernorm(fptr(g), fptr(g), ffi.NULL, 4, 1, -1.0, fptr(g)), "eps")
@@ -744,22 +667,22 @@ def test_rope_scaled_frequencies(neox):
 def ref_act(act, g, t=0.0):
     """act(g) alone: an ungated FFN's activation."""
     g = g.astype(np.float64)
-    if act == GH_ACT_RELU:
+    if act == lib.GH_ACT_RELU:
         return np.maximum(g, 0.0)
-    if act == GH_ACT_FATRELU:
+    if act == lib.GH_ACT_FATRELU:
         return np.where(g > t, g, 0.0)
-    if act == GH_ACT_SILU:
+    if act == lib.GH_ACT_SILU:
         with np.errstate(over="ignore"):
             return g / (1.0 + np.exp(-g))
-    if act == GH_ACT_GELU:
+    if act == lib.GH_ACT_GELU:
         z = math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3)
         with np.errstate(over="ignore"):
             return g / (1.0 + np.exp(-2.0 * z))
     return 0.5 * g * (1.0 + np.vectorize(math.erf)(g / math.sqrt(2.0)))
 
 
-@pytest.mark.parametrize("act", [GH_ACT_RELU, GH_ACT_FATRELU, GH_ACT_SILU, GH_ACT_GELU,
-                                 GH_ACT_GELU_ERF])
+@pytest.mark.parametrize("act", [lib.GH_ACT_RELU, lib.GH_ACT_FATRELU, lib.GH_ACT_SILU, lib.GH_ACT_GELU,
+                                 lib.GH_ACT_GELU_ERF])
 @pytest.mark.parametrize("n", [1, 33, 4097])
 def test_act_ungated_and_fatrelu(simd, act, n):
     """up = NULL: act(gate) alone (OPT, Falcon); FATReLU keeps g only above t."""
@@ -776,5 +699,5 @@ def test_act_ungated_and_fatrelu(simd, act, n):
     check(lib.gh_op_glu(act, t, fptr(g), fptr(u), fptr(out2), n))
     ud = np.abs(u.astype(np.float64))
     assert np.all(np.abs(out2 - ref * u) <= 2e-6 * np.abs(ref * u) + 1e-7 * gd * ud + 1e-37)
-    if act == GH_ACT_FATRELU:
+    if act == lib.GH_ACT_FATRELU:
         assert np.all(out[g <= t] == 0) and np.all(out[g > t] == g[g > t])

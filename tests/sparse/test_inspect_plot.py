@@ -18,8 +18,9 @@ from powerinfer_cpp import parse_size  # noqa: E402
 from powerinfer_cpp.convert import convert  # noqa: E402
 from powerinfer_cpp.inspect import main, plot_statistics, served_curve  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 SWIGLU_DIR = REPO / "models" / "tiny-swiglu-kjv"
 
 

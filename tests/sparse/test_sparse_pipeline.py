@@ -18,8 +18,9 @@ from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.sparse.placement import (DenseItem, format_size, greedy_placement, ilp_placement,  # noqa: E402
                                       make_problem, parse_size)
 from powerinfer_cpp.sparse.predictor import PredictorConfig, evaluate, train_layer  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_DIR
 SHIPPED = REPO / "models" / "tiny-relu-kjv"
 HELDOUT = SHIPPED / "heldout.txt"
 

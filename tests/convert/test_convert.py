@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import make_llama_model, patch_drelu  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
@@ -21,9 +20,10 @@ pytest.importorskip("transformers")
 
 from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 
 # Normalized squared error bounds ||deq - ref||^2 / ||ref||^2 per storage type.
 # (f16 ~ 2^-11 relative rounding, bf16 ~ 2^-8; q8_0 step = absmax/127 and
@@ -320,7 +320,7 @@ def test_permuted_qk_normal_rope_matches_hf_logits(hf_dirs, tmp_path, name):
 # layers of 8 are 0 and 7 (the first and last eighth) and 3, 6 (every third between).
 MIX_MODEL = dict(act="silu", tied=False, n_layer=8, d=256, n_head=4, n_head_kv=2, n_ff=512, seed=5)
 MORE_BITS_OF_8 = {0, 3, 6, 7}
-# nmse of Gaussian-ish weights per K-quant (tests/test_types_matmul.py: nrmse 0.0715, 0.0362, 0.0178)
+# nmse of Gaussian-ish weights per K-quant (tests/ops/test_types_matmul.py: nrmse 0.0715, 0.0362, 0.0178)
 K_NMSE = {Q.Q4_K: 8e-3, Q.Q5_K: 2e-3, Q.Q6_K: 5e-4}
 # Q2_K / Q3_K: nrmse 0.2745 / 0.1450 there (nmse 0.075 / 0.021)
 K_NMSE.update({Q.Q2_K: 0.09, Q.Q3_K: 0.025})

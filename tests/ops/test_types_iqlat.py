@@ -5,19 +5,17 @@ test stores random valid blocks (opref.lattice_blocks: random indices, signs and
 sub-block scales, a chosen fp16 d) and compares against gguf.quants' dequantization:
 
 * dequantization bit for bit equal to gguf.quants.dequantize;
-* the dot (gh_op_matmul, one token: the type's vec_dot against Q8_K activations) within
-  DOT_BOUND of numpy's float64 product of the dequantized weights and the f32
-  activations, at every SIMD level this CPU has; the levels against each other within
-  SIMD_BOUND (the same integer sums, another float order);
-* the axpy (gh_op_matmul_t, one token: the down_t and input-sparse column form) within
-  AXPY_RTOL of numpy (float: the row's exact values times a scale, summed in f32);
+* the dot (gh_op_matmul: the type's vec_dot against Q8_K activations) and the axpy
+  (gh_op_matmul_t: the down_t and input-sparse column form) against numpy at every SIMD
+  level: rows of the op table (test_op_table.py, which runs every type the kernel table
+  has); here the levels against each other within SIMD_BOUND (the same integer sums,
+  another float order);
 * a batch equals its tokens one by one, bit for bit;
 * a small model whose FFN weights are in the type loads, and its logits equal those of
   the same model with those weights dequantized to F32 within MODEL_BOUND;
 * without the codebooks (a build where gguf was not importable) the generator writes
   the reason, and the runtime would refuse the types by name with it.
-The op tables (test_sparse_ffn, test_sparse_runtime, test_input_sparsity,
-test_types_matmul) run these types too through opref.TYPES.
+The op table (test_op_table.py) runs these types through every op and backend.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import os
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,17 +31,16 @@ from gguf import quants
 
 from powerinfer_cpp._native import check, ffi, lib
 from cbuf import fptr  # noqa: E402
+from conftest import REPO_DIR, simd_levels  # noqa: E402
 
 from opref import GGUF_QT, LATTICE, LATTICE_ALL, LATTICE_SIZE, lattice_blocks, vptr  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 NAME = {t: n for n, t in LATTICE_ALL.items()}
 # Q8_K activations (one scale per 256 values, 8 bits): the K-quants' bound
-# (test_types_matmul.NMSE_BOUND); measured worst 5.7e-5 (IQ1_M) .. 1.2e-4 (IQ2_XXS), the
-# same at every level (test_dot_and_axpy_vs_numpy prints it)
-DOT_BOUND = 1e-3
+# (test_op_table.NMSE_BOUND); measured worst 5.7e-5 (IQ1_M) .. 1.2e-4 (IQ2_XXS), the
+# same at every level (test_op_table's matmul rows print it)
 SIMD_BOUND = 1e-8
-AXPY_RTOL = 1e-5
 # logits of the lattice file against the F32 file of the same values, over the logit
 # range: the difference is only the activations' 8-bit rounding in the FFN's dots
 # (measured 2.8e-3 .. 3.4e-3 over the seven types)
@@ -52,10 +48,6 @@ MODEL_BOUND = 1e-2
 
 needs_lattice = pytest.mark.skipif(not LATTICE, reason="built without the gguf package's codebooks")
 types = pytest.mark.parametrize("t", LATTICE, ids=lambda t: NAME[t])
-
-
-def simd_levels() -> list[int]:
-    return list(range(int(lib.gh_simd_supported()) + 1))
 
 
 def random_blocks(t: int, n_blocks: int, rng, rms=1.0) -> np.ndarray:
@@ -74,22 +66,9 @@ def matmul(t, raw, rows, cols, x, n_threads=1):
     return y
 
 
-def matmul_t(t, raw, rows, cols, h, n_threads=1):
-    y = np.full((h.shape[0], cols), np.nan, dtype=np.float32)
-    check(lib.gh_op_matmul_t(t, vptr(raw), rows, cols, fptr(h), h.shape[0], fptr(y), n_threads))
-    return y
-
-
 def nmse(y, ref, wd, x) -> float:
     expected = float(np.sum(wd.astype(np.float64) ** 2) * np.sum(x.astype(np.float64) ** 2)) / wd.shape[1]
     return float(np.sum((y - ref) ** 2)) / max(float(np.sum(ref ** 2)), expected, 1e-300)
-
-
-@pytest.fixture
-def restore_simd():
-    prev = lib.gh_simd_get()
-    yield
-    lib.gh_simd_set(prev)
 
 
 @needs_lattice
@@ -124,34 +103,6 @@ def test_type_row(t):
 
 @needs_lattice
 @types
-@pytest.mark.parametrize("level", simd_levels())
-def test_dot_and_axpy_vs_numpy(t, level, restore_simd):
-    """One token: the dot (matmul of 1 token) and the axpy (transposed matmul of 1 token),
-    odd row counts and rows of 1..17 blocks, 1 and 2 threads equal."""
-    assert lib.gh_simd_set(level) != -2
-    rng = np.random.default_rng(100 + t)
-    worst = 0.0
-    for rows, cols in [(1, 256), (3, 512), (17, 256 * 17), (33, 1024)]:
-        raw = random_blocks(t, rows * cols // 256, rng).reshape(rows, -1)
-        wd = quants.dequantize(raw, GGUF_QT[t]).astype(np.float64).reshape(rows, cols)
-        x = rng.standard_normal((1, cols)).astype(np.float32)
-        y = matmul(t, raw, rows, cols, x)
-        assert np.array_equal(y, matmul(t, raw, rows, cols, x, 2))
-        ref = x.astype(np.float64) @ wd.T
-        err = nmse(y.astype(np.float64), ref, wd, x)
-        worst = max(worst, err)
-        assert err < DOT_BOUND, (NAME[t], level, rows, cols, err)
-        h = rng.standard_normal((1, rows)).astype(np.float32)
-        h[0, ::4] = 0.0
-        yt = matmul_t(t, raw, rows, cols, h)
-        ref_t = h.astype(np.float64) @ wd
-        scale = np.abs(h.astype(np.float64)) @ np.abs(wd)
-        assert (np.abs(yt - ref_t) <= AXPY_RTOL * scale + 1e-30).all(), (NAME[t], level, rows, cols)
-    print(f"{NAME[t]} level {level}: worst dot nmse {worst:.2e}")
-
-
-@needs_lattice
-@types
 def test_simd_levels_agree(t, restore_simd):
     levels = simd_levels()
     if len(levels) == 1:
@@ -161,7 +112,7 @@ def test_simd_levels_agree(t, restore_simd):
     raw = random_blocks(t, rows * cols // 256, rng).reshape(rows, -1)
     wd = quants.dequantize(raw, GGUF_QT[t]).astype(np.float64).reshape(rows, cols)
     x = rng.standard_normal((5, cols)).astype(np.float32)
-    lib.gh_simd_set(0)
+    lib.gh_simd_set(lib.GH_SIMD_SCALAR)
     ys = matmul(t, raw, rows, cols, x).astype(np.float64)
     for level in levels[1:]:
         lib.gh_simd_set(level)
@@ -242,7 +193,7 @@ def test_read_list_names_them():
 def test_file_of_lattice_tensor():
     """A GGUF holding an IQ2_XXS tensor opens (its bytes as the layout says); in a build
     without the codebooks it is refused by name, with the reason."""
-    from test_gguf_reader import GH_ERR_UNSUPPORTED, expect_error, image, open_mem, tinfo
+    from test_gguf_reader import expect_error, image, open_mem, tinfo
 
     t = LATTICE_ALL["iq2_xxs"]
     img = image(tensors=[tinfo("w", [512, 2], t)], data=bytes(4 * LATTICE_SIZE[t]))
@@ -251,7 +202,7 @@ def test_file_of_lattice_tensor():
             (info,) = g.tensors()
             assert info["type"] == t and info["nbytes"] == 4 * LATTICE_SIZE[t]
     else:
-        expect_error(img, GH_ERR_UNSUPPORTED, "tensor 'w' has type iq2_xxs (id 16), which this runtime does "
+        expect_error(img, lib.GH_ERR_UNSUPPORTED, "tensor 'w' has type iq2_xxs (id 16), which this runtime does "
                      "not read", "not the IQ1/IQ2/IQ3 lattice types: the gguf package was not importable")
 
 

@@ -10,6 +10,7 @@ import pytest
 from powerinfer_cpp import Model, NativeError
 from powerinfer_cpp import format as F
 from powerinfer_cpp import preflight
+from powerinfer_cpp._native import lib
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -88,7 +89,7 @@ def test_model_error_names_all_reasons(wide_gguf, tmp_path):
     msg = str(e.value)
     assert msg.startswith(f"this runtime cannot load {path} (3 problems):")
     assert "TQ2_0" in msg and "'mamba'" in msg and "'kimi-k2'" in msg
-    assert e.value.status == 3  # GH_ERR_UNSUPPORTED, the loader's own status
+    assert e.value.status == lib.GH_ERR_UNSUPPORTED  # the loader's own status
 
 
 def test_missing_keys_and_pre_tokenizer(wide_gguf, tmp_path):

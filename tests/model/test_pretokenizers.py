@@ -35,8 +35,9 @@ from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.default_model import package_file  # noqa: E402
 from powerinfer_cpp.tokenizer import (  # noqa: E402
     TokenizerError, load_tokenizer, read_tokenizer_metadata, tokenizer_from_metadata)
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_DIR
 
 #: Multilingual text with digits, code, emoji, whitespace runs and contractions.
 TEXT = """\

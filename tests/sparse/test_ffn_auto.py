@@ -7,20 +7,20 @@ says why."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import make_llama_model  # noqa: E402
 
 from powerinfer_cpp import Model  # noqa: E402
 from powerinfer_cpp._native import check, ffi, lib  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-DENSE, SPARSE, GATE = 0, 1, 3
-F32, F16, Q4_0, Q8_0, Q6_K = 0, 1, 2, 8, 14
-AVX2, AVX512 = 1, 2
+DENSE, SPARSE, GATE = lib.GH_FFN_DENSE, lib.GH_FFN_SPARSE, lib.GH_FFN_GATE
+F32, F16, Q4_0, Q8_0, Q6_K = (lib.GH_TYPE_F32, lib.GH_TYPE_F16, lib.GH_TYPE_Q4_0, lib.GH_TYPE_Q8_0,
+                              lib.GH_TYPE_Q6_K)
+AVX2, AVX512 = lib.GH_SIMD_AVX2, lib.GH_SIMD_AVX512
 # the table's F16 rows (auto_mode.c): ratios at densities 10%, 50%, 90%, and the dense
 # down_t axpy's
 F16_AVX512_ROWS, F16_AVX512_COLS, F16_AVX512_DT = (0.46, 0.59, 0.70), (0.46, 0.59, 0.71), 1.11
@@ -138,7 +138,7 @@ def gate_files(tmp_path_factory):
     from powerinfer_cpp.convert import convert
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
-    heldout = Path(__file__).resolve().parents[1] / "models" / "tiny-swiglu-kjv" / "heldout.txt"
+    heldout = REPO_DIR / "models" / "tiny-swiglu-kjv" / "heldout.txt"
     d = tmp_path_factory.mktemp("auto")
     hf = make_llama_model(d / "hf", act="silu", tied=False, seed=4, n_layer=2, d=64, n_ff=192, n_ctx=256)
     out = {}

@@ -7,19 +7,17 @@ run leaves; bad inputs are refused by name."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from powerinfer_cpp import Model  # noqa: E402
 from powerinfer_cpp.convert import convert  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 SWIGLU_DIR = REPO / "models" / "tiny-swiglu-kjv"
 RELU_DIR = REPO / "models" / "tiny-relu-kjv"
 HELDOUT = SWIGLU_DIR / "heldout.txt"

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO_DIR  # noqa: E402
 
 
 def _run(*args, **kw):
@@ -57,7 +58,7 @@ def test_default_model_answers_a_question(tmp_path):
     (["-m", "README.md", "-p", "x"], "magic"),
 ])
 def test_errors_are_messages_not_tracebacks(args, msg):
-    r = _run(*args, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = _run(*args, cwd=str(REPO_DIR))
     assert r.returncode == 1
     assert r.stderr.startswith("error:") and msg in r.stderr
     assert "Traceback" not in r.stderr
@@ -76,7 +77,7 @@ def test_help_has_no_literal_percent_escapes(module):
 
 def test_convert_keeps_library_noise_out_of_the_terminal(tmp_path):
     """gguf's "Writing the following files" with temp-file paths shows only with -v."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = str(REPO_DIR)
     src = os.path.join(repo, "models", "tiny-relu-kjv")
     cmd = [sys.executable, "-m", "powerinfer_cpp.convert", src, "-o", str(tmp_path / "t.gguf"),
            "--dense"]

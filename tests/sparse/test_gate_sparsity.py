@@ -6,13 +6,11 @@ default and the per-layer allocation."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_models import make_llama_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
@@ -24,8 +22,9 @@ from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, main  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
 from powerinfer_cpp.sparse.thresholds import activation  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 SWIGLU_DIR = REPO / "models" / "tiny-swiglu-kjv"
 HELDOUT = SWIGLU_DIR / "heldout.txt"
 SPARSITY = 0.5

@@ -111,7 +111,7 @@ def test_unsupported_and_unknown_arguments(shipped_gguf, llm):
         llm("x", mirostat_mode=2)
     with pytest.raises(UnsupportedArgumentError, match="functions"):
         llm.create_chat_completion([{"role": "user", "content": "x"}], functions=[{"name": "x"}])
-    with pytest.raises(ValueError, match=r"tools\[0\] must be"):  # tools: tests/test_tools.py
+    with pytest.raises(ValueError, match=r"tools\[0\] must be"):  # tools: tests/api/test_tools.py
         llm.create_chat_completion([{"role": "user", "content": "x"}], tools=[{"type": "x"}])
     with pytest.raises(TypeError, match="unexpected"):
         llm("x", banana=1)

@@ -2,20 +2,17 @@
 read back with the gguf package. Every tensor (name, shape, value after undoing the
 documented transform) is checked against the HF state dict, every key against the
 config, and every refused config variant for its message (docs/FORMAT.md
-"Architectures"). The runtime's logits against transformers are tests/test_model*.py's."""
+"Architectures"). The runtime's logits against transformers are tests/model/test_model*.py's."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import VARIANTS, load_hf_config, make_hf_model  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
@@ -24,6 +21,7 @@ pytest.importorskip("transformers")
 
 from powerinfer_cpp import format as F  # noqa: E402
 from powerinfer_cpp.convert import ConvertError, convert, unpermute_qk  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
 ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "falcon": F.ARCH_FALCON,
            "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
@@ -638,7 +636,7 @@ def test_gate_sparsity_needs_a_gate(hf_dirs, tmp_path):
     """--sparsity calibrates the gate: refused for an ungated FFN before anything runs."""
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
-    heldout = Path(__file__).resolve().parent.parent / "models" / "tiny-relu-kjv" / "heldout.txt"
+    heldout = REPO_DIR / "models" / "tiny-relu-kjv" / "heldout.txt"
     with pytest.raises(ConvertError, match="has none"):
         convert(hf_dirs["opt"], tmp_path / "o.gguf", "f32", progress=False, sparse=True,
                 sparse_options=SparseOptions(calib=str(heldout), sparsity=0.5))
@@ -669,7 +667,7 @@ def test_placement_costs_ungated():
 def test_format_doc_covers_every_architecture(converted):
     """docs/FORMAT.md has a section per architecture naming each tensor kind its files
     carry, and documents each key they carry (per-architecture keys as `A.…`)."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md").read_text(encoding="utf-8")
+    doc = (REPO_DIR / "docs" / "FORMAT.md").read_text(encoding="utf-8")
     import re
 
     arch_doc = doc[doc.index("## Architectures\n"):doc.index("## Sparse extension\n")]

@@ -16,8 +16,9 @@ gguf = pytest.importorskip("gguf")
 from powerinfer_cpp import Model, parse_size  # noqa: E402
 from powerinfer_cpp.convert import convert  # noqa: E402
 from powerinfer_cpp.sparse.pipeline import SparseOptions  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_DIR
 SWIGLU_DIR = REPO / "models" / "tiny-swiglu-kjv"
 BUDGET = "6M"  # the dense parts (3.5 MiB in f16), the KV cache and about a fifth of the neurons
 N_TOK = 24

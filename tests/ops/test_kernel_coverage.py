@@ -17,8 +17,9 @@ from powerinfer_cpp import _native
 from powerinfer_cpp._native import ffi, lib
 
 from opref import LATTICE_TYPES, TYPES  # noqa: E402
+from conftest import REPO_DIR  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_DIR
 SCALAR, AVX2, AVX512 = lib.GH_SIMD_SCALAR, lib.GH_SIMD_AVX2, lib.GH_SIMD_AVX512
 #: the forms every type needs at every SIMD level (a weight type's paths)
 REQUIRED = ("dot", "dot4", "axpy", "axpy4", "axpy4pf")

@@ -336,7 +336,9 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
     /* a batch of contexts runs the FFN its first context runs its own tokens with
      * (gh_eval_batch_ex checked that every context runs its tokens alike) */
     const int32_t k0 = c->seq ? seq_run_end(c, 0, n) : n;
-    const bool sparse_ffn = gh_sparse_applies(c, k0);
+    /* (a mixture's experts take the sparse path inside gh_moe_ffn) */
+    const bool sparse_ffn = !hp->n_expert && gh_sparse_applies(c, k0);
+    const bool sparse_moe = hp->n_expert && gh_sparse_applies(c, k0);
     const bool insp = gh_input_sparse_applies(c, k0);
     embed(c, tokens, n, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
@@ -386,7 +388,7 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
             gh_stats_add(&c->stats, GH_STAGE_FFN, (t_norm - t_ffn) + (gh_now() - t_add), 0.0);
             continue;
         }
-        if (hp->n_expert) gh_moe_ffn(c, il, n);
+        if (hp->n_expert) gh_moe_ffn(c, il, n, sparse_moe);
         else ffn_dense(c, il, n);
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);

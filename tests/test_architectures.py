@@ -36,7 +36,10 @@ VARIANTS = {
     "falcon-40b-1ln": False, "falcon-rw-like": False, "falcon-relu": True,
     "phi3": False,
     # mixtures of experts (hf_models.MOE_VARIANTS; their own tests: test_moe.py)
-    "mixtral": False, "mixtral-top1": False, "qwen2moe": False, "qwen2moe-norm": False,
+    # (the ReLU-family experts, mixtral-relu and -drelu, have no predictors: their sparse
+    # experts are test_moe_sparse.py's)
+    "mixtral": False, "mixtral-top1": False, "mixtral-relu": False, "mixtral-drelu": False,
+    "qwen2moe": False, "qwen2moe-norm": False,
     "qwen3moe": False, "qwen3moe-top1": False, "olmoe": False, "olmoe-norm": False,
     "gptoss": False, "gptoss-top1": False, "gptoss-top4": False,
 }

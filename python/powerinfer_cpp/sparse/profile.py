@@ -169,7 +169,9 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
                 f"{avail / 2**30:.2f} GiB are available; pass a smaller max_tokens")
 
         x = np.empty((info.n_layer, n, info.n_embd), dtype=np.float32)
-        mask = np.empty((info.n_layer, n, info.n_ff), dtype=np.uint8)
+        # a mixture of experts has no one FFN's neuron mask: its inputs only (expert_sparsity.py)
+        n_mask = 0 if info.n_expert else info.n_ff
+        mask = np.empty((info.n_layer, n, n_mask), dtype=np.uint8)
         a_in = np.empty((info.n_layer, n_in, info.n_embd), dtype=np.float32) if n_in else None
         a_out = np.empty((info.n_layer, n_in, dq), dtype=np.float32) if n_in else None
         h_in = np.empty((n_in, info.n_embd), dtype=np.float32) if n_in else None
@@ -180,7 +182,7 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
             from tqdm.auto import tqdm
             bar = tqdm(total=n, desc="profiling", unit="tok", dynamic_ncols=True)
         try:
-            x_stride, m_stride = n * info.n_embd, n * info.n_ff
+            x_stride, m_stride = n * info.n_embd, n * n_mask
             for start in range(0, n, window):
                 w = toks[start:start + window]
                 ctx.reset()
@@ -190,7 +192,8 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
                     check(lib.gh_eval_profile_ex(
                         ptr, ffi.from_buffer("int32_t[]", w), int(w.size),
                         ffi.cast("float *", x[0, start:].ctypes.data), x_stride,
-                        ffi.cast("uint8_t *", mask[0, start:].ctypes.data), m_stride,
+                        ffi.cast("uint8_t *", mask[0, start:].ctypes.data) if n_mask else ffi.NULL,
+                        m_stride,
                         ffi.cast("float *", a_in[0, r0:].ctypes.data) if rec else ffi.NULL,
                         n_in * info.n_embd,
                         ffi.cast("float *", a_out[0, r0:].ctypes.data) if rec else ffi.NULL,

@@ -8,7 +8,7 @@ writes (sparse/expert_sparsity.py: ffn_down_exps_t, blk.N.ffn_exp_gate_thr).
   bytes the statistics count are the router, each selected expert's gate and the up and
   down_t rows of its active neurons, fewer than dense;
 - a batch (prompt chunks within the sparse batch, and contexts batched by gh_eval_batch_ex)
-  equals its tokens one by one;
+  equals its tokens one by one; host-device (experts on the CPU) equals CPU-only;
 - SwiGLU experts (Qwen3-MoE) calibrated to a sparsity: the share of neurons the runtime
   skips on held-out text is the requested level within 3 points;
 - bad files refused by name."""
@@ -135,6 +135,25 @@ def test_a_batch_equals_its_tokens(relu_case):
             native_batch_ex(ctxs, [1, 1, 1], toks)
             for c, t, tok in zip(ctxs, twins, toks):
                 np.testing.assert_array_equal(logit_rows(c)[-1], t.eval([tok]))
+
+
+def test_host_device_equals_cpu(relu_case):
+    """On the host-device backend (attention, routers and head placed; the sparse experts
+    stay the CPU's, the loader says so, an expert cache asked for is not made) the gate and
+    dense modes equal CPU-only."""
+    ids = relu_case["ids"][:12]
+    with Model(relu_case["sparse"]) as m:
+        cpu_gate, _ = _decode(m, ids, "gate")
+        cpu_dense, _ = _decode(m, ids, "dense")
+    with Model(relu_case["sparse"], device="host-device", vram_budget="64M", expert_cache="1M") as m:
+        info = m.device_info()
+        assert info["attention_layers"] == m.info.n_layer and info["experts"]["device"] == 0
+        assert "sparse form (ffn_down_exps_t)" in info["note"]
+        gate, _ = _decode(m, ids, "gate")
+        dense, _ = _decode(m, ids, "dense")
+    scale = np.ptp(cpu_gate)
+    np.testing.assert_allclose(gate, cpu_gate, rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(dense, cpu_dense, rtol=0, atol=2e-5 * scale)
 
 
 # ---- SwiGLU experts: the calibrated level on held-out text ---------------------------------

@@ -474,7 +474,10 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         }
     }
 
-    if (c->model->hy) {
+    /* a model on a device runs its placed and cached experts there; sparse experts are all
+     * the CPU's (hybrid.c places none), so they take the CPU's path below, the router and
+     * attention having run where the placement put them */
+    if (c->model->hy && !M->has_down_t) {
         bytes += hybrid_experts(c, il, n);
         shared_expert(c, il, n, &bytes);
         gh_stats_add(&c->stats, GH_STAGE_FFN, 0.0, bytes);

@@ -73,7 +73,8 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
 /* The FFN of layer il over the n normed tokens in c->xb into c->xb2; counts its weight
  * bytes (router, the experts some token chose, the shared expert) in the FFN stage.
  * With sparse (the forward's gh_sparse_applies: a sparse FFN mode, at most the context's
- * sparse batch of tokens per sequence), a layer with ffn_down_exps_t and no device each token's selected experts run through the
+ * sparse batch of tokens per sequence) and a layer with ffn_down_exps_t (whose experts
+ * are all the CPU's, with or without a device) each token's selected experts run through the
  * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
  * viewed as a layer): the strategy selects the expert's active
  * neurons, the executor reads their up rows and down_t rows only. */

@@ -9,8 +9,8 @@ writes (sparse/expert_sparsity.py: ffn_down_exps_t, blk.N.ffn_exp_gate_thr).
   down_t rows of its active neurons, fewer than dense;
 - a batch (prompt chunks within the sparse batch, and contexts batched by gh_eval_batch_ex)
   equals its tokens one by one; host-device (experts on the CPU) equals CPU-only;
-- SwiGLU experts (Qwen3-MoE) calibrated to a sparsity: the share of neurons the runtime
-  skips on held-out text is the requested level within 3 points;
+- SwiGLU experts (Qwen3-MoE) and dReLU ones calibrated to a sparsity: the share of neurons
+  the runtime skips on held-out text is the requested level within 3 points;
 - bad files refused by name."""
 
 from __future__ import annotations
@@ -156,21 +156,17 @@ def test_host_device_equals_cpu(relu_case):
     np.testing.assert_allclose(dense, cpu_dense, rtol=0, atol=2e-5 * scale)
 
 
-# ---- SwiGLU experts: the calibrated level on held-out text ---------------------------------
-
-@pytest.fixture(scope="module")
-def swiglu_case(tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3moe-gate")
-    hf = make_hf_model("qwen3moe", d / "hf", seed=3)
-    return d, hf
+# ---- calibrated levels on held-out text ------------------------------------------------------
 
 
-@pytest.mark.parametrize("level", [0.5, 0.8])
-def test_swiglu_calibration_hits_the_level_on_heldout_text(swiglu_case, level):
+@pytest.mark.parametrize("variant,level", [("qwen3moe", 0.5), ("qwen3moe", 0.8), ("mixtral-drelu", 0.9)])
+def test_calibration_hits_the_level_on_heldout_text(tmp_path_factory, variant, level):
     """The share of the selected experts' neurons the gate mode skips, counted by the
     runtime over text after the calibration tokens, is the requested level +- 3 points
-    (and so is the converter's own held-out measurement)."""
-    d, hf = swiglu_case
+    (and so is the converter's own held-out measurement): SwiGLU experts, and dReLU ones
+    past their exact zeros (the threshold on relu(gate x), dReLU's gate factor)."""
+    d = tmp_path_factory.mktemp(f"{variant}-{level}")
+    hf = make_hf_model(variant, d / "hf", seed=3)
     rep: list = []
     path = convert(hf, d / f"gate{level}.gguf", "f32", progress=False, sparse=True, report=rep,
                    sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=1500, profile_ctx=128,
@@ -184,7 +180,8 @@ def test_swiglu_calibration_hits_the_level_on_heldout_text(swiglu_case, level):
         for t in toks:
             ctx.eval([t])
         st = ctx.stats()
-    # SwiGLU: every listed neuron's up row is read, so the up rows are the active neurons
+    # every listed neuron's up row is read (SwiGLU: all; ReLU family: g above the threshold
+    # >= 0), so the up rows are the active neurons
     entries = len(toks) * info.n_layer * info.n_expert_used * info.n_ff_exp
     skipped = 1.0 - st["n_up_rows"] / entries
     print(f"level {level}: converter held-out {rep[0].expert_holdout_sparsity}, runtime {skipped:.3f}")

@@ -613,10 +613,11 @@ static gh_status load_sparse_keys(gh_model * m) {
     return GH_OK;
 }
 
-/* act(g) of the FFN's activation for one value (the gate alone, up = 1). */
+/* act(g) of the FFN's activation for one value (the gate alone, up = 1; dReLU's gate
+ * factor is relu(g), which gh_glu computes only with an up operand). */
 static float act1(int act, float t_act, float g) {
     float y;
-    gh_glu(act, t_act, &g, NULL, &y, 1);
+    gh_glu(act == GH_ACT_DRELU ? GH_ACT_RELU : act, t_act, &g, NULL, &y, 1);
     return y;
 }
 

@@ -909,7 +909,7 @@ def ensure_sparse_models(a) -> dict[str, Path]:
     """Make (or reuse) one SPARSE GGUF per type (convert --sparse: profile, predictors,
     placement; --swiglu: convert --sparsity, gate thresholds); returns type -> path. Needs the
     HF folder (ensure_models)."""
-    if a.arch == "qwen3moe" and a.act in ("relu", "drelu"):
+    if a.arch == "qwen3moe" and (a.act in ("relu", "drelu") or a.expert_sparsity is not None):
         return ensure_expert_models(a)
     if a.kind == "plain":
         return {}
@@ -966,7 +966,9 @@ def ensure_expert_models(a) -> dict[str, Path]:
     hf_dir = root / "hf"
     sys.path.insert(0, str(REPO / "python"))
     out = {}
-    levels = [None] + ([a.expert_sparsity] if a.expert_sparsity is not None else [])
+    # SwiGLU experts have no exact zeros: their gate file only
+    levels = ([None] if a.act in ("relu", "drelu") else []) + \
+        ([a.expert_sparsity] if a.expert_sparsity is not None else [])
     for t in a.types:
         for lv in levels:
             g = root / f"{shape_name(a)}-{t}-{'sparse' if lv is None else f'gate{lv:g}'}.gguf"
@@ -1138,8 +1140,8 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     s.add_argument("--sparsity", type=float, default=0.5,
                    help="--swiglu: gate-magnitude sparsity of the gate-mode files (convert --sparsity; default 0.5)")
     s.add_argument("--expert-sparsity", type=float, default=None,
-                   help="--arch qwen3moe --act relu|drelu: also the file of expert gate thresholds at this "
-                        "sparsity (convert --sparsity; the exact-zeros file is always made)")
+                   help="--arch qwen3moe: the file of expert gate thresholds at this sparsity (convert "
+                        "--sparsity; with --act relu|drelu the exact-zeros file is always made)")
 
 
 def finish_shape_args(a) -> None:
@@ -1177,9 +1179,8 @@ def finish_shape_args(a) -> None:
         sys.exit("error: need 1 <= --experts-used <= --experts")
     if a.act == "drelu" and a.arch != "qwen3moe":
         sys.exit("error: --act drelu is for --arch qwen3moe (TurboSparse-style experts)")
-    if a.expert_sparsity is not None and not (a.arch == "qwen3moe" and a.act in ("relu", "drelu")
-                                              and 0 < a.expert_sparsity < 1):
-        sys.exit("error: --expert-sparsity S (0 < S < 1) is for --arch qwen3moe --act relu|drelu")
+    if a.expert_sparsity is not None and not (a.arch == "qwen3moe" and 0 < a.expert_sparsity < 1):
+        sys.exit("error: --expert-sparsity S (0 < S < 1) is for --arch qwen3moe")
     if a.arch in ("qwen2", "falcon", "llama3") and (a.d // a.heads) % 2:
         sys.exit("error: RoPE needs an even head size (d / heads)")
     if a.kind == "sparse":

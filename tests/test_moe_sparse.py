@@ -241,3 +241,21 @@ def test_bad_sparse_expert_files(relu_case, tmp_path):
                            ("sparse", "predictors")):
             with pytest.raises(NativeError, match=what):
                 m.context.set_ffn_mode(mode)
+
+
+@pytest.mark.parametrize("level,want", [(0.1, "dense"), (0.9, "gate")])
+def test_auto_keeps_expert_thresholds_only_where_they_pay(tmp_path, level, want):
+    """The `auto` rule (ffn/auto_mode.c) over one expert's bytes at density 1 - S: F16 SwiGLU
+    experts at 90% density estimate slower than dense (the gathered rows' and columns'
+    measured rates), at 10% faster; the file's gate mode stays available either way."""
+    from powerinfer_cpp._native import lib
+
+    if lib.gh_simd_get() < lib.GH_SIMD_AVX2:  # no kernel ratios measured below it: the file's mode is kept
+        pytest.skip("needs AVX2")
+    hf = make_hf_model("qwen3moe", tmp_path / "hf", seed=3)
+    path = convert(hf, tmp_path / "g.gguf", "f16", progress=False, sparse=True,
+                   sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=300, profile_ctx=100,
+                                                sparsity=level))
+    with Model(path, n_ctx=32) as m:
+        assert m.context.ffn_mode == want
+        assert m.create_context(n_ctx=16, ffn="file").ffn_mode == "gate"

@@ -23,6 +23,8 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 
 # Fixed training text for the tiny tokenizers: English prose, code, numbers,
@@ -353,6 +355,16 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "mixtral-top1": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                                      intermediate_size=32, num_local_experts=8, num_experts_per_tok=1,
                                      tie_word_embeddings=True)),
+    # ReLU-family experts (sparse inside experts): ReGLU (hidden_act relu, which transformers'
+    # Mixtral computes as relu(w1 x) * w3 x) and TurboSparse-Mixtral's dReLU (use_drelu:
+    # relu(w1 x) * relu(w3 x); transformers has no such class: hf_reference_model runs its
+    # experts in numpy, patch_moe_drelu)
+    "mixtral-relu": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                                     hidden_act="relu", tie_word_embeddings=False)),
+    "mixtral-drelu": ("mixtral", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
+                                      hidden_act="relu", use_drelu=True, tie_word_embeddings=False)),
     # qwen2moe: q/k/v biases, a shared expert behind its sigmoid gate; norm_topk_prob off (its
     # default) and on
     "qwen2moe": ("qwen2moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -504,6 +516,10 @@ def hf_reference_model(path):
         else:
             patch_fatrelu(model, float(cfg["hidden_act_param"]))
         return model
+    if cfg.get("model_type") == "mixtral" and cfg.get("use_drelu"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        patch_moe_drelu(model)
+        return model
     kw = {}
     if cfg.get("model_type") in ("gemma2", "gemma3_text"):
         # the soft-capping of the attention scores is applied by the eager attention only
@@ -538,6 +554,38 @@ def patch_drelu(model) -> None:
             return mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
 
         mlp.forward = fwd
+
+
+def moe_drelu_numpy(x, top_k_index, top_k_weights, gate_up, down) -> "np.ndarray":
+    """The numpy reference of dReLU experts: y_t = sum_j w_tj down_e (relu(g) * relu(u)),
+    [g; u] = gate_up_e x_t, e = top_k_index[t, j] (float64; transformers' expert layout:
+    gate_up [n_expert, 2 ff, d], down [n_expert, d, ff])."""
+    x = np.asarray(x, dtype=np.float64)
+    ff = gate_up.shape[1] // 2
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(top_k_index[t], top_k_weights[t]):
+            gu = gate_up[e].astype(np.float64) @ x[t]
+            a = np.maximum(gu[:ff], 0.0) * np.maximum(gu[ff:], 0.0)
+            y[t] += float(w) * (down[e].astype(np.float64) @ a)
+    return y
+
+
+def patch_moe_drelu(model) -> None:
+    """Make every Mixtral experts module of a loaded model compute dReLU experts, in numpy
+    (moe_drelu_numpy) on the router's own choices and weights."""
+    import torch
+
+    for layer in model.model.layers:
+        ex = layer.mlp.experts
+
+        def fwd(hidden_states, top_k_index, top_k_weights, ex=ex):
+            y = moe_drelu_numpy(hidden_states.detach().numpy(), top_k_index.numpy(),
+                                top_k_weights.detach().numpy(), ex.gate_up_proj.detach().numpy(),
+                                ex.down_proj.detach().numpy())
+            return torch.from_numpy(y).to(hidden_states.dtype)
+
+        ex.forward = fwd
 
 
 def load_hf_config(path) -> dict:

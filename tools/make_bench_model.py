@@ -81,6 +81,14 @@ rope_theta 1e6, untied head) at 20 layers instead of 48 (``--layers``): 12.5B pa
 while the HF folder (fp16, 25 GB) still fits the disk. A token reads 8 of 128 experts:
 ~0.39 GB of weights per token in Q4_K_M. The router is random, so routing is near uniform
 (no hot experts): this model measures expert execution speed, not placement.
+``--act relu`` (ReGLU experts, SmallThinker's) and ``--act drelu`` (``use_drelu``:
+TurboSparse-Mixtral's relu(gate x) * relu(up x)) give ReLU-family experts; besides the dense
+GGUF per type the script then writes the sparse experts' file (``convert --sparse``: each
+expert's exact zeros; docs/FORMAT.md "Sparse experts") and, with ``--expert-sparsity S``,
+one with a gate threshold per expert at S. Random weights make about half the gates
+positive, so the exact file skips ~50% of the up rows and (dReLU) ~75% of the down rows,
+well short of the ~90% trained TurboSparse experts reach; the ``--expert-sparsity 0.9`` file
+reads what a 90%-sparse expert would (its outputs are not the dense model's).
 
 Construction (``--sparse-construction``)
 ----------------------------------------
@@ -792,7 +800,7 @@ def hf_config(a) -> dict:
         "num_attention_heads": a.heads,
         "num_key_value_heads": a.kv_heads,
         "vocab_size": a.vocab,
-        "hidden_act": a.act,
+        "hidden_act": "relu" if a.act == "drelu" else a.act,
         "max_position_embeddings": a.max_pos,
         "rms_norm_eps": a.rms_eps,
         "rope_theta": a.rope_theta,
@@ -808,6 +816,8 @@ def hf_config(a) -> dict:
                     "intermediate_size": 6144, "norm_topk_prob": True, "decoder_sparse_step": 1,
                     "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": False,
                     "sliding_window": None})
+        if a.act == "drelu":  # TurboSparse's experts: relu on gate and up
+            cfg["use_drelu"] = True
     if a.arch == "qwen2":
         # Qwen2.5-1.5B's: sliding-window attention switched off
         cfg.update({"use_sliding_window": False, "sliding_window": a.max_pos, "max_window_layers": 21})
@@ -899,6 +909,8 @@ def ensure_sparse_models(a) -> dict[str, Path]:
     """Make (or reuse) one SPARSE GGUF per type (convert --sparse: profile, predictors,
     placement; --swiglu: convert --sparsity, gate thresholds); returns type -> path. Needs the
     HF folder (ensure_models)."""
+    if a.arch == "qwen3moe" and (a.act in ("relu", "drelu") or a.expert_sparsity is not None):
+        return ensure_expert_models(a)
     if a.kind == "plain":
         return {}
     if a.kind == "swiglu":
@@ -942,6 +954,39 @@ def ensure_sparse_models(a) -> dict[str, Path]:
             print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB, {dt:.0f} s: "
                   + ", ".join(f"{k} {v:.0f} s" for k, v in r.seconds.items()) + ")", file=sys.stderr)
         out[t] = g
+    return out
+
+
+def ensure_expert_models(a) -> dict[str, Path]:
+    """The sparse experts' GGUFs of a ReLU-family MoE bench model (docs/FORMAT.md "Sparse
+    experts") per type: ``-sparse`` (convert --sparse: each expert's exact zeros) and, with
+    --expert-sparsity S, ``-gate<S>`` (convert --sparsity S: a gate threshold per expert);
+    returns name -> path."""
+    root = model_root(a)
+    hf_dir = root / "hf"
+    sys.path.insert(0, str(REPO / "python"))
+    out = {}
+    # SwiGLU experts have no exact zeros: their gate file only
+    levels = ([None] if a.act in ("relu", "drelu") else []) + \
+        ([a.expert_sparsity] if a.expert_sparsity is not None else [])
+    for t in a.types:
+        for lv in levels:
+            g = root / f"{shape_name(a)}-{t}-{'sparse' if lv is None else f'gate{lv:g}'}.gguf"
+            if a.force or _stale(g, hf_dir / "config.json"):
+                from powerinfer_cpp.convert import convert  # noqa: E402
+                from powerinfer_cpp.sparse.pipeline import SparseOptions
+                opts = SparseOptions(calib=str(HELDOUT), calib_tokens=a.calib_tokens, sparsity=lv,
+                                     n_threads=a.pipeline_threads)
+                rep: list = []
+                t0 = time.time()
+                convert(hf_dir, g, outtype=t, progress=a.progress, sparse=True, sparse_options=opts, report=rep)
+                pl = _load_pipeline(root)
+                pl.setdefault("experts", {})[g.name] = {
+                    "seconds_total": time.time() - t0, "bytes": g.stat().st_size, "sparsity": lv,
+                    "calib_tokens": rep[0].n_calib_tokens, "holdout_sparsity": rep[0].expert_holdout_sparsity}
+                _save_pipeline(root, pl)
+                print(f"wrote {g} ({g.stat().st_size / 1e6:.0f} MB)", file=sys.stderr)
+            out[t if lv is None else f"{t}-gate{lv:g}"] = g
     return out
 
 
@@ -1056,8 +1101,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--experts", type=int, default=128, help="--arch qwen3moe: experts per layer (default 128)")
     g.add_argument("--experts-used", type=int, default=8,
                    help="--arch qwen3moe: experts per token (default 8)")
-    g.add_argument("--act", default=None, choices=["relu", "silu", "gelu"],
-                   help="hidden_act (default relu; qwen2 and llama3 silu, falcon gelu)")
+    g.add_argument("--act", default=None, choices=["relu", "silu", "gelu", "drelu"],
+                   help="hidden_act (default relu; qwen2 and llama3 silu, falcon gelu); --arch qwen3moe: "
+                        "silu (default), relu (ReGLU experts, SmallThinker's) or drelu (TurboSparse's)")
     g.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     g.add_argument("--std", type=float, default=0.02, help="weight std (default 0.02)")
     g.add_argument("--cache", default=DEFAULT_CACHE, help=f"output folder (default {DEFAULT_CACHE})")
@@ -1093,6 +1139,9 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     s.add_argument("--pipeline-threads", type=int, default=0, help="threads for profiling (default: all)")
     s.add_argument("--sparsity", type=float, default=0.5,
                    help="--swiglu: gate-magnitude sparsity of the gate-mode files (convert --sparsity; default 0.5)")
+    s.add_argument("--expert-sparsity", type=float, default=None,
+                   help="--arch qwen3moe: the file of expert gate thresholds at this sparsity (convert "
+                        "--sparsity; with --act relu|drelu the exact-zeros file is always made)")
 
 
 def finish_shape_args(a) -> None:
@@ -1128,6 +1177,10 @@ def finish_shape_args(a) -> None:
         sys.exit("error: need d % heads == 0, heads % kv_heads == 0, vocab >= 4096")
     if a.arch == "qwen3moe" and not 1 <= a.experts_used <= a.experts:
         sys.exit("error: need 1 <= --experts-used <= --experts")
+    if a.act == "drelu" and a.arch != "qwen3moe":
+        sys.exit("error: --act drelu is for --arch qwen3moe (TurboSparse-style experts)")
+    if a.expert_sparsity is not None and not (a.arch == "qwen3moe" and 0 < a.expert_sparsity < 1):
+        sys.exit("error: --expert-sparsity S (0 < S < 1) is for --arch qwen3moe")
     if a.arch in ("qwen2", "falcon", "llama3") and (a.d // a.heads) % 2:
         sys.exit("error: RoPE needs an even head size (d / heads)")
     if a.kind == "sparse":

@@ -679,6 +679,22 @@ EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_
                KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
 
 
+# Sparse experts (docs/FORMAT.md "Sparse experts"): a mixture-of-experts layer's down
+# projection transposed, in place of ffn_down_exps ([n_expert, n_ff_exp, d]: row i of expert
+# e = neuron i's output vector), and each expert's gate threshold (negative: none, the
+# expert runs dense), written by `convert --sparse` / `--sparsity S` of a MoE model.
+T_FFN_DOWN_EXPS_T = "ffn_down_exps_t"    # blk.N.ffn_down_exps_t.weight [n_expert, n_ff_exp, d]
+T_FFN_EXP_GATE_THR = "ffn_exp_gate_thr"  # blk.N.ffn_exp_gate_thr F32 [n_expert]
+SPARSE_EXPERT_TENSORS = (T_FFN_DOWN_EXPS_T, T_FFN_EXP_GATE_THR)
+
+
+def sparse_expert_tensor_name(kind: str, layer: int) -> str:
+    """``blk.N.ffn_down_exps_t.weight`` / ``blk.N.ffn_exp_gate_thr`` (no suffix)."""
+    if kind not in SPARSE_EXPERT_TENSORS:
+        raise ValueError(f"not a sparse expert tensor: {kind!r}")
+    return f"blk.{layer}.{kind}" + (".weight" if kind == T_FFN_DOWN_EXPS_T else "")
+
+
 def expert_tensor_name(kind: str, layer: int) -> str:
     """``blk.N.ffn_exp_freq`` / ``blk.N.ffn_exp_gpu`` (no suffix)."""
     if kind not in EXPERT_TENSORS:

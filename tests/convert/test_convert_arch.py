@@ -271,7 +271,8 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                                           "qwen3-tied": "silu", "olmo2": "silu", "olmo2-tied": "silu",
                                           "smollm3": "silu", "smollm3-untied": "silu",
                                           "phi3": "silu", **{v: "silu" for v in VARIANTS
-                                                             if VARIANTS[v][0] in MOE_FAMILIES}}[variant]})
+                                                             if VARIANTS[v][0] in MOE_FAMILIES},
+                                          "mixtral-relu": "relu", "mixtral-drelu": "drelu"}[variant]})
         if variant == "prosparse":
             ok[F.KEY_FFN_ACT_THRESHOLD] = 0.01
         ok[F.KEY_TOKENIZER_PRE] = "qwen2" if family in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default"

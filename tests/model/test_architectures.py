@@ -36,7 +36,10 @@ VARIANTS = {
     "falcon-40b-1ln": False, "falcon-rw-like": False, "falcon-relu": True,
     "phi3": False,
     # mixtures of experts (hf_models.MOE_VARIANTS; their own tests: test_moe.py)
-    "mixtral": False, "mixtral-top1": False, "qwen2moe": False, "qwen2moe-norm": False,
+    # (the ReLU-family experts, mixtral-relu and -drelu, have no predictors: their sparse
+    # experts are test_moe_sparse.py's)
+    "mixtral": False, "mixtral-top1": False, "mixtral-relu": False, "mixtral-drelu": False,
+    "qwen2moe": False, "qwen2moe-norm": False,
     "qwen3moe": False, "qwen3moe-top1": False, "olmoe": False, "olmoe-norm": False,
     "gptoss": False, "gptoss-top1": False, "gptoss-top4": False,
 }
@@ -56,6 +59,11 @@ QUANT_NRMSE = {"f16": 2e-3, "q8_0": 3e-2, "q4_0": 2e-1}
 # and 0.021, ours 0.037 and 0.026 (our dots also round the activations to 8 bits). Measured
 # over the gemma rows: f16 7.2e-4 - 3.0e-3, q8_0 1.2-3.9e-2, q4_0 0.14-0.37.
 QUANT_NRMSE_POST_NORMS = {"f16": 5e-3, "q8_0": 6e-2, "q4_0": 5e-1}
+# A router's top-k is discontinuous: where the weights' rounding flips a token's expert
+# choice, that position's logits move by the other expert's output. mixtral-relu's q8_0 file:
+# nrmse 0.031, carried by 2 of the 40 positions (0.13 each, the rest 0.010-0.015; f16
+# 3.6e-4 with no position above 1e-3).
+QUANT_NRMSE_VARIANT = {("mixtral-relu", "q8_0"): 4e-2}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -120,6 +128,7 @@ def test_logits_quantized(arch_case, outtype):
     nrmse = np.sqrt(((got - want) ** 2).mean() / ((want - want.mean()) ** 2).mean())
     print(f"{arch_case['variant']}: {outtype} nrmse {nrmse:.2e}")
     bound = (QUANT_NRMSE_POST_NORMS if arch_case["variant"].startswith("gemma") else QUANT_NRMSE)[outtype]
+    bound = QUANT_NRMSE_VARIANT.get((arch_case["variant"], outtype), bound)
     assert nrmse < bound, f"{arch_case['variant']} {outtype}: nrmse {nrmse:.3g}"
 
 

@@ -5,8 +5,8 @@ logits of every MoE variant against transformers in f32, f16, q8_0, q4_0, greedy
 - a decode step reads exactly the router and its k experts per layer (plus the shared
   expert); a prompt reads each expert some token chose once;
 - any batch split (tokens grouped by expert) equals token by token;
-- bad files refused by name; sparse modes and sparse conversion refused for now (devices:
-  test_moe_device.py)."""
+- bad files refused by name; the sparse modes of a dense file refused by name (sparse
+  experts: test_moe_sparse.py; devices: test_moe_device.py)."""
 
 from __future__ import annotations
 
@@ -120,18 +120,22 @@ def test_info(case):
     assert info.expert_norm == kw.get("norm_topk_prob", case["variant"].startswith(("mixtral", "gptoss")))
 
 
-def test_sparse_modes_refused(case, tmp_path):
+def test_sparse_modes_of_a_dense_file_refused(case, tmp_path):
+    """A dense MoE file has no sparse experts: each mode names what it lacks (their sparse
+    form: test_moe_sparse.py); gpt-oss's clamped SwiGLU has no gate threshold to calibrate."""
     from powerinfer_cpp.sparse.pipeline import SparseOptions
 
     with Model(case["gguf"]) as m:
-        for mode in ("sparse", "oracle", "gate"):
-            with pytest.raises(NativeError, match=f"the {mode} FFN mode is not available for "
-                                                  "mixture-of-experts models"):
+        for mode, what in (("sparse", "needs predictors"), ("oracle", "transposed down projection"),
+                           ("gate", "needs calibrated gate thresholds")):
+            with pytest.raises(NativeError, match=f"the {mode} FFN .*{what}"):
                 m.context.set_ffn_mode(mode)
-    with pytest.raises(ConvertError, match="sparse conversion .* of a mixture-of-experts model"):
-        convert(case["hf"], tmp_path / "s.gguf", "f32", progress=False, sparse=True,
-                sparse_options=SparseOptions(sparsity=0.5))
-    assert not (tmp_path / "s.gguf").exists()
+    if case["variant"].startswith("gptoss"):
+        with pytest.raises(ConvertError, match="sparse experts need a gate threshold on the experts' "
+                                               "activation, and 'swiglu_oai' has none"):
+            convert(case["hf"], tmp_path / "s.gguf", "f32", progress=False, sparse=True,
+                    sparse_options=SparseOptions(sparsity=0.5))
+        assert not (tmp_path / "s.gguf").exists()
 
 
 # ---- bad files: each refused with the key or tensor named ---------------------------------
@@ -189,16 +193,27 @@ def test_scale_key_scales_the_routing_weights(qwen2moe_gguf):
 
 
 def test_cli_converts_moe_dense_by_default(case, tmp_path, capsys):
-    """The CLI's default for a SwiGLU model is a gate-sparse file; for a mixture of experts,
-    which has no sparse form yet, a dense one; asking for sparsity is refused by name."""
+    """The CLI's default for a SwiGLU model is a gate-sparse file; for a mixture of SwiGLU
+    experts, whose thresholds need a level, a dense one; --sparsity S gives the sparse
+    experts' file (gate mode), refused by name for gpt-oss's clamped SwiGLU."""
+    from pathlib import Path
+
     from powerinfer_cpp.convert.cli import main
 
     out = tmp_path / "cli.gguf"
     assert main([str(case["hf"]), "-o", str(out), "--outtype", "f32", "-q"]) == 0
     with Model(out) as m:
         assert m.info.n_expert > 0 and m.context.ffn_mode == "dense"
-    assert main([str(case["hf"]), "-o", str(tmp_path / "s.gguf"), "--sparsity", "0.5", "-q"]) == 1
-    assert "mixture-of-experts model" in capsys.readouterr().err
+    calib = str(Path(__file__).resolve().parent.parent / "models" / "tiny-relu-kjv" / "heldout.txt")
+    args = [str(case["hf"]), "-o", str(tmp_path / "s.gguf"), "--outtype", "f32", "--sparsity", "0.5",
+            "--calib", calib, "--calib-tokens", "200", "-q"]
+    if case["variant"].startswith("gptoss"):
+        assert main(args) == 1
+        assert "'swiglu_oai' has none" in capsys.readouterr().err
+        return
+    assert main(args) == 0
+    with Model(tmp_path / "s.gguf") as m:
+        assert m.context.ffn_mode == "gate"
 
 
 def test_router_f32_and_experts_quantized(case, tmp_path):

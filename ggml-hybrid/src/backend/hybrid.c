@@ -141,7 +141,9 @@ static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
             if ((st = check_weight_type(m, hy, il, "router", &M->router)) ||
                 (st = check_weight_type(m, hy, il, "experts' gate", &M->gate_exps)) ||
                 (st = check_weight_type(m, hy, il, "experts' up", &M->up_exps)) ||
-                (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps))) break;
+                (!M->has_down_t && (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps)))) {
+                break;
+            }
             continue;
         }
         /* the hot neurons' rows (only layers with down_t get any) */
@@ -317,6 +319,13 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
     const gh_hparams * hp = &m->hp;
     const int nl = hp->n_layer, ne = hp->n_expert;
     gh_device_info * in = &hy->info;
+    if (m->layers[0].moe.has_down_t) {
+        /* the device runs an expert's down as llama.cpp stores it; the sparse experts' file
+         * has it transposed (ffn_down_exps_t), which only the CPU's kernels read */
+        note(hy, "The file's experts are in their sparse form (ffn_down_exps_t): they run on the "
+             "CPU, none placed or cached on the device.");
+        return GH_OK;
+    }
     int64_t eb_max = 0;
     for (int il = 0; il < nl; il++) eb_max = GH_MAX(eb_max, expert_bytes(&m->layers[il].moe));
     if (p->expert_cache > 0) {

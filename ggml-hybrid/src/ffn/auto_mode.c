@@ -195,13 +195,17 @@ gh_status gh_ffn_auto_mode(const gh_model * m, int simd_level, gh_ffn_auto_choic
     gh_ffn_auto_in in = { .candidate = candidate, .simd_level = simd_level, .density = -1.0 };
     if (candidate != GH_FFN_DENSE && m->hp.n_layer > 0) {
         const gh_layer * L = &m->layers[0];
-        const bool gated = m->hp.gated;
+        const gh_moe_layer * M = &L->moe;
+        const bool gated = m->hp.gated, moe = m->hp.n_expert > 0;
+        /* a mixture: one expert's FFN (each selected expert runs the strategy's list) */
+        const gh_weight * g = moe ? &M->gate_exps : &L->gate, * u = moe ? &M->up_exps : &L->up,
+                        * dt = moe ? &M->down_exps_t : &L->down_t;
         in.density = file_density(m, candidate);
-        in.type_gate = L->gate.type;
-        in.type_down = L->down_t.type;
-        in.bytes_gate = weight_bytes(&L->gate);
-        in.bytes_up = gated ? weight_bytes(&L->up) : 0.0;
-        in.bytes_down = weight_bytes(&L->down_t);
+        in.type_gate = g->type;
+        in.type_down = dt->type;
+        in.bytes_gate = weight_bytes(g);
+        in.bytes_up = gated ? weight_bytes(u) : 0.0;
+        in.bytes_down = weight_bytes(dt);
         in.bytes_pred = L->has_pred ? weight_bytes(&L->fc1) + weight_bytes(&L->fc2) : 0.0;
         in.dense_down_t = L->has_down_t; /* (always, for these modes: see file_mode) */
     }

@@ -76,11 +76,17 @@ void gh_ffn_state_free(gh_ffn_state * s) {
 gh_ffn_state * gh_ffn_state_new(const gh_model * m, int32_t n_batch) {
     gh_ffn_state * s = calloc(1, sizeof *s);
     if (!s) { gh_fail(GH_ERR_OOM, "out of memory"); return NULL; }
-    const int64_t ff = m->hp.n_ff;
+    /* a mixture's experts run through the same buffers (gh_sparse_ffn_unit) */
+    const int64_t ff = GH_MAX(m->hp.n_ff, m->hp.n_ff_exp);
     int64_t h = 1;
     size_t scratch = 64, glu = 64;
     for (int il = 0; il < m->hp.n_layer; il++) {
         const gh_layer * L = &m->layers[il];
+        const gh_moe_layer * M = &L->moe;
+        if (M->has_down_t) {
+            glu = GH_MAX(glu, gh_sparse_glu_scratch_size(&M->gate_exps, &M->up_exps));
+            scratch = GH_MAX(scratch, gh_matmul_scratch_size(&M->gate_exps, 1));
+        }
         glu = GH_MAX(glu, gh_sparse_glu_scratch_size(&L->gate, m->hp.gated ? &L->up : NULL));
         scratch = GH_MAX(scratch, glu);
         scratch = GH_MAX(scratch, gh_matmul_scratch_size(&L->gate, 1));
@@ -146,7 +152,7 @@ bool gh_input_sparse_applies(const gh_context * c, int32_t n) {
 static void dense_gate(gh_context * c, const gh_layer * L, const gh_dlayer * D, const float * x,
                        double * bytes) {
     gh_ffn_state * s = c->ffn;
-    const int64_t ff = c->model->hp.n_ff;
+    const int64_t ff = L->gate.rows;
     if (D && D->hot.n_hot > 0) {
         const int64_t nh = D->hot.n_hot;
         gh_hybrid_matmul_async(c, &D->hot.gate, x, 1, s->g_hot);
@@ -278,33 +284,54 @@ static void input_sparse_ffn(gh_context * c, int il, const gh_layer * L, const f
     gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, n_down, 0);
 }
 
+/* One token's FFN of the unit L (layer il's FFN, split with the device by D; or one of
+ * its experts viewed as a layer, D NULL) in the context's mode: y = FFN(x), the down bias
+ * added. Returns the weight bytes read; *n_active, *n_dev: the listed neurons, the
+ * device's. A layer's call counts the FFN stage's time (a selection that reads weights of
+ * its own times itself: the predictor's stage). */
+static double unit_ffn(gh_context * c, int il, const gh_layer * L, int32_t expert,
+                       const gh_dlayer * D, const float * x, const float * resid, float * y,
+                       int64_t * n_active, int64_t * n_dev) {
+    const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
+    gh_ffn_state * s = c->ffn;
+    double bytes = 0.0;
+    if (st->needs_gate) dense_gate(c, L, D, x, &bytes);
+    const float * gate_g = st->needs_gate ? s->g_dense : NULL;
+    const gh_ffn_select_in in = { .c = c, .il = il, .L = L, .expert = expert, .x = x,
+                                  .resid = resid, .g = gate_g, .b = &s->sel };
+    const int64_t n = st->select(&in, s->ids);
+    /* a layer's selection that reads weights of its own times itself (the predictor's
+     * stage), the others' time is no stage's; a gate computed here is the FFN's. An
+     * expert's time is its layer's (forward.c times the whole mixture): no mark. */
+    if (expert < 0 && !st->needs_gate) gh_tap_mark(&c->tap);
+    bytes += execute(c, L, D, x, gate_g, s->ids, n, y, n_dev);
+    if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
+    *n_active = n;
+    return bytes;
+}
+
 void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
     const bool split = D && D->hot.n_hot > 0;
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
-    gh_ffn_state * s = c->ffn;
     /* gate and up input-sparse (a layer whose FFN input thresholds are all 0 keeps the row
      * path, so a file at level 0 computes what the strategy alone does) */
     if (st->input_ffn && c->input_sparse && L->ffn_in_on && !split) {
         input_sparse_ffn(c, il, L, x, y);
         return;
     }
-    double bytes = 0.0;
-    if (st->needs_gate) dense_gate(c, L, D, x, &bytes);
-    const float * gate_g = st->needs_gate ? s->g_dense : NULL;
-    const gh_ffn_select_in in = { .c = c, .il = il, .x = x, .resid = resid, .g = gate_g,
-                                  .b = &s->sel };
-    const int64_t n = st->select(&in, s->ids);
-    /* a selection that reads weights of its own times itself (the predictor's stage), the
-     * others' time is no stage's; a gate computed here is the FFN's */
-    if (!st->needs_gate) gh_tap_mark(&c->tap);
-    int64_t n_dev = 0;
-    bytes += execute(c, L, D, x, gate_g, s->ids, n, y, &n_dev);
-    if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
+    int64_t n = 0, n_dev = 0;
+    const double bytes = unit_ffn(c, il, L, -1, D, x, resid, y, &n, &n_dev);
     gh_tap_stage(&c->tap, GH_STAGE_FFN, bytes);
     gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, n, n_dev);
+}
+
+double gh_sparse_ffn_unit(gh_context * c, int il, const gh_layer * L, int32_t expert,
+                          const float * x, float * y, int64_t * n_active) {
+    int64_t n_dev = 0;
+    return unit_ffn(c, il, L, expert, NULL, x, x, y, n_active, &n_dev);
 }
 
 /* Batched decode's FFN of tokens from different sequences (gh_eval_batch): each token
@@ -343,7 +370,8 @@ static void batch_union(gh_context * c, int il, int32_t n, const float * x, cons
     /* each token's own selection, as a bit per neuron */
     memset(s->tm, 0, (size_t) ff * sizeof(uint64_t));
     for (int32_t t = 0; t < n; t++) {
-        const gh_ffn_select_in in = { .c = c, .il = il, .x = x + t * d, .resid = resid + t * d,
+        const gh_ffn_select_in in = { .c = c, .il = il, .L = L, .expert = -1, .x = x + t * d,
+                                      .resid = resid + t * d,
                                       .g = st->needs_gate ? s->bg + (int64_t) t * ff : NULL,
                                       .b = &s->sel };
         const int64_t nt = st->select(&in, s->ids);

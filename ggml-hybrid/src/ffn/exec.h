@@ -15,6 +15,7 @@
 
 struct gh_context;
 struct gh_model;
+struct gh_layer;
 typedef struct gh_ffn_state gh_ffn_state;
 
 /* NULL on out-of-memory (message set). */
@@ -33,6 +34,12 @@ bool gh_input_sparse_applies(const struct gh_context * c, int32_t n);
 /* One token's FFN of layer il in the context's mode: y = FFN(x) (x already normed; resid:
  * the residual stream x was normed from, which PowerInfer's predictors read). */
 void gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float * resid, float * y);
+/* One token's FFN of the unit L in the context's mode on the CPU (moe.c: one expert of
+ * layer il viewed as a layer, `expert` its id): the strategy's list, gate/up over it and
+ * down_t's axpy, y overwritten, L's down bias added. Returns the weight bytes read (the
+ * caller counts them) and the listed neurons in *n_active. */
+double gh_sparse_ffn_unit(struct gh_context * c, int il, const struct gh_layer * L,
+                          int32_t expert, const float * x, float * y, int64_t * n_active);
 /* The FFN of n tokens (rows of x, resid and y) in the context's mode: in a batched
  * decode (c->seq: tokens of different sequences) each token selects its own neurons and
  * gate/up run once over the union of the lists (dense matmuls past a union density of

@@ -13,6 +13,16 @@ typedef struct {
     gh_weight router;                         /* ffn_gate_inp: [n_expert rows][n_embd] */
     gh_weight gate_exps, up_exps, down_exps;  /* expert 0 of ffn_{gate,up,down}_exps:
                                                * [n_ff_exp][n_embd], [n_embd][n_ff_exp] */
+    /* the sparse form of the experts' down projection (docs/FORMAT.md "Sparse experts"):
+     * ffn_down_exps_t in place of ffn_down_exps, expert 0's [n_ff_exp][n_embd] (row i =
+     * neuron i's output vector), so a selected expert's down runs over its active neurons
+     * (gh_matmul_t_list) and a dense pass through gh_matmul_t */
+    bool      has_down_t;
+    gh_weight down_exps_t;
+    /* each expert's gate threshold (blk.N.ffn_exp_gate_thr; NULL: none) as its cut points,
+     * [n_expert][4] = { t, cut, lo, hi } as gh_layer's gate_thr, gate_cut, gate_lo,
+     * gate_hi; t < 0: the expert keeps no threshold and runs dense (model-owned) */
+    float *   gate_cuts;
     float *   router_b;                       /* [n_expert] (NULL: none; so the rest) */
     float *   gate_exps_b, * up_exps_b;       /* [n_expert][n_ff_exp] (gpt-oss) */
     float *   down_exps_b;                    /* [n_expert][n_embd] */

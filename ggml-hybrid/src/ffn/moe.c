@@ -7,6 +7,8 @@
  * token's experts in ascending expert id, the same for any batch split and thread count. */
 #include "ffn/moe.h"
 #include "core/tap.h"
+#include "ffn/exec.h"
+#include "ffn/strategy.h"
 #include "backend/hybrid.h"
 #include "model/model.h"
 
@@ -233,12 +235,14 @@ static void add_rows(float * rows, const float * b, int32_t cnt, int64_t len) {
 }
 
 /* One expert (or the shared one) over cnt token rows x [cnt][d]: y [cnt][d] =
- * down(act(gate x + gb, up x + ub)) + db, the biases NULL where the model has none.
+ * down(act(gate x + gb, up x + ub)) + db, the biases NULL where the model has none; the
+ * down projection dn as llama.cpp stores it, or (dn_t) transposed, ffn_down_exps_t, whose
+ * rows of a zero activation are skipped (gh_matmul_t).
  * Returns the weight bytes read (the biases, f32 copies of 2 ff + d values, are not counted:
  * under 0.3% of a gpt-oss expert's MXFP4 bytes). */
 static double run_expert(gh_context * c, gh_moe_state * s, const gh_weight * g, const gh_weight * u,
-                         const gh_weight * dn, const float * gb, const float * ub, const float * db,
-                         const float * x, int32_t cnt, float * y) {
+                         const gh_weight * dn, bool dn_t, const float * gb, const float * ub,
+                         const float * db, const float * x, int32_t cnt, float * y) {
     const gh_hparams * hp = &c->model->hp;
     const int64_t ff = g->rows;
     const gh_weight * ws[2] = { g, u };
@@ -248,10 +252,48 @@ static double run_expert(gh_context * c, gh_moe_state * s, const gh_weight * g, 
     add_rows(s->hg, gb, cnt, ff);
     add_rows(s->hu, ub, cnt, ff);
     gh_glu(hp->ffn_act, hp->act_threshold, s->hg, s->hu, s->hg, (int64_t) cnt * ff);
-    gh_matmul(c->tp, dn, s->hg, cnt, y, hp->n_embd, s->scratch);
+    double down_bytes = (double) dn->rows * dn->row_bytes;
+    if (dn_t) {
+        gh_matmul_t(c->tp, dn, s->hg, cnt, ff, y, hp->n_embd);
+        int64_t rows = 0; /* gh_matmul_t reads the rows some token's activation needs */
+        for (int64_t r = 0; r < ff; r++) {
+            int32_t t = 0;
+            while (t < cnt && s->hg[(int64_t) t * ff + r] == 0.0f) t++;
+            rows += t < cnt;
+        }
+        down_bytes = (double) rows * dn->row_bytes;
+    } else {
+        gh_matmul(c->tp, dn, s->hg, cnt, y, hp->n_embd, s->scratch);
+    }
     add_rows(y, db, cnt, hp->n_embd);
-    return (double) g->rows * g->row_bytes + (double) u->rows * u->row_bytes +
-           (double) dn->rows * dn->row_bytes;
+    return (double) g->rows * g->row_bytes + (double) u->rows * u->row_bytes + down_bytes;
+}
+
+/* Expert e's down projection: llama.cpp's, or the transposed one. */
+static gh_weight expert_down(const gh_moe_layer * M, int32_t e) {
+    return M->has_down_t ? gh_expert(&M->down_exps_t, e) : gh_expert(&M->down_exps, e);
+}
+
+/* Expert e of M viewed as a layer (model.h), for the FFN strategies and executor: its
+ * gate, up and down_t rows, its biases and its gate threshold's cut points (none: an
+ * expert the file keeps dense, or no thresholds). */
+static void expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d, gh_layer * V) {
+    memset(V, 0, sizeof *V);
+    V->gate = gh_expert(&M->gate_exps, e);
+    V->up = gh_expert(&M->up_exps, e);
+    V->has_down_t = true;
+    V->down_t = gh_expert(&M->down_exps_t, e);
+    V->gate_b = M->gate_exps_b ? M->gate_exps_b + (int64_t) e * ff : NULL;
+    V->up_b = M->up_exps_b ? M->up_exps_b + (int64_t) e * ff : NULL;
+    V->down_b = M->down_exps_b ? M->down_exps_b + (int64_t) e * d : NULL;
+    const float * cut = M->gate_cuts ? M->gate_cuts + 4 * (size_t) e : NULL;
+    if (cut && cut[0] >= 0.0f) {
+        V->has_gate_thr = true;
+        V->gate_thr = cut[0];
+        V->gate_cut = cut[1];
+        V->gate_lo = cut[2];
+        V->gate_hi = cut[3];
+    }
 }
 
 /* Expert e's row of a [n_expert][len] bias (NULL: none). */
@@ -343,8 +385,8 @@ static double hybrid_experts(gh_context * c, int il, int32_t n) {
                 s->runs_dev++;
             } else {
                 const gh_weight g = gh_expert(&M->gate_exps, e), u = gh_expert(&M->up_exps, e),
-                                dn = gh_expert(&M->down_exps, e);
-                bytes += run_expert(c, s, &g, &u, &dn, expert_bias(M->gate_exps_b, e, ff),
+                                dn = expert_down(M, e);
+                bytes += run_expert(c, s, &g, &u, &dn, M->has_down_t, expert_bias(M->gate_exps_b, e, ff),
                                     expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d),
                                     xe, cnt, s->ye + (int64_t) first * d);
                 s->runs_cpu++;
@@ -385,7 +427,7 @@ static double hybrid_experts(gh_context * c, int il, int32_t n) {
     return bytes;
 }
 
-void gh_moe_ffn(gh_context * c, int il, int32_t n) {
+void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_moe_layer * M = &m->layers[il].moe;
@@ -429,33 +471,51 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n) {
         }
     }
 
-    if (c->model->hy) {
+    /* a model on a device runs its placed and cached experts there; sparse experts are all
+     * the CPU's (hybrid.c places none), so they take the CPU's path below, the router and
+     * attention having run where the placement put them */
+    if (c->model->hy && !M->has_down_t) {
         bytes += hybrid_experts(c, il, n);
         shared_expert(c, il, n, &bytes);
         gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
         return;
     }
 
-    /* each chosen expert once over its tokens: its rows are read once per batch */
+    /* each chosen expert once over its tokens: its rows are read once per batch; in a
+     * sparse FFN mode (a decode step, a few tokens) each token's expert runs through the
+     * strategy's list instead, an expert the strategy cannot select in (no threshold of
+     * its own) dense */
+    const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
+    const bool sparse = M->has_down_t && sparse_mode;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
     for (int32_t e = 0; e < ne; e++) {
         const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
         if (cnt == 0) continue;
         counts[e] += cnt;
-        const float * xe = x;
-        if (cnt < n) {
-            for (int32_t j = 0; j < cnt; j++) {
-                memcpy(s->xg + (int64_t) j * d, x + (int64_t) s->tok[first + j] * d, (size_t) d * sizeof(float));
-            }
-            xe = s->xg;
-        }
-        const gh_weight g = gh_expert(&M->gate_exps, e), u = gh_expert(&M->up_exps, e),
-                        dn = gh_expert(&M->down_exps, e);
         const int64_t ff = M->gate_exps.rows;
-        bytes += run_expert(c, s, &g, &u, &dn, expert_bias(M->gate_exps_b, e, ff),
-                            expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d), xe,
-                            cnt, s->yg);
+        gh_layer V;
+        if (sparse) expert_view(M, e, ff, d, &V);
+        if (sparse && (!st->unit_ok || st->unit_ok(&V))) {
+            for (int32_t j = 0; j < cnt; j++) {
+                int64_t n_act = 0; /* (its up and down rows are in the statistics) */
+                bytes += gh_sparse_ffn_unit(c, il, &V, e, x + (int64_t) s->tok[first + j] * d,
+                                            s->yg + (int64_t) j * d, &n_act);
+            }
+        } else {
+            const float * xe = x;
+            if (cnt < n) {
+                for (int32_t j = 0; j < cnt; j++) {
+                    memcpy(s->xg + (int64_t) j * d, x + (int64_t) s->tok[first + j] * d, (size_t) d * sizeof(float));
+                }
+                xe = s->xg;
+            }
+            const gh_weight g = gh_expert(&M->gate_exps, e), u = gh_expert(&M->up_exps, e),
+                            dn = expert_down(M, e);
+            bytes += run_expert(c, s, &g, &u, &dn, M->has_down_t, expert_bias(M->gate_exps_b, e, ff),
+                                expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d), xe,
+                                cnt, s->yg);
+        }
         for (int32_t j = 0; j < cnt; j++) {
             float * yt = y + (int64_t) s->tok[first + j] * d;
             const float * ye = s->yg + (int64_t) j * d;
@@ -477,8 +537,8 @@ static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out)
     float * y = c->xb2;
     double bytes = 0.0;
     if (M->gate_shexp.rows) {
-        bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, NULL, NULL, NULL, x,
-                            n, s->yg);
+        bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, false, NULL, NULL,
+                            NULL, x, n, s->yg);
         for (int32_t t = 0; t < n; t++) {
             const float * xt = x + (int64_t) t * d;
             float g = 1.0f;

@@ -34,7 +34,13 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
                       int64_t * hits, int64_t * misses, double * bytes_cache);
 
 /* The FFN of layer il over the n normed tokens in c->xb into c->xb2; counts its weight
- * bytes (router, the experts some token chose, the shared expert) in the FFN stage. */
-void gh_moe_ffn(struct gh_context * c, int il, int32_t n);
+ * bytes (router, the experts some token chose, the shared expert) in the FFN stage.
+ * With sparse (the forward's gh_sparse_applies: a sparse FFN mode, at most the context's
+ * sparse batch of tokens per sequence) and a layer with ffn_down_exps_t (whose experts
+ * are all the CPU's, with or without a device) each token's selected experts run through the
+ * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
+ * viewed as a layer): the strategy selects the expert's active
+ * neurons, the executor reads their up rows and down_t rows only. */
+void gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
 
 #endif

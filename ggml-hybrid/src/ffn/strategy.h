@@ -22,10 +22,13 @@ typedef struct {
     void *  scratch; /* converted activations (gh_sparse_predict_scratch_size) */
 } gh_ffn_select_bufs;
 
-/* What a selection sees: one token of one layer. */
+/* What a selection sees: one token of one FFN: layer il's, or one of its experts' (an
+ * expert viewed as a layer: its gate/up/down_t rows and its gate threshold; moe.c). */
 typedef struct {
     struct gh_context *     c;
     int                     il;
+    const struct gh_layer * L;      /* the FFN: its rows (L->gate.rows neurons), thresholds */
+    int32_t                 expert; /* the expert L views, or -1 (the layer's own FFN) */
     const float *           x;      /* the FFN's (normed) input */
     const float *           resid;  /* the residual stream x was normed from */
     const float *           g;      /* needs_gate: the dense gate by neuron id, bias included */
@@ -47,6 +50,10 @@ typedef struct {
     /* GH_OK when the model can run it, else the reason (message set when report is true:
      * choosing a context's default mode asks quietly). NULL: always. */
     gh_status (*check)(const struct gh_model * m, bool report);
+    /* Whether the strategy can select in one FFN unit (an expert: the gate strategy needs
+     * the expert's own threshold, which the file keeps only where it pays); a unit it
+     * cannot runs dense. NULL: every unit (check covers the layers). */
+    bool (*unit_ok)(const struct gh_layer * L);
     /* Writes the active neurons in ascending order to ids and returns how many. NULL: the
      * dense pass (forward.c's matmuls), which is no selection. */
     int64_t (*select)(const gh_ffn_select_in * in, int32_t * ids);
@@ -61,8 +68,8 @@ int32_t gh_ffn_default_mode(const struct gh_model * m);
 const char * gh_ffn_mode_list(void);
 
 /* Shared by the strategies' checks: every layer has the transposed down projection the
- * executor's list path needs, and, with pred, a predictor (message names the mode); and
- * the model has no experts (their experts run dense). */
+ * executor's list path needs (a mixture: its experts', ffn_down_exps_t), and, with pred, a
+ * predictor (message names the mode; experts have none). */
 gh_status gh_ffn_check_layers(const struct gh_model * m, const char * mode, bool pred, bool report);
 
 #endif

@@ -4,14 +4,25 @@
 #include "model/model.h"
 
 gh_status gh_ffn_check_layers(const gh_model * m, const char * mode, bool pred, bool report) {
-    if (m->hp.n_expert) {
+    if (m->hp.n_expert && pred) {
         return !report ? GH_ERR_UNSUPPORTED
-             : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN mode is not available for "
-                       "mixture-of-experts models yet (%d experts per layer): their experts run "
-                       "dense", mode, m->hp.n_expert);
+             : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN needs predictors, and a mixture-of-experts "
+                       "model's experts have none (%d experts per layer): use the gate or oracle "
+                       "mode (ffn_down_exps_t and, for gate, blk.N.ffn_exp_gate_thr: convert with "
+                       "--sparsity S)", mode, m->hp.n_expert);
     }
     for (int il = 0; il < m->hp.n_layer; il++) {
         const gh_layer * L = &m->layers[il];
+        if (m->hp.n_expert) {
+            if (!L->moe.has_down_t) {
+                return !report ? GH_ERR_UNSUPPORTED
+                     : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN of a mixture of experts needs the "
+                               "experts' transposed down projection, but layer %d has none "
+                               "(blk.%d.ffn_down_exps_t.weight): convert the model with --sparsity S "
+                               "(or --sparse for ReLU-family experts)", mode, il, il);
+            }
+            continue;
+        }
         if (!L->has_down_t) {
             return !report ? GH_ERR_UNSUPPORTED
                  : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN needs the transposed down projection, "

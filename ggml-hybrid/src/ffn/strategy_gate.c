@@ -5,18 +5,19 @@
 #include "model/model.h"
 
 static gh_status check(const gh_model * m, bool report) {
-    if (!m->hp.n_expert && !m->info.has_gate_threshold) {
+    if (!m->info.has_gate_threshold) {
         return !report ? GH_ERR_UNSUPPORTED
-             : gh_fail(GH_ERR_UNSUPPORTED, "the gate FFN needs calibrated gate thresholds "
-                       "(powerinfer.sparse.gate_threshold), but the file has none: convert the "
-                       "model with --sparsity S");
+             : gh_fail(GH_ERR_UNSUPPORTED, "the gate FFN needs calibrated gate thresholds (%s), "
+                       "but the file has none: convert the model with --sparsity S",
+                       m->hp.n_expert ? "blk.N.ffn_exp_gate_thr, one per expert"
+                                      : "powerinfer.sparse.gate_threshold");
     }
     return gh_ffn_check_layers(m, "gate", false, report);
 }
 
 static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
-    const gh_layer * L = &in->c->model->layers[in->il];
-    const int64_t ff = in->c->model->hp.n_ff;
+    const gh_layer * L = in->L;
+    const int64_t ff = L->gate.rows;
     const float * g = in->g;
     /* branch-free: the list is a prefix sum */
     const float cut = L->gate_cut, lo = L->gate_lo, hi = L->gate_hi;
@@ -28,7 +29,9 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     return n;
 }
 
+static bool unit_ok(const gh_layer * L) { return L->has_gate_thr; }
+
 const gh_ffn_strategy gh_ffn_gate = {
     .name = "gate", .mode = GH_FFN_GATE, .needs_gate = true, .input_sparse = true,
-    .input_ffn = true, .check = check, .select = select_ids,
+    .input_ffn = true, .check = check, .unit_ok = unit_ok, .select = select_ids,
 };

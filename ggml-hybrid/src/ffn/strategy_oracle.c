@@ -15,7 +15,7 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     const float cut = act == GH_ACT_FATRELU ? hp->act_threshold : 0.0f;
     const float * g = in->g;
     int64_t n = 0;
-    for (int64_t i = 0; i < hp->n_ff; i++) {
+    for (int64_t i = 0; i < in->L->gate.rows; i++) {
         if (!relu || g[i] > cut) ids[n++] = (int32_t) i;
     }
     return n;

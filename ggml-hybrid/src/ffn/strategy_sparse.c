@@ -38,7 +38,7 @@ static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float *
 static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     gh_context * c = in->c;
     const gh_model * m = c->model;
-    const gh_layer * L = &m->layers[in->il];
+    const gh_layer * L = in->L;  /* a layer: the check refuses predictors for experts */
     const gh_dlayer * D = m->hy ? &m->hy->layers[in->il] : NULL;
     const float * px = m->hp.pred_residual ? in->resid : in->x;
     gh_tap_mark(&c->tap); /* the predictor's stage starts here */

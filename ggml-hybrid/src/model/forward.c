@@ -299,7 +299,9 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
     /* a batch of contexts runs the FFN its first context runs its own tokens with
      * (gh_eval_batch_ex checked that every context runs its tokens alike) */
     const int32_t k0 = c->seq ? seq_run_end(c, 0, n) : n;
-    const bool sparse_ffn = gh_sparse_applies(c, k0);
+    /* (a mixture's experts take the sparse path inside gh_moe_ffn) */
+    const bool sparse_ffn = !hp->n_expert && gh_sparse_applies(c, k0);
+    const bool sparse_moe = hp->n_expert && gh_sparse_applies(c, k0);
     const bool insp = gh_input_sparse_applies(c, k0);
     embed(c, tokens, n, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
@@ -339,7 +341,7 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
         /* the sparse FFN: each token its own active rows (a batched decode's over their
          * union), its stages (the predictor's apart from the FFN's) and bytes its own */
         if (sparse_ffn) gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
-        else if (hp->n_expert) gh_moe_ffn(c, il, n);
+        else if (hp->n_expert) gh_moe_ffn(c, il, n, sparse_moe);
         else ffn_dense(c, il, n);
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);

@@ -613,17 +613,18 @@ static gh_status load_sparse_keys(gh_model * m) {
     return GH_OK;
 }
 
-/* act(g) of the FFN's activation for one value (the gate alone, up = 1). */
+/* act(g) of the FFN's activation for one value (the gate alone, up = 1; dReLU's gate
+ * factor is relu(g), which gh_glu computes only with an up operand). */
 static float act1(int act, float t_act, float g) {
     float y;
-    gh_glu(act, t_act, &g, NULL, &y, 1);
+    gh_glu(act == GH_ACT_DRELU ? GH_ACT_RELU : act, t_act, &g, NULL, &y, 1);
     return y;
 }
 
 /* The cut points of |act(g)| > t (see gh_layer): act is increasing above its minimum g_min
  * (SiLU -1.28, GELU -0.75; ReLU family: flat at 0 below 0), so one cut above g_min, and
  * two below it when act(g_min) < -t. Found by bisection in float. */
-static void gate_cuts(int act, float t_act, float t, gh_layer * L) {
+static void gate_cuts(int act, float t_act, float t, float * cut, float * lo_cut, float * hi_cut) {
     float a = -20.0f, b = 0.0f; /* g_min by ternary search (act is unimodal below 0) */
     for (int k = 0; k < 200; k++) {
         const float m1 = a + (b - a) / 3.0f, m2 = b - (b - a) / 3.0f;
@@ -636,8 +637,8 @@ static void gate_cuts(int act, float t_act, float t, gh_layer * L) {
         if (mid == lo || mid == hi) break;
         if (act1(act, t_act, mid) > t) hi = mid; else lo = mid;
     }
-    L->gate_cut = lo;   /* g > lo  <=>  act(g) > t on the increasing side */
-    L->gate_lo = L->gate_hi = 0.0f;
+    *cut = lo;   /* g > lo  <=>  act(g) > t on the increasing side */
+    *lo_cut = *hi_cut = 0.0f;
     if (act1(act, t_act, g_min) < -t) {
         float l0 = -1e4f, l1 = g_min;  /* decreasing: act(l0) >= -t > act(l1) */
         for (int k = 0; k < 200; k++) {
@@ -651,8 +652,8 @@ static void gate_cuts(int act, float t_act, float t, gh_layer * L) {
             if (mid == h0 || mid == h1) break;
             if (act1(act, t_act, mid) < -t) h0 = mid; else h1 = mid;
         }
-        L->gate_lo = l0;
-        L->gate_hi = h1;
+        *lo_cut = l0;
+        *hi_cut = h1;
     }
 }
 
@@ -681,7 +682,7 @@ static gh_status load_gate_thresholds(gh_model * m) {
         gh_layer * L = &m->layers[il];
         L->has_gate_thr = true;
         L->gate_thr = t;
-        gate_cuts(m->hp.ffn_act, m->hp.act_threshold, t, L);
+        gate_cuts(m->hp.ffn_act, m->hp.act_threshold, t, &L->gate_cut, &L->gate_lo, &L->gate_hi);
     }
     m->info.has_gate_threshold = 1;
     return GH_OK;
@@ -1088,6 +1089,53 @@ static gh_status load_expert_bias(gh_model * m, const char * name, int64_t n0, i
     return GH_OK;
 }
 
+/* blk.N.ffn_exp_gate_thr (docs/FORMAT.md "Sparse experts"): f32 [n_expert], each expert's
+ * gate threshold t >= 0 (|act(g)| > t: active), or a negative value for an expert that
+ * keeps none (it runs dense); every layer has it or none does, and it needs the experts'
+ * transposed down projection. Solved into cut points as a layer's threshold is. */
+static gh_status load_expert_gate_thresholds(gh_model * m, int il, gh_moe_layer * M) {
+    char name[64];
+    snprintf(name, sizeof name, "blk.%d.ffn_exp_gate_thr", il);
+    const gh_gguf_tensor * t = gh_gguf_find_tensor(m->gguf, name);
+    const int32_t ne = m->hp.n_expert;
+    const bool want = il == 0 || m->layers[0].moe.gate_cuts != NULL; /* layer 0 decides */
+    if (!t) {
+        if (il > 0 && want) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.0.ffn_exp_gate_thr gives layer "
+                           "0's experts gate thresholds, so every layer needs them", name);
+        }
+        return GH_OK;
+    }
+    if (!want) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives layer %d's experts gate thresholds but "
+                       "'blk.0.ffn_exp_gate_thr' is missing: every layer needs them", name, il);
+    }
+    if (!M->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives the experts gate thresholds but layer %d "
+                       "has no 'blk.%d.ffn_down_exps_t.weight' (the sparse experts' down "
+                       "projection)", name, il, il);
+    }
+    gh_status st = check_1d(t, GH_TYPE_F32, ne, "one gate threshold per expert");
+    if (st) return st;
+    M->gate_cuts = malloc((size_t) ne * 4 * sizeof(float));
+    if (!M->gate_cuts || (st = own(m, M->gate_cuts))) {
+        return M->gate_cuts ? st : gh_fail(GH_ERR_OOM, "out of memory");
+    }
+    for (int32_t e = 0; e < ne; e++) {
+        float v, * c = M->gate_cuts + 4 * (size_t) e;
+        memcpy(&v, (const uint8_t *) t->data + 4 * (size_t) e, 4);
+        if (!isfinite(v)) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': expert %d's threshold is %g (must be finite)",
+                           name, e, (double) v);
+        }
+        c[0] = v < 0.0f ? -1.0f : v;
+        if (v >= 0.0f) gate_cuts(m->hp.ffn_act, m->hp.act_threshold, v, &c[1], &c[2], &c[3]);
+        else c[1] = c[2] = c[3] = 0.0f;
+    }
+    if (il == m->hp.n_layer - 1) m->info.has_gate_threshold = 1;
+    return GH_OK;
+}
+
 /* Layer il's mixture of experts (ffn/moe.h): the router ffn_gate_inp, the experts'
  * ffn_{gate,up,down}_exps and, where the architecture has one, the shared expert
  * ffn_{gate,up,down}_shexp with its gate vector ffn_gate_inp_shexp. A dense FFN tensor in
@@ -1120,7 +1168,22 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
     if ((st = load_weight(m, name, d, hp->n_expert, &M->router))) return st;
     if ((st = load_experts(m, BLK("ffn_gate_exps.weight"), d, ff, &M->gate_exps))) return st;
     if ((st = load_experts(m, BLK("ffn_up_exps.weight"), d, ff, &M->up_exps))) return st;
-    if ((st = load_experts(m, BLK("ffn_down_exps.weight"), ff, d, &M->down_exps))) return st;
+    /* the down projection: llama.cpp's ffn_down_exps, or its transposed form (the sparse
+     * experts' ffn_down_exps_t, docs/FORMAT.md "Sparse experts"), exactly one of them */
+    const bool has_dn = gh_gguf_find_tensor(m->gguf, BLK("ffn_down_exps.weight")) != NULL;
+    M->has_down_t = gh_gguf_find_tensor(m->gguf, BLK("ffn_down_exps_t.weight")) != NULL;
+    if (has_dn && M->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "layer %d has both 'blk.%d.ffn_down_exps.weight' and "
+                       "'blk.%d.ffn_down_exps_t.weight' (a layer's experts have exactly one down "
+                       "projection)", il, il, il);
+    }
+    if (M->has_down_t) {
+        if ((st = load_experts(m, BLK("ffn_down_exps_t.weight"), d, ff, &M->down_exps_t))) return st;
+        m->info.has_down_t++;
+    } else if ((st = load_experts(m, BLK("ffn_down_exps.weight"), ff, d, &M->down_exps))) {
+        return st;
+    }
+    if ((st = load_expert_gate_thresholds(m, il, M))) return st;
     /* the biases: [n_expert] for the router, [n_expert][rows] for each expert tensor */
     const bool req = m->arch->expert_biases;
     if ((st = load_expert_bias(m, BLK("ffn_gate_inp.bias"), hp->n_expert, 0, req, &M->router_b)))

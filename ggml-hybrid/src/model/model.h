@@ -17,8 +17,10 @@
 #include "ffn/moe.h"
 #include "core/tap.h"
 
-/* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. */
-typedef struct {
+/* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. One expert
+ * of a mixture is viewed as a gh_layer too (moe.c: its gate, up, down_t rows, biases and
+ * gate threshold), so that the FFN strategies and executor run it as they run a layer. */
+typedef struct gh_layer {
     float *   attn_norm, * attn_norm_b;  /* [n_embd] the attention's input norm: attn_norm, or
                                           * attn_norm_2 in llama.cpp's two-norm Falcon layout;
                                           * NULL (arch no_pre_norms): it reads x itself */

@@ -8,8 +8,13 @@ renormalises its top-k routing weights (``llama.expert_weights_norm`` true, llam
 rule for the architecture). The experts' width is ``intermediate_size``
 (``llama.feed_forward_length``, also written as ``expert_feed_forward_length``).
 
-Refused: anything arch_llama refuses; an activation other than SwiGLU (llama.cpp runs
-SiLU experts).
+ReLU-family experts (issue 26, "sparse inside experts"): ``hidden_act: relu`` gives ReGLU
+experts (relu(w1 x) * w3 x, as transformers' Mixtral computes them), and ``use_drelu: true``
+TurboSparse-Mixtral's dReLU (relu(w1 x) * relu(w3 x)); the activation is written to
+``powerinfer.ffn_activation`` (llama.cpp reads none: it would run them as SwiGLU), and
+``convert --sparse`` gives their experts the sparse form (docs/FORMAT.md "Sparse experts").
+
+Refused: anything arch_llama refuses; an activation other than SwiGLU, ReGLU or dReLU.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from ..gguf_write import ConvertError
 from .arch import Architecture, Config, ExpertNames, HFParams, read_experts
 from . import arch_llama
 
+#: The experts' activations: SwiGLU (Mixtral), ReGLU and dReLU (TurboSparse-Mixtral).
+EXPERT_ACTS = (F.ACT_SILU, F.ACT_RELU, F.ACT_DRELU)
+
 EXPERTS = ExpertNames(router="block_sparse_moe.gate.weight",
                       expert="block_sparse_moe.experts.{e}.{proj}.weight", gate="w1", up="w3", down="w2")
 
@@ -28,9 +36,9 @@ EXPERTS = ExpertNames(router="block_sparse_moe.gate.weight",
 def read_config(c: Config, hf_arch: str) -> HFParams:
     """Validated hyper-parameters of a Mixtral config.json."""
     p = arch_llama.read_config(c, hf_arch)
-    if p.activation != F.ACT_SILU:
+    if p.activation not in EXPERT_ACTS:
         raise ConvertError(f"unsupported: {hf_arch} with hidden_act {p.hf_hidden_act!r} (the experts "
-                           "run SwiGLU here and in llama.cpp)")
+                           "run SwiGLU, ReGLU (relu) or dReLU (relu with use_drelu))")
     p.n_expert, p.n_expert_used = read_experts(c, p.n_ff, True)
     p.n_ff_exp, p.expert_norm = p.n_ff, True
     return p

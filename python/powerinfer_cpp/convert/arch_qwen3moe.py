@@ -8,9 +8,14 @@ and the experts' ``gate_proj`` / ``up_proj`` / ``down_proj`` stacked into
 ``qwen3moe.expert_weights_norm``; llama.cpp always renormalises for this architecture, so
 a file with it false runs right only here.
 
+ReLU-family experts (``hidden_act: relu``: ReGLU; with ``use_drelu: true``: dReLU, as
+SmallThinker and TurboSparse put inside their experts) are read here for the sparse experts
+(docs/FORMAT.md "Sparse experts"; transformers' Qwen3-MoE computes ReGLU for relu; the
+activation is written to ``powerinfer.ffn_activation``, which llama.cpp does not read).
+
 Refused: as qwen3 (biases, short sliding windows, RoPE scaling other than none/linear),
 layers with a dense FFN (``decoder_sparse_step`` > 1, ``mlp_only_layers``), activations
-other than SwiGLU.
+other than SwiGLU, ReGLU and dReLU.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ def read_config(c: Config, hf_arch: str) -> HFParams:
     refuse_dense_layers(c)
     rope = read_rope(c, head_dim)
     hidden_act = c.get("hidden_act", "silu")
-    if act_kind(hidden_act) != F.ACT_SILU:
-        raise ConvertError(f"unsupported: {hf_arch} with hidden_act {hidden_act!r} (the experts run SwiGLU)")
+    act = act_kind(hidden_act, c.get("use_drelu"))
+    if act not in (F.ACT_SILU, F.ACT_RELU, F.ACT_DRELU):
+        raise ConvertError(f"unsupported: {hf_arch} with hidden_act {hidden_act!r} (the experts run "
+                           "SwiGLU, ReGLU (relu) or dReLU (relu with use_drelu))")
     ff_exp = c.int("moe_intermediate_size")
     norm = c.flag("norm_topk_prob", False)
     n_expert, used = read_experts(c, ff_exp, norm)
@@ -50,7 +57,7 @@ def read_config(c: Config, hf_arch: str) -> HFParams:
         n_layer=n_layer, n_ff=c.int("intermediate_size"), n_head=n_head, n_head_kv=n_head_kv,
         head_dim=head_dim, n_ctx=n_ctx, norm_eps=c.number("rms_norm_eps", 1e-6), norm=NORM_RMS,
         rope_theta=rope.theta, rope_scaling_type=rope.scaling_type, rope_scaling_factor=rope.factor,
-        activation=F.ACT_SILU, hf_hidden_act=str(hidden_act), gated=True,
+        activation=act, hf_hidden_act=str(hidden_act), gated=True,
         tied=c.flag("tie_word_embeddings", False), bos_token_id=c.token_id("bos_token_id"),
         eos_token_id=c.token_id("eos_token_id"), pad_token_id=c.token_id("pad_token_id"),
         n_expert=n_expert, n_expert_used=used, n_ff_exp=ff_exp, expert_norm=norm)

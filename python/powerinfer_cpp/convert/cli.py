@@ -200,10 +200,10 @@ def main(argv: list[str] | None = None) -> int:
             relu = act in F.SPARSE_ACTIVATIONS
             if sparse is None:
                 # SwiGLU/GeGLU: calibrated gate thresholds, as ReLU models get predictors; a
-                # mixture of experts has no sparse form yet: dense unless a sparse option asks
-                # (then convert refuses it by name)
+                # mixture of SwiGLU experts stays dense unless a sparse option asks (its
+                # thresholds need a level), ReLU-family experts get their exact zeros
                 asked = bool(gate_opts) or args.input_sparsity is not None
-                sparse = (asked or not moe) and (relu or bool(gate_opts) or gated or dense is not None)
+                sparse = (asked or not moe or relu) and (relu or bool(gate_opts) or gated or dense is not None)
             gate = args.sparsity is not None or args.max_ppl_increase is not None or (gated and not relu)
             if args.sparsity_allocation is not None and not gate:
                 raise ConvertError("--sparsity-allocation shares a gate-magnitude sparsity among the layers; "

@@ -145,10 +145,6 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
     check_output_path(out_path, _input_files(hf_dir, sparse_options))
 
     arch, params = read_model_config(hf_dir)
-    if sparse and params.n_expert:
-        raise ConvertError(f"sparse conversion (--sparse, --sparsity, --input-sparsity) of a "
-                           f"mixture-of-experts model ({params.hf_arch}, {params.n_expert} experts) is not "
-                           "supported yet: convert it densely (its experts already skip most FFN weights)")
     tok = read_hf_tokenizer(hf_dir, params.n_vocab, params)
     src = open_weights(hf_dir)
     try:
@@ -166,7 +162,8 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
                     arch=params.arch, kv=kv, jobs=jobs, outtype=outtype, n_layer=params.n_layer,
                     n_embd=params.n_embd, n_ff=params.n_ff, n_embd_kv=params.n_head_kv * params.head_dim,
                     n_ctx=params.n_ctx, activation=params.activation, gated=params.gated, hf_dir=hf_dir,
-                    act_threshold=params.act_threshold,
+                    act_threshold=params.act_threshold, n_expert=params.n_expert,
+                    n_expert_used=params.n_expert_used, n_ff_exp=params.n_ff_exp,
                     # ffn_down_t follows its layer's ffn_down rule (the _m mixes vary it), for rows of d
                     down_types=[storage_type(F.T_FFN_DOWN, (params.n_ff, params.n_embd), outtype, il,
                                              quant_mix(params))[0] for il in range(params.n_layer)])

@@ -85,6 +85,9 @@ class DenseModel:
     path: str = ""            # a GGUF input (convert/from_gguf.py): profiled and copied as is,
                               # no dense file is written; jobs then hold its raw tensors
     down_types: list | None = None  # per layer ffn_down_t's type (None: storage_type's rule)
+    n_expert: int = 0         # a mixture of experts (expert_sparsity.py): experts per layer,
+    n_expert_used: int = 0    # chosen per token,
+    n_ff_exp: int = 0         # and their width
 
 
 def _kl_bound(opts, budget: float) -> float | None:
@@ -214,6 +217,9 @@ class SparseReport:
                                       # or "auto" chose 0)
     input_tried: list = field(default_factory=list)  # quality budget with input sparsity:
                                       # budget.Candidate of every combination measured
+    expert_holdout_sparsity: list = field(default_factory=list)  # sparse experts: per layer the
+                                      # share of selected experts' neurons below their thresholds
+                                      # on the held-out tokens (expert_sparsity.py)
 
 
 #: Storage types a predictor may be asked for (None: follow the model's type).
@@ -289,6 +295,9 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
     import gguf
 
     say = say or (lambda s: log.info("%s", s))
+    if dense.n_expert:  # a mixture of experts: thresholds per expert (expert_sparsity.py)
+        from .expert_sparsity import convert_sparse_experts
+        return convert_sparse_experts(dense, out_path, opts, progress, say)
     outtype, jobs = dense.outtype, dense.jobs
     budget = opts.max_ppl_increase
     if (opts.sparsity is None and budget is None and dense.gated

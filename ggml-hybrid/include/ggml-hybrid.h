@@ -537,7 +537,9 @@ int32_t gh_context_get_sparse_batch(const gh_context * c);
  * _head_rows: with n > 0 the head computes the logits of the tokens ids[0..n) only (their
  *   rows of the head, copied here into one compact matrix, so it reads n rows instead of
  *   n_vocab), every other token's logit is -INFINITY; n = 0 (ids may be NULL) restores the
- *   full head. Ids in [0, n_vocab), each at most once (else GH_ERR_INVALID_ARG / RANGE).
+ *   full head, keeping the copy, so that setting the same ids again copies nothing (a
+ *   drafter switches back and forth every round). Ids in [0, n_vocab), each at most once
+ *   (else GH_ERR_INVALID_ARG / RANGE).
  * _layer_skip: skip[il] != 0 makes layer il pass the residual stream through unchanged
  *   (its attention and FFN do not run, its cache rows at those positions are not written:
  *   truncate them before a full-depth pass reads them); skip NULL (n 0) runs every layer.

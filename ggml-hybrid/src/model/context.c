@@ -495,8 +495,16 @@ static gh_status set_head_rows(gh_context * c, const int32_t * ids, int32_t n) {
         return gh_fail(GH_ERR_INVALID_ARG, "head rows: n = %d outside [0, n_vocab = %d]", n, nv);
     }
     if (n > 0 && !ids) return gh_fail(GH_ERR_INVALID_ARG, "head rows: ids is NULL with n = %d", n);
-    uint8_t * seen = n ? calloc((size_t) nv, 1) : NULL;
-    if (n && !seen) return gh_fail(GH_ERR_OOM, "out of memory for the head rows' check");
+    if (n == 0) {
+        c->head_rows_on = false;
+        return GH_OK;
+    }
+    if (n == c->n_head_ids && memcmp(ids, c->head_ids, (size_t) n * sizeof *ids) == 0) {
+        c->head_rows_on = true; /* the rows copied last time */
+        return GH_OK;
+    }
+    uint8_t * seen = calloc((size_t) nv, 1);
+    if (!seen) return gh_fail(GH_ERR_OOM, "out of memory for the head rows' check");
     for (int32_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= nv) {
             free(seen);
@@ -510,24 +518,19 @@ static gh_status set_head_rows(gh_context * c, const int32_t * ids, int32_t n) {
         }
     }
     free(seen);
-    int32_t * nid = NULL;
-    float * tmp = NULL;
-    char * rows = NULL;
-    if (n) {
-        nid = malloc((size_t) n * sizeof *nid);
-        tmp = malloc((size_t) n * sizeof *tmp);
-        rows = gh_aligned_alloc((size_t) n * w->row_bytes);
-        if (!nid || !tmp || !rows) {
-            free(nid);
-            free(tmp);
-            gh_aligned_free(rows);
-            return gh_fail(GH_ERR_OOM, "out of memory for %d head rows", n);
-        }
-        for (int32_t i = 0; i < n; i++) {
-            nid[i] = ids[i];
-            memcpy(rows + (size_t) i * w->row_bytes,
-                   (const char *) w->data + (size_t) ids[i] * w->row_bytes, w->row_bytes);
-        }
+    int32_t * nid = malloc((size_t) n * sizeof *nid);
+    float * tmp = malloc((size_t) n * sizeof *tmp);
+    char * rows = gh_aligned_alloc((size_t) n * w->row_bytes);
+    if (!nid || !tmp || !rows) {
+        free(nid);
+        free(tmp);
+        gh_aligned_free(rows);
+        return gh_fail(GH_ERR_OOM, "out of memory for %d head rows", n);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        nid[i] = ids[i];
+        memcpy(rows + (size_t) i * w->row_bytes,
+               (const char *) w->data + (size_t) ids[i] * w->row_bytes, w->row_bytes);
     }
     gh_aligned_free((void *) c->head_w.data);
     free(c->head_ids);
@@ -535,6 +538,7 @@ static gh_status set_head_rows(gh_context * c, const int32_t * ids, int32_t n) {
     c->head_ids = nid;
     c->head_tmp = tmp;
     c->n_head_ids = n;
+    c->head_rows_on = true;
     c->head_w = (gh_weight) { .type = w->type, .rows = n, .cols = w->cols, .data = rows,
                               .row_bytes = w->row_bytes };
     return GH_OK;
@@ -550,7 +554,7 @@ gh_status gh_context_set_head_rows(gh_context * c, const int32_t * ids, int32_t 
 }
 
 int32_t gh_context_get_head_rows(const gh_context * c) {
-    return c ? c->n_head_ids : 0;
+    return c && c->head_rows_on ? c->n_head_ids : 0;
 }
 
 gh_status gh_context_set_layer_skip(gh_context * c, const uint8_t * skip, int32_t n) {

@@ -418,7 +418,7 @@ void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int whi
         norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
     }
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
-    if (c->n_head_ids) {
+    if (c->head_rows_on) {
         /* a draft's head: its rows' logits (computed into the front of each logits row),
          * scattered to their ids, every other logit -inf */
         const int32_t k = c->n_head_ids;

@@ -554,7 +554,7 @@ def test_cost_policy_picks_the_fastest_k():
         if want == 0:
             for _ in range(PROBE_EVERY):
                 cm.plain(1.0)
-            assert cm.choose(4) == 4
+            assert cm.choose(4) == 1  # a probe of one draft
 
 
 def test_bad_draft_options_are_refused(files):

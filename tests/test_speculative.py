@@ -256,6 +256,11 @@ def test_cli_draft_self_prints_the_dense_output(files, capsys):
     assert "speculative =" in cap.err and "drafted tokens kept" in cap.err
     assert main(base + ["-md", str(files["relu_dense"]), "--draft", "4"]) == 0
     assert capsys.readouterr().out == dense
+    for draft in ("lookup", "self:vocab=512,skip=2"):
+        assert main(base + ["--draft", draft]) == 0
+        assert capsys.readouterr().out == dense
+    assert main(base + ["--draft", "lookup:0"]) == 1
+    assert "lookup:N" in capsys.readouterr().err
     assert main(["-m", str(files["dense_f16"]), "-p", PROMPT, "-n", "4", "--draft", "self"]) == 1
     assert "no FFN predictors" in capsys.readouterr().err
     assert main(base + ["--draft-max", "3"]) == 1
@@ -388,6 +393,38 @@ def test_head_rows_are_the_full_heads_logits_at_their_ids(files):
             check(lib.gh_context_set_head_rows(ptr, ffi.NULL, 0))
         ctx.reset()
         np.testing.assert_array_equal(ctx.eval(ids, logits_all=True), full)
+
+
+def test_a_drafting_context_is_refused_by_a_batch(files):
+    """gh_eval_batch runs one head and every layer for all its contexts: a context with head
+    rows or skipped layers set is refused by name (nothing evaluated), and joins again once
+    they are cleared."""
+    from powerinfer_cpp._native import check, ffi, lib
+
+    with Model(files["dense_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(PROMPT)
+        a, b = (m.create_context(n_ctx=N_CTX, ffn="dense") for _ in range(2))
+        a.eval(ids)
+        b.eval(ids)
+        keep = np.arange(64, dtype=np.int32)
+        flags = np.zeros(m.info.n_layer, dtype=np.uint8)
+        flags[1] = 1
+        toks = np.array([5, 6], dtype=np.int32)
+        with a._calling() as pa, b._calling() as pb:
+            ptrs = ffi.new("gh_context *[]", [pa, pb])
+            for set_, clear in [
+                (lambda: lib.gh_context_set_head_rows(pb, ffi.from_buffer("int32_t[]", keep), 64),
+                 lambda: lib.gh_context_set_head_rows(pb, ffi.NULL, 0)),
+                (lambda: lib.gh_context_set_layer_skip(pb, ffi.from_buffer("uint8_t[]", flags),
+                                                       flags.size),
+                 lambda: lib.gh_context_set_layer_skip(pb, ffi.NULL, 0))]:
+                check(set_())
+                with pytest.raises(Exception, match="context 1 drafts"):
+                    check(lib.gh_eval_batch(ptrs, 2, ffi.from_buffer("int32_t[]", toks)))
+                assert lib.gh_context_n_past(pa) == lib.gh_context_n_past(pb) == len(ids)
+                check(clear())
+            check(lib.gh_eval_batch(ptrs, 2, ffi.from_buffer("int32_t[]", toks)))
+            assert lib.gh_context_n_past(pb) == len(ids) + 1
 
 
 def test_skipped_layers_are_transformers_without_them(tmp_path):

@@ -30,8 +30,8 @@ def cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def costs(m: Model, reps: int = 5) -> None:
-    ctx = m.create_context(n_ctx=512, ffn="dense")
+def costs(m: Model, threads: int, reps: int = 5) -> None:
+    ctx = m.create_context(n_ctx=512, n_threads=threads, ffn="dense")
     nl = m.info.n_layer
     ids = np.asarray((m.tokenize(PROMPT) * 8)[:64], dtype=np.int32)
     tok = np.array([100], dtype=np.int32)
@@ -87,7 +87,7 @@ def main() -> None:
     a = ap.parse_args()
     m = Model(a.model, n_ctx=512, n_threads=a.threads)
     if a.costs:
-        costs(m)
+        costs(m, a.threads)
     dense = m.create_context(n_ctx=512, n_threads=a.threads, ffn="dense")
     spec = m.create_context(n_ctx=512, n_threads=a.threads, ffn="dense")
     tokens: dict = {}

@@ -6,6 +6,11 @@ Drafters:
 - "self": the same file in its sparse FFN mode (predictors: GH_FFN_SPARSE, gate thresholds:
   GH_FFN_GATE), drafting into the target context's own KV cache; the verification rolls the
   cache back (gh_context_truncate) and writes the dense keys and values over the drafts.
+  "self:ffn=M,vocab=N,skip=L" (SelfDraft) makes the draft cheaper still: a head over a
+  vocabulary subset (gh_context_set_head_rows) and layers passed over
+  (gh_context_set_layer_skip).
+- "lookup": prompt lookup decoding, the continuation of the context's last n-gram where it
+  occurred before; no model runs.
 - a draft model (another GGUF with the same vocabulary: a smaller model, or the same model
   converted at a more aggressive sparsity), with a KV cache of its own that follows the
   accepted tokens (kept up to the longest common prefix, the rest evaluated again).
@@ -17,7 +22,9 @@ from p. p and q are the distributions the sampler draws from (gh_sampler_probs: 
 penalty, temperature, top-k, top-p, min-p, and the logits processor, each with the drafted
 tokens as history), so the tokens follow the dense model's sampled distribution exactly;
 greedy (temperature <= 0) p and q are one-hot and this is "keep while the argmax agrees".
-All random numbers come from the sampler's seeded stream (gh_sampler_random).
+All random numbers come from the sampler's seeded stream (gh_sampler_random). Greedy
+decoding also picks each round's k by the measured costs (_CostModel), down to plain decode
+where drafting does not pay.
 
 Verification runs k + 1 tokens through the multi-token matmul tiles, plain decode one token
 through the one-token tiles; where a type's two tiles sum in a different order the logits

@@ -496,3 +496,48 @@ def test_gptoss_mxfp4_checkpoint(gptoss_gguf, tmp_path):
     nrmse = np.sqrt(((got - want) ** 2).mean() / ((want - want.mean()) ** 2).mean())
     print(f"mxfp4 checkpoint (f16 rest): nrmse {nrmse:.2e} against transformers on its dequantized experts")
     assert nrmse < MXFP4_NRMSE_SAME_WEIGHTS
+
+
+def _fused_checkpoint(hf_dir, out_dir, drop: str | None = None):
+    """hf_dir rewritten as a checkpoint of transformers >= 5's in-memory layout (its
+    state_dict: each layer's experts fused into ``mlp.experts.gate_up_proj`` and
+    ``down_proj``, Mixtral's router at ``mlp.gate``), less the tensors whose names end in
+    ``drop``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(hf_dir, out_dir)
+    (out_dir / "model.safetensors").unlink()
+    sd = {k: v.detach().clone().contiguous() for k, v in hf_reference_model(hf_dir).state_dict().items()}
+    fused = [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]
+    assert len(fused) == 2, sorted(sd)    # the test means nothing unless the layout is fused
+    if drop is not None:
+        sd = {k: v for k, v in sd.items() if not k.endswith(drop)}
+    save_file(sd, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2moe", "qwen3moe-top1", "olmoe"])
+def test_fused_expert_checkpoint_converts_like_per_expert(variant, tmp_path):
+    """A checkpoint written from transformers >= 5's state_dict keeps the experts fused
+    ([n_expert, 2 ff, d] gate-then-up, [n_expert, d, ff] down): it converts to the same file,
+    tensor for tensor, as the per-expert checkpoint save_pretrained writes."""
+    import gguf
+
+    hf = make_hf_model(variant, tmp_path / "hf", seed=3)
+    want = convert(hf, tmp_path / "per-expert.gguf", "f32", progress=False)
+    got = convert(_fused_checkpoint(hf, tmp_path / "fused"), tmp_path / "fused.gguf", "f32", progress=False)
+    a = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(want)).tensors}
+    b = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(got)).tensors}
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def test_fused_expert_checkpoint_missing_down_refused(tmp_path):
+    """Half a fused layout (no down_proj) is refused naming the tensors it lacks."""
+    hf = make_hf_model("qwen3moe-top1", tmp_path / "hf", seed=3)
+    bad = _fused_checkpoint(hf, tmp_path / "fused", drop="mlp.experts.down_proj")
+    with pytest.raises(ConvertError, match=r"missing tensors: .*down_proj"):
+        convert(bad, tmp_path / "bad.gguf", "f32", progress=False)

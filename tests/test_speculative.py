@@ -360,6 +360,54 @@ def test_server_started_with_a_draft(files, batching):
     assert main(["-m", str(files["dense_f16"]), "--draft", "self", "--port", "0"]) == 1
 
 
+@pytest.mark.parametrize("drafter", ["self", "model"])
+def test_server_batches_speculative_slots_with_the_others(files, drafter):
+    """The batching scheduler puts a speculative slot's draft steps and verifications into
+    the passes of the other slots: four concurrent greedy requests, two speculative and two
+    plain (a logit_bias of 0 changes no logit but turns the draft off), get the replies
+    they get one at a time, which are the dense model's; and two speculative requests alone
+    together run batched passes (nothing else is there to batch with)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import concurrent.futures
+
+    from server_util import metric, running_server
+
+    target, args = ((files["gate_f16"], ["--draft", "self"]) if drafter == "self" else
+                    (files["dense_f16"], ["--model-draft", str(files["relu_dense"])]))
+    prompts = [PROMPT, "In the beginning God created", "And the LORD spake", "Blessed is"]
+    n = 36
+    with Model(target, n_ctx=256, n_threads=1) as m:
+        ref = [m.create_context(n_ctx=256, ffn="dense").generate(
+            p, max_tokens=n, temperature=0, ignore_eos=True).text for p in prompts]
+    with running_server(target, "--parallel", "4", "--ctx", "256", "-t", "1",
+                        "--draft-max", "4", "--prompt-chunk", "8", *args) as url:
+        def ask(i):
+            body = {"prompt": prompts[i], "max_tokens": n, "temperature": 0,
+                    "ignore_eos": True}
+            if i % 2:
+                body["logit_bias"] = {"5": 0}  # no draft
+            r = httpx.post(url + "/v1/completions", timeout=300, json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        alone = [ask(i) for i in range(4)]
+        steps0 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            spec = list(ex.map(ask, [0, 2]))
+        steps1 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(ask, range(4)))
+    for got in (alone, together):
+        assert [g["choices"][0]["text"] for g in got] == ref
+        for i, g in enumerate(got):
+            assert ("draft_n" in g["timings"]) == (i % 2 == 0), (i, g["timings"])
+    assert [g["choices"][0]["text"] for g in spec] == [ref[0], ref[2]]
+    assert all(g["timings"]["draft_n"] > 0 for g in spec)
+    assert steps1 > steps0  # the two speculative slots' parts shared passes
+
+
 # -- the cheaper self drafts: head rows, skipped layers, lookup ------------------------------
 
 def test_head_rows_are_the_full_heads_logits_at_their_ids(files):

@@ -66,14 +66,24 @@ def test_tool_calls_on_a_model_that_knows_no_json(kjv):
     out = kjv.create_chat_completion(msgs, temperature=0, **kw, tool_choice={
         "type": "function", "function": {"name": "get_time"}})
     check_calls(out["choices"][0]["message"]["tool_calls"], {"get_time"})
-    # streamed: the call arrives whole in the last chunk, with its finish_reason
+    # streamed: OpenAI's deltas (the call's head, then pieces of its arguments) add up to
+    # the call the whole reply has, and the last chunk says "tool_calls"
+    whole = kjv.create_chat_completion(msgs, tool_choice="required", temperature=0, **kw)
     chunks = list(kjv.create_chat_completion(msgs, tool_choice="required", temperature=0,
                                              stream=True, **kw))
-    last = chunks[-1]["choices"][0]
-    assert last["finish_reason"] == "tool_calls"
-    check_calls(last["delta"]["tool_calls"])
-    assert [c["index"] for c in last["delta"]["tool_calls"]] == \
-        list(range(len(last["delta"]["tool_calls"])))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    calls = {}
+    for ch in chunks:
+        for d in ch["choices"][0]["delta"].get("tool_calls", []):
+            c = calls.setdefault(d["index"], {"id": d.get("id"), "type": d.get("type"),
+                                              "function": {"name": None, "arguments": ""}})
+            c["function"]["name"] = c["function"]["name"] or d["function"].get("name")
+            c["function"]["arguments"] += d["function"].get("arguments", "")
+    assert sorted(calls) == list(range(len(calls)))
+    check_calls(list(calls.values()))
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls.values()] == \
+        [(c["function"]["name"], c["function"]["arguments"])
+         for c in whole["choices"][0]["message"]["tool_calls"]]
     # "auto" answers or calls; either way the message has the OpenAI shape
     out = kjv.create_chat_completion(msgs, temperature=0, **kw)
     msg = out["choices"][0]["message"]
@@ -101,6 +111,7 @@ def test_tool_plan_prompt_and_errors():
     assert json.loads(msgs[2]["content"]) == {"tool_calls": [{"name": "get_weather",
                                                               "arguments": {"city": "Oslo"}}]}
     assert json.loads(msgs[3]["content"]) == {"tool_call_id": "call_1", "content": "-3 C"}
+    assert plan.fmt.name == "generic"  # no template given
     assert plan.parse('{"response": "hi"}', "stop") == ({"role": "assistant",
                                                          "content": "hi"}, "stop")
     for tools, choice, msg in [
@@ -153,14 +164,17 @@ def test_openai_client_round_trip(smollm2):
         r = client.chat.completions.create(model="x", messages=messages, tools=TOOLS,
                                            tool_choice="none", temperature=0, max_tokens=40)
         assert r.choices[0].message.content and not r.choices[0].message.tool_calls
-        # streamed through the client: the call assembled from the chunks
+        # streamed through the client: the call assembled from the deltas
         calls = {}
         for chunk in client.chat.completions.create(
                 model="x", messages=messages[:1], tools=TOOLS, tool_choice="required",
                 temperature=0, max_tokens=200, stream=True):
             for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
-                calls[d.index] = d
-        check_calls([c.model_dump() for c in calls.values()])
+                if d.id is not None:
+                    calls[d.index] = {"id": d.id, "type": d.type, "function": {
+                        "name": d.function.name, "arguments": ""}}
+                calls[d.index]["function"]["arguments"] += d.function.arguments or ""
+        check_calls(list(calls.values()))
         for body, param, msg in [
                 ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "name"),
                 ({"tools": TOOLS, "tool_choice": {"type": "function",

@@ -116,6 +116,14 @@ def chat_turn_ttft(url: str, headers: dict, repeats: int = 9) -> dict:
     client = httpx.Client()  # one connection: a new one per request adds its own latency
 
     def ttft(messages, max_tokens=1):
+        try:
+            return ttft_once(messages, max_tokens)
+        except httpx.RemoteProtocolError:
+            # a server may close a kept-alive connection after some requests (llama-server
+            # does): the request never started, so send it again on a new connection
+            return ttft_once(messages, max_tokens)
+
+    def ttft_once(messages, max_tokens):
         t0 = time.perf_counter()
         with client.stream("POST", url + "/v1/chat/completions", headers=headers, timeout=120,
                            json={"messages": messages, "max_tokens": max_tokens,
@@ -127,7 +135,8 @@ def chat_turn_ttft(url: str, headers: dict, repeats: int = 9) -> dict:
                     first = time.perf_counter() - t0
                 if '"timings"' in line:
                     tm = json.loads(line[6:])["timings"]
-                    prompt_ms, counts = tm["prompt_ms"], (tm["prompt_n"], tm["cached_n"])
+                    # llama-server names the reused count cache_n
+                    prompt_ms, counts = tm["prompt_ms"], (tm["prompt_n"], tm.get("cached_n", tm.get("cache_n", 0)))
         return (first if first is not None else time.perf_counter() - t0), prompt_ms, counts
 
     cached, alone, cached_eval, alone_eval = [], [], [], []

@@ -532,8 +532,9 @@ int32_t gh_context_get_sparse_batch(const gh_context * c);
 
 /* Drafting (speculative decoding's cheap drafter, whose tokens a dense pass then verifies):
  * two settings of a context that make its tokens cheaper and its logits those of a smaller
- * model. Both apply to every gh_eval of the context until changed back, and a context with
- * either set is refused by gh_eval_batch_ex (GH_ERR_UNSUPPORTED).
+ * model. Both apply to every gh_eval of the context until changed back (and to a
+ * gh_eval_batch_ex of that context alone); a batch of several contexts, one of which has
+ * either set, is refused (GH_ERR_UNSUPPORTED).
  * _head_rows: with n > 0 the head computes the logits of the tokens ids[0..n) only (their
  *   rows of the head, copied here into one compact matrix, so it reads n rows instead of
  *   n_vocab), every other token's logit is -INFINITY; n = 0 (ids may be NULL) restores the

@@ -872,8 +872,8 @@ class Llama:
         "json_schema": {"schema": ...}}) or `grammar` (a LlamaGrammar, or GBNF text)
         constrains the reply (structured.py). `tools` / `tool_choice` /
         `parallel_tool_calls` as OpenAI's: a reply that calls tools has message.tool_calls
-        and finish_reason "tool_calls" (tools.py; streamed, the calls come whole in the
-        last chunk)."""
+        and finish_reason "tool_calls" (tools.py: in the template's own call syntax where it
+        has one; streamed, as OpenAI's tool-call deltas)."""
         check_unsupported("create_chat_completion()", kwargs, _CHAT_UNSUPPORTED)
         plan = None
         if tools:
@@ -881,19 +881,21 @@ class Llama:
             from .structured import LlamaGrammar
             from .tools import ToolPlan
 
-            plan = ToolPlan(tools, tool_choice, parallel_tool_calls)
+            plan = ToolPlan(tools, tool_choice, parallel_tool_calls,
+                            template_source=self.chat_template.source)
             messages = plan.messages(normalize_messages(messages))
             if plan.active:
                 if grammar is not None or response_format not in (None, {"type": "text"}):
                     raise ValueError("tools cannot be combined with response_format or grammar")
-                grammar = LlamaGrammar(plan.grammar(), "tools")
+                grammar = LlamaGrammar(plan.grammar(self._live().tokenizer), "tools")
             else:
                 plan = None
         elif tool_choice not in (None, "none", "auto"):
             raise ValueError(f"tool_choice={tool_choice!r} needs tools")
         constraint = self._constraint(grammar=grammar, response_format=response_format)
         tmpl = self.chat_template
-        prompt = tmpl.render(messages, add_generation_prompt=True)
+        prompt = tmpl.render(messages, add_generation_prompt=True,
+                             **(plan.template_vars() if plan is not None else {}))
         ids = tmpl.tokenize(self._live(), prompt)
         stops = stop_list(stop)
         stops += [s for s in tmpl.stop_strings() if s not in stops]
@@ -905,13 +907,13 @@ class Llama:
             if plan is None:
                 return self._stream_chunks(gen, lambda text, fin: chat_chunk(
                     cid, created, name, {"content": text} if fin is None else {}, fin), first)
-            held: list[str] = []
+            tool_stream = plan.stream()
 
             def tool_chunk(text, fin):
                 if fin is None:
-                    held.append(text)
-                    return None
-                delta, fin = plan.delta("".join(held), fin)
+                    delta = tool_stream.feed(text)
+                    return None if delta is None else chat_chunk(cid, created, name, delta)
+                delta, fin = tool_stream.finish(fin)
                 return chat_chunk(cid, created, name, delta, fin)
 
             return self._stream_chunks(gen, tool_chunk, first)
@@ -1005,7 +1007,7 @@ class Llama:
                     yield from first
                     for piece in pieces:
                         chunk = make_chunk(piece, None)
-                        if chunk is not None:  # None: held back (a tool call comes whole)
+                        if chunk is not None:  # None: held back (may be a tool call)
                             yield chunk
                 finally:
                     pieces.close()

@@ -1248,7 +1248,8 @@ def _dense_prompt(ptr):
         check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
 
 
-def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None) -> int:
+def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None,
+               parts: Sequence = ()) -> int:
     """Evaluate every generation's next tokens in ONE forward pass (gh_eval_batch_ex: each
     weight read once for all of them; each context's tokens attend over its own cache): a
     decoding generation's next_token (it must be batchable(); all must share one
@@ -1257,15 +1258,23 @@ def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None) -> i
     as prefill() reads them). Each must be on a context of its own of the same model, and
     all the tokens together within the first one's n_batch; a decoding generation whose
     context is full is marked done and left out. On an error no context has advanced and
-    each generation may be stepped (or prefilled) again. Returns the tokens evaluated."""
-    if len({id(g.ctx) for g in gens}) != len(gens):
+    each generation may be stepped (or prefilled) again. Returns the tokens evaluated.
+
+    `parts` join the pass with tokens of their own choosing (speculative decoding's drafts
+    and verifications, speculative.py): each has `ctx`, `logits_all` (every token's logits
+    kept: then every context of the pass keeps them, its last row being what a lone
+    evaluation leaves), begin(ptr, stack) -> its tokens (the context's lock held; undo
+    what it sets on `stack`), settle() after the pass whatever happened, and end(ptr) after
+    a pass that succeeded."""
+    owners = list(gens) + list(parts)
+    if len({id(o.ctx) for o in owners}) != len(owners):
         raise ValueError("eval_batch: two generations share a context")
     if any(g.prefilled and g.next_token is None for g in gens):
         raise ValueError("eval_batch: a generation has no token to evaluate (sample() first)")
     with contextlib.ExitStack() as stack:
         # every context's lock, in one global order (another thread takes one at a time)
-        ptrs = {id(g): stack.enter_context(g.ctx._calling())
-                for g in sorted(gens, key=lambda g: id(g.ctx))}
+        ptrs = {id(o): stack.enter_context(o.ctx._calling())
+                for o in sorted(owners, key=lambda o: id(o.ctx))}
         live = []  # (generation, its pointer, its tokens, whether they are prompt tokens)
         for g in gens:
             p = ptrs[id(g)]
@@ -1273,6 +1282,8 @@ def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None) -> i
                 live.append((g, p, g._prompt_chunk(p, prompt_chunk), True))
             elif g._claim(p):
                 live.append((g, p, [g.next_token], False))
+        for part in parts:
+            live.append((part, ptrs[id(part)], part.begin(ptrs[id(part)], stack), None))
         if not live:
             return 0
         counts = np.array([len(ids) for _, _, ids, _ in live], dtype=np.int32)
@@ -1283,15 +1294,22 @@ def eval_batch(gens: Sequence[Generation], prompt_chunk: int | None = None) -> i
                 stack.enter_context(_dense_prompt(p))
         for g, p, ids, _ in live:
             g.ctx._before_eval(p, len(ids))
+        logits_all = any(part.logits_all for part in parts)
         try:
             check(lib.gh_eval_batch_ex(cptrs, len(live), ffi.from_buffer("int32_t[]", counts),
-                                       ffi.from_buffer("int32_t[]", tokens), 0))
+                                       ffi.from_buffer("int32_t[]", tokens),
+                                       1 if logits_all else 0))
         finally:
-            for g, p, ids, _ in live:
+            for g, p, ids, prompt in live:
                 g.ctx._after_eval(p, ids)
-                g._mine = g.ctx._use  # our own call: the generation carries on
-        for g, _, ids, prompt in live:
-            if prompt:
+                if prompt is None:
+                    g.settle()
+                else:
+                    g._mine = g.ctx._use  # our own call: the generation carries on
+        for g, p, ids, prompt in live:
+            if prompt is None:
+                g.end(p)
+            elif prompt:
                 g._prompt_done(len(ids))
             else:
                 g.next_token = None  # its logits are ready for sample()

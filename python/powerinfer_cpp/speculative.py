@@ -11,6 +11,7 @@ Drafters:
   (gh_context_set_layer_skip).
 - "lookup": prompt lookup decoding, the continuation of the context's last n-gram where it
   occurred before; no model runs.
+
 - a draft model (another GGUF with the same vocabulary: a smaller model, or the same model
   converted at a more aggressive sparsity), with a KV cache of its own that follows the
   accepted tokens (kept up to the longest common prefix, the rest evaluated again).
@@ -25,6 +26,7 @@ greedy (temperature <= 0) p and q are one-hot and this is "keep while the argmax
 All random numbers come from the sampler's seeded stream (gh_sampler_random). Greedy
 decoding also picks each round's k by the measured costs (_CostModel), down to plain decode
 where drafting does not pay.
+
 
 Verification runs k + 1 tokens through the multi-token matmul tiles, plain decode one token
 through the one-token tiles; where a type's two tiles sum in a different order the logits
@@ -308,18 +310,6 @@ def start_speculative(ctx: Context, draft, draft_max, greedy: bool, prompt_ids, 
                                  draft_max=draft_max, greedy=greedy)
 
 
-@contextlib.contextmanager
-def _dense(ptr):
-    """Every batch of the context through the dense FFN (and dense projections) meanwhile:
-    the verifying model."""
-    sb = lib.gh_context_get_sparse_batch(ptr)
-    check(lib.gh_context_set_sparse_batch(ptr, 0))
-    try:
-        yield
-    finally:
-        check(lib.gh_context_set_sparse_batch(ptr, sb))
-
-
 def _truncate(ctx: Context, ptr, n: int) -> None:
     """Context.reset(n) with the context's lock already held."""
     check(lib.gh_context_truncate(ptr, n))
@@ -333,6 +323,45 @@ def _last_logits(ctx: Context, ptr, row: int = -1) -> np.ndarray:
     return np.frombuffer(ffi.buffer(lib.gh_get_logits(ptr, row), nv * 4), dtype=np.float32)
 
 
+class _Part:
+    """One context's tokens in a pass (model.eval_batch's `parts`): a draft step or a
+    verification of a speculative round. `key` is what the contexts of one pass share
+    (Generation.batch_key's, with the draft model's identity where it is not the target)."""
+
+    def __init__(self, ctx: Context, key: tuple, n: int, logits_all: bool, begin, end,
+                 owner: "SpeculativeGeneration"):
+        self.ctx, self.key, self.n, self.logits_all = ctx, key, n, logits_all  # n: tokens
+        self._begin, self._end, self._owner = begin, end, owner
+
+    def begin(self, ptr, stack) -> list[int]:
+        return self._begin(ptr, stack)
+
+    def settle(self) -> None:
+        gen = self._owner
+        if self.ctx is gen.ctx:
+            gen._mine = gen.ctx._use  # our own call: the generation carries on
+
+    def end(self, ptr) -> None:
+        self._end(ptr)
+
+
+def _set_mode(stack, ptr, mode: int, sparse_batch: int) -> None:
+    """The context's FFN mode and sparse batch for one pass, restored after it."""
+    old_mode, old_sb = lib.gh_context_get_ffn_mode(ptr), lib.gh_context_get_sparse_batch(ptr)
+    check(lib.gh_context_set_ffn_mode(ptr, mode))
+    stack.callback(lambda: (check(lib.gh_context_set_ffn_mode(ptr, old_mode)),
+                            check(lib.gh_context_set_sparse_batch(ptr, old_sb))))
+    check(lib.gh_context_set_sparse_batch(ptr, sparse_batch))
+
+
+def _ctx_key(ptr, n_tokens: int) -> tuple:
+    """Generation.batch_key of a context about to evaluate n_tokens (its lock held)."""
+    mode = int(lib.gh_context_get_ffn_mode(ptr))
+    if mode == FFN_MODES["dense"] or lib.gh_context_get_sparse_batch(ptr) < n_tokens:
+        return ("dense",)
+    return (mode, bool(lib.gh_context_get_input_sparse(ptr)))
+
+
 class _SelfDrafter:
     """The target file drafts in the target context itself, in its sparse FFN mode, over a
     subset of the vocabulary and through a subset of the layers (SelfDraft); the cache then
@@ -340,6 +369,7 @@ class _SelfDrafter:
     truncates and writes densely."""
 
     shares_target = True
+    passless = False
 
     def __init__(self, ctx: Context, mode: str, sd: SelfDraft):
         self.ctx, self.mode, self.sd = ctx, mode, sd
@@ -352,39 +382,45 @@ class _SelfDrafter:
             self.skip[list(sd.skip)] = 1
         # the head's rows: the lowest ids, then the context's tokens as they appear
         self.vocab: set[int] = set(range(sd.vocab)) if sd.vocab else set()
-        self.head_ids: np.ndarray | None = None  # the rows the context holds now
+        self.head_ids: np.ndarray | None = None
 
-    def _head_rows(self, ptr, seq: list[int]) -> None:
-        """Set the context's head rows to the vocabulary subset plus the tokens of seq."""
+    def _head_ids(self, seq: list[int]) -> np.ndarray:
+        """The vocabulary subset plus the tokens of seq (the context's cache keeps the rows
+        it copied last, so an unchanged list costs nothing)."""
         new = [t for t in set(seq) if t not in self.vocab]
         if new or self.head_ids is None:
             self.vocab.update(new)
             self.head_ids = np.fromiter(sorted(self.vocab), dtype=np.int32,
                                         count=len(self.vocab))
-        if lib.gh_context_get_head_rows(ptr) != self.head_ids.size:
-            check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", self.head_ids),
-                                               self.head_ids.size))
+        return self.head_ids
 
-    def draft(self, gen: "SpeculativeGeneration", ptr, seq: list[int], k: int):
-        ctx = self.ctx
-        mode, sb = lib.gh_context_get_ffn_mode(ptr), lib.gh_context_get_sparse_batch(ptr)
-        check(lib.gh_context_set_ffn_mode(ptr, FFN_MODES[self.mode]))
-        check(lib.gh_context_set_sparse_batch(ptr, max(sb, 1)))
-        try:
-            if self.sd.vocab:
-                self._head_rows(ptr, seq)
-            if self.skip is not None:
-                check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", self.skip),
-                                                    self.skip.size))
-            return gen._draft_loop(lambda ids: (ctx._eval_ids(ptr, ids, False),
-                                                _last_logits(ctx, ptr))[1], [seq[-1]], k)
-        finally:
-            if self.sd.vocab:
-                check(lib.gh_context_set_head_rows(ptr, ffi.NULL, 0))
-            if self.skip is not None:
-                check(lib.gh_context_set_layer_skip(ptr, ffi.NULL, 0))
-            check(lib.gh_context_set_ffn_mode(ptr, mode))
-            check(lib.gh_context_set_sparse_batch(ptr, sb))
+    def part(self, gen: "SpeculativeGeneration", ids: list[int], seq: list[int], on_logits):
+        """The next draft step: ids (the last decided token, then each draft) through the
+        sparse FFN (and the smaller head, past the skipped layers) in the target context.
+        A draft with head rows or skipped layers runs in a pass of its own (a batch of
+        contexts runs one head and every layer)."""
+        ctx, mode = self.ctx, FFN_MODES[self.mode]
+        with ctx._calling() as ptr:
+            key = (mode, bool(lib.gh_context_get_input_sparse(ptr)))
+        if self.sd.vocab or self.skip is not None:
+            key = key + ("draft", id(ctx))
+        head = self._head_ids(seq) if self.sd.vocab else None
+        skip = self.skip
+
+        def begin(ptr, stack):
+            _set_mode(stack, ptr, mode, max(lib.gh_context_get_sparse_batch(ptr), len(ids)))
+            if head is not None:
+                check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", head),
+                                                   head.size))
+                stack.callback(lambda: check(lib.gh_context_set_head_rows(ptr, ffi.NULL, 0)))
+            if skip is not None:
+                check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", skip),
+                                                    skip.size))
+                stack.callback(lambda: check(lib.gh_context_set_layer_skip(ptr, ffi.NULL, 0)))
+            return ids
+
+        return _Part(ctx, key, len(ids), False, begin,
+                     lambda ptr: on_logits(_last_logits(ctx, ptr)), gen)
 
 
 class _LookupDrafter:
@@ -397,6 +433,7 @@ class _LookupDrafter:
     no draft (a plain dense token)."""
 
     shares_target = False
+    passless = True  # its drafts come without a pass (SpeculativeGeneration.batch_part)
 
     def __init__(self, ctx: Context, ngram: int):
         self.ngram, self.name = ngram, f"lookup (n-grams <= {ngram})"
@@ -421,7 +458,8 @@ class _LookupDrafter:
                     self.index[n][tuple(seq[e - n:e])] = e
         seen[:] = seq
 
-    def draft(self, gen: "SpeculativeGeneration", ptr, seq: list[int], k: int):
+    def drafts(self, gen: "SpeculativeGeneration", seq: list[int], k: int):
+        """Up to k draft tokens and their (one-hot) q, none without a match."""
         self._update(seq)
         for n in range(min(self.ngram, len(seq)), 0, -1):
             e = self.index[n].get(tuple(seq[-n:]))
@@ -443,6 +481,7 @@ class _ModelDrafter:
     (its cache keeps the longest common prefix with them)."""
 
     shares_target = False
+    passless = False
 
     def __init__(self, ctx: Context, dmodel: Model):
         self.name = dmodel.path
@@ -455,16 +494,28 @@ class _ModelDrafter:
                 per_ctx[id(dmodel)] = dctx
         self.dctx = dctx
 
-    def draft(self, gen: "SpeculativeGeneration", ptr, seq: list[int], k: int):
+    def part(self, gen: "SpeculativeGeneration", ids: list[int], seq: list[int], on_logits):
+        """The next draft step: the draft context catches up with seq (the decided tokens
+        and the drafts so far: its cache keeps their longest common prefix, at least the
+        last token is evaluated)."""
         dctx = self.dctx
         with dctx._calling() as dptr:
             cached, keep = dctx._cached, 0
-            limit = min(len(cached), len(seq) - 1)  # at least the last token is evaluated
+            limit = min(len(cached), len(seq) - 1)
             while keep < limit and cached[keep] == seq[keep]:
                 keep += 1
-            _truncate(dctx, dptr, keep)
-            return gen._draft_loop(lambda ids: (dctx._eval_ids(dptr, ids, False),
-                                                _last_logits(dctx, dptr))[1], seq[keep:], k)
+            key = ("draft", id(dctx.model)) + _ctx_key(dptr, len(seq) - keep)
+
+        def begin(ptr, stack):
+            cached, keep = dctx._cached, 0
+            limit = min(len(cached), len(seq) - 1)
+            while keep < limit and cached[keep] == seq[keep]:
+                keep += 1
+            _truncate(dctx, ptr, keep)
+            return seq[keep:]
+
+        return _Part(dctx, key, len(seq) - keep, False, begin,
+                     lambda ptr: on_logits(_last_logits(dctx, ptr)), gen)
 
 
 class _CostModel:
@@ -532,8 +583,9 @@ class _CostModel:
 class SpeculativeGeneration(Generation):
     """Generation that decodes speculatively: step() drafts k tokens, verifies them in one
     dense pass and queues the tokens it decided (the kept drafts and one drawn from the
-    dense model), which the following sample() calls hand out one by one. Not batchable
-    (the server's scheduler steps it alone)."""
+    dense model), which the following sample() calls hand out one by one. A scheduler may
+    instead evaluate each part of a round (batch_part: a draft step, the verification) in
+    a pass shared with other generations (model.eval_batch `parts`)."""
 
     def __init__(self, *args, drafter, draft_max: int, greedy: bool, **kw):
         super().__init__(*args, **kw)
@@ -542,6 +594,7 @@ class SpeculativeGeneration(Generation):
         self.greedy = greedy
         self.k = min(START_K, draft_max)
         self.queue: list[int] = []  # decided tokens not handed out yet
+        self._round: dict | None = None  # the round in progress (drafts so far, ...)
         self.spec = SpeculativeStats(draft=drafter.name)
         self.cost = _CostModel(draft_max) if greedy else None
         self._probs_buf = np.empty(self.ctx.model.n_vocab, dtype=np.float32)
@@ -573,23 +626,6 @@ class SpeculativeGeneration(Generation):
         u = lib.gh_sampler_random(self.sampler) * cdf[-1]
         return int(min(np.searchsorted(cdf, u, side="right"), len(probs) - 1))
 
-    def _draft_loop(self, run, first: list[int], k: int):
-        """Up to k draft tokens: run(ids) evaluates ids in the drafting context and returns
-        the last logits; `first` are the tokens it has not seen yet (ending with the last
-        decided token). Stops early after an end-of-sequence draft."""
-        drafts: list[int] = []
-        qs: list[np.ndarray] = []
-        ids = first
-        while len(drafts) < k:
-            q = self._probs(run(ids), drafts)
-            tok = self._draw(q)
-            drafts.append(tok)
-            qs.append(q)
-            if tok == self.eos and not self.ignore_eos:
-                break
-            ids = [tok]
-        return drafts, qs
-
     # -- the steps -------------------------------------------------------------
 
     def _pick(self) -> int:
@@ -600,52 +636,130 @@ class SpeculativeGeneration(Generation):
         return super()._pick()
 
     def batchable(self) -> bool:
-        return False
+        return False  # its tokens join a pass as parts (batch_part), not as next_token
 
-    def step(self) -> None:
-        """Evaluate next_token: a verified draft is in the cache already; else draft, verify
-        and queue the decided tokens (or, with no room for a draft, evaluate it densely)."""
-        if self.queue:
+    def skip_cached(self) -> bool:
+        """After sample() handed out a kept draft (already in the cache, so nothing to
+        evaluate): True, and the next one may be sampled now."""
+        if self.queue and self.next_token is not None and not self.done:
             if self.ctx._use != self._mine:
                 raise RuntimeError(_INTERFERED)
             self.next_token = None
-            return
-        ctx = self.ctx
-        with ctx._calling() as ptr:
-            if self._claim(ptr):
-                self._round(ctx, ptr)
-                self._mine = ctx._use
-                self.next_token = None
+            return True
+        return False
 
-    def _round(self, ctx: Context, ptr) -> None:
-        t_n = self.next_token
-        n = lib.gh_context_n_past(ptr)
-        # the round emits up to k + 1 tokens into the cache's free room
-        want = self.k if self.cost is None else self.cost.choose(self.k)
-        k = min(want, self.max_tokens - self.n_gen - 1, lib.gh_context_n_ctx(ptr) - n - 1)
-        if k < 1:
-            t0 = time.perf_counter()
-            with _dense(ptr):
-                ctx._eval_ids(ptr, [t_n], False)
-            if self.cost is not None and want < 1:
-                self.cost.plain(time.perf_counter() - t0)
-            return  # _pick samples from its logits
-        seq = self.prompt_ids + self.result.tokens
+    def step(self) -> None:
+        """Evaluate next_token alone: a verified draft is in the cache already; else a whole
+        round (draft, verify, queue the decided tokens), or with no room for a draft, the
+        token densely."""
+        if self.skip_cached():
+            return
+        while self.next_token is not None and not self.done:
+            part = self.batch_part()
+            if part is None:
+                break
+            self.run_part(part)
+
+    def run_part(self, part: "_Part") -> None:
+        """Evaluate one of batch_part()'s parts alone (gh_eval)."""
+        with part.ctx._calling() as ptr, contextlib.ExitStack() as stack:
+            ids = part.begin(ptr, stack)
+            try:
+                part.ctx._eval_ids(ptr, ids, part.logits_all)
+            finally:
+                part.settle()
+            part.end(ptr)
+
+    def batch_part(self):
+        """The tokens this generation evaluates next, as a part of a pass (model.eval_batch
+        `parts`; its `key` says which pass): a draft step, the verification of the drafts,
+        or (no room for a draft) next_token densely; None when it has nothing to evaluate
+        (its context is full: done). A round takes k + 1 passes: k draft steps, then the
+        verification, which queues the tokens it decided."""
+        if self.next_token is None or self.done:
+            return None
+        ctx = self.ctx
+        if self._round is None:
+            with ctx._calling() as ptr:
+                if not self._claim(ptr):
+                    return None
+                n = lib.gh_context_n_past(ptr)
+                # the round emits up to k + 1 tokens into the cache's free room
+                want = self.k if self.cost is None else self.cost.choose(self.k)
+                k = min(want, self.max_tokens - self.n_gen - 1,
+                        lib.gh_context_n_ctx(ptr) - n - 1)
+            if k < 1:
+                return self._dense_part(timed=want < 1)
+            self._round = {"n": n, "k": k, "t_n": self.next_token, "drafts": [], "qs": [],
+                           "t0": time.perf_counter()}
+            if self.drafter.passless:  # lookup: the drafts at once, then the verification
+                seq = self.prompt_ids + self.result.tokens + [self.next_token]
+                self._round["drafts"], self._round["qs"] = self.drafter.drafts(self, seq, k)
+                return self._verify_part()
+        r = self._round
+        if len(r["drafts"]) < r["k"] and not (
+                r["drafts"] and r["drafts"][-1] == self.eos and not self.ignore_eos):
+            last = r["drafts"][-1] if r["drafts"] else r["t_n"]
+            seq = self.prompt_ids + self.result.tokens + r["drafts"]
+            return self.drafter.part(self, [last], seq, self._drafted)
+        return self._verify_part()
+
+    def _dense_part(self, timed: bool = False) -> "_Part":
+        """next_token densely (no room for a draft, or the cost policy's plain token: timed,
+        from the part's making to its end, as a round is)."""
+        ctx, t_n = self.ctx, self.next_token
         t0 = time.perf_counter()
-        try:
-            drafts, qs = self.drafter.draft(self, ptr, seq, k)
-        finally:
-            if self.drafter.shares_target:
-                _truncate(ctx, ptr, n)
-        t1 = time.perf_counter()
-        with _dense(ptr):
-            ctx._eval_ids(ptr, [t_n] + drafts, True)
-        if lib.gh_n_logit_rows(ptr) != len(drafts) + 1:
+
+        def begin(ptr, stack):
+            if ctx._use != self._mine:
+                raise RuntimeError(_INTERFERED)
+            _set_mode(stack, ptr, lib.gh_context_get_ffn_mode(ptr), 0)
+            return [t_n]
+
+        def end(ptr):
+            self.next_token = None  # _pick samples from its logits
+            if timed and self.cost is not None:
+                self.cost.plain(time.perf_counter() - t0)
+
+        return _Part(ctx, ("dense",), 1, False, begin, end, self)
+
+    def _drafted(self, logits: np.ndarray) -> None:
+        """A draft step's logits: the next draft token from q."""
+        r = self._round
+        q = self._probs(logits, r["drafts"])
+        r["drafts"].append(self._draw(q))
+        r["qs"].append(q)
+
+    def _verify_part(self) -> "_Part":
+        """t_n and the drafts through the dense FFN, every token's logits kept."""
+        ctx, r = self.ctx, self._round
+        r["t1"] = time.perf_counter()
+
+        def begin(ptr, stack):
+            if ctx._use != self._mine:
+                raise RuntimeError(_INTERFERED)
+            if self.drafter.shares_target:  # the drafts' sparse keys and values go
+                _truncate(ctx, ptr, r["n"])
+            if lib.gh_context_n_past(ptr) != r["n"]:
+                raise RuntimeError(_INTERFERED)
+            _set_mode(stack, ptr, lib.gh_context_get_ffn_mode(ptr), 0)
+            return [r["t_n"]] + r["drafts"]
+
+        return _Part(ctx, ("dense",), len(r["drafts"]) + 1, True, begin, self._verified, self)
+
+    def _verified(self, ptr) -> None:
+        """The verification's logits: keep the longest agreeing prefix of the drafts, draw
+        the token after it, and queue them for sample()."""
+        ctx, r = self.ctx, self._round
+        drafts, qs, n = r["drafts"], r["qs"], r["n"]
+        if lib.gh_n_logit_rows(ptr) < len(drafts) + 1:
             raise RuntimeError("speculative verification: the batch's logits are missing")
+        rows = lib.gh_n_logit_rows(ptr)
+        first = rows - (len(drafts) + 1)  # (a lone evaluation keeps exactly these rows)
         kept: list[int] = []
         token = None
         for i, d in enumerate(drafts):
-            p = self._probs(_last_logits(ctx, ptr, i), drafts[:i])
+            p = self._probs(_last_logits(ctx, ptr, first + i), drafts[:i])
             q = qs[i]
             if self.greedy:
                 ok = p[d] > 0
@@ -654,23 +768,27 @@ class SpeculativeGeneration(Generation):
             if ok:
                 kept.append(d)
                 continue
-            r = np.maximum(p - q, 0.0)
-            token = self._draw(r if r.sum() > 0 else p)
+            res = np.maximum(p - q, 0.0)
+            token = self._draw(res if res.sum() > 0 else p)
             break
         if token is None:
-            token = self._draw(self._probs(_last_logits(ctx, ptr, len(drafts)), drafts))
+            token = self._draw(self._probs(_last_logits(ctx, ptr, first + len(drafts)),
+                                           drafts))
         _truncate(ctx, ptr, n + 1 + len(kept))
+        self._mine = ctx._use
         self.queue = kept + [token]
+        self.next_token = None
+        self._round = None
         t2 = time.perf_counter()
-        st = self.spec
+        st, k = self.spec, r["k"]
         st.rounds += 1
         st.drafted += len(drafts)
         st.accepted += len(kept)
-        st.draft_s += t1 - t0
-        st.verify_s += t2 - t1
+        st.draft_s += r["t1"] - r["t0"]
+        st.verify_s += t2 - r["t1"]
         if self.cost is not None:
             self.cost.round(len(drafts), len(kept), token is not None and len(kept) < len(drafts),
-                            t1 - t0, t2 - t1)
+                            r["t1"] - r["t0"], t2 - r["t1"])
         # k follows the acceptance: longer after a fully kept draft, shorter after an early
         # rejection (EOS-shortened drafts say nothing about k)
         if len(drafts) == k and len(kept) == k:

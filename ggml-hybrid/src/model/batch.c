@@ -70,7 +70,7 @@ static gh_status check_claimed(gh_context * const * ctxs, int32_t n, const int32
             return gh_fail(GH_ERR_RANGE, "context full: context %d holds %d tokens of n_ctx = %d, "
                            "no room for its %d more", i, c->n_past, c->n_ctx, k);
         }
-        if (c->head_rows_on || c->n_skip) {
+        if (n > 1 && (c->head_rows_on || c->n_skip)) {
             return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d drafts (head rows %d, "
                            "layers skipped %d); a drafting context runs alone (gh_eval)", i,
                            gh_context_get_head_rows(c), c->n_skip);

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -82,6 +82,8 @@ class TensorMap:
     raw_type: str | None = None               # GGML type name: transform returns the tensor's
     #                                           bytes in it, written as they are (any outtype;
     #                                           sources read as stored: gpt-oss's MXFP4)
+    alternatives: tuple["TensorMap", ...] = ()  # the same tensor in other checkpoint layouts,
+    #                                           taken when this one's sources are absent
 
 
 def direct(name: str, kind: str, hf_name: str, shape: tuple[int, ...],
@@ -337,6 +339,11 @@ class ExpertNames:
     down: str = "down_proj"         # Mixtral: w2
     shared: str | None = None       # the shared expert, "mlp.shared_expert.{proj}.weight"
     shared_gate: str | None = None  # its sigmoid gate [1, d]
+    # The fused layout transformers >= 5 keeps in memory, which a checkpoint written from its
+    # state_dict carries: "{fused}.gate_up_proj" [n_expert, 2 ff, d] (gate rows first) and
+    # "{fused}.down_proj" [n_expert, d, ff]; the router then sits at fused_router.
+    fused: str = "mlp.experts"
+    fused_router: str = "mlp.gate.weight"
 
 
 #: The expert count's names: configs spell it either way (transformers >= 5 saves Qwen3-MoE's
@@ -379,9 +386,24 @@ def expert_tensors(p: HFParams, il: int, pre: str, names: ExpertNames) -> list[T
         return TensorMap(F.tensor_name(kind, il), kind, (ne, rows, cols), srcs, ((rows, cols),) * ne,
                          lambda *a: np.stack(a))
 
-    out = [direct(F.tensor_name(F.T_FFN_GATE_INP, il), F.T_FFN_GATE_INP, pre + names.router, (ne, d)),
-           stacked(F.T_FFN_GATE_EXPS, names.gate, ff, d), stacked(F.T_FFN_UP_EXPS, names.up, ff, d),
-           stacked(F.T_FFN_DOWN_EXPS, names.down, d, ff)]
+    gate_up, down = pre + names.fused + ".gate_up_proj", pre + names.fused + ".down_proj"
+
+    def fused(kind: str, src: str, shape: tuple[int, ...], part: slice | None) -> TensorMap:
+        rows, cols = (ff, d) if part is not None else (d, ff)
+        return TensorMap(F.tensor_name(kind, il), kind, (ne, rows, cols), (src,), (shape,),
+                         (lambda a: a[:, part, :]) if part is not None else None)
+
+    router = direct(F.tensor_name(F.T_FFN_GATE_INP, il), F.T_FFN_GATE_INP, pre + names.router, (ne, d))
+    if names.fused_router != names.router:
+        router = replace(router, alternatives=(
+            direct(router.name, router.kind, pre + names.fused_router, (ne, d)),))
+    out = [router,
+           replace(stacked(F.T_FFN_GATE_EXPS, names.gate, ff, d),
+                   alternatives=(fused(F.T_FFN_GATE_EXPS, gate_up, (ne, 2 * ff, d), slice(0, ff)),)),
+           replace(stacked(F.T_FFN_UP_EXPS, names.up, ff, d),
+                   alternatives=(fused(F.T_FFN_UP_EXPS, gate_up, (ne, 2 * ff, d), slice(ff, 2 * ff)),)),
+           replace(stacked(F.T_FFN_DOWN_EXPS, names.down, d, ff),
+                   alternatives=(fused(F.T_FFN_DOWN_EXPS, down, (ne, d, ff), None),))]
     if names.shared is not None:
         fs = p.n_ff_shexp
         out.append(TensorMap(F.tensor_name(F.T_FFN_GATE_INP_SHEXP, il), F.T_FFN_GATE_INP_SHEXP, (d,),

@@ -19,7 +19,7 @@ import numpy as np
 from .. import format as F
 from ..gguf_write import ConvertError, QuantMix, TensorJob, add_kv, check_output_path, storage_type, write_gguf
 from ..sparse.pipeline import DenseModel, SparseOptions, convert_sparse
-from .arch import Architecture, Config, HFParams
+from .arch import Architecture, Config, HFParams, TensorMap
 from .hf import SafetensorsError, open_weights, read_config_json, read_hf_tokenizer
 from .metadata import model_kv
 from .registry import lookup
@@ -44,10 +44,19 @@ def quant_mix(p: HFParams) -> QuantMix:
     return QuantMix(arch=p.arch, n_layer=p.n_layer, tied=p.tied, n_head=p.n_head, n_head_kv=p.n_head_kv)
 
 
+def _layout_present(m: TensorMap, actual: dict[str, str]) -> TensorMap:
+    """m, or the first of its alternative checkpoint layouts whose sources are all present
+    (m itself when none is: the missing-tensor error then names m's sources)."""
+    for cand in (m, *m.alternatives):
+        if all(s in actual for s in cand.sources):
+            return cand
+    return m
+
+
 def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[TensorJob]:
     """The dense file's tensors, checked against the checkpoint's names and shapes."""
-    maps = arch.tensors(p)
     actual = {arch.canonical(k): k for k in src.keys()}
+    maps = [_layout_present(m, actual) for m in arch.tensors(p)]
     wanted = [s for m in maps for s in m.sources]
     wanted_set = set(wanted)
     missing = [k for k in wanted if k not in actual]

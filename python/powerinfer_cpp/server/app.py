@@ -355,7 +355,7 @@ class Server:
                     pieces.pop()
                     done = True
                 chunk = fmt.chunk("".join(pieces)) if pieces else None
-                if chunk is not None:  # None: held back (tool calls are sent whole)
+                if chunk is not None:  # None: held back (what may still be a tool call)
                     yield _sse_line(chunk)
             if job.error is not None:
                 yield _sse_line(_as_api_error(job.error).body())
@@ -460,27 +460,29 @@ class _CompletionFormat:
 
 class _ChatFormat:
     """Chat replies; with tools (a ToolPlan) the reply is parsed into tool calls, and a
-    streamed one is held back and sent whole in the last chunk."""
+    streamed one sent as OpenAI's tool-call deltas (tools.ToolStream)."""
 
     def __init__(self, server: Server, body: ChatBody, plan=None):
         self.cid, self.created, self.model = api.new_id("chatcmpl"), int(time.time()), server.name
         self.include_usage = bool((body.stream_options or {}).get("include_usage"))
-        self.plan, self.held = plan, []
+        self.plan = plan
+        self.tool_stream = plan.stream() if plan is not None else None
 
     def first(self):
         return [api.chat_chunk(self.cid, self.created, self.model,
                                {"role": "assistant", "content": ""})]
 
     def chunk(self, text):
-        if self.plan is not None:
-            self.held.append(text)
-            return None
+        if self.tool_stream is not None:
+            delta = self.tool_stream.feed(text)
+            return None if delta is None else api.chat_chunk(self.cid, self.created,
+                                                             self.model, delta)
         return api.chat_chunk(self.cid, self.created, self.model, {"content": text})
 
     def last(self, job):
         delta, fin = {}, _finish_reason(job)
-        if self.plan is not None:
-            delta, fin = self.plan.delta("".join(self.held), fin)
+        if self.tool_stream is not None:
+            delta, fin = self.tool_stream.finish(fin)
         c = api.chat_chunk(self.cid, self.created, self.model, delta, fin)
         c["timings"] = timings(job)
         return c
@@ -614,7 +616,8 @@ def create_app(settings: Settings) -> FastAPI:
             from ..tools import ToolError, ToolPlan
 
             try:
-                plan = ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls)
+                plan = ToolPlan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                template_source=server.template.source)
             except ToolError as e:
                 raise APIError(400, str(e), param="tools") from None
         elif body.tool_choice not in (None, "none", "auto"):
@@ -634,7 +637,7 @@ def create_app(settings: Settings) -> FastAPI:
             from ..structured import StructuredOutputUnavailable
 
             try:
-                tools_grammar = plan.grammar()
+                tools_grammar = plan.grammar(server.model.tokenizer)
             except ToolError as e:
                 raise APIError(400, str(e), param="tools") from None
             except StructuredOutputUnavailable as e:
@@ -643,7 +646,8 @@ def create_app(settings: Settings) -> FastAPI:
         else:
             plan = None
         template = server.template
-        prompt = await server.preparer.render(messages)
+        prompt = await server.preparer.render(
+            messages, plan.template_vars().get("tools") if plan is not None else None)
         ids = await server.preparer.tokenize(prompt, "messages",
                                              lambda t: template.tokenize(server.model, t))
         kw = server.sampling(body, len(ids), max_tokens)

@@ -17,6 +17,13 @@ gets alone. One pass runs one FFN, so the decoding generations are grouped by ba
 the dense ones' pass also takes the prompt chunk (a prompt reads through the dense FFN);
 each sparse mode's generations get a pass of their own (without them, the chunk too).
 
+A speculative generation (speculative.py) takes part in the same passes, one part of a
+round per step: each draft step joins the pass of the drafter's FFN (draft="self": the
+sparse mode's pass, beside the sparse generations; a draft model: a pass of the draft
+model's contexts), the verification of its k drafts (k + 1 tokens, every row's logits
+kept) the dense pass; the tokens a verification decides are all handed out at the next
+step's sampling. Its greedy reply is the one it gets alone.
+
 Each slot keeps its own context (its KV cache and cached prefix); the batched pass borrows
 the first member's buffers and threads, so the slots' contexts take every core (one pass
 runs at a time) instead of a share each."""
@@ -98,18 +105,38 @@ class Batcher:
         for job in active:  # 2. sample where the logits are ready
             g = job.gen
             if g.prefilled and g.next_token is None and not g.done:
-                _guard(job, job.sample)
+                _guard(job, lambda: _sample(job))
             if not job.ended and g.done and g.prefilled:  # (max_tokens 0: after its prompt)
                 job.end()
         decoding = [j for j in active if not j.ended and j.gen.next_token is not None]
-        groups: dict = {}
-        for job in decoding:  # 3. the next tokens: together, one pass per FFN (batch_key)
+        groups: dict = {}  # batch key -> (jobs whose next_token joins, (job, part) pairs)
+        room: dict = {}  # batch key -> tokens its pass may still take (its first's n_batch)
+        alone: list = []  # (job, part) of parts with no room left in their pass
+        speculative = [j for j in decoding if hasattr(j.gen, "batch_part")]
+        for job in decoding:  # 3. the next tokens: together, one pass per FFN (batch key)
+            if job in speculative:
+                continue
             try:
                 if job.gen.batchable():
-                    groups.setdefault(job.gen.batch_key(), []).append(job)
+                    key = job.gen.batch_key()
+                    room[key] = room.setdefault(key, job.gen.ctx.n_batch) - 1
+                    groups.setdefault(key, ([], []))[0].append(job)
             except BaseException as e:
                 job.end(error=e)
-        batch = groups.pop(("dense",), [])  # the pass the prompt chunk joins
+        for job in speculative:  # a draft step or a verification: into its FFN's pass
+            try:
+                part = job.gen.batch_part()
+                if part is None:
+                    continue
+                left = room.setdefault(part.key, part.ctx.n_batch)
+                if part.n > left:
+                    alone.append((job, part))
+                    continue
+                room[part.key] = left - part.n
+                groups.setdefault(part.key, ([], []))[1].append((job, part))
+            except BaseException as e:
+                job.end(error=e)
+        batch, parts = groups.pop(("dense",), ([], []))  # the pass the prompt chunk joins
         reading = next((j for j in active if not j.ended and not j.gen.prefilled), None)
         chunk = None
         if reading is not None and not decoding:
@@ -119,28 +146,51 @@ class Batcher:
         elif reading is not None:
             # the oldest prompt's chunk: the rest of the pass's token budget, which the first
             # member's buffers bound (n_batch)
-            n_batch = (batch[0] if batch else reading).gen.ctx.n_batch
-            chunk = min(self.prompt_chunk, n_batch) - len(batch)
-            if chunk < 1 or not batch:
-                # no room beside the decode tokens, or no batchable one: a pass of its own
+            first = batch[0].gen.ctx if batch else parts[0][1].ctx if parts else \
+                reading.gen.ctx
+            n_batch = first.n_batch
+            chunk = min(self.prompt_chunk, n_batch) - len(batch) - sum(p.n for _, p in parts)
+            if chunk < 1 or not (batch or parts) or any(p.logits_all for _, p in parts):
+                # no room beside the decode tokens, no batchable one, or a verification in
+                # the pass (which keeps every row's logits: the chunk's would cost the head
+                # over all its tokens): a pass of its own
                 _guard(reading, lambda: reading.gen.prefill(min(self.prompt_chunk, n_batch)))
                 reading = None
         members = batch + ([reading] if reading is not None else [])
-        for members, chunk in [(members, chunk)] + [(g, None) for g in groups.values()]:
-            if len(members) < 2:
+        handled = set()  # jobs whose tokens were evaluated here
+        for job, part in alone:
+            _guard(job, lambda: job.gen.run_part(part))
+            handled.add(job)
+        for members, parts, chunk in [(members, parts, chunk)] + [
+                (g, p, None) for g, p in groups.values()]:
+            if len(members) + len(parts) < 2:
+                for job, part in parts:  # a part alone: evaluated alone
+                    _guard(job, lambda: job.gen.run_part(part))
+                    handled.add(job)
                 continue
             try:
-                self.batched_tokens += eval_batch([j.gen for j in members], chunk)
+                self.batched_tokens += eval_batch([j.gen for j in members], chunk,
+                                                  [p for _, p in parts])
                 self.steps += 1
             except BaseException as e:  # a failed pass changes no context
-                for job in members:
+                for job in members + [j for j, _ in parts]:
                     job.end(error=e)
+            handled.update(j for j, _ in parts)
         for job in decoding:  # the rest (and a batch of one) one by one
-            if not job.ended and job.gen.next_token is not None:
+            if job not in handled and not job.ended and job.gen.next_token is not None:
                 _guard(job, job.gen.step)
         for job in decoding:  # a context that filled up ends its generation
             if not job.ended and job.gen.done:
                 job.end()
+
+
+def _sample(job) -> None:
+    """The job's next token; a speculative generation hands out every verified token at
+    once (the kept drafts are in the cache already: nothing to evaluate in between)."""
+    job.sample()
+    skip_cached = getattr(job.gen, "skip_cached", None)
+    while skip_cached is not None and not job.ended and skip_cached():
+        job.sample()
 
 
 def _guard(job, fn) -> None:

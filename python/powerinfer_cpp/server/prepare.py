@@ -146,14 +146,15 @@ class PromptPreparer:
         except (ValueError, TypeError, UnicodeError) as e:
             raise APIError(400, f"the {param} cannot be tokenized: {e}", param=param) from None
 
-    async def render(self, messages: list[dict]) -> str:
-        """The chat template's text for messages, from a worker process."""
+    async def render(self, messages: list[dict], tools: list | None = None) -> str:
+        """The chat template's text for messages (and the `tools` variable, when given),
+        from a worker process."""
         from ..chat import ChatTemplateError, ChatTemplateLimitError
 
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.render_pool, self.runner.render, messages,
-                                              True)
+                                              True, tools)
         except ChatTemplateLimitError as e:
             if e.limit == "output size":  # the cap is what the context can hold
                 raise APIError(400, f"This model's maximum context length is {self.n_ctx} "

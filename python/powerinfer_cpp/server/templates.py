@@ -185,10 +185,15 @@ class TemplateRunner:
         with self._lock:
             self._all.discard(worker)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text (messages already normalized: plain dicts of strings)."""
-        return self.call({"op": "render", "messages": messages,
-                          "add_generation_prompt": bool(add_generation_prompt)})["text"]
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list | None = None) -> str:
+        """The prompt text (messages already normalized: plain dicts of strings); `tools`
+        is the template's variable of that name (a native tool format's tools)."""
+        req = {"op": "render", "messages": messages,
+               "add_generation_prompt": bool(add_generation_prompt)}
+        if tools is not None:
+            req["tools"] = tools
+        return self.call(req)["text"]
 
     def trial(self) -> list[str]:
         """Render a one-message chat and work out the stop strings, as every request will
@@ -258,10 +263,11 @@ def _serve(inp, out) -> None:
                                 max_chars=max_chars)
                 reply = {"stops": template.stop_strings()}
             else:
+                extra = {"tools": req["tools"]} if "tools" in req else {}
                 reply = {"text": template.render(req["messages"],
                                                  add_generation_prompt=req[
                                                      "add_generation_prompt"],
-                                                 max_chars=max_chars)}
+                                                 max_chars=max_chars, **extra)}
         except ChatTemplateLimitError as e:
             reply = {"error": str(e), "limit": e.limit}
         except TemplateCompileError as e:

@@ -536,6 +536,8 @@ def test_cheaper_drafts_greedy_is_dense_greedy(files, name, draft, draft_max):
     assert sp["drafted"] > 0 and sp["accepted"] <= sp["drafted"]
     if "skip" in draft:  # a shallower draft goes wrong somewhere: rejections ran too
         assert sp["accepted"] < sp["drafted"]
+    if draft.startswith("lookup"):  # the model repeats itself within 240 tokens
+        assert sp["accepted"] > 0
     assert sp["draft"].startswith("lookup" if draft.startswith("lookup") else "self (")
 
 

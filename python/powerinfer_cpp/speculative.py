@@ -693,7 +693,7 @@ class SpeculativeGeneration(Generation):
             self._round = {"n": n, "k": k, "t_n": self.next_token, "drafts": [], "qs": [],
                            "t0": time.perf_counter()}
             if self.drafter.passless:  # lookup: the drafts at once, then the verification
-                seq = self.prompt_ids + self.result.tokens + [self.next_token]
+                seq = self.prompt_ids + self.result.tokens  # ends with next_token
                 self._round["drafts"], self._round["qs"] = self.drafter.drafts(self, seq, k)
                 return self._verify_part()
         r = self._round

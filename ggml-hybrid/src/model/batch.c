@@ -70,6 +70,11 @@ static gh_status check_claimed(gh_context * const * ctxs, int32_t n, const int32
             return gh_fail(GH_ERR_RANGE, "context full: context %d holds %d tokens of n_ctx = %d, "
                            "no room for its %d more", i, c->n_past, c->n_ctx, k);
         }
+        if (n > 1 && (c->head_rows_on || c->n_skip)) {
+            return gh_fail(GH_ERR_UNSUPPORTED, "gh_eval_batch: context %d drafts (head rows %d, "
+                           "layers skipped %d); a drafting context runs alone (gh_eval)", i,
+                           gh_context_get_head_rows(c), c->n_skip);
+        }
         /* the pass runs one FFN for every row (in a sparse mode each row selecting its own
          * neurons): each context must evaluate its tokens as it would alone, as context 0 */
         const gh_context * c0 = ctxs[0];

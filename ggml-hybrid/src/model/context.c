@@ -58,6 +58,10 @@ void gh_context_free(gh_context * c) {
     gh_aligned_free(c->hb2);
     gh_aligned_free(c->mm_scratch);
     gh_aligned_free(c->logits);
+    gh_aligned_free((void *) c->head_w.data);
+    free(c->head_ids);
+    free(c->head_tmp);
+    free(c->skip);
     free(c);
     gh_model_free(m); /* the context's reference */
 }
@@ -481,6 +485,108 @@ gh_status gh_context_set_sparse_batch(gh_context * c, int32_t n_max) {
 
 int32_t gh_context_get_sparse_batch(const gh_context * c) {
     return c ? c->sparse_batch : 0;
+}
+
+/* ------------------------------------------------------------------ drafting -- */
+
+static gh_status set_head_rows(gh_context * c, const int32_t * ids, int32_t n) {
+    const gh_weight * w = &c->model->output;
+    const int32_t nv = c->model->hp.n_vocab;
+    if (n < 0 || n > nv) {
+        return gh_fail(GH_ERR_INVALID_ARG, "head rows: n = %d outside [0, n_vocab = %d]", n, nv);
+    }
+    if (n > 0 && !ids) return gh_fail(GH_ERR_INVALID_ARG, "head rows: ids is NULL with n = %d", n);
+    if (n == 0) {
+        c->head_rows_on = false;
+        return GH_OK;
+    }
+    if (n == c->n_head_ids && memcmp(ids, c->head_ids, (size_t) n * sizeof *ids) == 0) {
+        c->head_rows_on = true; /* the rows copied last time */
+        return GH_OK;
+    }
+    uint8_t * seen = calloc((size_t) nv, 1);
+    if (!seen) return gh_fail(GH_ERR_OOM, "out of memory for the head rows' check");
+    for (int32_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= nv) {
+            free(seen);
+            return gh_fail(GH_ERR_RANGE, "head rows: id %d at index %d is outside the vocabulary "
+                           "[0, %d)", ids[i], i, nv);
+        }
+        if (seen[ids[i]]++) {
+            free(seen);
+            return gh_fail(GH_ERR_INVALID_ARG, "head rows: id %d is given twice (index %d)",
+                           ids[i], i);
+        }
+    }
+    free(seen);
+    int32_t * nid = malloc((size_t) n * sizeof *nid);
+    float * tmp = malloc((size_t) n * sizeof *tmp);
+    char * rows = gh_aligned_alloc((size_t) n * w->row_bytes);
+    if (!nid || !tmp || !rows) {
+        free(nid);
+        free(tmp);
+        gh_aligned_free(rows);
+        return gh_fail(GH_ERR_OOM, "out of memory for %d head rows", n);
+    }
+    for (int32_t i = 0; i < n; i++) {
+        nid[i] = ids[i];
+        memcpy(rows + (size_t) i * w->row_bytes,
+               (const char *) w->data + (size_t) ids[i] * w->row_bytes, w->row_bytes);
+    }
+    gh_aligned_free((void *) c->head_w.data);
+    free(c->head_ids);
+    free(c->head_tmp);
+    c->head_ids = nid;
+    c->head_tmp = tmp;
+    c->n_head_ids = n;
+    c->head_rows_on = true;
+    c->head_w = (gh_weight) { .type = w->type, .rows = n, .cols = w->cols, .data = rows,
+                              .row_bytes = w->row_bytes };
+    return GH_OK;
+}
+
+gh_status gh_context_set_head_rows(gh_context * c, const int32_t * ids, int32_t n) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    gh_status st = gh_ctx_enter(c, "gh_context_set_head_rows");
+    if (st) return st;
+    st = set_head_rows(c, ids, n);
+    gh_ctx_leave(c);
+    return st;
+}
+
+int32_t gh_context_get_head_rows(const gh_context * c) {
+    return c && c->head_rows_on ? c->n_head_ids : 0;
+}
+
+gh_status gh_context_set_layer_skip(gh_context * c, const uint8_t * skip, int32_t n) {
+    if (!c) return gh_fail(GH_ERR_INVALID_ARG, "context is NULL");
+    const int32_t nl = c->model->hp.n_layer;
+    if (skip && n != nl) {
+        return gh_fail(GH_ERR_INVALID_ARG, "layer skip: %d flags given for a model of %d layers",
+                       n, nl);
+    }
+    uint8_t * s = NULL;
+    int32_t k = 0;
+    for (int32_t i = 0; skip && i < nl; i++) k += skip[i] != 0;
+    if (k) {
+        s = malloc((size_t) nl);
+        if (!s) return gh_fail(GH_ERR_OOM, "out of memory for the layer skip flags");
+        for (int32_t i = 0; i < nl; i++) s[i] = skip[i] != 0;
+    }
+    gh_status st = gh_ctx_enter(c, "gh_context_set_layer_skip");
+    if (st) {
+        free(s);
+        return st;
+    }
+    free(c->skip);
+    c->skip = s;
+    c->n_skip = k;
+    gh_ctx_leave(c);
+    return GH_OK;
+}
+
+int32_t gh_context_get_layer_skip(const gh_context * c) {
+    return c ? c->n_skip : 0;
 }
 
 gh_status gh_context_set_input_sparse(gh_context * c, int32_t on) {

@@ -321,6 +321,7 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
     gh_tap_mark(&c->tap); /* embedding the tokens is no stage's */
     for (int il = 0; il < hp->n_layer; il++) {
         const gh_layer * L = &m->layers[il];
+        if (c->skip && c->skip[il]) continue; /* a draft's skipped layer: x passes through */
         sublayer_input(hp, L->attn_norm, L->attn_norm_b, c->x, n, c->xb);
         /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
          * norm1(x) when there is no second norm) and add the attention's output after the
@@ -372,6 +373,28 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
         norm_rows(hp, m->output_norm, m->output_norm_b, c->x + (int64_t) t0 * d, nt, c->xb);
     }
     float * logits = c->logits + (size_t) row0 * hp->n_vocab;
+    if (c->head_rows_on) {
+        /* a draft's head: its rows' logits (computed into the front of each logits row),
+         * scattered to their ids, every other logit -inf */
+        const int32_t k = c->n_head_ids;
+        gh_matmul(c->tp, &c->head_w, c->xb, nt, logits, hp->n_vocab, c->mm_scratch);
+        for (int32_t t = 0; t < nt; t++) {
+            float * row = logits + (size_t) t * hp->n_vocab;
+            memcpy(c->head_tmp, row, (size_t) k * sizeof(float));
+            for (int32_t v = 0; v < hp->n_vocab; v++) row[v] = -INFINITY;
+            for (int32_t i = 0; i < k; i++) row[c->head_ids[i]] = c->head_tmp[i];
+        }
+        if (hp->final_softcap > 0) {
+            for (int32_t t = 0; t < nt; t++) {
+                float * row = logits + (size_t) t * hp->n_vocab;
+                for (int32_t i = 0; i < k; i++) {
+                    gh_softcap(row + c->head_ids[i], 1, hp->final_softcap);
+                }
+            }
+        }
+        gh_tap_bytes(&c->tap, GH_STAGE_OTHER, (double) k * (double) c->head_w.row_bytes);
+        return;
+    }
     const bool dev_head = m->hy && m->hy->head;
     const proj_site head = {
         .k = 1, .w = { &m->output }, .dev = { dev_head ? &m->hy->output : NULL },

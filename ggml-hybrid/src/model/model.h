@@ -146,6 +146,19 @@ struct gh_context {
     int32_t         ffn_mode;
     int32_t         sparse_batch;
     struct gh_ffn_state * ffn;
+    /* drafting (gh_context_set_head_rows, _layer_skip): the head's kept rows (head_ids
+     * [n_head_ids], their weight rows copied into head_w's compact matrix), in use while
+     * head_rows_on (kept when the full head is restored, so that a drafter switching back
+     * and forth with the same ids copies nothing), one row's logits while they are
+     * scattered (head_tmp [n_head_ids]), and the layers skipped (skip [n_layer], NULL:
+     * none; n_skip of them) */
+    bool            head_rows_on;
+    int32_t         n_head_ids;
+    int32_t *       head_ids;
+    gh_weight       head_w;
+    float *         head_tmp;
+    uint8_t *       skip;
+    int32_t         n_skip;
     /* statistics since the last reset (core/stats.h; gh_context_get_stats), and the one
      * observation hook they and the profiler hang on (core/tap.h) */
     gh_stats        stats;

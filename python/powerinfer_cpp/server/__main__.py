@@ -6,6 +6,17 @@ import argparse
 import sys
 
 
+def _draft_kind(text: str) -> str:
+    """--draft's value: self, self:OPTIONS, lookup or lookup:N (checked as the API checks
+    them)."""
+    from .. import speculative
+
+    if speculative.as_lookup_draft(text) is None and speculative.as_self_draft(text) is None:
+        raise argparse.ArgumentTypeError(f"--draft takes self, self:OPTIONS, lookup or lookup:N, "
+                                         f"not {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (names follow llama.cpp's llama-server where they overlap)."""
     p = argparse.ArgumentParser(
@@ -58,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", choices=["auto", "dense", "sparse", "oracle", "gate"], default="auto",
                    help="FFN mode (default auto: the file's sparse mode: sparse with "
                         "predictors, gate with gate thresholds)")
-    p.add_argument("--draft", metavar="self", default=None, choices=["self"],
-                   help="speculative decoding of every request: the file's sparse mode drafts, "
-                        "the dense model verifies (the dense model's output)")
+    p.add_argument("--draft", metavar="self|lookup", default=None, type=_draft_kind,
+                   help="speculative decoding of every request, verified by the dense model "
+                        "(its output): 'self' (or self:ffn=M,vocab=N,skip=A-B) drafts with the "
+                        "file's own cheaper forms, 'lookup' (or lookup:N) with the context's "
+                        "earlier n-grams")
     p.add_argument("-md", "--model-draft", metavar="FILE", default=None,
                    help="speculative decoding with a draft model of the same vocabulary")
     p.add_argument("--draft-max", type=int, default=None,

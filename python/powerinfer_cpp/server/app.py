@@ -292,9 +292,12 @@ class Server:
         from .. import speculative
 
         try:
-            if s.draft == "self":
-                speculative.self_draft_mode(self.model)
-                return "self"
+            if speculative.as_lookup_draft(s.draft) is not None:
+                return s.draft
+            sd = speculative.as_self_draft(s.draft)
+            if sd is not None:
+                speculative.check_self_draft(self.model, sd)
+                return s.draft
             return speculative.load_draft_model(self.model, s.draft)
         except BaseException:
             self.model.close()

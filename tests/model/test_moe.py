@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from conftest import SHIPPED_DIR  # noqa: E402
 from gguf import GGUFValueType as VT  # noqa: E402
 from gguf_rewrite import rewrite_gguf  # noqa: E402
 from hf_models import VARIANTS, hf_reference_model, make_hf_model  # noqa: E402
@@ -196,15 +197,13 @@ def test_cli_converts_moe_dense_by_default(case, tmp_path, capsys):
     """The CLI's default for a SwiGLU model is a gate-sparse file; for a mixture of SwiGLU
     experts, whose thresholds need a level, a dense one; --sparsity S gives the sparse
     experts' file (gate mode), refused by name for gpt-oss's clamped SwiGLU."""
-    from pathlib import Path
-
     from powerinfer_cpp.convert.cli import main
 
     out = tmp_path / "cli.gguf"
     assert main([str(case["hf"]), "-o", str(out), "--outtype", "f32", "-q"]) == 0
     with Model(out) as m:
         assert m.info.n_expert > 0 and m.context.ffn_mode == "dense"
-    calib = str(Path(__file__).resolve().parent.parent / "models" / "tiny-relu-kjv" / "heldout.txt")
+    calib = str(SHIPPED_DIR / "heldout.txt")
     args = [str(case["hf"]), "-o", str(tmp_path / "s.gguf"), "--outtype", "f32", "--sparsity", "0.5",
             "--calib", calib, "--calib-tokens", "200", "-q"]
     if case["variant"].startswith("gptoss"):

@@ -34,10 +34,13 @@ tokens become (non-special) added tokens, so they encode as single ids.
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import threading
 from typing import Any, Iterable, Sequence
+
+import numpy as np
 
 from . import format as F
 
@@ -109,8 +112,6 @@ _GGUF_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4"
 
 
 def _native_value(g, i: int, key: str) -> Any:
-    import numpy as np
-
     from ._native import check, ffi, lib
 
     vtype = lib.gh_gguf_kv_type(g, i)
@@ -412,7 +413,6 @@ def _added_ids(tok, special: bool) -> list[int]:
 
 
 def _guess_kind(tok) -> str | None:
-    import json
     try:
         j = json.loads(tok.to_str())
     except Exception:

@@ -778,8 +778,8 @@ class Llama:
             raise ValueError(f"Requested tokens ({len(ids)}) exceed context window of {n_ctx}")
         kw = A.stream_kwargs(max_tokens, len(ids), n_ctx, temperature=temperature, top_p=top_p,
                              min_p=min_p, top_k=top_k, repeat_penalty=repeat_penalty,
-                             seed=self._seed(seed), repeat_last_n=self._repeat_last_n,
-                             stop=stops)
+                             seed=seed, repeat_last_n=self._repeat_last_n, stop=stops)
+        kw["seed"] = self._seed(seed)  # after max_tokens' check: a refused call draws none
         if self._draft is not None and constraint is None:
             # speculative decoding: the same tokens, sooner (a grammar's matcher only moves
             # forward, so a constrained reply decodes plainly)

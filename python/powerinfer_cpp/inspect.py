@@ -23,6 +23,7 @@ import os
 import sys
 from collections import Counter
 
+import gguf
 import numpy as np
 
 from . import format as F
@@ -33,8 +34,6 @@ __all__ = ["describe", "plot_statistics", "served_curve", "main"]
 
 def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     """The report as text (raises ValueError / OSError on unreadable files)."""
-    import gguf
-
     from .place import read_fields
 
     path = os.fspath(path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+import gguf
 import numpy as np
 
 from .. import format as F
@@ -33,8 +34,6 @@ BLOCK = 64
 
 def patch_gate_thresholds(path: str, values: Sequence[float]) -> None:
     """Overwrite the gate thresholds of the GGUF file at path in place."""
-    import gguf
-
     r = gguf.GGUFReader(path, "r+")
     try:
         f = r.fields[F.KEY_SPARSE_GATE_THRESHOLD]
@@ -51,8 +50,6 @@ def decode_weight_bytes(path: str) -> dict:
     """Weight bytes a dense decoded token reads from the file at path, per stage: attention
     (the row-major q/k/v/o), ffn (gate, up, down or down_t), head (output, or the tied
     embedding)."""
-    import gguf
-
     r = gguf.GGUFReader(path)
     try:
         nb = {t.name: int(t.n_bytes) for t in r.tensors}

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from .. import format as F
 
@@ -275,8 +277,6 @@ class InputSources:
         return fit_rows(self._sources(site, layer)[0].qtype, out_len)[0]
 
     def _pair(self, site, layer, thr, wkind, tkind):
-        from gguf import GGMLQuantizationType as Q
-
         from ..gguf_write import TensorJob
         srcs = self._sources(site, layer)
         out_len = sum(int(j.shape[0]) for j in srcs)
@@ -310,7 +310,6 @@ class InputSources:
 
 def input_kv(cal: InputCalibration) -> list:
     """(key, value, GGUFValueType) of an input-sparse file."""
-    from gguf import GGUFValueType as V
     kv = [(F.KEY_INPUT_SPARSITY, float(cal.sparsity), V.FLOAT32),
           (F.KEY_INPUT_CRITERION, cal.criterion, V.STRING)]
     if cal.max_ppl_increase is not None:

@@ -23,6 +23,7 @@ file is removed whatever happens.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -32,7 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_write import (ConvertError, TensorJob, add_kv, decode_matrix, encode_matrix, storage_type,
@@ -226,7 +230,6 @@ def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
     near the threshold), Q8_0 for q8_0/q4_0 models (Q8_0 keeps recall within ~0.5% at the
     same threshold; Q4_0 halves the bytes but needs a lower threshold for the same recall,
     see docs/BENCHMARKS.md); F16 when a row cannot be block-quantized."""
-    from gguf import GGMLQuantizationType as Q
     if want is None:
         want = {"f32": "f32", "f16": "f16", "bf16": "f16"}.get(outtype, "q8_0")
     if want in ("f32", "f16"):
@@ -262,7 +265,6 @@ def resolve_calib(hf_dir: str, calib: str | None, why: str = "sparse conversion"
 
 def gpu_index_kv(pl: Placement, group_size: int, ctx: int) -> list[tuple[str, Any, Any]]:
     """(key, value, GGUFValueType) of the GPU index keys (format.GPU_KEYS)."""
-    from gguf import GGUFValueType as V
     return [
         (F.KEY_GPU_VRAM_BUDGET, int(pl.budget), V.UINT64),
         (F.KEY_GPU_GROUP_SIZE, int(group_size), V.UINT32),
@@ -286,8 +288,6 @@ def solve_from_tensors(tensors: dict, freq: list[np.ndarray], n_layer: int, n_em
 def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progress: bool = True,
                    say: Callable[[str], None] | None = None) -> tuple[str, SparseReport]:
     """Run the whole pipeline; returns (output path, report)."""
-    import gguf
-
     say = say or (lambda s: log.info("%s", s))
     outtype, jobs = dense.outtype, dense.jobs
     budget = opts.max_ppl_increase
@@ -440,7 +440,6 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
                 new_jobs += in_src.head_jobs(inputs)
 
             def setup(w):
-                from gguf import GGUFValueType as V
                 add_kv(w, dense.kv)
                 if gate_mode:
                     for k, v, ty in gate_kv:
@@ -611,7 +610,6 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
 
 def _gate_kv(rep: SparseReport, budget: float | None, opts: SparseOptions) -> list:
     """(key, value, GGUFValueType or None for an f32 array) of a gate-sparse file."""
-    from gguf import GGUFValueType as V
     kv = [(F.KEY_SPARSE_GATE_THRESHOLD, [float(t) for t in rep.gate_thresholds], None),
           (F.KEY_SPARSE_TARGET, float(rep.gate_sparsity or 0.0), V.FLOAT32),
           (F.KEY_SPARSE_LAYER_SPARSITY, [float(v) for v in rep.gate_layer_sparsity], None),
@@ -706,7 +704,6 @@ def _gate_final(dense: DenseModel, opts: SparseOptions, prof, gate_matrix, rep: 
 
 def index_jobs(layer: int, freq: np.ndarray, hot: np.ndarray, n_ff: int) -> list:
     """TensorJobs of ffn_freq, gpu_idx and (when n_hot > 0) gpu_bucket."""
-    from gguf import GGMLQuantizationType as Q
     idx = np.zeros(n_ff, np.int32)
     idx[hot] = 1
     out = [TensorJob(F.sparse_tensor_name(F.T_FFN_FREQ, layer), (n_ff,), Q.F32,
@@ -723,14 +720,12 @@ def _raw_job(name, shape, qtype, data):
 
 
 def _with_stored(p: LayerPredictor, stored) -> LayerPredictor:
-    import copy
     q = copy.copy(p)
     q.recall, q.precision, q.pred_density = stored
     return q
 
 
 def _strip(p: LayerPredictor) -> LayerPredictor:
-    import copy
     q = copy.copy(p)
     q.w1 = np.zeros((p.h, 0), np.float32)
     q.w2 = np.zeros((0, p.h), np.float32)

@@ -28,6 +28,7 @@ from gguf import GGUFValueType as V
 from . import format as F
 from .gguf_write import ConvertError, TensorJob, check_output_path, write_gguf
 from .sparse.pipeline import gpu_index_kv, index_jobs, solve_from_tensors
+from .sparse.experts import profile_experts, solve_experts
 from .sizes import format_size, parse_size
 from .sparse.placement import Placement
 
@@ -119,8 +120,6 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
     model file ``out_path``. The frequencies come from profiling the model over the text
     file ``profile`` (its first ``profile_tokens`` tokens), else from the file's stored
     ones. Returns the ExpertPlacement."""
-    from .sparse.experts import profile_experts, solve_experts
-
     path = os.fspath(path)
     side = out_path is None
     out_path = path + F.GPUIDX_SUFFIX if side else os.fspath(out_path)

@@ -41,6 +41,8 @@ import threading
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTok
 
 from . import format as F
 
@@ -155,8 +157,6 @@ _SPLIT_BEHAVIOR = {"Removed": "removed", "Isolated": "isolated", "MergedWithPrev
 def _pre_tokenizer(spec: dict):
     """The ``tokenizers`` pre-tokenizer of a tokenizer.json ``pre_tokenizer`` entry of
     format.TOKENIZER_PRE_TOKENIZERS (the node types those use)."""
-    from tokenizers import Regex, pre_tokenizers
-
     t = spec["type"]
     if t == "Sequence":
         return pre_tokenizers.Sequence([_pre_tokenizer(p) for p in spec["pretokenizers"]])
@@ -196,8 +196,6 @@ def pre_tokenizer_row(meta: dict[str, Any]) -> F.PreTokenizer:
 
 def build_tokenizer_from_ggml(meta: dict[str, Any]):
     """A ``tokenizers.Tokenizer`` equivalent to the ``tokenizer.ggml.*`` keys."""
-    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, normalizers
-
     kind = meta.get(F.KEY_TOKENIZER_MODEL)
     tokens = meta.get(F.KEY_TOKENIZER_TOKENS)
     if not tokens:
@@ -427,8 +425,6 @@ def tokenizer_from_metadata(meta: dict[str, Any], use_hf_json: bool = True) -> T
     """Build a Tokenizer from tokenizer.* key/values (see
     read_tokenizer_metadata). ``use_hf_json=False`` ignores a stored
     tokenizer.huggingface.json and rebuilds from tokenizer.ggml.*."""
-    from tokenizers import Tokenizer as HFTok
-
     hf_json = meta.get(F.KEY_TOKENIZER_HF_JSON) if use_hf_json else None
     if hf_json:
         try:

@@ -25,8 +25,10 @@ from typing import Callable, Sequence
 
 import gguf
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import format as F
+from .input_eval import patch_calibration
 
 #: Tokens per block of the loss's standard error.
 BLOCK = 64
@@ -93,7 +95,6 @@ class GateEvaluator:
         FFN, or self.ffn with the gate thresholds patched in (None: the file's) and, when
         inputs (an input_sparsity.InputCalibration) is given, input-sparse at its thresholds."""
         from ..model import Model
-        from .input_eval import patch_calibration
 
         if thresholds is not None:
             patch_gate_thresholds(self.path, thresholds)
@@ -174,7 +175,6 @@ def layer_costs(ev: GateEvaluator, ids: Sequence[int], n_layer: int, threshold: 
     costs = np.zeros((n_layer, len(grid)))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
         bar = tqdm(total=n_layer * len(grid), desc="layer sensitivity", unit="eval", dynamic_ncols=True)
     try:
         for l in range(n_layer):

@@ -37,6 +37,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+from tqdm.auto import tqdm
 
 from .. import format as F
 from ..gguf_write import (ConvertError, TensorJob, add_kv, decode_matrix, encode_matrix, storage_type,
@@ -663,7 +664,6 @@ def _budget_gate(ev, ids: list, gate_thr, budget: float, n_fit: int, rep: Sparse
         f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
     bar = None
     if progress:
-        from tqdm.auto import tqdm
         bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
 
     def ppl_at(s):

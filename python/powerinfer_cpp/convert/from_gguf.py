@@ -36,9 +36,9 @@ from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_read import is_pwri, open_gguf
-from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, decode_matrix, k_quant_types, quant_block,
-                          storage_type, write_gguf)
-from ..sparse.pipeline import DenseModel
+from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, check_output_path, decode_matrix,
+                          k_quant_types, quant_block, storage_type, write_gguf)
+from ..sparse.pipeline import DenseModel, SparseOptions, convert_sparse
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
@@ -230,9 +230,6 @@ def convert_from_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, p
     ``sparse=False`` (which needs an outtype: the input is dense already) write the
     re-quantized dense file. Returns the output path. ``dense`` is its DenseModel when the
     caller already built it (with the same outtype)."""
-    from ..gguf_write import check_output_path
-    from ..sparse.pipeline import SparseOptions, convert_sparse
-
     if not sparse and outtype is None:
         raise ConvertError("a GGUF input is dense already: without an outtype there is nothing to write "
                            "but a sparse file")

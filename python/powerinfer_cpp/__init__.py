@@ -1,5 +1,7 @@
 """powerinfer-cpp: fast local LLM inference that exploits activation sparsity."""
 
+import importlib
+
 __version__ = "0.1.0"
 
 # Imported lazily so that pure-Python tools (the converter) work without loading the
@@ -19,7 +21,5 @@ __all__ = [*_LAZY, "__version__"]
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'powerinfer_cpp' has no attribute '{name}'")

@@ -14,27 +14,35 @@ llama-cpp-python's default value (so code that spells the defaults out still run
 any other value raises `UnsupportedArgumentError` naming them. Names neither library
 knows raise TypeError. docs/API.md has the table.
 
-The response builders and the argument checks here are shared with the server
-(`powerinfer_cpp.server`), so both give the same dicts for the same request.
+The response shapes (protocol.py) and the generation arguments' reading (arguments.py) are
+the server's too (`powerinfer_cpp.server`), so both give the same dicts for the same request.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import sys
 import threading
 import time
-import uuid
 import warnings
 from collections import deque
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from . import arguments as A
+from . import embeddings as E
 from . import format as F
-from .chat import ChatTemplate, ChatTemplateError
+from . import speculative, structured
+from .chat import ChatTemplate, normalize_messages
+from .context import ContextState
+from .generation import Completion, Sampler
+from .model import Model, device_available
+from .protocol import chat_chunk, chat_response, completion_chunk, completion_response, \
+    embedding_response, new_id
+from .structured import LlamaGrammar
+from .tools import ToolPlan
 
 __all__ = ["Llama", "UnsupportedArgumentError", "UnsupportedFeatureError", "LLAMA_DEFAULT_SEED"]
 
@@ -102,8 +110,6 @@ def _draft_arg(model, draft_model, draft_max):
         if draft_max is not None:
             raise ValueError("Llama(): draft_max needs a draft_model ('self' or a GGUF file)")
         return None
-    from . import speculative
-
     if speculative.as_lookup_draft(draft_model) is not None:
         return draft_model
     sd = speculative.as_self_draft(draft_model)
@@ -112,8 +118,6 @@ def _draft_arg(model, draft_model, draft_max):
         return draft_model
     if isinstance(draft_model, (str, os.PathLike)):
         return speculative.load_draft_model(model, draft_model)
-    from .model import Model
-
     if isinstance(draft_model, Model):
         speculative.check_vocab(model, draft_model)
         return draft_model
@@ -143,164 +147,6 @@ def _same(a, b) -> bool:
         return bool(a == b)
     except Exception:
         return False
-
-
-def _stream_has(name: str) -> bool:
-    from .model import Context
-
-    return name in inspect.signature(Context.stream).parameters
-
-
-def make_logits_processor(eos_id: int, processors=None, logit_bias=None,
-                          stopping_criteria=None) -> Callable | None:
-    """One (input_ids, logits) -> logits callable from llama-cpp-python's hooks: a
-    logits_processor (a callable or a list of them, each given an np.intc array of the
-    ids so far and the float32 logits), logit_bias ({token id: bias}) and
-    stopping_criteria (callables (ids, logits) -> bool; true ends the reply, as "stop")."""
-    procs = _callables("logits_processor", processors)
-    crits = _callables("stopping_criteria", stopping_criteria)
-    bias = None
-    if logit_bias:
-        if not isinstance(logit_bias, dict):
-            raise TypeError("logit_bias must be a dict {token_id: bias}")
-        try:
-            bias = {int(k): float(v) for k, v in logit_bias.items()}
-        except (TypeError, ValueError):
-            raise TypeError("logit_bias must map token ids (int or numeric str) to numbers") \
-                from None
-    if not procs and not crits and not bias:
-        return None
-    if not _stream_has("logits_processor"):
-        raise UnsupportedArgumentError(
-            "logits_processor / logit_bias / stopping_criteria need Context.stream("
-            "logits_processor=...), which this build of powerinfer_cpp lacks")
-
-    def process(input_ids, logits):
-        ids = np.asarray(input_ids, dtype=np.intc)
-        for f in procs:
-            logits = f(ids, logits)
-        if bias:
-            logits = np.array(logits, dtype=np.float32, copy=True)
-            for k, v in bias.items():
-                if 0 <= k < logits.shape[-1]:
-                    logits[k] += v
-        if crits and any(bool(c(ids, logits)) for c in crits):
-            # End the reply the way the stream already knows: only EOS can be sampled.
-            logits = np.full_like(np.asarray(logits, dtype=np.float32), -1e30)
-            logits[eos_id] = 0.0
-        return logits
-
-    return process
-
-
-def _callables(name: str, value) -> list:
-    if value is None:
-        return []
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
-    for f in items:
-        if not callable(f):
-            raise TypeError(f"{name} must be a callable or a list of callables")
-    return items
-
-
-def resolve_max_tokens(max_tokens, n_prompt: int, n_ctx: int) -> int:
-    """max_tokens as llama-cpp-python reads it: None or <= 0 = up to the context."""
-    if max_tokens is None:
-        return max(n_ctx - n_prompt, 0)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
-        raise TypeError(f"max_tokens must be an integer or None, got {max_tokens!r}")
-    return int(max_tokens) if max_tokens > 0 else max(n_ctx - n_prompt, 0)
-
-
-def stop_list(stop) -> list[str]:
-    """stop as a list of strings (None, a string, or a list of strings)."""
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise TypeError("stop must be a string or a list of strings")
-    return [s for s in stop if s]
-
-
-# -- OpenAI-shaped responses --------------------------------------------------------
-
-
-def usage(result) -> dict:
-    """The usage block of a finished Completion (cached prompt tokens in the details)."""
-    p, c = result.n_prompt_tokens, len(result.tokens)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": getattr(result, "n_cached_tokens", 0)}}
-
-
-def completion_response(cid: str, created: int, model: str, text: str, finish_reason: str,
-                        result) -> dict:
-    """A text_completion dict."""
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage(result)}
-
-
-def completion_chunk(cid: str, created: int, model: str, text: str,
-                     finish_reason: str | None = None) -> dict:
-    """One streamed text_completion chunk."""
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"text": text, "index": 0, "logprobs": None,
-                         "finish_reason": finish_reason}]}
-
-
-def chat_response(cid: str, created: int, model: str, text: str, finish_reason: str,
-                  result) -> dict:
-    """A chat.completion dict."""
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(result)}
-
-
-def chat_chunk(cid: str, created: int, model: str, delta: dict,
-               finish_reason: str | None = None) -> dict:
-    """One streamed chat.completion.chunk."""
-    return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": finish_reason}]}
-
-
-def embedding_response(vectors, model: str, n_tokens: int, encoding_format: str = "float") -> dict:
-    """An embeddings list: one entry per input vector, as floats or (encoding_format
-    "base64") the base64 of its little-endian float32 bytes, as OpenAI sends them."""
-    import base64
-
-    def enc(v):
-        if encoding_format == "base64":
-            return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
-        return np.asarray(v, dtype=np.float32).tolist()
-
-    return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": enc(v)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
-
-
-def chain_processors(*procs) -> Callable | None:
-    """One (input_ids, logits) -> logits callable running the given ones (None skipped) in
-    order."""
-    procs = [p for p in procs if p is not None]
-    if len(procs) <= 1:
-        return procs[0] if procs else None
-
-    def run(ids, logits):
-        for p in procs:
-            logits = p(ids, logits)
-        return logits
-
-    return run
-
-
-def new_id(kind: str) -> str:
-    """A response id ("cmpl-..." / "chatcmpl-...")."""
-    return f"{kind}-{uuid.uuid4().hex}"
 
 
 class _OwnerLock:
@@ -349,8 +195,6 @@ class Llama:
                  draft_max: int | None = None, n_cpu_moe: int = 0,
                  expert_cache: int | str | None = None, **kwargs):
         check_unsupported("Llama()", kwargs, _INIT_UNSUPPORTED)
-        from .model import Model, device_available
-
         # what __getstate__ pickles: a Llama is rebuilt from its arguments, as in llama-cpp-python
         self._init_args = dict(
             model_path=model_path, n_gpu_layers=n_gpu_layers, seed=seed, n_ctx=n_ctx,
@@ -591,10 +435,10 @@ class Llama:
             _not_supported("sample", "idx other than the last token (only its logits are kept)")
         if self._last_logits is None:
             raise RuntimeError("Llama.sample(): call eval() first (there are no logits yet)")
-        proc = make_logits_processor(self.token_eos(), logits_processor)
+        proc = A.make_logits_processor(self.token_eos(), logits_processor)
         sampler = self._sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
         history = self.input_ids.tolist()
-        for t in history[-self._repeat_last_n:] if self._repeat_last_n > 0 else []:
+        for t in A.repeat_window(history, self._repeat_last_n):
             sampler.accept(t)
         logits = self._last_logits
         if proc is not None:
@@ -622,8 +466,8 @@ class Llama:
         ids = [int(t) for t in tokens]
         if not ids:
             raise ValueError("Llama.generate(): tokens is empty")
-        proc = make_logits_processor(self.token_eos(), logits_processor)
-        crits = _callables("stopping_criteria", stopping_criteria)
+        proc = A.make_logits_processor(self.token_eos(), logits_processor)
+        crits = A.callables("stopping_criteria", stopping_criteria)
         sampler = self._sampler(temp, top_k, top_p, min_p, repeat_penalty, seed)
         return self._generate(ids, bool(reset), sampler, proc, crits)
 
@@ -634,7 +478,7 @@ class Llama:
             self._call(lambda: self._ctx.reset(keep))
             ids = ids[keep:]
         history = self.input_ids.tolist()
-        for t in history[-self._repeat_last_n:] if self._repeat_last_n > 0 else []:
+        for t in A.repeat_window(history, self._repeat_last_n):
             sampler.accept(t)
         while True:
             if self.n_tokens + len(ids) > self.n_ctx():
@@ -653,14 +497,14 @@ class Llama:
             more = yield token
             ids = [token] + [int(t) for t in (more or ())]
 
-    def _sampler(self, temp, top_k, top_p, min_p, repeat_penalty, seed):
-        from .model import Sampler
+    def _seed(self, seed) -> int:
+        """A call's seed: its own, or (None, -1) the next of the Llama's seed generator."""
+        return self._seed_rng.getrandbits(64) if seed is None or seed == -1 else seed
 
-        if seed is None or seed == -1:
-            seed = self._seed_rng.getrandbits(64)
+    def _sampler(self, temp, top_k, top_p, min_p, repeat_penalty, seed):
         return Sampler(self.n_vocab(), temperature=temp, top_k=top_k, top_p=top_p,
                        min_p=min_p, repeat_penalty=repeat_penalty,
-                       repeat_last_n=self._repeat_last_n, seed=seed)
+                       repeat_last_n=self._repeat_last_n, seed=self._seed(seed))
 
     # -- embeddings (embeddings.py) ------------------------------------------------------
 
@@ -680,8 +524,6 @@ class Llama:
         unless normalize=False (llama-cpp-python's default is False; OpenAI and llama-server
         normalise). An input longer than the context is cut to it with truncate, else
         raises ValueError. With return_count, (embeddings, total tokens)."""
-        from . import embeddings as E
-
         m = self._live()
         pooling = self._pooling()
         items, single = E.inputs_list(input)
@@ -731,8 +573,6 @@ class Llama:
         cache. A state of another model, cache type or a context too small for it, or a
         corrupt one, raises (ValueError or NativeError naming the problem) and changes
         nothing."""
-        from .model import ContextState
-
         if not isinstance(state, LlamaState):
             raise TypeError(f"load_state() takes the LlamaState of save_state(), not "
                             f"{type(state).__name__}")
@@ -832,7 +672,7 @@ class Llama:
             ids = [int(t) for t in prompt]
             prompt_text = m.detokenize(ids)
         gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
-                            stop_list(stop), seed, stopping_criteria, logits_processor,
+                            A.stop_list(stop), seed, stopping_criteria, logits_processor,
                             logit_bias, constraint)
         cid, created, name = new_id("cmpl"), int(time.time()), model or self.model_path
         head = prompt_text if echo else ""
@@ -877,10 +717,6 @@ class Llama:
         check_unsupported("create_chat_completion()", kwargs, _CHAT_UNSUPPORTED)
         plan = None
         if tools:
-            from .chat import normalize_messages
-            from .structured import LlamaGrammar
-            from .tools import ToolPlan
-
             plan = ToolPlan(tools, tool_choice, parallel_tool_calls,
                             template_source=self.chat_template.source)
             messages = plan.messages(normalize_messages(messages))
@@ -897,7 +733,7 @@ class Llama:
         prompt = tmpl.render(messages, add_generation_prompt=True,
                              **(plan.template_vars() if plan is not None else {}))
         ids = tmpl.tokenize(self._live(), prompt)
-        stops = stop_list(stop)
+        stops = A.stop_list(stop)
         stops += [s for s in tmpl.stop_strings() if s not in stops]
         gen = self._prepare(ids, max_tokens, temperature, top_p, min_p, top_k, repeat_penalty,
                             stops, seed, None, logits_processor, logit_bias, constraint)
@@ -929,8 +765,6 @@ class Llama:
     def _constraint(self, grammar=None, response_format=None):
         """The compiled grammar a call asks for (None: none); GrammarError (a ValueError)
         naming what is wrong with it."""
-        from . import structured
-
         rf = structured.grammar_for_response_format(response_format)
         g = structured.grammar_arg(grammar)
         if rf is not None and g is not None:
@@ -947,20 +781,18 @@ class Llama:
         n_ctx = self._ctx.n_ctx
         if len(ids) >= n_ctx:
             raise ValueError(f"Requested tokens ({len(ids)}) exceed context window of {n_ctx}")
-        n = resolve_max_tokens(max_tokens, len(ids), n_ctx)
-        if seed is None or seed == -1:
-            seed = self._seed_rng.getrandbits(64)
-        kw = dict(max_tokens=n, temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k,
-                  repeat_penalty=repeat_penalty, repeat_last_n=self._repeat_last_n,
-                  stop=stops, seed=seed)
+        kw = A.stream_kwargs(max_tokens, len(ids), n_ctx, temperature=temperature, top_p=top_p,
+                             min_p=min_p, top_k=top_k, repeat_penalty=repeat_penalty,
+                             seed=seed, repeat_last_n=self._repeat_last_n, stop=stops)
+        kw["seed"] = self._seed(seed)  # after max_tokens' check: a refused call draws none
         if self._draft is not None and constraint is None:
             # speculative decoding: the same tokens, sooner (a grammar's matcher only moves
             # forward, so a constrained reply decodes plainly)
             kw.update(draft=self._draft, draft_max=self._draft_max)
-        proc = make_logits_processor(self._model.eos_id, logits_processor, logit_bias,
-                                     stopping_criteria)
+        proc = A.make_logits_processor(self._model.eos_id, logits_processor, logit_bias,
+                                       stopping_criteria)
         if constraint is not None:
-            proc = chain_processors(constraint.processor(), proc)
+            proc = A.chain_processors(constraint.processor(), proc)
         if proc is not None:
             kw["logits_processor"] = proc
         self._last_logits = None  # the completion changes the cache: sample() needs an eval()
@@ -975,8 +807,6 @@ class Llama:
             self._lock.release()
 
     def _run(self, gen) -> tuple[str, Any]:
-        from .model import Completion
-
         ids, kw = gen
 
         def work():
@@ -990,8 +820,6 @@ class Llama:
         return result.text, result
 
     def _stream_chunks(self, gen, make_chunk, first: list[dict]) -> Iterator[dict]:
-        from .model import Completion
-
         ids, kw = gen
         # Arguments are checked now (ctx.stream checks eagerly), the lock taken at the first
         # next(): llama-cpp-python's streams also do nothing until iterated.

@@ -20,6 +20,9 @@ import json
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Sequence
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 __all__ = ["ChatTemplateError", "ChatTemplateLimitError", "ChatTemplate", "normalize_messages"]
 
 
@@ -77,8 +80,6 @@ def _result_size(op: str, left, right) -> int:
 
 
 def _environment():
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class Env(ImmutableSandboxedEnvironment):
         # Intercepted: checked in call_binop before they run (and never folded at compile
         # time, where the server would compute them itself).
@@ -98,8 +99,6 @@ def _environment():
 @functools.lru_cache(maxsize=32)
 def _compile(source: str):
     """The compiled template (cached: a server renders the same template per request)."""
-    import jinja2
-
     env = _environment()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -192,8 +191,6 @@ class ChatTemplate:
         """The prompt text for ``messages`` (``extra`` become template variables, e.g.
         ``tools`` or ``date_string``). ``max_chars``: stop as soon as the output grows
         past it (ChatTemplateLimitError) instead of building all of it."""
-        import jinja2
-
         msgs = normalize_messages(list(messages) if not isinstance(messages, Sequence)
                                   else messages)
         variables = {**self.tokens, **extra, "messages": msgs,

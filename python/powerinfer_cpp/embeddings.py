@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from . import format as F
+from ._native import NativeError, check, ffi, lib
 
 POOLINGS = ("mean", "last", "cls", "none")
 # a file's pooling_type value -> our name (rank, 4, is a reranker's head: refused)
@@ -38,8 +39,6 @@ class EmbeddingError(ValueError):
 def file_pooling(path: str | os.PathLike, arch: str) -> str | None:
     """The pooling the GGUF file names (`{arch}.pooling_type`), None when it names none;
     EmbeddingError for a value this runtime does not pool by."""
-    from ._native import NativeError, check, ffi, lib
-
     out = ffi.new("gh_gguf **")
     check(lib.gh_gguf_open(os.fspath(path).encode(), out))
     g = out[0]

@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from . import default_model
+from .chat import ChatTemplate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -486,7 +487,6 @@ def _chat(args, model, first: str | None) -> int:
     template; the context keeps its cache, so only the tokens after the common prefix
     (the new message) are evaluated."""
     draft, draft_max = _draft_args(args)
-    from .chat import ChatTemplate
     from .model import Completion
 
     template = None

@@ -6,7 +6,9 @@ PowerInfer writes ordinary GGUF v3 files whose magic is patched to ``PWRI``; the
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 
 import numpy as np
 
@@ -69,9 +71,6 @@ def read_header(path: str | os.PathLike) -> Header:
     (the gguf package's reader builds a numpy view per vocabulary string: ~10 s on a 49k
     vocabulary against a 1.4 s load of the same file). Every length is checked against the
     file; a malformed header is a ValueError saying where."""
-    import mmap
-    import struct
-
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 24:

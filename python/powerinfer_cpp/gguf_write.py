@@ -15,7 +15,13 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
+from tqdm import tqdm
 
 from . import format as F
 from .scratch import remove_stale, scratch_file
@@ -40,7 +46,6 @@ class TensorJob:
 
     def nbytes(self) -> int:
         """Bytes of the encoded tensor."""
-        from gguf import GGML_QUANT_SIZES
         bs, ts = GGML_QUANT_SIZES[self.qtype]
         n = int(np.prod(self.shape))
         return n // bs * ts
@@ -87,7 +92,6 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     ``mix`` says the model's layer count, whether the head is tied, ...). Block-quantized rows
     need a length divisible by the block size (32; K-quants and IQ4_XS 256): other rows fall
     back as llama.cpp's quantizer does (fit_rows)."""
-    from gguf import GGMLQuantizationType as Q
     if len(shape) == 1 or kind in F.F32_KINDS or suffix == "bias":
         return Q.F32, ""
     t = Q[_OUTTYPE_TYPE[outtype]]
@@ -114,7 +118,6 @@ def _mix_type(kind: str, layer: int | None, base, mix: QuantMix):
     (Q6_K in the first sixteenth of the layers, Q5_K where use_more_bits); a 70B LLaMA's
     (80 layers, grouped-query attention) other attn_v Q5_K in Q4_K_M; all else ``base``.
     Q2_K / Q3_K_M (``base`` Q2_K / Q3_K): _low_mix_type."""
-    from gguf import GGMLQuantizationType as Q
     if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and mix.tied):
         return Q.Q8_0 if mix.arch == F.ARCH_FALCON else Q.Q6_K
     if layer is None:
@@ -146,7 +149,6 @@ def _low_mix_type(kind: str, layer: int, base, mix: QuantMix):
     Falcon's Q3_K outside the use_more_bits layers (Q3_K_M); attn_output one step up, Q3_K
     / Q4_K, except Falcon's; all else ``base``. (llama.cpp's rule before it counted
     attn_qkv as an attn_v, as the Q4_K_M / Q5_K_M rule above.)"""
-    from gguf import GGMLQuantizationType as Q
     falcon = mix.arch == F.ARCH_FALCON
     if kind == F.T_ATTN_V:
         if base == Q.Q2_K:
@@ -171,8 +173,6 @@ def low_bit_fallback():
     """What llama.cpp stores a Q2_K / Q3_K matrix as when its rows are not whole 256-blocks:
     IQ4_NL (32-value blocks, 4.5 bits), when this runtime reads it (its type table has a
     row: gh_type_row_size is not 0); else Q5_0, the 32-value type of Q4_K's fallback."""
-    from gguf import GGMLQuantizationType as Q
-
     from ._native import lib
     return Q.IQ4_NL if lib.gh_type_row_size(int(Q.IQ4_NL), F.QUANT_BLOCK) != 0 else Q.Q5_0
 
@@ -183,7 +183,6 @@ def _iq4_mix_type(kind: str, layer: int | None, base, mix: QuantMix):
     tied embedding too) Q6_K, Falcon's Q8_0; attn_v Q5_K where n_head / n_head_kv >= 4;
     ffn_down Q5_K in the first eighth of the layers; all else ``base`` (an untied token
     embedding too)."""
-    from gguf import GGMLQuantizationType as Q
     if kind == F.T_OUTPUT or (kind == F.T_TOKEN_EMBD and mix.tied):
         return Q.Q8_0 if mix.arch == F.ARCH_FALCON else Q.Q6_K
     if layer is None:
@@ -199,7 +198,6 @@ def fit_rows(t, row_len: int):
     """(type, note): ``t`` if rows of ``row_len`` are whole blocks of it, else the fallback:
     llama.cpp's for a K-quant (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0: 32-value blocks of
     about the same bits; Q2_K, Q3_K -> low_bit_fallback()) and IQ4_XS (-> IQ4_NL), then F16."""
-    from gguf import GGMLQuantizationType as Q
     if t in (Q.F32, Q.F16, Q.BF16):
         return t, ""
     block = quant_block(t)
@@ -215,26 +213,22 @@ def fit_rows(t, row_len: int):
 def k_quant_types():
     """The K-quant types: gguf.quants dequantizes them but cannot quantize them, so the
     runtime's reference quantizer (gh_quantize_row) encodes them."""
-    from gguf import GGMLQuantizationType as Q
     return (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K)
 
 
 def native_quant_types():
     """The types gguf.quants dequantizes but cannot quantize (the K-quants, IQ4_NL, IQ4_XS):
     the runtime's reference quantizer (gh_quantize_row) encodes them."""
-    from gguf import GGMLQuantizationType as Q
     return (*k_quant_types(), Q.IQ4_NL, Q.IQ4_XS)
 
 
 def quant_block(qtype) -> int:
     """Elements per block of a block-quantized type (32, or 256 for the K-quants and IQ4_XS)."""
-    from gguf.constants import GGML_QUANT_SIZES
     return GGML_QUANT_SIZES[qtype][0]
 
 
 def quantize(a: np.ndarray, qtype) -> np.ndarray:
     """a (float32, rows whole blocks) as qtype's blocks: uint8 [..., row bytes]."""
-    from gguf.quants import quantize as gguf_quantize
     if qtype not in native_quant_types():
         return gguf_quantize(a, qtype)
     from ._native import check, ffi, lib
@@ -248,7 +242,6 @@ def quantize(a: np.ndarray, qtype) -> np.ndarray:
 
 def encode_job(job: TensorJob) -> np.ndarray:
     """The bytes (as a numpy array) of a job's tensor in its storage type."""
-    from gguf import GGMLQuantizationType as Q
     a = job.load()
     if job.raw:
         return np.asarray(a)
@@ -265,7 +258,6 @@ def encode_job(job: TensorJob) -> np.ndarray:
 
 def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:
     """A float matrix encoded as ``qtype`` (F32, F16 or a block type)."""
-    from gguf import GGMLQuantizationType as Q
     if qtype == Q.F32:
         return np.ascontiguousarray(a, dtype=np.float32)
     if qtype == Q.F16:
@@ -275,8 +267,6 @@ def encode_matrix(a: np.ndarray, qtype) -> np.ndarray:
 
 def decode_matrix(data: np.ndarray, qtype, shape) -> np.ndarray:
     """Inverse of encode_matrix: float32 of ``shape``."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize
     if qtype in (Q.F32, Q.F16):
         return np.asarray(data, dtype=np.float32).reshape(shape)
     return dequantize(np.asarray(data), qtype).reshape(shape).astype(np.float32)
@@ -297,9 +287,6 @@ def write_gguf(out_path: str, setup: Callable[[Any], None], jobs: list[TensorJob
     adds the other metadata, then the tensors of ``jobs`` are produced, encoded and
     written one at a time. Output goes to a temp file in the same folder, renamed on
     success and removed on any failure."""
-    import gguf
-    from tqdm import tqdm
-
     out_path = os.path.abspath(os.fspath(out_path))
     out_dir = os.path.dirname(out_path)
     check_output_path(out_path)

@@ -23,24 +23,25 @@ import os
 import sys
 from collections import Counter
 
+import gguf
 import numpy as np
 
 from . import format as F
+from . import preflight
+from .gguf_read import is_pwri, open_gguf
+from .place import PlaceError, placement_inputs, read_fields
 from .sizes import format_size
+from .sparse.placement import greedy_placement, make_problem, model_costs
+from .tokenizer import TokenizerError, load_tokenizer
 
 __all__ = ["describe", "plot_statistics", "served_curve", "main"]
 
 
 def describe(path: str | os.PathLike, tensors: bool = False) -> str:
     """The report as text (raises ValueError / OSError on unreadable files)."""
-    import gguf
-
-    from .place import read_fields
-
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError("it is a directory; pass a .gguf file")
-    from .gguf_read import is_pwri
 
     r = _open(path)
     fields = read_fields(r)
@@ -156,9 +157,7 @@ def loadable(path: str | os.PathLike) -> str:
     """Whether this runtime loads the file (weights mapped, nothing computed) and its
     tokenizer: "loads: yes ..." or "loads: no (N problems):" and one line per problem,
     every one the preflight (preflight.py) finds, not only the first the loader meets."""
-    from . import preflight
     from ._native import NativeError, check, ffi, lib
-    from .tokenizer import TokenizerError, load_tokenizer
 
     path = os.fspath(path)
     try:
@@ -253,8 +252,6 @@ def _side_index(path: str, out: list[str]) -> tuple[dict | None, dict | None, st
     runtime loads instead of the file's own: (its keys, its tensors by name, the words
     that say where the index came from), or (None, None, "") when there is none or the
     runtime would refuse it (a line in `out` says why)."""
-    from .place import read_fields
-
     side = path + F.GPUIDX_SUFFIX
     if not os.path.exists(side):
         return None, None, ""
@@ -276,8 +273,6 @@ def _side_index(path: str, out: list[str]) -> tuple[dict | None, dict | None, st
 
 def _open(path: str):
     """The file's gguf reader (PWRI magic too); a corrupt file is a ValueError saying so."""
-    from .gguf_read import open_gguf
-
     try:
         return open_gguf(path)
     except OSError:
@@ -288,8 +283,6 @@ def _open(path: str):
 
 def _statistics(path: str) -> tuple[dict, dict]:
     """(fields, placement inputs) of a file with neuron frequencies; PlotError otherwise."""
-    from .place import PlaceError, placement_inputs, read_fields
-
     r = _open(path)
     fields = read_fields(r)
     if not any(F.parse_tensor_name(t.name)[0] == F.T_FFN_FREQ for t in r.tensors):
@@ -305,8 +298,6 @@ def _statistics(path: str) -> tuple[dict, dict]:
 def served_curve(pin: dict, budgets, group_size: int | None = None) -> np.ndarray:
     """Share of the activation mass the GPU serves at each budget (bytes), by the greedy
     placement of sparse.placement on the file's costs (model_costs) and frequencies."""
-    from .sparse.placement import greedy_placement, make_problem, model_costs
-
     dense, per_neuron = model_costs(pin["tensors"], pin["n_layer"], pin["n_embd_kv"], pin["ctx"])
     gs = group_size or pin["group_size"]
     return np.array([greedy_placement(make_problem(pin["freq"], per_neuron, dense, int(b), gs)).served_share
@@ -324,7 +315,6 @@ def plot_statistics(path: str | os.PathLike, out: str | os.PathLike, points: int
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .sparse.placement import model_costs
 
     path = os.fspath(path)
     if os.path.isdir(path):

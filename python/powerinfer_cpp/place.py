@@ -20,11 +20,15 @@ import logging
 import os
 import sys
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from . import format as F
 from .gguf_write import ConvertError, TensorJob, check_output_path, write_gguf
 from .sparse.pipeline import gpu_index_kv, index_jobs, solve_from_tensors
+from .sparse.experts import profile_experts, solve_experts
 from .sizes import format_size, parse_size
 from .sparse.placement import Placement
 
@@ -46,8 +50,6 @@ def placement_inputs(reader, fields: dict, path: str) -> dict:
     """What the placement's cost model needs from a file: {n_layer, n_ff, n_embd_kv, ctx (the
     stored one), group_size (stored), freq (per layer the ffn_freq, float64), tensors
     ({name: (qtype, numpy shape)})}. PlaceError names what is missing."""
-    import gguf
-
     arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
     try:
         n_layer = int(fields[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
@@ -73,7 +75,6 @@ def placement_inputs(reader, fields: dict, path: str) -> dict:
 
 
 def _copy_fields(reader, w, skip: set[str]) -> None:
-    from gguf import GGUFValueType as V
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name in skip or name == F.KEY_GENERAL_ARCHITECTURE:
             continue
@@ -90,8 +91,6 @@ def _copy_fields(reader, w, skip: set[str]) -> None:
 def _stored_expert_freq(reader, path: str, n_layer: int, n_expert: int) -> tuple[np.ndarray | None, dict]:
     """The blk.N.ffn_exp_freq of a file (its side file's first) and the keys stored with
     them, or (None, {}) when it has none."""
-    import gguf
-
     side = path + F.GPUIDX_SUFFIX
     readers = [gguf.GGUFReader(side)] if os.path.isfile(side) else []
     for r in readers + [reader]:
@@ -121,12 +120,6 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
     model file ``out_path``. The frequencies come from profiling the model over the text
     file ``profile`` (its first ``profile_tokens`` tokens), else from the file's stored
     ones. Returns the ExpertPlacement."""
-    import gguf
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFValueType as V
-
-    from .sparse.experts import profile_experts, solve_experts
-
     path = os.fspath(path)
     side = out_path is None
     out_path = path + F.GPUIDX_SUFFIX if side else os.fspath(out_path)
@@ -232,8 +225,6 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
     the new GPU index: to the side file ``path + GPUIDX_SUFFIX`` (default), or a whole
     model file ``out_path``. ``ctx`` / ``group_size`` default to the values stored in the
     file. Returns the Placement."""
-    import gguf
-
     path = os.fspath(path)
     side = out_path is None
     out_path = path + F.GPUIDX_SUFFIX if side else os.fspath(out_path)
@@ -285,7 +276,6 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
         model_bytes = os.path.getsize(path)
 
         def side_setup(w):
-            from gguf import GGUFValueType as V
             for k, v, ty in gpu_index_kv(pl, group_size, ctx):
                 w.add_key_value(k, v, ty)
             w.add_key_value(F.KEY_GPU_MODEL_BYTES, model_bytes, V.UINT64)
@@ -327,7 +317,6 @@ def replace_index(path: str | os.PathLike, budget: int, out_path: str | os.PathL
 def _is_moe(path: str) -> bool:
     """Whether the GGUF at path is a mixture of experts (False for a file it cannot read:
     replace_index says what is wrong with it)."""
-    import gguf
     try:
         fields = read_fields(gguf.GGUFReader(path))
     except Exception:  # gguf raises ValueError / struct errors on bad files

@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 
 from . import format as F
+from .gguf_read import read_header
+from .tokenizer import pre_tokenizer_refusal
 
 __all__ = ["Problem", "check", "check_header", "readable_types", "merge", "load_error", "format_problems"]
 
@@ -112,8 +114,6 @@ def _arch_and_keys(fields: dict) -> list[Problem]:
 
 
 def _tokenizer(fields: dict) -> list[Problem]:
-    from .tokenizer import pre_tokenizer_refusal
-
     if isinstance(fields.get(F.KEY_TOKENIZER_HF_JSON), str):
         return []  # the embedded tokenizer.json is used whole; the ggml keys do not matter
     if F.KEY_TOKENIZER_TOKENS not in fields:
@@ -141,8 +141,6 @@ def check_header(header) -> list[Problem]:
 def check(path: str | os.PathLike) -> list[Problem]:
     """Every problem this runtime would have loading the file (empty: none the preflight
     sees). A file whose header cannot be read raises ValueError / OSError."""
-    from .gguf_read import read_header
-
     return check_header(read_header(os.fspath(path)))
 
 

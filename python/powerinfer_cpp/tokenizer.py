@@ -34,10 +34,15 @@ tokens become (non-special) added tokens, so they encode as single ids.
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import threading
 from typing import Any, Iterable, Sequence
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTok
 
 from . import format as F
 
@@ -109,8 +114,6 @@ _GGUF_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4"
 
 
 def _native_value(g, i: int, key: str) -> Any:
-    import numpy as np
-
     from ._native import check, ffi, lib
 
     vtype = lib.gh_gguf_kv_type(g, i)
@@ -154,8 +157,6 @@ _SPLIT_BEHAVIOR = {"Removed": "removed", "Isolated": "isolated", "MergedWithPrev
 def _pre_tokenizer(spec: dict):
     """The ``tokenizers`` pre-tokenizer of a tokenizer.json ``pre_tokenizer`` entry of
     format.TOKENIZER_PRE_TOKENIZERS (the node types those use)."""
-    from tokenizers import Regex, pre_tokenizers
-
     t = spec["type"]
     if t == "Sequence":
         return pre_tokenizers.Sequence([_pre_tokenizer(p) for p in spec["pretokenizers"]])
@@ -195,8 +196,6 @@ def pre_tokenizer_row(meta: dict[str, Any]) -> F.PreTokenizer:
 
 def build_tokenizer_from_ggml(meta: dict[str, Any]):
     """A ``tokenizers.Tokenizer`` equivalent to the ``tokenizer.ggml.*`` keys."""
-    from tokenizers import AddedToken, Tokenizer as HFTok, decoders, models, normalizers
-
     kind = meta.get(F.KEY_TOKENIZER_MODEL)
     tokens = meta.get(F.KEY_TOKENIZER_TOKENS)
     if not tokens:
@@ -412,7 +411,6 @@ def _added_ids(tok, special: bool) -> list[int]:
 
 
 def _guess_kind(tok) -> str | None:
-    import json
     try:
         j = json.loads(tok.to_str())
     except Exception:
@@ -427,8 +425,6 @@ def tokenizer_from_metadata(meta: dict[str, Any], use_hf_json: bool = True) -> T
     """Build a Tokenizer from tokenizer.* key/values (see
     read_tokenizer_metadata). ``use_hf_json=False`` ignores a stored
     tokenizer.huggingface.json and rebuilds from tokenizer.ggml.*."""
-    from tokenizers import Tokenizer as HFTok
-
     hf_json = meta.get(F.KEY_TOKENIZER_HF_JSON) if use_hf_json else None
     if hf_json:
         try:

@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 
 from powerinfer_cpp import Llama, Model, UnsupportedArgumentError
-from powerinfer_cpp.api import _stream_has
 
 N_CTX = 96
-needs_processor = pytest.mark.skipif(not _stream_has("logits_processor"),
-                                     reason="Context.stream has no logits_processor yet")
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +131,6 @@ def test_n_gpu_layers_without_cuda(shipped_gguf):
             assert l.model.device_info()["device"] == "cpu"
 
 
-@needs_processor
 def test_logits_processor_bias_and_stopping_criteria(llm):
     base = llm("And God said", max_tokens=6, temperature=0)
     first = llm.tokenize(base["choices"][0]["text"].encode(), add_bos=False)[0]

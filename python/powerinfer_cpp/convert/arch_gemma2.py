@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from gguf import GGUFValueType as V
+
 from .. import format as F
 from ..gguf_write import KV, ConvertError
 from .arch import (NORM_RMS, Architecture, Config, HFParams, Rope, TensorMap, act_kind, direct,
@@ -116,7 +118,6 @@ def read_config(c: Config, hf_arch: str) -> HFParams:
 def keys(p: HFParams) -> list[KV]:
     """attention.scale, the soft-caps, the local layers' RoPE base and the layer pattern
     where it is not the architecture's default."""
-    from gguf import GGUFValueType as V
     A, lay = p.arch, p.layout
     out: list[KV] = [(F.arch_key(F.KEY_ATTENTION_SCALE, A), float(lay["attention_scale"]), V.FLOAT32, None)]
     for key, v in ((F.KEY_ATTN_LOGIT_SOFTCAPPING, lay["attn_softcap"]),

@@ -33,6 +33,7 @@ import math
 import re
 
 import numpy as np
+from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_write import KV, ConvertError
@@ -150,7 +151,6 @@ def mxfp4_repack(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def keys(p: HFParams) -> list[KV]:
     """YaRN's keys, the SwiGLU's limit and the layer pattern where it is not the default."""
-    from gguf import GGUFValueType as V
     A, lay = p.arch, p.layout
     out: list[KV] = [(F.arch_key(F.KEY_SWIGLU_CLAMP_EXP, A), lay["swiglu_limit"], V.FLOAT32, None)]
     if p.rope_scaling_type == F.ROPE_SCALING_YARN:

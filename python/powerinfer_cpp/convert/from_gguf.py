@@ -31,12 +31,14 @@ import logging
 import os
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_read import is_pwri, open_gguf
-from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, decode_matrix, k_quant_types, quant_block,
-                          storage_type, write_gguf)
-from ..sparse.pipeline import DenseModel
+from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, check_output_path, decode_matrix,
+                          k_quant_types, quant_block, storage_type, write_gguf)
+from ..sparse.pipeline import DenseModel, SparseOptions, convert_sparse
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
@@ -67,7 +69,6 @@ def is_gguf_file(path: str | os.PathLike) -> bool:
 
 def _kv_entries(reader) -> list:
     """The input's metadata as gguf_write.KV entries, minus what the output makes anew."""
-    from gguf import GGUFValueType as V
     out = []
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in _WRITER_KEYS or key == F.KEY_PWRI_SPARSE_THRESHOLD:
@@ -86,7 +87,6 @@ def _kv_entries(reader) -> list:
 def _down_t_type(qtype, n_embd: int):
     """Storage of a transposed down projection whose input is in qtype: the same type
     when its rows (n_embd long) are whole blocks, else the next one that fits."""
-    from gguf import GGMLQuantizationType as Q
     if qtype in (Q.F32, Q.F16, Q.BF16):
         return qtype
     block = quant_block(qtype)
@@ -102,9 +102,6 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     """The sparse pipeline's DenseModel of a GGUF file (checked by loading it natively):
     its tensors in their own types, or with ``outtype`` (format.OUTTYPES) re-quantized by
     storage_type's rule."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf import GGUFValueType as V
-
     from .._native import NativeError
     from ..model import Model
 
@@ -233,9 +230,6 @@ def convert_from_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, p
     ``sparse=False`` (which needs an outtype: the input is dense already) write the
     re-quantized dense file. Returns the output path. ``dense`` is its DenseModel when the
     caller already built it (with the same outtype)."""
-    from ..gguf_write import check_output_path
-    from ..sparse.pipeline import SparseOptions, convert_sparse
-
     if not sparse and outtype is None:
         raise ConvertError("a GGUF input is dense already: without an outtype there is nothing to write "
                            "but a sparse file")

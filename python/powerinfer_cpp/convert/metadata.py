@@ -4,6 +4,8 @@ adds (Architecture.keys)."""
 
 from __future__ import annotations
 
+from gguf import GGUFValueType as V
+
 from .. import format as F
 from ..gguf_write import KV
 from .arch import NORM_RMS, Architecture, HFParams
@@ -12,7 +14,6 @@ from .hf import TokenizerMeta
 
 def model_kv(arch: Architecture, p: HFParams, tm: TokenizerMeta, outtype: str) -> list[KV]:
     """All metadata entries of a dense file (general.architecture is the writer's)."""
-    from gguf import GGUFValueType as V
     A = p.arch
     out: list[KV] = []
 
@@ -66,7 +67,6 @@ def model_kv(arch: Architecture, p: HFParams, tm: TokenizerMeta, outtype: str) -
 
 def tokenizer_kv(tm: TokenizerMeta) -> list[KV]:
     """The tokenizer.* entries (empty lists kept: add_key_value, not add_array)."""
-    from gguf import GGUFValueType as V
     out: list[KV] = [
         (F.KEY_TOKENIZER_MODEL, tm.model, V.STRING, None),
         (F.KEY_TOKENIZER_PRE, tm.pre, V.STRING, None),

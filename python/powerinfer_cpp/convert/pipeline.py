@@ -15,6 +15,7 @@ import logging
 import os
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from .. import format as F
 from ..gguf_write import ConvertError, QuantMix, TensorJob, add_kv, check_output_path, storage_type, write_gguf
@@ -82,7 +83,6 @@ def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[Ten
             def load_raw(m=m):
                 return np.ascontiguousarray(m.transform(*[src.get(actual[s]) for s in m.sources]))
 
-            from gguf import GGMLQuantizationType as Q
             jobs.append(TensorJob(m.name, m.shape, Q[m.raw_type], load_raw, f"kept {m.raw_type}", raw=True))
             continue
         _, il, suffix = F.parse_tensor_name(m.name)

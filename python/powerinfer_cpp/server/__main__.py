@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from .. import default_model
+from .settings import Settings
 
 
 def _draft_kind(text: str) -> str:
@@ -120,13 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    import os
-
     args = build_parser().parse_args(argv)
     try:
         import uvicorn
 
-        from .app import Settings, create_app
+        from .app import create_app
     except ImportError as e:
         print(f"error: the server needs FastAPI and uvicorn ({e.name} is missing): "
               'pip install "powerinfer-cpp[server]"', file=sys.stderr)
@@ -142,8 +144,6 @@ def main(argv: list[str] | None = None) -> int:
                 template = f.read()
         path, alias = args.model, args.alias
         if path is None:
-            from .. import default_model
-
             path = str(default_model.default_model_path())
             # the file name carries the quantization (".Q4_1"): clients ask for the model
             alias = alias or default_model.NAME

@@ -15,10 +15,9 @@ import asyncio
 import concurrent.futures
 import threading
 
-from .. import api
 from .. import embeddings as E
+from ..protocol import EmbeddingBody, embedding_response
 from .errors import APIError
-from .protocol import EmbeddingBody
 
 MAX_INPUTS = 2048  # inputs per request, as OpenAI's API allows
 
@@ -97,5 +96,5 @@ class EmbeddingService:
 
         loop = asyncio.get_running_loop()
         vectors = await loop.run_in_executor(self.executor, work)
-        return api.embedding_response(vectors, name, sum(len(x) for x in ids),
+        return embedding_response(vectors, name, sum(len(x) for x in ids),
                                       body.encoding_format)

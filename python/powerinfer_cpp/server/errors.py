@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class APIError(Exception):
@@ -40,3 +42,39 @@ def raw_error(status: int, reason: str, message: str, code: str | None = None) -
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("latin-1") + body
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """A generation's failure as the error its reply carries: a bad argument 400, the rest 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (ValueError, TypeError)):
+        return APIError(400, str(e))
+    return APIError(500, f"generation failed: {e}", type="server_error")
+
+
+def add_handlers(app) -> None:
+    """Answer every error the app meets in this shape: ours, a body that fails its model's
+    validation, and Starlette's own (404, 405, ...)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: "
+                                  f"{first.get('ctx', {}).get('error', first.get('msg'))}")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}"
+                        f": {e.get('msg')}" for e in errs[:5])
+        return error_response(400, f"invalid request: {msg}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type=kind)

@@ -24,6 +24,8 @@ import hmac
 import logging
 from urllib.parse import urlsplit
 
+from fastapi.responses import Response
+
 from .errors import error_response
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -171,8 +173,6 @@ class Guard:
 
 
 def _preflight():
-    from fastapi.responses import Response
-
     return Response(status_code=204, headers={
         "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
         "Access-Control-Allow-Headers": "Authorization, Content-Type",

@@ -21,6 +21,7 @@ import concurrent.futures
 import json
 import math
 
+from ..chat import ChatTemplateError, ChatTemplateLimitError
 from .errors import APIError
 from .templates import MAX_WORKERS
 
@@ -149,8 +150,6 @@ class PromptPreparer:
     async def render(self, messages: list[dict], tools: list | None = None) -> str:
         """The chat template's text for messages (and the `tools` variable, when given),
         from a worker process."""
-        from ..chat import ChatTemplateError, ChatTemplateLimitError
-
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.render_pool, self.runner.render, messages,

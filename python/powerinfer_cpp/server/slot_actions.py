@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastapi import Request
 
+from ..context import ContextState
 from .errors import APIError
 from .prepare import parse_json
 
@@ -116,8 +117,6 @@ def _save(slot, path: Path) -> dict:
 
 
 def _restore(slot, path: Path) -> dict:
-    from ..model import ContextState
-
     t0 = time.perf_counter()
     try:
         blob = _read(path)

@@ -9,6 +9,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..generation import Completion
+from .prompt_cache import load_prefix
+
 
 class QueueFull(Exception):
     """Every slot is busy and the wait queue is full."""
@@ -161,8 +164,6 @@ class Job:
 
     def begin(self) -> None:
         """Check the arguments and set up the generation (nothing is evaluated yet)."""
-        from ..model import Completion
-
         self.result = Completion("", [], "length", 0)
         self._load_prefix()
         self.slot.ctx.reset_stats()
@@ -172,8 +173,6 @@ class Job:
     def _load_prefix(self) -> None:
         """The longest prefix of the prompt cached in any slot or the RAM cache, into this
         slot's context (on the thread that drives it)."""
-        from .prompt_cache import load_prefix
-
         self.reuse = load_prefix(self.slot, self.prompt_ids, self.pool.slots, self.pool.cache)
 
     def sample(self) -> None:
@@ -197,8 +196,6 @@ class Job:
                         self._emit(tail)
                 self.gen.finish()
             if self.result is None:
-                from ..model import Completion
-
                 self.result = Completion("", [], "length", 0)
             if cancelled:
                 self.result.finish_reason = "cancelled"
@@ -218,8 +215,6 @@ class Job:
     # -- without batching: a worker thread runs the whole generation ---------------------
 
     def _run(self) -> None:
-        from ..model import Completion
-
         ctx = self.slot.ctx
         self.result = Completion("", [], "length", 0)
         try:

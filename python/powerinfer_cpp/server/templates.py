@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -230,8 +231,6 @@ def _limit_memory(mib: int) -> None:
 
 
 def _serve(inp, out) -> None:
-    import signal
-
     # Ctrl-C in the server's terminal reaches the whole process group; the server ends
     # its workers itself (and a worker ends when its stdin closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -240,8 +239,6 @@ def _serve(inp, out) -> None:
         return
     tokens = dict(init["tokens"])
     bos, eos = tokens.pop("bos_token", ""), tokens.pop("eos_token", "")
-    import jinja2.sandbox  # noqa: F401  (before the memory limit: the template's share)
-
     # Not compiled yet: compiling runs template code, so it happens in the first
     # request's time and under the memory limit.
     template = ChatTemplate(init["source"], bos_token=bos, eos_token=eos,

@@ -80,6 +80,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import gguf
+
 from .. import format as F
 
 
@@ -198,8 +200,6 @@ class DecodeCost:
     @classmethod
     def from_file(cls, path: str, ffn: str = "gate") -> "DecodeCost":
         """The cost model of the GGUF file at path, whose sparse FFN mode is ffn."""
-        import gguf
-
         r = gguf.GGUFReader(path)
         try:
             ts = [Tensor(t.name, t.tensor_type.name, int(t.n_bytes),

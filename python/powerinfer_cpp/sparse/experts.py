@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import format as F
 from ..sizes import format_size
+from .placement import tensor_nbytes
 
 __all__ = ["ExpertPlacement", "expert_budget", "profile_experts", "solve_experts"]
 
@@ -75,7 +76,6 @@ class ExpertPlacement:
 
 
 def _nbytes(tensors: dict, name: str) -> int:
-    from .placement import tensor_nbytes
     q, s = tensors[name]
     return tensor_nbytes(q, s)
 

@@ -23,9 +23,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+import gguf
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import format as F
+from .input_eval import patch_calibration
 
 #: Tokens per block of the loss's standard error.
 BLOCK = 64
@@ -33,8 +36,6 @@ BLOCK = 64
 
 def patch_gate_thresholds(path: str, values: Sequence[float]) -> None:
     """Overwrite the gate thresholds of the GGUF file at path in place."""
-    import gguf
-
     r = gguf.GGUFReader(path, "r+")
     try:
         f = r.fields[F.KEY_SPARSE_GATE_THRESHOLD]
@@ -51,8 +52,6 @@ def decode_weight_bytes(path: str) -> dict:
     """Weight bytes a dense decoded token reads from the file at path, per stage: attention
     (the row-major q/k/v/o), ffn (gate, up, down or down_t), head (output, or the tied
     embedding)."""
-    import gguf
-
     r = gguf.GGUFReader(path)
     try:
         nb = {t.name: int(t.n_bytes) for t in r.tensors}
@@ -96,7 +95,6 @@ class GateEvaluator:
         FFN, or self.ffn with the gate thresholds patched in (None: the file's) and, when
         inputs (an input_sparsity.InputCalibration) is given, input-sparse at its thresholds."""
         from ..model import Model
-        from .input_eval import patch_calibration
 
         if thresholds is not None:
             patch_gate_thresholds(self.path, thresholds)
@@ -177,7 +175,6 @@ def layer_costs(ev: GateEvaluator, ids: Sequence[int], n_layer: int, threshold: 
     costs = np.zeros((n_layer, len(grid)))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
         bar = tqdm(total=n_layer * len(grid), desc="layer sensitivity", unit="eval", dynamic_ncols=True)
     try:
         for l in range(n_layer):

@@ -34,7 +34,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+import gguf
 import numpy as np
+from tqdm import tqdm
 
 from .. import format as F
 from .input_sparsity import SITE_HEAD, SITE_O, SITE_QKV, InputCalibration, criterion_t, skipped_share
@@ -55,8 +57,6 @@ def patch_input_thresholds(path: str, qkv: Sequence[np.ndarray], o: Sequence[np.
                            head: np.ndarray, ffn: Sequence[np.ndarray] = (), down: Sequence[np.ndarray] = ()) -> None:
     """Overwrite the input thresholds of the GGUF file at path in place (ffn, down: the FFN's
     sites, when given)."""
-    import gguf
-
     r = gguf.GGUFReader(path, "r+")
     try:
         t = {x.name: x for x in r.tensors}
@@ -121,8 +121,6 @@ def refit(path: str, cal: InputCalibration, ids: Sequence[int], window: int, n_t
     max_passes) when the one before left a site more than tol off the target. Records
     (share before, after) per site in cal.sparse_mode and leaves the file with the new
     thresholds. Returns the number of passes."""
-    from tqdm import tqdm
-
     t0 = time.perf_counter()
     target = cal.sparsity
     # a site at 0 runs dense; the FFN's sites are not recorded in the sparse mode

@@ -25,8 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from .. import format as F
+from ..gguf_write import TensorJob, decode_matrix, fit_rows
+from .thresholds import activation
 
 #: Share of the recorded tokens (the last ones) the thresholds are not fitted on.
 HOLDOUT = 0.2
@@ -166,7 +170,6 @@ def down_inputs(x: np.ndarray, gate_up_t: np.ndarray, act: str, gated: bool = Tr
     """h = act(x . gate) * (x . up) [tokens, n_ff] f32, the down projection's input, from the FFN
     inputs x [tokens, d] and gate_up_t [d, 2 n_ff] (gate's outputs then up's; ungated [d, n_ff]:
     h = act(x . up))."""
-    from .thresholds import activation
     ff = gate_up_t.shape[1] // (2 if gated else 1)
     w = gate_up_t.astype(np.float32)
     out = []
@@ -236,7 +239,6 @@ class InputSources:
 
     @staticmethod
     def _float(job) -> np.ndarray:
-        from ..gguf_write import decode_matrix
         a = job.load()
         if job.raw:  # a GGUF input's tensor: its encoded bytes
             a = decode_matrix(np.asarray(a), job.qtype, job.shape)
@@ -271,13 +273,9 @@ class InputSources:
     def qtype(self, site: str, layer: int | None, out_len: int):
         """Storage of the transposed weight: its source's type, if the new rows (out_len
         long) are whole blocks of it (else gguf_write.fit_rows's fallback)."""
-        from ..gguf_write import fit_rows
         return fit_rows(self._sources(site, layer)[0].qtype, out_len)[0]
 
     def _pair(self, site, layer, thr, wkind, tkind):
-        from gguf import GGMLQuantizationType as Q
-
-        from ..gguf_write import TensorJob
         srcs = self._sources(site, layer)
         out_len = sum(int(j.shape[0]) for j in srcs)
         in_len = int(srcs[0].shape[1])
@@ -294,9 +292,6 @@ class InputSources:
         jobs = (self._pair(SITE_QKV, layer, cal.qkv[layer], F.T_ATTN_QKV_T, F.T_ATTN_QKV_IN_THR) +
                 self._pair(SITE_O, layer, cal.o[layer], F.T_ATTN_OUTPUT_T, F.T_ATTN_OUTPUT_IN_THR))
         if cal.ffn:
-            from gguf import GGMLQuantizationType as Q
-
-            from ..gguf_write import TensorJob
             jobs += self._pair(SITE_FFN, layer, cal.ffn[layer], F.T_FFN_GATE_UP_T, F.T_FFN_IN_THR)
             down = np.ascontiguousarray(cal.down[layer], dtype=np.float32)
             jobs.append(TensorJob(F.input_sparse_tensor_name(F.T_FFN_DOWN_IN_THR, layer), (down.size,), Q.F32,
@@ -310,7 +305,6 @@ class InputSources:
 
 def input_kv(cal: InputCalibration) -> list:
     """(key, value, GGUFValueType) of an input-sparse file."""
-    from gguf import GGUFValueType as V
     kv = [(F.KEY_INPUT_SPARSITY, float(cal.sparsity), V.FLOAT32),
           (F.KEY_INPUT_CRITERION, cal.criterion, V.STRING)]
     if cal.max_ppl_increase is not None:

@@ -23,6 +23,7 @@ file is removed whatever happens.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -32,7 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from tqdm.auto import tqdm
 
 from .. import format as F
 from ..gguf_write import (ConvertError, TensorJob, add_kv, decode_matrix, encode_matrix, storage_type,
@@ -43,6 +48,7 @@ from .placement import (Placement, format_size, make_problem, model_costs, solve
                         tensor_nbytes)
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
 from .gate_eval import GateEvaluator, layer_costs, patch_gate_thresholds, search_budget
+from .expert_sparsity import convert_sparse_experts
 from .input_eval import DEFAULT_REFIT_TOKENS, refit, refit_summary, refit_tokens
 from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, InputSources, calibrate_input_levels,
                              input_kv)
@@ -232,7 +238,6 @@ def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
     near the threshold), Q8_0 for q8_0/q4_0 models (Q8_0 keeps recall within ~0.5% at the
     same threshold; Q4_0 halves the bytes but needs a lower threshold for the same recall,
     see docs/BENCHMARKS.md); F16 when a row cannot be block-quantized."""
-    from gguf import GGMLQuantizationType as Q
     if want is None:
         want = {"f32": "f32", "f16": "f16", "bf16": "f16"}.get(outtype, "q8_0")
     if want in ("f32", "f16"):
@@ -268,7 +273,6 @@ def resolve_calib(hf_dir: str, calib: str | None, why: str = "sparse conversion"
 
 def gpu_index_kv(pl: Placement, group_size: int, ctx: int) -> list[tuple[str, Any, Any]]:
     """(key, value, GGUFValueType) of the GPU index keys (format.GPU_KEYS)."""
-    from gguf import GGUFValueType as V
     return [
         (F.KEY_GPU_VRAM_BUDGET, int(pl.budget), V.UINT64),
         (F.KEY_GPU_GROUP_SIZE, int(group_size), V.UINT32),
@@ -289,16 +293,114 @@ def solve_from_tensors(tensors: dict, freq: list[np.ndarray], n_layer: int, n_em
     return solve_placement(prob, method, time_limit)
 
 
+@dataclass
+class _Run:
+    """What the stages of one convert_sparse share: its arguments, the plan read from the
+    options (_plan), and what each stage leaves for the next (the profile, the dense file's
+    tensors, the fitted predictors or gate table, the chosen levels, the placement)."""
+
+    dense: DenseModel
+    opts: SparseOptions
+    out_path: str
+    progress: bool
+    say: Callable[[str], None]
+    # the plan
+    budget: float | None       # the gate's quality budget (None: a fixed sparsity, or predictors)
+    gate_mode: bool            # gate thresholds (else ReLU predictors)
+    in_req: bool               # input sparsity asked for
+    in_auto: bool              # ... at a level the budget chooses
+    in_budget: float | None    # the budget input sparsity is measured against
+    calib: str                 # the calibration text's file
+    text: str                  # ... and the text
+    ctx: int
+    rep: SparseReport
+    tmpdir: str = ""
+    # [1] the dense file; [2] its profile and input thresholds per level
+    dense_path: str = ""
+    prof: Any = None
+    in_src: InputSources | None = None
+    n_hold: int = 0            # where a budget's held-out tokens start
+    in_levels: list = field(default_factory=list)
+    cals: dict = field(default_factory=dict)
+    # [3] the dense file's tensors, the fitted FFN, the chosen levels
+    t_fit: float = 0.0         # when [3] began (rep.seconds "predictors" / "thresholds")
+    reader: Any = None
+    dense_t: dict = field(default_factory=dict)
+    down_q: list = field(default_factory=list)
+    tensors: dict = field(default_factory=dict)   # name -> (type, shape) of the output file
+    preds: list = field(default_factory=list)
+    pred_enc: list = field(default_factory=list)  # per layer (q1, e1, q2, e2): stored predictors
+    table: QuantileTable | None = None
+    freq: list = field(default_factory=list)
+    ev: GateEvaluator | None = None
+    allocate: Callable | None = None
+    held_ids: list = field(default_factory=list)
+    mean: float | None = None  # the gate's mean sparsity
+    cal: Any = None            # the input calibration the file gets
+    # [4]
+    pl: Placement | None = None
+
+    @property
+    def n_layer(self) -> int:
+        return self.dense.n_layer
+
+    def gate_matrix(self, l: int) -> np.ndarray:
+        """The gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
+        fused gate/up ffn_up (phi3)."""
+        n_ff, d = self.dense.n_ff, self.dense.n_embd
+        t = self.dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
+        if t is not None:
+            return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
+        t = self.dense_t[F.tensor_name(F.T_FFN_UP, l)]
+        return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
+
+    def gate_thr(self, g):
+        """The per-layer gate thresholds at mean sparsity g (None: predictors)."""
+        return self.table.thresholds(self.allocate(g)) if self.gate_mode else None
+
+    def make_inputs(self, level, gate_level):
+        """The input calibration at `level`, refit (when asked) under the gate at gate_level."""
+        cal = self.cals[level]
+        opts = self.opts
+        if opts.input_refit and level > 0:
+            if self.gate_mode:
+                patch_gate_thresholds(self.ev.path, self.gate_thr(gate_level))
+            ids = refit_tokens(self.prof.input_ids, cal.n_fit, self.prof.n_ctx, opts.input_refit_tokens)
+            refit(self.ev.path, cal, ids, self.prof.n_ctx, opts.n_threads, say=self.say, progress=self.progress)
+        return cal
+
+    def measure(self, g, cal):
+        """The held-out perplexity and bytes at gate sparsity g and input calibration cal."""
+        return self.ev.measure(self.held_ids, self.gate_thr(g), inputs=cal)
+
+
 def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progress: bool = True,
                    say: Callable[[str], None] | None = None) -> tuple[str, SparseReport]:
-    """Run the whole pipeline; returns (output path, report)."""
-    import gguf
-
+    """Run the whole pipeline; returns (output path, report). The stages, in order: the
+    dense file, the profile (and input thresholds per level), the FFN's fit (predictors, or
+    the gate's quantile table), the levels (budget search, input refit), the placement, the
+    extended file; each a function over one _Run."""
     say = say or (lambda s: log.info("%s", s))
-    if dense.n_expert:  # a mixture of experts: thresholds per expert (expert_sparsity.py)
-        from .expert_sparsity import convert_sparse_experts
+    if dense.n_expert:  # a mixture of experts: thresholds per expert
         return convert_sparse_experts(dense, out_path, opts, progress, say)
-    outtype, jobs = dense.outtype, dense.jobs
+    run = _plan(dense, out_path, opts, progress, say)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    remove_stale(out_dir)
+    run.tmpdir = scratch_dir(os.path.join(out_dir, os.path.basename(out_path)))
+    try:
+        _dense_file(run)
+        _profile(run)
+        _fit_ffn(run)
+        _fit_levels(run)
+        _place(run)
+        return _write(run)
+    finally:
+        shutil.rmtree(run.tmpdir, ignore_errors=True)
+
+
+def _plan(dense: DenseModel, out_path: str, opts: SparseOptions, progress: bool, say) -> _Run:
+    """The options checked against the model and read into a plan (gate or predictors, the
+    budgets), and the calibration text read; ConvertError naming what is wrong."""
     budget = opts.max_ppl_increase
     if (opts.sparsity is None and budget is None and dense.gated
             and dense.activation not in F.SPARSE_ACTIVATIONS):
@@ -339,288 +441,289 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
     if not text.strip():
         raise ConvertError(f"calibration text {calib} is empty")
     ctx = int(opts.ctx if opts.ctx is not None else dense.n_ctx)
-    rep = SparseReport(calib_source=calib_source_string(calib))
-    n_layer, n_ff, d = dense.n_layer, dense.n_ff, dense.n_embd
-    out_dir = os.path.dirname(os.path.abspath(out_path))
-    remove_stale(out_dir)
-    tmpdir = scratch_dir(os.path.join(out_dir, os.path.basename(out_path)))
-    try:
-        # 1. dense file
-        t0 = time.perf_counter()
-        if dense.path:
-            dense_path = dense.path
-            say(f"[1/5] input GGUF {dense_path} ({len(jobs)} tensors kept in their types)")
-        else:
-            dense_path = os.path.join(tmpdir, "dense.gguf")
-            write_gguf(dense_path, lambda w: add_kv(w, dense.kv), jobs, progress, arch=dense.arch)
-            say(f"[1/5] dense GGUF written ({outtype}, {len(jobs)} tensors, "
+    return _Run(dense=dense, opts=opts, out_path=out_path, progress=progress, say=say, budget=budget,
+                gate_mode=gate_mode, in_req=in_req, in_auto=in_auto, in_budget=in_budget, calib=calib, text=text,
+                ctx=ctx, rep=SparseReport(calib_source=calib_source_string(calib)))
+
+
+def _dense_file(run: _Run) -> None:
+    """[1] The dense GGUF the runtime profiles: the input file itself, or written now."""
+    dense, rep = run.dense, run.rep
+    jobs = dense.jobs
+    t0 = time.perf_counter()
+    if dense.path:
+        run.dense_path = dense.path
+        run.say(f"[1/5] input GGUF {run.dense_path} ({len(jobs)} tensors kept in their types)")
+    else:
+        run.dense_path = os.path.join(run.tmpdir, "dense.gguf")
+        write_gguf(run.dense_path, lambda w: add_kv(w, dense.kv), jobs, run.progress, arch=dense.arch)
+        run.say(f"[1/5] dense GGUF written ({dense.outtype}, {len(jobs)} tensors, "
                 f"{time.perf_counter() - t0:.1f} s)")
-        rep.seconds["dense"] = time.perf_counter() - t0
+    rep.seconds["dense"] = time.perf_counter() - t0
 
-        # 2. profile
-        t0 = time.perf_counter()
-        from .profile import profile_model  # loads the native runtime: only a sparse conversion needs it
-        try:
-            prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
-                                 max_tokens=opts.calib_tokens, progress=progress,
-                                 inputs=opts.input_tokens if in_req else 0,
-                                 # under a budget the input thresholds never see its held-out tokens
-                                 inputs_span=1.0 - GATE_HOLDOUT if in_budget is not None else 1.0)
-        except MemoryError as e:
-            raise ConvertError(f"profiling: {e} (pass a smaller --calib-tokens)") from None
-        rep.n_calib_tokens = prof.n_tokens
-        rep.density = [float(v) for v in prof.density]
-        rep.seconds["profile"] = time.perf_counter() - t0
-        if prof.n_tokens < 16:
-            raise ConvertError(f"calibration text {calib} gave only {prof.n_tokens} tokens; need at least 16")
-        say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
-        in_src = InputSources(jobs, n_layer) if in_req else None
-        n_hold = prof.n_tokens - max(1, int(round(prof.n_tokens * GATE_HOLDOUT)))  # a budget's held-out start
-        if in_budget is not None and prof.n_tokens - n_hold < 16:
-            raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
-                               f"{GATE_HOLDOUT:.0%} of the profile); {prof.n_tokens} tokens were profiled: give a "
-                               "longer --calib text or a larger --calib-tokens")
-        in_levels: list = []
-        cals: dict = {}
-        if in_req:
-            t1 = time.perf_counter()
-            in_levels = sorted({float(v) for v in opts.input_grid}) if in_auto else [float(opts.input_sparsity)]
-            fitted = calibrate_input_levels(prof, [0.0] + in_levels, opts.input_criterion, in_src.weight_t,
-                                            ffn=opts.input_ffn)
-            cals = dict(zip([0.0] + in_levels, fitted))
-            say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s, on dense-mode inputs): "
-                + "; ".join(cals[v].summary() for v in in_levels))
 
-        # 3. predictors, or (gate mode) the gate thresholds
-        t0 = time.perf_counter()
-        reader = open_gguf(dense_path)  # a PWRI input too
-        dense_t = {t.name: t for t in reader.tensors}
-        preds: list = []
-        pred_enc: list = []
-        down_q = dense.down_types or [storage_type(F.T_FFN_DOWN, (n_ff, d), outtype)[0]] * n_layer
-        ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
-        def gate_matrix(l):
-            # the gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
-            # fused gate/up ffn_up (phi3)
-            t = dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
-            if t is not None:
-                return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
-            t = dense_t[F.tensor_name(F.T_FFN_UP, l)]
-            return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
+def _profile(run: _Run) -> None:
+    """[2] The FFN's activity on the calibration text (and the projections' inputs when
+    input sparsity is asked for), then the input thresholds of each level it may take."""
+    opts, rep = run.opts, run.rep
+    t0 = time.perf_counter()
+    from .profile import profile_model  # loads the native runtime: only a sparse conversion needs it
+    try:
+        prof = profile_model(run.dense_path, run.text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
+                             max_tokens=opts.calib_tokens, progress=run.progress,
+                             inputs=opts.input_tokens if run.in_req else 0,
+                             # under a budget the input thresholds never see its held-out tokens
+                             inputs_span=1.0 - GATE_HOLDOUT if run.in_budget is not None else 1.0)
+    except MemoryError as e:
+        raise ConvertError(f"profiling: {e} (pass a smaller --calib-tokens)") from None
+    run.prof = prof
+    rep.n_calib_tokens = prof.n_tokens
+    rep.density = [float(v) for v in prof.density]
+    rep.seconds["profile"] = time.perf_counter() - t0
+    if prof.n_tokens < 16:
+        raise ConvertError(f"calibration text {run.calib} gave only {prof.n_tokens} tokens; need at least 16")
+    run.say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
+    run.in_src = InputSources(run.dense.jobs, run.n_layer) if run.in_req else None
+    run.n_hold = prof.n_tokens - max(1, int(round(prof.n_tokens * GATE_HOLDOUT)))  # a budget's held-out start
+    if run.in_budget is not None and prof.n_tokens - run.n_hold < 16:
+        raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
+                           f"{GATE_HOLDOUT:.0%} of the profile); {prof.n_tokens} tokens were profiled: give a "
+                           "longer --calib text or a larger --calib-tokens")
+    if run.in_req:
+        t1 = time.perf_counter()
+        run.in_levels = (sorted({float(v) for v in opts.input_grid}) if run.in_auto
+                         else [float(opts.input_sparsity)])
+        fitted = calibrate_input_levels(prof, [0.0] + run.in_levels, opts.input_criterion, run.in_src.weight_t,
+                                        ffn=opts.input_ffn)
+        run.cals = dict(zip([0.0] + run.in_levels, fitted))
+        run.say(f"[2/5] input thresholds ({time.perf_counter() - t1:.1f} s, on dense-mode inputs): "
+                + "; ".join(run.cals[v].summary() for v in run.in_levels))
 
-        tensors: dict[str, tuple] = {}
-        kept = {j.name for j in jobs}   # a sparse input's old predictors and index are not
-        for t in reader.tensors:
-            if t.name in kept:
-                tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
-        for l in range(n_layer):
-            tensors.pop(F.tensor_name(F.T_FFN_DOWN, l), None)
-            tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (down_q[l], (n_ff, d))
 
-        def write_out(path, freq, pl, gate_kv, show=progress, inputs=None):
-            # the extended file: dense tensors copied, ffn_down -> ffn_down_t, predictors,
-            # the neuron index, the sparse keys
-            new_jobs: list = []
-            src_names = {j.name: j for j in jobs}
-            for j in jobs:
-                kind, il, suffix = F.parse_tensor_name(j.name)
-                if kind in (F.T_FFN_DOWN, F.T_FFN_DOWN_T) and il is not None and suffix == "weight":
-                    if kind == F.T_FFN_DOWN_T:  # a sparse input's: its bytes as they are
-                        new_jobs.append(_raw_job(j.name, j.shape, j.qtype, dense_t[j.name].data))
-                    else:
-                        src_job = src_names[j.name]
+def _fit_ffn(run: _Run) -> None:
+    """[3] The dense file's tensors read, then the FFN fitted: gate mode's quantile table of
+    the gate's magnitudes, or the predictors trained, encoded in their storage types and
+    evaluated as stored (with the neuron frequencies the placement uses)."""
+    dense, opts, rep, prof = run.dense, run.opts, run.rep, run.prof
+    n_layer, n_ff, d = dense.n_layer, dense.n_ff, dense.n_embd
+    run.t_fit = time.perf_counter()
+    run.reader = open_gguf(run.dense_path)  # a PWRI input too
+    dense_t = run.dense_t = {t.name: t for t in run.reader.tensors}
+    run.down_q = dense.down_types or [storage_type(F.T_FFN_DOWN, (n_ff, d), dense.outtype)[0]] * n_layer
+    kept = {j.name for j in dense.jobs}   # a sparse input's old predictors and index are not
+    for t in run.reader.tensors:
+        if t.name in kept:
+            run.tensors[t.name] = (t.tensor_type, tuple(int(v) for v in reversed(t.shape)))
+    for l in range(n_layer):
+        run.tensors.pop(F.tensor_name(F.T_FFN_DOWN, l), None)
+        run.tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)] = (run.down_q[l], (n_ff, d))
 
-                        def load_t(src_job=src_job):
-                            return np.ascontiguousarray(src_job.load().T)
+    if run.gate_mode:
+        run.table = _gate_table(dense, opts, run.budget, prof, run.gate_matrix, rep)
+        return
+    pcfg = opts.predictor or PredictorConfig()
+    pcfg.recall_target = opts.predictor_recall
+    pcfg.threshold = opts.threshold
 
-                        new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d),
-                                                  down_q[il], load_t))
-                    if not gate_mode:
-                        q1, e1, q2, e2 = pred_enc[il]
-                        new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), preds[il].w1.shape, q1, e1))
-                        new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), preds[il].w2.shape, q2, e2))
-                    new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
-                    if inputs is not None:
-                        new_jobs += in_src.layer_jobs(inputs, il)
-                else:
-                    rt = dense_t[j.name]
-                    new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
-            if inputs is not None:
-                new_jobs += in_src.head_jobs(inputs)
+    def gate_of(l):
+        # the gate as the runtime computes it (the stored, possibly quantized weights);
+        # only ReGLU decides activity by the gate's sign alone
+        if not dense.gated or dense.activation != F.ACT_RELU or not opts.gate_init:
+            return None
+        return run.gate_matrix(l)
 
-            def setup(w):
-                from gguf import GGUFValueType as V
-                add_kv(w, dense.kv)
-                if gate_mode:
-                    for k, v, ty in gate_kv:
-                        if ty is None:
-                            w.add_array(k, v)
-                        else:
-                            w.add_key_value(k, v, ty)
-                else:
-                    w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
-                    w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
-                w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
-                w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
-                for k, v, ty in gpu_index_kv(pl, opts.group_size, ctx):
-                    w.add_key_value(k, v, ty)
-                for k, v, ty in (input_kv(inputs) if inputs is not None else []):
-                    w.add_key_value(k, v, ty)
+    preds = run.preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg,
+                                         run.progress, log=lambda s: log.debug("%s", s), gates=gate_of)
+    rep.seconds["predictors"] = time.perf_counter() - run.t_fit
 
-            return write_gguf(path, setup, new_jobs, show, arch=dense.arch), len(new_jobs)
+    # storage types and what the stored (encoded) predictors actually achieve
+    ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
+    for l, p in enumerate(preds):
+        q1, q2 = predictor_qtype(dense.outtype, d, opts.predictor_type), predictor_qtype(dense.outtype, p.h, opts.predictor_type)
+        e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
+        r1, r2 = decode_matrix(e1, q1, p.w1.shape), decode_matrix(e2, q2, p.w2.shape)
+        n_tr = p.n_train
+        rec, prec, dens = evaluate(r1, r2, prof.x[l][n_tr:], prof.mask[l][n_tr:], opts.threshold)
+        rep.stored_recall.append((rec, prec, dens))
+        run.pred_enc.append((q1, e1, q2, e2))
+        rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
+        ffn = sum(int(dense_t[n].n_bytes) for n in (F.tensor_name(k, l) for k in ffn_kinds)
+                  if n in dense_t) + (0 if F.tensor_name(F.T_FFN_DOWN, l) in dense_t else int(
+                      dense_t[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)].n_bytes))
+        rep.ffn_bytes.append(ffn)
+    run.say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
+            f"({gguf.GGMLQuantizationType(run.pred_enc[0][0]).name}) weights:\n"
+            + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],
+                            rep.ffn_bytes, rep.pred_bytes, opts.predictor_recall))
+    rep.predictors = list(preds) if opts.keep_predictors else [_strip(p) for p in preds]
+    run.freq = [np.asarray(prof.freq[l], dtype=np.float64) for l in range(n_layer)]
 
+
+def _fit_levels(run: _Run) -> None:
+    """[3] The levels: the gate's mean sparsity (fixed, or the largest within the budget)
+    and its allocation over the layers, the input sparsity level (alone, or searched
+    jointly with the gate under the shared budget) and its refit; measured by the runtime
+    on one evaluation file whose thresholds each trial patches."""
+    dense, opts, rep, prof = run.dense, run.opts, run.rep, run.prof
+    n_layer, gate_mode, budget, in_budget = dense.n_layer, run.gate_mode, run.budget, run.in_budget
+    # one evaluation file (CPU-only index, placeholder frequencies, input thresholds 0) for
+    # what the runtime measures: the budget, greedy's costs, the input refit; each trial
+    # patches its thresholds
+    if ((gate_mode and (budget is not None or opts.allocation == "greedy"))
+            or (any(v > 0 for v in run.in_levels) and (opts.input_refit or in_budget is not None))):
+        flat = [np.full(dense.n_ff, 0.5) for _ in range(n_layer)]
+        pl0 = solve_from_tensors(run.tensors, flat, n_layer, dense.n_embd_kv, run.ctx, 0, opts.group_size,
+                                 opts.min_layer_share, "greedy")
         if gate_mode:
-            table = _gate_table(dense, opts, budget, prof, gate_matrix, rep)
-        else:
-            pcfg = opts.predictor or PredictorConfig()
-            pcfg.recall_target = opts.predictor_recall
-            pcfg.threshold = opts.threshold
+            rep.gate_thresholds = [0.0] * n_layer
+            rep.gate_layer_sparsity = [0.0] * n_layer
+        eval_path, _ = _write_extended(run, os.path.join(run.tmpdir, "eval.gguf"), flat, pl0,
+                                       _gate_kv(rep, None, opts) if gate_mode else [], show=False,
+                                       inputs=run.cals.get(0.0))
+        run.ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads, ffn="gate" if gate_mode else "sparse")
+    if gate_mode:
+        run.allocate = _gate_allocation(dense, opts, prof, rep, run.table, run.ev,
+                                        run.n_hold if budget is not None else prof.n_tokens, run.progress,
+                                        run.say)
+    run.held_ids = [int(t) for t in prof.tokens[run.n_hold:run.n_hold + opts.budget_tokens]]
 
-            def gate_of(l):
-                # the gate as the runtime computes it (the stored, possibly quantized weights);
-                # only ReGLU decides activity by the gate's sign alone
-                if not dense.gated or dense.activation != F.ACT_RELU or not opts.gate_init:
-                    return None
-                return gate_matrix(l)
-
-            preds = train_predictors([(prof.x[l], prof.mask[l]) for l in range(n_layer)], pcfg, progress,
-                                     log=lambda s: log.debug("%s", s), gates=gate_of)
-            rep.seconds["predictors"] = time.perf_counter() - t0
-
-            # storage types and what the stored (encoded) predictors actually achieve
-            for l, p in enumerate(preds):
-                q1, q2 = predictor_qtype(outtype, d, opts.predictor_type), predictor_qtype(outtype, p.h, opts.predictor_type)
-                e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
-                r1, r2 = decode_matrix(e1, q1, p.w1.shape), decode_matrix(e2, q2, p.w2.shape)
-                n_tr = p.n_train
-                rec, prec, dens = evaluate(r1, r2, prof.x[l][n_tr:], prof.mask[l][n_tr:], opts.threshold)
-                rep.stored_recall.append((rec, prec, dens))
-                pred_enc.append((q1, e1, q2, e2))
-                rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
-                ffn = sum(int(dense_t[n].n_bytes) for n in (F.tensor_name(k, l) for k in ffn_kinds)
-                          if n in dense_t) + (0 if F.tensor_name(F.T_FFN_DOWN, l) in dense_t else int(
-                              dense_t[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)].n_bytes))
-                rep.ffn_bytes.append(ffn)
-            say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
-                f"({gguf.GGMLQuantizationType(pred_enc[0][0]).name}) weights:\n"
-                + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],
-                                rep.ffn_bytes, rep.pred_bytes, opts.predictor_recall))
-            rep.predictors = list(preds) if opts.keep_predictors else [_strip(p) for p in preds]
-            freq = [np.asarray(prof.freq[l], dtype=np.float64) for l in range(n_layer)]
-
-        # one evaluation file (CPU-only index, placeholder frequencies, input thresholds 0) for
-        # what the runtime measures: the budget, greedy's costs, the input refit; each trial
-        # patches its thresholds
-        ev = None
-        if ((gate_mode and (budget is not None or opts.allocation == "greedy"))
-                or (any(v > 0 for v in in_levels) and (opts.input_refit or in_budget is not None))):
-            flat = [np.full(n_ff, 0.5) for _ in range(n_layer)]
-            pl0 = solve_from_tensors(tensors, flat, n_layer, dense.n_embd_kv, ctx, 0, opts.group_size,
-                                     opts.min_layer_share, "greedy")
-            if gate_mode:
-                rep.gate_thresholds = [0.0] * n_layer
-                rep.gate_layer_sparsity = [0.0] * n_layer
-            eval_path, _ = write_out(os.path.join(tmpdir, "eval.gguf"), flat, pl0,
-                                     _gate_kv(rep, None, opts) if gate_mode else [], show=False,
-                                     inputs=cals.get(0.0))
-            ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads, ffn="gate" if gate_mode else "sparse")
-        if gate_mode:
-            allocate = _gate_allocation(dense, opts, prof, rep, table, ev, n_hold if budget is not None else
-                                        prof.n_tokens, progress, say)
-        held_ids = [int(t) for t in prof.tokens[n_hold:n_hold + opts.budget_tokens]]
-
-        def gate_thr(g):
-            return table.thresholds(allocate(g)) if gate_mode else None
-
-        def make_inputs(level, gate_level):
-            cal = cals[level]
-            if opts.input_refit and level > 0:
-                if gate_mode:
-                    patch_gate_thresholds(ev.path, gate_thr(gate_level))
-                ids = refit_tokens(prof.input_ids, cal.n_fit, prof.n_ctx, opts.input_refit_tokens)
-                refit(ev.path, cal, ids, prof.n_ctx, opts.n_threads, say=say, progress=progress)
-            return cal
-
-        def measure(g, cal):
-            return ev.measure(held_ids, gate_thr(g), inputs=cal)
-
-        cal = None
-        mean = None
-        joint = in_req and in_budget is not None and (in_auto or in_levels[0] > 0)
-        if joint:
-            say(f"[3/5] quality budget {in_budget:.1%} " + ("shared by the gate FFN and " if gate_mode else
-                                                          "(the predictors' loss included) for ")
-                + f"input sparsity at {', '.join(f'{v:.0%}' for v in in_levels)}"
-                + (" (or off)" if in_auto else "") + f", on {len(held_ids)} held-out tokens")
-            # ranked by estimated decode time: the file's types decide what a byte costs
-            dcost = DecodeCost.from_file(ev.path, ev.ffn)
-            best, rep.input_tried = search_levels(measure, make_inputs, in_budget, in_levels,
-                                                  BUDGET_MAX_SPARSITY if gate_mode else None, include_off=in_auto,
-                                                  say=say, cost=dcost.estimate, dense_time=dcost.dense,
-                                                  max_kl=_kl_bound(opts, in_budget))
-            mean, cal, rep.budget_result = best.gate, best.cal, best.result
-            r = best.result
-            if cal is not None and in_auto:
-                cal.max_ppl_increase, cal.ppl_increase = in_budget, r["ppl"] / r["ppl_dense"] - 1.0
-            over = over_budget(r, in_budget, _kl_bound(opts, in_budget))
-            why_over = (f"input sparsity {best.inputs:.0%} alone (kept: it was asked for)" if best.inputs > 0
-                        else "the predictor FFN alone")
-            say("[3/5] chosen: " + (f"gate sparsity {mean:.1%}, " if gate_mode else "")
-                + f"input sparsity {best.inputs:.0%}"
-                + (" (off: the file stores no transposed copies)" if cal is None else "")
-                + f": held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%}, "
-                  f"bound {r['ppl_increase_ub']:+.2%}), {r['bytes_per_token'] / 1e6:.3f} of "
-                  f"{r['bytes_per_token_dense'] / 1e6:.3f} MB/token, est. time {describe_time(best.time, dcost.dense)}"
-                + (f"; over the budget: {why_over}" if over else ""))
-            if over:
-                log.warning("over the %.1f%% quality budget: %s", 100 * in_budget, why_over)
-        elif gate_mode and budget is not None:
-            mean = _budget_gate(ev, held_ids, gate_thr, budget, n_hold, rep, progress, say,
+    in_levels, say = run.in_levels, run.say
+    joint = run.in_req and in_budget is not None and (run.in_auto or in_levels[0] > 0)
+    if joint:
+        say(f"[3/5] quality budget {in_budget:.1%} " + ("shared by the gate FFN and " if gate_mode else
+                                                      "(the predictors' loss included) for ")
+            + f"input sparsity at {', '.join(f'{v:.0%}' for v in in_levels)}"
+            + (" (or off)" if run.in_auto else "") + f", on {len(run.held_ids)} held-out tokens")
+        # ranked by estimated decode time: the file's types decide what a byte costs
+        dcost = DecodeCost.from_file(run.ev.path, run.ev.ffn)
+        best, rep.input_tried = search_levels(run.measure, run.make_inputs, in_budget, in_levels,
+                                              BUDGET_MAX_SPARSITY if gate_mode else None, include_off=run.in_auto,
+                                              say=say, cost=dcost.estimate, dense_time=dcost.dense,
+                                              max_kl=_kl_bound(opts, in_budget))
+        run.mean, run.cal, rep.budget_result = best.gate, best.cal, best.result
+        r, cal, mean = best.result, run.cal, run.mean
+        if cal is not None and run.in_auto:
+            cal.max_ppl_increase, cal.ppl_increase = in_budget, r["ppl"] / r["ppl_dense"] - 1.0
+        over = over_budget(r, in_budget, _kl_bound(opts, in_budget))
+        why_over = (f"input sparsity {best.inputs:.0%} alone (kept: it was asked for)" if best.inputs > 0
+                    else "the predictor FFN alone")
+        say("[3/5] chosen: " + (f"gate sparsity {mean:.1%}, " if gate_mode else "")
+            + f"input sparsity {best.inputs:.0%}"
+            + (" (off: the file stores no transposed copies)" if cal is None else "")
+            + f": held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} ({r['ppl'] / r['ppl_dense'] - 1:+.2%}, "
+              f"bound {r['ppl_increase_ub']:+.2%}), {r['bytes_per_token'] / 1e6:.3f} of "
+              f"{r['bytes_per_token_dense'] / 1e6:.3f} MB/token, est. time {describe_time(best.time, dcost.dense)}"
+            + (f"; over the budget: {why_over}" if over else ""))
+        if over:
+            log.warning("over the %.1f%% quality budget: %s", 100 * in_budget, why_over)
+    elif gate_mode and budget is not None:
+        run.mean = _budget_gate(run.ev, run.held_ids, run.gate_thr, budget, run.n_hold, rep, run.progress, say,
                                 _kl_bound(opts, budget))
-        elif gate_mode:
-            mean = float(opts.sparsity)
-        if in_req and not joint:
-            cal = make_inputs(in_levels[0], mean)  # the FFN final: its inputs are the file's
-        rep.input_calibration = cal
-        if gate_mode:
-            freq = _gate_final(dense, opts, prof, gate_matrix, rep, table, allocate(mean), mean)
-            rep.seconds["thresholds"] = time.perf_counter() - t0
-            say(f"[3/5] gate thresholds ({rep.gate_allocation}, mean sparsity {rep.gate_sparsity:.1%}, "
-                f"{rep.seconds['thresholds']:.1f} s): " + ", ".join(
-                    f"L{l} {sl:.0%} t={t:.3g} density {dn:.1%}" for l, (sl, t, dn) in enumerate(
-                        zip(rep.gate_layer_sparsity, rep.gate_thresholds, rep.gate_density))))
+    elif gate_mode:
+        run.mean = float(opts.sparsity)
+    if run.in_req and not joint:
+        run.cal = run.make_inputs(in_levels[0], run.mean)  # the FFN final: its inputs are the file's
+    rep.input_calibration = run.cal
+    if gate_mode:
+        run.freq = _gate_final(dense, opts, prof, run.gate_matrix, rep, run.table, run.allocate(run.mean),
+                               run.mean)
+        rep.seconds["thresholds"] = time.perf_counter() - run.t_fit
+        say(f"[3/5] gate thresholds ({rep.gate_allocation}, mean sparsity {rep.gate_sparsity:.1%}, "
+            f"{rep.seconds['thresholds']:.1f} s): " + ", ".join(
+                f"L{l} {sl:.0%} t={t:.3g} density {dn:.1%}" for l, (sl, t, dn) in enumerate(
+                    zip(rep.gate_layer_sparsity, rep.gate_thresholds, rep.gate_density))))
 
-        if cal is not None and cal.sparse_mode:
-            say(f"[3/5] input thresholds, {refit_summary(cal)}")
+    if run.cal is not None and run.cal.sparse_mode:
+        say(f"[3/5] input thresholds, {refit_summary(run.cal)}")
 
-        # 4. placement
-        t0 = time.perf_counter()
-        for l, (q1, e1, q2, e2) in enumerate(pred_enc):
-            tensors[F.sparse_tensor_name(F.T_FC1, l)] = (q1, preds[l].w1.shape)
-            tensors[F.sparse_tensor_name(F.T_FC2, l)] = (q2, preds[l].w2.shape)
-        pl = solve_from_tensors(tensors, freq, n_layer, dense.n_embd_kv, ctx,
+
+def _place(run: _Run) -> None:
+    """[4] The neuron placement under the VRAM budget (with the predictors' bytes)."""
+    dense, opts, rep = run.dense, run.opts, run.rep
+    t0 = time.perf_counter()
+    for l, (q1, e1, q2, e2) in enumerate(run.pred_enc):
+        run.tensors[F.sparse_tensor_name(F.T_FC1, l)] = (q1, run.preds[l].w1.shape)
+        run.tensors[F.sparse_tensor_name(F.T_FC2, l)] = (q2, run.preds[l].w2.shape)
+    run.pl = solve_from_tensors(run.tensors, run.freq, dense.n_layer, dense.n_embd_kv, run.ctx,
                                 opts.vram_budget, opts.group_size, opts.min_layer_share,
                                 opts.placement, opts.ilp_time_limit)
-        rep.placement = pl
-        rep.seconds["placement"] = time.perf_counter() - t0
-        say(f"[4/5] {pl.summary()}")
+    rep.placement = run.pl
+    rep.seconds["placement"] = time.perf_counter() - t0
+    run.say(f"[4/5] {run.pl.summary()}")
 
-        # 5. the extended file
-        t0 = time.perf_counter()
-        out, n_jobs = write_out(out_path, freq, pl, _gate_kv(rep, budget, opts) if gate_mode else [],
-                                inputs=rep.input_calibration)
-        del reader, dense_t
-        rep.seconds["write"] = time.perf_counter() - t0
-        size = os.path.getsize(out)
-        say(f"[5/5] wrote {out} ({format_size(size)}, {n_jobs} tensors, {rep.seconds['write']:.1f} s)")
-        return out, rep
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+
+def _write(run: _Run) -> tuple[str, SparseReport]:
+    """[5] The extended file at out_path; returns (its path, the report)."""
+    rep, opts = run.rep, run.opts
+    t0 = time.perf_counter()
+    out, n_jobs = _write_extended(run, run.out_path, run.freq, run.pl,
+                                  _gate_kv(rep, run.budget, opts) if run.gate_mode else [],
+                                  inputs=rep.input_calibration)
+    run.reader, run.dense_t = None, {}
+    rep.seconds["write"] = time.perf_counter() - t0
+    size = os.path.getsize(out)
+    run.say(f"[5/5] wrote {out} ({format_size(size)}, {n_jobs} tensors, {rep.seconds['write']:.1f} s)")
+    return out, rep
+
+
+def _write_extended(run: _Run, path: str, freq, pl, gate_kv, show: bool | None = None,
+                    inputs=None) -> tuple[str, int]:
+    """The extended file: dense tensors copied, ffn_down -> ffn_down_t, predictors, the
+    neuron index, the input-sparse copies, the sparse keys; returns (path, tensors)."""
+    dense, opts, rep, dense_t = run.dense, run.opts, run.rep, run.dense_t
+    n_ff, d = dense.n_ff, dense.n_embd
+    show = run.progress if show is None else show
+    new_jobs: list = []
+    src_names = {j.name: j for j in dense.jobs}
+    for j in dense.jobs:
+        kind, il, suffix = F.parse_tensor_name(j.name)
+        if kind in (F.T_FFN_DOWN, F.T_FFN_DOWN_T) and il is not None and suffix == "weight":
+            if kind == F.T_FFN_DOWN_T:  # a sparse input's: its bytes as they are
+                new_jobs.append(_raw_job(j.name, j.shape, j.qtype, dense_t[j.name].data))
+            else:
+                src_job = src_names[j.name]
+
+                def load_t(src_job=src_job):
+                    return np.ascontiguousarray(src_job.load().T)
+
+                new_jobs.append(TensorJob(F.sparse_tensor_name(F.T_FFN_DOWN_T, il), (n_ff, d),
+                                          run.down_q[il], load_t))
+            if not run.gate_mode:
+                q1, e1, q2, e2 = run.pred_enc[il]
+                new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC1, il), run.preds[il].w1.shape, q1, e1))
+                new_jobs.append(_raw_job(F.sparse_tensor_name(F.T_FC2, il), run.preds[il].w2.shape, q2, e2))
+            new_jobs += index_jobs(il, freq[il], pl.hot[il], n_ff)
+            if inputs is not None:
+                new_jobs += run.in_src.layer_jobs(inputs, il)
+        else:
+            rt = dense_t[j.name]
+            new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+    if inputs is not None:
+        new_jobs += run.in_src.head_jobs(inputs)
+
+    def setup(w):
+        add_kv(w, dense.kv)
+        if run.gate_mode:
+            for k, v, ty in gate_kv:
+                if ty is None:
+                    w.add_array(k, v)
+                else:
+                    w.add_key_value(k, v, ty)
+        else:
+            w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
+            w.add_key_value(F.KEY_SPARSE_RECALL_TARGET, float(opts.predictor_recall), V.FLOAT32)
+        w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
+        w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(rep.n_calib_tokens), V.UINT32)
+        for k, v, ty in gpu_index_kv(pl, opts.group_size, run.ctx):
+            w.add_key_value(k, v, ty)
+        for k, v, ty in (input_kv(inputs) if inputs is not None else []):
+            w.add_key_value(k, v, ty)
+
+    return write_gguf(path, setup, new_jobs, show, arch=dense.arch), len(new_jobs)
 
 
 def _gate_kv(rep: SparseReport, budget: float | None, opts: SparseOptions) -> list:
     """(key, value, GGUFValueType or None for an f32 array) of a gate-sparse file."""
-    from gguf import GGUFValueType as V
     kv = [(F.KEY_SPARSE_GATE_THRESHOLD, [float(t) for t in rep.gate_thresholds], None),
           (F.KEY_SPARSE_TARGET, float(rep.gate_sparsity or 0.0), V.FLOAT32),
           (F.KEY_SPARSE_LAYER_SPARSITY, [float(v) for v in rep.gate_layer_sparsity], None),
@@ -674,7 +777,6 @@ def _budget_gate(ev, ids: list, gate_thr, budget: float, n_fit: int, rep: Sparse
         f"{len(ids)} held-out tokens (calibration on the first {n_fit})")
     bar = None
     if progress:
-        from tqdm.auto import tqdm
         bar = tqdm(desc="quality budget", unit="level", dynamic_ncols=True)
 
     def ppl_at(s):
@@ -715,7 +817,6 @@ def _gate_final(dense: DenseModel, opts: SparseOptions, prof, gate_matrix, rep: 
 
 def index_jobs(layer: int, freq: np.ndarray, hot: np.ndarray, n_ff: int) -> list:
     """TensorJobs of ffn_freq, gpu_idx and (when n_hot > 0) gpu_bucket."""
-    from gguf import GGMLQuantizationType as Q
     idx = np.zeros(n_ff, np.int32)
     idx[hot] = 1
     out = [TensorJob(F.sparse_tensor_name(F.T_FFN_FREQ, layer), (n_ff,), Q.F32,
@@ -732,14 +833,12 @@ def _raw_job(name, shape, qtype, data):
 
 
 def _with_stored(p: LayerPredictor, stored) -> LayerPredictor:
-    import copy
     q = copy.copy(p)
     q.recall, q.precision, q.pred_density = stored
     return q
 
 
 def _strip(p: LayerPredictor) -> LayerPredictor:
-    import copy
     q = copy.copy(p)
     q.w1 = np.zeros((p.h, 0), np.float32)
     q.w2 = np.zeros((0, p.h), np.float32)

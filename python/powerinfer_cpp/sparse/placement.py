@@ -22,11 +22,15 @@ group, i.e. the expected number of active neurons per token it serves.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import io
 import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from .. import format as F
 from ..sizes import format_size, parse_size  # noqa: F401 (re-exported for the sparse modules)
@@ -163,8 +167,6 @@ def _greedy_groups(p: PlacementProblem) -> list[int]:
     """Repeatedly take the best value-per-byte step that fits: the next group of a
     layer already on the GPU, or a layer's first block of min_groups groups. The
     budget only shrinks, so a step that does not fit never will: a heap suffices."""
-    import heapq
-
     k = [0] * p.n_layer
     left = p.remaining
     heap = []
@@ -224,9 +226,6 @@ def ilp_placement(p: PlacementProblem, time_limit: float = 10.0, verbose: bool =
     """The placement ILP (python-mip / CBC), warm-started from the greedy
     solution; the greedy one is returned when the ILP does not beat it. CBC stops
     at ``time_limit`` seconds or when proven within ``rel_gap`` of the optimum."""
-    import contextlib
-    import io
-
     with contextlib.redirect_stdout(io.StringIO()):  # mip announces itself on import
         import mip
 
@@ -320,7 +319,6 @@ def solve_placement(p: PlacementProblem, method: str = "ilp", time_limit: float 
 # ---------------------------------------------------------------------------
 
 def tensor_nbytes(qtype, shape) -> int:
-    from gguf import GGML_QUANT_SIZES
     bs, ts = GGML_QUANT_SIZES[qtype]
     return int(np.prod(shape)) // bs * ts
 

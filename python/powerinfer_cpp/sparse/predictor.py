@@ -31,12 +31,15 @@ torch is used as an accelerator only when ``backend="torch"`` is asked for.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from tqdm import tqdm
 
 __all__ = ["PredictorConfig", "blas_threads", "LayerPredictor", "train_layer", "train_predictors", "evaluate",
            "predictor_scores", "format_report"]
@@ -135,9 +138,6 @@ def blas_threads(n: int | None):
 
 
 def _openblas_fns():
-    import ctypes
-    import re
-
     try:
         with open("/proc/self/maps") as f:
             paths = set(re.findall(r"(/\S*openblas\S*\.so\S*)", f.read()))
@@ -450,8 +450,6 @@ def train_predictors(layers, cfg: PredictorConfig | None = None, progress: bool 
                      gates: Callable[[int], np.ndarray | None] | None = None) -> list[LayerPredictor]:
     """Train every layer: ``layers`` is a sequence of (x, mask) pairs; ``gates(il)``, when
     given, returns layer il's gate weights [n_ff, n_embd] (see train_layer) or None."""
-    from tqdm import tqdm
-
     cfg = cfg or PredictorConfig()
     out = []
     with blas_threads(cfg.blas_threads):

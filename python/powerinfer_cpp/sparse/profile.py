@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .._native import check, ffi, lib
 from ..model import Model
@@ -179,7 +180,6 @@ def profile_model(model: str | os.PathLike | Model, tokens: str | Sequence[int],
         window = n_ctx  # the windows rec_at was planned for
         bar = None
         if progress:
-            from tqdm.auto import tqdm
             bar = tqdm(total=n, desc="profiling", unit="tok", dynamic_ncols=True)
         try:
             x_stride, m_stride = n * info.n_embd, n * n_mask

@@ -29,7 +29,13 @@ from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .. import format as F
+from ..convert.from_gguf import _kv_entries
+from ..gguf_write import ConvertError, TensorJob, add_kv, decode_matrix, write_gguf
 
 #: The readers of each norm (tensor kinds without the "blk.N." prefix and ".weight").
 ATTN_READERS = ("attn_q", "attn_k", "attn_v")
@@ -60,13 +66,6 @@ def rotate_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, q: np.n
     """Write in_path's dense llama-family model with its residual stream rotated by q (see
     the module doc); weights F16 (F32 kept F32). Refuses what the folding does not hold
     for: biases on the readers or writers, extra norms, mixture of experts."""
-    import gguf
-    from gguf import GGMLQuantizationType as Q
-
-    from .. import format as F
-    from ..convert.from_gguf import _kv_entries
-    from ..gguf_write import ConvertError, TensorJob, add_kv, decode_matrix, write_gguf
-
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     r = gguf.GGUFReader(in_path)
     arch = str(r.fields["general.architecture"].contents())

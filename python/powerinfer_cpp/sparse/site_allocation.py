@@ -33,9 +33,14 @@ from __future__ import annotations
 import copy
 from typing import Callable, Sequence
 
-import numpy as np
+import gguf
 
+import numpy as np
+from tqdm.auto import tqdm
+
+from .. import format as F
 from .input_sparsity import SITE_DOWN, SITE_FFN, SITE_HEAD, SITE_O, SITE_QKV, InputCalibration
+from .thresholds import greedy_allocation
 
 #: Levels at which a site's KL is measured (0 is free).
 SITE_GRID = (0.25, 0.5, 0.75)
@@ -143,10 +148,6 @@ def proxy_curves(errors: dict, anchor: int, anchor_kl: np.ndarray, ref: str | No
 def site_bytes(path: str) -> dict:
     """Per site key, the weight bytes a dense token reads through it in the file at path: the
     transposed copy's rows times their bytes (q/k/v together, gate and up together)."""
-    import gguf
-
-    from .. import format as F
-
     r = gguf.GGUFReader(path)
     try:
         nb = {t.name: int(t.n_bytes) for t in r.tensors}
@@ -190,7 +191,6 @@ def site_costs(measure: Callable[[InputCalibration], float], table: SiteTable, g
     costs = np.zeros((len(keys), len(grid)))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
         bar = tqdm(total=len(keys) * len(grid), desc="site sensitivity", unit="eval", dynamic_ncols=True)
     try:
         for i, k in enumerate(keys):
@@ -238,7 +238,6 @@ def allocate_sites(costs: np.ndarray, groups: Sequence, weights: dict, max_kl: f
     """Per site key its level: thresholds.greedy_allocation over the groups (group_sites) by
     KL per byte (weights: a site's bytes per token) until the summed measured KL reaches
     max_kl; a group's sites share its level."""
-    from .thresholds import greedy_allocation
     lv = greedy_allocation(costs, None, grid, step, weights=group_weights(groups, weights), max_cost=max_kl)
     return {k: v for g, v in zip(groups, lv) for k in g}
 

@@ -246,6 +246,8 @@ class Llama:
             self._ctx = self._model.context
             self._draft = _draft_arg(self._model, draft_model, draft_max)
             self._draft_max = draft_max
+            if speculative.serves_dense(self._draft, ffn):
+                self._ctx.set_ffn_mode("dense")
             if chat_format is not None and chat_template is None:
                 chat_template = _CHAT_FORMATS[chat_format]
             self._chat_template_src = chat_template

@@ -218,6 +218,14 @@ def check_self_draft(model: Model, sd: SelfDraft) -> str:
     return mode or "dense"
 
 
+def serves_dense(draft, ffn: str) -> bool:
+    """Whether the target's own contexts run the dense FFN: with a self draft the file's
+    sparse mode is the drafter and the output is the dense model's, so what is decoded
+    without drafting (a grammar, a logit bias, a probe of the cost policy) is the dense
+    model's too; an explicit ffn other than "auto" is kept."""
+    return ffn == "auto" and isinstance(draft, str) and as_self_draft(draft) is not None
+
+
 def self_draft_mode(model: Model, required: bool = True) -> str | None:
     """The FFN mode `draft="self"` drafts with: "sparse" (predictors) or "gate" (gate
     thresholds); when the file has neither, ValueError naming what it lacks (required)

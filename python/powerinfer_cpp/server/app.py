@@ -62,6 +62,9 @@ class Server:
             raise
         self.n_ctx = self.slots[0].ctx.n_ctx
         self.draft = self._check_draft(s)
+        if speculative.serves_dense(self.draft, s.ffn):
+            for slot in self.slots:
+                slot.ctx.set_ffn_mode("dense")
         self.max_tokens = s.max_tokens or self.n_ctx
         self.name = s.alias or Path(s.model).name.removesuffix(".gguf")
         # Every name /v1/models lists for the one model: the alias first (the id), then the

@@ -51,6 +51,16 @@ def percentile(xs: list[float], q: float) -> float:
 def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
                 headers: dict) -> dict:
     """One streamed completion: time to first token, time per later token, tokens."""
+    try:
+        return _one_request(client, url, prompt, max_tokens, headers)
+    except httpx.RemoteProtocolError:
+        # the server closed a kept-alive connection before answering (llama-server does
+        # after some requests): the request never started, so send it again
+        return _one_request(client, url, prompt, max_tokens, headers)
+
+
+def _one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int,
+                 headers: dict) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()

@@ -204,28 +204,21 @@ SAMPLING = [dict(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, repeat_penalty=
             dict(temperature=0.9, top_k=12, top_p=0.9, min_p=0.05, repeat_penalty=1.5)]
 
 
-@pytest.mark.parametrize("draft", ["self", "relu"])
-@pytest.mark.parametrize("kw", SAMPLING, ids=["temperature", "top_k_p_min_p_penalty"])
-def test_sampled_tokens_follow_the_dense_distribution(files, draft, kw):
-    """800 seeded generations of 3 tokens with draft_max 1: token 1 comes from the prompt's
-    logits, token 2 from the first speculative round (kept draft, or a draw from the
-    residual). The joint counts of (token 1, token 2) against the dense model's probabilities
-    (numpy's warping of dense logits): chi-square p > 1e-3. The ReLU model as the draft is
-    a poor one (many rejections), the file's own gate mode a good one."""
+def _check_first_two_tokens(target, prompt: str, draft, kw: dict, n_draw: int = 800) -> None:
+    """Speculative sampling with `draft` on `target` (draft_max 1) draws the first two tokens
+    from the dense model's joint distribution: counts over n_draw seeds against it,
+    chi-square p > 1e-3, with both branches of the acceptance run."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    target = files["gate_f16"]
-    n_draw = 800
     with Model(target, n_ctx=N_CTX, n_threads=2) as m:
-        ids = m.tokenize(PROMPT)
+        ids = m.tokenize(prompt)
         dense = m.create_context(n_ctx=N_CTX, ffn="dense")
         p1 = _warp(dense.eval(ids), ids, kw["temperature"], kw["top_k"], kw["top_p"],
                    kw["min_p"], kw["repeat_penalty"], 64)
         ctx = m.create_context(n_ctx=N_CTX)
-        d = "self" if draft == "self" else str(files["relu_dense"])
         counts: dict = {}
         drafted = accepted = 0
         for seed in range(n_draw):
-            out = ctx.generate(ids, max_tokens=3, seed=seed, ignore_eos=True, draft=d,
+            out = ctx.generate(ids, max_tokens=3, seed=seed, ignore_eos=True, draft=draft,
                                draft_max=1, **kw)
             key = tuple(out.tokens[:2])
             counts[key] = counts.get(key, 0) + 1
@@ -234,12 +227,12 @@ def test_sampled_tokens_follow_the_dense_distribution(files, draft, kw):
         expected = {}
         for a in np.flatnonzero(p1):
             dense.reset()
-            p2 = _warp(dense.eval(ids + [int(a)]), ids + [int(a)], kw["temperature"], kw["top_k"],
-                       kw["top_p"], kw["min_p"], kw["repeat_penalty"], 64)
+            p2 = _warp(dense.eval(ids + [int(a)]), ids + [int(a)], kw["temperature"],
+                       kw["top_k"], kw["top_p"], kw["min_p"], kw["repeat_penalty"], 64)
             for b in np.flatnonzero(p2):
                 expected[(int(a), int(b))] = n_draw * p1[a] * p2[b]
     assert set(counts) <= set(expected), "a token the dense distribution cannot give"
-    assert 0 < accepted < drafted  # both branches of the acceptance ran
+    assert 0 < accepted < drafted
     big = [k for k, e in expected.items() if e >= 5]
     obs = [counts.get(k, 0) for k in big]
     exp = [expected[k] for k in big]
@@ -253,6 +246,18 @@ def test_sampled_tokens_follow_the_dense_distribution(files, draft, kw):
     assert len(obs) >= 4
     chi2, pval = scipy_stats.chisquare(obs, exp)
     assert pval > 1e-3, (chi2, pval, list(zip(obs, exp)))
+
+
+@pytest.mark.parametrize("draft", ["self", "relu"])
+@pytest.mark.parametrize("kw", SAMPLING, ids=["temperature", "top_k_p_min_p_penalty"])
+def test_sampled_tokens_follow_the_dense_distribution(files, draft, kw):
+    """800 seeded generations of 3 tokens with draft_max 1: token 1 comes from the prompt's
+    logits, token 2 from the first speculative round (kept draft, or a draw from the
+    residual). The joint counts of (token 1, token 2) against the dense model's probabilities
+    (numpy's warping of dense logits): chi-square p > 1e-3. The ReLU model as the draft is
+    a poor one (many rejections), the file's own gate mode a good one."""
+    d = "self" if draft == "self" else str(files["relu_dense"])
+    _check_first_two_tokens(files["gate_f16"], PROMPT, d, kw)
 
 
 def test_seeded_speculative_sampling_repeats(files):
@@ -625,45 +630,7 @@ def test_cheaper_drafts_sample_the_dense_distribution(files, draft, prompt, kw):
     and for lookup's one-hot q (on a prompt whose words the model repeats; a repetition
     penalty leaves lookup nothing to keep): the joint counts of the first two tokens
     against the dense model's probabilities, chi-square p > 1e-3."""
-    scipy_stats = pytest.importorskip("scipy.stats")
-    n_draw = 800
-    with Model(files["gate_f16"], n_ctx=N_CTX, n_threads=2) as m:
-        ids = m.tokenize(prompt)
-        dense = m.create_context(n_ctx=N_CTX, ffn="dense")
-        p1 = _warp(dense.eval(ids), ids, kw["temperature"], kw["top_k"], kw["top_p"],
-                   kw["min_p"], kw["repeat_penalty"], 64)
-        ctx = m.create_context(n_ctx=N_CTX)
-        counts: dict = {}
-        drafted = accepted = 0
-        for seed in range(n_draw):
-            out = ctx.generate(ids, max_tokens=3, seed=seed, ignore_eos=True, draft=draft,
-                               draft_max=1, **kw)
-            key = tuple(out.tokens[:2])
-            counts[key] = counts.get(key, 0) + 1
-            drafted += out.timings["speculative"]["drafted"]
-            accepted += out.timings["speculative"]["accepted"]
-        expected = {}
-        for a in np.flatnonzero(p1):
-            dense.reset()
-            p2 = _warp(dense.eval(ids + [int(a)]), ids + [int(a)], kw["temperature"],
-                       kw["top_k"], kw["top_p"], kw["min_p"], kw["repeat_penalty"], 64)
-            for b in np.flatnonzero(p2):
-                expected[(int(a), int(b))] = n_draw * p1[a] * p2[b]
-    assert set(counts) <= set(expected), "a token the dense distribution cannot give"
-    assert 0 < accepted < drafted
-    big = [k for k, e in expected.items() if e >= 5]
-    obs = [counts.get(k, 0) for k in big]
-    exp = [expected[k] for k in big]
-    rest_obs, rest_exp = n_draw - sum(obs), n_draw - sum(exp)
-    if rest_exp >= 5:
-        obs.append(rest_obs)
-        exp.append(rest_exp)
-    else:
-        exp[-1] += rest_exp
-        obs[-1] += rest_obs
-    assert len(obs) >= 4
-    chi2, pval = scipy_stats.chisquare(obs, exp)
-    assert pval > 1e-3, (chi2, pval, list(zip(obs, exp)))
+    _check_first_two_tokens(files["gate_f16"], prompt, draft, kw)
 
 
 def test_cost_policy_picks_the_fastest_k():

@@ -1,4 +1,4 @@
-"""Chat templates written for the tool-format tests, one per native call syntax (tools.py
+"""The tools and chat templates of the tool tests, one per native call syntax (tools.py
 FORMATS): each renders the `tools` variable and earlier tool calls the way models of that
 family are trained to read them, on ChatML-style turns (the test model's vocabulary).
 Written here for the tests, in the families' documented formats."""
@@ -80,3 +80,18 @@ digits') }}{% endif %}
 {%- endfor %}"""
 
 TEMPLATES = {"hermes": HERMES, "llama3": LLAMA3, "mistral": MISTRAL}
+
+
+# The two tools test_tools.py and test_tool_formats.py call with.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
+                   "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}

@@ -15,19 +15,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from powerinfer_cpp import Llama  # noqa: E402
 from powerinfer_cpp.tools import ToolError, ToolPlan  # noqa: E402
+from tool_templates import PARAMS, TOOLS, WEATHER  # noqa: E402
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
-                   "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 def check_calls(calls, names=None):

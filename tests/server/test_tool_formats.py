@@ -19,20 +19,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from powerinfer_cpp.chat import ChatTemplate, normalize_messages  # noqa: E402
 from powerinfer_cpp.tools import (FORMAT_NAMES, ToolError, ToolPlan,  # noqa: E402
                                   format_for_template)
-from tool_templates import TEMPLATES  # noqa: E402
+from tool_templates import PARAMS, TEMPLATES, TOOLS  # noqa: E402
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 40},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a time zone",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 30}},
-                   "required": ["zone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

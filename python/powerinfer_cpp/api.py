@@ -110,14 +110,8 @@ def _draft_arg(model, draft_model, draft_max):
         if draft_max is not None:
             raise ValueError("Llama(): draft_max needs a draft_model ('self' or a GGUF file)")
         return None
-    if speculative.as_lookup_draft(draft_model) is not None:
-        return draft_model
-    sd = speculative.as_self_draft(draft_model)
-    if sd is not None:
-        speculative.check_self_draft(model, sd)
-        return draft_model
-    if isinstance(draft_model, (str, os.PathLike)):
-        return speculative.load_draft_model(model, draft_model)
+    if isinstance(draft_model, (str, os.PathLike, speculative.SelfDraft)):
+        return speculative.resolve_draft(model, draft_model)
     if isinstance(draft_model, Model):
         speculative.check_vocab(model, draft_model)
         return draft_model

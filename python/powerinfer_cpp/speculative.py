@@ -218,6 +218,18 @@ def check_self_draft(model: Model, sd: SelfDraft) -> str:
     return mode or "dense"
 
 
+def resolve_draft(model: Model, draft):
+    """A draft given by name or path, checked against `model`: a lookup or self draft's
+    string as it is, a file loaded as a draft model (load_draft_model)."""
+    if as_lookup_draft(draft) is not None:
+        return draft
+    sd = as_self_draft(draft)
+    if sd is not None:
+        check_self_draft(model, sd)
+        return draft
+    return load_draft_model(model, draft)
+
+
 def serves_dense(draft, ffn: str) -> bool:
     """Whether the target's own contexts run the dense FFN: with a self draft the file's
     sparse mode is the drafter and the output is the dense model's, so what is decoded

@@ -228,13 +228,7 @@ class Server:
         if s.draft is None:
             return None
         try:
-            if speculative.as_lookup_draft(s.draft) is not None:
-                return s.draft
-            sd = speculative.as_self_draft(s.draft)
-            if sd is not None:
-                speculative.check_self_draft(self.model, sd)
-                return s.draft
-            return speculative.load_draft_model(self.model, s.draft)
+            return speculative.resolve_draft(self.model, s.draft)
         except BaseException:
             self.model.close()
             raise

@@ -2,7 +2,8 @@
 device over a real selection trace.
 
     python tools/moe_cache_sim.py MOE.gguf --text FILE [--profile-tokens 2048] [--tokens 512]
-        [--slots 4,8,16] [--pcie 25e9] [--dev-bw 2e12] [--cpu-bw 50e9]
+        [--slots 4,8,16] [--pcie 25e9] [--dev-bw 2e12] [--cpu-bw 50e9] [--per-layer]
+        [--configs static,lru,lfu,split]
 
 1. Profile: the expert frequencies over the first --profile-tokens tokens of the text
    (sparse/experts.py profile_experts, the CPU runtime's selection counts).
@@ -10,7 +11,11 @@ device over a real selection trace.
    token at a time (selection_trace) — held out from the profile.
 3. For device room of S experts (each --slots value), replay a decode over the trace
    (replay_cache, the runtime's rule): the static plan (the S most frequent experts), an
-   LRU cache of S experts (the runtime's), an LFU cache, and static + LRU splits.
+   LRU cache of S experts (the runtime's), an LFU cache, and static + LRU splits (--configs
+   picks among them); --per-layer adds an LRU with S / n_layer slots per layer (not the
+   runtime's rule: what a per-layer share would keep), with the layers' spread of hit rates.
+   The header gives the routing's skew (the top 10% of experts' share of the selections)
+   and temporal locality (the share of choices the previous token made too).
 4. Cost per token, per layer as the runtime overlaps them (moe.c: the cache's uploads are
    synchronous and come first, then the device's experts run while the CPU's do):
        t = sum_layers  uploads * B / pcie  +  max(dev_runs * B / dev_bw, cpu_runs * B / cpu_bw)
@@ -34,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from powerinfer_cpp import Model  # noqa: E402
-from powerinfer_cpp.sparse.experts import profile_experts, replay_cache, selection_trace  # noqa: E402
+from powerinfer_cpp.sparse.experts import CacheReplay, profile_experts, replay_cache, selection_trace  # noqa: E402
 
 
 def cost(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float) -> float:
@@ -53,6 +58,60 @@ def cost_overlapped(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float) ->
     t = np.maximum(np.maximum((pt[:, :, 0] - up) * b / dev_bw, (pt[:, :, 1] + up) * b / cpu_bw),
                    up * b / pcie)
     return float(t.sum(axis=1).mean())
+
+
+def replay_per_layer(trace: np.ndarray, per_layer: int) -> tuple[CacheReplay, np.ndarray]:
+    """replay_cache's LRU rule with the slots split evenly between the layers: each layer
+    caches only its own experts in per_layer slots (per chosen expert in ascending id: held
+    -> hit; else evict the least recently used slot this layer call is not using, or run on
+    the CPU if there is none). Not what the runtime does (its slots are shared by all
+    layers); it says what a per-layer share would keep. Returns the replay and each layer's
+    hit rate."""
+    from collections import OrderedDict
+
+    n_tok, n_layer, _ = trace.shape
+    r = CacheReplay(per_token=np.zeros((n_tok, n_layer, 3), dtype=np.int64))
+    caches = [OrderedDict() for _ in range(n_layer)]
+    hits = np.zeros(n_layer, dtype=np.int64)
+    seen = np.zeros(n_layer, dtype=np.int64)
+    for t in range(n_tok):
+        for l in range(n_layer):
+            c, busy, pt = caches[l], set(), r.per_token[t, l]
+            for e in np.flatnonzero(trace[t, l]):
+                e = int(e)
+                seen[l] += 1
+                if e in c:
+                    c.move_to_end(e)
+                    busy.add(e)
+                    hits[l] += 1
+                    pt[0] += 1
+                    continue
+                if per_layer == 0:
+                    pt[1] += 1
+                    continue
+                if len(c) >= per_layer:
+                    old = next((k for k in c if k not in busy), None)
+                    if old is None:  # every slot serves this call: the CPU runs it
+                        pt[1] += 1
+                        continue
+                    del c[old]
+                c[e] = True
+                busy.add(e)
+                pt[0] += 1
+                pt[2] += 1
+    r.hits = int(hits.sum())
+    r.misses = int(seen.sum() - r.hits)
+    r.runs_device = int(r.per_token[:, :, 0].sum())
+    r.runs_cpu = int(r.per_token[:, :, 1].sum())
+    r.uploads = int(r.per_token[:, :, 2].sum())
+    return r, hits / np.maximum(seen, 1)
+
+
+def locality(trace: np.ndarray) -> float:
+    """The share of a token's expert choices (after the first token) that the previous token
+    made in the same layer: the temporal locality an LRU cache lives on."""
+    both = (trace[1:] & trace[:-1]).sum()
+    return float(both / max(trace[1:].sum(), 1))
 
 
 def static_plan(freq: np.ndarray, n: int) -> np.ndarray:
@@ -76,6 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pcie", type=float, default=25e9, help="bytes/s host -> device")
     ap.add_argument("--dev-bw", type=float, default=2e12, help="device memory bytes/s")
     ap.add_argument("--cpu-bw", type=float, default=50e9, help="CPU memory bytes/s")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="also an LRU cache with the room split evenly between the layers")
+    ap.add_argument("--configs", default="static,lru,lfu,split",
+                    help="which of the runtime-rule configurations to replay (static, lru, lfu, split)")
     a = ap.parse_args(argv)
 
     with Model(a.model, n_ctx=a.n_ctx) as m:
@@ -95,7 +158,9 @@ def main(argv=None) -> int:
     print(f"model {os.path.basename(a.model)}: {info.n_layer} layers x {info.n_expert} experts, top-"
           f"{info.n_expert_used}, one expert {b / 1024:.1f} KiB; profile {a.profile_tokens} tokens, "
           f"trace {a.tokens} held-out tokens; top 10% of experts take "
-          f"{top[:max(1, n_all // 10)].sum() / top.sum():.1%} of the selections")
+          f"{top[:max(1, n_all // 10)].sum() / top.sum():.1%} of the selections; "
+          f"{locality(trace):.1%} of a token's choices repeat the previous token's (a uniform random "
+          f"router: {info.n_expert_used / info.n_expert:.1%})")
     print(f"cost model: PCIe {a.pcie / 1e9:g} GB/s, device {a.dev_bw / 1e9:g} GB/s, CPU "
           f"{a.cpu_bw / 1e9:g} GB/s\n")
     cpu = replay_cache(trace, None, 0)
@@ -106,9 +171,11 @@ def main(argv=None) -> int:
     print(f"| 0 | CPU only | 0.0% | - | 0 | {t_cpu * 1e6:.2f} | 1.00x | 1.00x |")
     for s in (int(v) for v in a.slots.split(",")):
         s = min(s, n_all)
-        configs = [("static (most frequent)", static_plan(freq, s), 0, "lru"),
-                   ("LRU cache", None, s, "lru"), ("LFU cache", None, s, "lfu")]
-        for share in (0.5, 0.75):
+        want = set(a.configs.split(","))
+        configs = [c for c, w in ((("static (most frequent)", static_plan(freq, s), 0, "lru"), "static"),
+                                  (("LRU cache", None, s, "lru"), "lru"), (("LFU cache", None, s, "lfu"), "lfu"))
+                   if w in want]
+        for share in (0.5, 0.75) if "split" in want else ():
             k = int(round(s * share))
             if 0 < k < s:
                 configs.append((f"static {k} + LRU {s - k}", static_plan(freq, k), s - k, "lru"))
@@ -120,6 +187,15 @@ def main(argv=None) -> int:
             hit = f"{r.hit_rate:.1%}" if slots else "-"
             print(f"| {s} | {name} | {r.runs_device / runs:.1%} | {hit} | "
                   f"{r.uploads / len(trace):.2f} | {t * 1e6:.2f} | {t_cpu / t:.2f}x | {t_cpu / t2:.2f}x |")
+        if a.per_layer and s // info.n_layer > 0:
+            pl = s // info.n_layer
+            r, by_layer = replay_per_layer(trace, pl)
+            t = cost(r, b, a.pcie, a.dev_bw, a.cpu_bw)
+            t2 = cost_overlapped(r, b, a.pcie, a.dev_bw, a.cpu_bw)
+            runs = r.runs_device + r.runs_cpu
+            print(f"| {s} | per-layer LRU, {pl} a layer | {r.runs_device / runs:.1%} | {r.hit_rate:.1%} "
+                  f"(layers {by_layer.min():.0%}-{by_layer.max():.0%}) | {r.uploads / len(trace):.2f} | "
+                  f"{t * 1e6:.2f} | {t_cpu / t:.2f}x | {t_cpu / t2:.2f}x |")
     return 0
 
 

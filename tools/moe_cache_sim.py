@@ -25,7 +25,8 @@ device over a real selection trace.
 Defaults: PCIe 4.0 x16 at ~25 GB/s effective, a device reading its memory at ~2 TB/s
 (an H100's HBM3 less overhead) and a desktop CPU reading ~50 GB/s. Prints a Markdown table.
 The expert bytes B are the file's; the tiny random test models' routing is not a real
-model's: their numbers show the mechanics, not what to expect from Qwen3-30B-A3B.
+model's: their numbers show the mechanics, not what to expect from Qwen3-30B-A3B. A MoE
+with routing fitted to a real model's activations: tools/moefy.py (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -62,49 +63,19 @@ def cost_overlapped(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float) ->
 
 def replay_per_layer(trace: np.ndarray, per_layer: int) -> tuple[CacheReplay, np.ndarray]:
     """replay_cache's LRU rule with the slots split evenly between the layers: each layer
-    caches only its own experts in per_layer slots (per chosen expert in ascending id: held
-    -> hit; else evict the least recently used slot this layer call is not using, or run on
-    the CPU if there is none). Not what the runtime does (its slots are shared by all
-    layers); it says what a per-layer share would keep. Returns the replay and each layer's
-    hit rate."""
-    from collections import OrderedDict
-
+    replayed alone with per_layer slots of its own. Not what the runtime does (its slots
+    are shared by all layers); it says what a per-layer share would keep. Returns the
+    replay and each layer's hit rate."""
     n_tok, n_layer, _ = trace.shape
     r = CacheReplay(per_token=np.zeros((n_tok, n_layer, 3), dtype=np.int64))
-    caches = [OrderedDict() for _ in range(n_layer)]
-    hits = np.zeros(n_layer, dtype=np.int64)
-    seen = np.zeros(n_layer, dtype=np.int64)
-    for t in range(n_tok):
-        for l in range(n_layer):
-            c, busy, pt = caches[l], set(), r.per_token[t, l]
-            for e in np.flatnonzero(trace[t, l]):
-                e = int(e)
-                seen[l] += 1
-                if e in c:
-                    c.move_to_end(e)
-                    busy.add(e)
-                    hits[l] += 1
-                    pt[0] += 1
-                    continue
-                if per_layer == 0:
-                    pt[1] += 1
-                    continue
-                if len(c) >= per_layer:
-                    old = next((k for k in c if k not in busy), None)
-                    if old is None:  # every slot serves this call: the CPU runs it
-                        pt[1] += 1
-                        continue
-                    del c[old]
-                c[e] = True
-                busy.add(e)
-                pt[0] += 1
-                pt[2] += 1
-    r.hits = int(hits.sum())
-    r.misses = int(seen.sum() - r.hits)
-    r.runs_device = int(r.per_token[:, :, 0].sum())
-    r.runs_cpu = int(r.per_token[:, :, 1].sum())
-    r.uploads = int(r.per_token[:, :, 2].sum())
-    return r, hits / np.maximum(seen, 1)
+    rates = np.zeros(n_layer)
+    for l in range(n_layer):
+        one = replay_cache(trace[:, l:l + 1], None, per_layer)
+        r.per_token[:, l] = one.per_token[:, 0]
+        for f in ("runs_device", "runs_cpu", "hits", "misses", "uploads"):
+            setattr(r, f, getattr(r, f) + getattr(one, f))
+        rates[l] = one.hit_rate
+    return r, rates
 
 
 def locality(trace: np.ndarray) -> float:

@@ -4,7 +4,8 @@ router, written as an ordinary Mixtral-layout GGUF (not a test; a bench tool).
 
     PYTHONPATH=python python tools/moefy.py DENSE.gguf --calib CALIB.txt -o OUT.gguf
         [--experts 16] [--top-k 4[,8,...]] [--tokens 8192] [--cluster activation|weights]
-        [--router-bias] [--flat 1e-3] [--threads 2]
+        [--router lsq|random] [--router-bias] [--flat 1e-3] [--threads 2]
+    PYTHONPATH=python python tools/moefy.py MOE.gguf --random-router -o CONTROL.gguf
 
 Why: no trained mixture-of-experts checkpoint can be downloaded here, and the random MoE
 configs' routers are random projections, whose selections have none of a trained router's
@@ -22,7 +23,10 @@ Per layer, over the calibration text's FFN inputs x (the runtime's profile, afte
 3. Router: a linear map R [E, d] (and with --router-bias a bias [E]) fitted by least squares
    to each expert's importance, the sum of |h| over its neurons (MoEfication's target);
    80% of the tokens fit it, the other 20% measure it (the share of the true top-k experts
-   the router picks, and the share of the true top-k's |h| mass it keeps).
+   the router picks, and the share of the true top-k's |h| mass it keeps). --router random
+   puts a random projection in its place, and --random-router copies a MoEfied file with
+   its routers replaced so (a control: the random MoE configs' routing over the same
+   experts and real hidden states).
 4. Experts: expert e's FFN is the dense FFN's rows/columns of its neurons; the dense FFN is
    exactly the sum of all E experts' outputs, so the MoE output should be the unweighted
    sum of the selected experts.
@@ -134,7 +138,7 @@ def router_quality(s: np.ndarray, target: np.ndarray, k: int) -> tuple[float, fl
 
 
 def moefy(src: str, dst: str, calib_ids, n_expert: int, top_k: list[int], *, cluster: str = "activation",
-          router_bias: bool = False, flat: float = 1e-3, outtype: str = "f16", n_threads: int = 0,
+          router: str = "lsq", router_bias: bool = False, flat: float = 1e-3, outtype: str = "f16", n_threads: int = 0,
           n_ctx: int = 512, seed: int = 0, log=print) -> list[str]:
     """Write src's MoEfied model (module doc) for each k of top_k; returns the paths."""
     r = gguf.GGUFReader(src)
@@ -191,10 +195,17 @@ def moefy(src: str, dst: str, calib_ids, n_expert: int, top_k: list[int], *, clu
         group = balanced_kmeans(feat, n_expert, seed=seed + l)
         idx = np.stack([np.flatnonzero(group == e) for e in range(n_expert)])  # [E, ffe]
         target = np.stack([a[:, i].sum(1) for i in idx], axis=1).astype(np.float64)  # [N, E]
-        R, b = fit_router(x[:n_fit].astype(np.float64), target[:n_fit], router_bias)
+        if router == "lsq":
+            R, b = fit_router(x[:n_fit].astype(np.float64), target[:n_fit], router_bias)
+        elif router == "random":  # the control: the random MoE configs' kind of router
+            R, b = np.random.default_rng(seed + 1000 + l).standard_normal((n_expert, d)), None
+        else:
+            raise ValueError(f"unknown router {router!r} (lsq, random)")
         s = x.astype(np.float64) @ R.T + (0.0 if b is None else b)
         q = [router_quality(s[n_fit:], target[n_fit:], k) for k in top_k] if n > n_fit else []
         quality.append(q)
+        if (l + 1) % 10 == 0 and l + 1 < n_layer:
+            log(f"  {l + 1} of {n_layer} layers split ({time.time() - t0:.0f} s)")
         spread = float(np.quantile(s.max(1) - s.min(1), 0.999))
         eps = flat / max(spread, 1e-30)
         layers.append(dict(gate=wg[idx], up=wu[idx], down=np.stack([wd[:, i] for i in idx]),
@@ -249,8 +260,8 @@ def moefy(src: str, dst: str, calib_ids, n_expert: int, top_k: list[int], *, clu
         shutil.copyfile(first, p)
         set_top_k(p, k)
         out.append(p)
-    log(f"{n_layer} layers x {n_expert} experts of {ffe} neurons ({cluster} clustering, router "
-        f"{'with' if router_bias else 'without'} bias, --flat {flat:g}): {', '.join(out)} "
+    log(f"{n_layer} layers x {n_expert} experts of {ffe} neurons ({cluster} clustering, {router} "
+        f"router {'with' if router_bias else 'without'} bias, --flat {flat:g}): {', '.join(out)} "
         f"({time.time() - t0:.0f} s)")
     return out
 
@@ -264,15 +275,46 @@ def set_top_k(path: str, k: int) -> None:
     r.data.flush()
 
 
+def random_router_copy(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of the MoEfied file src whose routers are random Gaussian projections (the
+    random MoE configs' kind of router) with the fitted ones' norms, so the logits keep
+    about the same small spread: the same experts, the routing with no learned structure
+    (a control for the cache simulation)."""
+    shutil.copyfile(src, dst)
+    r = gguf.GGUFReader(dst, "r+")
+    rng = np.random.default_rng(seed)
+    n = 0
+    for t in r.tensors:
+        if t.name.endswith(".ffn_gate_inp.weight"):
+            if t.tensor_type != Q.F32:
+                raise ConvertError(f"{src}: {t.name} is {t.tensor_type.name}, not a router this tool wrote")
+            a = np.asarray(t.data)
+            g = rng.standard_normal(a.shape)
+            a[...] = (g * (np.linalg.norm(a) / np.linalg.norm(g))).astype(np.float32)
+            n += 1
+        elif t.name.endswith(".ffn_gate_inp.bias"):
+            np.asarray(t.data)[...] = 0.0
+    if n == 0:
+        raise ConvertError(f"{src} has no router (ffn_gate_inp) to replace")
+    r.data.flush()
+    return dst
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="dense llama-family GGUF with a gated FFN")
-    ap.add_argument("--calib", required=True, help="calibration text (keep it disjoint from the evaluation's)")
+    ap.add_argument("model", help="dense llama-family GGUF with a gated FFN (with --random-router: a "
+                                  "file this tool wrote)")
+    ap.add_argument("--calib", help="calibration text (keep it disjoint from the evaluation's)")
+    ap.add_argument("--random-router", action="store_true",
+                    help="copy MODEL (a MoEfied file) to --out with random routers (the control)")
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--experts", type=int, default=16, help="experts per layer (divides feed_forward_length)")
     ap.add_argument("--top-k", default="4", help="experts used per token; a list writes one file per value")
     ap.add_argument("--tokens", type=int, default=8192, help="calibration tokens (the first ones)")
     ap.add_argument("--cluster", choices=("activation", "weights"), default="activation")
+    ap.add_argument("--router", choices=("lsq", "random"), default="lsq",
+                    help="random: a random projection instead of the fitted router (a control: the "
+                         "same experts routed as the random MoE configs are)")
     ap.add_argument("--router-bias", action="store_true",
                     help="fit a router bias too (ffn_gate_inp.bias: this runtime reads it, llama.cpp's "
                          "Mixtral does not)")
@@ -281,10 +323,16 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.random_router:
+        random_router_copy(a.model, a.out, a.seed)
+        print(f"{a.out}: {a.model} with random routers")
+        return 0
+    if not a.calib:
+        ap.error("--calib is required")
     with Model(a.model, n_ctx=16) as m:
         ids = m.tokenize(open(a.calib, encoding="utf-8").read())[:a.tokens]
     moefy(a.model, a.out, ids, a.experts, [int(v) for v in a.top_k.split(",")], cluster=a.cluster,
-          router_bias=a.router_bias, flat=a.flat, outtype=a.outtype, n_threads=a.threads, seed=a.seed)
+          router=a.router, router_bias=a.router_bias, flat=a.flat, outtype=a.outtype, n_threads=a.threads, seed=a.seed)
     return 0
 
 

@@ -139,3 +139,17 @@ def test_refusals_name_the_problem(files, tmp_path):
         moefy.moefy(files["dense"], str(tmp_path / "x.gguf"), files["calib"], 3, [1], log=lambda *_: None)
     with pytest.raises(ValueError, match="top-k 5 outside"):
         moefy.moefy(files["dense"], str(tmp_path / "x.gguf"), files["calib"], N_EXPERT, [5], log=lambda *_: None)
+
+
+
+def test_random_router_copy_replaces_only_the_routers(files, tmp_path):
+    out = moefy.random_router_copy(files["top2"], str(tmp_path / "ctl.gguf"), seed=1)
+    ra, rb = gguf.GGUFReader(files["top2"]), gguf.GGUFReader(out)
+    for ta, tb in zip(ra.tensors, rb.tensors):
+        a, b = np.asarray(ta.data), np.asarray(tb.data)
+        if ta.name.endswith("ffn_gate_inp.weight"):
+            assert not np.array_equal(a, b) and np.linalg.norm(b) == pytest.approx(np.linalg.norm(a), rel=1e-5)
+        else:
+            assert np.array_equal(a, b)
+    with Model(out, n_ctx=16) as m:  # still a file the runtime runs
+        assert np.isfinite(m.context.eval(files["ids"][:4])).all()

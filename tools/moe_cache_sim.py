@@ -3,7 +3,7 @@ device over a real selection trace.
 
     python tools/moe_cache_sim.py MOE.gguf --text FILE [--profile-tokens 2048] [--tokens 512]
         [--slots 4,8,16] [--pcie 25e9] [--dev-bw 2e12] [--cpu-bw 50e9] [--per-layer]
-        [--configs static,lru,lfu,split]
+        [--configs static,lru,lfu,split] [--route-on DENSE.gguf]
 
 1. Profile: the expert frequencies over the first --profile-tokens tokens of the text
    (sparse/experts.py profile_experts, the CPU runtime's selection counts).
@@ -14,6 +14,9 @@ device over a real selection trace.
    LRU cache of S experts (the runtime's), an LFU cache, and static + LRU splits (--configs
    picks among them); --per-layer adds an LRU with S / n_layer slots per layer (not the
    runtime's rule: what a per-layer share would keep), with the layers' spread of hit rates.
+   --route-on DENSE.gguf takes the choices from the model's routers over DENSE's FFN inputs
+   (routed_on; for a tools/moefy.py file, whose own hidden states drift from the dense
+   model's when top-k drops much of the FFN) instead of steps 1-2's runs of the MoE.
    The header gives the routing's skew (the top 10% of experts' share of the selections)
    and temporal locality (the share of choices the previous token made too).
 4. Cost per token, per layer as the runtime overlaps them (moe.c: the cache's uploads are
@@ -85,6 +88,35 @@ def locality(trace: np.ndarray) -> float:
     return float(both / max(trace[1:].sum(), 1))
 
 
+def routed_on(moe: str, hidden: str, tokens, n_ctx: int) -> np.ndarray:
+    """bool [n_tokens, n_layer, n_expert]: the top k of moe's routers (ffn_gate_inp, its
+    bias if any; k its expert_used_count) over the FFN inputs of the model ``hidden``
+    (the runtime's profile of that file, windows of n_ctx tokens). With hidden the dense
+    model a MoE was made from (tools/moefy.py), these are the choices its routers make on
+    the dense model's hidden states: what a MoE that routes so without losing quality
+    would choose."""
+    import gguf
+
+    from powerinfer_cpp.sparse.profile import profile_model
+
+    r = gguf.GGUFReader(moe)
+    arch = str(r.fields["general.architecture"].contents())
+    k = int(r.fields[f"{arch}.expert_used_count"].contents())
+    t = {x.name: x for x in r.tensors}
+    prof = profile_model(hidden, list(tokens), n_ctx=n_ctx, progress=False)
+    n_expert = int(t["blk.0.ffn_gate_inp.weight"].shape[1])
+    out = np.zeros((prof.n_tokens, prof.n_layer, n_expert), dtype=bool)
+    for l in range(prof.n_layer):
+        w = t.get(f"blk.{l}.ffn_gate_inp.weight")
+        if w is None:
+            raise ValueError(f"{moe}: no router blk.{l}.ffn_gate_inp.weight for layer {l} of {hidden}")
+        s = prof.x[l].astype(np.float64) @ np.asarray(w.data, np.float64).reshape(n_expert, -1).T
+        if f"blk.{l}.ffn_gate_inp.bias" in t:
+            s += np.asarray(t[f"blk.{l}.ffn_gate_inp.bias"].data, np.float64).reshape(-1)
+        np.put_along_axis(out[:, l], np.argsort(-s, axis=1, kind="stable")[:, :k], True, 1)
+    return out
+
+
 def static_plan(freq: np.ndarray, n: int) -> np.ndarray:
     """The n most frequent experts (ties: lower layer, lower id; the runtime's greedy
     order, optimal when every expert has the same size)."""
@@ -106,6 +138,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pcie", type=float, default=25e9, help="bytes/s host -> device")
     ap.add_argument("--dev-bw", type=float, default=2e12, help="device memory bytes/s")
     ap.add_argument("--cpu-bw", type=float, default=50e9, help="CPU memory bytes/s")
+    ap.add_argument("--route-on", metavar="GGUF",
+                    help="route by the model's routers over this file's FFN inputs (the dense model "
+                         "a MoEfied file was made from) instead of running the MoE itself")
     ap.add_argument("--per-layer", action="store_true",
                     help="also an LRU cache with the room split evenly between the layers")
     ap.add_argument("--configs", default="static,lru,lfu,split",
@@ -118,8 +153,12 @@ def main(argv=None) -> int:
     need = a.profile_tokens + a.tokens
     if len(ids) < need:
         ap.error(f"the text holds {len(ids)} tokens, fewer than --profile-tokens + --tokens = {need}")
-    freq, _ = profile_experts(a.model, ids[:a.profile_tokens], n_ctx=a.n_ctx)
-    trace = selection_trace(a.model, ids[a.profile_tokens:need], n_ctx=a.n_ctx)
+    if a.route_on:
+        freq = routed_on(a.model, a.route_on, ids[:a.profile_tokens], a.n_ctx).mean(axis=0)
+        trace = routed_on(a.model, a.route_on, ids[a.profile_tokens:need], a.n_ctx)
+    else:
+        freq, _ = profile_experts(a.model, ids[:a.profile_tokens], n_ctx=a.n_ctx)
+        trace = selection_trace(a.model, ids[a.profile_tokens:need], n_ctx=a.n_ctx)
     with Model(a.model, device="host-device") as m:
         ex = m.device_info()["experts"]
         b = ex["bytes"] / max(ex["device"], 1)

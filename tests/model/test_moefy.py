@@ -7,7 +7,8 @@ the runtime as the Mixtral layout it writes.
 - The experts partition the dense FFN's neurons: each neuron's gate/up rows and down
   column in exactly one expert, bit for bit.
 - With top-k < E the runtime's expert choices are numpy's top k of the stored router on
-  the runtime's own FFN inputs (its profile of the MoE file).
+  the runtime's own FFN inputs (its profile of the MoE file), and so are
+  tools/moe_cache_sim.py routed_on's (--route-on).
 - A second k's file differs only in expert_used_count and expert_weights_scale.
 - Files it cannot split are refused by name."""
 
@@ -43,6 +44,13 @@ def _tool():
 
 
 moefy = _tool()
+
+
+def _sim():
+    spec = importlib.util.spec_from_file_location("moe_cache_sim", REPO_DIR / "tools/moe_cache_sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +116,7 @@ def test_top_k_choices_are_the_routers(files):
     assert float(r.fields["llama.expert_weights_scale"].contents()) == 2.0
     prof = profile_model(files["top2"], files["ids"], n_ctx=64, n_threads=2, progress=False)
     chosen = selection_trace(files["top2"], files["ids"], n_ctx=64, n_threads=2)  # [tok, layer, E]
+    routed = _sim().routed_on(files["top2"], files["top2"], files["ids"], 64)
     decided = 0
     for l in range(prof.n_layer):
         s = prof.x[l].astype(np.float64) @ moe[f"blk.{l}.ffn_gate_inp.weight"].astype(np.float64).T
@@ -119,6 +128,7 @@ def test_top_k_choices_are_the_routers(files):
         want = np.zeros_like(chosen[:, l])
         np.put_along_axis(want, order[:, :2], True, 1)
         np.testing.assert_array_equal(chosen[clear, l], want[clear])
+        np.testing.assert_array_equal(routed[:, l], want)  # moe_cache_sim --route-on's choices
         decided += int(clear.sum())
     assert decided >= 0.9 * prof.n_layer * len(files["ids"])
 

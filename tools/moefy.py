@@ -19,7 +19,8 @@ Per layer, over the calibration text's FFN inputs x (the runtime's profile, afte
    their activation magnitudes over the calibration tokens (--cluster activation: neurons
    that fire together share an expert, MoEfication's co-activation idea) or on their
    concatenated gate and up rows (--cluster weights, MoEfication's parameter clustering).
-   Equal groups: the runtime's experts all have one width.
+   Equal groups (the runtime's experts all have one width): each round gives every neuron,
+   the most decided first, its nearest centroid with room left, then recentres.
 3. Router: a linear map R [E, d] (and with --router-bias a bias [E]) fitted by least squares
    to each expert's importance, the sum of |h| over its neurons (MoEfication's target);
    80% of the tokens fit it, the other 20% measure it (the share of the true top-k experts
@@ -42,7 +43,8 @@ about 6e-8, i.e. 6e-5 of the spread at --flat 1e-3). With k = E (all experts) th
 the dense one up to those weights and rounding (tests/model/test_moefy.py). The layout is
 llama.cpp's Mixtral (llama architecture, ffn_gate_inp, ffn_{gate,up,down}_exps,
 expert_count, expert_used_count, feed_forward_length = the experts' width); llama.cpp's
-llama graph ignores expert_weights_scale, so there its outputs would be 1/k of the sum.
+llama graph does not read expert_weights_scale (docs/FORMAT.md: it ignores these
+architectures' weight keys), so there its outputs would be 1/k of the sum.
 
 --top-k takes a list: the first value's file is OUT, each other k's is OUT with -k<k> before
 the extension (the same experts and router; only expert_used_count and the scale differ).
@@ -152,7 +154,7 @@ def moefy(src: str, dst: str, calib_ids, n_expert: int, top_k: list[int], *, clu
     n_layer = 0
     while f"blk.{n_layer}.ffn_up.weight" in tensors:
         n_layer += 1
-    if n_layer == 0 or f"blk.0.ffn_gate.weight" not in tensors:
+    if n_layer == 0 or "blk.0.ffn_gate.weight" not in tensors:
         raise ConvertError(f"{src}: no gated FFN (blk.N.ffn_gate/ffn_up/ffn_down) to split")
     extra = [n for n in tensors if n.startswith("blk.") and n.split(".")[2] in FFN and not n.endswith(".weight")]
     if extra:

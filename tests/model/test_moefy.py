@@ -100,7 +100,8 @@ def test_experts_partition_the_dense_ffn(files):
         up, gate, down = (dense[f"blk.{l}.ffn_{k}.weight"] for k in ("up", "gate", "down"))
         eu, eg, ed = (moe[f"blk.{l}.ffn_{k}_exps.weight"] for k in ("up", "gate", "down"))
         ff = up.shape[0]
-        assert eu.shape == (N_EXPERT, ff // N_EXPERT, up.shape[1]) and ed.shape == (N_EXPERT, up.shape[1], ff // N_EXPERT)
+        d, ffe = up.shape[1], ff // N_EXPERT
+        assert eu.shape == (N_EXPERT, ffe, d) and ed.shape == (N_EXPERT, d, ffe)
         # each expert row is one dense neuron: find it by its up row, then gate and down agree
         rows = eu.reshape(ff, -1)
         where = [int(np.flatnonzero((up == row).all(axis=1))[0]) for row in rows]
@@ -163,3 +164,18 @@ def test_random_router_copy_replaces_only_the_routers(files, tmp_path):
             assert np.array_equal(a, b)
     with Model(out, n_ctx=16) as m:  # still a file the runtime runs
         assert np.isfinite(m.context.eval(files["ids"][:4])).all()
+
+
+def test_weight_clustering_and_router_bias(files, tmp_path):
+    """--cluster weights and --router-bias: the file (its router bias read by the runtime)
+    is the dense model with every expert chosen, and the biased router's top 2 are the
+    runtime's choices on clear tokens."""
+    out = moefy.moefy(files["dense"], str(tmp_path / "wb.gguf"), files["calib"], N_EXPERT, [N_EXPERT, 2],
+                      cluster="weights", router_bias=True, outtype="f32", n_threads=2, n_ctx=128,
+                      log=lambda *_: None)
+    ref = logits(files["dense"], files["ids"])
+    assert np.abs(logits(out[0], files["ids"]) - ref).max() <= 2e-3 * float(ref.max() - ref.min())
+    assert any(t.name.endswith("ffn_gate_inp.bias") for t in gguf.GGUFReader(out[1]).tensors)
+    chosen = selection_trace(out[1], files["ids"], n_ctx=64, n_threads=2)
+    routed = _sim().routed_on(out[1], out[1], files["ids"], 64)
+    assert (chosen == routed).all(axis=2).mean() >= 0.9  # near-ties aside (see above)

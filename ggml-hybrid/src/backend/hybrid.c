@@ -136,7 +136,7 @@ static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
                             (st = check_weight_type(m, hy, il, "predictor fc2", &L->fc2)))) {
             break;
         }
-        if (m->hp.n_expert) {
+        if (m->hp.n_expert && L->moe.router.rows) { /* (a leading dense layer has none) */
             const gh_moe_layer * M = &L->moe;
             if ((st = check_weight_type(m, hy, il, "router", &M->router)) ||
                 (st = check_weight_type(m, hy, il, "experts' gate", &M->gate_exps)) ||
@@ -376,13 +376,14 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
         note(hy, "The file's expert placement needs %.1f MiB but %.1f MiB are left: experts "
              "re-placed at load.", file_bytes / 1048576.0, left / 1048576.0);
     }
-    const int64_t n = (int64_t) (nl - first) * ne;
+    int64_t n = 0;
+    for (int il = first; il < nl; il++) n += m->layers[il].moe.router.rows ? ne : 0;
     expert_freq * order = malloc((size_t) GH_MAX(n, 1) * sizeof *order);
     if (!order) return gh_fail(GH_ERR_OOM, "out of memory");
     int64_t k = 0;
     for (int il = first; il < nl; il++) {
         const gh_moe_layer * M = &m->layers[il].moe;
-        for (int32_t e = 0; e < ne; e++) {
+        for (int32_t e = 0; M->router.rows && e < ne; e++) {
             order[k].f = M->freq ? M->freq[e] : 0.0f;
             order[k].il = il;
             order[k].e = e;
@@ -495,6 +496,7 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
     }
     for (int il = 0; il < nl && !stop && hp->n_expert; il++) {
         const gh_moe_layer * M = &m->layers[il].moe;
+        if (!M->router.rows) continue; /* a leading dense layer: its FFN stays on the CPU */
         const int64_t b = (int64_t) wbytes(&M->router);
         if (b > left) { stop = true; break; }
         if ((st = put(hy, &M->router, &hy->layers[il].router))) return st;

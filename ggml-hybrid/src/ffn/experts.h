@@ -24,6 +24,8 @@ typedef struct {
      * gate_hi; t < 0: the expert keeps no threshold and runs dense (model-owned) */
     float *   gate_cuts;
     float *   router_b;                       /* [n_expert] (NULL: none; so the rest) */
+    float *   probs_b;                        /* exp_probs_b [n_expert]: added to the scores
+                                               * that choose the experts, not to their weights */
     float *   gate_exps_b, * up_exps_b;       /* [n_expert][n_ff_exp] (gpt-oss) */
     float *   down_exps_b;                    /* [n_expert][n_embd] */
     gh_weight gate_shexp, up_shexp, down_shexp; /* the shared expert (rows 0: none) */

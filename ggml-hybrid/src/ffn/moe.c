@@ -20,6 +20,7 @@
 struct gh_moe_state {
     int32_t   n_batch, n_expert, k, n_layer;
     float *   probs;   /* [n_batch][n_expert] router logits, then probabilities */
+    float *   choice;  /* [3 n_expert] one token's route scratch (route) */
     int32_t * sel;     /* [n_batch][k] each token's experts */
     float *   sel_w;   /* [n_batch][k] and their weights */
     int32_t * start;   /* [n_expert + 1] each expert's first entry in tok / tok_w */
@@ -53,6 +54,7 @@ struct gh_moe_state {
 void gh_moe_state_free(gh_moe_state * s) {
     if (!s) return;
     gh_aligned_free(s->probs);
+    gh_aligned_free(s->choice);
     gh_aligned_free(s->sel);
     gh_aligned_free(s->sel_w);
     gh_aligned_free(s->start);
@@ -146,6 +148,7 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
         }
     }
     s->probs = gh_aligned_alloc(nb * ne * sizeof(float));
+    s->choice = gh_aligned_alloc(3 * ne * sizeof(float));
     s->sel = gh_aligned_alloc(nb * k * sizeof(int32_t));
     s->sel_w = gh_aligned_alloc(nb * k * sizeof(float));
     s->start = gh_aligned_alloc((ne + 1) * sizeof(int32_t));
@@ -158,7 +161,7 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
     s->yg = gh_aligned_alloc(nb * d * sizeof(float));
     s->scratch = gh_aligned_alloc(scratch);
     s->counts = calloc((size_t) hp->n_layer * ne, sizeof(int64_t));
-    if (!s->probs || !s->sel || !s->sel_w || !s->start || !s->fill || !s->tok || !s->tok_w ||
+    if (!s->probs || !s->choice || !s->sel || !s->sel_w || !s->start || !s->fill || !s->tok || !s->tok_w ||
         !s->xg || !s->hg || !s->hu || !s->yg || !s->scratch || !s->counts) {
         gh_moe_state_free(s);
         gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch", n_batch);
@@ -224,6 +227,78 @@ static void top_k(float * p, int32_t n, int32_t k, int32_t * sel, float * w) {
         w[j] = bv;
         p[best] = -1.0f;
     }
+}
+
+/* One token's route from its router logits p [n_expert] (destroyed): its k experts sel and
+ * their weights w, as transformers' routers compute them.
+ * Softmax gating: p = softmax(logits), the k largest p, weights p (/ their sum when
+ * expert_norm) * expert_scale.
+ * Sigmoid gating (DeepSeek-V3's router, glm4moe, dots1): s = sigmoid(logits) and the choice
+ * by c = s + exp_probs_b; with groups, each group's score is the sum of its two largest c
+ * (two equal values count twice), and only the n_group_used best groups' experts are
+ * eligible (the rest c = -inf); the k largest eligible c; weights the unbiased s (/ (their
+ * sum + 1e-20) when expert_norm) * expert_scale. Ties everywhere go to the lower id
+ * (top_k's rule). choice: [3 n_expert] scratch (the choices, the group scores, flags). */
+static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, float * choice,
+                  int32_t * sel, float * w) {
+    const int32_t ne = hp->n_expert, k = hp->n_expert_used;
+    if (hp->expert_gating == GH_GATING_SIGMOID) {
+        const float * b = M->probs_b;
+        for (int32_t e = 0; e < ne; e++) {
+            p[e] = 1.0f / (1.0f + expf(-p[e]));
+            choice[e] = b ? p[e] + b[e] : p[e];
+        }
+        const int32_t ng = hp->n_expert_groups, per = ne / GH_MAX(ng, 1);
+        if (ng > 1 && hp->n_group_used < ng) {
+            float * gs = choice + ne;
+            for (int32_t g = 0; g < ng; g++) {
+                float a = -INFINITY, b2 = -INFINITY; /* the group's two largest */
+                for (int32_t e = g * per; e < (g + 1) * per; e++) {
+                    const float v = choice[e];
+                    if (v > a) { b2 = a; a = v; }
+                    else if (v > b2) b2 = v;
+                }
+                gs[g] = a + b2;
+            }
+            /* keep the n_group_used best groups (lower id among equals): the others' experts
+             * are out of the choice */
+            uint8_t * keep = (uint8_t *) (choice + 2 * ne);
+            memset(keep, 0, (size_t) ng);
+            for (int32_t j = 0; j < hp->n_group_used; j++) {
+                int32_t best = -1;
+                for (int32_t g = 0; g < ng; g++) {
+                    if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+                }
+                keep[best] = 1;
+            }
+            for (int32_t g = 0; g < ng; g++) {
+                for (int32_t e = g * per; !keep[g] && e < (g + 1) * per; e++) choice[e] = -INFINITY;
+            }
+        }
+        /* the k largest choices (lower id among equals), their unbiased scores as weights */
+        uint8_t * taken = (uint8_t *) (choice + 2 * ne);
+        memset(taken, 0, (size_t) ne);
+        for (int32_t j = 0; j < k; j++) {
+            int32_t best = -1;
+            for (int32_t e = 0; e < ne; e++) {
+                if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
+            }
+            taken[best] = 1;
+            sel[j] = best;
+            w[j] = p[best];
+        }
+        float sum = 0.0f;
+        for (int32_t j = 0; j < k; j++) sum += w[j];
+        for (int32_t j = 0; hp->expert_norm && j < k; j++) w[j] /= sum + 1e-20f;
+        for (int32_t j = 0; j < k; j++) w[j] *= hp->expert_scale;
+        return;
+    }
+    softmax(p, ne);
+    top_k(p, ne, k, sel, w);
+    float sum = 0.0f;
+    for (int32_t j = 0; j < k; j++) sum += w[j];
+    const float f = (hp->expert_norm ? 1.0f / sum : 1.0f) * hp->expert_scale;
+    for (int32_t j = 0; j < k; j++) w[j] *= f;
 }
 
 /* rows[t] += b for cnt rows of len values (b NULL: nothing). */
@@ -449,13 +524,8 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     add_rows(s->probs, M->router_b, n, ne);
     double bytes = (double) M->router.rows * M->router.row_bytes;
     for (int32_t t = 0; t < n; t++) {
-        float * p = s->probs + (int64_t) t * ne, * w = s->sel_w + (int64_t) t * k;
-        softmax(p, ne);
-        top_k(p, ne, k, s->sel + (int64_t) t * k, w);
-        float sum = 0.0f;
-        for (int32_t j = 0; j < k; j++) sum += w[j];
-        const float f = (hp->expert_norm ? 1.0f / sum : 1.0f) * hp->expert_scale;
-        for (int32_t j = 0; j < k; j++) w[j] *= f;
+        route(hp, M, s->probs + (int64_t) t * ne, s->choice, s->sel + (int64_t) t * k,
+              s->sel_w + (int64_t) t * k);
     }
 
     /* group by expert (counting sort; tokens stay ascending within an expert) */

@@ -2,12 +2,16 @@
  * SwiGLU FFNs through the same kernels as dense weights, plus a shared expert where the
  * architecture has one.
  *
- * One layer over n tokens x (already normed):
- *   p      = softmax(router . x + router_b)             [n_expert]
- *   E      = the n_expert_used experts with the largest p (ties: the lower id)
+ * One layer over n tokens x (already normed), l = router . x + router_b [n_expert]:
+ *   softmax gating:  p = softmax(l); E = the n_expert_used experts with the largest p
+ *   sigmoid gating:  p = sigmoid(l); E = the n_expert_used largest p + exp_probs_b among the
+ *                    experts of the n_group_used groups whose two best p + exp_probs_b sum
+ *                    highest (DeepSeek-V3's router; one group: all experts)
+ *   (ties: the lower id)
  *   w_e    = p_e (/ sum_{E} p when hp.expert_norm) * hp.expert_scale
  *   y      = sum_{e in E} w_e * (down_e(act(gate_e x + gb_e, up_e x + ub_e)) + db_e)
- *          (+ sigmoid(shexp_gate . x) * down_sh(act(gate_sh x) * up_sh x))
+ *          (+ sigmoid(shexp_gate . x) * down_sh(act(gate_sh x) * up_sh x); without a
+ *          shexp_gate (glm4moe, dots1) the shared experts are added unweighted)
  * Expert weights live in llama.cpp's 3-D tensors [n_expert][rows][cols]: expert e's matrix
  * is rows e*rows .. of the 2-D view (gh_expert), so each expert's rows are read in place,
  * in every type the kernel table has. A batch is grouped by expert: each selected expert

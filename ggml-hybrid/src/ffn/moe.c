@@ -20,7 +20,7 @@
 struct gh_moe_state {
     int32_t   n_batch, n_expert, k, n_layer;
     float *   probs;   /* [n_batch][n_expert] router logits, then probabilities */
-    float *   choice;  /* [3 n_expert] one token's route scratch (route) */
+    float *   choice;  /* [6 n_expert] one token's route scratch (route) */
     int32_t * sel;     /* [n_batch][k] each token's experts */
     float *   sel_w;   /* [n_batch][k] and their weights */
     int32_t * start;   /* [n_expert + 1] each expert's first entry in tok / tok_w */
@@ -148,7 +148,7 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
         }
     }
     s->probs = gh_aligned_alloc(nb * ne * sizeof(float));
-    s->choice = gh_aligned_alloc(3 * ne * sizeof(float));
+    s->choice = gh_aligned_alloc(6 * ne * sizeof(float));
     s->sel = gh_aligned_alloc(nb * k * sizeof(int32_t));
     s->sel_w = gh_aligned_alloc(nb * k * sizeof(float));
     s->start = gh_aligned_alloc((ne + 1) * sizeof(int32_t));
@@ -229,6 +229,124 @@ static void top_k(float * p, int32_t n, int32_t k, int32_t * sel, float * w) {
     }
 }
 
+/* ---- torch.topk's choice among equal values -------------------------------------------
+ * transformers' routers pick their experts with torch.topk, whose CPU kernel selects over
+ * (value, index) pairs ordered by value alone (NaN first), with std::nth_element, or with
+ * std::partial_sort when k * 64 <= n; which of several equal values make the cut is then
+ * whatever those algorithms (GNU libstdc++'s introselect and heap select) leave in the first
+ * k places. The functions below are those algorithms, written from their published
+ * description, so that a tie is resolved as transformers resolves it (checked against torch
+ * 2.13 on tie-heavy inputs, tests/model/test_moe_sigmoid.py). Only the set chosen matters:
+ * each expert's weight is its own, and the outputs are summed in expert order. */
+typedef struct { float v; int32_t i; } tk_pair;
+
+/* x goes before y: larger, NaN largest of all */
+static inline bool tk_before(tk_pair x, tk_pair y) {
+    return (isnan(x.v) && !isnan(y.v)) || x.v > y.v;
+}
+
+static inline void tk_swap(tk_pair * a, tk_pair * b) {
+    const tk_pair t = *a;
+    *a = *b;
+    *b = t;
+}
+
+static void tk_push_heap(tk_pair * q, int64_t hole, int64_t top, tk_pair v) {
+    int64_t parent = (hole - 1) / 2;
+    while (hole > top && tk_before(q[parent], v)) {
+        q[hole] = q[parent];
+        hole = parent;
+        parent = (hole - 1) / 2;
+    }
+    q[hole] = v;
+}
+
+static void tk_adjust_heap(tk_pair * q, int64_t hole, int64_t len, tk_pair v) {
+    const int64_t top = hole;
+    int64_t child = hole;
+    while (child < (len - 1) / 2) {
+        child = 2 * (child + 1);
+        if (tk_before(q[child], q[child - 1])) child--;
+        q[hole] = q[child];
+        hole = child;
+    }
+    if ((len & 1) == 0 && child == (len - 2) / 2) {
+        child = 2 * (child + 1);
+        q[hole] = q[child - 1];
+        hole = child - 1;
+    }
+    tk_push_heap(q, hole, top, v);
+}
+
+/* q[0..mid) := the mid first of q[0..n) in the heap's order (a heap whose top goes last) */
+static void tk_heap_select(tk_pair * q, int64_t mid, int64_t n) {
+    for (int64_t parent = (mid - 2) / 2; mid >= 2 && parent >= 0; parent--) {
+        tk_adjust_heap(q, parent, mid, q[parent]);
+    }
+    for (int64_t i = mid; i < n; i++) {
+        if (tk_before(q[i], q[0])) {
+            const tk_pair v = q[i];
+            q[i] = q[0];
+            tk_adjust_heap(q, 0, mid, v);
+        }
+    }
+}
+
+/* the elements that go before q[nth] end up in q[0..nth) (introselect) */
+static void tk_nth_element(tk_pair * q, int64_t nth, int64_t n) {
+    int64_t first = 0, last = n, depth = 0;
+    for (int64_t m = n; m > 1; m >>= 1) depth++;
+    depth *= 2;
+    while (last - first > 3) {
+        if (depth == 0) {
+            tk_heap_select(q + first, nth + 1 - first, last - first);
+            tk_swap(&q[first], &q[nth]);
+            return;
+        }
+        depth--;
+        /* the median of q[first + 1], the middle and the last to q[first], the pivot */
+        const int64_t a = first + 1, b = first + (last - first) / 2, c = last - 1;
+        int64_t med;
+        if (tk_before(q[a], q[b])) med = tk_before(q[b], q[c]) ? b : tk_before(q[a], q[c]) ? c : a;
+        else med = tk_before(q[a], q[c]) ? a : tk_before(q[b], q[c]) ? c : b;
+        tk_swap(&q[first], &q[med]);
+        int64_t lo = first + 1, hi = last;
+        for (;;) {
+            while (tk_before(q[lo], q[first])) lo++;
+            hi--;
+            while (tk_before(q[first], q[hi])) hi--;
+            if (!(lo < hi)) break;
+            tk_swap(&q[lo], &q[hi]);
+            lo++;
+        }
+        if (lo <= nth) first = lo;
+        else last = lo;
+    }
+    /* insertion sort of the rest */
+    for (int64_t i = first + 1; i < last; i++) {
+        const tk_pair v = q[i];
+        if (tk_before(v, q[first])) {
+            memmove(q + first + 1, q + first, (size_t) (i - first) * sizeof *q);
+            q[first] = v;
+        } else {
+            int64_t j = i;
+            while (tk_before(v, q[j - 1])) {
+                q[j] = q[j - 1];
+                j--;
+            }
+            q[j] = v;
+        }
+    }
+}
+
+/* sel [k] := the ids torch.topk(v [n], k) returns, as a set (q: [n] scratch) */
+static void topk_torch(const float * v, int32_t n, int32_t k, tk_pair * q, int32_t * sel) {
+    for (int32_t i = 0; i < n; i++) q[i] = (tk_pair) { v[i], i };
+    if ((int64_t) k * 64 <= n) tk_heap_select(q, k, n);
+    else tk_nth_element(q, k - 1, n);
+    for (int32_t j = 0; j < k; j++) sel[j] = q[j].i;
+}
+
 /* One token's route from its router logits p [n_expert] (destroyed): its k experts sel and
  * their weights w, as transformers' routers compute them.
  * Softmax gating: p = softmax(logits), the k largest p, weights p (/ their sum when
@@ -237,8 +355,8 @@ static void top_k(float * p, int32_t n, int32_t k, int32_t * sel, float * w) {
  * by c = s + exp_probs_b; with groups, each group's score is the sum of its two largest c
  * (two equal values count twice), and only the n_group_used best groups' experts are
  * eligible (the rest c = -inf); the k largest eligible c; weights the unbiased s (/ (their
- * sum + 1e-20) when expert_norm) * expert_scale. Ties everywhere go to the lower id
- * (top_k's rule). choice: [3 n_expert] scratch (the choices, the group scores, flags). */
+ * sum + 1e-20) when expert_norm) * expert_scale. Ties among the choices and among the
+ * groups resolve as torch.topk's (topk_torch). choice: [6 n_expert] floats of scratch. */
 static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, float * choice,
                   int32_t * sel, float * w) {
     const int32_t ne = hp->n_expert, k = hp->n_expert_used;
@@ -249,10 +367,16 @@ static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, floa
             choice[e] = b ? p[e] + b[e] : p[e];
         }
         const int32_t ng = hp->n_expert_groups, per = ne / GH_MAX(ng, 1);
+        tk_pair * q = (tk_pair *) (choice + ne);
         if (ng > 1 && hp->n_group_used < ng) {
-            float * gs = choice + ne;
+            /* each group's score: the sum of its two largest choices (values: no tie to
+             * resolve); the n_group_used best groups stay, the others' experts are out */
+            float * gs = choice + 3 * ne;
+            int32_t * keep = (int32_t *) (choice + 4 * ne);
+            uint8_t * kept = (uint8_t *) (choice + 5 * ne);
+            memset(kept, 0, (size_t) ng);
             for (int32_t g = 0; g < ng; g++) {
-                float a = -INFINITY, b2 = -INFINITY; /* the group's two largest */
+                float a = -INFINITY, b2 = -INFINITY;
                 for (int32_t e = g * per; e < (g + 1) * per; e++) {
                     const float v = choice[e];
                     if (v > a) { b2 = a; a = v; }
@@ -260,33 +384,15 @@ static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, floa
                 }
                 gs[g] = a + b2;
             }
-            /* keep the n_group_used best groups (lower id among equals): the others' experts
-             * are out of the choice */
-            uint8_t * keep = (uint8_t *) (choice + 2 * ne);
-            memset(keep, 0, (size_t) ng);
-            for (int32_t j = 0; j < hp->n_group_used; j++) {
-                int32_t best = -1;
-                for (int32_t g = 0; g < ng; g++) {
-                    if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
-                }
-                keep[best] = 1;
-            }
+            topk_torch(gs, ng, hp->n_group_used, q, keep);
+            for (int32_t j = 0; j < hp->n_group_used; j++) kept[keep[j]] = 1;
             for (int32_t g = 0; g < ng; g++) {
-                for (int32_t e = g * per; !keep[g] && e < (g + 1) * per; e++) choice[e] = -INFINITY;
+                for (int32_t e = g * per; !kept[g] && e < (g + 1) * per; e++) choice[e] = -INFINITY;
             }
         }
-        /* the k largest choices (lower id among equals), their unbiased scores as weights */
-        uint8_t * taken = (uint8_t *) (choice + 2 * ne);
-        memset(taken, 0, (size_t) ne);
-        for (int32_t j = 0; j < k; j++) {
-            int32_t best = -1;
-            for (int32_t e = 0; e < ne; e++) {
-                if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
-            }
-            taken[best] = 1;
-            sel[j] = best;
-            w[j] = p[best];
-        }
+        /* the k largest choices; their unbiased scores are the weights */
+        topk_torch(choice, ne, k, q, sel);
+        for (int32_t j = 0; j < k; j++) w[j] = p[sel[j]];
         float sum = 0.0f;
         for (int32_t j = 0; j < k; j++) sum += w[j];
         for (int32_t j = 0; hp->expert_norm && j < k; j++) w[j] /= sum + 1e-20f;

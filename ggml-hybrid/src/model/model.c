@@ -243,14 +243,14 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff, uint32_t n_lay
     if ((st = get_count(g, AKEY("expert_group_used_count"), false, n_group, 1, n_group, &n_group_used)))
         return st;
     if (n_expert % n_group || (n_group > 1 && n_expert / n_group < 2)) {
-        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u: the %u experts (%s) must split into groups of "
-                       "equal size, at least 2 (a group is scored by its two best experts)",
-                       AKEY("expert_group_count"), n_group, n_expert, AKEY("expert_count"));
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u: the %u experts (%s.expert_count) must split into "
+                       "groups of equal size, at least 2 (a group is scored by its two best experts)",
+                       AKEY("expert_group_count"), n_group, n_expert, arch->name);
     }
     if (n_used > n_group_used * (n_expert / n_group)) {
         return gh_fail(GH_ERR_FORMAT, "key '%s' = %u is more than the %u experts of the %u groups "
-                       "kept (%s)", AKEY("expert_used_count"), n_used, n_group_used * (n_expert / n_group),
-                       n_group_used, AKEY("expert_group_used_count"));
+                       "kept (%s.expert_group_used_count)", AKEY("expert_used_count"), n_used,
+                       n_group_used * (n_expert / n_group), n_group_used, arch->name);
     }
     if (arch->dense_lead &&
         (st = get_count(g, AKEY("leading_dense_block_count"), false, 0, 0, n_layer, &n_lead))) {

@@ -214,6 +214,9 @@ BAD = {
                     r"experts unweighted"),
     "rope-dim": (dict(kv={"glm4moe.rope.dimension_count": (7, VT.UINT32)}),
                  r"key 'glm4moe\.rope\.dimension_count' = 7 \(must be even, 2 to the head size 16\)"),
+    "qk-norm-one-layer": (dict(add={"blk.1.attn_q_norm.weight": np.ones(16, np.float32),
+                                    "blk.1.attn_k_norm.weight": np.ones(16, np.float32)}),
+                          r"tensor 'blk\.1\.attn_q_norm\.weight' but layer 0 has no q/k norms"),
     "nextn": (dict(kv={"glm4moe.nextn_predict_layers": (2, VT.UINT32)}),
               r"key 'glm4moe\.nextn_predict_layers' = 2 is out of range \(must be 0 to 1\)"),
 }
@@ -268,6 +271,12 @@ def test_config_refusals(tmp_path):
     for name, (upd, match) in cases.items():
         with pytest.raises(ConvertError, match=match):
             convert(_edit(hf, tmp_path, name, **upd), tmp_path / f"{name}.gguf", "f32", progress=False)
+    from powerinfer_cpp.sparse.pipeline import SparseOptions
+
+    with pytest.raises(ConvertError, match=r"sparse experts of glm4moe \(DeepSeek-V3's sigmoid router"):
+        convert(hf, tmp_path / "sparse.gguf", "f32", progress=False, sparse=True,
+                sparse_options=SparseOptions(sparsity=0.5))
+    assert not (tmp_path / "sparse.gguf").exists()
     dots = make_hf_model("dots1-top1", tmp_path / "dots", seed=3)
     with pytest.raises(ConvertError, match=r"attention_bias=true \(biased q/k/v/o projections"):
         convert(_edit(dots, tmp_path, "bias", attention_bias=True), tmp_path / "b.gguf", "f32", progress=False)

@@ -1048,6 +1048,11 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
     }
     if ((st = load_weight(m, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
     if ((st = load_vec(m, BLK("attn_output.bias"), d, false, &L->bo))) return st;
+    if (hp->qk_norm == GH_QK_NORM_NONE && m->arch->qk_norm_optional &&
+        gh_gguf_find_tensor(m->gguf, BLK("attn_q_norm.weight"))) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' but layer 0 has no q/k norms: every layer has them "
+                       "or none does", name);
+    }
     if (hp->qk_norm != GH_QK_NORM_NONE) {
         /* per head: one weight vector every head shares; over the projection: one per row */
         const bool per_head = hp->qk_norm == GH_QK_NORM_HEAD;

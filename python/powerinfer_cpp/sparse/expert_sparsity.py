@@ -147,6 +147,10 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         if bad:
             raise ConvertError(f"sparse experts (a mixture-of-experts model, {dense.n_expert} experts) "
                                f"do not take {what} yet")
+    if dense.arch in (F.ARCH_GLM4MOE, F.ARCH_DOTS1):
+        # calibration routes as moe.c's softmax router does, and every layer has experts
+        raise ConvertError(f"sparse experts of {dense.arch} (DeepSeek-V3's sigmoid router, dense leading "
+                           "layers) are not made yet; convert it densely (--dense)")
     if act not in GATE_ACTS:
         raise ConvertError(f"sparse experts need a gate threshold on the experts' activation, and {act!r} "
                            f"has none here (supported: {', '.join(GATE_ACTS)}); convert it densely")

@@ -235,6 +235,12 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff, uint32_t n_lay
     if ((st = get_u32_opt(g, AKEY("expert_gating_func"), &gating,
                           arch->expert_gating ? (uint32_t) arch->expert_gating : GH_GATING_SOFTMAX)))
         return st;
+    /* an architecture whose router llama.cpp fixes (softmax) reads no other value; one that
+     * names its gating (glm4moe, dots1) runs either */
+    if (!arch->expert_gating && gating != GH_GATING_SOFTMAX) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: only the softmax router (1) is supported "
+                       "for architecture '%s'", AKEY("expert_gating_func"), gating, arch->name);
+    }
     if (gating != GH_GATING_SOFTMAX && gating != GH_GATING_SIGMOID) {
         return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: only the softmax (1) and sigmoid (2) "
                        "routers are supported", AKEY("expert_gating_func"), gating);

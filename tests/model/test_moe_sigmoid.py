@@ -308,3 +308,41 @@ def test_checkpoint_prediction_layer_left_out(tmp_path):
     no_key = _edit(d, tmp_path, "no-key", num_nextn_predict_layers=0)
     with pytest.raises(ConvertError, match=r"unexpected tensors .*model\.layers\.2\."):
         convert(no_key, tmp_path / "nokey.gguf", "f32", progress=False)
+
+
+@pytest.mark.parametrize("which", ["none", "all", "n_cpu_moe", "some+cache"])
+def test_host_device_equals_cpu(case, which):
+    """On the host-device backend (the placement and the expert cache of test_moe_device.py)
+    the leading dense layers have no experts to place: the rest are placed, cached or left on
+    the CPU, and the logits and the experts chosen are the CPU's."""
+    ids = case["ids"]
+    with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2) as m:
+        want = m.context.eval(ids, logits_all=True)
+        want_counts = m.context.expert_counts()
+    with Model(case["gguf"], device="host-device") as m:
+        info = m.device_info()
+        n_moe = (want_counts.sum(axis=1) > 0).sum()
+        assert info["experts"]["n_experts"] == info["experts"]["device"] == n_moe * m.info.n_expert
+        eb, dense = info["experts"]["bytes"] // info["experts"]["device"], info["dense_bytes"]
+    kw = {"none": dict(vram_budget=dense), "all": dict(), "n_cpu_moe": dict(n_cpu_moe=2),
+          "some+cache": dict(vram_budget=dense + 4 * eb, expert_cache=2 * eb)}[which]
+    with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2, device="host-device", **kw) as m:
+        ctx = m.create_context(n_ctx=64, cache_type="f32", n_threads=2)
+        whole = ctx.eval(ids, logits_all=True)
+        one = m.create_context(n_ctx=64, cache_type="f32", n_threads=2)
+        steps = np.stack([one.eval([t]) for t in ids])
+        on = m.expert_placement()
+        np.testing.assert_array_equal(ctx.expert_counts(), want_counts)
+    scale = np.ptp(want)
+    for got in (whole, steps):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    lead = (want_counts.sum(axis=1) == 0)
+    assert not on[lead].any()
+    if which == "all":
+        assert on[~lead].all()
+    elif which == "n_cpu_moe":
+        assert not on.any()  # the first 2 layers: the dense one and the only mixture
+    elif which == "none":
+        assert not on.any()
+    else:
+        assert on.sum() == 2

@@ -610,7 +610,7 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     if (!hy->layers) st = gh_fail(GH_ERR_OOM, "out of memory");
     snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
     hy->info.n_neurons = m->hp.n_expert ? 0 : (int64_t) m->hp.n_layer * m->hp.n_ff;
-    hy->info.n_experts = (int64_t) m->hp.n_layer * m->hp.n_expert;
+    hy->info.n_experts = (int64_t) (m->hp.n_layer - m->hp.n_dense_lead) * m->hp.n_expert;
     m->hy = hy; /* so that gh_model_free releases a partial placement */
     if (!st) st = check_types(m, hy);
     if (!st) st = place(m, hy, p);

@@ -221,7 +221,9 @@ def _experts(path: str, out: list[str], fields: dict, by_name: dict, n_layer: in
     eb = [sum(int(by_name[n].n_bytes) for n in (F.tensor_name(kind, l) for kind in
                                                  (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS))
               if n in by_name) // n_expert for l in range(n_layer)]
-    out.append(f"experts: {n_expert} per layer, {k} per token; one expert {format_size(eb[0])}, "
+    moe = [b for b in eb if b]  # (leading dense layers have none)
+    out.append(f"experts: {n_expert} per layer{'' if len(moe) == n_layer else f' in {len(moe)} of {n_layer} layers'}, "
+               f"{k} per token; one expert {format_size(moe[0] if moe else 0)}, "
                f"all {format_size(sum(eb) * n_expert)}")
     if F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) not in t:
         out.append("  expert frequencies: none (profile them: python -m powerinfer_cpp.place MODEL "

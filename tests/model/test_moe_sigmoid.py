@@ -346,3 +346,23 @@ def test_host_device_equals_cpu(case, which):
         assert not on.any()
     else:
         assert on.sum() == 2
+
+
+def test_place_profiles_and_places_past_the_dense_layers(case, tmp_path):
+    """`place --profile` over a model with a leading dense layer: that layer has no experts
+    to count or place (frequencies 0, nothing on the device), the mixture's most chosen
+    experts go to the device, and the placed model computes the CPU's logits."""
+    from conftest import REPO_DIR
+    from powerinfer_cpp.place import main
+
+    src = shutil.copy(case["gguf"], tmp_path / "m.gguf")
+    calib = str(REPO_DIR / "models" / "tiny-relu-kjv" / "heldout.txt")
+    assert main([str(src), "--vram-budget", "300K", "--profile", calib]) == 0
+    ids = case["ids"]
+    with Model(src, n_ctx=64, cache_type="f32", n_threads=2, device="host-device", vram_budget=300 * 1024) as m:
+        on, info = m.expert_placement(), m.device_info()["experts"]
+        got = m.eval(ids, logits_all=True)
+    with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2) as m:
+        want = m.eval(ids, logits_all=True)
+    assert info["source"] == "file" and not on[0].any() and on[1].any(), (info, on)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.ptp(want))

@@ -1165,17 +1165,18 @@ static gh_status load_expert_gate_thresholds(gh_model * m, int il, gh_moe_layer 
     snprintf(name, sizeof name, "blk.%d.ffn_exp_gate_thr", il);
     const gh_gguf_tensor * t = gh_gguf_find_tensor(m->gguf, name);
     const int32_t ne = m->hp.n_expert;
-    const bool want = il == 0 || m->layers[0].moe.gate_cuts != NULL; /* layer 0 decides */
+    const int l0 = m->hp.n_dense_lead; /* the first layer with experts decides */
+    const bool want = il == l0 || m->layers[l0].moe.gate_cuts != NULL;
     if (!t) {
-        if (il > 0 && want) {
-            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.0.ffn_exp_gate_thr gives layer "
-                           "0's experts gate thresholds, so every layer needs them", name);
+        if (il > l0 && want) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.%d.ffn_exp_gate_thr gives layer "
+                           "%d's experts gate thresholds, so every layer needs them", name, l0, l0);
         }
         return GH_OK;
     }
     if (!want) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives layer %d's experts gate thresholds but "
-                       "'blk.0.ffn_exp_gate_thr' is missing: every layer needs them", name, il);
+                       "'blk.%d.ffn_exp_gate_thr' is missing: every layer needs them", name, il, l0);
     }
     if (!M->has_down_t) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives the experts gate thresholds but layer %d "
@@ -1312,14 +1313,15 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
             }
             M->on_gpu[e] = (int8_t) v;
         }
-    } else if (il > 0 && m->layers[0].moe.on_gpu) {
-        return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.0.ffn_exp_gpu places layer 0's "
-                       "experts, so every layer needs its expert placement", name);
+    } else if (il > hp->n_dense_lead && m->layers[hp->n_dense_lead].moe.on_gpu) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.%d.ffn_exp_gpu places layer %d's "
+                       "experts, so every layer needs its expert placement", name, hp->n_dense_lead,
+                       hp->n_dense_lead);
     }
-    if (il > 0 && !m->layers[0].moe.on_gpu && M->on_gpu) {
+    if (il > hp->n_dense_lead && !m->layers[hp->n_dense_lead].moe.on_gpu && M->on_gpu) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' places layer %d's experts but "
-                       "'blk.0.ffn_exp_gpu' is missing: every layer needs its expert placement",
-                       tg->name, il);
+                       "'blk.%d.ffn_exp_gpu' is missing: every layer needs its expert placement",
+                       tg->name, il, hp->n_dense_lead);
     }
 #undef BLK
     return GH_OK;

@@ -100,8 +100,10 @@ def expert_budget(tensors: dict, n_layer: int, n_expert: int, budget: int,
         left -= b
         dense += b
     del stop
+    # (0 for a leading dense layer, glm4moe's and dots1's: nothing there to place)
     eb = np.array([sum(_nbytes(tensors, F.tensor_name(k, l)) for k in
-                       (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS)) // n_expert
+                       (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS)
+                       if F.tensor_name(k, l) in tensors) // n_expert
                    for l in range(n_layer)], dtype=np.int64)
     cache_bytes = 0
     if cache > 0:
@@ -137,7 +139,7 @@ def profile_experts(path, tokens, n_ctx: int = 512, n_threads: int = 0) -> tuple
 def _greedy(freq: np.ndarray, eb: np.ndarray, left: int, first: int) -> np.ndarray:
     n_layer, n_expert = freq.shape
     on = np.zeros(freq.shape, dtype=bool)
-    cand = [(-float(freq[l, e]), l, e) for l in range(first, n_layer) for e in range(n_expert)]
+    cand = [(-float(freq[l, e]), l, e) for l in range(first, n_layer) if eb[l] for e in range(n_expert)]
     cand.sort()
     for _, l, e in cand:
         if eb[l] <= left:
@@ -165,7 +167,7 @@ def solve_experts(freq, tensors: dict, budget: int, *, cache: int = 0, n_cpu_moe
     gval = float((freq * eb[:, None] * greedy).sum())
     res = dict(freq=freq, expert_bytes=eb, budget=int(budget), dense_bytes=dense,
                cache_bytes=cache_bytes, left=left, n_cpu_moe=first, greedy_value=gval)
-    free = [(l, e) for l in range(first, n_layer) for e in range(n_expert)]
+    free = [(l, e) for l in range(first, n_layer) if eb[l] for e in range(n_expert)]
     if sum(int(eb[l]) for l, _ in free) <= left or method == "greedy" or left <= 0 or not free:
         solver = "none" if not greedy.any() else ("ilp" if method == "ilp" else "greedy")
         status = "all fit" if greedy.sum() == len(free) and free else ""

@@ -163,24 +163,26 @@ def _nextn_layer(n_layer: int, d: int) -> dict:
     return {b + k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
 
 
-def test_llama_cpp_glm4moe_file(case):
-    """llama.cpp's file: its keys only (none of ours), block_count counting the prediction
-    layer (nextn_predict_layers) whose tensors follow: the same logits. The layer read as one
-    of the model's (no nextn_predict_layers) is refused by its first missing tensor."""
-    if case["arch"] != "glm4moe":
-        pytest.skip("GLM's prediction layers")
-    src, d, ids = case["gguf"], case["dir"], case["ids"]
+def test_llama_cpp_file(case):
+    """llama.cpp's file: its keys only (none of ours, no expert_shared_feed_forward_length:
+    the width follows expert_shared_count); GLM's with block_count counting the prediction
+    layer (nextn_predict_layers) whose tensors follow: the same logits. That layer read as
+    one of the model's (no nextn_predict_layers) is refused by its first missing tensor."""
+    src, d, ids, A = case["gguf"], case["dir"], case["ids"], case["arch"]
     drop = ["powerinfer.format_version", "powerinfer.ffn_activation", "powerinfer.hf_hidden_act",
-            "glm4moe.expert_shared_feed_forward_length"]
-    lcpp = rewrite_gguf(src, d / "lcpp.gguf", drop_kv=drop, add=_nextn_layer(2, 64),
-                        kv={"glm4moe.block_count": (3, VT.UINT32), "glm4moe.nextn_predict_layers": (1, VT.UINT32)})
+            f"{A}.expert_shared_feed_forward_length"]
+    glm = A == "glm4moe"
+    extra = dict(add=_nextn_layer(2, 64), kv={"glm4moe.block_count": (3, VT.UINT32),
+                                               "glm4moe.nextn_predict_layers": (1, VT.UINT32)}) if glm else {}
+    lcpp = rewrite_gguf(src, d / "lcpp.gguf", drop_kv=drop, **extra)
     np.testing.assert_array_equal(_logits(lcpp, ids), _logits(src, ids))
     with Model(lcpp) as m:
         info = m.info
-        assert (info.arch, info.n_layer, info.n_expert, info.n_ff_shexp) == ("glm4moe", 2, 8, 32)
-    bad = rewrite_gguf(lcpp, d / "lcpp-no-nextn.gguf", drop_kv=["glm4moe.nextn_predict_layers"])
-    with pytest.raises(NativeError, match=r"blk\.2\.attn_k\.weight"):
-        Model(bad)
+        assert (info.arch, info.n_layer, info.n_expert, info.n_ff_shexp) == (A, 2, 8, 32)
+    if glm:
+        bad = rewrite_gguf(lcpp, d / "lcpp-no-nextn.gguf", drop_kv=["glm4moe.nextn_predict_layers"])
+        with pytest.raises(NativeError, match=r"blk\.2\.attn_k\.weight"):
+            Model(bad)
 
 
 BAD = {
@@ -348,6 +350,8 @@ def test_host_device_equals_cpu(case, which):
         assert on.sum() == 2
 
 
+# profiling runs 512-token windows, past the tiny models' 128-token context: said, harmless here
+@pytest.mark.filterwarnings("ignore:n_ctx = 512 is larger:RuntimeWarning")
 def test_place_profiles_and_places_past_the_dense_layers(case, tmp_path):
     """`place --profile` over a model with a leading dense layer: that layer has no experts
     to count or place (frequencies 0, nothing on the device), the mixture's most chosen

@@ -674,9 +674,13 @@ KEY_EXPERT_N_CPU_MOE = "powerinfer.experts.n_cpu_moe"
 KEY_EXPERT_CACHE = "powerinfer.experts.cache_bytes"
 #: Share (f32, 0..1) of the profiled expert selections the placed experts serve.
 KEY_EXPERT_SERVED_SHARE = "powerinfer.experts.served_share"
+#: The shared experts (qwen2moe) the budget placed before the routed ones: their bytes (u64)
+#: and how many layers' (u32; the first ones). Informational: the loader places them itself.
+KEY_EXPERT_SHARED_BYTES = "powerinfer.experts.shared_bytes"
+KEY_EXPERT_SHARED_LAYERS = "powerinfer.experts.shared_layers"
 EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_BYTES_LEFT,
                KEY_EXPERT_BYTES, KEY_EXPERT_N_CPU_MOE, KEY_EXPERT_CACHE, KEY_EXPERT_SERVED_SHARE,
-               KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
+               KEY_EXPERT_SHARED_BYTES, KEY_EXPERT_SHARED_LAYERS, KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
 
 
 # Sparse experts (docs/FORMAT.md "Sparse experts"): a mixture-of-experts layer's down

@@ -182,6 +182,8 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
         w.add_key_value(F.KEY_EXPERT_N_CPU_MOE, int(pl.n_cpu_moe), V.UINT32)
         w.add_key_value(F.KEY_EXPERT_CACHE, int(pl.cache_bytes), V.UINT64)
         w.add_key_value(F.KEY_EXPERT_SERVED_SHARE, float(pl.served_share), V.FLOAT32)
+        w.add_key_value(F.KEY_EXPERT_SHARED_BYTES, int(pl.shared_bytes), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_SHARED_LAYERS, int(pl.shared_layers), V.UINT32)
         w.add_key_value(F.KEY_GPU_VRAM_BUDGET, int(budget), V.UINT64)
         w.add_key_value(F.KEY_GPU_SOLVER, pl.solver, V.STRING)
 

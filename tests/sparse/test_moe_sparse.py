@@ -155,6 +155,46 @@ def test_host_device_equals_cpu(relu_case):
     np.testing.assert_allclose(dense, cpu_dense, rtol=0, atol=2e-5 * scale)
 
 
+def test_shared_expert_on_the_device_beside_sparse_experts(tmp_path_factory):
+    """Qwen2-MoE's SwiGLU experts calibrated sparse (ffn_down_exps_t: the CPU's) and its
+    shared expert on the device, run while the CPU runs the selected experts: the gate and
+    dense modes equal CPU-only within the host-device bound, with the shared expert on the
+    device (its bytes in the device's count) and without room for it."""
+    d = tmp_path_factory.mktemp("qwen2moe-sparse-shexp")
+    hf = make_hf_model("qwen2moe", d / "hf", seed=5)
+    path = convert(hf, d / "sparse.gguf", "f32", progress=False, sparse=True,
+                   sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=300, profile_ctx=100,
+                                                sparsity=0.5))
+    ids = [int(t) for t in np.random.default_rng(6).integers(3, 300, size=12)]
+    with Model(path) as m:
+        cpu = {mode: _decode(m, ids, mode)[0] for mode in ("gate", "dense")}
+        n_layer = m.info.n_layer
+    with Model(path, device="host-device") as m:
+        attn = m.device_info()["dense_bytes"]
+    scale = np.ptp(cpu["dense"])
+    dev_bytes = {}
+    for budget, want in ((None, n_layer), (attn, 0)):
+        kw = {} if budget is None else dict(vram_budget=budget)
+        with Model(path, device="host-device", **kw) as m:
+            ex = m.device_info()["experts"]
+            assert ex["shared_device"] == want and ex["device"] == 0 and (ex["shared_bytes"] > 0) == (want > 0)
+            for mode in ("gate", "dense"):
+                got, st = _decode(m, ids, mode)
+                np.testing.assert_allclose(got, cpu[mode], rtol=0, atol=2e-5 * scale)
+                dev_bytes[budget, mode] = st["device"]["bytes_device"]
+    # the device read each layer's shared expert once per token on top of the rest
+    for mode in ("gate", "dense"):
+        assert dev_bytes[None, mode] - dev_bytes[attn, mode] == len(ids) * _shared_bytes(path)
+
+
+def _shared_bytes(path) -> int:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return sum(int(t.n_bytes) for t in r.tensors if t.name.endswith("_shexp.weight")
+               and "gate_inp" not in t.name)
+
+
 # ---- calibrated levels on held-out text ------------------------------------------------------
 
 

@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                      "file (default: the frequencies stored in the file)")
     moe.add_argument("--profile-tokens", type=int, default=4096, help="tokens of TEXT to profile (default 4096)")
     moe.add_argument("--n-cpu-moe", type=int, default=0, metavar="N",
-                     help="keep the experts of the first N layers on the CPU (default 0)")
+                     help="keep the routed experts of the first N layers on the CPU (a shared "
+                          "expert does not count; default 0)")
     moe.add_argument("--expert-cache", default="0", metavar="SIZE",
                      help="device bytes of the run-time expert cache to leave free (default 0)")
     ap.add_argument("-q", "--quiet", action="store_true")

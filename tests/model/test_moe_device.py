@@ -404,6 +404,8 @@ def test_generate_and_llama_take_the_moe_knobs(case, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "expert cache 2 experts" in err and "of expert runs on the device" in err
+    # n_cpu_moe keeps routed experts only: every layer's shared expert is on the device
+    assert (f"shared experts {case['sh'] / 2**20:.1f}: {case['n_layer']} layers" in err) == bool(case["sh"])
     llm = Llama(case["gguf"], n_ctx=64, device="host-device", n_cpu_moe=1, expert_cache=2 * eb,
                 verbose=False)
     try:

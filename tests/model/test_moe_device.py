@@ -459,3 +459,17 @@ def test_an_empty_file_placement_is_replaced_at_load(case, tmp_path):
         info = m.device_info()
         assert info["experts"]["device"] == 2 and info["experts"]["source"] == "frequency"
         assert "puts none on the device" in info["note"]
+
+
+def test_prompt_longer_than_a_device_chunk(case):
+    """A prompt of more tokens than a device call takes (GH_DEVICE_CHUNK, 32) runs the device
+    experts and the shared expert (qwen2moe) in chunks, in one batch and in batches of 8:
+    the CPU's logits within the host-device bound."""
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 300, size=70)]
+    with Model(case["gguf"], n_ctx=128, cache_type="f32", n_threads=2) as m:
+        want = m.create_context(n_ctx=128, cache_type="f32", n_threads=2).eval(ids, logits_all=True)
+    for kw in (dict(), dict(n_batch=8)):
+        with Model(case["gguf"], n_ctx=128, cache_type="f32", n_threads=2, device="host-device", **kw) as m:
+            assert m.device_info()["experts"]["shared_device"] == (case["n_layer"] if case["sh"] else 0)
+            got = m.create_context(n_ctx=128, cache_type="f32", n_threads=2).eval(ids, logits_all=True)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.ptp(want))

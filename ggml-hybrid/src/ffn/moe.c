@@ -328,6 +328,11 @@ static void expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d
     V->gate_b = M->gate_exps_b ? M->gate_exps_b + (int64_t) e * ff : NULL;
     V->up_b = M->up_exps_b ? M->up_exps_b + (int64_t) e * ff : NULL;
     V->down_b = M->down_exps_b ? M->down_exps_b + (int64_t) e * d : NULL;
+    if (M->has_pred) {
+        V->has_pred = true;
+        V->fc1 = gh_expert(&M->fc1_exps, e);
+        V->fc2 = gh_expert(&M->fc2_exps, e);
+    }
     const float * cut = M->gate_cuts ? M->gate_cuts + 4 * (size_t) e : NULL;
     if (cut && cut[0] >= 0.0f) {
         V->has_gate_thr = true;

@@ -388,6 +388,10 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
     say = say or (lambda s: log.info("%s", s))
     if dense.n_expert:  # a mixture of experts: thresholds per expert
         return convert_sparse_experts(dense, out_path, opts, progress, say)
+    if opts.expert_predictors:
+        raise ConvertError("--expert-predictors trains a predictor per expert of a mixture of experts, "
+                           "and this model has no experts (a dense sparse file gets its predictors "
+                           "per layer without it)")
     run = _plan(dense, out_path, opts, progress, say)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     remove_stale(out_dir)

@@ -361,6 +361,7 @@ def test_trained_expert_predictors_recall_on_heldout_text(tmp_path):
     for recall, pred_density, true_density in held:
         assert recall > 0.85 and true_density <= pred_density < 0.9
     with Model(path) as m:
+        assert m.create_context(n_ctx=16).ffn_mode == "sparse"  # the file's mode, as with layer predictors
         toks = m.tokenize(HELDOUT.read_text(encoding="utf-8"))[2000:2100]
         st = {}
         for mode in ("oracle", "sparse"):

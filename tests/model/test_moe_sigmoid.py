@@ -315,8 +315,8 @@ def test_checkpoint_prediction_layer_left_out(tmp_path):
 @pytest.mark.parametrize("which", ["none", "all", "n_cpu_moe", "some+cache"])
 def test_host_device_equals_cpu(case, which):
     """On the host-device backend (the placement and the expert cache of test_moe_device.py)
-    the leading dense layers have no experts to place: the rest are placed, cached or left on
-    the CPU, and the logits and the experts chosen are the CPU's."""
+    the leading dense layers have no experts to place (nor shared ones): the rest are placed,
+    cached or left on the CPU, and the logits and the experts chosen are the CPU's."""
     ids = case["ids"]
     with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2) as m:
         want = m.context.eval(ids, logits_all=True)
@@ -325,7 +325,10 @@ def test_host_device_equals_cpu(case, which):
         info = m.device_info()
         n_moe = (want_counts.sum(axis=1) > 0).sum()
         assert info["experts"]["n_experts"] == info["experts"]["device"] == n_moe * m.info.n_expert
-        eb, dense = info["experts"]["bytes"] // info["experts"]["device"], info["dense_bytes"]
+        # (the shared experts, every token's, are placed before the routed ones)
+        eb = info["experts"]["bytes"] // info["experts"]["device"]
+        dense = info["dense_bytes"] + info["experts"]["shared_bytes"]
+        assert info["experts"]["shared_device"] == n_moe  # one per layer with experts
     kw = {"none": dict(vram_budget=dense), "all": dict(), "n_cpu_moe": dict(n_cpu_moe=2),
           "some+cache": dict(vram_budget=dense + 4 * eb, expert_cache=2 * eb)}[which]
     with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2, device="host-device", **kw) as m:

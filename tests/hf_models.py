@@ -232,8 +232,9 @@ def make_llama_model(path, *, act: str = "relu", tied: bool = True, n_layer: int
 
 
 def _save(model_cls, cfg, path: Path, seed: int, dtype: str = "float32", tokenizer: str = "bpe",
-          vocab: int = 384, max_shard_size=None) -> None:
-    """Build a seeded model_cls(cfg), perturb its 1-D parameters, save it and a tokenizer."""
+          vocab: int = 384, max_shard_size=None, prepare=None) -> None:
+    """Build a seeded model_cls(cfg), perturb its 1-D parameters (then ``prepare(model,
+    generator)``, if given), save it and a tokenizer."""
     import torch
 
     torch.manual_seed(seed)
@@ -244,6 +245,8 @@ def _save(model_cls, cfg, path: Path, seed: int, dtype: str = "float32", tokeniz
             if p.dim() == 1 or name.endswith("_bias"):  # gpt-oss's expert biases are 2-D
                 noise = 0.1 * torch.randn(p.shape, generator=g)
                 p.copy_(noise if name.endswith("bias") else 1.0 + noise)
+        if prepare is not None:
+            prepare(model, g)
     tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     model = model.to(tdtype)
     kw = {}
@@ -405,10 +408,49 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                    intermediate_size=32, num_local_experts=8, num_experts_per_tok=4,
                                    num_hidden_layers=3, sliding_window=5, tie_word_embeddings=False,
                                    layer_types=["full_attention", "sliding_attention", "sliding_attention"])),
+    # DeepSeek-V3's sigmoid router (sigmoid_router: spread-out scores, a selection bias that
+    # moves the choice): glm4moe with 4 groups of 2 keeping 2, renormalised, scaled, a dense
+    # first layer, q/k/v biases, half the head rotating; and with no groups, not
+    # renormalised, every layer experts, q/k norms, 2 shared experts, 3/4 of the head
+    # rotating, MQA, tied
+    "glm4moe": ("glm4moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                num_experts_per_tok=2, n_group=4, topk_group=2, norm_topk_prob=True,
+                                routed_scaling_factor=2.5, first_k_dense_replace=1, n_shared_experts=1,
+                                attention_bias=True, use_qk_norm=False, tie_word_embeddings=False)),
+    "glm4moe-qknorm": ("glm4moe", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                                       intermediate_size=64, moe_intermediate_size=16, n_routed_experts=6,
+                                       num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=False,
+                                       routed_scaling_factor=1.0, first_k_dense_replace=0, n_shared_experts=2,
+                                       attention_bias=False, use_qk_norm=True, partial_rotary_factor=0.75,
+                                       tie_word_embeddings=True)),
+    # dots1: the same router, q/k norms, full RoPE; 2 groups of 4 keeping 1, renormalised,
+    # a dense first layer; and no groups, not renormalised, top-1
+    "dots1": ("dots1", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                            num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
+                            routed_scaling_factor=1.5, first_k_dense_replace=1, n_shared_experts=1,
+                            tie_word_embeddings=False)),
+    "dots1-top1": ("dots1", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                 intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                 num_experts_per_tok=1, n_group=1, topk_group=1, norm_topk_prob=False,
+                                 first_k_dense_replace=0, n_shared_experts=1, tie_word_embeddings=True)),
 }
 #: The mixture-of-experts variants (their FFN is experts: no sparse modes yet).
 MOE_VARIANTS = tuple(v for v, (family, _) in VARIANTS.items()
-                     if family in ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "gptoss"))
+                     if family in ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "gptoss", "glm4moe", "dots1"))
+
+
+def sigmoid_router(model, g) -> None:
+    """A DeepSeek-V3 router's tiny random model made to route: router weights 20x their
+    initial 0.02 (sigmoid scores spread over (0, 1), not all near 0.5) and a selection bias
+    (a buffer, zero at init) of the scores' own spread, so that it changes which experts run."""
+    import torch
+
+    for name, mod in model.named_modules():
+        if hasattr(mod, "e_score_correction_bias"):
+            mod.weight.mul_(20.0)
+            mod.e_score_correction_bias.copy_(0.3 * torch.randn(mod.e_score_correction_bias.shape, generator=g))
 
 
 def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
@@ -494,6 +536,17 @@ def make_hf_model(variant: str, path, seed: int = 0, **overrides) -> Path:
     elif family == "gptoss":
         cfg = transformers.GptOssConfig(**{**common, "rms_norm_eps": 1e-5, **kw})
         _save(transformers.GptOssForCausalLM, cfg, path, seed)
+    elif family == "glm4moe":
+        kw = dict(kw)
+        rope = {"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": kw.pop("partial_rotary_factor", 0.5)}
+        cfg = transformers.Glm4MoeConfig(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                            "rope_parameters": rope, **kw})
+        _save(transformers.Glm4MoeForCausalLM, cfg, path, seed, prepare=sigmoid_router)
+    elif family == "dots1":
+        cfg = transformers.Dots1Config(**{**common, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+                                          "rope_theta": 10000.0, **kw})
+        _save(transformers.Dots1ForCausalLM, cfg, path, seed, prepare=sigmoid_router)
     return path
 
 

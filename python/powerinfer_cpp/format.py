@@ -35,6 +35,8 @@ ARCH_QWEN2MOE = "qwen2moe"  # Qwen1.5-MoE / Qwen2-MoE (experts + a shared expert
 ARCH_QWEN3MOE = "qwen3moe"  # Qwen3-MoE
 ARCH_OLMOE = "olmoe"        # OLMoE
 ARCH_GPTOSS = "gpt-oss"     # gpt-oss (attention sinks, sliding windows, biased experts, MXFP4)
+ARCH_GLM4MOE = "glm4moe"    # GLM-4.5 / 4.5-Air / 4.6 (DeepSeek-V3's sigmoid router, partial RoPE)
+ARCH_DOTS1 = "dots1"        # dots.llm1 (DeepSeek-V3's sigmoid router, q/k norms)
 # Mixtral is ARCH_LLAMA with KEY_EXPERT_COUNT > 0 (llama.cpp writes it so)
 
 #: smollm3: layers il with (il + 1) % this == 0 have no RoPE. llama.cpp fixes it for the
@@ -48,10 +50,10 @@ SWA_PERIOD = {ARCH_GEMMA2: 2, ARCH_GEMMA3: 6, ARCH_GPTOSS: 2}
 #: GGUF architectures this project writes / reads.
 ARCHITECTURES = (ARCH_LLAMA, ARCH_QWEN2, ARCH_FALCON, ARCH_OPT, ARCH_PHI3, ARCH_QWEN3, ARCH_OLMO2,
                  ARCH_SMOLLM3, ARCH_GEMMA2, ARCH_GEMMA3, ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE,
-                 ARCH_GPTOSS)
+                 ARCH_GPTOSS, ARCH_GLM4MOE, ARCH_DOTS1)
 #: The architectures whose FFN is always a mixture of experts (llama is one when its file
 #: has KEY_EXPERT_COUNT > 0: Mixtral).
-MOE_ARCHITECTURES = (ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE, ARCH_GPTOSS)
+MOE_ARCHITECTURES = (ARCH_QWEN2MOE, ARCH_QWEN3MOE, ARCH_OLMOE, ARCH_GPTOSS, ARCH_GLM4MOE, ARCH_DOTS1)
 
 # --------------------------------------------------------------------------
 # Our own keys (powerinfer.*)
@@ -152,9 +154,18 @@ KEY_EXPERT_USED_COUNT = "{arch}.expert_used_count"        # u32: experts per tok
 KEY_EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"  # u32: an expert's width
 KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH = "{arch}.expert_shared_feed_forward_length"  # u32
 KEY_EXPERT_WEIGHTS_NORM = "{arch}.expert_weights_norm"    # bool: renormalise the top-k weights
-KEY_EXPERT_GATING_FUNC = "{arch}.expert_gating_func"      # u32: 1 softmax (2 sigmoid: refused)
+KEY_EXPERT_GATING_FUNC = "{arch}.expert_gating_func"      # u32: 1 softmax, 2 sigmoid
 KEY_EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"  # f32: routing weights times this
 EXPERT_GATING_SOFTMAX = 1
+EXPERT_GATING_SIGMOID = 2
+# DeepSeek-V3's mixture (glm4moe, dots1): its shared experts (expert_shared_count of the
+# routed width, added unweighted), the sigmoid router's groups, the dense layers first, and
+# GLM-4.5's multi-token prediction layers past the model's own (llama.cpp's keys)
+KEY_EXPERT_SHARED_COUNT = "{arch}.expert_shared_count"            # u32
+KEY_EXPERT_GROUP_COUNT = "{arch}.expert_group_count"              # u32 (1: no group limit)
+KEY_EXPERT_GROUP_USED_COUNT = "{arch}.expert_group_used_count"    # u32: groups kept per token
+KEY_LEADING_DENSE_BLOCK_COUNT = "{arch}.leading_dense_block_count"  # u32: dense-FFN layers first
+KEY_NEXTN_PREDICT_LAYERS = "{arch}.nextn_predict_layers"          # u32: trailing layers unread
 
 ROPE_SCALING_NONE = "none"
 ROPE_SCALING_LINEAR = "linear"
@@ -482,8 +493,11 @@ T_FFN_GATE_SHEXP = "ffn_gate_shexp"    # [n_ff_shexp, d]
 T_FFN_UP_SHEXP = "ffn_up_shexp"        # [n_ff_shexp, d]
 T_FFN_DOWN_SHEXP = "ffn_down_shexp"    # [d, n_ff_shexp]
 T_FFN_GATE_INP_SHEXP = "ffn_gate_inp_shexp"  # [d] the shared expert's sigmoid gate, F32
+T_FFN_EXP_PROBS_B = "exp_probs_b"      # [n_expert] (suffix .bias) the sigmoid router's selection
+#                                        bias (e_score_correction_bias), F32
 MOE_LAYER_TENSORS = (T_FFN_GATE_INP, T_FFN_GATE_EXPS, T_FFN_UP_EXPS, T_FFN_DOWN_EXPS,
-                     T_FFN_GATE_INP_SHEXP, T_FFN_GATE_SHEXP, T_FFN_UP_SHEXP, T_FFN_DOWN_SHEXP)
+                     T_FFN_GATE_INP_SHEXP, T_FFN_GATE_SHEXP, T_FFN_UP_SHEXP, T_FFN_DOWN_SHEXP,
+                     T_FFN_EXP_PROBS_B)
 #: Tensor kinds kept F32 in every outtype (llama.cpp's converter and quantizer keep the
 #: routers so: a few KB that decide which experts run).
 F32_KINDS = (T_FFN_GATE_INP, T_FFN_GATE_INP_SHEXP)
@@ -674,9 +688,13 @@ KEY_EXPERT_N_CPU_MOE = "powerinfer.experts.n_cpu_moe"
 KEY_EXPERT_CACHE = "powerinfer.experts.cache_bytes"
 #: Share (f32, 0..1) of the profiled expert selections the placed experts serve.
 KEY_EXPERT_SERVED_SHARE = "powerinfer.experts.served_share"
+#: The shared experts (qwen2moe) the budget placed before the routed ones: their bytes (u64)
+#: and how many layers' (u32; the first ones). Informational: the loader places them itself.
+KEY_EXPERT_SHARED_BYTES = "powerinfer.experts.shared_bytes"
+KEY_EXPERT_SHARED_LAYERS = "powerinfer.experts.shared_layers"
 EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_BYTES_LEFT,
                KEY_EXPERT_BYTES, KEY_EXPERT_N_CPU_MOE, KEY_EXPERT_CACHE, KEY_EXPERT_SERVED_SHARE,
-               KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
+               KEY_EXPERT_SHARED_BYTES, KEY_EXPERT_SHARED_LAYERS, KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
 
 
 # Sparse experts (docs/FORMAT.md "Sparse experts"): a mixture-of-experts layer's down
@@ -685,14 +703,19 @@ EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_
 # expert runs dense), written by `convert --sparse` / `--sparsity S` of a MoE model.
 T_FFN_DOWN_EXPS_T = "ffn_down_exps_t"    # blk.N.ffn_down_exps_t.weight [n_expert, n_ff_exp, d]
 T_FFN_EXP_GATE_THR = "ffn_exp_gate_thr"  # blk.N.ffn_exp_gate_thr F32 [n_expert]
-SPARSE_EXPERT_TENSORS = (T_FFN_DOWN_EXPS_T, T_FFN_EXP_GATE_THR)
+# each expert's predictor (ReLU-family experts, --expert-predictors): fc1 [n_expert, h, d],
+# fc2 [n_expert, n_ff_exp, h], F32; the sparse FFN mode's score = fc2 . relu(fc1 . x)
+T_FFN_EXP_FC1 = "ffn_exp_fc1"            # blk.N.ffn_exp_fc1.weight
+T_FFN_EXP_FC2 = "ffn_exp_fc2"            # blk.N.ffn_exp_fc2.weight
+SPARSE_EXPERT_TENSORS = (T_FFN_DOWN_EXPS_T, T_FFN_EXP_GATE_THR, T_FFN_EXP_FC1, T_FFN_EXP_FC2)
 
 
 def sparse_expert_tensor_name(kind: str, layer: int) -> str:
-    """``blk.N.ffn_down_exps_t.weight`` / ``blk.N.ffn_exp_gate_thr`` (no suffix)."""
+    """``blk.N.ffn_down_exps_t.weight`` / ``blk.N.ffn_exp_gate_thr`` (no suffix) /
+    ``blk.N.ffn_exp_fc1.weight`` / ``blk.N.ffn_exp_fc2.weight``."""
     if kind not in SPARSE_EXPERT_TENSORS:
         raise ValueError(f"not a sparse expert tensor: {kind!r}")
-    return f"blk.{layer}.{kind}" + (".weight" if kind == T_FFN_DOWN_EXPS_T else "")
+    return f"blk.{layer}.{kind}" + ("" if kind == T_FFN_EXP_GATE_THR else ".weight")
 
 
 def expert_tensor_name(kind: str, layer: int) -> str:

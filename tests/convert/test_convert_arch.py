@@ -27,8 +27,9 @@ ARCH_OF = {"llama": F.ARCH_LLAMA, "qwen2": F.ARCH_QWEN2, "opt": F.ARCH_OPT, "fal
            "phi3": F.ARCH_PHI3, "qwen3": F.ARCH_QWEN3, "olmo2": F.ARCH_OLMO2,
            "smollm3": F.ARCH_SMOLLM3, "gemma2": F.ARCH_GEMMA2, "gemma3": F.ARCH_GEMMA3,
            "mixtral": F.ARCH_LLAMA, "qwen2moe": F.ARCH_QWEN2MOE, "qwen3moe": F.ARCH_QWEN3MOE,
-           "olmoe": F.ARCH_OLMOE, "gptoss": F.ARCH_GPTOSS}
+           "olmoe": F.ARCH_OLMOE, "gptoss": F.ARCH_GPTOSS, "glm4moe": F.ARCH_GLM4MOE, "dots1": F.ARCH_DOTS1}
 MOE_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe")
+SIGMOID_FAMILIES = ("glm4moe", "dots1")  # DeepSeek-V3's router: dense leading layers, shared experts
 # the llama variants test_convert.py does not cover already
 TABLE = [v for v in VARIANTS if v not in ("llama", "llama-relu")]
 
@@ -136,6 +137,39 @@ def expected(variant: str, cfg: dict, sd: dict) -> tuple[list[str], dict]:
                 add(f"blk.{i}.ffn_down.weight", L + "mlp.down_proj.weight")
             if post:
                 add(f"blk.{i}.post_ffw_norm.weight", L + "post_feedforward_layernorm.weight")
+        add("output_norm.weight", "model.norm.weight")
+    elif family in SIGMOID_FAMILIES:
+        # unpermuted q/k (NeoX), biases and q/k norms as the config says (dots1: norms always),
+        # the FFN's norm under llama.cpp's name, dense leading layers, the router's selection
+        # bias, the shared experts fused as HF keeps them
+        glm = family == "glm4moe"
+        qk_norm = cfg.get("use_qk_norm") if glm else True
+        ne = cfg["n_routed_experts"]
+        add("token_embd.weight", "model.embed_tokens.weight")
+        for i in range(n):
+            L = f"model.layers.{i}."
+            add(f"blk.{i}.attn_norm.weight", L + "input_layernorm.weight")
+            for kind, proj in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")):
+                add(f"blk.{i}.{kind}.weight", L + f"self_attn.{proj}_proj.weight")
+                if glm and cfg["attention_bias"]:
+                    add(f"blk.{i}.{kind}.bias", L + f"self_attn.{proj}_proj.bias")
+            if qk_norm:
+                add(f"blk.{i}.attn_q_norm.weight", L + "self_attn.q_norm.weight")
+                add(f"blk.{i}.attn_k_norm.weight", L + "self_attn.k_norm.weight")
+            add(f"blk.{i}.attn_output.weight", L + "self_attn.o_proj.weight")
+            add(f"blk.{i}.{'post_attention_norm' if glm else 'ffn_norm'}.weight", L + "post_attention_layernorm.weight")
+            if i < cfg["first_k_dense_replace"]:
+                for kind, proj in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+                    add(f"blk.{i}.{kind}.weight", L + f"mlp.{proj}.weight")
+                continue
+            add(f"blk.{i}.ffn_gate_inp.weight", L + "mlp.gate.weight")
+            add(f"blk.{i}.exp_probs_b.bias", L + "mlp.gate.e_score_correction_bias")
+            for kind, proj in (("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"),
+                               ("ffn_down_exps", "down_proj")):
+                add(f"blk.{i}.{kind}.weight", tuple(L + f"mlp.experts.{e}.{proj}.weight" for e in range(ne)))
+            for kind, proj in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                               ("ffn_down_shexp", "down_proj")):
+                add(f"blk.{i}.{kind}.weight", L + f"mlp.shared_experts.{proj}.weight")
         add("output_norm.weight", "model.norm.weight")
     elif family in ("gemma2", "gemma3"):
         # Gemma's RMSNorm scales by 1 + w: the file holds w + 1 (in float32, as the converter
@@ -336,6 +370,29 @@ def expected_keys(variant: str, cfg: dict) -> dict:
                    F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
                    F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A): True,
                    F.KEY_FFN_ACTIVATION: F.ACT_SWIGLU_OAI, F.KEY_TOKENIZER_PRE: "default"})
+    elif family in SIGMOID_FAMILIES:
+        hd = d // nh
+        rp = cfg.get("rope_parameters") or {}
+        n_rot = int(hd * rp.get("partial_rotary_factor", 0.5)) if family == "glm4moe" else hd
+        ff_e, n_sh = cfg["moe_intermediate_size"], cfg["n_shared_experts"]
+        ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["intermediate_size"],
+                   F.arch_key(F.KEY_HEAD_COUNT_KV, A): cfg["num_key_value_heads"],
+                   F.arch_key(F.KEY_RMS_EPS, A): cfg["rms_norm_eps"], F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A): n_rot,
+                   F.arch_key(F.KEY_ROPE_FREQ_BASE, A): rp.get("rope_theta", 10000.0),
+                   F.arch_key(F.KEY_KEY_LENGTH, A): None,
+                   F.arch_key(F.KEY_EXPERT_COUNT, A): cfg["n_routed_experts"],
+                   F.arch_key(F.KEY_EXPERT_USED_COUNT, A): cfg["num_experts_per_tok"],
+                   F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, A): ff_e,
+                   F.arch_key(F.KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH, A): n_sh * ff_e,
+                   F.arch_key(F.KEY_EXPERT_SHARED_COUNT, A): n_sh,
+                   F.arch_key(F.KEY_EXPERT_GROUP_COUNT, A): cfg["n_group"],
+                   F.arch_key(F.KEY_EXPERT_GROUP_USED_COUNT, A): cfg["topk_group"],
+                   F.arch_key(F.KEY_LEADING_DENSE_BLOCK_COUNT, A): cfg["first_k_dense_replace"],
+                   F.arch_key(F.KEY_EXPERT_WEIGHTS_SCALE, A): float(cfg["routed_scaling_factor"]),
+                   F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A): cfg["norm_topk_prob"],
+                   F.arch_key(F.KEY_EXPERT_GATING_FUNC, A): F.EXPERT_GATING_SIGMOID,
+                   F.arch_key(F.KEY_NEXTN_PREDICT_LAYERS, A): None,
+                   F.KEY_FFN_ACTIVATION: "silu", F.KEY_TOKENIZER_PRE: "default"})
     elif family == "opt":
         ok.update({F.arch_key(F.KEY_FEED_FORWARD_LENGTH, A): cfg["ffn_dim"],
                    F.arch_key(F.KEY_HEAD_COUNT_KV, A): nh, F.arch_key(F.KEY_LAYERNORM_EPS, A): 1e-5,
@@ -684,7 +741,7 @@ def test_format_doc_covers_every_architecture(converted):
             # sections that say "the llama tensors" inherit the llama table's rows
             in_llama = (A in (F.ARCH_LLAMA, F.ARCH_QWEN2, F.ARCH_QWEN3, F.ARCH_OLMO2, F.ARCH_SMOLLM3,
                               F.ARCH_GEMMA2, F.ARCH_GEMMA3, F.ARCH_QWEN2MOE, F.ARCH_QWEN3MOE,
-                              F.ARCH_OLMOE, F.ARCH_GPTOSS)
+                              F.ARCH_OLMOE, F.ARCH_GPTOSS, F.ARCH_GLM4MOE, F.ARCH_DOTS1)
                         and f"`{generic}`" in llama_doc)
             assert re.search(rf"\b{kind}\b", sec) or in_llama, (variant, name)
         for key in kv:

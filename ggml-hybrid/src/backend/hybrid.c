@@ -136,12 +136,18 @@ static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
                             (st = check_weight_type(m, hy, il, "predictor fc2", &L->fc2)))) {
             break;
         }
-        if (m->hp.n_expert) {
+        if (m->hp.n_expert && L->moe.router.rows) { /* (a leading dense layer has none) */
             const gh_moe_layer * M = &L->moe;
             if ((st = check_weight_type(m, hy, il, "router", &M->router)) ||
                 (st = check_weight_type(m, hy, il, "experts' gate", &M->gate_exps)) ||
                 (st = check_weight_type(m, hy, il, "experts' up", &M->up_exps)) ||
                 (!M->has_down_t && (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps)))) {
+                break;
+            }
+            if (M->gate_shexp.rows &&
+                ((st = check_weight_type(m, hy, il, "shared expert's gate", &M->gate_shexp)) ||
+                 (st = check_weight_type(m, hy, il, "shared expert's up", &M->up_shexp)) ||
+                 (st = check_weight_type(m, hy, il, "shared expert's down", &M->down_shexp)))) {
                 break;
             }
             continue;
@@ -376,13 +382,14 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
         note(hy, "The file's expert placement needs %.1f MiB but %.1f MiB are left: experts "
              "re-placed at load.", file_bytes / 1048576.0, left / 1048576.0);
     }
-    const int64_t n = (int64_t) (nl - first) * ne;
+    int64_t n = 0;
+    for (int il = first; il < nl; il++) n += m->layers[il].moe.router.rows ? ne : 0;
     expert_freq * order = malloc((size_t) GH_MAX(n, 1) * sizeof *order);
     if (!order) return gh_fail(GH_ERR_OOM, "out of memory");
     int64_t k = 0;
     for (int il = first; il < nl; il++) {
         const gh_moe_layer * M = &m->layers[il].moe;
-        for (int32_t e = 0; e < ne; e++) {
+        for (int32_t e = 0; M->router.rows && e < ne; e++) {
             order[k].f = M->freq ? M->freq[e] : 0.0f;
             order[k].il = il;
             order[k].e = e;
@@ -495,6 +502,7 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
     }
     for (int il = 0; il < nl && !stop && hp->n_expert; il++) {
         const gh_moe_layer * M = &m->layers[il].moe;
+        if (!M->router.rows) continue; /* a leading dense layer: its FFN stays on the CPU */
         const int64_t b = (int64_t) wbytes(&M->router);
         if (b > left) { stop = true; break; }
         if ((st = put(hy, &M->router, &hy->layers[il].router))) return st;
@@ -507,6 +515,26 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
         left -= (int64_t) wbytes(&m->output);
         in->dense_bytes += (int64_t) wbytes(&m->output);
         in->head_on_device = 1;
+    } else {
+        stop = true;
+    }
+    /* the shared experts (qwen2moe): every token runs them, so a byte of theirs serves a
+     * token as often as the head's and more often than any routed expert's (whose share
+     * of the tokens is its frequency, at most 1): they come before the cache and the routed
+     * experts. n_cpu_moe does not keep them (llama.cpp's --n-cpu-moe pattern names only
+     * ffn_*_exps). Their sigmoid gate (one vector) stays on the host. */
+    for (int il = 0; il < nl && !stop && hp->n_expert; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        if (!M->gate_shexp.rows) continue;
+        const int64_t b = (int64_t) (wbytes(&M->gate_shexp) + wbytes(&M->up_shexp) +
+                                     wbytes(&M->down_shexp));
+        if (b > left) { stop = true; break; }
+        gh_dexpert * S = &hy->layers[il].shexp;
+        if ((st = put(hy, &M->gate_shexp, &S->gate)) || (st = put(hy, &M->up_shexp, &S->up)) ||
+            (st = put(hy, &M->down_shexp, &S->down))) return st;
+        left -= b;
+        in->shexp_bytes += b;
+        in->n_shexp_device++;
     }
 
     if (hp->n_expert) return place_experts(m, hy, p, left);
@@ -608,7 +636,7 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     if (!hy->layers) st = gh_fail(GH_ERR_OOM, "out of memory");
     snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
     hy->info.n_neurons = m->hp.n_expert ? 0 : (int64_t) m->hp.n_layer * m->hp.n_ff;
-    hy->info.n_experts = (int64_t) m->hp.n_layer * m->hp.n_expert;
+    hy->info.n_experts = (int64_t) (m->hp.n_layer - m->hp.n_dense_lead) * m->hp.n_expert;
     m->hy = hy; /* so that gh_model_free releases a partial placement */
     if (!st) st = check_types(m, hy);
     if (!st) st = place(m, hy, p);
@@ -619,8 +647,10 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
 
 gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
     const gh_hparams * hp = &m->hp;
-    /* an expert's down projection reads n_ff_exp inputs per token */
-    const int64_t d = GH_MAX((int64_t) hp->n_embd, (int64_t) hp->n_ff_exp),
+    /* an expert's down projection reads n_ff_exp inputs per token, a shared expert's
+     * n_ff_shexp */
+    const int64_t d = GH_MAX(GH_MAX((int64_t) hp->n_embd, (int64_t) hp->n_ff_exp),
+                             (int64_t) hp->n_ff_shexp),
                   dq = (int64_t) hp->n_head * hp->head_dim;
     int64_t h = 1;
     for (int il = 0; il < hp->n_layer; il++) {

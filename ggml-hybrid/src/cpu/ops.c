@@ -642,9 +642,10 @@ void gh_rope_angles(int head_dim, int32_t pos, float theta, float freq_scale,
     }
 }
 
-void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox) {
-    const int half = head_dim / 2;
-    /* The pair (i, i + half) for NeoX, (2i, 2i + 1) for the GGUF llama layout. */
+void gh_rope(float * x, int n_head, int head_dim, int n_rot, const float * cs, int neox) {
+    const int half = n_rot / 2;
+    /* The pair (i, i + half) for NeoX, (2i, 2i + 1) for the GGUF llama layout, within the
+     * first n_rot dims of each head (the rest pass through: partial rotary embeddings). */
     const int stride = neox ? 1 : 2;
     const int offset = neox ? half : 1;
     for (int i = 0; i < half; i++) {
@@ -1044,7 +1045,7 @@ gh_status gh_op_rope(float * x, int64_t n_tokens, int n_head, int head_dim,
     if (!cs) return gh_fail(GH_ERR_OOM, "rope: out of memory");
     for (int64_t t = 0; t < n_tokens; t++) {
         gh_rope_angles(head_dim, pos[t], theta, freq_scale, freq_div, cs);
-        gh_rope(x + t * (int64_t) row, n_head, head_dim, cs, neox);
+        gh_rope(x + t * (int64_t) row, n_head, head_dim, head_dim, cs, neox);
     }
     free(cs);
     return GH_OK;

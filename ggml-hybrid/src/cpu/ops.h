@@ -60,7 +60,9 @@ void gh_layernorm(const float * x, const float * w, const float * b, int64_t n, 
  * used by q and k of every layer. */
 void gh_rope_angles(int head_dim, int32_t pos, float theta, float freq_scale,
                     const float * freq_div, float * cs);
-void gh_rope(float * x, int n_head, int head_dim, const float * cs, int neox);
+/* Rotates the first n_rot dims of each of the n_head heads of x by the angles cs of
+ * gh_rope_angles(n_rot, ...) (n_rot = head_dim: the whole head). */
+void gh_rope(float * x, int n_head, int head_dim, int n_rot, const float * cs, int neox);
 /* x[i] = c tanh(x[i] / c): soft-capping (Gemma 2's final logits), c > 0. */
 void gh_softcap(float * x, int64_t n, float c);
 /* gpt-oss's sigmoid gain in its clamped SwiGLU (GH_ACT_SWIGLU_OAI): swiglu_alpha of the

@@ -20,6 +20,7 @@
 struct gh_moe_state {
     int32_t   n_batch, n_expert, k, n_layer;
     float *   probs;   /* [n_batch][n_expert] router logits, then probabilities */
+    float *   choice;  /* [6 n_expert] one token's route scratch (route) */
     int32_t * sel;     /* [n_batch][k] each token's experts */
     float *   sel_w;   /* [n_batch][k] and their weights */
     int32_t * start;   /* [n_expert + 1] each expert's first entry in tok / tok_w */
@@ -37,6 +38,10 @@ struct gh_moe_state {
     float *   ye;      /* [n_batch * k][n_embd] */
     float *   hgd, * hud; /* [n_batch * k][n_ff_exp] */
     const gh_dexpert ** dev; /* [n_expert] the device copy an expert runs from, or NULL */
+    /* a shared expert on the device: its gate and up outputs (then the activation) and its
+     * down's, apart from hg / hu / yg, which the CPU's experts use meanwhile */
+    float *   shg, * shu;  /* [n_batch][n_ff_shexp] */
+    float *   shy;         /* [n_batch][n_embd] */
     /* the expert cache (hy->cache_slots slots of hy->slot_bytes): LRU over all layers */
     gh_backend * b;
     int32_t    n_slots;
@@ -53,6 +58,7 @@ struct gh_moe_state {
 void gh_moe_state_free(gh_moe_state * s) {
     if (!s) return;
     gh_aligned_free(s->probs);
+    gh_aligned_free(s->choice);
     gh_aligned_free(s->sel);
     gh_aligned_free(s->sel_w);
     gh_aligned_free(s->start);
@@ -68,6 +74,9 @@ void gh_moe_state_free(gh_moe_state * s) {
     gh_aligned_free(s->ye);
     gh_aligned_free(s->hgd);
     gh_aligned_free(s->hud);
+    gh_aligned_free(s->shg);
+    gh_aligned_free(s->shu);
+    gh_aligned_free(s->shy);
     free(s->dev);
     for (int32_t i = 0; s->slot_mem && i < s->n_slots; i++) {
         if (s->slot_mem[i]) s->b->ops->free(s->b, s->slot_mem[i]);
@@ -92,6 +101,16 @@ static gh_status hybrid_state(const gh_model * m, gh_moe_state * s) {
     if (!s->ye || !s->hgd || !s->hud || !s->dev) {
         return gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch",
                        s->n_batch);
+    }
+    if (hy->info.n_shexp_device > 0) {
+        const size_t nb = (size_t) s->n_batch;
+        s->shg = gh_aligned_alloc(nb * (size_t) hp->n_ff_shexp * sizeof(float));
+        s->shu = gh_aligned_alloc(nb * (size_t) hp->n_ff_shexp * sizeof(float));
+        s->shy = gh_aligned_alloc(nb * (size_t) hp->n_embd * sizeof(float));
+        if (!s->shg || !s->shu || !s->shy) {
+            return gh_fail(GH_ERR_OOM, "out of memory for the shared expert's buffers of a "
+                           "%d-token batch", s->n_batch);
+        }
     }
     if (!hy->cache_slots) return GH_OK;
     const int32_t n = hy->cache_slots;
@@ -146,6 +165,7 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
         }
     }
     s->probs = gh_aligned_alloc(nb * ne * sizeof(float));
+    s->choice = gh_aligned_alloc(6 * ne * sizeof(float));
     s->sel = gh_aligned_alloc(nb * k * sizeof(int32_t));
     s->sel_w = gh_aligned_alloc(nb * k * sizeof(float));
     s->start = gh_aligned_alloc((ne + 1) * sizeof(int32_t));
@@ -158,7 +178,7 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
     s->yg = gh_aligned_alloc(nb * d * sizeof(float));
     s->scratch = gh_aligned_alloc(scratch);
     s->counts = calloc((size_t) hp->n_layer * ne, sizeof(int64_t));
-    if (!s->probs || !s->sel || !s->sel_w || !s->start || !s->fill || !s->tok || !s->tok_w ||
+    if (!s->probs || !s->choice || !s->sel || !s->sel_w || !s->start || !s->fill || !s->tok || !s->tok_w ||
         !s->xg || !s->hg || !s->hu || !s->yg || !s->scratch || !s->counts) {
         gh_moe_state_free(s);
         gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch", n_batch);
@@ -187,7 +207,32 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
     *bytes_cache = s ? s->bytes_cache : 0.0;
 }
 
-static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out);
+static void shared_expert(gh_context * c, int il, int32_t n, const gh_dexpert * S,
+                          double * bytes_out);
+
+/* Layer il's shared expert on the device, or NULL (none, or on the CPU). */
+static const gh_dexpert * shexp_device(const gh_context * c, int il) {
+    const gh_hybrid * hy = c->model->hy;
+    const gh_dexpert * S = hy ? &hy->layers[il].shexp : NULL;
+    return S && S->gate.data ? S : NULL;
+}
+
+/* A device shared expert over all n tokens, in two steps around the CPU's experts: its
+ * gate and up are enqueued first, so the device runs them while the CPU runs its experts;
+ * after a sync the activation (on the host, as for the routed device experts) and its
+ * down are enqueued; after the next sync s->shy holds its output. */
+static void shexp_gate_up(gh_context * c, const gh_dexpert * S, int32_t n) {
+    gh_moe_state * s = c->moe;
+    gh_hybrid_matmul_async(c, &S->gate, c->xb, n, s->shg);
+    gh_hybrid_matmul_async(c, &S->up, c->xb, n, s->shu);
+}
+
+static void shexp_down(gh_context * c, const gh_dexpert * S, int32_t n) {
+    const gh_hparams * hp = &c->model->hp;
+    gh_moe_state * s = c->moe;
+    gh_glu(hp->ffn_act, hp->act_threshold, s->shg, s->shu, s->shg, (int64_t) n * S->gate.rows);
+    gh_hybrid_matmul_async(c, &S->down, s->shg, n, s->shy);
+}
 
 /* p = softmax(p) in place, in float as transformers' router computes it. */
 static void softmax(float * p, int32_t n) {
@@ -224,6 +269,184 @@ static void top_k(float * p, int32_t n, int32_t k, int32_t * sel, float * w) {
         w[j] = bv;
         p[best] = -1.0f;
     }
+}
+
+/* ---- torch.topk's choice among equal values -------------------------------------------
+ * transformers' routers pick their experts with torch.topk, whose CPU kernel selects over
+ * (value, index) pairs ordered by value alone (NaN first), with std::nth_element, or with
+ * std::partial_sort when k * 64 <= n; which of several equal values make the cut is then
+ * whatever those algorithms (GNU libstdc++'s introselect and heap select) leave in the first
+ * k places. The functions below are those algorithms, written from their published
+ * description, so that a tie is resolved as transformers resolves it (checked against torch
+ * 2.13 on tie-heavy inputs, tests/model/test_moe_sigmoid.py). Only the set chosen matters:
+ * each expert's weight is its own, and the outputs are summed in expert order. */
+typedef struct { float v; int32_t i; } tk_pair;
+
+/* x goes before y: larger, NaN largest of all */
+static inline bool tk_before(tk_pair x, tk_pair y) {
+    return (isnan(x.v) && !isnan(y.v)) || x.v > y.v;
+}
+
+static inline void tk_swap(tk_pair * a, tk_pair * b) {
+    const tk_pair t = *a;
+    *a = *b;
+    *b = t;
+}
+
+static void tk_push_heap(tk_pair * q, int64_t hole, int64_t top, tk_pair v) {
+    int64_t parent = (hole - 1) / 2;
+    while (hole > top && tk_before(q[parent], v)) {
+        q[hole] = q[parent];
+        hole = parent;
+        parent = (hole - 1) / 2;
+    }
+    q[hole] = v;
+}
+
+static void tk_adjust_heap(tk_pair * q, int64_t hole, int64_t len, tk_pair v) {
+    const int64_t top = hole;
+    int64_t child = hole;
+    while (child < (len - 1) / 2) {
+        child = 2 * (child + 1);
+        if (tk_before(q[child], q[child - 1])) child--;
+        q[hole] = q[child];
+        hole = child;
+    }
+    if ((len & 1) == 0 && child == (len - 2) / 2) {
+        child = 2 * (child + 1);
+        q[hole] = q[child - 1];
+        hole = child - 1;
+    }
+    tk_push_heap(q, hole, top, v);
+}
+
+/* q[0..mid) := the mid first of q[0..n) in the heap's order (a heap whose top goes last) */
+static void tk_heap_select(tk_pair * q, int64_t mid, int64_t n) {
+    for (int64_t parent = (mid - 2) / 2; mid >= 2 && parent >= 0; parent--) {
+        tk_adjust_heap(q, parent, mid, q[parent]);
+    }
+    for (int64_t i = mid; i < n; i++) {
+        if (tk_before(q[i], q[0])) {
+            const tk_pair v = q[i];
+            q[i] = q[0];
+            tk_adjust_heap(q, 0, mid, v);
+        }
+    }
+}
+
+/* the elements that go before q[nth] end up in q[0..nth) (introselect) */
+static void tk_nth_element(tk_pair * q, int64_t nth, int64_t n) {
+    int64_t first = 0, last = n, depth = 0;
+    for (int64_t m = n; m > 1; m >>= 1) depth++;
+    depth *= 2;
+    while (last - first > 3) {
+        if (depth == 0) {
+            tk_heap_select(q + first, nth + 1 - first, last - first);
+            tk_swap(&q[first], &q[nth]);
+            return;
+        }
+        depth--;
+        /* the median of q[first + 1], the middle and the last to q[first], the pivot */
+        const int64_t a = first + 1, b = first + (last - first) / 2, c = last - 1;
+        int64_t med;
+        if (tk_before(q[a], q[b])) med = tk_before(q[b], q[c]) ? b : tk_before(q[a], q[c]) ? c : a;
+        else med = tk_before(q[a], q[c]) ? a : tk_before(q[b], q[c]) ? c : b;
+        tk_swap(&q[first], &q[med]);
+        int64_t lo = first + 1, hi = last;
+        for (;;) {
+            while (tk_before(q[lo], q[first])) lo++;
+            hi--;
+            while (tk_before(q[first], q[hi])) hi--;
+            if (!(lo < hi)) break;
+            tk_swap(&q[lo], &q[hi]);
+            lo++;
+        }
+        if (lo <= nth) first = lo;
+        else last = lo;
+    }
+    /* insertion sort of the rest */
+    for (int64_t i = first + 1; i < last; i++) {
+        const tk_pair v = q[i];
+        if (tk_before(v, q[first])) {
+            memmove(q + first + 1, q + first, (size_t) (i - first) * sizeof *q);
+            q[first] = v;
+        } else {
+            int64_t j = i;
+            while (tk_before(v, q[j - 1])) {
+                q[j] = q[j - 1];
+                j--;
+            }
+            q[j] = v;
+        }
+    }
+}
+
+/* sel [k] := the ids torch.topk(v [n], k) returns, as a set (q: [n] scratch) */
+static void topk_torch(const float * v, int32_t n, int32_t k, tk_pair * q, int32_t * sel) {
+    for (int32_t i = 0; i < n; i++) q[i] = (tk_pair) { v[i], i };
+    if ((int64_t) k * 64 <= n) tk_heap_select(q, k, n);
+    else tk_nth_element(q, k - 1, n);
+    for (int32_t j = 0; j < k; j++) sel[j] = q[j].i;
+}
+
+/* One token's route from its router logits p [n_expert] (destroyed): its k experts sel and
+ * their weights w, as transformers' routers compute them.
+ * Softmax gating: p = softmax(logits), the k largest p, weights p (/ their sum when
+ * expert_norm) * expert_scale.
+ * Sigmoid gating (DeepSeek-V3's router, glm4moe, dots1): s = sigmoid(logits) and the choice
+ * by c = s + exp_probs_b; with groups, each group's score is the sum of its two largest c
+ * (two equal values count twice), and only the n_group_used best groups' experts are
+ * eligible (the rest c = -inf); the k largest eligible c; weights the unbiased s (/ (their
+ * sum + 1e-20) when expert_norm) * expert_scale. Ties among the choices and among the
+ * groups resolve as torch.topk's (topk_torch). choice: [6 n_expert] floats of scratch. */
+static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, float * choice,
+                  int32_t * sel, float * w) {
+    const int32_t ne = hp->n_expert, k = hp->n_expert_used;
+    if (hp->expert_gating == GH_GATING_SIGMOID) {
+        const float * b = M->probs_b;
+        for (int32_t e = 0; e < ne; e++) {
+            p[e] = 1.0f / (1.0f + expf(-p[e]));
+            choice[e] = b ? p[e] + b[e] : p[e];
+        }
+        const int32_t ng = hp->n_expert_groups, per = ne / GH_MAX(ng, 1);
+        tk_pair * q = (tk_pair *) (choice + ne);
+        if (ng > 1 && hp->n_group_used < ng) {
+            /* each group's score: the sum of its two largest choices (values: no tie to
+             * resolve); the n_group_used best groups stay, the others' experts are out */
+            float * gs = choice + 3 * ne;
+            int32_t * keep = (int32_t *) (choice + 4 * ne);
+            uint8_t * kept = (uint8_t *) (choice + 5 * ne);
+            memset(kept, 0, (size_t) ng);
+            for (int32_t g = 0; g < ng; g++) {
+                float a = -INFINITY, b2 = -INFINITY;
+                for (int32_t e = g * per; e < (g + 1) * per; e++) {
+                    const float v = choice[e];
+                    if (v > a) { b2 = a; a = v; }
+                    else if (v > b2) b2 = v;
+                }
+                gs[g] = a + b2;
+            }
+            topk_torch(gs, ng, hp->n_group_used, q, keep);
+            for (int32_t j = 0; j < hp->n_group_used; j++) kept[keep[j]] = 1;
+            for (int32_t g = 0; g < ng; g++) {
+                for (int32_t e = g * per; !kept[g] && e < (g + 1) * per; e++) choice[e] = -INFINITY;
+            }
+        }
+        /* the k largest choices; their unbiased scores are the weights */
+        topk_torch(choice, ne, k, q, sel);
+        for (int32_t j = 0; j < k; j++) w[j] = p[sel[j]];
+        float sum = 0.0f;
+        for (int32_t j = 0; j < k; j++) sum += w[j];
+        for (int32_t j = 0; hp->expert_norm && j < k; j++) w[j] /= sum + 1e-20f;
+        for (int32_t j = 0; j < k; j++) w[j] *= hp->expert_scale;
+        return;
+    }
+    softmax(p, ne);
+    top_k(p, ne, k, sel, w);
+    float sum = 0.0f;
+    for (int32_t j = 0; j < k; j++) sum += w[j];
+    const float f = (hp->expert_norm ? 1.0f / sum : 1.0f) * hp->expert_scale;
+    for (int32_t j = 0; j < k; j++) w[j] *= f;
 }
 
 /* rows[t] += b for cnt rows of len values (b NULL: nothing). */
@@ -286,6 +509,11 @@ static void expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d
     V->gate_b = M->gate_exps_b ? M->gate_exps_b + (int64_t) e * ff : NULL;
     V->up_b = M->up_exps_b ? M->up_exps_b + (int64_t) e * ff : NULL;
     V->down_b = M->down_exps_b ? M->down_exps_b + (int64_t) e * d : NULL;
+    if (M->has_pred) {
+        V->has_pred = true;
+        V->fc1 = gh_expert(&M->fc1_exps, e);
+        V->fc2 = gh_expert(&M->fc2_exps, e);
+    }
     const float * cut = M->gate_cuts ? M->gate_cuts + 4 * (size_t) e : NULL;
     if (cut && cut[0] >= 0.0f) {
         V->has_gate_thr = true;
@@ -343,7 +571,7 @@ static const gh_dexpert * device_copy(gh_context * c, int il, int32_t e) {
  * gate and up are enqueued, the CPU experts run meanwhile, then the device experts'
  * activation (host) and down; each (token, expert) output lands in s->ye and the merge
  * adds them in expert order, as the CPU-only loop does. Returns the weight bytes read. */
-static double hybrid_experts(gh_context * c, int il, int32_t n) {
+static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert * S) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_moe_layer * M = &m->layers[il].moe;
@@ -363,6 +591,7 @@ static double hybrid_experts(gh_context * c, int il, int32_t n) {
         s->dev[e] = device_copy(c, il, e);
         any_dev |= s->dev[e] != NULL;
     }
+    if (S) shexp_gate_up(c, S, n); /* the shared expert first: every token runs it */
     /* the gathered inputs of one expert (the device copies them before returning) */
     for (int pass = 0; pass < 2; pass++) {
         for (int32_t e = 0; e < ne; e++) {
@@ -393,8 +622,9 @@ static double hybrid_experts(gh_context * c, int il, int32_t n) {
             }
         }
     }
-    if (any_dev) {
+    if (any_dev || S) {
         gh_hybrid_sync(c);
+        if (S) shexp_down(c, S, n);
         for (int32_t e = 0; e < ne; e++) {
             const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
             if (cnt == 0 || !s->dev[e]) continue;
@@ -449,13 +679,8 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     add_rows(s->probs, M->router_b, n, ne);
     double bytes = (double) M->router.rows * M->router.row_bytes;
     for (int32_t t = 0; t < n; t++) {
-        float * p = s->probs + (int64_t) t * ne, * w = s->sel_w + (int64_t) t * k;
-        softmax(p, ne);
-        top_k(p, ne, k, s->sel + (int64_t) t * k, w);
-        float sum = 0.0f;
-        for (int32_t j = 0; j < k; j++) sum += w[j];
-        const float f = (hp->expert_norm ? 1.0f / sum : 1.0f) * hp->expert_scale;
-        for (int32_t j = 0; j < k; j++) w[j] *= f;
+        route(hp, M, s->probs + (int64_t) t * ne, s->choice, s->sel + (int64_t) t * k,
+              s->sel_w + (int64_t) t * k);
     }
 
     /* group by expert (counting sort; tokens stay ascending within an expert) */
@@ -474,9 +699,10 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     /* a model on a device runs its placed and cached experts there; sparse experts are all
      * the CPU's (hybrid.c places none), so they take the CPU's path below, the router and
      * attention having run where the placement put them */
+    const gh_dexpert * S = shexp_device(c, il);
     if (c->model->hy && !M->has_down_t) {
-        bytes += hybrid_experts(c, il, n);
-        shared_expert(c, il, n, &bytes);
+        bytes += hybrid_experts(c, il, n, S);
+        shared_expert(c, il, n, S, &bytes);
         gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
         return;
     }
@@ -489,6 +715,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     const bool sparse = M->has_down_t && sparse_mode;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
+    if (S) shexp_gate_up(c, S, n); /* the device's part while the CPU runs the experts */
     for (int32_t e = 0; e < ne; e++) {
         const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
         if (cnt == 0) continue;
@@ -524,12 +751,20 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         }
     }
 
-    shared_expert(c, il, n, &bytes);
+    if (S) {
+        gh_hybrid_sync(c);
+        shexp_down(c, S, n);
+        gh_hybrid_sync(c);
+    }
+    shared_expert(c, il, n, S, &bytes);
     gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
 }
 
-/* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 */
-static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out) {
+/* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 (after the
+ * routed experts' sum, on the CPU or the device alike); S: its device copy, whose output
+ * is in s->shy already (shexp_down, synced), else it runs here on the CPU */
+static void shared_expert(gh_context * c, int il, int32_t n, const gh_dexpert * S,
+                          double * bytes_out) {
     const gh_moe_layer * M = &c->model->layers[il].moe;
     gh_moe_state * s = c->moe;
     const int64_t d = c->model->hp.n_embd;
@@ -537,8 +772,16 @@ static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out)
     float * y = c->xb2;
     double bytes = 0.0;
     if (M->gate_shexp.rows) {
-        bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, false, NULL, NULL,
-                            NULL, x, n, s->yg);
+        const float * ysh = s->yg;
+        if (S) {
+            ysh = s->shy;
+            bytes += (double) (M->gate_shexp.rows * M->gate_shexp.row_bytes +
+                               M->up_shexp.rows * M->up_shexp.row_bytes +
+                               M->down_shexp.rows * M->down_shexp.row_bytes);
+        } else {
+            bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, false, NULL,
+                                NULL, NULL, x, n, s->yg);
+        }
         for (int32_t t = 0; t < n; t++) {
             const float * xt = x + (int64_t) t * d;
             float g = 1.0f;
@@ -548,7 +791,7 @@ static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out)
                 g = 1.0f / (1.0f + expf(-a));
             }
             float * yt = y + (int64_t) t * d;
-            const float * ys = s->yg + (int64_t) t * d;
+            const float * ys = ysh + (int64_t) t * d;
             for (int64_t i = 0; i < d; i++) yt[i] += g * ys[i];
         }
         bytes += (double) d * sizeof(float);

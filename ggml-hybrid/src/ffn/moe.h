@@ -2,12 +2,16 @@
  * SwiGLU FFNs through the same kernels as dense weights, plus a shared expert where the
  * architecture has one.
  *
- * One layer over n tokens x (already normed):
- *   p      = softmax(router . x + router_b)             [n_expert]
- *   E      = the n_expert_used experts with the largest p (ties: the lower id)
+ * One layer over n tokens x (already normed), l = router . x + router_b [n_expert]:
+ *   softmax gating:  p = softmax(l); E = the n_expert_used experts with the largest p
+ *   sigmoid gating:  p = sigmoid(l); E = the n_expert_used largest p + exp_probs_b among the
+ *                    experts of the n_group_used groups whose two best p + exp_probs_b sum
+ *                    highest (DeepSeek-V3's router; one group: all experts)
+ *   (ties: the lower id)
  *   w_e    = p_e (/ sum_{E} p when hp.expert_norm) * hp.expert_scale
  *   y      = sum_{e in E} w_e * (down_e(act(gate_e x + gb_e, up_e x + ub_e)) + db_e)
- *          (+ sigmoid(shexp_gate . x) * down_sh(act(gate_sh x) * up_sh x))
+ *          (+ sigmoid(shexp_gate . x) * down_sh(act(gate_sh x) * up_sh x); without a
+ *          shexp_gate (glm4moe, dots1) the shared experts are added unweighted)
  * Expert weights live in llama.cpp's 3-D tensors [n_expert][rows][cols]: expert e's matrix
  * is rows e*rows .. of the 2-D view (gh_expert), so each expert's rows are read in place,
  * in every type the kernel table has. A batch is grouped by expert: each selected expert
@@ -40,7 +44,10 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
  * are all the CPU's, with or without a device) each token's selected experts run through the
  * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
  * viewed as a layer): the strategy selects the expert's active
- * neurons, the executor reads their up rows and down_t rows only. */
+ * neurons, the executor reads their up rows and down_t rows only.
+ * On a device, a shared expert placed there (backend/hybrid.c) has its gate and up
+ * enqueued before the CPU runs its experts, its down after; its output is added after the
+ * routed experts' sum, as on the CPU. */
 void gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
 
 #endif

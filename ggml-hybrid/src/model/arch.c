@@ -7,7 +7,8 @@ static const gh_arch * const ARCHS[] = { &gh_arch_llama, &gh_arch_qwen2, &gh_arc
                                          &gh_arch_opt, &gh_arch_phi3, &gh_arch_qwen3,
                                          &gh_arch_olmo2, &gh_arch_smollm3, &gh_arch_gemma2,
                                          &gh_arch_gemma3, &gh_arch_qwen2moe, &gh_arch_qwen3moe,
-                                         &gh_arch_olmoe, &gh_arch_gptoss };
+                                         &gh_arch_olmoe, &gh_arch_gptoss, &gh_arch_glm4moe,
+                                         &gh_arch_dots1 };
 
 const gh_arch * gh_arch_find(const char * name) {
     for (size_t i = 0; name && i < sizeof ARCHS / sizeof ARCHS[0]; i++) {

@@ -21,6 +21,10 @@ typedef enum { GH_QK_NORM_NONE, GH_QK_NORM_HEAD, GH_QK_NORM_PROJ } gh_qk_norm;
 /* Whether an architecture's FFN is a mixture of experts (ffn/moe.h): never, when the file
  * says so ({arch}.expert_count > 0: llama.cpp writes Mixtral as `llama`), or always. */
 typedef enum { GH_MOE_NONE, GH_MOE_OPTIONAL, GH_MOE_REQUIRED } gh_moe_kind;
+/* A router's gating function, llama.cpp's {arch}.expert_gating_func values: the experts'
+ * probabilities are softmax(logits) (1), or each its own sigmoid(logit) (2, DeepSeek-V3's
+ * router: chosen by sigmoid + exp_probs_b, weighted by the unbiased sigmoid). */
+typedef enum { GH_GATING_SOFTMAX = 1, GH_GATING_SIGMOID = 2 } gh_gating;
 
 typedef struct {
     int32_t n_vocab, n_ctx_train, n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
@@ -48,6 +52,8 @@ typedef struct {
     float   rope_attn_factor;  /* cos and sin times this (YaRN's 0.1 ln(factor) + 1; else 1) */
     int32_t nope_every;        /* layers il with (il + 1) % nope_every == 0 have no RoPE
                                 * (0: every layer has it) */
+    int32_t n_rot;             /* the first n_rot dims of each head rotate (rope.dimension_count,
+                                * NeoX pairs (i, i + n_rot / 2)); the rest pass through */
     /* sliding-window layers (Gemma): a local layer (gh_layer.swa) attends to the n_swa most
      * recent positions, itself included, with its own RoPE base and scale */
     int32_t n_swa;             /* 0: every layer attends to the whole context */
@@ -67,6 +73,16 @@ typedef struct {
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
     bool    expert_norm;
     float   expert_scale;
+    /* the router's gating (gh_gating); the sigmoid router's group-limited choice: experts in
+     * n_expert_groups equal groups of consecutive ids, each group scored by the sum of its
+     * two highest selection scores, only the n_group_used best groups' experts eligible
+     * (1 group: no limit) */
+    int32_t expert_gating, n_expert_groups, n_group_used;
+    /* the first n_dense_lead layers have a dense FFN of width n_ff (leading_dense_block_count) */
+    int32_t n_dense_lead;
+    /* layers past n_layer in the file (nextn_predict_layers: GLM-4.5's multi-token prediction
+     * layers), loaded by nobody: llama.cpp's files keep them as blk.n_layer.. */
+    int32_t n_nextn;
     /* sparse extension */
     bool    pred_residual;     /* predictors read the residual stream before the FFN's norm
                                 * (PowerInfer's), not the normed input (ours) */
@@ -108,6 +124,18 @@ typedef struct gh_arch {
     bool         expert_norm;  /* renormalised top-k weights when the file has no
                                 * {arch}.expert_weights_norm (llama.cpp fixes it per architecture) */
     bool         shared_expert;/* a shared expert beside the routed ones (blk.N.ffn_*_shexp) */
+    /* DeepSeek-V3's MoE (glm4moe, dots1) */
+    int32_t      expert_gating;/* gh_gating when the file has no {arch}.expert_gating_func (0:
+                                * softmax) */
+    bool         exp_probs_b;  /* blk.N.exp_probs_b.bias [n_expert] required: the selection bias
+                                * of a sigmoid router (other architectures: read where present) */
+    bool         shexp_by_count; /* the shared experts are expert_shared_count experts of the
+                                * routed experts' width fused into one (0: none), unweighted */
+    bool         dense_lead;   /* {arch}.leading_dense_block_count dense-FFN layers first */
+    bool         nextn;        /* {arch}.nextn_predict_layers trailing layers to leave alone */
+    bool         qk_norm_optional; /* qk_norm where the file has blk.0.attn_q_norm (GLM-4.5's
+                                * use_qk_norm), else none */
+    bool         partial_rope; /* rope.dimension_count may be below the head size */
     /* gpt-oss */
     bool         expert_biases;/* ffn_gate_inp.bias and ffn_{gate,up,down}_exps.bias required
                                 * (other MoE architectures: read where the file has them) */
@@ -127,6 +155,7 @@ const char * gh_arch_names(void);
 
 extern const gh_arch gh_arch_llama, gh_arch_qwen2, gh_arch_falcon, gh_arch_opt, gh_arch_phi3,
     gh_arch_qwen3, gh_arch_olmo2, gh_arch_smollm3, gh_arch_gemma2, gh_arch_gemma3,
-    gh_arch_qwen2moe, gh_arch_qwen3moe, gh_arch_olmoe, gh_arch_gptoss;
+    gh_arch_qwen2moe, gh_arch_qwen3moe, gh_arch_olmoe, gh_arch_gptoss, gh_arch_glm4moe,
+    gh_arch_dots1;
 
 #endif

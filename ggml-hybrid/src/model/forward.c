@@ -213,8 +213,8 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         const int neox = hp->rope == GH_ROPE_NEOX;
         const float * cs = local && c->rope_swa ? c->rope_swa : c->rope;
         for (int32_t t = 0; t < n; t++) {
-            gh_rope(c->q + t * dq, hp->n_head, (int) hd, cs + t * hd, neox);
-            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, cs + t * hd, neox);
+            gh_rope(c->q + t * dq, hp->n_head, (int) hd, hp->n_rot, cs + t * hd, neox);
+            gh_rope(kc + (int64_t) t * dkv, hp->n_head_kv, (int) hd, hp->n_rot, cs + t * hd, neox);
         }
     }
     /* the full cache is kept for local layers too: they are interleaved with global ones,
@@ -306,14 +306,14 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
     embed(c, tokens, n, c->x, c->xb);
     if (hp->rope != GH_ROPE_NONE) {
         for (int32_t t = 0; t < n; t++) {
-            gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta, hp->rope_freq_scale,
+            gh_rope_angles(hp->n_rot, token_pos(c, t), hp->rope_theta, hp->rope_freq_scale,
                            hp->rope_freqs, c->rope + t * hd);
             /* YaRN's attention factor scales cos and sin (q.k by its square), as
              * transformers' rotary embedding does */
             for (int64_t i = 0; hp->rope_attn_factor != 1.0f && i < hd; i++)
                 c->rope[t * hd + i] *= hp->rope_attn_factor;
             if (c->rope_swa) {
-                gh_rope_angles((int) hd, token_pos(c, t), hp->rope_theta_swa,
+                gh_rope_angles(hp->n_rot, token_pos(c, t), hp->rope_theta_swa,
                                hp->rope_freq_scale_swa, NULL, c->rope_swa + t * hd);
             }
         }
@@ -342,7 +342,7 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
         /* the sparse FFN: each token its own active rows (a batched decode's over their
          * union), its stages (the predictor's apart from the FFN's) and bytes its own */
         if (sparse_ffn) gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
-        else if (hp->n_expert) gh_moe_ffn(c, il, n, sparse_moe);
+        else if (hp->n_expert && il >= hp->n_dense_lead) gh_moe_ffn(c, il, n, sparse_moe);
         else ffn_dense(c, il, n);
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);

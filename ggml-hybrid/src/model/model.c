@@ -192,21 +192,25 @@ static gh_status load_attention_keys(gh_model * m);
  * expert_count (> 0: the FFN is a mixture; required by a MoE architecture, refused by one
  * without that form), expert_used_count, the experts' width expert_feed_forward_length
  * (default feed_forward_length, as llama.cpp's llama and olmoe read it), the shared
- * expert's expert_shared_feed_forward_length (default feed_forward_length),
+ * expert's expert_shared_feed_forward_length (default feed_forward_length; DeepSeek-V3's
+ * form: expert_shared_count experts of the routed width, 0 or absent: none),
  * expert_weights_norm (default: the architecture's rule), expert_weights_scale (0 or
- * absent: none) and expert_gating_func (1 = softmax, the only one run here). */
-static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
+ * absent: none), expert_gating_func (1 = softmax, 2 = sigmoid; default the architecture's),
+ * expert_group_count / expert_group_used_count (the sigmoid router's group limit; default 1:
+ * none) and leading_dense_block_count (dense-FFN layers first, of n_layer). */
+static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff, uint32_t n_layer) {
     const gh_gguf * g = m->gguf;
     const gh_arch * arch = m->arch;
     gh_hparams * hp = &m->hp;
     char key[128];
     gh_status st;
-    uint32_t n_expert, n_used, ff_exp, ff_sh = 0, gating;
+    uint32_t n_expert, n_used, ff_exp, ff_sh = 0, gating, n_group = 1, n_group_used = 1, n_lead = 0;
     if ((st = get_count(g, AKEY("expert_count"), false, 0, 0, 4096, &n_expert))) return st;
     if (n_expert > 0 && arch->moe == GH_MOE_NONE) {
         return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: architecture '%s' has no "
                        "mixture-of-experts form here (experts run for: llama (Mixtral), "
-                       "qwen2moe, qwen3moe, olmoe, gpt-oss)", AKEY("expert_count"), n_expert, arch->name);
+                       "qwen2moe, qwen3moe, olmoe, gpt-oss, glm4moe, dots1)", AKEY("expert_count"),
+                       n_expert, arch->name);
     }
     if (n_expert == 0) {
         if (arch->moe == GH_MOE_REQUIRED) {
@@ -218,13 +222,45 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
     if ((st = get_count(g, AKEY("expert_used_count"), true, 0, 1, n_expert, &n_used))) return st;
     if ((st = get_count(g, AKEY("expert_feed_forward_length"), false, n_ff, 1, 1u << 24, &ff_exp)))
         return st;
-    if (arch->shared_expert &&
-        (st = get_count(g, AKEY("expert_shared_feed_forward_length"), false, n_ff, 1, 1u << 24, &ff_sh)))
+    if (arch->shexp_by_count) {
+        uint32_t n_shared;
+        if ((st = get_count(g, AKEY("expert_shared_count"), false, 0, 0, 64, &n_shared))) return st;
+        if ((st = get_count(g, AKEY("expert_shared_feed_forward_length"), false, n_shared * ff_exp, 0,
+                            1u << 24, &ff_sh))) return st;
+    } else if (arch->shared_expert &&
+               (st = get_count(g, AKEY("expert_shared_feed_forward_length"), false, n_ff, 1, 1u << 24,
+                               &ff_sh))) {
         return st;
-    if ((st = get_u32_opt(g, AKEY("expert_gating_func"), &gating, 1))) return st;
-    if (gating != 1) {
-        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: only the softmax router (1) is supported",
-                       AKEY("expert_gating_func"), gating);
+    }
+    if ((st = get_u32_opt(g, AKEY("expert_gating_func"), &gating,
+                          arch->expert_gating ? (uint32_t) arch->expert_gating : GH_GATING_SOFTMAX)))
+        return st;
+    /* an architecture whose router llama.cpp fixes (softmax) reads no other value; one that
+     * names its gating (glm4moe, dots1) runs either */
+    if (!arch->expert_gating && gating != GH_GATING_SOFTMAX) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: only the softmax router (1) is supported "
+                       "for architecture '%s'", AKEY("expert_gating_func"), gating, arch->name);
+    }
+    if (gating != GH_GATING_SOFTMAX && gating != GH_GATING_SIGMOID) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "key '%s' = %u: only the softmax (1) and sigmoid (2) "
+                       "routers are supported", AKEY("expert_gating_func"), gating);
+    }
+    if ((st = get_count(g, AKEY("expert_group_count"), false, 1, 1, n_expert, &n_group))) return st;
+    if ((st = get_count(g, AKEY("expert_group_used_count"), false, n_group, 1, n_group, &n_group_used)))
+        return st;
+    if (n_expert % n_group || (n_group > 1 && n_expert / n_group < 2)) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u: the %u experts (%s.expert_count) must split into "
+                       "groups of equal size, at least 2 (a group is scored by its two best experts)",
+                       AKEY("expert_group_count"), n_group, n_expert, arch->name);
+    }
+    if (n_used > n_group_used * (n_expert / n_group)) {
+        return gh_fail(GH_ERR_FORMAT, "key '%s' = %u is more than the %u experts of the %u groups "
+                       "kept (%s.expert_group_used_count)", AKEY("expert_used_count"), n_used,
+                       n_group_used * (n_expert / n_group), n_group_used, arch->name);
+    }
+    if (arch->dense_lead &&
+        (st = get_count(g, AKEY("leading_dense_block_count"), false, 0, 0, n_layer, &n_lead))) {
+        return st;
     }
     bool norm = arch->expert_norm, err = false;
     if (!gh_gguf_get_bool(g, AKEY("expert_weights_norm"), &norm, &err) && err) return GH_ERR_FORMAT;
@@ -240,6 +276,10 @@ static gh_status load_expert_hparams(gh_model * m, uint32_t n_ff) {
     hp->n_ff_shexp = (int32_t) ff_sh;
     hp->expert_norm = norm;
     hp->expert_scale = scale == 0.0f ? 1.0f : scale;
+    hp->expert_gating = (int32_t) gating;
+    hp->n_expert_groups = (int32_t) n_group;
+    hp->n_group_used = (int32_t) n_group_used;
+    hp->n_dense_lead = (int32_t) n_lead;
     return GH_OK;
 }
 
@@ -364,6 +404,13 @@ static gh_status load_hparams(gh_model * m) {
     gh_status st;
     if ((st = get_count(g, AKEY("embedding_length"), true, 0, 1, 1u << 20, &n_embd))) return st;
     if ((st = get_count(g, AKEY("block_count"), true, 0, 1, 4096, &n_layer))) return st;
+    uint32_t n_nextn = 0; /* GLM-4.5's prediction layers: blk.N past the model's own, unread */
+    if (arch->nextn &&
+        (st = get_count(g, AKEY("nextn_predict_layers"), false, 0, 0, n_layer - 1, &n_nextn))) {
+        return st;
+    }
+    n_layer -= n_nextn;
+    m->hp.n_nextn = (int32_t) n_nextn;
     if ((st = get_count(g, AKEY("feed_forward_length"), true, 0, 1, 1u << 24, &n_ff))) return st;
     if ((st = get_count(g, AKEY("attention.head_count"), true, 0, 1, 4096, &n_head))) return st;
     if ((st = get_count(g, AKEY("attention.head_count_kv"), false, n_head, 1, n_head, &n_head_kv)))
@@ -378,7 +425,7 @@ static gh_status load_hparams(gh_model * m) {
      * allocates only what its n_ctx asks for (gh_context_new bounds that). */
     if ((st = get_count(g, AKEY("context_length"), false, 2048, 1, UINT32_MAX, &n_ctx_train)))
         return st;
-    if ((st = load_expert_hparams(m, n_ff))) return st;
+    if ((st = load_expert_hparams(m, n_ff, n_layer))) return st;
     const bool has_key_len = gh_gguf_find_kv(g, AKEY("attention.key_length"));
     if (n_embd % n_head != 0 && !has_key_len) {
         return gh_fail(GH_ERR_FORMAT,
@@ -406,15 +453,22 @@ static gh_status load_hparams(gh_model * m) {
 
     hp->rope = arch->rope;
     hp->nope_every = arch->nope_every;
+    hp->n_rot = (int32_t) head_dim;
     hp->rope_theta = 10000.0f;
     hp->rope_freq_scale = 1.0f;
     hp->rope_attn_factor = 1.0f;
     if (arch->rope != GH_ROPE_NONE) {
         if ((st = get_u32_opt(g, AKEY("rope.dimension_count"), &rope_dim, head_dim))) return st;
-        if (rope_dim != head_dim) {
+        if (rope_dim != head_dim && !arch->partial_rope) {
             return gh_fail(GH_ERR_UNSUPPORTED, "partial rotary embeddings (%s.rope.dimension_count "
-                           "= %u of %u head dims) are not supported", arch->name, rope_dim, head_dim);
+                           "= %u of %u head dims) are not supported for architecture '%s'",
+                           arch->name, rope_dim, head_dim, arch->name);
         }
+        if (rope_dim == 0 || rope_dim % 2 || rope_dim > head_dim) {
+            return gh_fail(GH_ERR_FORMAT, "key '%s.rope.dimension_count' = %u (must be even, 2 to the "
+                           "head size %u)", arch->name, rope_dim, head_dim);
+        }
+        hp->n_rot = (int32_t) rope_dim;
         float theta;
         if ((st = get_f32_opt(g, AKEY("rope.freq_base"), &theta, 10000.0f))) return st;
         if (!(theta > 1) || isinf(theta)) return gh_fail(GH_ERR_FORMAT, "bad rope base %g", theta);
@@ -429,6 +483,11 @@ static gh_status load_hparams(gh_model * m) {
             }
             hp->rope_freq_scale = 1.0f / factor;
         } else if (scaling && !strcmp(scaling, "yarn")) {
+            if (rope_dim != head_dim) {
+                return gh_fail(GH_ERR_UNSUPPORTED, "YaRN RoPE scaling over part of the head (%s.rope."
+                               "dimension_count = %u of %u) is not supported", arch->name, rope_dim,
+                               head_dim);
+            }
             if ((st = load_yarn(m, head_dim))) return st;
         } else if (scaling && strcmp(scaling, "none") != 0) {
             return gh_fail(GH_ERR_UNSUPPORTED, "RoPE scaling '%.32s' (%s.rope.scaling.type) is not "
@@ -469,6 +528,9 @@ static gh_status load_hparams(gh_model * m) {
     }
     hp->gated = arch->gated;
     hp->qk_norm = arch->qk_norm;
+    if (arch->qk_norm_optional && !gh_gguf_find_tensor(g, "blk.0.attn_q_norm.weight")) {
+        hp->qk_norm = GH_QK_NORM_NONE;
+    }
     hp->post_norms = arch->post_norms;
     if (!hp->gated && (hp->ffn_act == GH_ACT_DRELU || hp->ffn_act == GH_ACT_SWIGLU_OAI)) {
         return gh_fail(GH_ERR_UNSUPPORTED, "powerinfer.ffn_activation is %s, which needs a gated "
@@ -992,6 +1054,11 @@ static gh_status load_attention(gh_model * m, int il, gh_layer * L) {
     }
     if ((st = load_weight(m, BLK("attn_output.weight"), dq, d, &L->wo))) return st;
     if ((st = load_vec(m, BLK("attn_output.bias"), d, false, &L->bo))) return st;
+    if (hp->qk_norm == GH_QK_NORM_NONE && m->arch->qk_norm_optional &&
+        gh_gguf_find_tensor(m->gguf, BLK("attn_q_norm.weight"))) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' but layer 0 has no q/k norms: every layer has them "
+                       "or none does", name);
+    }
     if (hp->qk_norm != GH_QK_NORM_NONE) {
         /* per head: one weight vector every head shares; over the projection: one per row */
         const bool per_head = hp->qk_norm == GH_QK_NORM_HEAD;
@@ -1098,17 +1165,18 @@ static gh_status load_expert_gate_thresholds(gh_model * m, int il, gh_moe_layer 
     snprintf(name, sizeof name, "blk.%d.ffn_exp_gate_thr", il);
     const gh_gguf_tensor * t = gh_gguf_find_tensor(m->gguf, name);
     const int32_t ne = m->hp.n_expert;
-    const bool want = il == 0 || m->layers[0].moe.gate_cuts != NULL; /* layer 0 decides */
+    const int l0 = m->hp.n_dense_lead; /* the first layer with experts decides */
+    const bool want = il == l0 || m->layers[l0].moe.gate_cuts != NULL;
     if (!t) {
-        if (il > 0 && want) {
-            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.0.ffn_exp_gate_thr gives layer "
-                           "0's experts gate thresholds, so every layer needs them", name);
+        if (il > l0 && want) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.%d.ffn_exp_gate_thr gives layer "
+                           "%d's experts gate thresholds, so every layer needs them", name, l0, l0);
         }
         return GH_OK;
     }
     if (!want) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives layer %d's experts gate thresholds but "
-                       "'blk.0.ffn_exp_gate_thr' is missing: every layer needs them", name, il);
+                       "'blk.%d.ffn_exp_gate_thr' is missing: every layer needs them", name, il, l0);
     }
     if (!M->has_down_t) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives the experts gate thresholds but layer %d "
@@ -1133,6 +1201,64 @@ static gh_status load_expert_gate_thresholds(gh_model * m, int il, gh_moe_layer 
         else c[1] = c[2] = c[3] = 0.0f;
     }
     if (il == m->hp.n_layer - 1) m->info.has_gate_threshold = 1;
+    return GH_OK;
+}
+
+/* blk.N.ffn_exp_fc1 / ffn_exp_fc2 (docs/FORMAT.md "Sparse experts"): each expert's
+ * predictor, [n_expert][h][n_embd] and [n_expert][n_ff_exp][h] (h the layer's own); both or
+ * neither, in every layer or none, and only beside the sparse experts' ffn_down_exps_t. */
+static gh_status load_expert_predictors(gh_model * m, int il, gh_moe_layer * M) {
+    const gh_hparams * hp = &m->hp;
+    char n1[64], n2[64];
+    snprintf(n1, sizeof n1, "blk.%d.ffn_exp_fc1.weight", il);
+    snprintf(n2, sizeof n2, "blk.%d.ffn_exp_fc2.weight", il);
+    const gh_gguf_tensor * f1 = gh_gguf_find_tensor(m->gguf, n1), * f2 = gh_gguf_find_tensor(m->gguf, n2);
+    if (!f1 != !f2) {
+        return gh_fail(GH_ERR_FORMAT, "the experts' predictor of layer %d: tensor '%s' without '%s'",
+                       il, f1 ? n1 : n2, f1 ? n2 : n1);
+    }
+    const bool want = il == 0 || m->layers[0].moe.has_pred; /* layer 0 decides */
+    if (!f1) {
+        if (il > 0 && want) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: layer 0's experts have predictors "
+                           "(blk.0.ffn_exp_fc1.weight), so every layer needs them", n1);
+        }
+        return GH_OK;
+    }
+    if (!want) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives layer %d's experts predictors but "
+                       "'blk.0.ffn_exp_fc1.weight' is missing: every layer needs them", n1, il);
+    }
+    if (!M->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives the experts predictors but layer %d has no "
+                       "'blk.%d.ffn_down_exps_t.weight' (the sparse experts' down projection)",
+                       n1, il, il);
+    }
+    const int64_t d = hp->n_embd, ff = hp->n_ff_exp, h = f1->ne[1];
+    if (f1->ne[0] != d || h < 1 || h > (1 << 24) || f1->ne[2] != hp->n_expert || f1->ne[3] != 1) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected "
+                       "[n_embd = %lld, h, n_expert = %d] with h >= 1", n1, (long long) f1->ne[0],
+                       (long long) f1->ne[1], (long long) f1->ne[2], (long long) f1->ne[3],
+                       (long long) d, hp->n_expert);
+    }
+    if (f2->ne[0] != h || f2->ne[1] != ff || f2->ne[2] != hp->n_expert || f2->ne[3] != 1) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected "
+                       "[h = %lld (of '%s'), n_ff_exp = %lld, n_expert = %d]", n2,
+                       (long long) f2->ne[0], (long long) f2->ne[1], (long long) f2->ne[2],
+                       (long long) f2->ne[3], (long long) h, n1, (long long) ff, hp->n_expert);
+    }
+    const gh_gguf_tensor * ts[2] = { f1, f2 };
+    gh_weight * ws[2] = { &M->fc1_exps, &M->fc2_exps };
+    const int64_t cols[2] = { d, h }, rows[2] = { h, ff };
+    for (int i = 0; i < 2; i++) {
+        if (!gh_type_valid(ts[i]->type)) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': type %s cannot hold a weight matrix",
+                           i ? n2 : n1, gh_type_name(ts[i]->type));
+        }
+        *ws[i] = (gh_weight) { .type = ts[i]->type, .rows = rows[i], .cols = cols[i],
+                               .data = ts[i]->data, .row_bytes = gh_row_size(ts[i]->type, cols[i]) };
+    }
+    M->has_pred = true;
     return GH_OK;
 }
 
@@ -1184,6 +1310,7 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
         return st;
     }
     if ((st = load_expert_gate_thresholds(m, il, M))) return st;
+    if ((st = load_expert_predictors(m, il, M))) return st;
     /* the biases: [n_expert] for the router, [n_expert][rows] for each expert tensor */
     const bool req = m->arch->expert_biases;
     if ((st = load_expert_bias(m, BLK("ffn_gate_inp.bias"), hp->n_expert, 0, req, &M->router_b)))
@@ -1194,11 +1321,22 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
         return st;
     if ((st = load_expert_bias(m, BLK("ffn_down_exps.bias"), d, hp->n_expert, req, &M->down_exps_b)))
         return st;
-    if (m->arch->shared_expert) {
+    /* the sigmoid router's selection bias (e_score_correction_bias) */
+    if (!gh_gguf_find_tensor(m->gguf, BLK("exp_probs_b.bias")) && m->arch->exp_probs_b) {
+        return gh_fail(GH_ERR_FORMAT, "missing tensor '%s' (architecture '%s' chooses its experts by "
+                       "sigmoid score plus this bias: [%d] values)", name, m->arch->name, hp->n_expert);
+    }
+    if ((st = load_expert_bias(m, name, hp->n_expert, 0, false, &M->probs_b))) return st;
+    if (m->arch->shared_expert || (m->arch->shexp_by_count && fs > 0)) {
         if ((st = load_weight(m, BLK("ffn_gate_shexp.weight"), d, fs, &M->gate_shexp))) return st;
         if ((st = load_weight(m, BLK("ffn_up_shexp.weight"), d, fs, &M->up_shexp))) return st;
         if ((st = load_weight(m, BLK("ffn_down_shexp.weight"), fs, d, &M->down_shexp))) return st;
+    }
+    if (m->arch->shared_expert) {
         if ((st = load_vector(m, BLK("ffn_gate_inp_shexp.weight"), d, &M->shexp_gate))) return st;
+    } else if (gh_gguf_find_tensor(m->gguf, BLK("ffn_gate_inp_shexp.weight"))) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s': architecture '%s' adds its shared experts "
+                       "unweighted (no sigmoid gate)", name, m->arch->name);
     }
     /* the expert placement data (docs/FORMAT.md "Expert placement"), from the GPU index side
      * file when there is one, as the neuron index is */
@@ -1234,14 +1372,15 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
             }
             M->on_gpu[e] = (int8_t) v;
         }
-    } else if (il > 0 && m->layers[0].moe.on_gpu) {
-        return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.0.ffn_exp_gpu places layer 0's "
-                       "experts, so every layer needs its expert placement", name);
+    } else if (il > hp->n_dense_lead && m->layers[hp->n_dense_lead].moe.on_gpu) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.%d.ffn_exp_gpu places layer %d's "
+                       "experts, so every layer needs its expert placement", name, hp->n_dense_lead,
+                       hp->n_dense_lead);
     }
-    if (il > 0 && !m->layers[0].moe.on_gpu && M->on_gpu) {
+    if (il > hp->n_dense_lead && !m->layers[hp->n_dense_lead].moe.on_gpu && M->on_gpu) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' places layer %d's experts but "
-                       "'blk.0.ffn_exp_gpu' is missing: every layer needs its expert placement",
-                       tg->name, il);
+                       "'blk.%d.ffn_exp_gpu' is missing: every layer needs its expert placement",
+                       tg->name, il, hp->n_dense_lead);
     }
 #undef BLK
     return GH_OK;
@@ -1286,7 +1425,16 @@ static gh_status load_block(gh_model * m, int il, gh_layer * L) {
             L->attn_norm_b = n2_b;
         }
     }
-    if (m->hp.n_expert) return load_moe(m, il, L);
+    if (m->hp.n_expert && il >= m->hp.n_dense_lead) return load_moe(m, il, L);
+    if (m->hp.n_expert) {
+        /* a leading dense layer of a mixture (leading_dense_block_count) has no experts */
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", il);
+        if (gh_gguf_find_tensor(g, name)) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' in layer %d, a dense layer (%s."
+                           "leading_dense_block_count = %d): its FFN is ffn_gate/up/down", name, il,
+                           m->arch->name, m->hp.n_dense_lead);
+        }
+    }
 #define BLK(suffix) (snprintf(name, sizeof name, "blk.%d." suffix, il), name)
     if (m->arch->fused_gate_up) {
         /* one matrix of 2 n_ff rows: gate's, then up's */
@@ -1323,6 +1471,11 @@ static gh_status load_rope_freqs(gh_model * m) {
     if (m->hp.rope == GH_ROPE_NONE) {
         return gh_fail(GH_ERR_FORMAT, "tensor 'rope_freqs.weight': architecture '%s' has no RoPE",
                        m->arch->name);
+    }
+    if (m->hp.n_rot != m->hp.head_dim) {
+        return gh_fail(GH_ERR_UNSUPPORTED, "tensor 'rope_freqs.weight' with RoPE over part of the head "
+                       "(%s.rope.dimension_count = %d of %d) is not supported", m->arch->name,
+                       m->hp.n_rot, m->hp.head_dim);
     }
     if (m->hp.rope_freqs) {
         return gh_fail(GH_ERR_FORMAT, "tensor 'rope_freqs.weight' in a file with YaRN RoPE scaling "
@@ -1406,11 +1559,12 @@ static gh_status check_layers(const gh_model * m, const gh_gguf * g, const char 
     if (!seen) return gh_fail(GH_ERR_OOM, "out of memory");
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         const int64_t il = layer_of(g->tensors[i].name);
+        if (il >= n_layer && il < n_layer + m->hp.n_nextn) continue; /* nextn_predict_layers' */
         if (il >= n_layer) {
             free(seen);
             return gh_fail(GH_ERR_FORMAT, "key '%s.block_count' = %d but %s has tensor '%.96s' of "
-                           "layer %lld", m->arch->name, n_layer, what, g->tensors[i].name,
-                           (long long) il);
+                           "layer %lld", m->arch->name, n_layer + m->hp.n_nextn, what,
+                           g->tensors[i].name, (long long) il);
         }
         if (il >= 0) seen[il] = 1;
     }
@@ -1419,7 +1573,7 @@ static gh_status check_layers(const gh_model * m, const gh_gguf * g, const char 
     free(seen);
     if (missing >= 0 && g == m->gguf) {
         return gh_fail(GH_ERR_FORMAT, "key '%s.block_count' = %d but the file has no tensors of "
-                       "layer %d (blk.%d.*)", m->arch->name, n_layer, missing, missing);
+                       "layer %d (blk.%d.*)", m->arch->name, n_layer + m->hp.n_nextn, missing, missing);
     }
     return GH_OK;
 }
@@ -1489,7 +1643,8 @@ static gh_status load_tensors(gh_model * m) {
     if ((st = load_gate_thresholds(m))) return st;
     if ((st = load_input_sparse(m))) return st;
     if ((st = load_ffn_input_sparse(m))) return st;
-    m->info.weight_type = hp->n_expert ? m->layers[0].moe.gate_exps.type : m->layers[0].gate.type;
+    const gh_layer * Lw = &m->layers[hp->n_layer - 1]; /* past any leading dense layers */
+    m->info.weight_type = hp->n_expert ? Lw->moe.gate_exps.type : m->layers[0].gate.type;
 
     int64_t n_params = 0, n_bytes = 0;
     for (uint64_t i = 0; i < g->n_tensors; i++) {

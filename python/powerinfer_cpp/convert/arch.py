@@ -68,6 +68,8 @@ class HFParams:
     n_ff_exp: int = 0                     # an expert's FFN width
     n_ff_shexp: int = 0                   # the shared expert's width (0: none)
     expert_norm: bool = False             # renormalise the top-k routing weights
+    expert_gating: int = F.EXPERT_GATING_SOFTMAX  # the router's gating (format.EXPERT_GATING_*)
+    n_rot: int | None = None              # RoPE over the first n_rot dims of a head (None: all)
 
 
 @dataclass
@@ -102,6 +104,8 @@ class Architecture:
     tensors: Callable[[HFParams], list[TensorMap]]       # in file order
     keys: Callable[[HFParams], list[KV]] = lambda p: []  # beyond metadata.py's common keys
     ignored: re.Pattern | None = None           # HF tensors that are not part of the model
+    ignored_for: Callable[[HFParams, str], bool] | None = None  # the same, by the config
+    #                                             (GLM-4.5's prediction layers past n_layer)
     tied_head: str = "lm_head.weight"           # HF head tensor, ignored when tied
     canonical: Callable[[str], str] = lambda n: n  # an HF name's spelling -> the one tensors() uses
 
@@ -232,11 +236,15 @@ class Rope:
     scaling_type: str = F.ROPE_SCALING_NONE
     factor: float = 1.0
     freqs: np.ndarray | None = None  # llama3
+    partial: float = 1.0             # the share of each head that rotates (partial_rotary_factor)
 
 
-def read_rope(c: Config, head_dim: int, allow_llama3: bool = False) -> Rope:
+def read_rope(c: Config, head_dim: int, allow_llama3: bool = False,
+              partial_default: float | None = None) -> Rope:
     """RoPE base and scaling from either the transformers>=5 ``rope_parameters`` dict or
-    the older ``rope_theta`` + ``rope_scaling``."""
+    the older ``rope_theta`` + ``rope_scaling``; with ``partial_default`` (the architecture
+    rotates part of each head: GLM-4.5's 0.5 when the config does not say) the
+    ``partial_rotary_factor`` is read, else refused unless 1."""
     rp = c.get("rope_parameters")
     if isinstance(rp, dict) and rp:
         theta = rp.get("rope_theta", c.get("rope_theta", 10000.0))
@@ -249,12 +257,23 @@ def read_rope(c: Config, head_dim: int, allow_llama3: bool = False) -> Rope:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
         raise ConvertError(f"config.json: rope_theta must be a positive number, not {theta!r}")
     prf = scaling.get("partial_rotary_factor", c.get("partial_rotary_factor"))
-    if prf is not None and prf != 1 and prf != 1.0:
+    partial = 1.0
+    if partial_default is not None:
+        partial = partial_default if prf is None else prf
+        if (not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1
+                or int(head_dim * partial) % 2 or int(head_dim * partial) == 0):
+            raise ConvertError(f"config.json: partial_rotary_factor={partial!r} must be in (0, 1] and "
+                               f"rotate an even number of the {head_dim} head dims")
+        partial = float(partial)
+    elif prf is not None and prf != 1 and prf != 1.0:
         raise ConvertError(f"unsupported: config.json partial_rotary_factor={prf!r} "
                            "(RoPE over part of the head)")
     rtype = scaling.get("rope_type", scaling.get("type", "default")) or "default"
     if rtype in ("default", "none"):
-        return Rope(float(theta))
+        return Rope(float(theta), partial=partial)
+    if partial != 1.0:
+        raise ConvertError(f"unsupported: rope scaling {rtype!r} with partial_rotary_factor={partial} "
+                           "(scaled RoPE over part of the head)")
     if rtype == "linear":
         factor = scaling.get("factor")
         if not isinstance(factor, (int, float)) or factor <= 0:
@@ -406,8 +425,9 @@ def expert_tensors(p: HFParams, il: int, pre: str, names: ExpertNames) -> list[T
                    alternatives=(fused(F.T_FFN_DOWN_EXPS, down, (ne, d, ff), None),))]
     if names.shared is not None:
         fs = p.n_ff_shexp
-        out.append(TensorMap(F.tensor_name(F.T_FFN_GATE_INP_SHEXP, il), F.T_FFN_GATE_INP_SHEXP, (d,),
-                             (pre + names.shared_gate,), ((1, d),), lambda a: a.reshape(-1)))
+        if names.shared_gate is not None:  # (DeepSeek-V3's shared experts have no gate)
+            out.append(TensorMap(F.tensor_name(F.T_FFN_GATE_INP_SHEXP, il), F.T_FFN_GATE_INP_SHEXP, (d,),
+                                 (pre + names.shared_gate,), ((1, d),), lambda a: a.reshape(-1)))
         for kind, proj, shape in ((F.T_FFN_GATE_SHEXP, "gate_proj", (fs, d)),
                                   (F.T_FFN_UP_SHEXP, "up_proj", (fs, d)),
                                   (F.T_FFN_DOWN_SHEXP, "down_proj", (d, fs))):

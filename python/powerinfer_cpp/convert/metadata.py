@@ -38,7 +38,7 @@ def model_kv(arch: Architecture, p: HFParams, tm: TokenizerMeta, outtype: str) -
     f32(F.arch_key(F.KEY_RMS_EPS if p.norm == NORM_RMS else F.KEY_LAYERNORM_EPS, A), p.norm_eps)
     if p.rope_theta is not None:
         f32(F.arch_key(F.KEY_ROPE_FREQ_BASE, A), p.rope_theta)
-        u32(F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A), p.head_dim)
+        u32(F.arch_key(F.KEY_ROPE_DIMENSION_COUNT, A), p.n_rot or p.head_dim)
     u32(F.arch_key(F.KEY_VOCAB_SIZE, A), p.n_vocab)
     if p.head_dim * p.n_head != p.n_embd:
         u32(F.arch_key(F.KEY_KEY_LENGTH, A), p.head_dim)
@@ -55,7 +55,7 @@ def model_kv(arch: Architecture, p: HFParams, tm: TokenizerMeta, outtype: str) -
         if p.n_ff_shexp:
             u32(F.arch_key(F.KEY_EXPERT_SHARED_FEED_FORWARD_LENGTH, A), p.n_ff_shexp)
         out.append((F.arch_key(F.KEY_EXPERT_WEIGHTS_NORM, A), bool(p.expert_norm), V.BOOL, None))
-        u32(F.arch_key(F.KEY_EXPERT_GATING_FUNC, A), F.EXPERT_GATING_SOFTMAX)
+        u32(F.arch_key(F.KEY_EXPERT_GATING_FUNC, A), p.expert_gating)
     out += arch.keys(p)
     u32(F.KEY_FORMAT_VERSION, F.FORMAT_VERSION)
     s(F.KEY_FFN_ACTIVATION, p.activation)

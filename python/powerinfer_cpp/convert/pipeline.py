@@ -68,6 +68,7 @@ def plan_tensors(arch: Architecture, p: HFParams, src, outtype: str) -> list[Ten
         raise ConvertError(f"missing tensors: {', '.join(missing[:5])}{more}")
     extra = sorted(actual[k] for k in actual if k not in wanted_set
                    and not (arch.ignored is not None and arch.ignored.match(k))
+                   and not (arch.ignored_for is not None and arch.ignored_for(p, k))
                    and not (p.tied and k == arch.tied_head))
     if extra:
         more = f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..gguf_write import ConvertError
-from . import (arch_falcon, arch_gemma2, arch_gemma3, arch_gptoss, arch_llama, arch_mixtral, arch_olmo2,
-               arch_olmoe, arch_opt, arch_phi3, arch_qwen2, arch_qwen2moe, arch_qwen3, arch_qwen3moe,
-               arch_smollm3)
+from . import (arch_dots1, arch_falcon, arch_gemma2, arch_gemma3, arch_glm4moe, arch_gptoss, arch_llama,
+               arch_mixtral, arch_olmo2, arch_olmoe, arch_opt, arch_phi3, arch_qwen2, arch_qwen2moe, arch_qwen3,
+               arch_qwen3moe, arch_smollm3)
 from .arch import Architecture
 
 #: Every architecture module's ARCH, in the order errors list them.
@@ -13,7 +13,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (arch_llama.ARCH, arch_qwen2.ARCH, arc
                                            arch_phi3.ARCH, arch_qwen3.ARCH, arch_olmo2.ARCH,
                                            arch_smollm3.ARCH, arch_gemma2.ARCH, arch_gemma3.ARCH,
                                            arch_mixtral.ARCH, arch_qwen2moe.ARCH,
-                                           arch_qwen3moe.ARCH, arch_olmoe.ARCH, arch_gptoss.ARCH)
+                                           arch_qwen3moe.ARCH, arch_olmoe.ARCH, arch_gptoss.ARCH,
+                                           arch_glm4moe.ARCH, arch_dots1.ARCH)
 
 #: config.json "architectures" value -> Architecture.
 BY_HF_CLASS: dict[str, Architecture] = {c: a for a in ARCHITECTURES for c in a.hf_classes}

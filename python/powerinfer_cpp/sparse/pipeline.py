@@ -1,8 +1,9 @@
 """The sparse conversion pipeline (``python -m powerinfer_cpp.convert --sparse``).
 
 It starts from the converter's plan of the dense file (``DenseModel``: metadata and
-tensor jobs) and knows no architecture: an FFN is gated (ffn_gate, ffn_up, ffn_down)
-or ungated (ffn_up, ffn_down, OPT and Falcon), with or without biases.
+tensor jobs) and knows no architecture: an FFN is gated or ungated (OPT and Falcon), with or
+without biases, and its projections are read through ffn_view.py, which alone knows which
+layouts fuse (phi3's gate/up in one ffn_up, fused q/k/v).
 
     1. write the dense GGUF to a temporary file (next to the output),
     2. profile it with the native runtime over calibration text (profile.py),
@@ -54,6 +55,7 @@ from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, Inpu
                              input_kv)
 from .budget import INPUT_GRID, describe_time, over_budget, search_levels
 from .decode_cost import DecodeCost
+from .ffn_view import FFNView, ffn_view
 from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
                          greedy_allocation, uniform_allocation)
 
@@ -344,15 +346,19 @@ class _Run:
     def n_layer(self) -> int:
         return self.dense.n_layer
 
+    def ffn(self, l: int) -> FFNView:
+        """Layer l's FFN in the dense file's layout (ffn_view.py)."""
+        def rows(name):
+            t = self.dense_t.get(name)
+            return None if t is None else int(t.shape[-1])  # GGUF's ne[1]: the rows
+        return ffn_view(rows, l, self.dense.n_ff)
+
     def gate_matrix(self, l: int) -> np.ndarray:
-        """The gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
-        fused gate/up ffn_up (phi3)."""
-        n_ff, d = self.dense.n_ff, self.dense.n_embd
-        t = self.dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
-        if t is not None:
-            return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
-        t = self.dense_t[F.tensor_name(F.T_FFN_UP, l)]
-        return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
+        """The gate rows as the runtime reads them (float32 [n_ff, n_embd])."""
+        g = self.ffn(l).gate
+        t = self.dense_t[g.tensor]
+        w = decode_matrix(np.asarray(t.data), t.tensor_type, (g.total, self.dense.n_embd))
+        return w if g.whole else w[g.start:g.stop]
 
     def gate_thr(self, g):
         """The per-layer gate thresholds at mean sparsity g (None: predictors)."""
@@ -483,7 +489,7 @@ def _profile(run: _Run) -> None:
     if prof.n_tokens < 16:
         raise ConvertError(f"calibration text {run.calib} gave only {prof.n_tokens} tokens; need at least 16")
     run.say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
-    run.in_src = InputSources(run.dense.jobs, run.n_layer) if run.in_req else None
+    run.in_src = InputSources(run.dense.jobs, run.n_layer, run.dense.n_ff) if run.in_req else None
     run.n_hold = prof.n_tokens - max(1, int(round(prof.n_tokens * GATE_HOLDOUT)))  # a budget's held-out start
     if run.in_budget is not None and prof.n_tokens - run.n_hold < 16:
         raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
@@ -537,7 +543,6 @@ def _fit_ffn(run: _Run) -> None:
     rep.seconds["predictors"] = time.perf_counter() - run.t_fit
 
     # storage types and what the stored (encoded) predictors actually achieve
-    ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
     for l, p in enumerate(preds):
         q1, q2 = predictor_qtype(dense.outtype, d, opts.predictor_type), predictor_qtype(dense.outtype, p.h, opts.predictor_type)
         e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
@@ -547,10 +552,8 @@ def _fit_ffn(run: _Run) -> None:
         rep.stored_recall.append((rec, prec, dens))
         run.pred_enc.append((q1, e1, q2, e2))
         rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
-        ffn = sum(int(dense_t[n].n_bytes) for n in (F.tensor_name(k, l) for k in ffn_kinds)
-                  if n in dense_t) + (0 if F.tensor_name(F.T_FFN_DOWN, l) in dense_t else int(
-                      dense_t[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)].n_bytes))
-        rep.ffn_bytes.append(ffn)
+        v = run.ffn(l)
+        rep.ffn_bytes.append(sum(int(dense_t[n].n_bytes) for n in v.inputs + (v.down,)))
     run.say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
             f"({gguf.GGMLQuantizationType(run.pred_enc[0][0]).name}) weights:\n"
             + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],

@@ -35,15 +35,19 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import Callable
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_write import ConvertError, TensorJob, add_kv, decode_matrix, fit_rows, write_gguf
 from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
+from .report import SparseReport, calib_source_string, resolve_calib
 from .thresholds import gate_magnitudes
 
 log = logging.getLogger("powerinfer_cpp.convert")
@@ -133,7 +137,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                            say: Callable[[str], None] | None = None):
     """The sparse-experts file of a mixture-of-experts model (see the module's doc); returns
     (output path, SparseReport)."""
-    from .pipeline import SparseReport, calib_source_string, resolve_calib
 
     say = say or (lambda s: log.info("%s", s))
     act, sparsity = dense.activation, opts.sparsity
@@ -215,7 +218,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
 
                 new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il), (ne, ff, d),
                                           qt, load_t))
-                from gguf import GGMLQuantizationType as Q
                 new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
                                           lambda a=thr_all[il]: a))
             else:
@@ -223,7 +225,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                 new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
 
         def setup(w):
-            from gguf import GGUFValueType as V
             add_kv(w, dense.kv)
             if sparsity:
                 w.add_key_value(F.KEY_SPARSE_TARGET, float(sparsity), V.FLOAT32)
@@ -234,5 +235,4 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         del reader
         return path, rep
     finally:
-        import shutil
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -25,7 +25,6 @@ file is removed whatever happens.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import math
 import os
@@ -47,6 +46,7 @@ from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
+from .report import HELDOUT_FILE, SparseReport, calib_source_string, resolve_calib  # noqa: F401 (HELDOUT_FILE: the tools')
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
 from .gate_eval import GateEvaluator, layer_costs, patch_gate_thresholds, search_budget
 from .expert_sparsity import convert_sparse_experts
@@ -61,9 +61,6 @@ from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, Quant
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
-#: File name of the held-out text that a model folder may ship (the default
-#: calibration text when --calib is not given).
-HELDOUT_FILE = "heldout.txt"
 #: The quality budget a gated non-ReLU model (SwiGLU, GeGLU) is calibrated to by default:
 #: the largest sparsity whose held-out perplexity stays within 2% of dense.
 DEFAULT_MAX_PPL_INCREASE = 0.02
@@ -199,37 +196,6 @@ class SparseOptions:
                 raise ConvertError(f"sparse options: {msg}")
 
 
-@dataclass
-class SparseReport:
-    """What the pipeline did (also printed stage by stage)."""
-    n_calib_tokens: int = 0
-    calib_source: str = ""
-    density: list = field(default_factory=list)
-    predictors: list = field(default_factory=list)   # LayerPredictor (weights dropped)
-    stored_recall: list = field(default_factory=list)  # recall/precision with the stored (encoded) weights
-    pred_bytes: list = field(default_factory=list)
-    ffn_bytes: list = field(default_factory=list)
-    placement: Placement | None = None
-    seconds: dict = field(default_factory=dict)
-    gate_thresholds: list = field(default_factory=list)  # gate mode: per layer t
-    gate_density: list = field(default_factory=list)     # and the share of neurons above it
-    gate_sparsity: float | None = None                   # gate mode: the mean sparsity calibrated
-    gate_layer_sparsity: list = field(default_factory=list)  # per layer (the allocation)
-    gate_allocation: str = ""
-    gate_costs: Any = None            # greedy: [n_layer, len(ALLOCATION_GRID)] measured KL
-    gate_table: Any = None            # keep_calibration: the thresholds.QuantileTable
-    budget_tried: list = field(default_factory=list)     # quality budget: (sparsity, measurement)
-    budget_result: dict | None = None  # the chosen level's held-out measurement
-    n_gate_fit: int = 0               # profiled tokens the thresholds were calibrated on
-    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration (None: off,
-                                      # or "auto" chose 0)
-    input_tried: list = field(default_factory=list)  # quality budget with input sparsity:
-                                      # budget.Candidate of every combination measured
-    expert_holdout_sparsity: list = field(default_factory=list)  # sparse experts: per layer the
-                                      # share of selected experts' neurons below their thresholds
-                                      # on the held-out tokens (expert_sparsity.py)
-
-
 #: Storage types a predictor may be asked for (None: follow the model's type).
 PREDICTOR_TYPES = (None, "f32", "f16", "q8_0", "q4_0")
 
@@ -245,32 +211,6 @@ def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
     if want in ("f32", "f16"):
         return Q.F32 if want == "f32" else Q.F16
     return (Q.Q8_0 if want == "q8_0" else Q.Q4_0) if row_len % F.QUANT_BLOCK == 0 else Q.F16
-
-
-def calib_source_string(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return f"{os.path.basename(path)} sha256:{h.hexdigest()[:16]}"
-
-
-def resolve_calib(hf_dir: str, calib: str | None, why: str = "sparse conversion") -> str:
-    """The calibration text file: ``calib``, or the folder's heldout.txt."""
-    if calib is None and not hf_dir:
-        raise ConvertError(f"{why} needs calibration text: pass --calib FILE (plain text in the model's "
-                           "language and domain, a few thousand tokens or more)")
-    if calib is None:
-        cand = os.path.join(hf_dir, HELDOUT_FILE)
-        if not os.path.isfile(cand):
-            raise ConvertError(
-                f"{why} needs calibration text: pass --calib FILE (plain text in the model's "
-                f"language and domain, a few thousand tokens or more); {hf_dir} ships no {HELDOUT_FILE}. "
-                "Or convert densely with --dense")
-        return cand
-    if not os.path.isfile(calib):
-        raise ConvertError(f"calibration text not found: {calib}")
-    return calib
 
 
 def gpu_index_kv(pl: Placement, group_size: int, ctx: int) -> list[tuple[str, Any, Any]]:

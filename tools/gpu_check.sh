@@ -21,7 +21,8 @@
 # sparse converter's ILP solver (mip + cbcbox: a 190 MB wheel) is too big to send. So
 # --prepare downloads the cffi, pycparser and gguf wheels for Python 3.12 into
 # .gpucheck/wheels/ and converts the shipped model with the sparse pipeline into
-# .gpucheck/tiny-sparse-f16.gguf (~20 s), about 11 MB in all, and adds /.gpucheck/ to
+# .gpucheck/tiny-sparse-f16.gguf (~20 s) and two tiny MoE models for tests/gpu/test_cuda_moe.py
+# (GH_TEST_MOE_DIR; made with transformers), about 13 MB in all, and adds /.gpucheck/ to
 # .git/info/exclude. Send that folder along (the device tool: carry [".gpucheck"]); the
 # script installs the wheels into a private folder (PYTHONPATH) when an import is missing
 # and hands the model to the tests (GH_TEST_SPARSE_GGUF), so nothing is converted there.
@@ -59,6 +60,17 @@ case "${1:-}" in
     echo "converting models/tiny-relu-kjv (sparse pipeline, f16)"
     "$PY" -m powerinfer_cpp.convert models/tiny-relu-kjv -o "$PREP/tiny-sparse-f16.gguf" \
         --outtype f16 --sparse -q || exit 1
+    # tests/gpu/test_cuda_moe.py's models (made with transformers, which the GPU machine lacks)
+    echo "making the tiny MoE test models (qwen2moe, mixtral; f32)"
+    PYTHONPATH="$REPO/tests:$REPO/python${PYTHONPATH:+:$PYTHONPATH}" "$PY" - "$PREP" <<'PYEOF' || exit 1
+import sys, tempfile
+from hf_models import make_hf_model
+from powerinfer_cpp.convert import convert
+for v in ("qwen2moe", "mixtral"):  # the variants and seed of tests/gpu/test_cuda_moe.py
+    with tempfile.TemporaryDirectory() as d:
+        convert(make_hf_model(v, d + "/hf", seed=7), f"{sys.argv[1]}/moe-{v}-f32.gguf", "f32",
+                progress=False)
+PYEOF
     du -sh "$PREP"
     ls -l "$PREP" "$PREP/wheels"
     exit 0
@@ -109,6 +121,8 @@ if [ -f "$PREP/tiny-sparse-f16.gguf" ]; then
 elif ! "$PY" -c "import mip" 2>/dev/null; then
     die "no $PREP/tiny-sparse-f16.gguf and no mip to convert one: run '$0 --prepare' first"
 fi
+# the MoE models tests/gpu/test_cuda_moe.py loads where transformers is missing
+[ -f "$PREP/moe-qwen2moe-f32.gguf" ] && export GH_TEST_MOE_DIR="$PREP"
 
 step "build (-DGH_CUDA=ON) in $BUILD"
 rm -rf "$BUILD"

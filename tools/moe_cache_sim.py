@@ -16,6 +16,13 @@ device over a real selection trace.
        t = sum_layers  uploads * B / pcie  +  max(dev_runs * B / dev_bw, cpu_runs * B / cpu_bw)
    with B the bytes of one expert. Attention, routers and head are the same in every
    configuration and left out; so is the device's per-call latency.
+5. A model with a shared expert (qwen2moe; S bytes a layer, every token runs it): each
+   room and configuration twice, the shared experts on the CPU (the room all to routed
+   experts) and on the device (the runtime's order: they take their bytes of the room
+   first, layer by layer while they fit, the routed experts the rest); S joins the side
+   it runs on,
+       t = sum_layers  uploads * B / pcie  +  max(dev_runs * B (+ S) / dev_bw, cpu_runs * B (+ S) / cpu_bw)
+   and the table adds the bytes each side reads per token and the bytes uploaded.
 
 Defaults: PCIe 4.0 x16 at ~25 GB/s effective, a device reading its memory at ~2 TB/s
 (an H100's HBM3 less overhead) and a desktop CPU reading ~50 GB/s. Prints a Markdown table.
@@ -37,21 +44,29 @@ from powerinfer_cpp import Model  # noqa: E402
 from powerinfer_cpp.sparse.experts import profile_experts, replay_cache, selection_trace  # noqa: E402
 
 
-def cost(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float) -> float:
-    """Seconds per token of the experts, uploads first (the runtime's rule; module doc)."""
+def side_bytes(rep, b: float, sh: float = 0.0, sh_dev=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bytes per token and layer [n_tokens, n_layer] the device reads, the CPU reads and
+    the link uploads; a shared expert of sh bytes in every layer, on the device in the
+    layers where sh_dev [n_layer] is True, else on the CPU."""
     pt = rep.per_token.astype(np.float64)
-    t = pt[:, :, 2] * b / pcie + np.maximum(pt[:, :, 0] * b / dev_bw, pt[:, :, 1] * b / cpu_bw)
+    on = np.zeros(pt.shape[1], dtype=bool) if sh_dev is None else np.asarray(sh_dev, dtype=bool)
+    return pt[:, :, 0] * b + sh * on, pt[:, :, 1] * b + sh * ~on, pt[:, :, 2] * b
+
+
+def cost(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float, sh: float = 0.0, sh_dev=None) -> float:
+    """Seconds per token of the experts, uploads first (the runtime's rule; module doc)."""
+    dev, cpu, up = side_bytes(rep, b, sh, sh_dev)
+    t = up / pcie + np.maximum(dev / dev_bw, cpu / cpu_bw)
     return float(t.sum(axis=1).mean())
 
 
-def cost_overlapped(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float) -> float:
+def cost_overlapped(rep, b: float, pcie: float, dev_bw: float, cpu_bw: float, sh: float = 0.0,
+                    sh_dev=None) -> float:
     """The same if a miss ran on the CPU while its upload went on beside it (for the next
     use): per layer max(device, CPU with the misses, uploads over PCIe). Not what the
     runtime does today; it says what an asynchronous refill would buy."""
-    pt = rep.per_token.astype(np.float64)
-    up = pt[:, :, 2]
-    t = np.maximum(np.maximum((pt[:, :, 0] - up) * b / dev_bw, (pt[:, :, 1] + up) * b / cpu_bw),
-                   up * b / pcie)
+    dev, cpu, up = side_bytes(rep, b, sh, sh_dev)
+    t = np.maximum(np.maximum((dev - up) / dev_bw, (cpu + up) / cpu_bw), up / pcie)
     return float(t.sum(axis=1).mean())
 
 
@@ -89,6 +104,9 @@ def main(argv=None) -> int:
     with Model(a.model, device="host-device") as m:
         ex = m.device_info()["experts"]
         b = ex["bytes"] / max(ex["device"], 1)
+        sh = ex["shared_bytes"] / ex["shared_device"] if ex["shared_device"] else 0.0
+    if sh:
+        return shared_tables(a, info, freq, trace, b, sh)
     n_all = info.n_layer * info.n_expert
     # skew of the routing: the share of selections the top 10% of experts take
     top = np.sort(freq.ravel())[::-1]
@@ -120,6 +138,45 @@ def main(argv=None) -> int:
             hit = f"{r.hit_rate:.1%}" if slots else "-"
             print(f"| {s} | {name} | {r.runs_device / runs:.1%} | {hit} | "
                   f"{r.uploads / len(trace):.2f} | {t * 1e6:.2f} | {t_cpu / t:.2f}x | {t_cpu / t2:.2f}x |")
+    return 0
+
+
+def shared_tables(a, info, freq, trace, b: float, sh: float) -> int:
+    """Step 5 of the module doc: every configuration with the shared experts on the CPU and
+    on the device, and the bytes each side reads per token."""
+    nl, n_all = info.n_layer, info.n_layer * info.n_expert
+    print(f"model {os.path.basename(a.model)}: {nl} layers x {info.n_expert} experts, top-"
+          f"{info.n_expert_used}, one expert {b / 1024:.1f} KiB, a shared expert {sh / 1024:.1f} KiB "
+          f"({sh / b:.2f} experts) a layer; profile {a.profile_tokens} tokens, trace {a.tokens} "
+          f"held-out tokens")
+    print(f"cost model: PCIe {a.pcie / 1e9:g} GB/s, device {a.dev_bw / 1e9:g} GB/s, CPU "
+          f"{a.cpu_bw / 1e9:g} GB/s\n")
+    print("| room (experts) | shared experts | configuration | routed runs on the device | cache hit rate | "
+          "CPU KiB / token | device KiB / token | uploaded KiB / token | simulated µs / token | vs CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    cpu = replay_cache(trace, None, 0)
+    t_cpu = cost(cpu, b, a.pcie, a.dev_bw, a.cpu_bw, sh)
+
+    def row(room, where, name, r, slots, sh_dev):
+        dev, cpu_b, up = (v.sum(axis=1).mean() / 1024 for v in side_bytes(r, b, sh, sh_dev))
+        t = cost(r, b, a.pcie, a.dev_bw, a.cpu_bw, sh, sh_dev)
+        runs = r.runs_device + r.runs_cpu
+        hit = f"{r.hit_rate:.1%}" if slots else "-"
+        print(f"| {room} | {where} | {name} | {r.runs_device / runs:.1%} | {hit} | {cpu_b:.1f} | "
+              f"{dev:.1f} | {up:.1f} | {t * 1e6:.2f} | {t_cpu / t:.2f}x |")
+
+    row(0, "CPU", "CPU only", cpu, 0, None)
+    for room in (int(v) for v in a.slots.split(",")):
+        room_bytes = room * b
+        k = min(nl, int(room_bytes // sh))  # layers whose shared expert fits, in layer order
+        for where, sh_dev, left in (("CPU", None, room), (f"device ({k}/{nl} layers)", np.arange(nl) < k,
+                                                          int((room_bytes - k * sh) // b))):
+            left = min(left, n_all)
+            configs = [("static (most frequent)", static_plan(freq, left), 0),
+                       ("LRU cache", None, left)] if left > 0 else [("no room left for routed experts", None, 0)]
+            for name, on, slots in configs:
+                label = f"{name}, {left} experts" if left > 0 else name
+                row(room, where, label, replay_cache(trace, on, slots), slots, sh_dev)
     return 0
 
 

@@ -265,8 +265,10 @@ typedef struct {
                                * at load (greedy, from blk.N.ffn_freq) */
     int32_t load;             /* gh_load_mode of the weights (default GH_LOAD_AUTO) */
     /* mixture-of-experts models (ignored without experts): */
-    int32_t n_cpu_moe;        /* the experts of the first n_cpu_moe layers stay on the CPU
-                               * (llama.cpp's --n-cpu-moe); >= 0 */
+    int32_t n_cpu_moe;        /* the routed experts of the first n_cpu_moe layers stay on
+                               * the CPU (llama.cpp's --n-cpu-moe); >= 0. A shared expert
+                               * does not count: it is placed as llama.cpp's rule leaves it,
+                               * with the dense parts (gh_model_load_ex) */
     int64_t expert_cache;     /* bytes of each context's device cache of recently used CPU
                                * experts (LRU; 0 = none), whole experts, at least one; the
                                * budget reserves one context's before the experts are placed
@@ -277,7 +279,8 @@ typedef struct {
 gh_model_params gh_model_default_params(void);
 /* gh_model_load that also puts the model on a device: the dense parts in priority order
  * (attention weights of each layer, then predictors (a mixture of experts: its routers),
- * then the output head; each in layer order, stopping at the first that does not fit),
+ * then the output head, then a mixture of experts' shared experts; each in layer order,
+ * stopping at the first that does not fit),
  * then the hot FFN neurons, or for a mixture of experts its expert cache and then whole
  * experts: the file's expert placement (blk.N.ffn_exp_gpu) when it places some and they
  * fit, else by the
@@ -312,6 +315,9 @@ typedef struct {
     int32_t expert_cache_slots; /* experts the cache holds */
     int32_t expert_source;      /* 0 none placed, 1 the file's placement, 2 by frequency, 3 in
                                  * layer order (no frequencies) */
+    int32_t n_shexp_device;     /* layers whose shared expert (qwen2moe) is on the device: the
+                                 * first n_shexp_device layers */
+    int64_t shexp_bytes;        /* of used_bytes: those shared experts (gate, up, down) */
 } gh_device_info;
 
 /* Mixture-of-experts models on a device: where[l * n_expert + e] = 1 if expert e of layer l

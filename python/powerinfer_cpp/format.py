@@ -674,9 +674,13 @@ KEY_EXPERT_N_CPU_MOE = "powerinfer.experts.n_cpu_moe"
 KEY_EXPERT_CACHE = "powerinfer.experts.cache_bytes"
 #: Share (f32, 0..1) of the profiled expert selections the placed experts serve.
 KEY_EXPERT_SERVED_SHARE = "powerinfer.experts.served_share"
+#: The shared experts (qwen2moe) the budget placed before the routed ones: their bytes (u64)
+#: and how many layers' (u32; the first ones). Informational: the loader places them itself.
+KEY_EXPERT_SHARED_BYTES = "powerinfer.experts.shared_bytes"
+KEY_EXPERT_SHARED_LAYERS = "powerinfer.experts.shared_layers"
 EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_BYTES_LEFT,
                KEY_EXPERT_BYTES, KEY_EXPERT_N_CPU_MOE, KEY_EXPERT_CACHE, KEY_EXPERT_SERVED_SHARE,
-               KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
+               KEY_EXPERT_SHARED_BYTES, KEY_EXPERT_SHARED_LAYERS, KEY_GPU_VRAM_BUDGET, KEY_GPU_SOLVER)
 
 
 # Sparse experts (docs/FORMAT.md "Sparse experts"): a mixture-of-experts layer's down
@@ -685,14 +689,19 @@ EXPERT_KEYS = (KEY_EXPERT_PROFILE_TOKENS, KEY_EXPERT_PROFILE_SOURCE, KEY_EXPERT_
 # expert runs dense), written by `convert --sparse` / `--sparsity S` of a MoE model.
 T_FFN_DOWN_EXPS_T = "ffn_down_exps_t"    # blk.N.ffn_down_exps_t.weight [n_expert, n_ff_exp, d]
 T_FFN_EXP_GATE_THR = "ffn_exp_gate_thr"  # blk.N.ffn_exp_gate_thr F32 [n_expert]
-SPARSE_EXPERT_TENSORS = (T_FFN_DOWN_EXPS_T, T_FFN_EXP_GATE_THR)
+# each expert's predictor (ReLU-family experts, --expert-predictors): fc1 [n_expert, h, d],
+# fc2 [n_expert, n_ff_exp, h], F32; the sparse FFN mode's score = fc2 . relu(fc1 . x)
+T_FFN_EXP_FC1 = "ffn_exp_fc1"            # blk.N.ffn_exp_fc1.weight
+T_FFN_EXP_FC2 = "ffn_exp_fc2"            # blk.N.ffn_exp_fc2.weight
+SPARSE_EXPERT_TENSORS = (T_FFN_DOWN_EXPS_T, T_FFN_EXP_GATE_THR, T_FFN_EXP_FC1, T_FFN_EXP_FC2)
 
 
 def sparse_expert_tensor_name(kind: str, layer: int) -> str:
-    """``blk.N.ffn_down_exps_t.weight`` / ``blk.N.ffn_exp_gate_thr`` (no suffix)."""
+    """``blk.N.ffn_down_exps_t.weight`` / ``blk.N.ffn_exp_gate_thr`` (no suffix) /
+    ``blk.N.ffn_exp_fc1.weight`` / ``blk.N.ffn_exp_fc2.weight``."""
     if kind not in SPARSE_EXPERT_TENSORS:
         raise ValueError(f"not a sparse expert tensor: {kind!r}")
-    return f"blk.{layer}.{kind}" + (".weight" if kind == T_FFN_DOWN_EXPS_T else "")
+    return f"blk.{layer}.{kind}" + ("" if kind == T_FFN_EXP_GATE_THR else ".weight")
 
 
 def expert_tensor_name(kind: str, layer: int) -> str:

@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reset-gpu-index", action="store_true",
                    help="ignore the file's GPU index and place the hot neurons at load")
     p.add_argument("--n-cpu-moe", "-ncmoe", type=int, default=0, metavar="N",
-                   help="mixture-of-experts models on a device: keep the experts of the first N "
-                        "layers on the CPU (default 0)")
+                   help="mixture-of-experts models on a device: keep the routed experts of the "
+                        "first N layers on the CPU (a shared expert does not count; default 0)")
     p.add_argument("--expert-cache", metavar="SIZE", default=None,
                    help="mixture-of-experts models on a device: device memory for a cache of "
                         "recently used CPU experts (LRU), e.g. 512M (default: none)")
@@ -253,7 +253,10 @@ def _device_summary(info: dict) -> str:
     if ex.get("n_experts"):
         return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "
                 f"{info['budget'] / mib:.1f} MiB budget (attention, routers, head "
-                f"{info['dense_bytes'] / mib:.1f}, experts {ex['bytes'] / mib:.1f}: {ex['device']} of "
+                f"{info['dense_bytes'] / mib:.1f}, "
+                + (f"shared experts {ex['shared_bytes'] / mib:.1f}: {ex['shared_device']} layers, "
+                   if ex.get("shared_bytes") else "")
+                + f"experts {ex['bytes'] / mib:.1f}: {ex['device']} of "
                 f"{ex['n_experts']}, placed by {ex['source']}; expert cache {ex['cache_slots']} experts, "
                 f"{ex['cache_bytes'] / mib:.1f} MiB); head {'yes' if info['head_on_device'] else 'no'}")
     return (f"device      = {info['device']}: {info['used_bytes'] / mib:.1f} of "

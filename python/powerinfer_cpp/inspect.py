@@ -223,6 +223,15 @@ def _experts(path: str, out: list[str], fields: dict, by_name: dict, n_layer: in
               if n in by_name) // n_expert for l in range(n_layer)]
     out.append(f"experts: {n_expert} per layer, {k} per token; one expert {format_size(eb[0])}, "
                f"all {format_size(sum(eb) * n_expert)}")
+    sb = [sum(int(by_name[n].n_bytes) for n in (F.tensor_name(kind, l) for kind in
+                                                 (F.T_FFN_GATE_SHEXP, F.T_FFN_UP_SHEXP, F.T_FFN_DOWN_SHEXP))
+              if n in by_name) for l in range(n_layer)]
+    if sb[0]:
+        sl = src.get(F.KEY_EXPERT_SHARED_LAYERS) if F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) in t else None
+        where_sh = (f"the placement puts {int(sl)} of {n_layer} layers' on the device" if sl is not None
+                    else "placed on the device before the routed experts, as the budget allows")
+        out.append(f"  shared expert: one per layer, {format_size(sb[0])} (every token runs it); "
+                   f"{where_sh}")
     if F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) not in t:
         out.append("  expert frequencies: none (profile them: python -m powerinfer_cpp.place MODEL "
                    "--vram-budget SIZE --profile TEXT)")

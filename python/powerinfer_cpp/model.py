@@ -101,10 +101,11 @@ class Model(NativeHandle):
     placed at load. `device_info()` says what was placed and why.
 
     A mixture-of-experts model on a device gets attention, routers and head first, then
+    its shared experts (qwen2moe: every token runs them), then
     whole experts: the file's expert placement (`python -m powerinfer_cpp.place
     --profile`), else the most frequently selected first, else in layer order.
-    `n_cpu_moe` keeps the experts of the first N layers on the CPU (llama.cpp's
-    --n-cpu-moe); `expert_cache` (bytes or a size) gives each context a device cache of
+    `n_cpu_moe` keeps the routed experts of the first N layers on the CPU (llama.cpp's
+    --n-cpu-moe; a shared expert does not count, as there); `expert_cache` (bytes or a size) gives each context a device cache of
     recently used CPU experts (LRU), taken from the budget before the experts are placed.
     `expert_placement()` says which experts are on the device; a context's
     `stats()["experts"]` counts device / CPU expert runs and the cache's hits and uploads.
@@ -245,6 +246,10 @@ class Model(NativeHandle):
                 "cache_slots": d.expert_cache_slots,
                 "source": {0: "none", 1: "file", 2: "frequency", 3: "layer order"}.get(
                     d.expert_source, "?"),
+                # the shared experts (qwen2moe) on the device: those of the first
+                # shared_device layers, placed before the cache and the routed experts
+                "shared_device": d.n_shexp_device,
+                "shared_bytes": d.shexp_bytes,
             },
         }
 

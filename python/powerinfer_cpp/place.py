@@ -182,6 +182,8 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
         w.add_key_value(F.KEY_EXPERT_N_CPU_MOE, int(pl.n_cpu_moe), V.UINT32)
         w.add_key_value(F.KEY_EXPERT_CACHE, int(pl.cache_bytes), V.UINT64)
         w.add_key_value(F.KEY_EXPERT_SERVED_SHARE, float(pl.served_share), V.FLOAT32)
+        w.add_key_value(F.KEY_EXPERT_SHARED_BYTES, int(pl.shared_bytes), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_SHARED_LAYERS, int(pl.shared_layers), V.UINT32)
         w.add_key_value(F.KEY_GPU_VRAM_BUDGET, int(budget), V.UINT64)
         w.add_key_value(F.KEY_GPU_SOLVER, pl.solver, V.STRING)
 
@@ -344,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                      "file (default: the frequencies stored in the file)")
     moe.add_argument("--profile-tokens", type=int, default=4096, help="tokens of TEXT to profile (default 4096)")
     moe.add_argument("--n-cpu-moe", type=int, default=0, metavar="N",
-                     help="keep the experts of the first N layers on the CPU (default 0)")
+                     help="keep the routed experts of the first N layers on the CPU (a shared "
+                          "expert does not count; default 0)")
     moe.add_argument("--expert-cache", default="0", metavar="SIZE",
                      help="device bytes of the run-time expert cache to leave free (default 0)")
     ap.add_argument("-q", "--quiet", action="store_true")

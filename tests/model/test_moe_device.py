@@ -7,7 +7,9 @@ device half and expert cache), on the host-device backend, against the CPU-only 
   choices; with no expert on the device the result is the CPU's bit for bit, and an expert
   run from the cache is bit for bit one run from its placed copy;
 - the placement keeps to the budget, in the runtime's order (attention, routers, head,
-  cache, experts), and n_cpu_moe's layers get none;
+  shared experts, cache, experts), and n_cpu_moe's layers get no routed experts (their
+  shared expert is placed all the same); a shared expert on the device or not, with
+  routed experts and the cache or not, gives the CPU's logits within the same bound;
 - the cache's hits, misses and uploads are those of replaying the selection trace
   (sparse/experts.py replay_cache);
 - place --profile writes a placement the loader uses, which the ILP never makes worse than
@@ -53,8 +55,16 @@ def case(request, tmp_path_factory):
         info = m.device_info()
         assert info["experts"]["device"] == info["experts"]["n_experts"]  # everything fits
         eb = info["experts"]["bytes"] // info["experts"]["device"]
-    return {"gguf": path, "ids": ids, "whole": whole, "counts": counts, "dense": info["dense_bytes"],
-            "eb": eb, "dir": d}
+        n_layer = m.info.n_layer
+    ex = info["experts"]
+    # a model with shared experts has them all on the device when everything fits
+    assert ex["shared_device"] == (n_layer if variant == "qwen2moe" else 0)
+    assert (ex["shared_bytes"] > 0) == (variant == "qwen2moe")
+    # "dense": everything placed before the routed experts (attention, routers, head, the
+    # shared experts); "attn": without the shared experts
+    return {"gguf": path, "ids": ids, "whole": whole, "counts": counts,
+            "dense": info["dense_bytes"] + ex["shared_bytes"], "attn": info["dense_bytes"],
+            "sh": ex["shared_bytes"], "n_layer": n_layer, "eb": eb, "dir": d}
 
 
 def run(path, ids, **kw):
@@ -79,10 +89,26 @@ def placements(c) -> dict[str, dict]:
         "n_cpu_moe": dict(n_cpu_moe=1),
         "cache": dict(vram_budget=d + 2 * eb, expert_cache=2 * eb),
         "some+cache": dict(vram_budget=d + 4 * eb, expert_cache=2 * eb),
+        # no room for a shared expert (one is two routed experts' bytes in the qwen2moe
+        # config): they run on the CPU, beside a cached expert in the second
+        "no-shared": dict(vram_budget=c["attn"]),
+        "no-shared+cache": dict(vram_budget=c["attn"] + eb, expert_cache=eb),
+        # room for the first layer's shared expert only, and a cache of one expert
+        "half-shared+cache": dict(vram_budget=c["attn"] + c["sh"] // c["n_layer"] + eb,
+                                  expert_cache=eb),
     }
 
 
-@pytest.mark.parametrize("which", ["none", "some", "all", "n_cpu_moe", "cache", "some+cache"])
+def shared_layers(c, budget) -> int:
+    """Layers whose shared expert a budget places: the first ones that fit after attention,
+    routers and head."""
+    if not c["sh"]:
+        return 0
+    return c["n_layer"] if budget is None else min(c["n_layer"], (budget - c["attn"]) // (c["sh"] // c["n_layer"]))
+
+
+@pytest.mark.parametrize("which", ["none", "some", "all", "n_cpu_moe", "cache", "some+cache",
+                                   "no-shared", "no-shared+cache", "half-shared+cache"])
 def test_host_device_equals_cpu(case, which):
     kw = placements(case)[which]
     r = run(case["gguf"], case["ids"], **kw)
@@ -96,14 +122,22 @@ def test_host_device_equals_cpu(case, which):
 
     info, on, ex = r["info"], r["on"], r["info"]["experts"]
     n_layer, n_expert = on.shape
-    assert info["used_bytes"] == info["dense_bytes"] + ex["bytes"] <= info["budget"] - ex["cache_bytes"]
+    assert info["used_bytes"] == info["dense_bytes"] + ex["shared_bytes"] + ex["bytes"] \
+        <= info["budget"] - ex["cache_bytes"]
     assert ex["device"] == on.sum() and ex["bytes"] == on.sum() * case["eb"]
+    # the shared experts (qwen2moe) are on the device unless there is no room for them;
+    # n_cpu_moe does not keep them
+    want_sh = shared_layers(case, kw.get("vram_budget"))
+    if case["sh"]:
+        assert want_sh == {"no-shared": 0, "no-shared+cache": 0, "half-shared+cache": 1}.get(which, n_layer)
+    assert ex["shared_device"] == want_sh
+    assert ex["shared_bytes"] == want_sh * (case["sh"] // n_layer)
     st = r["st_steps"]["experts"]
     # one run per token per chosen expert in a decode
     assert st["runs_device"] + st["runs_cpu"] == N_POS * n_layer * (case["counts"][0].sum() // N_POS)
     pw = r["st_whole"]["experts"]
     assert pw["runs_device"] + pw["runs_cpu"] == (case["counts"] > 0).sum()
-    if which == "none":
+    if which in ("none", "no-shared"):
         assert not on.any() and st["runs_device"] == 0
     elif which == "some":
         assert on.sum() == 3 and 0 < st["runs_device"] and 0 < st["runs_cpu"]
@@ -113,12 +147,13 @@ def test_host_device_equals_cpu(case, which):
     elif which == "n_cpu_moe":
         assert not on[0].any() and on[1:].all()
     else:
-        assert ex["cache_slots"] == 2 and ex["cache_bytes"] == 2 * case["eb"]
+        slots = 2 if which in ("cache", "some+cache") else 1
+        assert ex["cache_slots"] == slots and ex["cache_bytes"] == slots * case["eb"]
         assert on.sum() == (2 if which == "some+cache" else 0)
         assert st["cache_hits"] + st["cache_misses"] > 0
         assert st["bytes_cache_uploaded"] > 0
         assert st["cache_hit_rate"] == st["cache_hits"] / (st["cache_hits"] + st["cache_misses"])
-    if which in ("none", "some", "all", "n_cpu_moe"):
+    if which in ("none", "some", "all", "n_cpu_moe", "no-shared"):
         assert st["cache_hits"] == st["cache_misses"] == st["bytes_cache_uploaded"] == 0
 
 
@@ -167,21 +202,27 @@ def test_budget_sweep_keeps_to_the_budget_and_the_order(case):
     d, eb = case["dense"], case["eb"]
     with Model(case["gguf"]) as m:
         n_all = m.info.n_layer * m.info.n_expert
-    for budget in (0, d // 3, d - 1, d, d + eb - 1, d + eb, d + 5 * eb + 7, d + n_all * eb):
+    for budget in (0, d // 3, case["attn"] - 1, case["attn"] + case["sh"] // 2, d - 1, d, d + eb - 1,
+                   d + eb, d + 5 * eb + 7, d + n_all * eb):
         for cache in (0, eb, 3 * eb - 1):
             with Model(case["gguf"], device="host-device", vram_budget=budget, expert_cache=cache) as m:
                 info = m.device_info()
                 ex = info["experts"]
                 assert info["used_bytes"] + ex["cache_bytes"] <= budget
-                assert info["used_bytes"] == info["dense_bytes"] + ex["bytes"]
-                if budget >= d:  # attention, routers and head all fit first
-                    assert info["dense_bytes"] == d and info["head_on_device"]
+                assert info["used_bytes"] == info["dense_bytes"] + ex["shared_bytes"] + ex["bytes"]
+                if budget >= case["attn"]:  # the shared experts next, in layer order
+                    assert ex["shared_device"] == shared_layers(case, budget)
+                else:
+                    assert ex["shared_device"] == 0
+                if budget >= d:  # attention, routers, head and shared experts all fit first
+                    assert info["dense_bytes"] + ex["shared_bytes"] == d and info["head_on_device"]
                     want_slots = min((budget - d) // eb, max(1, cache // eb)) if cache else 0
                     assert ex["cache_slots"] == want_slots
                     assert ex["device"] == min(n_all, (budget - d - want_slots * eb) // eb)
                 else:  # the dense parts stop at the first that does not fit; the cache
                     # and experts take what is left
-                    assert ex["device"] + ex["cache_slots"] <= (budget - info["dense_bytes"]) // eb
+                    left = budget - info["dense_bytes"] - ex["shared_bytes"]
+                    assert ex["device"] + ex["cache_slots"] <= left // eb
 
 
 def test_n_cpu_moe_and_cache_arguments(case):
@@ -232,6 +273,11 @@ def test_place_profile_writes_the_placement_the_loader_uses(case, tmp_path):
         np.testing.assert_allclose(np.sort(freq[on])[::-1], top[:2])
     text = describe(path)
     assert "profiled over 200 tokens of heldout.txt" in text and "*:" in text
+    assert pl.shared_bytes == case["sh"] and pl.shared_layers == (case["n_layer"] if case["sh"] else 0)
+    if case["sh"]:  # the placement put every layer's shared expert on the device first
+        assert f"the placement puts {case['n_layer']} of {case['n_layer']} layers' on the device" in text
+    else:
+        assert "shared expert" not in text
     out = str(tmp_path / "o.gguf")
     assert main([path, "--vram-budget", f"{(d + 4 * eb) / 1024}K", "--n-cpu-moe", "1", "-o", out, "-q"]) == 0
     with Model(out, device="host-device", vram_budget=d + 4 * eb) as m:
@@ -318,11 +364,16 @@ def test_budget_kv_of_the_runtime_order(qwen2moe_gguf):
     with Model(src, device="host-device") as m:
         full = m.device_info()
         nl, ne = m.info.n_layer, m.info.n_expert
-    for budget in (0, 5000, full["dense_bytes"] - 1, full["dense_bytes"] + 10, full["used_bytes"]):
-        dense, cache, left, eb = expert_budget(tensors, nl, ne, budget, cache=1)
+    sh = full["experts"]["shared_bytes"]
+    assert sh > 0 and full["experts"]["shared_device"] == nl
+    for budget in (0, 5000, full["dense_bytes"] - 1, full["dense_bytes"] + 10,
+                   full["dense_bytes"] + sh // nl, full["dense_bytes"] + sh - 1, full["used_bytes"]):
+        dense, shared, n_shared, cache, left, eb = expert_budget(tensors, nl, ne, budget, cache=1)
         with Model(src, device="host-device", vram_budget=budget, expert_cache=1) as m:
             info = m.device_info()
         assert info["dense_bytes"] == dense
+        assert info["experts"]["shared_bytes"] == shared
+        assert info["experts"]["shared_device"] == n_shared
         assert info["experts"]["cache_bytes"] == cache
         assert info["experts"]["bytes"] == min(max(left, 0) // int(eb[0]), nl * ne) * int(eb[0])
 
@@ -353,6 +404,8 @@ def test_generate_and_llama_take_the_moe_knobs(case, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "expert cache 2 experts" in err and "of expert runs on the device" in err
+    # n_cpu_moe keeps routed experts only: every layer's shared expert is on the device
+    assert (f"shared experts {case['sh'] / 2**20:.1f}: {case['n_layer']} layers" in err) == bool(case["sh"])
     llm = Llama(case["gguf"], n_ctx=64, device="host-device", n_cpu_moe=1, expert_cache=2 * eb,
                 verbose=False)
     try:
@@ -406,3 +459,17 @@ def test_an_empty_file_placement_is_replaced_at_load(case, tmp_path):
         info = m.device_info()
         assert info["experts"]["device"] == 2 and info["experts"]["source"] == "frequency"
         assert "puts none on the device" in info["note"]
+
+
+def test_prompt_longer_than_a_device_chunk(case):
+    """A prompt of more tokens than a device call takes (GH_DEVICE_CHUNK, 32) runs the device
+    experts and the shared expert (qwen2moe) in chunks, in one batch and in batches of 8:
+    the CPU's logits within the host-device bound."""
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 300, size=70)]
+    with Model(case["gguf"], n_ctx=128, cache_type="f32", n_threads=2) as m:
+        want = m.create_context(n_ctx=128, cache_type="f32", n_threads=2).eval(ids, logits_all=True)
+    for kw in (dict(), dict(n_batch=8)):
+        with Model(case["gguf"], n_ctx=128, cache_type="f32", n_threads=2, device="host-device", **kw) as m:
+            assert m.device_info()["experts"]["shared_device"] == (case["n_layer"] if case["sh"] else 0)
+            got = m.create_context(n_ctx=128, cache_type="f32", n_threads=2).eval(ids, logits_all=True)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.ptp(want))

@@ -155,6 +155,46 @@ def test_host_device_equals_cpu(relu_case):
     np.testing.assert_allclose(dense, cpu_dense, rtol=0, atol=2e-5 * scale)
 
 
+def test_shared_expert_on_the_device_beside_sparse_experts(tmp_path_factory):
+    """Qwen2-MoE's SwiGLU experts calibrated sparse (ffn_down_exps_t: the CPU's) and its
+    shared expert on the device, run while the CPU runs the selected experts: the gate and
+    dense modes equal CPU-only within the host-device bound, with the shared expert on the
+    device (its bytes in the device's count) and without room for it."""
+    d = tmp_path_factory.mktemp("qwen2moe-sparse-shexp")
+    hf = make_hf_model("qwen2moe", d / "hf", seed=5)
+    path = convert(hf, d / "sparse.gguf", "f32", progress=False, sparse=True,
+                   sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=300, profile_ctx=100,
+                                                sparsity=0.5))
+    ids = [int(t) for t in np.random.default_rng(6).integers(3, 300, size=12)]
+    with Model(path) as m:
+        cpu = {mode: _decode(m, ids, mode)[0] for mode in ("gate", "dense")}
+        n_layer = m.info.n_layer
+    with Model(path, device="host-device") as m:
+        attn = m.device_info()["dense_bytes"]
+    scale = np.ptp(cpu["dense"])
+    dev_bytes = {}
+    for budget, want in ((None, n_layer), (attn, 0)):
+        kw = {} if budget is None else dict(vram_budget=budget)
+        with Model(path, device="host-device", **kw) as m:
+            ex = m.device_info()["experts"]
+            assert ex["shared_device"] == want and ex["device"] == 0 and (ex["shared_bytes"] > 0) == (want > 0)
+            for mode in ("gate", "dense"):
+                got, st = _decode(m, ids, mode)
+                np.testing.assert_allclose(got, cpu[mode], rtol=0, atol=2e-5 * scale)
+                dev_bytes[budget, mode] = st["device"]["bytes_device"]
+    # the device read each layer's shared expert once per token on top of the rest
+    for mode in ("gate", "dense"):
+        assert dev_bytes[None, mode] - dev_bytes[attn, mode] == len(ids) * _shared_bytes(path)
+
+
+def _shared_bytes(path) -> int:
+    import gguf
+
+    r = gguf.GGUFReader(path)
+    return sum(int(t.n_bytes) for t in r.tensors if t.name.endswith("_shexp.weight")
+               and "gate_inp" not in t.name)
+
+
 # ---- calibrated levels on held-out text ------------------------------------------------------
 
 
@@ -258,3 +298,101 @@ def test_auto_keeps_expert_thresholds_only_where_they_pay(tmp_path, level, want)
     with Model(path, n_ctx=32) as m:
         assert m.context.ffn_mode == want
         assert m.create_context(n_ctx=16, ffn="file").ffn_mode == "gate"
+
+
+# ---- predictors per expert (ReLU-family experts) -----------------------------------------------
+
+
+def _exact_predictor_file(relu_case, dst, zero_layer=None):
+    """The sparse file with an exact predictor per expert: fc1 = the expert's gate, fc2 = the
+    identity, threshold 1e-30, so a neuron is predicted active iff relu(gate x) > 0, the
+    oracle's own set; zero_layer: that layer's fc2 all zero (nothing predicted active)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(relu_case["sparse"]))
+    by = {t.name: t for t in r.tensors}
+    add = {}
+    il = 0
+    while f"blk.{il}.ffn_gate_exps.weight" in by:
+        gate = np.asarray(by[f"blk.{il}.ffn_gate_exps.weight"].data, dtype=np.float32)  # [ne, ff, d]
+        ne, ff, _ = gate.shape
+        eye = np.broadcast_to(np.eye(ff, dtype=np.float32), (ne, ff, ff)).copy()
+        add[F.sparse_expert_tensor_name(F.T_FFN_EXP_FC1, il)] = np.ascontiguousarray(gate)
+        add[F.sparse_expert_tensor_name(F.T_FFN_EXP_FC2, il)] = eye * (0.0 if il == zero_layer else 1.0)
+        il += 1
+    from gguf import GGUFValueType as V
+    return rewrite_gguf(relu_case["sparse"], dst, add=add, kv={F.KEY_SPARSE_THRESHOLD: (1e-30, V.FLOAT32)})
+
+
+def test_exact_expert_predictors_are_the_oracle(relu_case):
+    """The sparse (predictor) mode runs each selected expert's own predictor: with predictors
+    that predict exactly the nonzero gates it reads the oracle's up and down rows and gives
+    the oracle's (= dense) logits, without the expert's dense gate; a layer whose predictors
+    predict nothing loses its experts' output (the predictor, not the gate, decides)."""
+    ids = relu_case["ids"][:12]
+    d = relu_case["dir"]
+    with Model(relu_case["sparse"]) as m:
+        oracle, st_o = _decode(m, ids, "oracle")
+        _, st_g = _decode(m, ids, "gate")
+    with Model(_exact_predictor_file(relu_case, d / "exact-pred.gguf")) as m:
+        sparse, st = _decode(m, ids, "sparse")
+    scale = np.ptp(oracle)
+    np.testing.assert_allclose(sparse, oracle, rtol=0, atol=2e-5 * scale)
+    assert st["n_up_rows"] == st_o["n_up_rows"] and st["n_down_rows"] == st_o["n_down_rows"]
+    assert st["bytes"]["ffn"] < st_g["bytes"]["ffn"]  # the gate rows of the predicted neurons only
+    assert st["bytes"]["predictor"] > 0
+    with Model(_exact_predictor_file(relu_case, d / "zero-pred.gguf", zero_layer=0)) as m:
+        off, _ = _decode(m, ids, "sparse")
+    assert np.abs(off - oracle).max() > 1e-3 * scale
+
+
+def test_trained_expert_predictors_recall_on_heldout_text(tmp_path):
+    """convert --sparse --expert-predictors on ReLU experts: a predictor per expert, trained on
+    the tokens that chose it; the converter's held-out recall and the runtime's over later
+    text (the sparse mode's up rows, each a predicted neuron whose gate is nonzero, over the
+    oracle mode's, every nonzero gate) agree and are high; the predicted set is smaller than
+    the expert."""
+    hf = make_hf_model("mixtral-relu", tmp_path / "hf", seed=11)
+    rep: list = []
+    path = convert(hf, tmp_path / "pred.gguf", "f32", progress=False, sparse=True, report=rep,
+                   sparse_options=SparseOptions(calib=str(HELDOUT), calib_tokens=1500, profile_ctx=128,
+                                                expert_predictors=True))
+    held = rep[0].expert_predictor_recall
+    for recall, pred_density, true_density in held:
+        assert recall > 0.85 and true_density <= pred_density < 0.9
+    with Model(path) as m:
+        assert m.create_context(n_ctx=16).ffn_mode == "sparse"  # the file's mode, as with layer predictors
+        toks = m.tokenize(HELDOUT.read_text(encoding="utf-8"))[2000:2100]
+        st = {}
+        for mode in ("oracle", "sparse"):
+            ctx = m.create_context(n_ctx=128, cache_type="f32", ffn=mode)
+            for t in toks:
+                ctx.eval([t])
+            st[mode] = ctx.stats()
+    recall = st["sparse"]["n_up_rows"] / st["oracle"]["n_up_rows"]
+    print(f"expert predictors: converter held-out {held}, runtime recall {recall:.3f}")
+    assert recall > 0.85 and abs(recall - np.mean([h[0] for h in held])) < 0.05
+
+
+def test_expert_predictor_files_refused_by_name(relu_case, tmp_path):
+    src = relu_case["sparse"]
+    ok = _exact_predictor_file(relu_case, tmp_path / "ok.gguf")
+    import gguf
+
+    by = {t.name: t for t in gguf.GGUFReader(str(ok)).tensors}
+    fc1 = np.asarray(by["blk.0.ffn_exp_fc1.weight"].data, dtype=np.float32)
+    cases = [
+        (dict(add={"blk.0.ffn_exp_fc1.weight": fc1}), r"tensor 'blk\.0\.ffn_exp_fc1\.weight' without "
+                                                      r"'blk\.0\.ffn_exp_fc2\.weight'"),
+        (dict(add={"blk.0.ffn_exp_fc1.weight": fc1[:, :, :-1].copy(),
+                   "blk.0.ffn_exp_fc2.weight": np.zeros(fc1.shape[:2] + (fc1.shape[1],), np.float32)}),
+         r"tensor 'blk\.0\.ffn_exp_fc1\.weight' has shape"),
+        (dict(add={"blk.1.ffn_exp_fc1.weight": fc1,
+                   "blk.1.ffn_exp_fc2.weight": np.zeros(fc1.shape[:2] + (fc1.shape[1],), np.float32)}),
+         r"'blk\.0\.ffn_exp_fc1\.weight' is missing"),
+    ]
+    for i, (kw, match) in enumerate(cases):
+        with pytest.raises(NativeError, match=match):
+            Model(rewrite_gguf(src, tmp_path / f"bad{i}.gguf", **kw))
+    with Model(src) as m, pytest.raises(NativeError, match="no blk.N.ffn_exp_fc1"):
+        m.create_context(n_ctx=16, ffn="sparse")

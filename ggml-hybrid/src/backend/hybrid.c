@@ -144,6 +144,12 @@ static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
                 (!M->has_down_t && (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps)))) {
                 break;
             }
+            if (M->gate_shexp.rows &&
+                ((st = check_weight_type(m, hy, il, "shared expert's gate", &M->gate_shexp)) ||
+                 (st = check_weight_type(m, hy, il, "shared expert's up", &M->up_shexp)) ||
+                 (st = check_weight_type(m, hy, il, "shared expert's down", &M->down_shexp)))) {
+                break;
+            }
             continue;
         }
         /* the hot neurons' rows (only layers with down_t get any) */
@@ -507,6 +513,26 @@ static gh_status place(gh_model * m, gh_hybrid * hy, const gh_model_params * p) 
         left -= (int64_t) wbytes(&m->output);
         in->dense_bytes += (int64_t) wbytes(&m->output);
         in->head_on_device = 1;
+    } else {
+        stop = true;
+    }
+    /* the shared experts (qwen2moe): every token runs them, so a byte of theirs serves a
+     * token as often as the head's and more often than any routed expert's (whose share
+     * of the tokens is its frequency, at most 1): they come before the cache and the routed
+     * experts. n_cpu_moe does not keep them (llama.cpp's --n-cpu-moe pattern names only
+     * ffn_*_exps). Their sigmoid gate (one vector) stays on the host. */
+    for (int il = 0; il < nl && !stop && hp->n_expert; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        if (!M->gate_shexp.rows) continue;
+        const int64_t b = (int64_t) (wbytes(&M->gate_shexp) + wbytes(&M->up_shexp) +
+                                     wbytes(&M->down_shexp));
+        if (b > left) { stop = true; break; }
+        gh_dexpert * S = &hy->layers[il].shexp;
+        if ((st = put(hy, &M->gate_shexp, &S->gate)) || (st = put(hy, &M->up_shexp, &S->up)) ||
+            (st = put(hy, &M->down_shexp, &S->down))) return st;
+        left -= b;
+        in->shexp_bytes += b;
+        in->n_shexp_device++;
     }
 
     if (hp->n_expert) return place_experts(m, hy, p, left);
@@ -619,8 +645,10 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
 
 gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
     const gh_hparams * hp = &m->hp;
-    /* an expert's down projection reads n_ff_exp inputs per token */
-    const int64_t d = GH_MAX((int64_t) hp->n_embd, (int64_t) hp->n_ff_exp),
+    /* an expert's down projection reads n_ff_exp inputs per token, a shared expert's
+     * n_ff_shexp */
+    const int64_t d = GH_MAX(GH_MAX((int64_t) hp->n_embd, (int64_t) hp->n_ff_exp),
+                             (int64_t) hp->n_ff_shexp),
                   dq = (int64_t) hp->n_head * hp->head_dim;
     int64_t h = 1;
     for (int il = 0; il < hp->n_layer; il++) {

@@ -34,6 +34,9 @@ typedef struct {
      * ([n_expert]; NULL when the layer has none on the device) */
     gh_dweight router;
     gh_dexpert * exps;
+    /* the shared expert (qwen2moe; shexp.gate.data NULL: on the CPU); its sigmoid gate
+     * (one vector) stays on the host */
+    gh_dexpert shexp;
 } gh_dlayer;
 
 typedef struct gh_hybrid {

@@ -87,6 +87,10 @@ gh_ffn_state * gh_ffn_state_new(const gh_model * m, int32_t n_batch) {
             glu = GH_MAX(glu, gh_sparse_glu_scratch_size(&M->gate_exps, &M->up_exps));
             scratch = GH_MAX(scratch, gh_matmul_scratch_size(&M->gate_exps, 1));
         }
+        if (M->has_pred) {
+            h = GH_MAX(h, M->fc1_exps.rows);
+            scratch = GH_MAX(scratch, gh_sparse_predict_scratch_size(&M->fc1_exps, &M->fc2_exps));
+        }
         glu = GH_MAX(glu, gh_sparse_glu_scratch_size(&L->gate, m->hp.gated ? &L->up : NULL));
         scratch = GH_MAX(scratch, glu);
         scratch = GH_MAX(scratch, gh_matmul_scratch_size(&L->gate, 1));

@@ -23,6 +23,11 @@ typedef struct {
      * [n_expert][4] = { t, cut, lo, hi } as gh_layer's gate_thr, gate_cut, gate_lo,
      * gate_hi; t < 0: the expert keeps no threshold and runs dense (model-owned) */
     float *   gate_cuts;
+    /* each expert's predictor (blk.N.ffn_exp_fc{1,2}, docs/FORMAT.md "Sparse experts"; the
+     * sparse FFN mode's score = fc2 . relu(fc1 . x), active where >= the file's threshold),
+     * expert 0's fc1 [h][n_embd] and fc2 [n_ff_exp][h]; has_pred false: none */
+    bool      has_pred;
+    gh_weight fc1_exps, fc2_exps;
     float *   router_b;                       /* [n_expert] (NULL: none; so the rest) */
     float *   gate_exps_b, * up_exps_b;       /* [n_expert][n_ff_exp] (gpt-oss) */
     float *   down_exps_b;                    /* [n_expert][n_embd] */

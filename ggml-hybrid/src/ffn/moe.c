@@ -37,6 +37,10 @@ struct gh_moe_state {
     float *   ye;      /* [n_batch * k][n_embd] */
     float *   hgd, * hud; /* [n_batch * k][n_ff_exp] */
     const gh_dexpert ** dev; /* [n_expert] the device copy an expert runs from, or NULL */
+    /* a shared expert on the device: its gate and up outputs (then the activation) and its
+     * down's, apart from hg / hu / yg, which the CPU's experts use meanwhile */
+    float *   shg, * shu;  /* [n_batch][n_ff_shexp] */
+    float *   shy;         /* [n_batch][n_embd] */
     /* the expert cache (hy->cache_slots slots of hy->slot_bytes): LRU over all layers */
     gh_backend * b;
     int32_t    n_slots;
@@ -68,6 +72,9 @@ void gh_moe_state_free(gh_moe_state * s) {
     gh_aligned_free(s->ye);
     gh_aligned_free(s->hgd);
     gh_aligned_free(s->hud);
+    gh_aligned_free(s->shg);
+    gh_aligned_free(s->shu);
+    gh_aligned_free(s->shy);
     free(s->dev);
     for (int32_t i = 0; s->slot_mem && i < s->n_slots; i++) {
         if (s->slot_mem[i]) s->b->ops->free(s->b, s->slot_mem[i]);
@@ -92,6 +99,16 @@ static gh_status hybrid_state(const gh_model * m, gh_moe_state * s) {
     if (!s->ye || !s->hgd || !s->hud || !s->dev) {
         return gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch",
                        s->n_batch);
+    }
+    if (hy->info.n_shexp_device > 0) {
+        const size_t nb = (size_t) s->n_batch;
+        s->shg = gh_aligned_alloc(nb * (size_t) hp->n_ff_shexp * sizeof(float));
+        s->shu = gh_aligned_alloc(nb * (size_t) hp->n_ff_shexp * sizeof(float));
+        s->shy = gh_aligned_alloc(nb * (size_t) hp->n_embd * sizeof(float));
+        if (!s->shg || !s->shu || !s->shy) {
+            return gh_fail(GH_ERR_OOM, "out of memory for the shared expert's buffers of a "
+                           "%d-token batch", s->n_batch);
+        }
     }
     if (!hy->cache_slots) return GH_OK;
     const int32_t n = hy->cache_slots;
@@ -187,7 +204,32 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
     *bytes_cache = s ? s->bytes_cache : 0.0;
 }
 
-static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out);
+static void shared_expert(gh_context * c, int il, int32_t n, const gh_dexpert * S,
+                          double * bytes_out);
+
+/* Layer il's shared expert on the device, or NULL (none, or on the CPU). */
+static const gh_dexpert * shexp_device(const gh_context * c, int il) {
+    const gh_hybrid * hy = c->model->hy;
+    const gh_dexpert * S = hy ? &hy->layers[il].shexp : NULL;
+    return S && S->gate.data ? S : NULL;
+}
+
+/* A device shared expert over all n tokens, in two steps around the CPU's experts: its
+ * gate and up are enqueued first, so the device runs them while the CPU runs its experts;
+ * after a sync the activation (on the host, as for the routed device experts) and its
+ * down are enqueued; after the next sync s->shy holds its output. */
+static void shexp_gate_up(gh_context * c, const gh_dexpert * S, int32_t n) {
+    gh_moe_state * s = c->moe;
+    gh_hybrid_matmul_async(c, &S->gate, c->xb, n, s->shg);
+    gh_hybrid_matmul_async(c, &S->up, c->xb, n, s->shu);
+}
+
+static void shexp_down(gh_context * c, const gh_dexpert * S, int32_t n) {
+    const gh_hparams * hp = &c->model->hp;
+    gh_moe_state * s = c->moe;
+    gh_glu(hp->ffn_act, hp->act_threshold, s->shg, s->shu, s->shg, (int64_t) n * S->gate.rows);
+    gh_hybrid_matmul_async(c, &S->down, s->shg, n, s->shy);
+}
 
 /* p = softmax(p) in place, in float as transformers' router computes it. */
 static void softmax(float * p, int32_t n) {
@@ -286,6 +328,11 @@ static void expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d
     V->gate_b = M->gate_exps_b ? M->gate_exps_b + (int64_t) e * ff : NULL;
     V->up_b = M->up_exps_b ? M->up_exps_b + (int64_t) e * ff : NULL;
     V->down_b = M->down_exps_b ? M->down_exps_b + (int64_t) e * d : NULL;
+    if (M->has_pred) {
+        V->has_pred = true;
+        V->fc1 = gh_expert(&M->fc1_exps, e);
+        V->fc2 = gh_expert(&M->fc2_exps, e);
+    }
     const float * cut = M->gate_cuts ? M->gate_cuts + 4 * (size_t) e : NULL;
     if (cut && cut[0] >= 0.0f) {
         V->has_gate_thr = true;
@@ -343,7 +390,7 @@ static const gh_dexpert * device_copy(gh_context * c, int il, int32_t e) {
  * gate and up are enqueued, the CPU experts run meanwhile, then the device experts'
  * activation (host) and down; each (token, expert) output lands in s->ye and the merge
  * adds them in expert order, as the CPU-only loop does. Returns the weight bytes read. */
-static double hybrid_experts(gh_context * c, int il, int32_t n) {
+static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert * S) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_moe_layer * M = &m->layers[il].moe;
@@ -363,6 +410,7 @@ static double hybrid_experts(gh_context * c, int il, int32_t n) {
         s->dev[e] = device_copy(c, il, e);
         any_dev |= s->dev[e] != NULL;
     }
+    if (S) shexp_gate_up(c, S, n); /* the shared expert first: every token runs it */
     /* the gathered inputs of one expert (the device copies them before returning) */
     for (int pass = 0; pass < 2; pass++) {
         for (int32_t e = 0; e < ne; e++) {
@@ -393,8 +441,9 @@ static double hybrid_experts(gh_context * c, int il, int32_t n) {
             }
         }
     }
-    if (any_dev) {
+    if (any_dev || S) {
         gh_hybrid_sync(c);
+        if (S) shexp_down(c, S, n);
         for (int32_t e = 0; e < ne; e++) {
             const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
             if (cnt == 0 || !s->dev[e]) continue;
@@ -474,9 +523,10 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     /* a model on a device runs its placed and cached experts there; sparse experts are all
      * the CPU's (hybrid.c places none), so they take the CPU's path below, the router and
      * attention having run where the placement put them */
+    const gh_dexpert * S = shexp_device(c, il);
     if (c->model->hy && !M->has_down_t) {
-        bytes += hybrid_experts(c, il, n);
-        shared_expert(c, il, n, &bytes);
+        bytes += hybrid_experts(c, il, n, S);
+        shared_expert(c, il, n, S, &bytes);
         gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
         return;
     }
@@ -489,6 +539,7 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     const bool sparse = M->has_down_t && sparse_mode;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
+    if (S) shexp_gate_up(c, S, n); /* the device's part while the CPU runs the experts */
     for (int32_t e = 0; e < ne; e++) {
         const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
         if (cnt == 0) continue;
@@ -524,12 +575,20 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         }
     }
 
-    shared_expert(c, il, n, &bytes);
+    if (S) {
+        gh_hybrid_sync(c);
+        shexp_down(c, S, n);
+        gh_hybrid_sync(c);
+    }
+    shared_expert(c, il, n, S, &bytes);
     gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
 }
 
-/* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 */
-static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out) {
+/* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 (after the
+ * routed experts' sum, on the CPU or the device alike); S: its device copy, whose output
+ * is in s->shy already (shexp_down, synced), else it runs here on the CPU */
+static void shared_expert(gh_context * c, int il, int32_t n, const gh_dexpert * S,
+                          double * bytes_out) {
     const gh_moe_layer * M = &c->model->layers[il].moe;
     gh_moe_state * s = c->moe;
     const int64_t d = c->model->hp.n_embd;
@@ -537,8 +596,16 @@ static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out)
     float * y = c->xb2;
     double bytes = 0.0;
     if (M->gate_shexp.rows) {
-        bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, false, NULL, NULL,
-                            NULL, x, n, s->yg);
+        const float * ysh = s->yg;
+        if (S) {
+            ysh = s->shy;
+            bytes += (double) (M->gate_shexp.rows * M->gate_shexp.row_bytes +
+                               M->up_shexp.rows * M->up_shexp.row_bytes +
+                               M->down_shexp.rows * M->down_shexp.row_bytes);
+        } else {
+            bytes += run_expert(c, s, &M->gate_shexp, &M->up_shexp, &M->down_shexp, false, NULL,
+                                NULL, NULL, x, n, s->yg);
+        }
         for (int32_t t = 0; t < n; t++) {
             const float * xt = x + (int64_t) t * d;
             float g = 1.0f;
@@ -548,7 +615,7 @@ static void shared_expert(gh_context * c, int il, int32_t n, double * bytes_out)
                 g = 1.0f / (1.0f + expf(-a));
             }
             float * yt = y + (int64_t) t * d;
-            const float * ys = s->yg + (int64_t) t * d;
+            const float * ys = ysh + (int64_t) t * d;
             for (int64_t i = 0; i < d; i++) yt[i] += g * ys[i];
         }
         bytes += (double) d * sizeof(float);

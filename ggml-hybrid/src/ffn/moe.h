@@ -40,7 +40,10 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
  * are all the CPU's, with or without a device) each token's selected experts run through the
  * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
  * viewed as a layer): the strategy selects the expert's active
- * neurons, the executor reads their up rows and down_t rows only. */
+ * neurons, the executor reads their up rows and down_t rows only.
+ * On a device, a shared expert placed there (backend/hybrid.c) has its gate and up
+ * enqueued before the CPU runs its experts, its down after; its output is added after the
+ * routed experts' sum, as on the CPU. */
 void gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
 
 #endif

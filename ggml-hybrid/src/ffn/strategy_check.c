@@ -4,12 +4,12 @@
 #include "model/model.h"
 
 gh_status gh_ffn_check_layers(const gh_model * m, const char * mode, bool pred, bool report) {
-    if (m->hp.n_expert && pred) {
+    if (m->hp.n_expert && pred && !m->layers[0].moe.has_pred) { /* (layer 0: every layer) */
         return !report ? GH_ERR_UNSUPPORTED
-             : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN needs predictors, and a mixture-of-experts "
-                       "model's experts have none (%d experts per layer): use the gate or oracle "
-                       "mode (ffn_down_exps_t and, for gate, blk.N.ffn_exp_gate_thr: convert with "
-                       "--sparsity S)", mode, m->hp.n_expert);
+             : gh_fail(GH_ERR_UNSUPPORTED, "the %s FFN needs predictors, and this mixture-of-experts "
+                       "model's experts have none (%d experts per layer, no blk.N.ffn_exp_fc1): use "
+                       "the gate or oracle mode, or convert ReLU-family experts with --sparse "
+                       "--expert-predictors", mode, m->hp.n_expert);
     }
     for (int il = 0; il < m->hp.n_layer; il++) {
         const gh_layer * L = &m->layers[il];

@@ -12,6 +12,9 @@ static gh_status check(const gh_model * m, bool report) {
     return gh_ffn_check_layers(m, "sparse", true, report);
 }
 
+/* an expert runs through the predictor when it has one (every expert of a file with them) */
+static bool unit_ok(const gh_layer * L) { return L->has_pred; }
+
 static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float * x, float thr,
                               float * score, int32_t * ids) {
     const gh_backend_ops * ops = c->model->hy->b->ops;
@@ -38,8 +41,9 @@ static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float *
 static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     gh_context * c = in->c;
     const gh_model * m = c->model;
-    const gh_layer * L = in->L;  /* a layer: the check refuses predictors for experts */
-    const gh_dlayer * D = m->hy ? &m->hy->layers[in->il] : NULL;
+    const gh_layer * L = in->L;  /* a layer, or an expert viewed as one (its own fc1, fc2) */
+    /* the device holds a layer's predictor, never an expert's (sparse experts stay on the CPU) */
+    const gh_dlayer * D = m->hy && !m->hp.n_expert ? &m->hy->layers[in->il] : NULL;
     const float * px = m->hp.pred_residual ? in->resid : in->x;
     gh_tap_mark(&c->tap); /* the predictor's stage starts here */
     const int64_t n = D && D->pred
@@ -53,5 +57,5 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
 
 const gh_ffn_strategy gh_ffn_sparse = {
     .name = "sparse", .mode = GH_FFN_SPARSE, .input_sparse = true,
-    .check = check, .select = select_ids,
+    .check = check, .unit_ok = unit_ok, .select = select_ids,
 };

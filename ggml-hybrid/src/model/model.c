@@ -1136,6 +1136,64 @@ static gh_status load_expert_gate_thresholds(gh_model * m, int il, gh_moe_layer 
     return GH_OK;
 }
 
+/* blk.N.ffn_exp_fc1 / ffn_exp_fc2 (docs/FORMAT.md "Sparse experts"): each expert's
+ * predictor, [n_expert][h][n_embd] and [n_expert][n_ff_exp][h] (h the layer's own); both or
+ * neither, in every layer or none, and only beside the sparse experts' ffn_down_exps_t. */
+static gh_status load_expert_predictors(gh_model * m, int il, gh_moe_layer * M) {
+    const gh_hparams * hp = &m->hp;
+    char n1[64], n2[64];
+    snprintf(n1, sizeof n1, "blk.%d.ffn_exp_fc1.weight", il);
+    snprintf(n2, sizeof n2, "blk.%d.ffn_exp_fc2.weight", il);
+    const gh_gguf_tensor * f1 = gh_gguf_find_tensor(m->gguf, n1), * f2 = gh_gguf_find_tensor(m->gguf, n2);
+    if (!f1 != !f2) {
+        return gh_fail(GH_ERR_FORMAT, "the experts' predictor of layer %d: tensor '%s' without '%s'",
+                       il, f1 ? n1 : n2, f1 ? n2 : n1);
+    }
+    const bool want = il == 0 || m->layers[0].moe.has_pred; /* layer 0 decides */
+    if (!f1) {
+        if (il > 0 && want) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: layer 0's experts have predictors "
+                           "(blk.0.ffn_exp_fc1.weight), so every layer needs them", n1);
+        }
+        return GH_OK;
+    }
+    if (!want) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives layer %d's experts predictors but "
+                       "'blk.0.ffn_exp_fc1.weight' is missing: every layer needs them", n1, il);
+    }
+    if (!M->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives the experts predictors but layer %d has no "
+                       "'blk.%d.ffn_down_exps_t.weight' (the sparse experts' down projection)",
+                       n1, il, il);
+    }
+    const int64_t d = hp->n_embd, ff = hp->n_ff_exp, h = f1->ne[1];
+    if (f1->ne[0] != d || h < 1 || h > (1 << 24) || f1->ne[2] != hp->n_expert || f1->ne[3] != 1) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected "
+                       "[n_embd = %lld, h, n_expert = %d] with h >= 1", n1, (long long) f1->ne[0],
+                       (long long) f1->ne[1], (long long) f1->ne[2], (long long) f1->ne[3],
+                       (long long) d, hp->n_expert);
+    }
+    if (f2->ne[0] != h || f2->ne[1] != ff || f2->ne[2] != hp->n_expert || f2->ne[3] != 1) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected "
+                       "[h = %lld (of '%s'), n_ff_exp = %lld, n_expert = %d]", n2,
+                       (long long) f2->ne[0], (long long) f2->ne[1], (long long) f2->ne[2],
+                       (long long) f2->ne[3], (long long) h, n1, (long long) ff, hp->n_expert);
+    }
+    const gh_gguf_tensor * ts[2] = { f1, f2 };
+    gh_weight * ws[2] = { &M->fc1_exps, &M->fc2_exps };
+    const int64_t cols[2] = { d, h }, rows[2] = { h, ff };
+    for (int i = 0; i < 2; i++) {
+        if (!gh_type_valid(ts[i]->type)) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': type %s cannot hold a weight matrix",
+                           i ? n2 : n1, gh_type_name(ts[i]->type));
+        }
+        *ws[i] = (gh_weight) { .type = ts[i]->type, .rows = rows[i], .cols = cols[i],
+                               .data = ts[i]->data, .row_bytes = gh_row_size(ts[i]->type, cols[i]) };
+    }
+    M->has_pred = true;
+    return GH_OK;
+}
+
 /* Layer il's mixture of experts (ffn/moe.h): the router ffn_gate_inp, the experts'
  * ffn_{gate,up,down}_exps and, where the architecture has one, the shared expert
  * ffn_{gate,up,down}_shexp with its gate vector ffn_gate_inp_shexp. A dense FFN tensor in
@@ -1184,6 +1242,7 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
         return st;
     }
     if ((st = load_expert_gate_thresholds(m, il, M))) return st;
+    if ((st = load_expert_predictors(m, il, M))) return st;
     /* the biases: [n_expert] for the router, [n_expert][rows] for each expert tensor */
     const bool req = m->arch->expert_biases;
     if ((st = load_expert_bias(m, BLK("ffn_gate_inp.bias"), hp->n_expert, 0, req, &M->router_b)))

@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--predictor-threshold", type=float, default=0.0, metavar="T",
                     help="a neuron is predicted active when its score is >= T (default 0); a lower "
                          "T raises recall and the predicted density")
+    sp.add_argument("--expert-predictors", action="store_true",
+                    help="ReLU-family experts (--sparse on a mixture of ReGLU/dReLU experts): also train "
+                         "a predictor per expert (the sparse FFN mode), to --predictor-recall on "
+                         "held-out tokens")
     sp.add_argument("--sparsity", type=float, default=None, metavar="S",
                     help="training-free gate-magnitude sparsity for any gated FFN (SwiGLU, GeGLU, "
                          "ReGLU): calibrate per layer the |act(gate)| threshold that zeroes the "
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                                       group_size=args.group_size, placement=args.placement,
                                       n_threads=args.threads, predictor_type=args.predictor_type,
                                       threshold=args.predictor_threshold, sparsity=args.sparsity,
+                                      expert_predictors=args.expert_predictors,
                                       max_ppl_increase=args.max_ppl_increase, max_kl=args.max_kl,
                                       allocation=args.sparsity_allocation or SparseOptions.allocation,
                                       greedy_tokens=args.greedy_tokens)

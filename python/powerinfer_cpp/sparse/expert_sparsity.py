@@ -26,8 +26,12 @@ every expert when the level is 0 for a non-ReLU activation. Whether the threshol
 decided at load per machine, as for a dense gate file (ffn/auto_mode.c: the expert's bytes
 at the recorded density against the measured kernel ratios).
 
-Not here yet: predictors per expert (the strategy interface would take them, but training
-one per expert needs the expert's own tokens), the quality budget (--max-ppl-increase),
+With ``--expert-predictors`` (ReLU-family experts only) each expert also gets a trained
+predictor (train_expert_predictors: on the tokens that chose it, against its exact zeros),
+blk.N.ffn_exp_fc1 / ffn_exp_fc2, for the sparse FFN mode, which then skips the expert's
+dense gate too; the held-out recall is reported per layer.
+
+Not here yet: the quality budget (--max-ppl-increase),
 input sparsity, a device placement of sparse experts (they run on the CPU).
 """
 
@@ -47,6 +51,7 @@ from .. import format as F
 from ..gguf_write import ConvertError, TensorJob, add_kv, decode_matrix, fit_rows, write_gguf
 from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
+from .predictor import PredictorConfig, train_layer
 from .report import SparseReport, calib_source_string, resolve_calib
 from .thresholds import gate_magnitudes
 
@@ -117,6 +122,48 @@ def measure_sparsity(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act:
     return (zero / total if total else 0.0), total
 
 
+def train_expert_predictors(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
+                            cfg, act_threshold: float = 0.0, min_tokens: int = MIN_EXPERT_TOKENS,
+                            log: Callable[[str], None] | None = None):
+    """One layer's predictors, one per expert, for ReLU-family experts: (w1 [n_expert, h, d],
+    w2 [n_expert, n_ff, h] float32, held-out (recall, predicted density, true density)).
+
+    Each expert's predictor is trained (predictor.train_layer, from the low-rank approximation
+    of the expert's own gate) on the tokens that chose it, x[tokens] against the neurons its
+    gate leaves nonzero (|act(gate x)| > 0: what the gate and oracle modes keep); the last
+    ``cfg.holdout`` share of those tokens (the later text) is held out for the recall. The
+    layer's h is its largest expert's: a smaller one is padded with zero units (relu(0) = 0
+    adds nothing to a score). An expert chosen by fewer than ``min_tokens`` tokens gets the
+    zero predictor: every score 0, so at a threshold <= 0 all its neurons run (dense: exact).
+    Recall and densities pool the experts' held-out (token, neuron) entries."""
+    n_expert, n_ff, d = gate_exps.shape
+    toks = expert_tokens(sel, n_expert)
+    preds = []
+    tp = pos = pred_on = total = 0.0
+    for e in range(n_expert):
+        if toks[e].size < min_tokens:
+            preds.append(None)
+            continue
+        xe = x[toks[e]].astype(np.float32)
+        mask = gate_magnitudes(xe, gate_exps[e], act, act_threshold=act_threshold) > 0.0
+        p = train_layer(xe, mask, cfg, layer=e, gate=gate_exps[e].astype(np.float32), log=log)
+        preds.append(p)
+        n_held = p.n_heldout
+        tp += p.recall * p.true_density * n_held * n_ff
+        pos += p.true_density * n_held * n_ff
+        pred_on += p.pred_density * n_held * n_ff
+        total += n_held * n_ff
+    h = max([p.h for p in preds if p is not None], default=1)
+    w1 = np.zeros((n_expert, h, d), dtype=np.float32)
+    w2 = np.zeros((n_expert, n_ff, h), dtype=np.float32)
+    for e, p in enumerate(preds):
+        if p is not None:
+            w1[e, :p.h] = p.w1
+            w2[e, :, :p.h] = p.w2
+    held = (tp / pos if pos else 1.0, pred_on / total if total else 1.0, pos / total if total else 0.0)
+    return w1, w2, held
+
+
 def _layer_weights(dense_t: dict, il: int, n_expert: int, n_ff: int, d: int):
     """Layer il's router [n_expert, d] (and bias or None) and gate_exps [n_expert, n_ff, d],
     as the runtime reads them (decoded from the dense file)."""
@@ -145,7 +192,10 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
               (opts.max_ppl_increase is not None, "the quality budget --max-ppl-increase (pass --sparsity S)"),
               (opts.input_sparsity is not None, "--input-sparsity"),
               (opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
-                                 "are placed at load)")]
+                                 "are placed at load)"),
+              (opts.expert_predictors and (not relu or sparsity),
+               f"--expert-predictors with {act} experts{' and --sparsity' if sparsity else ''} (predictors "
+               "are trained for ReLU-family experts' exact zeros: --sparse without --sparsity)")]
     for bad, what in refuse:
         if bad:
             raise ConvertError(f"sparse experts (a mixture-of-experts model, {dense.n_expert} experts) "
@@ -204,6 +254,20 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         say(f"[3/3] expert gate thresholds ({'exact zeros' if not sparsity else f'sparsity {sparsity:g}'}): "
             f"{kept} of {n_layer * ne} experts keep one; held-out sparsity per layer "
             f"{', '.join(f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
+        preds = []
+        if opts.expert_predictors:
+            t0 = time.perf_counter()
+            cfg = opts.predictor or PredictorConfig(recall_target=opts.predictor_recall,
+                                                    threshold=opts.threshold, h_start=8)
+            for il in range(n_layer):
+                router, router_b, gate = _layer_weights(dense_t, il, ne, ff, d)
+                x = prof.x[il]
+                sel = route(x, router, k, router_b)
+                preds.append(train_expert_predictors(x, sel, gate, act, cfg, dense.act_threshold or 0.0))
+            rep.expert_predictor_recall = [p[2] for p in preds]
+            say("      expert predictors: held-out recall / predicted density / true density per layer "
+                + ", ".join(f"{r:.3f}/{pd:.3f}/{td:.3f}" for r, pd, td in rep.expert_predictor_recall)
+                + f"; h per layer {[int(p[0].shape[1]) for p in preds]} ({time.perf_counter() - t0:.1f} s)")
 
         # the sparse file: ffn_down_exps -> ffn_down_exps_t (the same values, each expert's
         # matrix transposed, in the down's type refitted to rows of d), + the thresholds
@@ -220,6 +284,12 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                                           qt, load_t))
                 new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
                                           lambda a=thr_all[il]: a))
+                if preds:
+                    w1, w2, _ = preds[il]
+                    new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC1, il), w1.shape,
+                                              Q.F32, lambda a=w1: a))
+                    new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC2, il), w2.shape,
+                                              Q.F32, lambda a=w2: a))
             else:
                 rt = dense_t[j.name]
                 new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
@@ -230,6 +300,8 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                 w.add_key_value(F.KEY_SPARSE_TARGET, float(sparsity), V.FLOAT32)
             w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
             w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(n), V.UINT32)
+            if preds and opts.threshold:
+                w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
 
         path = write_gguf(out_path, setup, new_jobs, progress, arch=dense.arch)
         del reader

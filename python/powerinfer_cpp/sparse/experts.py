@@ -5,9 +5,13 @@ calibration text give, per layer, each expert's frequency = the share of tokens 
 held it (a layer's frequencies sum to k).
 
 Budget, in the runtime's order (backend/hybrid.c): each layer's attention projections, each
-layer's router, the output head (each group in layer order, stopping at the first that does
-not fit), then the expert cache a context makes (whole experts of the largest layer's size,
-at least one), then the experts. The ILP (python-mip, CBC) over binary ``x[l,e]`` (l not
+layer's router, the output head, each layer's shared expert (qwen2moe; each group in layer
+order, stopping at the first that does not fit), then the expert cache a context makes
+(whole experts of the largest layer's size, at least one), then the experts. A shared
+expert comes first among the FFN bytes because every token runs it: its value per byte in
+the objective below is 1, at least any routed expert's freq[l,e] (the ILP would take it
+first too), and ``n_cpu_moe`` does not keep it on the CPU (llama.cpp's ``--n-cpu-moe``
+names only the routed ``ffn_*_exps``). The ILP (python-mip, CBC) over binary ``x[l,e]`` (l not
 among the first ``n_cpu_moe`` layers)::
 
     maximize   sum_{l,e} freq[l,e] * bytes[l] * x[l,e]   (expert bytes per token the device
@@ -45,6 +49,8 @@ class ExpertPlacement:
     expert_bytes: np.ndarray        # int64 [n_layer]: one expert's bytes
     budget: int
     dense_bytes: int                # attention, routers, head placed before
+    shared_bytes: int               # the shared experts placed before (qwen2moe; else 0)
+    shared_layers: int              # layers whose shared expert that is: the first ones
     cache_bytes: int                # the expert cache, whole experts
     left: int                       # bytes left to the experts
     n_cpu_moe: int
@@ -70,7 +76,8 @@ class ExpertPlacement:
     def summary(self) -> str:
         return (f"expert placement ({self.solver}, {self.seconds:.2f} s"
                 f"{', ' + self.status if self.status else ''}): budget {format_size(self.budget)}, "
-                f"attention/routers/head {format_size(self.dense_bytes)}, expert cache "
+                f"attention/routers/head {format_size(self.dense_bytes)}, shared experts "
+                f"{format_size(self.shared_bytes)} ({self.shared_layers} layers), expert cache "
                 f"{format_size(self.cache_bytes)}, experts {format_size(self.bytes)} of "
                 f"{format_size(self.left)} left; device experts per layer "
                 f"{[int(v) for v in self.on.sum(axis=1)]}, served selections {self.served_share:.2%}")
@@ -82,24 +89,29 @@ def _nbytes(tensors: dict, name: str) -> int:
 
 
 def expert_budget(tensors: dict, n_layer: int, n_expert: int, budget: int,
-                  cache: int = 0) -> tuple[int, int, int, np.ndarray]:
-    """(dense bytes placed, cache bytes, bytes left for experts, one expert's bytes per
-    layer) for ``budget``, as the runtime spends it (module doc)."""
+                  cache: int = 0) -> tuple[int, int, int, int, int, np.ndarray]:
+    """(dense bytes placed, shared expert bytes placed, layers whose shared expert that is,
+    cache bytes, bytes left for experts, one expert's bytes per layer) for ``budget``, as
+    the runtime spends it (module doc)."""
     left = int(budget)
-    dense = 0
-    stop = False
+    dense = shared = n_shared = 0
     groups = [[F.tensor_name(k, l) for k in ATTN_KINDS] for l in range(n_layer)]
     groups += [[F.tensor_name(F.T_FFN_GATE_INP, l)] for l in range(n_layer)]
     head = F.tensor_name(F.T_OUTPUT)
     groups.append([head if head in tensors else F.tensor_name(F.T_TOKEN_EMBD)])
-    for g in groups:
+    n_dense = len(groups)
+    groups += [[F.tensor_name(k, l) for k in (F.T_FFN_GATE_SHEXP, F.T_FFN_UP_SHEXP, F.T_FFN_DOWN_SHEXP)]
+               for l in range(n_layer) if F.tensor_name(F.T_FFN_GATE_SHEXP, l) in tensors]
+    for i, g in enumerate(groups):
         b = sum(_nbytes(tensors, n) for n in g if n in tensors)
         if b > left:
-            stop = True
             break
         left -= b
-        dense += b
-    del stop
+        if i < n_dense:
+            dense += b
+        else:
+            shared += b
+            n_shared += 1
     eb = np.array([sum(_nbytes(tensors, F.tensor_name(k, l)) for k in
                        (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS)) // n_expert
                    for l in range(n_layer)], dtype=np.int64)
@@ -110,7 +122,7 @@ def expert_budget(tensors: dict, n_layer: int, n_expert: int, budget: int,
         slots = min(slots, max(0, left // slot), n_layer * n_expert)
         cache_bytes = slots * slot
         left -= cache_bytes
-    return dense, cache_bytes, left, eb
+    return dense, shared, n_shared, cache_bytes, left, eb
 
 
 def profile_experts(path, tokens, n_ctx: int = 512, n_threads: int = 0) -> tuple[np.ndarray, int]:
@@ -159,12 +171,13 @@ def solve_experts(freq, tensors: dict, budget: int, *, cache: int = 0, n_cpu_moe
         raise ValueError(f"n_cpu_moe must be >= 0, got {n_cpu_moe}")
     n_layer, n_expert = freq.shape
     t0 = time.perf_counter()
-    dense, cache_bytes, left, eb = expert_budget(tensors, n_layer, n_expert, budget, cache)
+    dense, shared, n_shared, cache_bytes, left, eb = expert_budget(tensors, n_layer, n_expert,
+                                                                   budget, cache)
     first = min(n_cpu_moe, n_layer)
     greedy = _greedy(freq, eb, left, first)
     gval = float((freq * eb[:, None] * greedy).sum())
     res = dict(freq=freq, expert_bytes=eb, budget=int(budget), dense_bytes=dense,
-               cache_bytes=cache_bytes, left=left, n_cpu_moe=first, greedy_value=gval)
+               shared_bytes=shared, shared_layers=n_shared, cache_bytes=cache_bytes, left=left, n_cpu_moe=first, greedy_value=gval)
     free = [(l, e) for l in range(first, n_layer) for e in range(n_expert)]
     if sum(int(eb[l]) for l, _ in free) <= left or method == "greedy" or left <= 0 or not free:
         solver = "none" if not greedy.any() else ("ilp" if method == "ilp" else "greedy")

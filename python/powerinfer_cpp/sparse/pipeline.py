@@ -119,6 +119,8 @@ class SparseOptions:
     predictor: PredictorConfig | None = None
     predictor_type: str | None = None  # storage of fc1/fc2: f32|f16|q8_0|q4_0; None: predictor_qtype's rule
     gate_init: bool = True            # ReGLU: try the gate's low-rank approximation first (predictor.train_layer)
+    expert_predictors: bool = False   # ReLU-family experts: train a predictor per expert as well
+                                      # (expert_sparsity.train_expert_predictors)
     sparsity: float | None = None     # gate-magnitude sparsity instead of predictors: the share of
                                       # neurons the calibrated thresholds zero (thresholds.py)
     max_kl: float | None = None       # the quality budget's bound on the mean KL to dense (nats) beside
@@ -329,6 +331,10 @@ def convert_sparse(dense: DenseModel, out_path: str, opts: SparseOptions, progre
     say = say or (lambda s: log.info("%s", s))
     if dense.n_expert:  # a mixture of experts: thresholds per expert
         return convert_sparse_experts(dense, out_path, opts, progress, say)
+    if opts.expert_predictors:
+        raise ConvertError("--expert-predictors trains a predictor per expert of a mixture of experts, "
+                           "and this model has no experts (a dense sparse file gets its predictors "
+                           "per layer without it)")
     run = _plan(dense, out_path, opts, progress, say)
     out_dir = os.path.dirname(os.path.abspath(out_path))
     remove_stale(out_dir)

@@ -42,6 +42,9 @@ class SparseReport:
                                       # or "auto" chose 0)
     input_tried: list = field(default_factory=list)  # quality budget with input sparsity:
                                       # budget.Candidate of every combination measured
+    expert_predictor_recall: list = field(default_factory=list)  # per layer: the experts'
+                                      # predictors' recall and predicted density on held-out
+                                      # tokens, (recall, density, true density)
     expert_holdout_sparsity: list = field(default_factory=list)  # sparse experts: per layer the
                                       # share of selected experts' neurons below their thresholds
                                       # on the held-out tokens (expert_sparsity.py)

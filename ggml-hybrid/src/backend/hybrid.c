@@ -1,5 +1,5 @@
 /* Placing a model on a device under a VRAM budget (the runtime half of the offline
- * placement in python/powerinfer_cpp/placement.py: same priority, same greedy rule), the
+ * placement in python/powerinfer_cpp/sparse/placement.py: same priority, same greedy rule), the
  * neuron split of the FFN weights, and the device matmul the forward pass calls. */
 #include "backend/hybrid.h"
 #include "model/model.h"

@@ -5,7 +5,7 @@
  * runtime works with are gh_hparams (internal), not the public gh_model_info, so a new key
  * does not change the ABI.
  *
- * Adding an architecture: docs/ARCHITECTURES.md. */
+ * Adding an architecture: docs/FORMAT.md, "Adding an architecture". */
 #ifndef GH_ARCH_H
 #define GH_ARCH_H
 

@@ -38,6 +38,7 @@ from .. import format as F
 from ..gguf_read import is_pwri, open_gguf
 from ..gguf_write import (ConvertError, QuantMix, TensorJob, add_kv, check_output_path, decode_matrix,
                           k_quant_types, quant_block, storage_type, write_gguf)
+from ..sparse.ffn_view import ffn_view
 from ..sparse.pipeline import DenseModel, SparseOptions, convert_sparse
 
 log = logging.getLogger("powerinfer_cpp.convert")
@@ -189,9 +190,13 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     act_t = None
     if act == F.ACT_FATRELU and F.KEY_FFN_ACT_THRESHOLD in keys:
         act_t = float(reader.fields[F.KEY_FFN_ACT_THRESHOLD].contents())
-    gate = tensors.get(F.tensor_name(F.T_FFN_GATE, 0))
-    up = tensors.get(F.tensor_name(F.T_FFN_UP, 0))
-    fused_up = up is not None and int(up.shape[-1]) == 2 * n_ff  # phi3: gate and up rows in one
+    def rows(name):
+        t = tensors.get(name)
+        return None if t is None else int(t.shape[-1])
+
+    # gated: layer 0's FFN in whatever layout (sparse/ffn_view.py); a mixture's has no ffn_up
+    gated = rows(F.tensor_name(F.T_FFN_GATE, 0)) is not None or (
+        rows(F.tensor_name(F.T_FFN_UP, 0)) is not None and ffn_view(rows, 0, n_ff).gated)
     # the FFN weights' type name (the predictors' storage rule)
     ffn_type = outtype or str(info.weight_type).lower()
     log.info("%s: %s%s, %d layers, d=%d, n_ff=%d, act=%s, FFN weights %s, %d tensors", path, info.arch,
@@ -200,7 +205,7 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
              len(jobs))
     return DenseModel(arch=info.arch, kv=kv, jobs=jobs, outtype=ffn_type, n_layer=n_layer, n_embd=d,
                       n_ff=n_ff, n_embd_kv=info.n_head_kv * info.head_dim, n_ctx=info.n_ctx_train,
-                      activation=act, gated=gate is not None or fused_up, hf_dir="",
+                      activation=act, gated=gated, hf_dir="",
                       act_threshold=act_t, path=path, down_types=down_types)
 
 

@@ -83,6 +83,7 @@ from typing import Iterable
 import gguf
 
 from .. import format as F
+from .ffn_view import ATTN_KINDS, ffn_view
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,11 @@ def _mean(ts: list[Tensor], path: str) -> float:
     return sum(t.n_bytes * cost_per_byte(t.type, path) for t in ts) / nb if nb else 0.0
 
 
-def _row_bytes(ts: list[Tensor], share: float = 1.0) -> float:
-    """Mean bytes of one row over tensors (share: the part of each tensor's rows that are
-    one kind's, as for a fused gate + up)."""
-    n = sum(t.n_rows * share for t in ts)
-    return sum(t.n_bytes * share for t in ts) / n if n else 0.0
+def _row_bytes(parts: list[tuple[Tensor, float]]) -> float:
+    """Mean bytes of one row over (tensor, share) parts (share: the part of the tensor's rows
+    that are one kind's, as half of a fused gate + up)."""
+    n = sum(t.n_rows * share for t, share in parts)
+    return sum(t.n_bytes * share for t, share in parts) / n if n else 0.0
 
 
 class DecodeCost:
@@ -166,20 +167,24 @@ class DecodeCost:
             raise ValueError(f"ffn must be 'gate' or 'sparse', not {ffn!r}")
         self.ffn = ffn
         by: dict[str, list[Tensor]] = {}
+        named: dict[str, Tensor] = {}
         for t in tensors:
             kind, layer, suffix = F.parse_tensor_name(t.name)
             if suffix == "weight":
                 by.setdefault(kind, []).append(t)
-        att = [t for k in (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_QKV, F.T_ATTN_OUTPUT) for t in by.get(k, [])]
+                named[t.name] = t
+        att = [t for k in ATTN_KINDS for t in by.get(k, [])]
         head = by.get(F.T_OUTPUT) or by.get(F.T_TOKEN_EMBD, [])
-        gate, up = by.get(F.T_FFN_GATE, []), by.get(F.T_FFN_UP, [])
         down_t = by.get(F.T_FFN_DOWN_T, [])
-        n_ff_rows = sum(t.n_rows for t in down_t)
-        # the runtime's up: ffn_up beside ffn_gate, or the second half of a fused ffn_up
-        # (phi3); an ungated FFN's ffn_up is its gate (model.c), and it counts no up rows
-        fused = not gate and bool(up) and sum(t.n_rows for t in up) == 2 * n_ff_rows
-        gate_ts = gate or up
-        up_ts = up if (gate or fused) else []
+        # each dense FFN's gate and up rows in its layout (ffn_view.py; an ungated FFN's
+        # ffn_up is its gate, and it counts no up rows)
+        layers = sorted({F.parse_tensor_name(t.name)[1] for t in by.get(F.T_FFN_UP, [])})
+        views = [ffn_view(lambda n: named[n].n_rows if n in named else None, l,
+                          named[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)].n_rows
+                          if F.sparse_tensor_name(F.T_FFN_DOWN_T, l) in named else 0) for l in layers]
+        gate_ts = [named[v.gate.tensor] for v in views]
+        up_parts = [(named[v.up.tensor], v.up.share) for v in views if v.up is not None]
+        up_ts = [t for t, _ in up_parts]
         self.factor = {
             "attention": _mean(att, "dot"),
             "attention_t": _mean(by.get(F.T_ATTN_QKV_T, []) + by.get(F.T_ATTN_OUTPUT_T, []), "cols"),
@@ -190,9 +195,9 @@ class DecodeCost:
             "up": _mean(up_ts, "rows"),
             "down": _mean(down_t, "down"),
         }
-        self.up_row_bytes = _row_bytes(up_ts, 0.5 if fused else 1.0)
-        self.down_row_bytes = _row_bytes(down_t)
-        ffn_rm = gate_ts + up_ts if not fused else up
+        self.up_row_bytes = _row_bytes(up_parts)
+        self.down_row_bytes = _row_bytes([(t, 1.0) for t in down_t])
+        ffn_rm = list({t.name: t for t in gate_ts + up_ts}.values())  # each tensor once
         down = by.get(F.T_FFN_DOWN, []) or down_t
         # a dense file's decode: every matrix once through the row dot
         self.dense = sum(t.n_bytes * cost_per_byte(t.type, "dot") for t in att + head + ffn_rm + down)

@@ -39,15 +39,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import Callable
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_write import ConvertError, TensorJob, add_kv, decode_matrix, fit_rows, write_gguf
 from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
+from .predictor import PredictorConfig, train_layer
+from .report import SparseReport, calib_source_string, resolve_calib
 from .thresholds import gate_magnitudes
 
 log = logging.getLogger("powerinfer_cpp.convert")
@@ -131,8 +136,6 @@ def train_expert_predictors(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarra
     adds nothing to a score). An expert chosen by fewer than ``min_tokens`` tokens gets the
     zero predictor: every score 0, so at a threshold <= 0 all its neurons run (dense: exact).
     Recall and densities pool the experts' held-out (token, neuron) entries."""
-    from .predictor import train_layer
-
     n_expert, n_ff, d = gate_exps.shape
     toks = expert_tokens(sel, n_expert)
     preds = []
@@ -181,7 +184,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                            say: Callable[[str], None] | None = None):
     """The sparse-experts file of a mixture-of-experts model (see the module's doc); returns
     (output path, SparseReport)."""
-    from .pipeline import SparseReport, calib_source_string, resolve_calib
 
     say = say or (lambda s: log.info("%s", s))
     act, sparsity = dense.activation, opts.sparsity
@@ -258,7 +260,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
             f"{', '.join(f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
         preds = []
         if opts.expert_predictors:
-            from .predictor import PredictorConfig
             t0 = time.perf_counter()
             cfg = opts.predictor or PredictorConfig(recall_target=opts.predictor_recall,
                                                     threshold=opts.threshold, h_start=8)
@@ -285,7 +286,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
 
                 new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il), (ne, ff, d),
                                           qt, load_t))
-                from gguf import GGMLQuantizationType as Q
                 new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
                                           lambda a=thr_all[il]: a))
                 if preds:
@@ -299,7 +299,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                 new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
 
         def setup(w):
-            from gguf import GGUFValueType as V
             add_kv(w, dense.kv)
             if sparsity:
                 w.add_key_value(F.KEY_SPARSE_TARGET, float(sparsity), V.FLOAT32)
@@ -312,5 +311,4 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         del reader
         return path, rep
     finally:
-        import shutil
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import format as F
 from ..sizes import format_size
+from .ffn_view import ATTN_KINDS
 from .placement import tensor_nbytes
 
 __all__ = ["ExpertPlacement", "expert_budget", "profile_experts", "solve_experts"]
@@ -94,8 +95,7 @@ def expert_budget(tensors: dict, n_layer: int, n_expert: int, budget: int,
     the runtime spends it (module doc)."""
     left = int(budget)
     dense = shared = n_shared = 0
-    groups = [[F.tensor_name(k, l) for k in (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_OUTPUT,
-                                             F.T_ATTN_QKV)] for l in range(n_layer)]
+    groups = [[F.tensor_name(k, l) for k in ATTN_KINDS] for l in range(n_layer)]
     groups += [[F.tensor_name(F.T_FFN_GATE_INP, l)] for l in range(n_layer)]
     head = F.tensor_name(F.T_OUTPUT)
     groups.append([head if head in tensors else F.tensor_name(F.T_TOKEN_EMBD)])

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import format as F
+from .ffn_view import ATTN_KINDS, FFN_KINDS
 from .input_eval import patch_calibration
 
 #: Tokens per block of the loss's standard error.
@@ -57,16 +58,14 @@ def decode_weight_bytes(path: str) -> dict:
         nb = {t.name: int(t.n_bytes) for t in r.tensors}
     finally:
         del r
-    att_kinds = (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_QKV, F.T_ATTN_OUTPUT)
-    ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN, F.T_FFN_DOWN_T)
     out = {"attention": 0, "ffn": 0}
     for name, b in nb.items():
         kind, layer, suffix = F.parse_tensor_name(name)
         if layer is None or suffix != "weight":
             continue
-        if kind in att_kinds:
+        if kind in ATTN_KINDS:
             out["attention"] += b
-        elif kind in ffn_kinds:
+        elif kind in FFN_KINDS:
             out["ffn"] += b
     out["head"] = nb.get(F.tensor_name(F.T_OUTPUT), nb.get(F.tensor_name(F.T_TOKEN_EMBD), 0))
     return out

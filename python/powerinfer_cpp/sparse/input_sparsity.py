@@ -30,6 +30,7 @@ from gguf import GGUFValueType as V
 
 from .. import format as F
 from ..gguf_write import TensorJob, decode_matrix, fit_rows
+from .ffn_view import FFNView, attention_inputs, ffn_view
 from .thresholds import activation
 
 #: Share of the recorded tokens (the last ones) the thresholds are not fitted on.
@@ -230,9 +231,10 @@ class InputSources:
     """The transposed projections of a dense plan (its TensorJobs): their float weights
     (wina's column norms) and the jobs that write them with their thresholds."""
 
-    def __init__(self, jobs, n_layer: int):
+    def __init__(self, jobs, n_layer: int, n_ff: int):
         self.by_name = {j.name: j for j in jobs}
         self.n_layer = n_layer
+        self.n_ff = n_ff
 
     def _job(self, kind: str, layer: int | None = None):
         return self.by_name.get(F.tensor_name(kind, layer))
@@ -244,17 +246,20 @@ class InputSources:
             a = decode_matrix(np.asarray(a), job.qtype, job.shape)
         return np.asarray(a, dtype=np.float32)
 
+    def _ffn(self, layer: int) -> FFNView:
+        def rows(name):
+            j = self.by_name.get(name)
+            return None if j is None else int(j.shape[0])
+        return ffn_view(rows, layer, self.n_ff)
+
     def _sources(self, site: str, layer: int | None) -> list:
+        """The jobs whose rows, concatenated, are the site's projection (ffn_view.py)."""
         if site == SITE_FFN:  # gate's rows, then up's (an ungated FFN: its up rows alone)
-            gate = self._job(F.T_FFN_GATE, layer)
-            return [gate, self._job(F.T_FFN_UP, layer)] if gate is not None else [self._job(F.T_FFN_UP, layer)]
+            return [self.by_name.get(n) for n in self._ffn(layer).inputs]
         if site == SITE_DOWN:
-            t = self._job(F.T_FFN_DOWN_T, layer)
-            return [t if t is not None else self._job(F.T_FFN_DOWN, layer)]
+            return [self.by_name.get(self._ffn(layer).down)]
         if site == SITE_QKV:
-            fused = self._job(F.T_ATTN_QKV, layer)
-            return [fused] if fused is not None else [self._job(k, layer) for k in
-                                                      (F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V)]
+            return [self.by_name.get(n) for n in attention_inputs(self.by_name, layer)]
         if site == SITE_O:
             return [self._job(F.T_ATTN_OUTPUT, layer)]
         out = self._job(F.T_OUTPUT)

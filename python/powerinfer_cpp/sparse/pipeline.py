@@ -1,8 +1,9 @@
 """The sparse conversion pipeline (``python -m powerinfer_cpp.convert --sparse``).
 
 It starts from the converter's plan of the dense file (``DenseModel``: metadata and
-tensor jobs) and knows no architecture: an FFN is gated (ffn_gate, ffn_up, ffn_down)
-or ungated (ffn_up, ffn_down, OPT and Falcon), with or without biases.
+tensor jobs) and knows no architecture: an FFN is gated or ungated (OPT and Falcon), with or
+without biases, and its projections are read through ffn_view.py, which alone knows which
+layouts fuse (phi3's gate/up in one ffn_up, fused q/k/v).
 
     1. write the dense GGUF to a temporary file (next to the output),
     2. profile it with the native runtime over calibration text (profile.py),
@@ -24,7 +25,6 @@ file is removed whatever happens.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import math
 import os
@@ -46,6 +46,7 @@ from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
 from .placement import (Placement, format_size, make_problem, model_costs, solve_placement,
                         tensor_nbytes)
+from .report import HELDOUT_FILE, SparseReport, calib_source_string, resolve_calib  # noqa: F401 (HELDOUT_FILE: the tools')
 from .predictor import LayerPredictor, PredictorConfig, evaluate, format_report, train_predictors
 from .gate_eval import GateEvaluator, layer_costs, patch_gate_thresholds, search_budget
 from .expert_sparsity import convert_sparse_experts
@@ -54,14 +55,12 @@ from .input_sparsity import (DEFAULT_INPUT_CRITERION, DEFAULT_INPUT_TOKENS, Inpu
                              input_kv)
 from .budget import INPUT_GRID, describe_time, over_budget, search_levels
 from .decode_cost import DecodeCost
+from .ffn_view import FFNView, ffn_view
 from .thresholds import (ALLOCATIONS, ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes,
                          greedy_allocation, uniform_allocation)
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
-#: File name of the held-out text that a model folder may ship (the default
-#: calibration text when --calib is not given).
-HELDOUT_FILE = "heldout.txt"
 #: The quality budget a gated non-ReLU model (SwiGLU, GeGLU) is calibrated to by default:
 #: the largest sparsity whose held-out perplexity stays within 2% of dense.
 DEFAULT_MAX_PPL_INCREASE = 0.02
@@ -199,40 +198,6 @@ class SparseOptions:
                 raise ConvertError(f"sparse options: {msg}")
 
 
-@dataclass
-class SparseReport:
-    """What the pipeline did (also printed stage by stage)."""
-    n_calib_tokens: int = 0
-    calib_source: str = ""
-    density: list = field(default_factory=list)
-    predictors: list = field(default_factory=list)   # LayerPredictor (weights dropped)
-    stored_recall: list = field(default_factory=list)  # recall/precision with the stored (encoded) weights
-    pred_bytes: list = field(default_factory=list)
-    ffn_bytes: list = field(default_factory=list)
-    placement: Placement | None = None
-    seconds: dict = field(default_factory=dict)
-    gate_thresholds: list = field(default_factory=list)  # gate mode: per layer t
-    gate_density: list = field(default_factory=list)     # and the share of neurons above it
-    gate_sparsity: float | None = None                   # gate mode: the mean sparsity calibrated
-    gate_layer_sparsity: list = field(default_factory=list)  # per layer (the allocation)
-    gate_allocation: str = ""
-    gate_costs: Any = None            # greedy: [n_layer, len(ALLOCATION_GRID)] measured KL
-    gate_table: Any = None            # keep_calibration: the thresholds.QuantileTable
-    budget_tried: list = field(default_factory=list)     # quality budget: (sparsity, measurement)
-    budget_result: dict | None = None  # the chosen level's held-out measurement
-    n_gate_fit: int = 0               # profiled tokens the thresholds were calibrated on
-    input_calibration: Any = None     # input sparsity: input_sparsity.InputCalibration (None: off,
-                                      # or "auto" chose 0)
-    input_tried: list = field(default_factory=list)  # quality budget with input sparsity:
-                                      # budget.Candidate of every combination measured
-    expert_predictor_recall: list = field(default_factory=list)  # per layer: the experts'
-                                      # predictors' recall and predicted density on held-out
-                                      # tokens, (recall, density, true density)
-    expert_holdout_sparsity: list = field(default_factory=list)  # sparse experts: per layer the
-                                      # share of selected experts' neurons below their thresholds
-                                      # on the held-out tokens (expert_sparsity.py)
-
-
 #: Storage types a predictor may be asked for (None: follow the model's type).
 PREDICTOR_TYPES = (None, "f32", "f16", "q8_0", "q4_0")
 
@@ -248,32 +213,6 @@ def predictor_qtype(outtype: str, row_len: int, want: str | None = None):
     if want in ("f32", "f16"):
         return Q.F32 if want == "f32" else Q.F16
     return (Q.Q8_0 if want == "q8_0" else Q.Q4_0) if row_len % F.QUANT_BLOCK == 0 else Q.F16
-
-
-def calib_source_string(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return f"{os.path.basename(path)} sha256:{h.hexdigest()[:16]}"
-
-
-def resolve_calib(hf_dir: str, calib: str | None, why: str = "sparse conversion") -> str:
-    """The calibration text file: ``calib``, or the folder's heldout.txt."""
-    if calib is None and not hf_dir:
-        raise ConvertError(f"{why} needs calibration text: pass --calib FILE (plain text in the model's "
-                           "language and domain, a few thousand tokens or more)")
-    if calib is None:
-        cand = os.path.join(hf_dir, HELDOUT_FILE)
-        if not os.path.isfile(cand):
-            raise ConvertError(
-                f"{why} needs calibration text: pass --calib FILE (plain text in the model's "
-                f"language and domain, a few thousand tokens or more); {hf_dir} ships no {HELDOUT_FILE}. "
-                "Or convert densely with --dense")
-        return cand
-    if not os.path.isfile(calib):
-        raise ConvertError(f"calibration text not found: {calib}")
-    return calib
 
 
 def gpu_index_kv(pl: Placement, group_size: int, ctx: int) -> list[tuple[str, Any, Any]]:
@@ -349,15 +288,19 @@ class _Run:
     def n_layer(self) -> int:
         return self.dense.n_layer
 
+    def ffn(self, l: int) -> FFNView:
+        """Layer l's FFN in the dense file's layout (ffn_view.py)."""
+        def rows(name):
+            t = self.dense_t.get(name)
+            return None if t is None else int(t.shape[-1])  # GGUF's ne[1]: the rows
+        return ffn_view(rows, l, self.dense.n_ff)
+
     def gate_matrix(self, l: int) -> np.ndarray:
-        """The gate rows as the runtime reads them: ffn_gate, or the first n_ff rows of a
-        fused gate/up ffn_up (phi3)."""
-        n_ff, d = self.dense.n_ff, self.dense.n_embd
-        t = self.dense_t.get(F.tensor_name(F.T_FFN_GATE, l))
-        if t is not None:
-            return decode_matrix(np.asarray(t.data), t.tensor_type, (n_ff, d))
-        t = self.dense_t[F.tensor_name(F.T_FFN_UP, l)]
-        return decode_matrix(np.asarray(t.data), t.tensor_type, (2 * n_ff, d))[:n_ff]
+        """The gate rows as the runtime reads them (float32 [n_ff, n_embd])."""
+        g = self.ffn(l).gate
+        t = self.dense_t[g.tensor]
+        w = decode_matrix(np.asarray(t.data), t.tensor_type, (g.total, self.dense.n_embd))
+        return w if g.whole else w[g.start:g.stop]
 
     def gate_thr(self, g):
         """The per-layer gate thresholds at mean sparsity g (None: predictors)."""
@@ -492,7 +435,7 @@ def _profile(run: _Run) -> None:
     if prof.n_tokens < 16:
         raise ConvertError(f"calibration text {run.calib} gave only {prof.n_tokens} tokens; need at least 16")
     run.say(f"[2/5] profile: {prof.summary()} ({rep.seconds['profile']:.1f} s)")
-    run.in_src = InputSources(run.dense.jobs, run.n_layer) if run.in_req else None
+    run.in_src = InputSources(run.dense.jobs, run.n_layer, run.dense.n_ff) if run.in_req else None
     run.n_hold = prof.n_tokens - max(1, int(round(prof.n_tokens * GATE_HOLDOUT)))  # a budget's held-out start
     if run.in_budget is not None and prof.n_tokens - run.n_hold < 16:
         raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last "
@@ -546,7 +489,6 @@ def _fit_ffn(run: _Run) -> None:
     rep.seconds["predictors"] = time.perf_counter() - run.t_fit
 
     # storage types and what the stored (encoded) predictors actually achieve
-    ffn_kinds = (F.T_FFN_GATE, F.T_FFN_UP, F.T_FFN_DOWN) if dense.gated else (F.T_FFN_UP, F.T_FFN_DOWN)
     for l, p in enumerate(preds):
         q1, q2 = predictor_qtype(dense.outtype, d, opts.predictor_type), predictor_qtype(dense.outtype, p.h, opts.predictor_type)
         e1, e2 = encode_matrix(p.w1, q1), encode_matrix(p.w2, q2)
@@ -556,10 +498,8 @@ def _fit_ffn(run: _Run) -> None:
         rep.stored_recall.append((rec, prec, dens))
         run.pred_enc.append((q1, e1, q2, e2))
         rep.pred_bytes.append(int(e1.nbytes + e2.nbytes))
-        ffn = sum(int(dense_t[n].n_bytes) for n in (F.tensor_name(k, l) for k in ffn_kinds)
-                  if n in dense_t) + (0 if F.tensor_name(F.T_FFN_DOWN, l) in dense_t else int(
-                      dense_t[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)].n_bytes))
-        rep.ffn_bytes.append(ffn)
+        v = run.ffn(l)
+        rep.ffn_bytes.append(sum(int(dense_t[n].n_bytes) for n in v.inputs + (v.down,)))
     run.say(f"[3/5] predictors trained ({rep.seconds['predictors']:.1f} s); held-out recall of the stored "
             f"({gguf.GGMLQuantizationType(run.pred_enc[0][0]).name}) weights:\n"
             + format_report([_with_stored(p, s) for p, s in zip(preds, rep.stored_recall)],

@@ -34,6 +34,7 @@ from gguf import GGML_QUANT_SIZES
 
 from .. import format as F
 from ..sizes import format_size, parse_size  # noqa: F401 (re-exported for the sparse modules)
+from .ffn_view import ATTN_KINDS, ffn_view
 
 __all__ = ["DenseItem", "PlacementProblem", "Placement", "parse_size", "format_size",
            "make_problem", "greedy_placement", "ilp_placement", "solve_placement"]
@@ -328,17 +329,16 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
     """From ``{name: (qtype, numpy shape)}`` of a sparse model: (dense items in
     priority order, per-layer bytes of one neuron on the GPU).
 
-    A neuron costs its rows of ffn_gate (gated FFNs only), ffn_up and ffn_down_t plus
-    4 bytes of bucket index. Attention is every attn_* projection of a layer (separate or
-    fused QKV, biases included); norms are every norm and the FFN biases. The KV cache
-    costs 2 · n_layer · ctx · n_embd_kv elements (the runtime's default cache is f16:
+    A neuron costs its gate and up rows (ungated FFNs: up's alone; in the file's layout,
+    ffn_view.py), its ffn_down_t row and 4 bytes of bucket index. Attention is every attn_*
+    projection of a layer (separate or fused QKV, biases included); norms are every norm and
+    the FFN biases. The KV cache costs 2 · n_layer · ctx · n_embd_kv elements (the runtime's default cache is f16:
     ``kv_bytes_per_elem`` = 2).
     """
     def nb(name):
         q, s = tensors[name]
         return tensor_nbytes(q, s)
 
-    attn_kinds = {F.T_ATTN_QKV, F.T_ATTN_Q, F.T_ATTN_K, F.T_ATTN_V, F.T_ATTN_OUTPUT}
     norm_kinds = {F.T_ATTN_NORM, F.T_ATTN_NORM_2, F.T_FFN_NORM, F.T_ATTN_Q_NORM, F.T_ATTN_K_NORM,
                   F.T_POST_ATTN_NORM, F.T_POST_FFW_NORM}
     layer_att, layer_small = [0] * n_layer, [0] * n_layer
@@ -346,7 +346,7 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
         kind, il, suffix = F.parse_tensor_name(name)
         if il is None or il >= n_layer:
             continue
-        if kind in attn_kinds:
+        if kind in ATTN_KINDS:
             layer_att[il] += nb(name)
         elif kind in norm_kinds or (kind in (F.T_FFN_UP, F.T_FFN_DOWN) and suffix == "bias"):
             layer_small[il] += nb(name)
@@ -366,14 +366,15 @@ def model_costs(tensors: dict, n_layer: int, n_embd_kv: int, ctx: int,
     dense.append(DenseItem("output", "output head", nb(head if head in tensors else F.tensor_name(F.T_TOKEN_EMBD))))
     for l in range(n_layer):
         dense.append(DenseItem("kv_cache", f"blk.{l}.kv_cache", 2 * ctx * n_embd_kv * kv_bytes_per_elem))
+    def rows(name):
+        return tensors[name][1][0] if name in tensors else None
+
     per_neuron = []
     for l in range(n_layer):
         b = 4
         n_ff = tensors[F.sparse_tensor_name(F.T_FFN_DOWN_T, l)][1][0]
-        for name in (F.tensor_name(F.T_FFN_GATE, l), F.tensor_name(F.T_FFN_UP, l),
-                     F.sparse_tensor_name(F.T_FFN_DOWN_T, l)):
-            if name not in tensors and name == F.tensor_name(F.T_FFN_GATE, l):
-                continue  # an ungated FFN, or gate fused into ffn_up (phi3: 2 rows a neuron)
+        v = ffn_view(rows, l, n_ff)
+        for name in v.inputs + (v.down,):  # its gate and up rows (in any layout), its down_t row
             q, s = tensors[name]
             b += tensor_nbytes(q, s) // n_ff
         per_neuron.append(b)

@@ -79,36 +79,43 @@ AVX2_INLINE __m256 ld8_bf16(const void * p, int64_t i) {
     const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) ((const uint16_t *) p + i)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
-AVX2_INLINE float ld1(int kind, const void * p, int64_t i) {
-    switch (kind) {
-        case GH_TYPE_F16:  return gh_fp16_to_fp32(((const uint16_t *) p)[i]);
-        case GH_TYPE_BF16: return gh_bf16_to_fp32(((const uint16_t *) p)[i]);
-        default:           return ((const float *) p)[i];
-    }
-}
+AVX2_INLINE float ld1_f32(const void * p, int64_t i) { return ((const float *) p)[i]; }
+AVX2_INLINE float ld1_f16(const void * p, int64_t i) { return gh_fp16_to_fp32(((const uint16_t *) p)[i]); }
+AVX2_INLINE float ld1_bf16(const void * p, int64_t i) { return gh_bf16_to_fp32(((const uint16_t *) p)[i]); }
 
-AVX2_INLINE void axpy4_float_avx2(const int kind, int64_t n, const float * s, const void * const * row,
-                                  const void * const * pf, float * restrict y) {
-    const size_t wsz = kind == GH_TYPE_F32 ? 4 : 2;
-    const __m256 vs[4] = { _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]), _mm256_set1_ps(s[2]),
-                           _mm256_set1_ps(s[3]) };
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        if (pf && ((i * wsz) & 63) == 0) {
-            for (int k = 0; k < 4; k++) _mm_prefetch((const char *) pf[k] + i * wsz, _MM_HINT_T1);
-        }
-        __m256 acc = _mm256_loadu_ps(y + i);
-        for (int k = 0; k < 4; k++) {
-            const __m256 w = kind == GH_TYPE_F16 ? ld8_f16(row[k], i)
-                           : kind == GH_TYPE_BF16 ? ld8_bf16(row[k], i) : ld8_f32(row[k], i);
-            acc = _mm256_fmadd_ps(vs[k], w, acc);
-        }
-        _mm256_storeu_ps(y + i, acc);
+/* A float type's four-row forms from its row of loads (8 values, one value) and bytes per
+ * value, as the AVX-512 file's DEFINE_AXPY_FLOAT. */
+#define DEFINE_AXPY4_FLOAT_AVX2(name, LD8, LD1, WSZ)                                        \
+    AVX2_INLINE void name##_body(int64_t n, const float * s, const void * const * row,     \
+                                 const void * const * pf, float * restrict y) {             \
+        const __m256 vs[4] = { _mm256_set1_ps(s[0]), _mm256_set1_ps(s[1]), _mm256_set1_ps(s[2]), \
+                               _mm256_set1_ps(s[3]) };                                     \
+        const size_t wsz = (WSZ);                                                           \
+        int64_t i = 0;                                                                      \
+        for (; i + 8 <= n; i += 8) {                                                        \
+            if (pf && ((i * wsz) & 63) == 0) {                                              \
+                for (int k = 0; k < 4; k++) _mm_prefetch((const char *) pf[k] + i * wsz, _MM_HINT_T1); \
+            }                                                                               \
+            __m256 acc = _mm256_loadu_ps(y + i);                                            \
+            for (int k = 0; k < 4; k++) acc = _mm256_fmadd_ps(vs[k], LD8(row[k], i), acc);  \
+            _mm256_storeu_ps(y + i, acc);                                                   \
+        }                                                                                   \
+        for (; i < n; i++) {                                                                \
+            for (int k = 0; k < 4; k++) y[i] += s[k] * LD1(row[k], i);                      \
+        }                                                                                   \
+    }                                                                                       \
+    AVX2_FN static void name(int64_t n, const float * s, const void * const * row,         \
+                             float * restrict y) {                                         \
+        name##_body(n, s, row, NULL, y);                                                    \
+    }                                                                                       \
+    AVX2_FN static void name##pf(int64_t n, const float * s, const void * const * row,     \
+                                 const void * const * pf, float * restrict y) {             \
+        name##_body(n, s, row, pf, y);                                                      \
     }
-    for (; i < n; i++) {
-        for (int k = 0; k < 4; k++) y[i] += s[k] * ld1(kind, row[k], i);
-    }
-}
+
+DEFINE_AXPY4_FLOAT_AVX2(axpy4_f32_avx2, ld8_f32, ld1_f32, 4)
+DEFINE_AXPY4_FLOAT_AVX2(axpy4_f16_avx2, ld8_f16, ld1_f16, 2)
+DEFINE_AXPY4_FLOAT_AVX2(axpy4_bf16_avx2, ld8_bf16, ld1_bf16, 2)
 
 /* Block i's four scales times s, ds[k] = s[k] * d_k: one conversion for the four rows (the
  * products are the scalar s[k] * fp16_to_fp32(d) exactly). */
@@ -119,27 +126,39 @@ AVX2_INLINE void block_scales4(const float * s, uint16_t d0, uint16_t d1, uint16
     _mm_storeu_ps(ds, _mm_mul_ps(_mm_cvtph_ps(h), _mm_loadu_ps(s)));
 }
 
-/* The 32-value block types as `type` (a GH_TYPE_* constant at every call, so the branches
- * fold away and the Q8_0 and Q4_0 instances are the instructions they were before the
- * others came): Q8_0 { d, qs[32] }, Q4_0 { d, qs[16] }, Q4_1 { d, m, qs[16] },
- * Q5_0 { d, qh[4], qs[16] }, Q5_1 { d, m, qh[4], qs[16] }, IQ4_NL { d, qs[16] },
- * MXFP4 { e, qs[16] } (the scale 2^(e - 128), every other scale an fp16 d at byte 0). */
-AVX2_INLINE size_t b32_bytes(const int type) {
-    switch (type) {
-        case GH_TYPE_Q4_0:   return sizeof(block_q4_0);
-        case GH_TYPE_Q4_1:   return sizeof(block_q4_1);
-        case GH_TYPE_Q5_0:   return sizeof(block_q5_0);
-        case GH_TYPE_Q5_1:   return sizeof(block_q5_1);
-        case GH_TYPE_IQ4_NL: return sizeof(block_iq4_nl);
-        case GH_TYPE_MXFP4:  return sizeof(block_mxfp4);
-        default:             return sizeof(block_q8_0);
-    }
-}
-/* IQ4_NL, MXFP4: every value a level of a 16-entry int8 table */
-AVX2_INLINE bool b32_is_iq(const int type) { return type == GH_TYPE_IQ4_NL || type == GH_TYPE_MXFP4; }
+/* The 32-value block types' layouts, a row each: Q8_0 { d, qs[32] }, Q4_0 { d, qs[16] },
+ * Q4_1 { d, m, qs[16] }, Q5_0 { d, qh[4], qs[16] }, Q5_1 { d, m, qh[4], qs[16] },
+ * IQ4_NL { d, qs[16] }, MXFP4 { e, qs[16] } (the scale 2^(e - 128), every other scale an
+ * fp16 d at byte 0). The bodies below take the type as a GH_TYPE_* constant at every call,
+ * so its row's fields fold to constants and the branches away (the Q8_0 and Q4_0 instances
+ * are the instructions they were before the others came). */
+typedef struct {
+    size_t bytes;           /* a block's */
+    size_t qs, qh;          /* where its quants are, and (bits 5) the words of fifth bits */
+    int bits;               /* 8: int8 quants; 4: nibbles (Q4_0: less 8); 5: nibbles and a qh bit */
+    bool min;               /* x = d q + m, m the fp16 word after d (Q4_1, Q5_1) */
+    bool e8m0;              /* the scale an E8M0 exponent (MXFP4), else an fp16 d */
+    bool mid;               /* prefetch_blocks4 adds the middle lines (all but Q4_0: the IQ kinds'
+                             * 68..72 bytes of four blocks may span three lines too) */
+    const int8_t * levels;  /* IQ4_NL, MXFP4: every value a level of this 16-entry table */
+} b32_layout;
+
+static const b32_layout b32_rows[GH_TYPE_COUNT] = {
+    [GH_TYPE_Q8_0]   = { sizeof(block_q8_0), offsetof(block_q8_0, qs), 0, 8, false, false, true, NULL },
+    [GH_TYPE_Q4_0]   = { sizeof(block_q4_0), offsetof(block_q4_0, qs), 0, 4, false, false, false, NULL },
+    [GH_TYPE_Q4_1]   = { sizeof(block_q4_1), offsetof(block_q4_1, qs), 0, 4, true, false, true, NULL },
+    [GH_TYPE_Q5_0]   = { sizeof(block_q5_0), offsetof(block_q5_0, qs), offsetof(block_q5_0, qh), 5, false, false,
+                         true, NULL },
+    [GH_TYPE_Q5_1]   = { sizeof(block_q5_1), offsetof(block_q5_1, qs), offsetof(block_q5_1, qh), 5, true, false,
+                         true, NULL },
+    [GH_TYPE_IQ4_NL] = { sizeof(block_iq4_nl), offsetof(block_iq4_nl, qs), 0, 4, false, false, true,
+                         gh_kvalues_iq4nl },
+    [GH_TYPE_MXFP4]  = { sizeof(block_mxfp4), offsetof(block_mxfp4, qs), 0, 4, false, true, true, gh_kvalues_mxfp4 },
+};
+
 /* The scale of the block at b. */
 AVX2_INLINE float b32_scale(const int type, const uint8_t * b) {
-    if (type == GH_TYPE_MXFP4) return gh_e8m0_to_fp32_half(b[0]);
+    if (b32_rows[type].e8m0) return gh_e8m0_to_fp32_half(b[0]);
     uint16_t d;
     memcpy(&d, b, 2);
     return _cvtsh_ss(d);
@@ -157,8 +176,6 @@ AVX2_INLINE void iq4_levels_i32(__m128i table, const uint8_t * qs, __m256i v[4])
     v[2] = _mm256_cvtepi8_epi32(hi);
     v[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8));
 }
-/* Q4_1 and Q5_1: x = d q + m, m the fp16 word after d */
-AVX2_INLINE bool b32_has_min(const int type) { return type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_1; }
 GH_STATIC_ASSERT(offsetof(block_q4_1, m) == 2 && offsetof(block_q5_1, m) == 2, "min after d");
 
 /* Every fourth block prefetches those four blocks' bytes of the pf rows: their first and
@@ -180,13 +197,13 @@ AVX2_INLINE void prefetch_blocks4(const void * const * pf, int64_t i, size_t bs,
  * 8..15 widened once each give values 0..15 (low nibbles) and 16..31 (high nibbles); Q5's
  * fifth bit of value 8j + l is bit 8j + l of the qh word, picked per lane by a mask. */
 AVX2_INLINE void block_i32(const int type, const uint8_t * b, __m256i v[4]) {
-    if (b32_is_iq(type)) { /* the levels, looked up (qs: the block's last 16 bytes) */
-        const int8_t * k = type == GH_TYPE_MXFP4 ? gh_kvalues_mxfp4 : gh_kvalues_iq4nl;
-        iq4_levels_i32(_mm_loadu_si128((const __m128i *) k), b + b32_bytes(type) - 16, v);
-    } else if (type == GH_TYPE_Q8_0) {
+    const b32_layout L = b32_rows[type];
+    if (L.levels) { /* the levels, looked up */
+        iq4_levels_i32(_mm_loadu_si128((const __m128i *) L.levels), b + L.qs, v);
+    } else if (L.bits == 8) {
         for (int j = 0; j < 4; j++) v[j] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (b + 2 + 8 * j)));
-    } else if (type == GH_TYPE_Q4_0) {
-        const uint8_t * qs = b + 2;
+    } else if (L.bits == 4 && !L.min) {
+        const uint8_t * qs = b + L.qs;
         const __m256i m4 = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
         const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs));
         const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8)));
@@ -195,9 +212,7 @@ AVX2_INLINE void block_i32(const int type, const uint8_t * b, __m256i v[4]) {
         v[2] = _mm256_sub_epi32(_mm256_srli_epi32(b0, 4), eight);
         v[3] = _mm256_sub_epi32(_mm256_srli_epi32(b1, 4), eight);
     } else {
-        const size_t qs_off = type == GH_TYPE_Q4_1 ? offsetof(block_q4_1, qs)
-                            : type == GH_TYPE_Q5_0 ? offsetof(block_q5_0, qs) : offsetof(block_q5_1, qs);
-        const uint8_t * qs = b + qs_off;
+        const uint8_t * qs = b + L.qs;
         const __m256i m4 = _mm256_set1_epi32(0x0f);
         const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) qs));
         const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (qs + 8)));
@@ -205,15 +220,15 @@ AVX2_INLINE void block_i32(const int type, const uint8_t * b, __m256i v[4]) {
         v[1] = _mm256_and_si256(b1, m4);
         v[2] = _mm256_srli_epi32(b0, 4);
         v[3] = _mm256_srli_epi32(b1, 4);
-        if (type != GH_TYPE_Q4_1) {
+        if (L.bits == 5) {
             uint32_t h;
-            memcpy(&h, b + (type == GH_TYPE_Q5_0 ? offsetof(block_q5_0, qh) : offsetof(block_q5_1, qh)), 4);
+            memcpy(&h, b + L.qh, 4);
             const __m256i hv = _mm256_set1_epi32((int) h);
             const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
             for (int j = 0; j < 4; j++) {
                 const __m256i bit = _mm256_slli_epi32(lane, 8 * j); /* a constant */
                 const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(hv, bit), bit);
-                v[j] = type == GH_TYPE_Q5_1 ? _mm256_or_si256(v[j], _mm256_and_si256(set, _mm256_set1_epi32(16)))
+                v[j] = L.min ? _mm256_or_si256(v[j], _mm256_and_si256(set, _mm256_set1_epi32(16)))
                                             /* Q5_0: q - 16 = nibble - 16 where the bit is clear */
                                             : _mm256_add_epi32(v[j], _mm256_andnot_si256(set, _mm256_set1_epi32(-16)));
             }
@@ -223,13 +238,13 @@ AVX2_INLINE void block_i32(const int type, const uint8_t * b, __m256i v[4]) {
 
 /* One row: y[0..32) += s * d * (a block's values) (+ s * m for Q4_1, Q5_1), per block. */
 AVX2_INLINE void axpy_quant_avx2(const int type, int64_t n, float s, const void * row, float * restrict y) {
-    const size_t bs = b32_bytes(type);
+    const size_t bs = b32_rows[type].bytes;
     const uint8_t * b = row;
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
         const __m256 ds = _mm256_set1_ps(s * b32_scale(type, b + i * bs));
         __m256i v[4];
         block_i32(type, b + i * bs, v);
-        if (b32_has_min(type)) {
+        if (b32_rows[type].min) {
             uint16_t m;
             memcpy(&m, b + i * bs + 2, 2);
             const __m256 ms = _mm256_set1_ps(s * _cvtsh_ss(m));
@@ -262,15 +277,13 @@ DEFINE_AXPY_B32_AVX2(axpy_mxfp4_avx2, GH_TYPE_MXFP4)
  * adds s_k d_k q_k for k = 0..3. */
 AVX2_INLINE void axpy4_quant_avx2(const int type, int64_t n, const float * s, const void * const * row,
                                   const void * const * pf, float * restrict y) {
-    const size_t bs = b32_bytes(type);
-    /* (the IQ kinds' 68..72 bytes may span three lines too) */
-    const bool mid = type == GH_TYPE_Q8_0 || type == GH_TYPE_Q4_1 || type == GH_TYPE_Q5_0 ||
-                     type == GH_TYPE_Q5_1 || b32_is_iq(type);
+    const size_t bs = b32_rows[type].bytes;
+    const bool mid = b32_rows[type].mid;
     const uint8_t * b[4] = { row[0], row[1], row[2], row[3] };
     for (int64_t i = 0; i < n / 32; i++, y += 32) {
         if (pf && (i & 3) == 0) prefetch_blocks4(pf, i, bs, mid);
         float ds[4];
-        if (type == GH_TYPE_MXFP4) {
+        if (b32_rows[type].e8m0) {
             for (int k = 0; k < 4; k++) ds[k] = s[k] * b32_scale(type, b[k] + i * bs);
         } else {
             uint16_t d[4];
@@ -279,7 +292,7 @@ AVX2_INLINE void axpy4_quant_avx2(const int type, int64_t n, const float * s, co
         }
         __m256 acc[4] = { _mm256_loadu_ps(y), _mm256_loadu_ps(y + 8), _mm256_loadu_ps(y + 16),
                           _mm256_loadu_ps(y + 24) };
-        if (b32_has_min(type)) {
+        if (b32_rows[type].min) {
             uint16_t m[4];
             for (int k = 0; k < 4; k++) memcpy(&m[k], b[k] + i * bs + 2, 2);
             float ms[4];
@@ -307,9 +320,6 @@ AVX2_INLINE void axpy4_quant_avx2(const int type, int64_t n, const float * s, co
         BODY(ARG, n, s, row, pf, y);                                                        \
     }
 
-DEFINE_AXPY4_AVX2(axpy4_f32_avx2, axpy4_float_avx2, GH_TYPE_F32)
-DEFINE_AXPY4_AVX2(axpy4_f16_avx2, axpy4_float_avx2, GH_TYPE_F16)
-DEFINE_AXPY4_AVX2(axpy4_bf16_avx2, axpy4_float_avx2, GH_TYPE_BF16)
 DEFINE_AXPY4_AVX2(axpy4_q8_0_avx2, axpy4_quant_avx2, GH_TYPE_Q8_0)
 DEFINE_AXPY4_AVX2(axpy4_q4_0_avx2, axpy4_quant_avx2, GH_TYPE_Q4_0)
 DEFINE_AXPY4_AVX2(axpy4_q4_1_avx2, axpy4_quant_avx2, GH_TYPE_Q4_1)

@@ -40,7 +40,9 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
  * are all the CPU's, with or without a device) each token's selected experts run through the
  * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
  * viewed as a layer): the strategy selects the expert's active
- * neurons, the executor reads their up rows and down_t rows only. */
-void gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
+ * neurons, the executor reads their up rows and down_t rows only. Returns a device error
+ * (of the router, the device's experts or the expert cache's refill), which ends the
+ * layer. */
+gh_status gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
 
 #endif

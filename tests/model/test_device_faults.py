@@ -226,24 +226,32 @@ def moe(tmp_path_factory):
     with Model(path, device="host-device") as m:
         info = m.device_info()
         ids = [int(t) for t in np.random.default_rng(3).integers(3, m.n_vocab, size=6)]
+        c = m.create_context(n_ctx=64, n_threads=2, cache_type="f32")
+        c.eval(ids)
+        n_sel = int((c.expert_counts()[0] > 0).sum())  # layer 0's experts the prompt chose
     eb = info["experts"]["bytes"] // info["experts"]["device"]
-    return {"path": str(path), "ids": ids, "dense": info["dense_bytes"], "eb": eb}
+    return {"path": str(path), "ids": ids, "dense": info["dense_bytes"], "eb": eb, "n_sel": n_sel}
 
 
-# (placement, fault): the first token's layer 0 (q, k, v, o; then the router, synced:
-# the fifth matmul and the third sync; then the device experts' gate and up, synced)
+# (placement, fault given layer 0's n_sel chosen experts): the first call's layer 0 runs
+# q, k, v (synced), o (synced), the router (the fifth matmul, the third sync), each chosen
+# expert's gate and up (synced: the fourth), their down projections (synced: the fifth)
 MOE_FAULTS = {
-    "router": ("all", "matmul:5"),
-    "router-sync": ("all", "sync:3"),
-    "expert": ("all", "matmul:6"),
-    "expert-sync": ("all", "sync:4"),
-    "cache-refill": ("cache", "upload:1"),
+    "router": ("all", lambda n_sel: "matmul:5"),
+    "router-sync": ("all", lambda n_sel: "sync:3"),
+    "expert-gate": ("all", lambda n_sel: "matmul:6"),
+    "expert-up-last": ("all", lambda n_sel: f"matmul:{5 + 2 * n_sel}"),
+    "experts-sync": ("all", lambda n_sel: "sync:4"),
+    "expert-down": ("all", lambda n_sel: f"matmul:{5 + 2 * n_sel + 1}"),
+    "expert-down-sync": ("all", lambda n_sel: "sync:5"),
+    "cache-refill": ("cache", lambda n_sel: "upload:1"),
 }
 
 
 @pytest.mark.parametrize("point", list(MOE_FAULTS))
 def test_moe_fault(moe, monkeypatch, point):
-    which, fault = MOE_FAULTS[point]
+    which, spec = MOE_FAULTS[point]
+    fault = spec(moe["n_sel"])
     kw = {"all": {}, "cache": dict(vram_budget=moe["dense"] + 2 * moe["eb"],
                                    expert_cache=2 * moe["eb"])}[which]
     with Model(moe["path"], device="host-device", **kw) as m:

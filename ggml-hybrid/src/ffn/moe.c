@@ -387,15 +387,15 @@ static gh_status hybrid_experts(gh_context * c, int il, int32_t n, double * byte
                 st = gh_hybrid_matmul_async(c, &s->dev[e]->gate, xe, cnt, s->hgd + (int64_t) first * ff);
                 if (!st) st = gh_hybrid_matmul_async(c, &s->dev[e]->up, xe, cnt, s->hud + (int64_t) first * ff);
                 *bytes += (double) (M->gate_exps.rows * M->gate_exps.row_bytes +
-                                   M->up_exps.rows * M->up_exps.row_bytes +
-                                   M->down_exps.rows * M->down_exps.row_bytes);
+                                    M->up_exps.rows * M->up_exps.row_bytes +
+                                    M->down_exps.rows * M->down_exps.row_bytes);
                 s->runs_dev++;
             } else {
                 const gh_weight g = gh_expert(&M->gate_exps, e), u = gh_expert(&M->up_exps, e),
                                 dn = expert_down(M, e);
                 *bytes += run_expert(c, s, &g, &u, &dn, M->has_down_t, expert_bias(M->gate_exps_b, e, ff),
-                                    expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d),
-                                    xe, cnt, s->ye + (int64_t) first * d);
+                                     expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d),
+                                     xe, cnt, s->ye + (int64_t) first * d);
                 s->runs_cpu++;
             }
         }

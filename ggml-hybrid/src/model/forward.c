@@ -131,7 +131,7 @@ static gh_status project(gh_context * c, const proj_site * s, const float * x, i
         const int64_t in = s->t->rows;
         for (int32_t r = 0; r < n; r++) {
             *bytes += sparse_proj(c, s->t, s->thr, x + (int64_t) r * in, 1, c->in_qkv, s->t->cols,
-                                 s->head);
+                                  s->head);
             int64_t off = 0;
             for (int i = 0; i < s->k; i++) {
                 memcpy(s->y[i] + (int64_t) r * s->ld[i], c->in_qkv + off, (size_t) s->ld[i] * sizeof(float));

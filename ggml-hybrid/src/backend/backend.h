@@ -110,15 +110,19 @@ struct gh_stream {
 };
 
 /* host-device backend with `capacity` bytes of "device memory", reading the types with
- * reads[type] set (NULL: every type the runtime reads). */
-gh_status gh_backend_host_new(size_t capacity, const bool * reads, gh_backend ** out);
+ * reads[type] set (NULL: every type the runtime reads), failing the call fault names
+ * ("op:N": the N-th matmul, predict, hot_ffn, sync or upload, counted from its first
+ * stream on; NULL or "": none; for rehearsing the runtime's device error paths). */
+gh_status gh_backend_host_new(size_t capacity, const bool * reads, const char * fault,
+                              gh_backend ** out);
 /* CUDA backend on device `device` (cuda/backend_cuda.cu); without a CUDA build this
  * returns GH_ERR_UNSUPPORTED saying how to get one, and without a usable GPU
  * GH_ERR_UNSUPPORTED with the driver's reason. */
 gh_status gh_backend_cuda_new(int device, gh_backend ** out);
 /* By name: "host-device" (capacity: GH_HOST_DEVICE_MEM bytes from the environment, with
  * K/M/G suffixes, default 4 GiB; types: GH_HOST_DEVICE_TYPES, comma-separated names,
- * default every type the runtime reads) or "cuda" (device 0, or "cuda:N"). */
+ * default every type the runtime reads; an injected fault: GH_HOST_DEVICE_FAULT, op:N)
+ * or "cuda" (device 0, or "cuda:N"). */
 gh_status gh_backend_new(const char * name, gh_backend ** out);
 void gh_backend_free(gh_backend * b);
 /* GH_OK if b reads weights of type; else GH_ERR_UNSUPPORTED, the message naming the

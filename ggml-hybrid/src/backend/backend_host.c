@@ -7,17 +7,63 @@
 #include "cpu/ops.h"
 #include "types/types.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* The calls a fault can be injected into (GH_HOST_DEVICE_FAULT). */
+enum { F_MATMUL, F_PREDICT, F_HOT_FFN, F_SYNC, F_UPLOAD, F_COUNT, F_NONE = -1 };
+static const char * const fault_names[F_COUNT] = { "matmul", "predict", "hot_ffn", "sync", "upload" };
 
 typedef struct {
     gh_backend base;
     pthread_mutex_t mu;
     size_t capacity, used;
     bool reads[GH_TYPE_COUNT]; /* the types its ops read (GH_HOST_DEVICE_TYPES) */
+    /* the injected fault: call fault_at of fault_op fails; calls counted since the first
+     * stream (live) */
+    int fault_op;
+    long long fault_at;
+    atomic_llong calls;
+    atomic_bool live;
 } host_backend;
+
+/* The failure a device would report from this call, when it is the injected fault's:
+ * the fault's op, counted over every stream of the backend from its first stream on (a
+ * model's first context: a load's uploads are not counted, so "upload" is an expert
+ * cache refill). */
+static gh_status fault(host_backend * h, int op) {
+    if (op != h->fault_op || !atomic_load(&h->live)) return GH_OK;
+    const long long k = atomic_fetch_add(&h->calls, 1) + 1;
+    if (k != h->fault_at) return GH_OK;
+    return gh_fail(GH_ERR_UNSUPPORTED, "host-device: %s failed: injected fault "
+                   "(GH_HOST_DEVICE_FAULT=%s:%lld)", fault_names[op], fault_names[op], k);
+}
+
+/* GH_HOST_DEVICE_FAULT="op:N" (spec; NULL or empty: none) into h. */
+static gh_status parse_fault(const char * spec, host_backend * h) {
+    h->fault_op = F_NONE;
+    if (!spec || !*spec) return GH_OK;
+    const char * colon = strchr(spec, ':');
+    for (int i = 0; i < F_COUNT && colon; i++) {
+        const size_t len = strlen(fault_names[i]);
+        if ((size_t) (colon - spec) == len && strncmp(spec, fault_names[i], len) == 0) h->fault_op = i;
+    }
+    char * end = NULL;
+    errno = 0;
+    const long long at = colon ? strtoll(colon + 1, &end, 10) : 0;
+    if (h->fault_op == F_NONE || end == colon + 1 || *end || errno || at < 1) {
+        h->fault_op = F_NONE;
+        return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_FAULT='%s': expected OP:N, OP one of "
+                       "matmul, predict, hot_ffn, sync, upload and N >= 1 (the call that fails)",
+                       spec);
+    }
+    h->fault_at = at;
+    return GH_OK;
+}
 
 static bool hb_reads_type(const gh_backend * b, int type) {
     const host_backend * h = (const host_backend *) b;
@@ -81,6 +127,8 @@ static void hb_free(gh_backend * b, void * ptr) {
 }
 
 static gh_status hb_upload(gh_backend * b, void * dst, const void * src, size_t bytes) {
+    const gh_status f = fault((host_backend *) b, F_UPLOAD);
+    if (f) return f;
     memcpy(dst, src, bytes);
     return GH_OK;
 }
@@ -263,6 +311,7 @@ static gh_status hs_new(gh_backend * b, const gh_stream_params * p, gh_stream **
         return gh_fail(GH_ERR_OOM, "host-device: cannot start the device thread");
     }
     *out = &s->base;
+    atomic_store(&((host_backend *) b)->live, true);
     return GH_OK;
 }
 
@@ -297,6 +346,10 @@ static gh_status hs_check_type(const host_stream * s, const char * what, int typ
     return gh_backend_check_type(s->base.backend, "host-device", what, type, NULL);
 }
 
+static gh_status hs_fault(const host_stream * s, int op) {
+    return fault((host_backend *) s->base.backend, op);
+}
+
 static gh_status hs_matmul(gh_stream * st, const gh_dweight * w, const float * x, int64_t n,
                            float * y) {
     host_stream * s = (host_stream *) st;
@@ -306,6 +359,7 @@ static gh_status hs_matmul(gh_stream * st, const gh_dweight * w, const float * x
         return gh_fail(GH_ERR_INVALID_ARG, "host-device matmul: %lld x %lld outputs exceed the "
                        "stream's %lld", (long long) n, (long long) w->rows, (long long) s->p.max_out);
     }
+    if ((ts = hs_fault(s, F_MATMUL))) return ts;
     host_op o = { .op = OP_MATMUL, .w = w, .n = n, .y = y };
     return enqueue(s, &o, x, n * w->cols, NULL, NULL, 0);
 }
@@ -322,6 +376,7 @@ static gh_status hs_predict(gh_stream * st, const gh_dweight * fc1, const gh_dwe
         return gh_fail(GH_ERR_INVALID_ARG, "host-device predict: bad shapes (h %lld, n_ff %lld)",
                        (long long) fc1->rows, (long long) fc2->rows);
     }
+    if ((ts = hs_fault(s, F_PREDICT))) return ts;
     host_op o = { .op = OP_PREDICT, .w = fc1, .w2 = fc2, .y = score };
     return enqueue(s, &o, x, fc1->cols, NULL, NULL, 0);
 }
@@ -342,6 +397,7 @@ static gh_status hs_hot_ffn(gh_stream * st, const gh_dffn * f, const float * x,
                            rows[k], (long long) f->n_hot);
         }
     }
+    if ((ts = hs_fault(s, F_HOT_FFN))) return ts;
     host_op o = { .op = OP_HOT_FFN, .f = f, .n = n_rows, .y = y, .n_nonzero = n_nonzero,
                   .given_g = g != NULL };
     return enqueue(s, &o, x, f->gate.cols, rows, g, n_rows);
@@ -354,7 +410,8 @@ static gh_status hs_sync(gh_stream * st, double * device_seconds) {
     if (device_seconds) *device_seconds = s->busy;
     s->busy = 0.0;
     pthread_mutex_unlock(&s->mu);
-    return GH_OK;
+    /* an injected fault surfaces after the work is done, as a device's error at its sync */
+    return hs_fault(s, F_SYNC);
 }
 
 static const gh_backend_ops host_ops = {
@@ -373,10 +430,16 @@ static const gh_backend_ops host_ops = {
     .sync = hs_sync,
 };
 
-gh_status gh_backend_host_new(size_t capacity, const bool * reads, gh_backend ** out) {
+gh_status gh_backend_host_new(size_t capacity, const bool * reads, const char * fault_spec,
+                              gh_backend ** out) {
     *out = NULL;
     host_backend * h = calloc(1, sizeof *h);
     if (!h) return gh_fail(GH_ERR_OOM, "out of memory");
+    const gh_status st = parse_fault(fault_spec, h);
+    if (st) {
+        free(h);
+        return st;
+    }
     h->base.ops = &host_ops;
     h->capacity = capacity;
     /* the reference math reads what the runtime's type table dequantizes */

@@ -666,29 +666,28 @@ gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
     return m->hy->b->ops->stream_new(m->hy->b, &p, out);
 }
 
-void gh_hybrid_matmul_async(gh_context * c, const gh_dweight * w, const float * x, int64_t n,
-                            float * y) {
+gh_status gh_hybrid_matmul_async(gh_context * c, const gh_dweight * w, const float * x, int64_t n,
+                                 float * y) {
     const gh_backend_ops * ops = c->model->hy->b->ops;
-    for (int64_t t0 = 0; t0 < n && !c->dev_status; t0 += GH_DEVICE_CHUNK) {
+    gh_status st = GH_OK;
+    for (int64_t t0 = 0; t0 < n && !st; t0 += GH_DEVICE_CHUNK) {
         const int64_t nt = GH_MIN((int64_t) GH_DEVICE_CHUNK, n - t0);
-        gh_status st = ops->matmul(c->stream, w, x + t0 * w->cols, nt, y + t0 * w->rows);
+        st = ops->matmul(c->stream, w, x + t0 * w->cols, nt, y + t0 * w->rows);
         const gh_tap_ev ev = { .point = GH_TAP_DEVICE, .il = -1, .up = (double) nt * w->cols * 4,
                                .down = (double) nt * w->rows * 4,
                                .bytes = (double) w->rows * w->row_bytes };
         gh_tap_emit(&c->tap, &ev);
-        if (st) c->dev_status = st;
     }
-    /* on an error gh_eval reports it; leave no uninitialised values behind */
-    if (c->dev_status) memset(y, 0, (size_t) (n * w->rows) * sizeof(float));
+    return st;
 }
 
-void gh_hybrid_sync(gh_context * c) {
+gh_status gh_hybrid_sync(gh_context * c, gh_status st) {
     const double tw = gh_now();
     double dev = 0.0;
-    gh_status st = c->model->hy->b->ops->sync(c->stream, &dev);
+    const gh_status ss = c->model->hy->b->ops->sync(c->stream, &dev);
     const gh_tap_ev ev = { .point = GH_TAP_DEVICE, .il = -1, .seconds = dev, .wait = gh_now() - tw };
     gh_tap_emit(&c->tap, &ev);
-    if (st && !c->dev_status) c->dev_status = st;
+    return st ? st : ss;
 }
 
 gh_status gh_model_expert_placement(const gh_model * m, int8_t * where, int64_t n) {

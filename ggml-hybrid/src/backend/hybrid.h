@@ -74,11 +74,15 @@ gh_status gh_expert_upload(gh_backend * b, const gh_moe_layer * M, int32_t e, vo
 gh_status gh_hybrid_stream_new(const struct gh_model * m, gh_stream ** out);
 
 /* Enqueues y = W x for n tokens ([n][w->rows]) of a device weight (chunks of
- * GH_DEVICE_CHUNK tokens); y is ready after gh_hybrid_sync. Counts the stats; an error is
- * kept in c->dev_status (y is zeroed) for gh_eval to report. */
-void gh_hybrid_matmul_async(struct gh_context * c, const gh_dweight * w, const float * x,
-                            int64_t n, float * y);
-/* Waits for the context's device work (time and errors into the stats / dev_status). */
-void gh_hybrid_sync(struct gh_context * c);
+ * GH_DEVICE_CHUNK tokens); y is ready after gh_hybrid_sync. Counts the stats. Returns the
+ * first chunk's error (the later chunks are not enqueued); the caller still syncs, since
+ * the chunks before it may be running. */
+gh_status gh_hybrid_matmul_async(struct gh_context * c, const gh_dweight * w, const float * x,
+                                 int64_t n, float * y);
+/* Waits for the context's device work (its time into the stats), also after a failed
+ * enqueue, so that nothing still writes a host buffer once the caller returns. Returns st
+ * (the caller's error so far) if set, else the sync's: device errors reach gh_eval up the
+ * call chain. */
+gh_status gh_hybrid_sync(struct gh_context * c, gh_status st);
 
 #endif

@@ -101,7 +101,8 @@ gh_status gh_backend_new(const char * name, gh_backend ** out) {
         bool reads[GH_TYPE_COUNT], restricted;
         gh_status st = host_device_types(reads, &restricted);
         if (st) return st;
-        return gh_backend_host_new(cap, restricted ? reads : NULL, out);
+        return gh_backend_host_new(cap, restricted ? reads : NULL, getenv("GH_HOST_DEVICE_FAULT"),
+                                   out);
     }
     if (strncmp(name, "cuda", 4) == 0) {
         int dev = 0;

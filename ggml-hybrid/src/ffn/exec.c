@@ -152,20 +152,21 @@ bool gh_input_sparse_applies(const gh_context * c, int32_t n) {
 
 /* The dense gate by neuron id into s->g_dense (bias included): the device's hot rows
  * while the CPU does the cold ones, or the CPU's matmul over every row. Adds the weight
- * bytes read to *bytes. */
-static void dense_gate(gh_context * c, const gh_layer * L, const gh_dlayer * D, const float * x,
-                       double * bytes) {
+ * bytes read to *bytes; returns a device error. */
+static gh_status dense_gate(gh_context * c, const gh_layer * L, const gh_dlayer * D,
+                            const float * x, double * bytes) {
     gh_ffn_state * s = c->ffn;
     const int64_t ff = L->gate.rows;
     if (D && D->hot.n_hot > 0) {
         const int64_t nh = D->hot.n_hot;
-        gh_hybrid_matmul_async(c, &D->hot.gate, x, 1, s->g_hot);
+        gh_status st = gh_hybrid_matmul_async(c, &D->hot.gate, x, 1, s->g_hot);
         gh_list_rows_dot(c->tp, &L->gate, x, D->cold, D->n_cold, s->gc, s->sel.scratch);
         for (int64_t k = 0; k < D->n_cold; k++) {
             const int32_t i = D->cold[k];
             s->g_dense[i] = s->gc[k] + (L->gate_b ? L->gate_b[i] : 0.0f);
         }
-        gh_hybrid_sync(c);
+        st = gh_hybrid_sync(c, st);
+        if (st) return st;
         for (int64_t k = 0; k < nh; k++) {
             const int32_t i = D->bucket[k];
             s->g_dense[i] = s->g_hot[k] + (L->gate_b ? L->gate_b[i] : 0.0f);
@@ -173,11 +174,12 @@ static void dense_gate(gh_context * c, const gh_layer * L, const gh_dlayer * D, 
         *bytes += (double) D->n_cold * (double) L->gate.row_bytes;
         /* the device's rows: in its bytes (gh_hybrid_matmul_async), and the FFN's */
         *bytes += (double) nh * (double) D->hot.gate.row_bytes;
-        return;
+        return GH_OK;
     }
     gh_matmul(c->tp, &L->gate, x, 1, s->g_dense, ff, s->sel.scratch);
     if (L->gate_b) for (int64_t i = 0; i < ff; i++) s->g_dense[i] += L->gate_b[i];
     *bytes += (double) ff * (double) L->gate.row_bytes;
+    return GH_OK;
 }
 
 /* gate/up and down over the neurons ids[0..n) on the CPU (y overwritten), the gates from
@@ -217,13 +219,16 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
 }
 
 /* The list ids[0..n) computed into y (overwritten, down bias not added): the device
- * takes the neurons it holds, the CPU the rest, then sync and merge. Returns the weight
- * bytes read; *n_dev = the device's neurons. */
-static double execute(gh_context * c, const gh_layer * L, const gh_dlayer * D, const float * x,
-                      const float * gate_g, const int32_t * ids, int64_t n, float * y,
-                      int64_t * n_dev) {
+ * takes the neurons it holds, the CPU the rest, then sync and merge. Adds the weight
+ * bytes read to *bytes; *n_dev = the device's neurons; returns a device error. */
+static gh_status execute(gh_context * c, const gh_layer * L, const gh_dlayer * D,
+                         const float * x, const float * gate_g, const int32_t * ids, int64_t n,
+                         float * y, double * bytes, int64_t * n_dev) {
     *n_dev = 0;
-    if (!D || D->hot.n_hot == 0) return cpu_part(c, L, x, gate_g, ids, n, y);
+    if (!D || D->hot.n_hot == 0) {
+        *bytes += cpu_part(c, L, x, gate_g, ids, n, y);
+        return GH_OK;
+    }
     gh_ffn_state * s = c->ffn;
     int64_t n_hot = 0, n_cold = 0;
     for (int64_t k = 0; k < n; k++) {
@@ -243,7 +248,7 @@ static double execute(gh_context * c, const gh_layer * L, const gh_dlayer * D, c
                           s->y_dev, NULL);
     }
     const double tc = gh_now();
-    double bytes = cpu_part(c, L, x, gate_g, s->cold, n_cold, y);
+    *bytes += cpu_part(c, L, x, gate_g, s->cold, n_cold, y);
     const double tw = gh_now();
     gh_tap_ev ev = { .point = GH_TAP_DEVICE, .il = -1, .cpu = tw - tc };
     if (n_hot) {
@@ -256,16 +261,12 @@ static double execute(gh_context * c, const gh_layer * L, const gh_dlayer * D, c
         ev.up = (double) (L->gate.cols * 4 + n_hot * (gate_g ? 8 : 4));
         ev.down = (double) L->down_t.cols * 4;
         ev.bytes = rows_b;
-        bytes += rows_b;
-        if (st) {
-            c->dev_status = st;
-        } else {
-            for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += s->y_dev[j];
-        }
+        *bytes += rows_b;
+        if (!st) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += s->y_dev[j];
     }
     gh_tap_emit(&c->tap, &ev);
     *n_dev = n_hot;
-    return bytes;
+    return st;
 }
 
 /* The FFN with input sparsity on its inputs (input_ffn.h): gate and up through
@@ -290,31 +291,35 @@ static void input_sparse_ffn(gh_context * c, int il, const gh_layer * L, const f
 
 /* One token's FFN of the unit L (layer il's FFN, split with the device by D; or one of
  * its experts viewed as a layer, D NULL) in the context's mode: y = FFN(x), the down bias
- * added. Returns the weight bytes read; *n_active, *n_dev: the listed neurons, the
- * device's. A layer's call counts the FFN stage's time (a selection that reads weights of
- * its own times itself: the predictor's stage). */
-static double unit_ffn(gh_context * c, int il, const gh_layer * L, int32_t expert,
-                       const gh_dlayer * D, const float * x, const float * resid, float * y,
-                       int64_t * n_active, int64_t * n_dev) {
+ * added. Adds the weight bytes read to *bytes; *n_active, *n_dev: the listed neurons, the
+ * device's; returns a device error (of the gate, the selection or the split). A layer's
+ * call counts the FFN stage's time (a selection that reads weights of its own times
+ * itself: the predictor's stage). */
+static gh_status unit_ffn(gh_context * c, int il, const gh_layer * L, int32_t expert,
+                          const gh_dlayer * D, const float * x, const float * resid, float * y,
+                          double * bytes, int64_t * n_active, int64_t * n_dev) {
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     gh_ffn_state * s = c->ffn;
-    double bytes = 0.0;
-    if (st->needs_gate) dense_gate(c, L, D, x, &bytes);
+    gh_status err = st->needs_gate ? dense_gate(c, L, D, x, bytes) : GH_OK;
+    if (err) return err;
     const float * gate_g = st->needs_gate ? s->g_dense : NULL;
     const gh_ffn_select_in in = { .c = c, .il = il, .L = L, .expert = expert, .x = x,
                                   .resid = resid, .g = gate_g, .b = &s->sel };
-    const int64_t n = st->select(&in, s->ids);
+    int64_t n = 0;
+    err = st->select(&in, s->ids, &n);
+    if (err) return err;
     /* a layer's selection that reads weights of its own times itself (the predictor's
      * stage), the others' time is no stage's; a gate computed here is the FFN's. An
      * expert's time is its layer's (forward.c times the whole mixture): no mark. */
     if (expert < 0 && !st->needs_gate) gh_tap_mark(&c->tap);
-    bytes += execute(c, L, D, x, gate_g, s->ids, n, y, n_dev);
+    err = execute(c, L, D, x, gate_g, s->ids, n, y, bytes, n_dev);
+    if (err) return err;
     if (L->down_b) for (int64_t j = 0; j < L->down_t.cols; j++) y[j] += L->down_b[j];
     *n_active = n;
-    return bytes;
+    return GH_OK;
 }
 
-void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
+gh_status gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
     const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
@@ -324,18 +329,21 @@ void gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid,
      * path, so a file at level 0 computes what the strategy alone does) */
     if (st->input_ffn && c->input_sparse && L->ffn_in_on && !split) {
         input_sparse_ffn(c, il, L, x, y);
-        return;
+        return GH_OK;
     }
     int64_t n = 0, n_dev = 0;
-    const double bytes = unit_ffn(c, il, L, -1, D, x, resid, y, &n, &n_dev);
+    double bytes = 0.0;
+    const gh_status err = unit_ffn(c, il, L, -1, D, x, resid, y, &bytes, &n, &n_dev);
+    if (err) return err;
     gh_tap_stage(&c->tap, GH_STAGE_FFN, bytes);
     gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, n, n_dev);
+    return GH_OK;
 }
 
-double gh_sparse_ffn_unit(gh_context * c, int il, const gh_layer * L, int32_t expert,
-                          const float * x, float * y, int64_t * n_active) {
+gh_status gh_sparse_ffn_unit(gh_context * c, int il, const gh_layer * L, int32_t expert,
+                             const float * x, float * y, double * bytes, int64_t * n_active) {
     int64_t n_dev = 0;
-    return unit_ffn(c, il, L, expert, NULL, x, x, y, n_active, &n_dev);
+    return unit_ffn(c, il, L, expert, NULL, x, x, y, bytes, n_active, &n_dev);
 }
 
 /* Batched decode's FFN of tokens from different sequences (gh_eval_batch): each token
@@ -352,8 +360,8 @@ double gh_sparse_ffn_unit(gh_context * c, int il, const gh_layer * L, int32_t ex
  * gathered path can only lose; below it, it reads fewer bytes at any of those rates. */
 #define GH_UNION_DENSE_CUT 0.5
 
-static void batch_union(gh_context * c, int il, int32_t n, const float * x, const float * resid,
-                        float * y) {
+static gh_status batch_union(gh_context * c, int il, int32_t n, const float * x,
+                             const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_layer * L = &m->layers[il];
@@ -378,7 +386,9 @@ static void batch_union(gh_context * c, int il, int32_t n, const float * x, cons
                                       .resid = resid + t * d,
                                       .g = st->needs_gate ? s->bg + (int64_t) t * ff : NULL,
                                       .b = &s->sel };
-        const int64_t nt = st->select(&in, s->ids);
+        int64_t nt = 0;
+        const gh_status err = st->select(&in, s->ids, &nt);
+        if (err) return err;
         const uint64_t bit = (uint64_t) 1 << t;
         for (int64_t k = 0; k < nt; k++) s->tm[s->ids[k]] |= bit;
         gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, nt, 0);
@@ -466,10 +476,11 @@ static void batch_union(gh_context * c, int il, int32_t n, const float * x, cons
     }
     gh_tap_count(&c->tap, GH_TAP_ROWS, -1, GH_STAGE_FFN, n_up, 0);
     gh_tap_stage(&c->tap, GH_STAGE_FFN, bytes);
+    return GH_OK;
 }
 
-void gh_sparse_ffn_batch(gh_context * c, int il, int32_t n, const float * x, const float * resid,
-                         float * y) {
+gh_status gh_sparse_ffn_batch(gh_context * c, int il, int32_t n, const float * x,
+                              const float * resid, float * y) {
     const gh_model * m = c->model;
     const int64_t d = m->hp.n_embd;
     const gh_layer * L = &m->layers[il];
@@ -480,13 +491,18 @@ void gh_sparse_ffn_batch(gh_context * c, int il, int32_t n, const float * x, con
      * the input-sparse FFN (one token's kernels) */
     if (n == 1 || !c->seq || (D && D->hot.n_hot > 0) ||
         (st->input_ffn && c->input_sparse && L->ffn_in_on)) {
-        for (int32_t t = 0; t < n; t++) gh_sparse_ffn(c, il, x + t * d, resid + t * d, y + t * d);
-        return;
+        for (int32_t t = 0; t < n; t++) {
+            const gh_status err = gh_sparse_ffn(c, il, x + t * d, resid + t * d, y + t * d);
+            if (err) return err;
+        }
+        return GH_OK;
     }
     for (int32_t t0 = 0; t0 < n; t0 += c->ffn->nbu) {
         const int32_t nt = GH_MIN(c->ffn->nbu, n - t0);
-        batch_union(c, il, nt, x + t0 * d, resid + t0 * d, y + t0 * d);
+        const gh_status err = batch_union(c, il, nt, x + t0 * d, resid + t0 * d, y + t0 * d);
+        if (err) return err;
     }
+    return GH_OK;
 }
 
 double gh_dense_ffn_bytes(const gh_context * c, int il, int32_t n, const float * h) {

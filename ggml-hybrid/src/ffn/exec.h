@@ -32,22 +32,26 @@ bool gh_sparse_applies(const struct gh_context * c, int32_t n);
  * the FFN runs through the executor and its strategy allows it). */
 bool gh_input_sparse_applies(const struct gh_context * c, int32_t n);
 /* One token's FFN of layer il in the context's mode: y = FFN(x) (x already normed; resid:
- * the residual stream x was normed from, which PowerInfer's predictors read). */
-void gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float * resid, float * y);
+ * the residual stream x was normed from, which PowerInfer's predictors read). Returns a
+ * device error (of the device's gate, predictor or hot rows; y is then not to be read). */
+gh_status gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float * resid,
+                        float * y);
 /* One token's FFN of the unit L in the context's mode on the CPU (moe.c: one expert of
  * layer il viewed as a layer, `expert` its id): the strategy's list, gate/up over it and
- * down_t's axpy, y overwritten, L's down bias added. Returns the weight bytes read (the
- * caller counts them) and the listed neurons in *n_active. */
-double gh_sparse_ffn_unit(struct gh_context * c, int il, const struct gh_layer * L,
-                          int32_t expert, const float * x, float * y, int64_t * n_active);
+ * down_t's axpy, y overwritten, L's down bias added. Adds the weight bytes read to *bytes
+ * (the caller counts them) and puts the listed neurons in *n_active. */
+gh_status gh_sparse_ffn_unit(struct gh_context * c, int il, const struct gh_layer * L,
+                             int32_t expert, const float * x, float * y, double * bytes,
+                             int64_t * n_active);
 /* The FFN of n tokens (rows of x, resid and y) in the context's mode: in a batched
  * decode (c->seq: tokens of different sequences) each token selects its own neurons and
  * gate/up run once over the union of the lists (dense matmuls past a union density of
  * GH_UNION_DENSE_CUT, exec.c), each token's activation and down_t axpy over its own list,
  * so each token's y is what gh_sparse_ffn gives it alone (bit for bit where the gathered
- * and the dense gate/up kernels agree; rows.h). Otherwise token by token. */
-void gh_sparse_ffn_batch(struct gh_context * c, int il, int32_t n, const float * x,
-                         const float * resid, float * y);
+ * and the dense gate/up kernels agree; rows.h). Otherwise token by token. Returns the
+ * first device error, which ends the layer. */
+gh_status gh_sparse_ffn_batch(struct gh_context * c, int il, int32_t n, const float * x,
+                              const float * resid, float * y);
 /* The weight bytes a dense FFN pass over n tokens of layer il reads (down_t: only rows
  * that some token's activation needs, found from h = [n][n_ff] activations). */
 double gh_dense_ffn_bytes(const struct gh_context * c, int il, int32_t n, const float * h);

@@ -220,18 +220,19 @@ static const gh_dexpert * shexp_device(const gh_context * c, int il) {
 /* A device shared expert over all n tokens, in two steps around the CPU's experts: its
  * gate and up are enqueued first, so the device runs them while the CPU runs its experts;
  * after a sync the activation (on the host, as for the routed device experts) and its
- * down are enqueued; after the next sync s->shy holds its output. */
-static void shexp_gate_up(gh_context * c, const gh_dexpert * S, int32_t n) {
+ * down are enqueued; after the next sync s->shy holds its output. Each returns the
+ * enqueue's device error. */
+static gh_status shexp_gate_up(gh_context * c, const gh_dexpert * S, int32_t n) {
     gh_moe_state * s = c->moe;
-    gh_hybrid_matmul_async(c, &S->gate, c->xb, n, s->shg);
-    gh_hybrid_matmul_async(c, &S->up, c->xb, n, s->shu);
+    const gh_status st = gh_hybrid_matmul_async(c, &S->gate, c->xb, n, s->shg);
+    return st ? st : gh_hybrid_matmul_async(c, &S->up, c->xb, n, s->shu);
 }
 
-static void shexp_down(gh_context * c, const gh_dexpert * S, int32_t n) {
+static gh_status shexp_down(gh_context * c, const gh_dexpert * S, int32_t n) {
     const gh_hparams * hp = &c->model->hp;
     gh_moe_state * s = c->moe;
     gh_glu(hp->ffn_act, hp->act_threshold, s->shg, s->shu, s->shg, (int64_t) n * S->gate.rows);
-    gh_hybrid_matmul_async(c, &S->down, s->shg, n, s->shy);
+    return gh_hybrid_matmul_async(c, &S->down, s->shg, n, s->shy);
 }
 
 /* p = softmax(p) in place, in float as transformers' router computes it. */
@@ -529,49 +530,55 @@ static const float * expert_bias(const float * b, int32_t e, int64_t len) {
     return b ? b + (int64_t) e * len : NULL;
 }
 
-/* Where expert e of layer il runs in this layer call: its placed copy, else the cache's
- * (refilled on a miss: the least recently used slot that this call is not using), else
- * NULL (the CPU). Counts the cache's hits, misses and uploaded bytes. */
-static const gh_dexpert * device_copy(gh_context * c, int il, int32_t e) {
+/* Where expert e of layer il runs in this layer call, into *out: its placed copy, else the
+ * cache's (refilled on a miss: the least recently used slot that this call is not using),
+ * else NULL (the CPU). Counts the cache's hits, misses and uploaded bytes. Returns the
+ * refill's device error (the slot then holds no expert, so a later call refills it). */
+static gh_status device_copy(gh_context * c, int il, int32_t e, const gh_dexpert ** out) {
     gh_moe_state * s = c->moe;
     const gh_dlayer * D = &c->model->hy->layers[il];
-    if (D->exps && D->exps[e].gate.data) return &D->exps[e];
-    if (!s->n_slots || c->dev_status) return NULL;
+    *out = NULL;
+    if (D->exps && D->exps[e].gate.data) {
+        *out = &D->exps[e];
+        return GH_OK;
+    }
+    if (!s->n_slots) return GH_OK;
     const int64_t key = (int64_t) il * s->n_expert + e;
     int32_t slot = s->slot_of[key];
     if (slot >= 0) {
         s->hits++;
         s->slot_used[slot] = s->tick;
-        return &s->slot_w[slot];
+        *out = &s->slot_w[slot];
+        return GH_OK;
     }
     s->misses++;
     for (int32_t i = 0; i < s->n_slots; i++) {
         if (s->slot_used[i] == s->tick) continue; /* this call's: in use */
         if (slot < 0 || s->slot_used[i] < s->slot_used[slot]) slot = i;
     }
-    if (slot < 0) return NULL;
+    if (slot < 0) return GH_OK;
     if (s->slot_key[slot] >= 0) s->slot_of[s->slot_key[slot]] = -1;
     s->slot_key[slot] = -1;
     const gh_moe_layer * M = &c->model->layers[il].moe;
     gh_status st = gh_expert_upload(s->b, M, e, s->slot_mem[slot], &s->slot_w[slot]);
-    if (st) {
-        c->dev_status = st;
-        return NULL;
-    }
+    if (st) return st;
     s->slot_key[slot] = key;
     s->slot_of[key] = slot;
     s->slot_used[slot] = s->tick;
     s->bytes_cache += (double) (M->gate_exps.rows * M->gate_exps.row_bytes +
                                 M->up_exps.rows * M->up_exps.row_bytes +
                                 M->down_exps.rows * M->down_exps.row_bytes);
-    return &s->slot_w[slot];
+    *out = &s->slot_w[slot];
+    return GH_OK;
 }
 
 /* The routed experts of a model on a device (tokens already grouped): the device experts'
  * gate and up are enqueued, the CPU experts run meanwhile, then the device experts'
  * activation (host) and down; each (token, expert) output lands in s->ye and the merge
- * adds them in expert order, as the CPU-only loop does. Returns the weight bytes read. */
-static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert * S) {
+ * adds them in expert order, as the CPU-only loop does. S: the layer's shared expert on the
+ * device, or NULL. Adds the weight bytes read to *bytes; returns a device error. */
+static gh_status hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert * S,
+                                double * bytes) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_moe_layer * M = &m->layers[il].moe;
@@ -579,7 +586,6 @@ static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert
     const int32_t ne = hp->n_expert;
     const int64_t d = hp->n_embd, ff = hp->n_ff_exp;
     const float * x = c->xb;
-    double bytes = 0.0;
     int64_t * counts = s->counts + (int64_t) il * ne;
     s->tick++;
     bool any_dev = false;
@@ -588,13 +594,16 @@ static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert
         s->dev[e] = NULL;
         if (cnt == 0) continue;
         counts[e] += cnt;
-        s->dev[e] = device_copy(c, il, e);
+        const gh_status st = device_copy(c, il, e, &s->dev[e]);
+        if (st) return st; /* nothing is enqueued yet */
         any_dev |= s->dev[e] != NULL;
     }
-    if (S) shexp_gate_up(c, S, n); /* the shared expert first: every token runs it */
-    /* the gathered inputs of one expert (the device copies them before returning) */
-    for (int pass = 0; pass < 2; pass++) {
-        for (int32_t e = 0; e < ne; e++) {
+    /* the shared expert first: every token runs it */
+    gh_status st = S ? shexp_gate_up(c, S, n) : GH_OK;
+    /* the gathered inputs of one expert (the device copies them before returning); after
+     * a failed enqueue nothing more is run, and the sync below waits for what was */
+    for (int pass = 0; pass < 2 && !st; pass++) {
+        for (int32_t e = 0; e < ne && !st; e++) {
             const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
             if (cnt == 0 || (pass == 0) != (s->dev[e] != NULL)) continue;
             const float * xe = x;
@@ -606,26 +615,27 @@ static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert
                 xe = s->xg;
             }
             if (pass == 0) {
-                gh_hybrid_matmul_async(c, &s->dev[e]->gate, xe, cnt, s->hgd + (int64_t) first * ff);
-                gh_hybrid_matmul_async(c, &s->dev[e]->up, xe, cnt, s->hud + (int64_t) first * ff);
-                bytes += (double) (M->gate_exps.rows * M->gate_exps.row_bytes +
-                                   M->up_exps.rows * M->up_exps.row_bytes +
-                                   M->down_exps.rows * M->down_exps.row_bytes);
+                st = gh_hybrid_matmul_async(c, &s->dev[e]->gate, xe, cnt, s->hgd + (int64_t) first * ff);
+                if (!st) st = gh_hybrid_matmul_async(c, &s->dev[e]->up, xe, cnt, s->hud + (int64_t) first * ff);
+                *bytes += (double) (M->gate_exps.rows * M->gate_exps.row_bytes +
+                                    M->up_exps.rows * M->up_exps.row_bytes +
+                                    M->down_exps.rows * M->down_exps.row_bytes);
                 s->runs_dev++;
             } else {
                 const gh_weight g = gh_expert(&M->gate_exps, e), u = gh_expert(&M->up_exps, e),
                                 dn = expert_down(M, e);
-                bytes += run_expert(c, s, &g, &u, &dn, M->has_down_t, expert_bias(M->gate_exps_b, e, ff),
-                                    expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d),
-                                    xe, cnt, s->ye + (int64_t) first * d);
+                *bytes += run_expert(c, s, &g, &u, &dn, M->has_down_t, expert_bias(M->gate_exps_b, e, ff),
+                                     expert_bias(M->up_exps_b, e, ff), expert_bias(M->down_exps_b, e, d),
+                                     xe, cnt, s->ye + (int64_t) first * d);
                 s->runs_cpu++;
             }
         }
     }
     if (any_dev || S) {
-        gh_hybrid_sync(c);
-        if (S) shexp_down(c, S, n);
-        for (int32_t e = 0; e < ne; e++) {
+        st = gh_hybrid_sync(c, st);
+        if (st) return st;
+        if (S) st = shexp_down(c, S, n);
+        for (int32_t e = 0; e < ne && !st; e++) {
             const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
             if (cnt == 0 || !s->dev[e]) continue;
             float * h = s->hgd + (int64_t) first * ff, * hu = s->hud + (int64_t) first * ff;
@@ -633,9 +643,10 @@ static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert
             add_rows(h, expert_bias(M->gate_exps_b, e, ff), cnt, ff);
             add_rows(hu, expert_bias(M->up_exps_b, e, ff), cnt, ff);
             gh_glu(hp->ffn_act, hp->act_threshold, h, hu, h, (int64_t) cnt * ff);
-            gh_hybrid_matmul_async(c, &s->dev[e]->down, h, cnt, s->ye + (int64_t) first * d);
+            st = gh_hybrid_matmul_async(c, &s->dev[e]->down, h, cnt, s->ye + (int64_t) first * d);
         }
-        gh_hybrid_sync(c);
+        st = gh_hybrid_sync(c, st);
+        if (st) return st;
         for (int32_t e = 0; e < ne; e++) {
             const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
             if (cnt && s->dev[e]) {
@@ -654,10 +665,10 @@ static double hybrid_experts(gh_context * c, int il, int32_t n, const gh_dexpert
             for (int64_t i = 0; i < d; i++) yt[i] += w * ye[i];
         }
     }
-    return bytes;
+    return GH_OK;
 }
 
-void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
+gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_moe_layer * M = &m->layers[il].moe;
@@ -671,8 +682,9 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     /* route: every token's k experts and weights */
     const gh_dweight * dr = c->model->hy ? &c->model->hy->layers[il].router : NULL;
     if (dr && dr->data) {
-        gh_hybrid_matmul_async(c, dr, x, n, s->probs);
-        gh_hybrid_sync(c);
+        gh_status st = gh_hybrid_matmul_async(c, dr, x, n, s->probs);
+        st = gh_hybrid_sync(c, st);
+        if (st) return st;
     } else {
         gh_matmul(c->tp, &M->router, x, n, s->probs, ne, s->scratch);
     }
@@ -701,10 +713,11 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
      * attention having run where the placement put them */
     const gh_dexpert * S = shexp_device(c, il);
     if (c->model->hy && !M->has_down_t) {
-        bytes += hybrid_experts(c, il, n, S);
+        const gh_status st = hybrid_experts(c, il, n, S, &bytes);
+        if (st) return st;
         shared_expert(c, il, n, S, &bytes);
         gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
-        return;
+        return GH_OK;
     }
 
     /* each chosen expert once over its tokens: its rows are read once per batch; in a
@@ -715,7 +728,10 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     const bool sparse = M->has_down_t && sparse_mode;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
-    if (S) shexp_gate_up(c, S, n); /* the device's part while the CPU runs the experts */
+    if (S) { /* the device's part while the CPU runs the experts */
+        const gh_status err = shexp_gate_up(c, S, n);
+        if (err) return gh_hybrid_sync(c, err);
+    }
     for (int32_t e = 0; e < ne; e++) {
         const int32_t first = s->start[e], cnt = s->start[e + 1] - first;
         if (cnt == 0) continue;
@@ -726,8 +742,10 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         if (sparse && (!st->unit_ok || st->unit_ok(&V))) {
             for (int32_t j = 0; j < cnt; j++) {
                 int64_t n_act = 0; /* (its up and down rows are in the statistics) */
-                bytes += gh_sparse_ffn_unit(c, il, &V, e, x + (int64_t) s->tok[first + j] * d,
-                                            s->yg + (int64_t) j * d, &n_act);
+                const gh_status err = gh_sparse_ffn_unit(c, il, &V, e,
+                                                         x + (int64_t) s->tok[first + j] * d,
+                                                         s->yg + (int64_t) j * d, &bytes, &n_act);
+                if (err) return S ? gh_hybrid_sync(c, err) : err;
             }
         } else {
             const float * xe = x;
@@ -752,12 +770,14 @@ void gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     }
 
     if (S) {
-        gh_hybrid_sync(c);
-        shexp_down(c, S, n);
-        gh_hybrid_sync(c);
+        gh_status err = gh_hybrid_sync(c, GH_OK);
+        if (!err) err = shexp_down(c, S, n);
+        err = gh_hybrid_sync(c, err);
+        if (err) return err;
     }
     shared_expert(c, il, n, S, &bytes);
     gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
+    return GH_OK;
 }
 
 /* the shared expert: every token, scaled by its sigmoid gate, added to c->xb2 (after the

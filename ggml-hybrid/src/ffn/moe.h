@@ -47,7 +47,8 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
  * neurons, the executor reads their up rows and down_t rows only.
  * On a device, a shared expert placed there (backend/hybrid.c) has its gate and up
  * enqueued before the CPU runs its experts, its down after; its output is added after the
- * routed experts' sum, as on the CPU. */
-void gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
+ * routed experts' sum, as on the CPU. Returns a device error (of the router, the device's
+ * experts or shared expert, or the expert cache's refill), which ends the layer. */
+gh_status gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
 
 #endif

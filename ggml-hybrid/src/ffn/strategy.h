@@ -54,9 +54,10 @@ typedef struct {
      * the expert's own threshold, which the file keeps only where it pays); a unit it
      * cannot runs dense. NULL: every unit (check covers the layers). */
     bool (*unit_ok)(const struct gh_layer * L);
-    /* Writes the active neurons in ascending order to ids and returns how many. NULL: the
+    /* Writes the active neurons in ascending order to ids and how many to *n; returns a
+     * device error (a selection that runs on the device: the sparse predictor). NULL: the
      * dense pass (forward.c's matmuls), which is no selection. */
-    int64_t (*select)(const gh_ffn_select_in * in, int32_t * ids);
+    gh_status (*select)(const gh_ffn_select_in * in, int32_t * ids, int64_t * n);
 } gh_ffn_strategy;
 
 /* The registry (strategy.c): the strategy of a mode, NULL for an unknown one. */

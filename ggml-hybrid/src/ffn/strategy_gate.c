@@ -15,7 +15,7 @@ static gh_status check(const gh_model * m, bool report) {
     return gh_ffn_check_layers(m, "gate", false, report);
 }
 
-static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
+static gh_status select_ids(const gh_ffn_select_in * in, int32_t * ids, int64_t * n_out) {
     const gh_layer * L = in->L;
     const int64_t ff = L->gate.rows;
     const float * g = in->g;
@@ -26,7 +26,8 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
         ids[n] = (int32_t) i;
         n += (g[i] > cut) | ((g[i] > lo) & (g[i] < hi));
     }
-    return n;
+    *n_out = n;
+    return GH_OK;
 }
 
 static bool unit_ok(const gh_layer * L) { return L->has_gate_thr; }

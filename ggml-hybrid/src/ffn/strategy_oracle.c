@@ -8,7 +8,7 @@ static gh_status check(const gh_model * m, bool report) {
     return gh_ffn_check_layers(m, "oracle", false, report);
 }
 
-static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
+static gh_status select_ids(const gh_ffn_select_in * in, int32_t * ids, int64_t * n_out) {
     const gh_hparams * hp = &in->c->model->hp;
     const int act = hp->ffn_act;
     const bool relu = act == GH_ACT_RELU || act == GH_ACT_DRELU || act == GH_ACT_FATRELU;
@@ -18,7 +18,8 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     for (int64_t i = 0; i < in->L->gate.rows; i++) {
         if (!relu || g[i] > cut) ids[n++] = (int32_t) i;
     }
-    return n;
+    *n_out = n;
+    return GH_OK;
 }
 
 const gh_ffn_strategy gh_ffn_oracle = {

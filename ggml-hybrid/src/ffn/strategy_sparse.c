@@ -15,8 +15,10 @@ static gh_status check(const gh_model * m, bool report) {
 /* an expert runs through the predictor when it has one (every expert of a file with them) */
 static bool unit_ok(const gh_layer * L) { return L->has_pred; }
 
-static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float * x, float thr,
-                              float * score, int32_t * ids) {
+/* The predictor on the device: the scores back, the ids above thr into ids, how many
+ * into *n_out; returns a device error. */
+static gh_status predict_device(gh_context * c, const gh_dlayer * D, const float * x, float thr,
+                                float * score, int32_t * ids, int64_t * n_out) {
     const gh_backend_ops * ops = c->model->hy->b->ops;
     gh_status st = ops->predict(c->stream, &D->fc1, &D->fc2, x, score);
     const double tw = gh_now();
@@ -27,18 +29,16 @@ static int64_t predict_device(gh_context * c, const gh_dlayer * D, const float *
         .up = (double) D->fc1.cols * 4, .down = (double) D->fc2.rows * 4,
         .bytes = (double) (D->fc1.rows * D->fc1.row_bytes + D->fc2.rows * D->fc2.row_bytes) };
     gh_tap_emit(&c->tap, &ev);
-    if (st) {
-        c->dev_status = st;
-        return 0;
-    }
+    if (st) return st;
     int64_t n = 0;
     for (int64_t i = 0; i < D->fc2.rows; i++) {
         if (score[i] >= thr) ids[n++] = (int32_t) i;
     }
-    return n;
+    *n_out = n;
+    return GH_OK;
 }
 
-static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
+static gh_status select_ids(const gh_ffn_select_in * in, int32_t * ids, int64_t * n) {
     gh_context * c = in->c;
     const gh_model * m = c->model;
     const gh_layer * L = in->L;  /* a layer, or an expert viewed as one (its own fc1, fc2) */
@@ -46,13 +46,16 @@ static int64_t select_ids(const gh_ffn_select_in * in, int32_t * ids) {
     const gh_dlayer * D = m->hy && !m->hp.n_expert ? &m->hy->layers[in->il] : NULL;
     const float * px = m->hp.pred_residual ? in->resid : in->x;
     gh_tap_mark(&c->tap); /* the predictor's stage starts here */
-    const int64_t n = D && D->pred
-        ? predict_device(c, D, px, m->info.sparse_threshold, in->b->score, ids)
-        : gh_sparse_predict(c->tp, &L->fc1, &L->fc2, px, m->info.sparse_threshold, in->b->ph,
-                            in->b->score, ids, in->b->scratch);
+    gh_status st = GH_OK;
+    if (D && D->pred) {
+        st = predict_device(c, D, px, m->info.sparse_threshold, in->b->score, ids, n);
+    } else {
+        *n = gh_sparse_predict(c->tp, &L->fc1, &L->fc2, px, m->info.sparse_threshold, in->b->ph,
+                               in->b->score, ids, in->b->scratch);
+    }
     gh_tap_stage(&c->tap, GH_STAGE_PREDICTOR,
                  (double) (L->fc1.rows * L->fc1.row_bytes + L->fc2.rows * L->fc2.row_bytes));
-    return n;
+    return st;
 }
 
 const gh_ffn_strategy gh_ffn_sparse = {

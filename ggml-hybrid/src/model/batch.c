@@ -150,19 +150,18 @@ static gh_status run_batch(gh_context * const * ctxs, int32_t n, const int32_t *
             pos[t] = ctxs[i]->n_past + j;
         }
     }
-    w->dev_status = GH_OK;
     w->seq = seq;
     w->seq_pos = pos;
-    gh_forward_batch(w, tokens, total, logits_all ? GH_LOGITS_ALL : GH_LOGITS_LAST, 0);
+    st = gh_forward_batch(w, tokens, total, logits_all ? GH_LOGITS_ALL : GH_LOGITS_LAST, 0);
     w->seq = NULL;
     w->seq_pos = NULL;
     free(seq);
-    if (w->dev_status) {
+    if (st) {
         /* a device op failed: no context's position moved, so no token is in a cache */
         for (int32_t i = 0; i < n; i++) ctxs[i]->n_logit_rows = 0;
         char msg[1024];
         snprintf(msg, sizeof msg, "%s", gh_last_error());
-        return gh_fail(w->dev_status, "device '%s' failed during gh_eval_batch (no context "
+        return gh_fail(st, "device '%s' failed during gh_eval_batch (no context "
                        "changed): %s", w->model->hy->info.device, msg);
     }
     /* the pass's rows are in w->logits in the contexts' order (each context's last row, or

@@ -102,7 +102,8 @@ static double sparse_proj(gh_context * c, const gh_weight * w, const float * thr
  * [n][in], outputs y[i] [n][ld[i]]. The one branch every site takes: on the device (dev,
  * one async matmul per weight and one sync), input-sparse through the transposed copy t
  * (the k weights' columns side by side: a used input's row covers all k outputs) with the
- * thresholds thr, or dense (one pool job for the k weights). Returns the weight bytes read. */
+ * thresholds thr, or dense (one pool job for the k weights). Adds the weight bytes read to
+ * *bytes; returns a device error (the outputs are then not to be read). */
 typedef struct {
     int                k;
     const gh_weight *  w[3];
@@ -114,19 +115,23 @@ typedef struct {
     bool               head;     /* its used inputs count as the head's */
 } proj_site;
 
-static double project(gh_context * c, const proj_site * s, const float * x, int32_t n, bool insp) {
-    double bytes = 0.0;
+static gh_status project(gh_context * c, const proj_site * s, const float * x, int32_t n,
+                         bool insp, double * bytes) {
     if (s->dev[0]) {
-        for (int i = 0; i < s->k; i++) gh_hybrid_matmul_async(c, s->dev[i], x, n, s->y[i]);
-        gh_hybrid_sync(c);
-        for (int i = 0; i < s->k; i++) bytes += weight_bytes(s->w[i]);
+        gh_status st = GH_OK;
+        for (int i = 0; i < s->k && !st; i++) st = gh_hybrid_matmul_async(c, s->dev[i], x, n, s->y[i]);
+        for (int i = 0; i < s->k; i++) *bytes += weight_bytes(s->w[i]);
+        return gh_hybrid_sync(c, st);
     } else if (insp && s->t) {
-        if (s->k == 1) return sparse_proj(c, s->t, s->thr, x, n, s->y[0], s->ld[0], s->head);
+        if (s->k == 1) {
+            *bytes += sparse_proj(c, s->t, s->thr, x, n, s->y[0], s->ld[0], s->head);
+            return GH_OK;
+        }
         /* one token at a time into c->in_qkv, then split into the k outputs */
         const int64_t in = s->t->rows;
         for (int32_t r = 0; r < n; r++) {
-            bytes += sparse_proj(c, s->t, s->thr, x + (int64_t) r * in, 1, c->in_qkv, s->t->cols,
-                                 s->head);
+            *bytes += sparse_proj(c, s->t, s->thr, x + (int64_t) r * in, 1, c->in_qkv, s->t->cols,
+                                  s->head);
             int64_t off = 0;
             for (int i = 0; i < s->k; i++) {
                 memcpy(s->y[i] + (int64_t) r * s->ld[i], c->in_qkv + off, (size_t) s->ld[i] * sizeof(float));
@@ -134,11 +139,11 @@ static double project(gh_context * c, const proj_site * s, const float * x, int3
             }
         }
     } else {
-        for (int i = 0; i < s->k; i++) bytes += weight_bytes(s->w[i]);
+        for (int i = 0; i < s->k; i++) *bytes += weight_bytes(s->w[i]);
         if (s->k == 1) gh_matmul(c->tp, s->w[0], x, n, s->y[0], s->ld[0], c->mm_scratch);
         else gh_matmul_multi(c->tp, s->w, s->k, x, n, s->y, s->ld, c->mm_scratch);
     }
-    return bytes;
+    return GH_OK;
 }
 
 /* RMSNorm in place of n rows of `heads` heads of hd values each (ld apart): each head on
@@ -172,9 +177,10 @@ static void store_kv(const gh_context * c, int il, int32_t row, const float * k,
 
 /* Attention of layer il over the normed input c->xb: q, k, v (+ biases, RoPE) into the
  * cache, causal attention, output projection (+ bias) into out [n][n_embd]; input-sparse
- * projections when `insp` (and the layer's thresholds are not all 0). Returns the weight
- * bytes read. */
-static double attention(gh_context * c, int il, int32_t n, float * out, bool insp) {
+ * projections when `insp` (and the layer's thresholds are not all 0). Adds the weight
+ * bytes read to *bytes; returns a device error. */
+static gh_status attention(gh_context * c, int il, int32_t n, float * out, bool insp,
+                           double * bytes) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const gh_layer * L = &m->layers[il];
@@ -196,7 +202,8 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         .t = L->qkv_on ? &L->qkv_t : NULL, .thr = L->thr_qkv,
         .y = { c->q, kc, vc }, .ld = { dq, dkv, dkv },
     };
-    double bytes = project(c, &qkv, c->xb, n, insp);
+    gh_status st = project(c, &qkv, c->xb, n, insp, bytes);
+    if (st) return st;
     add_bias(c->q, L->bq, n, dq, dq);
     add_bias(kc, L->bk, n, dkv, dkv);
     add_bias(vc, L->bv, n, dkv, dkv);
@@ -248,9 +255,10 @@ static double attention(gh_context * c, int il, int32_t n, float * out, bool ins
         .k = 1, .w = { &L->wo }, .dev = { dev_att ? &D->wo : NULL }, .t = L->o_on ? &L->wo_t : NULL,
         .thr = L->thr_o, .y = { out }, .ld = { d },
     };
-    bytes += project(c, &o, c->att, n, insp);
+    st = project(c, &o, c->att, n, insp, bytes);
+    if (st) return st;
     add_bias(out, L->bo, n, d, d);
-    return bytes;
+    return GH_OK;
 }
 
 /* The dense FFN of layer il over c->xb into c->xb2 (its input, gate and activation shown
@@ -290,8 +298,9 @@ static void ffn_dense(gh_context * c, int il, int32_t n) {
  * Parallel block:   x += attn(norm1(x)) + ffn(norm2(x) or norm1(x)), both of the same x.
  * Without input norms a sublayer reads x itself; with output norms (post_norms) each
  * sublayer's output is normed before it is added: x += post_norm1(attn(..)), and so on.
- * The FFN's residual input (the x its norm reads) is what a PowerInfer predictor reads. */
-static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
+ * The FFN's residual input (the x its norm reads) is what a PowerInfer predictor reads.
+ * A device error ends the pass and is returned (gh_eval reports it and puts n_past back). */
+static gh_status forward(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
     const gh_model * m = c->model;
     const gh_hparams * hp = &m->hp;
     const int64_t d = hp->n_embd, hd = hp->head_dim;
@@ -326,14 +335,14 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
         /* the FFN's input: parallel blocks norm the x the attention read (xb already holds
          * norm1(x) when there is no second norm) and add the attention's output after the
          * FFN; sequential ones norm the updated x */
-        double att_bytes;
+        float * att_out = hp->parallel ? c->xb3 : c->xb2;
+        double att_bytes = 0.0;
+        gh_status st = attention(c, il, n, att_out, insp, &att_bytes);
+        if (st) return st;
+        sublayer_output(hp, L->post_attn_norm, L->post_attn_norm_b, att_out, n);
         if (hp->parallel) {
-            att_bytes = attention(c, il, n, c->xb3, insp);
-            sublayer_output(hp, L->post_attn_norm, L->post_attn_norm_b, c->xb3, n);
             if (L->ffn_norm) norm_rows(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         } else {
-            att_bytes = attention(c, il, n, c->xb2, insp);
-            sublayer_output(hp, L->post_attn_norm, L->post_attn_norm_b, c->xb2, n);
             add_inplace(c->x, c->xb2, (int64_t) n * d);
             sublayer_input(hp, L->ffn_norm, L->ffn_norm_b, c->x, n, c->xb);
         }
@@ -341,9 +350,10 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
 
         /* the sparse FFN: each token its own active rows (a batched decode's over their
          * union), its stages (the predictor's apart from the FFN's) and bytes its own */
-        if (sparse_ffn) gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
-        else if (hp->n_expert && il >= hp->n_dense_lead) gh_moe_ffn(c, il, n, sparse_moe);
+        if (sparse_ffn) st = gh_sparse_ffn_batch(c, il, n, c->xb, c->x, c->xb2);
+        else if (hp->n_expert && il >= hp->n_dense_lead) st = gh_moe_ffn(c, il, n, sparse_moe);
         else ffn_dense(c, il, n);
+        if (st) return st;
         sublayer_output(hp, L->post_ffn_norm, L->post_ffn_norm_b, c->xb2, n);
         if (hp->parallel) add_inplace(c->x, c->xb3, (int64_t) n * d);
         add_inplace(c->x, c->xb2, (int64_t) n * d);
@@ -356,7 +366,7 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
         norm_rows(hp, m->output_norm, m->output_norm_b, c->x, n, c->xb);
         gh_tap_buf(&c->tap, GH_TAP_HEAD_IN, -1, n, c->xb, NULL);
     }
-    if (which == GH_LOGITS_NONE) return;
+    if (which == GH_LOGITS_NONE) return GH_OK;
     /* head: only the rows whose logits are kept (in a batch of several contexts, the last
      * row of each context's run), gathered into xb */
     int32_t nt;
@@ -393,7 +403,7 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
             }
         }
         gh_tap_bytes(&c->tap, GH_STAGE_OTHER, (double) k * (double) c->head_w.row_bytes);
-        return;
+        return GH_OK;
     }
     const bool dev_head = m->hy && m->hy->head;
     const proj_site head = {
@@ -401,16 +411,21 @@ static void forward(gh_context * c, const int32_t * tokens, int32_t n, int which
         .t = m->head_on ? &m->output_t : NULL, .thr = m->thr_head, .y = { logits },
         .ld = { hp->n_vocab }, .head = true,
     };
-    const double bytes = project(c, &head, c->xb, nt, insp);
+    double bytes = 0.0;
+    const gh_status st = project(c, &head, c->xb, nt, insp, &bytes);
+    if (st) return st;
     if (hp->final_softcap > 0) gh_softcap(logits, (int64_t) nt * hp->n_vocab, hp->final_softcap);
     /* its time is in t_other (the rest of t_total), its bytes the head's */
     gh_tap_bytes(&c->tap, GH_STAGE_OTHER, bytes);
+    return GH_OK;
 }
 
-void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0) {
+gh_status gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
+                           int32_t row0) {
     gh_tap_begin(&c->tap);
-    forward(c, tokens, n, which, row0);
+    const gh_status st = forward(c, tokens, n, which, row0);
     gh_tap_end(&c->tap, n);
+    return st;
 }
 
 gh_status gh_eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,
@@ -438,19 +453,18 @@ gh_status gh_eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_token
         c->logits_cap = rows;
     }
     const int32_t n_past0 = c->n_past;
-    c->dev_status = GH_OK;
     for (int32_t i = 0; i < n_tokens; i += c->n_batch) {
         const int32_t n = GH_MIN(c->n_batch, n_tokens - i);
         const int which = logits_all ? GH_LOGITS_ALL
                           : i + n == n_tokens ? GH_LOGITS_LAST : GH_LOGITS_NONE;
-        gh_forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
-        if (c->dev_status) {
+        const gh_status st = gh_forward_batch(c, tokens + i, n, which, logits_all ? i : 0);
+        if (st) {
             /* a device op failed: these tokens are not in the cache, and no logits */
             c->n_past = n_past0;
             c->n_logit_rows = 0;
             char msg[1024];
             snprintf(msg, sizeof msg, "%s", gh_last_error());
-            return gh_fail(c->dev_status, "device '%s' failed during gh_eval (the context is "
+            return gh_fail(st, "device '%s' failed during gh_eval (the context is "
                            "back at %d tokens): %s", c->model->hy->info.device, n_past0, msg);
         }
     }

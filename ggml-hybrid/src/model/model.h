@@ -165,10 +165,9 @@ struct gh_context {
     gh_tap          tap;
     /* mixture-of-experts FFN: buffers and selection counts (moe.c; NULL without experts) */
     struct gh_moe_state * moe;
-    /* hybrid: the context's device stream (NULL on the CPU) and the first device error of
-     * the current gh_eval */
+    /* hybrid: the context's device stream (NULL on the CPU); a device error is returned up
+     * the forward pass's call chain to gh_eval */
     gh_stream *     stream;
-    gh_status       dev_status;
     /* 1 while a call runs in this context (ctx_enter / ctx_leave): a second thread is
      * refused instead of overwriting the buffers and cache the first one uses */
     atomic_int      busy;
@@ -184,9 +183,13 @@ struct gh_context {
  * GPU index side file; for the load-path fuzzer (tools/fuzz/load_fuzz.c). */
 gh_status gh_model_load_memory(const void * data, size_t size, gh_model ** out);
 
-/* The forward pass (forward.c) of n tokens, n <= c->n_batch: which logits it keeps. */
+/* The forward pass (forward.c) of n tokens, n <= c->n_batch: which logits it keeps.
+ * Returns the first device error, which ends the pass with its cache rows and logits
+ * partly written; the callers keep neither (gh_eval puts n_past back, a batch of contexts
+ * moves none). */
 enum { GH_LOGITS_NONE, GH_LOGITS_LAST, GH_LOGITS_ALL };
-void gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which, int32_t row0);
+gh_status gh_forward_batch(gh_context * c, const int32_t * tokens, int32_t n, int which,
+                           int32_t row0);
 /* gh_eval's work on a claimed context (forward.c): the tokens in batches of n_batch, each
  * batch's logits as logits_all asks; an observer set on c->tap sees every batch. */
 gh_status gh_eval_tokens(gh_context * c, const int32_t * tokens, int32_t n_tokens,

@@ -36,17 +36,13 @@
 #define MAXT 6  /* tokens of a float tile */
 /* Prompt tiles (docs/BENCHMARKS.md, "AVX2 kernels"): float 3 rows x 4 tokens (12
  * accumulators + 3 weight vectors + x fill the 16 registers; 4 x 2 converts a weight
- * vector per 2 FMAs), quantized 4 rows x 6 tokens (the weights' unpacking spread over
- * more tokens; the compiler reloads some of them from L1). */
+ * vector per 2 FMAs), quantized 4 rows x 12 tokens (the weights' unpacking spread over
+ * more tokens; the compiler reloads some of them from L1). 12 tokens against 6: SmolLM2's
+ * shapes at 128 tokens 1.03-1.22x the GFLOP/s (docs/BENCHMARKS.md, "AVX2 F16 chunks and
+ * the quantized prompt tile"); each token's sums do not depend on the tile's width. */
 #define F_MR 3
 #define F_NT 4
-#define QNT 6
-/* Q8_0's prompt tile: 4 rows x 12 tokens, its weights' unpacking (|w| and w's signs, four
- * rows) shared by twice the tokens: SmolLM2's shapes at 128 tokens 1.10-1.19x the GFLOP/s
- * of 6 (docs/BENCHMARKS.md, "AVX2 F16 chunks and the Q8_0 prompt tile"). Each token's sums
- * do not depend on the tile's width. */
-#define Q8_NT 12
-#define QNT_MAX 12 /* tokens of the widest quantized tile */
+#define QNT 12
 #define GH_MIN_I(a, b) ((a) < (b) ? (a) : (b))
 
 GH_INLINE float hsum(__m256 v) {
@@ -493,7 +489,7 @@ GH_INLINE void q_tail_r4(const int NT, const int kind, const uint8_t * const * p
 GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
                          const uint8_t * const * rows, const void * const * pf, const void * x,
                          size_t xs, float (*y)[4]) {
-    __m256 acc[QNT_MAX];
+    __m256 acc[QNT];
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps();
     const int64_t nb = n / 32;
@@ -539,17 +535,16 @@ GH_INLINE void gemm_q(const int kind, int64_t n, const void * w, size_t ws, int 
                       const void * x, size_t xs, int nt, float * y, int64_t ldy) {
     const uint8_t * rows[4];
     for (int r = 0; r < 4; r++) rows[r] = (const uint8_t *) w + (size_t) GH_MIN(r, nr - 1) * ws;
-    const int qnt = kind == B_Q8_0 ? Q8_NT : QNT;
-    float out[QNT_MAX][4];
+    float out[QNT][4];
     if (nt == 1) {
         const void * pf[1] = { (const uint8_t *) w + GH_PF_TILES * 4 * ws };
         tile_q_r4(1, kind, PF_LINEAR, n, rows, pf, x, xs, out);
         for (int r = 0; r < nr; r++) y[r] = out[0][r];
         return;
     }
-    for (int t = 0; t < nt; t += qnt) {
+    for (int t = 0; t < nt; t += QNT) {
         const char * xt = (const char *) x + t * xs;
-        const int tn = GH_MIN(qnt, nt - t);
+        const int tn = GH_MIN(QNT, nt - t);
         switch (tn) {
             case 1: tile_q_r4(1, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 2: tile_q_r4(2, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
@@ -975,7 +970,7 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_F32]  = GH_DOT_ROW(vec_dot_f32, NULL, gemm_f32, F_MR, F_NT, 4, dot4_f32),
     [GH_TYPE_F16]  = GH_DOT_ROW(vec_dot_f16, NULL, gemm_f16, F_MR, F_NT, 4, dot4_f16),
     [GH_TYPE_BF16] = GH_DOT_ROW(vec_dot_bf16, bf16_from_float_x, gemm_bf16, F_MR, F_NT, 4, dot4_bf16),
-    [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, Q8_NT, 4, dot4_q8_0),
+    [GH_TYPE_Q8_0] = GH_DOT_ROW(vec_dot_q8_0, q8_x4_from_float_x, gemm_q8_0, 4, QNT, 4, dot4_q8_0),
     [GH_TYPE_Q4_0] = GH_DOT_ROW(vec_dot_q4_0, q8_x4_from_float_x, gemm_q4_0, 4, QNT, 4, dot4_q4_0),
     [GH_TYPE_Q4_1] = GH_DOT_ROW(vec_dot_q4_1, q8_x4_from_float_x, gemm_q4_1, 4, QNT, 4, dot4_q4_1),
     [GH_TYPE_Q5_0] = GH_DOT_ROW(vec_dot_q5_0, q8_x4_from_float_x, gemm_q5_0, 4, QNT, 4, dot4_q5_0),
@@ -988,7 +983,8 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     /* the non-linear 4-bit types: kernels in kernels_iq4_avx2.c */
     [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx2_gemm_iq4_nl, 4, GH_IQ4_AVX2_NT, 4,
                                   gh_avx2_dot4_iq4_nl),
-    [GH_TYPE_MXFP4]  = GH_DOT_ROW(gh_avx2_vec_dot_mxfp4, q8_x4_from_float_x, gh_avx2_gemm_mxfp4, 4, QNT, 4,
+    /* MXFP4 (its tile: kernels_iq4_avx2.c) keeps the driver's 6 tokens, not measured at 12 */
+    [GH_TYPE_MXFP4]  = GH_DOT_ROW(gh_avx2_vec_dot_mxfp4, q8_x4_from_float_x, gh_avx2_gemm_mxfp4, 4, 6, 4,
                                   gh_avx2_dot4_mxfp4),
     [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx2_gemm_iq4_xs, 4, GH_IQ4_AVX2_NT, 4,
                                   gh_avx2_dot4_iq4_xs),

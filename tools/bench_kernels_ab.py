@@ -13,10 +13,13 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
            "cold" 10% of 5632 x 2048 with 8 copies cycled
   op batch: gh_op_matmul_t of a dense batch (a prompt's down_t): "hot" 16 tokens over
            256 x 2048, "cold" 128 tokens over 5632 x 2048
+  op prompt: gh_op_matmul of 128 tokens at SmolLM2-135M's shapes, "up" 1536 x 576 and
+           "down" 576 x 1536 (rows x columns); timed by process CPU time (the median
+           batch, as the machine is shared), reported in GFLOP/s
 GB/s = weight bytes read per call / time.
 
     PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
-        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k [ROUNDS=60]
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch|prompt f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k [ROUNDS=60]
 """
 import sys
 import time
@@ -28,7 +31,7 @@ from powerinfer_cpp._native import ffi
 libs = [ffi.dlopen(sys.argv[1]), ffi.dlopen(sys.argv[2])]
 simd, op, types = int(sys.argv[3]), sys.argv[4], sys.argv[5].split(",")
 rounds = int(sys.argv[6]) if len(sys.argv) > 6 else 60
-TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+TYPES = {"f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
 for L in libs:
     assert L.gh_simd_set(simd) != -2, f"SIMD level {simd} not supported here"
 
@@ -42,8 +45,10 @@ rng = np.random.default_rng(1)
 for name in types:
     t = TYPES[name]
     out = []
-    for mode in ("hot", "cold"):
-        if op == "dot":
+    for mode in ("up", "down") if op == "prompt" else ("hot", "cold"):
+        if op == "prompt":
+            rows, cols, nc = (1536, 576, 1) if mode == "up" else (576, 1536, 1)
+        elif op == "dot":
             rows, cols, nc = (512, 2048, 1) if mode == "hot" else (2048, 5632, 4)
         elif op == "down":
             rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 8)
@@ -58,11 +63,14 @@ for name in types:
         nact = rows if mode == "hot" else rows // 10
         ids = [np.sort(rng.choice(rows, nact, replace=False)).astype(np.int32) for _ in range(8)]
         a = rng.standard_normal(nact).astype(np.float32)
-        nt = (16 if mode == "hot" else 128) if op == "batch" else 1
+        nt = (16 if mode == "hot" else 128) if op == "batch" else 128 if op == "prompt" else 1
         h = rng.standard_normal((nt, rows)).astype(np.float32)
+        xp = rng.standard_normal((nt, cols)).astype(np.float32)
         y = np.empty(max(rows, cols) * nt, dtype=np.float32)
         def call(L, i):
-            if op == "dot":
+            if op == "prompt":
+                L.gh_op_matmul(t, P(ws[0]), rows, cols, P(xp, "float *"), nt, P(y, "float *"), 1)
+            elif op == "dot":
                 L.gh_op_matmul(t, P(ws[i % nc]), rows, cols, P(x, "float *"), 1, P(y, "float *"), 1)
             elif op == "batch":
                 L.gh_op_matmul_t(t, P(ws[i % nc]), rows, cols, P(h, "float *"), nt, P(y, "float *"), 1)
@@ -70,11 +78,20 @@ for name in types:
                 L.gh_op_sparse_down(t, P(ws[i % nc]), rows, cols, P(ids[i % 8], "int32_t *"), P(a, "float *"), nact, P(y, "float *"), 1)
         best = [1e9, 1e9]
         nb = 8
+        clock = time.process_time if op == "prompt" else time.perf_counter
+        times = [[], []]
         for r in range(rounds):
             for k in (0, 1) if r % 2 == 0 else (1, 0):
-                t0 = time.perf_counter()
+                t0 = clock()
                 for i in range(nb): call(libs[k], i + r)
-                best[k] = min(best[k], (time.perf_counter() - t0) / nb)
+                times[k].append((clock() - t0) / nb)
+                best[k] = min(best[k], times[k][-1])
+        if op == "prompt":
+            best = [float(np.median(tk)) for tk in times]
+            fl = 2.0 * rows * cols * nt
+            out.append(f"{mode} {rows}x{cols}: A {best[0]*1e3:6.2f} ms {fl/best[0]/1e9:5.1f} GFLOP/s, "
+                       f"B {best[1]*1e3:6.2f} ms {fl/best[1]/1e9:5.1f} GFLOP/s ({best[0]/best[1]:.2f}x)")
+            continue
         byt = q.nbytes * (nact / rows if op == "down" else 1)
         if op == "batch":  # per token
             best = [b / nt for b in best]

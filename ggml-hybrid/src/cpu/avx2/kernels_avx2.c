@@ -36,11 +36,13 @@
 #define MAXT 6  /* tokens of a float tile */
 /* Prompt tiles (docs/BENCHMARKS.md, "AVX2 kernels"): float 3 rows x 4 tokens (12
  * accumulators + 3 weight vectors + x fill the 16 registers; 4 x 2 converts a weight
- * vector per 2 FMAs), quantized 4 rows x 6 tokens (the weights' unpacking spread over
- * more tokens; the compiler reloads some of them from L1). */
+ * vector per 2 FMAs), quantized 4 rows x 12 tokens (the weights' unpacking spread over
+ * more tokens; the compiler reloads some of them from L1). 12 tokens against 6: SmolLM2's
+ * shapes at 128 tokens 1.03-1.22x the GFLOP/s (docs/BENCHMARKS.md, "AVX2 F16 chunks and
+ * the quantized prompt tile"); each token's sums do not depend on the tile's width. */
 #define F_MR 3
 #define F_NT 4
-#define QNT 6
+#define QNT 12
 #define GH_MIN_I(a, b) ((a) < (b) ? (a) : (b))
 
 GH_INLINE float hsum(__m256 v) {
@@ -549,7 +551,13 @@ GH_INLINE void gemm_q(const int kind, int64_t n, const void * w, size_t ws, int 
             case 3: tile_q_r4(3, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 4: tile_q_r4(4, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
             case 5: tile_q_r4(5, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
-            default: tile_q_r4(6, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 6: tile_q_r4(6, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 7: tile_q_r4(7, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 8: tile_q_r4(8, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 9: tile_q_r4(9, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 10: tile_q_r4(10, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            case 11: tile_q_r4(11, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
+            default: tile_q_r4(12, kind, PF_NONE, n, rows, NULL, xt, xs, out); break;
         }
         for (int k = 0; k < tn; k++)
             for (int r = 0; r < nr; r++) y[(t + k) * ldy + r] = out[k][r];
@@ -975,7 +983,8 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     /* the non-linear 4-bit types: kernels in kernels_iq4_avx2.c */
     [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx2_gemm_iq4_nl, 4, GH_IQ4_AVX2_NT, 4,
                                   gh_avx2_dot4_iq4_nl),
-    [GH_TYPE_MXFP4]  = GH_DOT_ROW(gh_avx2_vec_dot_mxfp4, q8_x4_from_float_x, gh_avx2_gemm_mxfp4, 4, QNT, 4,
+    /* MXFP4 (its tile: kernels_iq4_avx2.c) keeps the driver's 6 tokens, not measured at 12 */
+    [GH_TYPE_MXFP4]  = GH_DOT_ROW(gh_avx2_vec_dot_mxfp4, q8_x4_from_float_x, gh_avx2_gemm_mxfp4, 4, 6, 4,
                                   gh_avx2_dot4_mxfp4),
     [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx2_gemm_iq4_xs, 4, GH_IQ4_AVX2_NT, 4,
                                   gh_avx2_dot4_iq4_xs),

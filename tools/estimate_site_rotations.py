@@ -197,6 +197,7 @@ def main() -> int:
              ("+ per-site q/k/v, gate/up and head", {"site", "head"}, r16, "f16", 1.0),
              ("+ per-layer q/k/v+gate/up and head", {"layer", "head"}, r16, "f16", 1.0),
              ("+ all (o, per-site, per-layer, head)", {"o", "site", "layer", "head"}, r16, "f16", 1.0),
+             ("bound: all, the rotations free", {"o", "site", "layer", "head"}, 0.0, None, 1.0),
              ("Q8_0 file, Q8_0 rotations, all", {"o", "site", "layer", "head"}, rq8, "q8_0", 34 / 64),
              ("Q8_0 file, F16 rotations, all", {"o", "site", "layer", "head"}, r16, "f16", 34 / 64)]
     budgets = [float(v) for v in args.kl.split(",")]
@@ -212,17 +213,22 @@ def main() -> int:
             row.append(f"{b / (dense * scale):.3f}")
             first = first or pick
         rots = {"q/k/v+gate/up": 0, "head": 0, "o": 0}
+        where = []
         lvs = {x: [] for x in ("qkv", "ffn", "o", "down", "head")}
         for i, (oi, js) in enumerate(first):
             kind = "head" if i == len(first) - 1 else ("qkv", "o", "down")[i % 3]
             if kind == "qkv":
                 lvs["qkv"].append(lv[js[0]]), lvs["ffn"].append(lv[js[1]])
-                rots["q/k/v+gate/up"] += (0, 1, 1, 2, 1)[oi] if "site" in use else oi
+                n = (0, 1, 1, 2, 1)[oi] if "site" in use else oi
+                rots["q/k/v+gate/up"] += n
+                if n and len(where) < 6:
+                    where.append(f"{i // 3}:" + ("none", "q/k/v", "gate/up", "both", "layer")[oi if "site" in use else 4 * oi])
             else:
                 lvs[kind].append(lv[js[0]])
                 if oi:
                     rots[kind if kind in rots else "o"] += 1
         print(f"| {label} | " + " | ".join(row) + " | " + ", ".join(f"{k} {v}" for k, v in rots.items() if v) +
+              (f" (layer:kind {', '.join(where)})" if where else "") +
               " | " + " / ".join(f"{100 * np.mean(v):.0f}%" for v in lvs.values()) + " |", flush=True)
     print(f"({time.time() - t0:.0f} s)", file=sys.stderr)
     return 0

@@ -26,7 +26,7 @@ with v's outputs of kv head g rotated by R_g^T (W_v's rows of head g: R_g^T W_v[
 query head h reading that kv head outputs R_g^T of its old output, and W_o's columns of head h
 times R_g (W_o[:, h] R_g) undo it. With R_g the PCA of the pooled inputs of o's slices of the
 query heads sharing kv head g (``head_rotations``), o's input concentrates as the residual's
-does (numpy, SmolLM2-135M: 5-70x less output error at the same share skipped, layer 0 most;
+does (numpy, SmolLM2-135M: 3-65x less output error at the same share skipped, median 11x;
 docs/BENCHMARKS.md "Per-site rotations"). Query heads sharing a kv head share its rotation,
 as they share its values; a per-query-head rotation would need a copy of v per query head.
 

@@ -104,7 +104,8 @@ def main() -> int:
 
     def w(name):
         t = tw[name]
-        return decode_matrix(np.asarray(t.data), t.tensor_type, tuple(int(v) for v in reversed(t.shape))).astype(np.float32)
+        shape = tuple(int(v) for v in reversed(t.shape))
+        return decode_matrix(np.asarray(t.data), t.tensor_type, shape).astype(np.float32)
 
     hd = int(tw["blk.0.attn_output.weight"].shape[0]) // n_head
     k = prof.n_input_tokens
@@ -222,7 +223,8 @@ def main() -> int:
                 n = (0, 1, 1, 2, 1)[oi] if "site" in use else oi
                 rots["q/k/v+gate/up"] += n
                 if n and len(where) < 6:
-                    where.append(f"{i // 3}:" + ("none", "q/k/v", "gate/up", "both", "layer")[oi if "site" in use else 4 * oi])
+                    kinds = ("none", "q/k/v", "gate/up", "both", "layer")
+                    where.append(f"{i // 3}:" + kinds[oi if "site" in use else 4 * oi])
             else:
                 lvs[kind].append(lv[js[0]])
                 if oi:

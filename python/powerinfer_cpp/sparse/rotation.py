@@ -120,7 +120,7 @@ def rotate_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, q: np.n
         o_rotations = [np.asarray(x, np.float64) for x in o_rotations]
         for x in o_rotations:
             hd = x.shape[-1]
-            if x.shape != (n_head_kv, hd, hd) or hd * n_head != tensors[f"blk.0.attn_output.weight"].shape[0] or \
+            if x.shape != (n_head_kv, hd, hd) or hd * n_head != tensors["blk.0.attn_output.weight"].shape[0] or \
                     not np.allclose(np.einsum("gji,gjk->gik", x, x), np.eye(hd)[None], atol=1e-6):
                 raise ValueError(f"o_rotations must be [{n_head_kv}, head_dim, head_dim] orthogonal per layer")
     per = n_head // n_head_kv

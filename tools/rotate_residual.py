@@ -6,6 +6,8 @@ loses less (not a test; docs/BENCHMARKS.md "Rotated residual stream").
 The inputs of q/k/v, the FFN and the head are recorded on the first --tokens calibration
 tokens (windows of 512, dense), Q is fitted on the first 80% of them (every second token);
 the output is then an ordinary dense file to convert with input sparsity as any other.
+--o-heads also rotates o's input per kv head (the PCA of the same tokens' o inputs, folded
+into W_v's rows and W_o's columns; sparse/rotation.py head_rotations).
 
     PYTHONPATH=python python tools/rotate_residual.py DENSE.gguf --calib CAL.txt -o ROT.gguf
 """
@@ -24,7 +26,7 @@ def main() -> int:
 
     from powerinfer_cpp import Model
     from powerinfer_cpp.sparse.profile import profile_model
-    from powerinfer_cpp.sparse.rotation import pca_rotation, rotate_gguf
+    from powerinfer_cpp.sparse.rotation import head_rotations, pca_rotation, rotate_gguf
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="dense llama-family GGUF (F16/F32 weights are kept in F16/F32)")
@@ -32,6 +34,7 @@ def main() -> int:
     ap.add_argument("-o", "--out", required=True)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--o-heads", action="store_true", help="also rotate o's input per kv head (PCA per head group)")
     ap.add_argument("--save-q", default=None, metavar="NPY", help="also write Q [d, d] here")
     args = ap.parse_args()
     t0 = time.time()
@@ -53,10 +56,16 @@ def main() -> int:
     xs.append(prof.head_in[:n0:2])
     gs.append(g("output_norm.weight"))
     q = pca_rotation(xs, gs)
+    o_rot = None
+    if args.o_heads:
+        n_head = int(r.fields["llama.attention.head_count"].contents())
+        n_kv = int(r.fields["llama.attention.head_count_kv"].contents()) \
+            if "llama.attention.head_count_kv" in r.fields else n_head
+        o_rot = [head_rotations(prof.attn_out_in[l][:n0:2], n_head, n_kv) for l in range(prof.n_layer)]
     del prof, r, tw
     if args.save_q:
         np.save(args.save_q, q)
-    rotate_gguf(args.model, args.out, q)
+    rotate_gguf(args.model, args.out, q, o_rotations=o_rot)
     print(f"{args.out}: residual stream rotated ({time.time() - t0:.0f} s)")
     return 0
 

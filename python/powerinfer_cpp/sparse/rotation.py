@@ -19,7 +19,16 @@ eigenvectors of their pooled second moment (PCA over every such site's calibrati
 largest first), the energy that the SmolLM2-135M residual stream spreads over hundreds of
 channels around a few massive ones concentrates in few coordinates, and skipping the small
 ones costs far less output error at the same share skipped (docs/BENCHMARKS.md, "Rotated
-residual stream"). o's and down's inputs are not in the residual basis and do not change.
+residual stream"). o's and down's inputs are not in the residual basis: the residual rotation leaves them as they are.
+
+o's input can be rotated too, per key/value head and for free: attention is linear in v, so
+with v's outputs of kv head g rotated by R_g^T (W_v's rows of head g: R_g^T W_v[g]), every
+query head h reading that kv head outputs R_g^T of its old output, and W_o's columns of head h
+times R_g (W_o[:, h] R_g) undo it. With R_g the PCA of the pooled inputs of o's slices of the
+query heads sharing kv head g (``head_rotations``), o's input concentrates as the residual's
+does (numpy, SmolLM2-135M: 3-65x less output error at the same share skipped, median 11x;
+docs/BENCHMARKS.md "Per-site rotations"). Query heads sharing a kv head share its rotation,
+as they share its values; a per-query-head rotation would need a copy of v per query head.
 
 The runtime is untouched: the rotated file is an ordinary dense GGUF (F16 or F32 weights),
 whose input-sparse conversion runs as for any other.
@@ -61,10 +70,26 @@ def pca_rotation(inputs, gammas) -> np.ndarray:
     return np.ascontiguousarray(q[:, ::-1])
 
 
+def head_rotations(x_o, n_head: int, n_head_kv: int) -> np.ndarray:
+    """[n_head_kv, head_dim, head_dim]: per kv head g the PCA rotation (pca_rotation, largest
+    first) of the pooled o-input slices [tokens, head_dim] of the query heads h with
+    h // (n_head / n_head_kv) == g (the grouping llama-family attention uses); x_o [tokens,
+    n_head * head_dim] is one layer's o input."""
+    x_o = np.asarray(x_o)
+    if n_head_kv < 1 or n_head % n_head_kv or x_o.ndim != 2 or x_o.shape[1] % n_head:
+        raise ValueError(f"o inputs {x_o.shape} do not split into {n_head} heads in {n_head_kv} groups")
+    hd, per = x_o.shape[1] // n_head, n_head // n_head_kv
+    ones = np.ones(hd)
+    return np.stack([pca_rotation([x_o[:, h * hd:(h + 1) * hd] for h in range(g * per, (g + 1) * per)],
+                                  [ones] * per) for g in range(n_head_kv)])
+
+
 def rotate_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, q: np.ndarray,
-                progress: bool = False) -> str:
+                progress: bool = False, o_rotations=None) -> str:
     """Write in_path's dense llama-family model with its residual stream rotated by q (see
-    the module doc); weights F16 (F32 kept F32). Refuses what the folding does not hold
+    the module doc); weights F16 (F32 kept F32). o_rotations (optional): per layer
+    [n_head_kv, head_dim, head_dim] orthogonal (head_rotations), o's input rotated per kv head
+    (folded into W_v's rows and W_o's columns). Refuses what the folding does not hold
     for: biases on the readers or writers, extra norms, mixture of experts."""
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     r = gguf.GGUFReader(in_path)
@@ -86,6 +111,33 @@ def rotate_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, q: np.n
     if q.shape != (d, d) or not np.allclose(q.T @ q, np.eye(d), atol=1e-6):
         raise ValueError("q must be a square orthogonal matrix")
     q32 = np.asarray(q, np.float64)
+    n_head = int(r.fields[f"{arch}.attention.head_count"].contents())
+    n_head_kv = int(r.fields[f"{arch}.attention.head_count_kv"].contents()) \
+        if f"{arch}.attention.head_count_kv" in r.fields else n_head
+    if o_rotations is not None:
+        if len(o_rotations) != n_layer:
+            raise ValueError(f"o_rotations: {len(o_rotations)} layers, the file has {n_layer}")
+        o_rotations = [np.asarray(x, np.float64) for x in o_rotations]
+        for x in o_rotations:
+            hd = x.shape[-1]
+            if x.shape != (n_head_kv, hd, hd) or hd * n_head != tensors["blk.0.attn_output.weight"].shape[0] or \
+                    not np.allclose(np.einsum("gji,gjk->gik", x, x), np.eye(hd)[None], atol=1e-6):
+                raise ValueError(f"o_rotations must be [{n_head_kv}, head_dim, head_dim] orthogonal per layer")
+    per = n_head // n_head_kv
+
+    def v_rows(w, l):  # R_g^T W_v[g] per kv head g
+        if o_rotations is None:
+            return w
+        rot = o_rotations[l]
+        hd = rot.shape[-1]
+        return np.concatenate([rot[g].T @ w[g * hd:(g + 1) * hd] for g in range(n_head_kv)])
+
+    def o_cols(w, l):  # W_o[:, h] R_{g(h)} per query head h
+        if o_rotations is None:
+            return w
+        rot = o_rotations[l]
+        hd = rot.shape[-1]
+        return np.concatenate([w[:, h * hd:(h + 1) * hd] @ rot[h // per] for h in range(n_head)], axis=1)
 
     def mat(name):
         t = tensors[name]
@@ -116,10 +168,12 @@ def rotate_gguf(in_path: str | os.PathLike, out_path: str | os.PathLike, q: np.n
             jobs.append(TensorJob(gname, (d,), Q.F32, lambda: np.ones(d, np.float32)))
             for k in readers:
                 n = f"blk.{l}.{k}.weight"
-                add(n, lambda n=n, g=gname: (mat(n) * vec(g)[None, :]) @ q32)
+                fold = (lambda w, l: v_rows(w, l)) if k == "attn_v" else (lambda w, l: w)
+                add(n, lambda n=n, g=gname, l=l, fold=fold: fold((mat(n) * vec(g)[None, :]) @ q32, l))
         for k in WRITERS:
             n = f"blk.{l}.{k}.weight"
-            add(n, lambda n=n: q32.T @ mat(n))
+            fold = (lambda w, l: o_cols(w, l)) if k == "attn_output" else (lambda w, l: w)
+            add(n, lambda n=n, l=l, fold=fold: q32.T @ fold(mat(n), l))
     if "rope_freqs.weight" in tensors:
         t = tensors["rope_freqs.weight"]
         jobs.append(TensorJob("rope_freqs.weight", (int(t.shape[0]),), Q.F32,

@@ -245,3 +245,82 @@ def allocate_sites(costs: np.ndarray, groups: Sequence, weights: dict, max_kl: f
 def predicted_bytes(levels: dict, weights: dict) -> float:
     """The bytes the sites read at levels (each site's bytes times its density)."""
     return float(sum(weights[k] * (1.0 - levels.get(k, 0.0)) for k in weights))
+
+
+def allocate_options(units: Sequence, max_kl: float, iters: int = 100) -> tuple:
+    """Per-site levels where a site may also be read another way at a fixed price (a rotation
+    of its input: its bytes, and a lower KL curve; one rotation shared by several sites).
+    units: each a list of options (fixed bytes, [(bytes [n_level], kl [n_level]) per site]);
+    per unit one option, per site of it one level. The summed KL is kept <= max_kl by a
+    Lagrangian search: each unit minimizes bytes + lam * KL alone, lam bisected; that answer
+    is optimal for the KL it reaches (no assignment of KL <= that reads fewer bytes) but may
+    stop short of max_kl where a fixed price makes the costs non-convex, so the rest of the
+    budget is then spent greedily: one unit at a time, the change that saves the most bytes
+    within the remaining KL, until no single unit's change fits and saves.
+    Returns (bytes, kl, [(option index, [level index per site]) per unit])."""
+
+    def solve(lam):
+        tb = tk = 0.0
+        pick = []
+        for opts in units:
+            best = None
+            for oi, (fixed, parts) in enumerate(opts):
+                b, k, lv = float(fixed), 0.0, []
+                for bv, kv in parts:
+                    j = int(np.argmin(np.asarray(bv) + lam * np.asarray(kv)))
+                    b, k = b + float(bv[j]), k + float(kv[j])
+                    lv.append(j)
+                if best is None or b + lam * k < best[0] + lam * best[1]:
+                    best = (b, k, oi, lv)
+            tb, tk = tb + best[0], tk + best[1]
+            pick.append((best[2], best[3]))
+        return tb, tk, pick
+
+    lo, hi = 1e-12, 1e18  # bytes per unit of KL
+    if solve(lo)[1] <= max_kl:
+        return solve(lo)
+    for _ in range(iters):
+        mid = float(np.sqrt(lo * hi))
+        if solve(mid)[1] > max_kl:
+            lo = mid
+        else:
+            hi = mid
+    return _fill(units, solve(hi), max_kl)
+
+
+def _unit_table(opts) -> list:
+    """Per option (bytes, kl, level grids) over every combination of its sites' levels."""
+    out = []
+    for fixed, parts in opts:
+        b = np.full((), float(fixed))
+        k = np.zeros(())
+        for bv, kv in parts:
+            b = np.add.outer(b, np.asarray(bv, np.float64))
+            k = np.add.outer(k, np.asarray(kv, np.float64))
+        out.append((b, k))
+    return out
+
+
+def _fill(units: Sequence, start: tuple, max_kl: float) -> tuple:
+    """allocate_options' greedy spending of the KL a Lagrangian answer left over."""
+    tb, tk, pick = start
+    pick = [(oi, list(lv)) for oi, lv in pick]
+    tables = [_unit_table(opts) for opts in units]
+    while True:
+        best = None
+        for u, tab in enumerate(tables):
+            oi, lv = pick[u]
+            b0, k0 = float(tab[oi][0][tuple(lv)]), float(tab[oi][1][tuple(lv)])
+            for o2, (b, k) in enumerate(tab):
+                ok = (k - k0 <= max_kl - tk + 1e-15) & (b < b0 - 1e-9)
+                if not ok.any():
+                    continue
+                idx = np.unravel_index(int(np.argmin(np.where(ok, b, np.inf))), b.shape)
+                save = b0 - float(b[idx])
+                if best is None or save > best[0]:
+                    best = (save, u, o2, [int(i) for i in idx], float(k[idx]) - k0)
+        if best is None:
+            return tb, tk, pick
+        save, u, o2, lv, dk = best
+        pick[u] = (o2, lv)
+        tb, tk = tb - save, tk + dk

@@ -12,6 +12,9 @@
 
 #define GH_B32_AVX512_NT 8 /* tokens of a prompt tile */
 #define GH_K2_AVX512_NT 4
+/* IQ4_NL's prompt tile (kernels_b32_avx512.c): rows and most tokens */
+#define GH_NL16_AVX512_MR 16
+#define GH_NL16_AVX512_NT 64
 
 #define GH_AVX512_DOT_DECL(sfx)                                                                     \
     void gh_avx512_gemm_##sfx(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, \

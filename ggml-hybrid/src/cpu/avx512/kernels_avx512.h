@@ -1,7 +1,7 @@
 /* The AVX-512 dot kernels kept in files of their own, for their rows in the AVX-512 dot
  * table (kernels_avx512.c, which gives them its Q8_X4 / Q8_K activation conversions):
  *   Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 x Q8_X4 (kernels_b32_avx512.c): four-row tiles of
- *     up to GH_B32_AVX512_NT tokens;
+ *     up to GH_B32_AVX512_NT tokens (IQ4_NL prompts: 16 rows x up to GH_NL16_AVX512_NT);
  *   Q2_K, Q3_K, IQ4_XS x Q8_K (kernels_k2_avx512.c): one row at a time, tiles of 1 x
  *     GH_K2_AVX512_NT tokens.
  * The shapes are cpu/kernels.h's: gemm, vec_dot, dot4. */

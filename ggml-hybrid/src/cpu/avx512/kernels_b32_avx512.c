@@ -19,7 +19,8 @@
  * four rows' int32 sums are transposed into one register (lane 4i + r: block i, row r)
  * before they are converted and scaled, and a short tile repeats its last row, so a row's
  * value is the same in a decode tile, a prompt tile of any width and a gathered tile
- * (dot4): a batch equals its tokens bit for bit. The integer sums are exact (|sum| <=
+ * (dot4): a batch equals its tokens bit for bit. IQ4_NL prompts of 8 or more tokens run a
+ * 16-row tile over rows rearranged per call instead (nl16_tile, below), the same sums. The integer sums are exact (|sum| <=
  * 32 * 255 * 127 per block); only the float order differs from the scalar reference. */
 #include "cpu/avx512/kernels_avx512.h"
 #include "types/iq4.h"

@@ -52,7 +52,7 @@ typedef struct {
     __m256i a, b, sa, sb;
 } lpair;
 
-GH_INLINE lpair unpack_pair(const int kind, __m256i table, const uint8_t * p) {
+GH_INLINE lpair unpack_pair(const int kind, const int mags, __m256i table, const uint8_t * p) {
     const size_t bs = block_bytes(kind), off = bs - 16; /* qs are the last 16 bytes */
     const __m256i q = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) (p + off))),
                                               _mm_loadu_si128((const __m128i *) (p + bs + off)), 1);
@@ -60,9 +60,23 @@ GH_INLINE lpair unpack_pair(const int kind, __m256i table, const uint8_t * p) {
     lpair u;
     u.sa = _mm256_shuffle_epi8(table, _mm256_and_si256(q, m4));
     u.sb = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-    u.a = _mm256_abs_epi8(u.sa);
-    u.b = _mm256_abs_epi8(u.sb);
+    if (mags) {
+        u.a = _mm256_abs_epi8(u.sa);
+        u.b = _mm256_abs_epi8(u.sb);
+    }
     return u;
+}
+
+/* The same dot with the activations' magnitudes as maddubs' unsigned side (ax, cx: |xa|,
+ * |xc|, once per token for the four rows) and the levels signed by them: the same pair
+ * products l x, so the same sums bit for bit. A decode tile (one token) takes it: it
+ * drops the rows' magnitudes (8 vpabsb per pair of blocks) for the token's (2). */
+GH_INLINE __m256i pair_dot_x(const int kind, const lpair * u, __m256i xa, __m256i xc, __m256i ax, __m256i cx) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i pa = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(u->sa, xa));
+    const __m256i pb = _mm256_maddubs_epi16(cx, _mm256_sign_epi8(u->sb, xc));
+    if (kind == IQ_MX) return _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones);
+    return _mm256_add_epi32(_mm256_madd_epi16(pa, ones), _mm256_madd_epi16(pb, ones));
 }
 
 /* int32 lanes 0..3 sum to block 0's dot, 4..7 to block 1's. IQ4_NL widens each maddubs
@@ -121,14 +135,21 @@ GH_INLINE void group_r4(const int NT, const int kind, const uint8_t * const * p,
     for (int h = 0; h < 2; h++) {
         lpair u[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) u[r] = unpack_pair(kind, table, p[r] + 2 * h * bs);
+        for (int r = 0; r < 4; r++) u[r] = unpack_pair(kind, NT > 1, table, p[r] + 2 * h * bs);
 #pragma GCC unroll 8
         for (int t = 0; t < NT; t++) {
             const block_q8_x4 * x = (const block_q8_x4 *) (xg + t * xs);
             const __m256i xa = _mm256_loadu_si256((const __m256i *) (x->qa + 32 * h));
             const __m256i xc = _mm256_loadu_si256((const __m256i *) (x->qb + 32 * h));
-            const __m256i s = transpose_sum4(pair_dot(kind, &u[0], xa, xc), pair_dot(kind, &u[1], xa, xc),
-                                             pair_dot(kind, &u[2], xa, xc), pair_dot(kind, &u[3], xa, xc));
+            __m256i s;
+            if (NT == 1) {
+                const __m256i ax = _mm256_abs_epi8(xa), cx = _mm256_abs_epi8(xc);
+                s = transpose_sum4(pair_dot_x(kind, &u[0], xa, xc, ax, cx), pair_dot_x(kind, &u[1], xa, xc, ax, cx),
+                                   pair_dot_x(kind, &u[2], xa, xc, ax, cx), pair_dot_x(kind, &u[3], xa, xc, ax, cx));
+            } else {
+                s = transpose_sum4(pair_dot(kind, &u[0], xa, xc), pair_dot(kind, &u[1], xa, xc),
+                                   pair_dot(kind, &u[2], xa, xc), pair_dot(kind, &u[3], xa, xc));
+            }
             const __m256 scale = _mm256_mul_ps(dw[h], _mm256_loadu_ps(x->d + 8 * h));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
         }

@@ -97,14 +97,15 @@ GH_INLINE __m256i transpose_sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3)
     return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
 }
 
-/* dw[h], lane 4i + r: row r's scale of block 2h + i of the group at p[r]. */
-GH_INLINE void scales_r4(const int kind, const uint8_t * const * p, __m256 dw[2]) {
+/* dw[h], lane 4i + r: row r's scale of block 2h + i of the group at p[r], for h < nh (the
+ * blocks past 2 nh are not read). */
+GH_INLINE void scales_r4(const int kind, const uint8_t * const * p, const int nh, __m256 dw[2]) {
     const size_t bs = block_bytes(kind);
     if (kind == IQ_NL) {
         uint16_t d[4][4];
         for (int r = 0; r < 4; r++)
-            for (int k = 0; k < 4; k++) memcpy(&d[r][k], p[r] + k * bs, 2);
-        for (int h = 0; h < 2; h++) {
+            for (int k = 0; k < 2 * nh; k++) memcpy(&d[r][k], p[r] + k * bs, 2);
+        for (int h = 0; h < nh; h++) {
             const __m128i v = _mm_setr_epi16((short) d[0][2 * h], (short) d[1][2 * h], (short) d[2][2 * h],
                                              (short) d[3][2 * h], (short) d[0][2 * h + 1], (short) d[1][2 * h + 1],
                                              (short) d[2][2 * h + 1], (short) d[3][2 * h + 1]);
@@ -113,7 +114,7 @@ GH_INLINE void scales_r4(const int kind, const uint8_t * const * p, __m256 dw[2]
         return;
     }
     /* e8m0: 2^(e - 128), e < 2 the subnormals 0x00200000 << e (gh_e8m0_to_fp32_half) */
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < nh; h++) {
         const __m256i e = _mm256_setr_epi32(p[0][2 * h * bs], p[1][2 * h * bs], p[2][2 * h * bs], p[3][2 * h * bs],
                                             p[0][(2 * h + 1) * bs], p[1][(2 * h + 1) * bs], p[2][(2 * h + 1) * bs],
                                             p[3][(2 * h + 1) * bs]);
@@ -124,15 +125,17 @@ GH_INLINE void scales_r4(const int kind, const uint8_t * const * p, __m256 dw[2]
     }
 }
 
-/* One group of four blocks of the rows p[0..4) against NT tokens' Q8_X4 groups. */
+/* One group of four blocks of the rows p[0..4) against NT tokens' Q8_X4 groups: its first
+ * nh pairs of blocks (2: all; a row's last group may have 1). */
 GH_INLINE void group_r4(const int NT, const int kind, const uint8_t * const * p, const char * xg,
-                        size_t xs, __m256 * acc) {
+                        size_t xs, __m256 * acc, const int nh) {
     const size_t bs = block_bytes(kind);
     const __m256i table = level_table(kind);
     __m256 dw[2];
-    scales_r4(kind, p, dw);
+    scales_r4(kind, p, nh, dw);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
+        if (h >= nh) break;
         lpair u[4];
 #pragma GCC unroll 4
         for (int r = 0; r < 4; r++) u[r] = unpack_pair(kind, NT > 1, table, p[r] + 2 * h * bs);
@@ -156,8 +159,8 @@ GH_INLINE void group_r4(const int NT, const int kind, const uint8_t * const * p,
     }
 }
 
-/* y[t][r] = rows[r] . X[t] for NT tokens; the last 1..3 blocks of a row through zeroed
- * copies (a zero block adds 0: its levels are 0 (MXFP4) or its scale is (IQ4_NL)). */
+/* y[t][r] = rows[r] . X[t] for NT tokens; a zero block adds 0 (its levels are 0 (MXFP4) or
+ * its scale is (IQ4_NL)). */
 GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, const uint8_t * const * rows,
                        const void * const * pf, const void * x, size_t xs, float (*y)[4]) {
     __m256 acc[QNT];
@@ -181,19 +184,26 @@ GH_INLINE void tile_r4(const int NT, const int kind, const int pfm, int64_t n, c
             }
         }
         const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
-        group_r4(NT, kind, p, xb + g * sizeof(block_q8_x4), xs, acc);
+        group_r4(NT, kind, p, xb + g * sizeof(block_q8_x4), xs, acc, 2);
     }
+    /* A row's last 1..3 blocks: the pairs that hold them (a pair of zero blocks would add
+     * +0 to sums that start at +0 and so are never -0: skipping it changes no bit); an odd
+     * block is paired with a zeroed copy. */
     if (nb % 4) {
         const int64_t g = ng_full;
-        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) (nb % 4) * block_bytes(kind));
+        const int nv = (int) (nb % 4), nh = (nv + 1) / 2;
+        const size_t bs = block_bytes(kind);
+        gh_tail_prefetch(pfm, pl, pf, g * gb, (size_t) nv * bs);
+        const uint8_t * tp[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };
         _Alignas(32) uint8_t tb[4][4 * sizeof(block_iq4_nl)];
-        memset(tb, 0, sizeof tb);
-        const uint8_t * tp[4];
-        for (int r = 0; r < 4; r++) {
-            memcpy(tb[r], rows[r] + g * gb, (size_t) (nb % 4) * block_bytes(kind));
-            tp[r] = tb[r];
+        if (nv % 2) {
+            for (int r = 0; r < 4; r++) {
+                memcpy(tb[r], tp[r], (size_t) nv * bs);
+                memset(tb[r] + nv * bs, 0, bs);
+                tp[r] = tb[r];
+            }
         }
-        group_r4(NT, kind, tp, xb + g * sizeof(block_q8_x4), xs, acc);
+        group_r4(NT, kind, tp, xb + g * sizeof(block_q8_x4), xs, acc, nh);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < NT; t++) {

@@ -151,8 +151,15 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
     const __m256i shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
     __m128 acc[KNT];
+    /* blocks are totalled in pairs (one reduction for two): the even block's sum waits */
+    __m512i pend[KNT];
+    float pscale[KNT];
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) acc[t] = _mm_setzero_ps();
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm_setzero_ps();
+        pend[t] = _mm512_setzero_si512();
+        pscale[t] = 0.0f;
+    }
     for (int64_t i = 0; i < n / QK_K; i++) {
         const block_iq4_xs * b = (const block_iq4_xs *) w + i;
         _mm_prefetch((const char *) pf + i * sizeof *b, GH_PF_HINT);
@@ -190,7 +197,24 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
             const __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), sc16);
             s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(z, 7)));
             /* the block's exact total into the row's one chain (xs16_tile's order) */
-            acc[t] = _mm_fmadd_ss(_mm_set_ss(d * yb->d), _mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_reduce_add_epi32(s)),
+            if (i % 2 == 0) {
+                pend[t] = s;
+                pscale[t] = d * yb->d;
+                continue;
+            }
+            /* totals of the pending block (lane 0) and this one (lane 1) */
+            const __m512i r1 = _mm512_add_epi32(_mm512_unpacklo_epi32(pend[t], s), _mm512_unpackhi_epi32(pend[t], s));
+            const __m512i r2 = _mm512_add_epi32(r1, _mm512_shuffle_epi32(r1, _MM_PERM_BADC));
+            const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(r2), _mm512_extracti64x4_epi64(r2, 1));
+            const __m128 f = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+            acc[t] = _mm_fmadd_ss(_mm_set_ss(pscale[t]), f, acc[t]);
+            acc[t] = _mm_fmadd_ss(_mm_set_ss(d * yb->d), _mm_movehdup_ps(f), acc[t]);
+        }
+    }
+    if ((n / QK_K) % 2) {
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            acc[t] = _mm_fmadd_ss(_mm_set_ss(pscale[t]), _mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_reduce_add_epi32(pend[t])),
                                   acc[t]);
         }
     }

@@ -15,7 +15,9 @@
  *   IQ4_XS: register c = sub-blocks 2c, 2c + 1 (values 64c .. 64c + 63): the nibbles of 32
  *     qs bytes, low and high per 128-bit lane, looked up in the level table biased by 128
  *     (unsigned 1..241) for vpdpbusd, times the sub-block scale (vpmulld), and the bias
- *     taken out as 128 times the sub-block's activation sum times its scale. */
+ *     taken out as 128 times the sub-block's activation sum times its scale; a block's
+ *     sum totalled exactly into the row's one float chain. Prompts of 8 or more tokens: a
+ *     16-row tile over rows rearranged per call (xs16_tile, below), the same sums. */
 #include "cpu/avx512/kernels_avx512.h"
 #include "types/iq4.h"
 #include "cpu/prefetch.h"

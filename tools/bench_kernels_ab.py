@@ -13,13 +13,16 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
            "cold" 10% of 5632 x 2048 with 8 copies cycled
   op batch: gh_op_matmul_t of a dense batch (a prompt's down_t): "hot" 16 tokens over
            256 x 2048, "cold" 128 tokens over 5632 x 2048
-  op prompt: gh_op_matmul of 128 tokens at SmolLM2-135M's shapes, "up" 1536 x 576 and
-           "down" 576 x 1536 (rows x columns); timed by process CPU time (the median
-           batch, as the machine is shared), reported in GFLOP/s
+  op prompt: gh_op_matmul of NTOK tokens (default 128) at SmolLM2-135M's shapes, "up"
+           1536 x 576, "down" 576 x 1536 and "qo" 576 x 576 (rows x columns); timed by
+           process CPU time (the median batch, as the machine is shared), reported in
+           GFLOP/s, with whether A and B give the same bits and whether B's batch equals
+           its tokens one by one (every 7th token)
 GB/s = weight bytes read per call / time.
 
     PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
-        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch|prompt f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k [ROUNDS=60]
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch|prompt \
+        f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k,iq4_nl,iq4_xs [ROUNDS=60] [NTOK=128]
 """
 import sys
 import time
@@ -31,7 +34,9 @@ from powerinfer_cpp._native import ffi
 libs = [ffi.dlopen(sys.argv[1]), ffi.dlopen(sys.argv[2])]
 simd, op, types = int(sys.argv[3]), sys.argv[4], sys.argv[5].split(",")
 rounds = int(sys.argv[6]) if len(sys.argv) > 6 else 60
-TYPES = {"f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+ntok = int(sys.argv[7]) if len(sys.argv) > 7 else 128
+TYPES = {"f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14,
+         "iq4_nl": 20, "iq4_xs": 23}
 for L in libs:
     assert L.gh_simd_set(simd) != -2, f"SIMD level {simd} not supported here"
 
@@ -45,9 +50,11 @@ rng = np.random.default_rng(1)
 for name in types:
     t = TYPES[name]
     out = []
-    for mode in ("up", "down") if op == "prompt" else ("hot", "cold"):
+    for mode in ("up", "down", "qo") if op == "prompt" else ("hot", "cold"):
         if op == "prompt":
-            rows, cols, nc = (1536, 576, 1) if mode == "up" else (576, 1536, 1)
+            rows, cols, nc = {"up": (1536, 576, 1), "down": (576, 1536, 1), "qo": (576, 576, 1)}[mode]
+            if cols % libs[0].gh_type_block_size(t):
+                continue  # (the K-quants and IQ4_XS store no 576-column rows)
         elif op == "dot":
             rows, cols, nc = (512, 2048, 1) if mode == "hot" else (2048, 5632, 4)
         elif op == "down":
@@ -63,7 +70,7 @@ for name in types:
         nact = rows if mode == "hot" else rows // 10
         ids = [np.sort(rng.choice(rows, nact, replace=False)).astype(np.int32) for _ in range(8)]
         a = rng.standard_normal(nact).astype(np.float32)
-        nt = (16 if mode == "hot" else 128) if op == "batch" else 128 if op == "prompt" else 1
+        nt = (16 if mode == "hot" else 128) if op == "batch" else ntok if op == "prompt" else 1
         h = rng.standard_normal((nt, rows)).astype(np.float32)
         xp = rng.standard_normal((nt, cols)).astype(np.float32)
         y = np.empty(max(rows, cols) * nt, dtype=np.float32)
@@ -89,8 +96,19 @@ for name in types:
         if op == "prompt":
             best = [float(np.median(tk)) for tk in times]
             fl = 2.0 * rows * cols * nt
+            ys = []
+            for L in libs:
+                call(L, 0)
+                ys.append(y[:rows * nt].copy())
+            same = np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))
+            exact, dec = True, np.empty(rows, np.float32)
+            for k in range(0, nt, 7):
+                xk = xp[k:k + 1].copy()
+                libs[1].gh_op_matmul(t, P(ws[0]), rows, cols, P(xk, "float *"), 1, P(dec, "float *"), 1)
+                exact = exact and np.array_equal(dec.view(np.uint32), ys[1][k * rows:(k + 1) * rows].view(np.uint32))
             out.append(f"{mode} {rows}x{cols}: A {best[0]*1e3:6.2f} ms {fl/best[0]/1e9:5.1f} GFLOP/s, "
-                       f"B {best[1]*1e3:6.2f} ms {fl/best[1]/1e9:5.1f} GFLOP/s ({best[0]/best[1]:.2f}x)")
+                       f"B {best[1]*1e3:6.2f} ms {fl/best[1]/1e9:5.1f} GFLOP/s ({best[0]/best[1]:.2f}x; "
+                       f"A==B bits {same}, B batch==decode {exact})")
             continue
         byt = q.nbytes * (nact / rows if op == "down" else 1)
         if op == "batch":  # per token

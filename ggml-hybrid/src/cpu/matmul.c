@@ -131,7 +131,9 @@ void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, c
         else gh_threadpool_run(tp, convert_task, &job);
     }
     /* Decode: a few work items per thread and weight. Prompts: items sized so the rows
-     * stay in L2 while every token tile passes over them. */
+     * stay in L2 while every token tile passes over them, and at least two per thread and
+     * weight: at 2 threads SmolLM2's 576-row q and o (592 rows of L2 block) were one item
+     * each, which one thread ran while the other waited. */
     const int nth = gh_threadpool_n_threads(tp);
     const int64_t mr = n_tokens == 1 ? job.ks->mr1 : job.ks->mr;
     int64_t n_items = 0;
@@ -139,6 +141,7 @@ void gh_matmul_multi(gh_threadpool * tp, const gh_weight * const * ws, int nw, c
         const gh_weight * w = ws[i];
         int64_t chunk = n_tokens == 1 ? (w->rows + 4 * nth - 1) / (4 * nth)
                                       : (int64_t) (GH_MATMUL_L2_BLOCK / w->row_bytes);
+        if (n_tokens > 1 && nth > 1) chunk = GH_MIN(chunk, (w->rows + 2 * nth - 1) / (2 * nth));
         chunk = GH_MAX(mr, (chunk + mr - 1) / mr * mr);
         job.part[i] = (matmul_part) { .w = w, .y = ys[i], .ldy = ldys[i], .chunk = chunk,
                                       .first_item = n_items };

@@ -14,6 +14,10 @@
  * 0.96x the time of 4 and 6 tokens (docs/BENCHMARKS.md, "IQ4 prompt tiles"). MXFP4 keeps
  * Q4_0's 6. */
 #define GH_IQ4_AVX2_NT 8
+/* IQ4_NL's prompt tile (kernels_iq4_avx2.c): rows and most tokens (decode, gathered rows
+ * and prompts under 8 tokens: its four-row tile) */
+#define GH_NL8_AVX2_MR 8
+#define GH_NL8_AVX2_NT 64
 
 void gh_avx2_gemm_iq4_nl(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
                          float * y, int64_t ldy);

@@ -981,8 +981,9 @@ const gh_kernel_set gh_dot_rows_avx2[GH_TYPE_COUNT] = {
     [GH_TYPE_Q2_K] = GH_DOT_ROW(vec_dot_q2_K, q8_K_from_float_x, gemm_q2_K, 4, KNT, 4, dot4_q2_K),
     [GH_TYPE_Q3_K] = GH_DOT_ROW(vec_dot_q3_K, q8_K_from_float_x, gemm_q3_K, 4, KNT, 4, dot4_q3_K),
     /* the non-linear 4-bit types: kernels in kernels_iq4_avx2.c */
-    [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx2_gemm_iq4_nl, 4, GH_IQ4_AVX2_NT, 4,
-                                  gh_avx2_dot4_iq4_nl),
+    /* IQ4_NL prompts: 8 rows x up to 64 tokens (the rows rearranged per call) */
+    [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx2_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx2_gemm_iq4_nl, GH_NL8_AVX2_MR,
+                                  GH_NL8_AVX2_NT, 4, gh_avx2_dot4_iq4_nl),
     /* MXFP4 (its tile: kernels_iq4_avx2.c) keeps the driver's 6 tokens, not measured at 12 */
     [GH_TYPE_MXFP4]  = GH_DOT_ROW(gh_avx2_vec_dot_mxfp4, q8_x4_from_float_x, gh_avx2_gemm_mxfp4, 4, 6, 4,
                                   gh_avx2_dot4_mxfp4),

@@ -877,7 +877,9 @@ const gh_kernel_set gh_dot_rows_avx512[GH_TYPE_COUNT] = {
     [GH_TYPE_Q4_1] = B32_ROW(q4_1),
     [GH_TYPE_Q5_0] = B32_ROW(q5_0),
     [GH_TYPE_Q5_1] = B32_ROW(q5_1),
-    [GH_TYPE_IQ4_NL] = B32_ROW(iq4_nl),
+    /* IQ4_NL prompts: 16 rows x up to 64 tokens (the rows rearranged per call) */
+    [GH_TYPE_IQ4_NL] = GH_DOT_ROW(gh_avx512_vec_dot_iq4_nl, q8_x4_from_float_x, gh_avx512_gemm_iq4_nl,
+                                  GH_NL16_AVX512_MR, GH_NL16_AVX512_NT, 4, gh_avx512_dot4_iq4_nl),
     [GH_TYPE_MXFP4] = B32_ROW(mxfp4),
 #undef B32_ROW
     [GH_TYPE_Q4_K] = GH_DOT_ROW(vec_dot_q4_K, q8_K_from_float_x, gemm_q4_K, 4, KNT, 4, dot4_q4_K),
@@ -888,7 +890,9 @@ const gh_kernel_set gh_dot_rows_avx512[GH_TYPE_COUNT] = {
                                GH_K2_AVX512_NT, 4, gh_avx512_dot4_##sfx)
     [GH_TYPE_Q2_K] = K2_ROW(q2_K),
     [GH_TYPE_Q3_K] = K2_ROW(q3_K),
-    [GH_TYPE_IQ4_XS] = K2_ROW(iq4_xs),
+    /* IQ4_XS prompts: 16 rows x up to 64 tokens (the rows rearranged per call) */
+    [GH_TYPE_IQ4_XS] = GH_DOT_ROW(gh_avx512_vec_dot_iq4_xs, q8_K_from_float_x, gh_avx512_gemm_iq4_xs,
+                                  GH_NL16_AVX512_MR, GH_NL16_AVX512_NT, 4, gh_avx512_dot4_iq4_xs),
 #undef K2_ROW
 };
 

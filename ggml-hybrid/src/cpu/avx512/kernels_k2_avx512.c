@@ -15,7 +15,9 @@
  *   IQ4_XS: register c = sub-blocks 2c, 2c + 1 (values 64c .. 64c + 63): the nibbles of 32
  *     qs bytes, low and high per 128-bit lane, looked up in the level table biased by 128
  *     (unsigned 1..241) for vpdpbusd, times the sub-block scale (vpmulld), and the bias
- *     taken out as 128 times the sub-block's activation sum times its scale. */
+ *     taken out as 128 times the sub-block's activation sum times its scale; a block's
+ *     sum totalled exactly into the row's one float chain. Prompts of 8 or more tokens: a
+ *     16-row tile over rows rearranged per call (xs16_tile, below), the same sums. */
 #include "cpu/avx512/kernels_avx512.h"
 #include "types/iq4.h"
 #include "cpu/prefetch.h"
@@ -135,7 +137,9 @@ GH_INLINE void k2_row(const int NT, const bool is_q3, int64_t n, const uint8_t *
     for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]) - hsum256(macc[t]);
 }
 
-/* One IQ4_XS row against NT tokens. */
+/* One IQ4_XS row against NT tokens. A block's integer sum is totalled exactly and added
+ * to the row's one float chain, fma(d_w d_x, total, acc), as the 16-row prompt tile
+ * (xs16_tile) adds it in its row's lane: the same values in every tile. */
 GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t * pf, const char * x, size_t xs,
                       float * y, int64_t ldy) {
     const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) gh_kvalues_iq4nl)),
@@ -148,9 +152,16 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
     const __m512i shift = _mm512_inserti64x4(_mm512_castsi256_si512(sh16), sh16, 1);
     const __m256i shl = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i shh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    __m512 acc[KNT];
+    __m128 acc[KNT];
+    /* blocks are totalled in pairs (one reduction for two): the even block's sum waits */
+    __m512i pend[KNT];
+    float pscale[KNT];
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int t = 0; t < NT; t++) {
+        acc[t] = _mm_setzero_ps();
+        pend[t] = _mm512_setzero_si512();
+        pscale[t] = 0.0f;
+    }
     for (int64_t i = 0; i < n / QK_K; i++) {
         const block_iq4_xs * b = (const block_iq4_xs *) w + i;
         _mm_prefetch((const char *) pf + i * sizeof *b, GH_PF_HINT);
@@ -187,11 +198,30 @@ GH_INLINE void xs_row(const int NT, int64_t n, const uint8_t * w, const uint8_t 
             /* - 128 * sum_ib scale_ib * (the sub-block's activation sum) */
             const __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) yb->bsums), sc16);
             s = _mm512_sub_epi32(s, _mm512_zextsi256_si512(_mm256_slli_epi32(z, 7)));
-            acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(d * yb->d), _mm512_cvtepi32_ps(s), acc[t]);
+            /* the block's exact total into the row's one chain (xs16_tile's order) */
+            if (i % 2 == 0) {
+                pend[t] = s;
+                pscale[t] = d * yb->d;
+                continue;
+            }
+            /* totals of the pending block (lane 0) and this one (lane 1) */
+            const __m512i r1 = _mm512_add_epi32(_mm512_unpacklo_epi32(pend[t], s), _mm512_unpackhi_epi32(pend[t], s));
+            const __m512i r2 = _mm512_add_epi32(r1, _mm512_shuffle_epi32(r1, _MM_PERM_BADC));
+            const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(r2), _mm512_extracti64x4_epi64(r2, 1));
+            const __m128 f = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+            acc[t] = _mm_fmadd_ss(_mm_set_ss(pscale[t]), f, acc[t]);
+            acc[t] = _mm_fmadd_ss(_mm_set_ss(d * yb->d), _mm_movehdup_ps(f), acc[t]);
+        }
+    }
+    if ((n / QK_K) % 2) {
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) {
+            acc[t] = _mm_fmadd_ss(_mm_set_ss(pscale[t]), _mm_cvtsi32_ss(_mm_setzero_ps(), _mm512_reduce_add_epi32(pend[t])),
+                                  acc[t]);
         }
     }
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; t++) y[t * ldy] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < NT; t++) y[t * ldy] = _mm_cvtss_f32(acc[t]);
 }
 
 enum { K_Q2, K_Q3, K_XS };
@@ -210,4 +240,140 @@ GH_INLINE void k_row(const int NT, const int kind, int64_t n, const uint8_t * w,
 
 DEFINE_K(q2_K, K_Q2)
 DEFINE_K(q3_K, K_Q3)
-DEFINE_K(iq4_xs, K_XS)
+/* IQ4_XS: decode, gathered rows and prompts under XS16_MIN_T tokens run the row pass */
+static void gemm_xs_rows(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt, float * y,
+                         int64_t ldy) {
+    gemm_k(K_XS, n, w, ws, nr, x, xs, nt, y, ldy);
+}
+void gh_avx512_vec_dot_iq4_xs(int64_t n, float * s, const void * w, const void * x) {
+    gemm_k(K_XS, n, w, 0, 1, x, 0, 1, s, 1);
+}
+void gh_avx512_dot4_iq4_xs(int64_t n, const void * const * rows, const void * const * pf, const void * x, float * y) {
+    dot4_k(K_XS, n, rows, pf, x, y);
+}
+
+/* ------------------------------------------------------------------ IQ4_XS prompts */
+
+/* IQ4_XS's prompt tile: 16 rows x up to GH_NL16_AVX512_NT tokens, the activations
+ * broadcast (kernels_b32_avx512.c's IQ4_NL tile with 256-value blocks). The row pass
+ * above unpacks a block for 4 tokens and multiplies 64 values of a row per vpdpbusd;
+ * here a chunk of the 16 rows' blocks is rearranged once per call into an L1 buffer
+ * (xs16_block: step k of sub-block j holds each row's levels + 128 of values
+ * 32j + 4k .. + 3 in its lane), and every token's 4-byte activation groups are broadcast
+ * into vpdpbusd against it: lane r of a sub-block's sum is row r's, scaled by the row's
+ * sub-block scale (vpmulld), the bias out as 128 times the sub-block's activation sum.
+ * A block's exact total goes into the row's chain as xs_row adds it: the same values. */
+#define XS16_T 4
+#define XS16_CB 4 /* blocks per rearranged chunk (17 KB of buffer) */
+#define XS16_MIN_T 8
+
+typedef struct {
+    __m512i q[8][8]; /* sub-block j, step k: lane r = row r's levels + 128 of values 32j + 4k.. */
+    __m512i sc[8];   /* lane r: row r's scale of sub-block j (ls - 32) */
+    __m512  d;       /* lane r: row r's d */
+} xs16_block;
+
+static void xs16_rearrange(const uint8_t * w, __m512i off, int64_t b0, int nbk, xs16_block * buf) {
+    const __m512i table = _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) gh_kvalues_iq4nl)),
+                                           _mm512_set1_epi8((char) 0x80));
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m3 = _mm512_set1_epi32(3), m15 = _mm512_set1_epi32(15);
+    for (int j = 0; j < nbk; j++) {
+        const uint8_t * p = w + (b0 + j) * sizeof(block_iq4_xs);
+        const __m512i dh = _mm512_i32gather_epi32(off, p, 1);     /* d | scales_h << 16 */
+        const __m512i sl = _mm512_i32gather_epi32(off, p + 4, 1); /* scales_l */
+        buf[j].d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
+        const __m512i sh = _mm512_srli_epi32(dh, 16);
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ib++) { /* gh_iq4_xs_scale */
+            const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sl, 4 * ib), m15);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(sh, 2 * ib), m3);
+            buf[j].sc[ib] = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi32(32));
+        }
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ib++) {
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) { /* qs bytes 16 ib + 4k..: values 4k.. (low nibbles), 16 + 4k.. (high) */
+                const __m512i q = _mm512_i32gather_epi32(off, p + offsetof(block_iq4_xs, qs) + 16 * ib + 4 * k, 1);
+                buf[j].q[ib][k] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, m4));
+                buf[j].q[ib][4 + k] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+            }
+        }
+    }
+}
+
+/* TT tokens (token t's Q8_K row at x + t * xs) over nbk rearranged blocks from block b0. */
+GH_INLINE void xs16_pass(const int TT, const xs16_block * buf, int64_t b0, int nbk, const char * x, size_t xs,
+                         __m512 * acc) {
+    __m512 a[XS16_T];
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; t++) a[t] = acc[t];
+    for (int j = 0; j < nbk; j++) {
+        const xs16_block * B = buf + j;
+        __m512i tot[XS16_T];
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; t++) tot[t] = _mm512_setzero_si512();
+        for (int ib = 0; ib < 8; ib++) {
+            __m512i s[XS16_T];
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; t++) {
+                const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + b0 + j;
+                s[t] = _mm512_set1_epi32(-128 * ((int) yb->bsums[2 * ib] + yb->bsums[2 * ib + 1]));
+            }
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                const __m512i wq = B->q[ib][k];
+#pragma GCC unroll 4
+                for (int t = 0; t < TT; t++) {
+                    const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + b0 + j;
+                    int32_t v;
+                    memcpy(&v, yb->qs + 32 * ib + 4 * k, 4);
+                    s[t] = _mm512_dpbusd_epi32(s[t], wq, _mm512_set1_epi32(v));
+                }
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < TT; t++) tot[t] = _mm512_add_epi32(tot[t], _mm512_mullo_epi32(s[t], B->sc[ib]));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; t++) {
+            const block_q8_K * yb = (const block_q8_K *) (x + t * xs) + b0 + j;
+            a[t] = _mm512_fmadd_ps(_mm512_mul_ps(B->d, _mm512_set1_ps(yb->d)), _mm512_cvtepi32_ps(tot[t]), a[t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; t++) acc[t] = a[t];
+}
+
+static void xs16_tile(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt, float * y,
+                      int64_t ldy) {
+    _Alignas(64) xs16_block buf[XS16_CB];
+    _Alignas(64) __m512 acc[GH_NL16_AVX512_NT];
+    int32_t offs[GH_NL16_AVX512_MR];
+    for (int r = 0; r < GH_NL16_AVX512_MR; r++) offs[r] = (int32_t) ((size_t) GH_MIN(r, nr - 1) * ws);
+    const __m512i off = _mm512_loadu_si512(offs);
+    for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    const int64_t nb = n / QK_K;
+    for (int64_t b0 = 0; b0 < nb; b0 += XS16_CB) {
+        const int nbk = (int) GH_MIN(XS16_CB, nb - b0);
+        xs16_rearrange(w, off, b0, nbk, buf);
+        int t = 0;
+        for (; t + XS16_T <= nt; t += XS16_T) xs16_pass(XS16_T, buf, b0, nbk, (const char *) x + t * xs, xs, acc + t);
+        switch (nt - t) {
+            case 1: xs16_pass(1, buf, b0, nbk, (const char *) x + t * xs, xs, acc + t); break;
+            case 2: xs16_pass(2, buf, b0, nbk, (const char *) x + t * xs, xs, acc + t); break;
+            case 3: xs16_pass(3, buf, b0, nbk, (const char *) x + t * xs, xs, acc + t); break;
+            default: break;
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        _Alignas(64) float o[GH_NL16_AVX512_MR];
+        _mm512_store_ps(o, acc[t]);
+        memcpy(y + t * ldy, o, (size_t) nr * sizeof(float));
+    }
+}
+
+/* Prompts of at least XS16_MIN_T tokens: the 16-row tile; fewer: the row pass. */
+void gh_avx512_gemm_iq4_xs(int64_t n, const void * w, size_t ws, int nr, const void * x, size_t xs, int nt,
+                           float * y, int64_t ldy) {
+    if (nt >= XS16_MIN_T) xs16_tile(n, w, ws, nr, x, xs, nt, y, ldy);
+    else gemm_xs_rows(n, w, ws, nr, x, xs, nt, y, ldy);
+}

@@ -99,6 +99,33 @@ def _down_t_type(qtype, n_embd: int):
     return fallback
 
 
+def _check_experts(path: str, info, tensors: dict) -> None:
+    """A mixture's file as llama.cpp writes it (the runtime loaded it, so each layer's
+    experts are whole): every layer with experts has its router (ffn_gate_inp) and
+    n_expert of them in each stacked tensor; a sparse-experts file of ours is refused (its
+    down projection is transposed per expert: convert the file it was made from)."""
+    sparse = sorted(n for n in tensors if F.parse_tensor_name(n)[0] in F.SPARSE_EXPERT_TENSORS)
+    if sparse:
+        raise ConvertError(f"{path}: a sparse-experts file ({sparse[0]}): convert the dense file or the "
+                           "Hugging Face folder it was made from instead")
+    layers = 0
+    for name, t in tensors.items():
+        kind, il, suffix = F.parse_tensor_name(name)
+        if kind not in (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS) or suffix != "weight":
+            continue
+        ne = int(t.shape[-1])  # GGUF lists dims fastest first: [cols, rows, n_expert]
+        if len(t.shape) != 3 or ne != info.n_expert:
+            raise ConvertError(f"{path}: {name} holds {ne if len(t.shape) == 3 else 'no stack of'} experts, "
+                               f"but the file says {info.n_expert} per layer ({info.arch}.expert_count)")
+        router = F.tensor_name(F.T_FFN_GATE_INP, il)
+        if router not in tensors:
+            raise ConvertError(f"{path}: layer {il} has experts but no router ({router})")
+        layers += kind == F.T_FFN_DOWN_EXPS
+    if not layers:
+        raise ConvertError(f"{path}: {info.arch}.expert_count is {info.n_expert} but no layer has "
+                           "ffn_down_exps (llama.cpp's stacked experts)")
+
+
 def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> DenseModel:
     """The sparse pipeline's DenseModel of a GGUF file (checked by loading it natively):
     its tensors in their own types, or with ``outtype`` (format.OUTTYPES) re-quantized by
@@ -117,19 +144,18 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     except (NativeError, ValueError) as e:
         what = "re-quantized" if outtype is not None else "made sparse"
         raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be {what}: {e}") from None
-    if info.n_expert:
-        raise ConvertError(f"{path}: a mixture-of-experts model ({info.n_expert} experts per layer) cannot "
-                           "be made sparse or re-quantized here yet")
     try:
         reader = open_gguf(path)
     except (ValueError, OSError) as e:
         raise ConvertError(f"{path}: not a readable GGUF file: {e}") from None
     pwri = is_pwri(path)
     tensors = {t.name: t for t in reader.tensors}
+    if info.n_expert:
+        _check_experts(path, info, tensors)
     n_layer, d, n_ff = info.n_layer, info.n_embd, info.n_ff
     # what llama.cpp's _m mixes look at, as for an HF conversion (no output.weight: tied)
     mix = QuantMix(arch=info.arch, n_layer=n_layer, tied=F.tensor_name(F.T_OUTPUT) not in tensors,
-                   n_head=info.n_head, n_head_kv=info.n_head_kv)
+                   n_head=info.n_head, n_head_kv=info.n_head_kv, n_expert=info.n_expert)
 
     jobs: list[TensorJob] = []
     down_types: list = [None] * n_layer
@@ -164,8 +190,17 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
             continue
         if il is not None and kind == F.T_FFN_DOWN_T:
             down_types[il] = qtype
+        if kind == F.T_FFN_DOWN_EXPS and suffix == "weight":
+            # the sparse experts transpose it per expert (expert_sparsity.py): float values
+            jobs.append(TensorJob(t.name, shape, qtype, load))
+            continue
         jobs.append(TensorJob(t.name, shape, qtype, lambda t=t: t.data, raw=True))
     missing = [il for il, q in enumerate(down_types) if q is None]
+    if info.n_expert:
+        # a mixture's layers have ffn_down_exps (the sparse experts transpose it themselves,
+        # in its type refitted: expert_sparsity.py); down_types covers the dense leading
+        # layers (glm4moe, dots1) and is not read for the others
+        missing = []
     if missing:
         raise ConvertError(f"{path}: layer {missing[0]} has neither ffn_down nor ffn_down_t")
     if quantized_in:
@@ -194,9 +229,10 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
         t = tensors.get(name)
         return None if t is None else int(t.shape[-1])
 
-    # gated: layer 0's FFN in whatever layout (sparse/ffn_view.py); a mixture's has no ffn_up
+    # gated: layer 0's FFN in whatever layout (sparse/ffn_view.py); a mixture's: its experts'
     gated = rows(F.tensor_name(F.T_FFN_GATE, 0)) is not None or (
-        rows(F.tensor_name(F.T_FFN_UP, 0)) is not None and ffn_view(rows, 0, n_ff).gated)
+        rows(F.tensor_name(F.T_FFN_UP, 0)) is not None and ffn_view(rows, 0, n_ff).gated) or (
+        info.n_expert > 0 and any(F.parse_tensor_name(n)[0] == F.T_FFN_GATE_EXPS for n in tensors))
     # the FFN weights' type name (the predictors' storage rule)
     ffn_type = outtype or str(info.weight_type).lower()
     log.info("%s: %s%s, %d layers, d=%d, n_ff=%d, act=%s, FFN weights %s, %d tensors", path, info.arch,
@@ -206,7 +242,8 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     return DenseModel(arch=info.arch, kv=kv, jobs=jobs, outtype=ffn_type, n_layer=n_layer, n_embd=d,
                       n_ff=n_ff, n_embd_kv=info.n_head_kv * info.head_dim, n_ctx=info.n_ctx_train,
                       activation=act, gated=gated, hf_dir="",
-                      act_threshold=act_t, path=path, down_types=down_types)
+                      act_threshold=act_t, path=path, down_types=down_types, n_expert=info.n_expert,
+                      n_expert_used=info.n_expert_used, n_ff_exp=info.n_ff_exp)
 
 
 def _dense_jobs(dense: DenseModel, outtype: str) -> list[TensorJob]:

@@ -296,7 +296,7 @@ def test_smollm2_requantized_to_q8_0_answers(tmp_path):
 MOE_NRMSE = {"q8_0": 3e-2, "q4_k_m": 2e-1}
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "qwen2moe"])
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "qwen2moe", "gptoss", "glm4moe"])
 def moe_f32(request, tmp_path_factory):
     """A tiny random mixture (hf_models.make_hf_model), its f32 GGUF and transformers' logits."""
     torch = pytest.importorskip("torch")
@@ -325,8 +325,9 @@ def test_moe_gguf_requantized_as_an_hf_conversion(moe_f32, outtype):
     for name, t in got.items():
         assert t.tensor_type == want[name].tensor_type, name
         np.testing.assert_array_equal(np.asarray(t.data), np.asarray(want[name].data), err_msg=name)
-    assert Q(got["blk.0.ffn_gate_inp.weight"].tensor_type) == Q.F32
-    assert Q(got["blk.0.ffn_gate_exps.weight"].tensor_type) == (Q.Q8_0 if outtype == "q8_0" else Q.Q5_0)
+    il = min(F.parse_tensor_name(n)[1] for n in got if "ffn_gate_inp." in n)  # glm4moe: dense layer 0
+    assert Q(got[f"blk.{il}.ffn_gate_inp.weight"].tensor_type) == Q.F32
+    assert Q(got[f"blk.{il}.ffn_gate_exps.weight"].tensor_type) == (Q.Q8_0 if outtype == "q8_0" else Q.Q5_0)
     with Model(str(out)) as m:
         assert m.info.n_expert > 0
         ctx = m.create_context(n_ctx=64, cache_type="f32")
@@ -352,8 +353,8 @@ def test_moe_sparse_experts_from_gguf_equal_the_hf_ones(moe_f32):
     """--sparse --sparsity on an f32 MoE GGUF writes the sparse-experts file the HF folder
     gives: the same tensors, bytes and per-expert gate thresholds (the same dense file is
     profiled); it runs in the gate mode."""
-    if moe_f32["variant"] == "qwen2moe":
-        pytest.skip("qwen3moe and mixtral cover the softmax routers")
+    if moe_f32["variant"] not in ("qwen3moe", "mixtral"):
+        pytest.skip("qwen3moe and mixtral cover the softmax routers with SwiGLU experts")
     d = moe_f32["dir"]
     opts = dict(calib=CALIB, calib_tokens=300, profile_ctx=100, n_threads=2, sparsity=0.5)
     from_gguf = convert_from_gguf(moe_f32["f32"], d / "g-sparse.gguf", progress=False,
@@ -387,3 +388,25 @@ def test_bad_moe_ggufs_are_refused_by_name(moe_f32, tmp_path):
                                                   n_threads=2, sparsity=0.5))
     with pytest.raises(ConvertError, match=r"sparse-experts file \(blk\.0\.ffn_down_exps_t"):
         dense_from_gguf(sparse, "q8_0")
+
+
+def test_mxfp4_experts_kept_when_requantized(moe_f32, tmp_path):
+    """gpt-oss's MXFP4 experts (llama.cpp's files) stay MXFP4, bit for bit, in a re-quantized
+    file, as from the HF folder; the other matrices take the outtype."""
+    if moe_f32["variant"] != "gptoss":
+        pytest.skip("gpt-oss's experts")
+    exps = [n for n in _tensors(moe_f32["f32"]) if n.endswith(("_exps.weight",))]
+
+    def mxfp4(a):
+        return gguf.quants.quantize(np.asarray(a, dtype=np.float32), Q.MXFP4), Q.MXFP4
+
+    src = rewrite_gguf(moe_f32["f32"], tmp_path / "mxfp4.gguf", tensors={n: mxfp4 for n in exps})
+    out = convert_from_gguf(src, tmp_path / "q8.gguf", progress=False, outtype="q8_0", sparse=False)
+    got, want = _tensors(out), _tensors(src)
+    for n in exps:
+        assert Q(got[n].tensor_type) == Q.MXFP4, n
+        np.testing.assert_array_equal(np.asarray(got[n].data), np.asarray(want[n].data), err_msg=n)
+    assert Q(got["blk.0.attn_q.weight"].tensor_type) == Q.Q8_0
+    with Model(str(out)) as m, Model(str(src)) as m2:
+        a, b = m.eval(IDS[:8]), m2.eval(IDS[:8])
+    assert float(np.sqrt(np.mean((a - b) ** 2)) / np.ptp(b)) < MOE_NRMSE["q8_0"]

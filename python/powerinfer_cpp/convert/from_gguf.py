@@ -170,6 +170,10 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
         def load(t=t, qtype=qtype, shape=shape):  # float values (re-quantization, transposition)
             return decode_matrix(np.asarray(t.data), qtype, shape)
 
+        if outtype is not None and qtype == Q.MXFP4:
+            # gpt-oss's released experts: kept bit for bit in any outtype, as from the HF folder
+            jobs.append(TensorJob(t.name, shape, qtype, lambda t=t: t.data, f"kept {qtype.name}", raw=True))
+            continue
         if outtype is not None and qtype != Q.I32:
             if qtype.name not in _FLOAT_TYPES and len(shape) > 1:
                 quantized_in.add(qtype.name)

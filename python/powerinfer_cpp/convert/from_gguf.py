@@ -23,6 +23,12 @@ fallbacks), as llama.cpp's ``llama-quantize --allow-requantize`` does; with ``sp
 the result is a plain dense file. Re-quantizing an already-quantized file adds the new
 type's error to the old one's, so it is logged as a warning: convert from the Hugging Face
 folder when there is one.
+
+A mixture of experts (llama.cpp's stacked ``ffn_{gate,up,down}_exps``, ``ffn_gate_inp``,
+shared experts, ``exp_probs_b``) goes the same way: re-quantized, each expert's rows by the
+rule of its kind (storage_type: llama.cpp's MoE choices in the mixes; MXFP4 experts kept);
+made sparse, by the sparse experts' pipeline (sparse/expert_sparsity.py: per-expert gate
+thresholds, ffn_down_exps transposed per expert).
 """
 
 from __future__ import annotations

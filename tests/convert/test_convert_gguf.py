@@ -372,6 +372,33 @@ def test_moe_sparse_experts_from_gguf_equal_the_hf_ones(moe_f32):
         assert m.create_context(n_ctx=16).ffn_mode == "gate"
 
 
+def test_moe_sparse_experts_from_a_q8_0_gguf(moe_f32):
+    """A quantized MoE GGUF made sparse keeping its types: every tensor but the down
+    projection keeps its Q8_0 bytes, ffn_down_exps_t is Q8_0 (its values re-encoded once),
+    and the per-expert thresholds are the HF q8_0 conversion's within 1e-3 relative (the
+    profile reads the same weights up to that one re-encoding)."""
+    if moe_f32["variant"] != "qwen3moe":
+        pytest.skip("one mixture is enough for a quantized input")
+    d = moe_f32["dir"]
+    opts = dict(calib=CALIB, calib_tokens=300, profile_ctx=100, n_threads=2, sparsity=0.5)
+    q8 = convert(moe_f32["hf"], d / "in-q8_0.gguf", "q8_0", progress=False)
+    got = _tensors(convert_from_gguf(q8, d / "q8-sparse.gguf", progress=False,
+                                     sparse_options=SparseOptions(**opts)))
+    want = _tensors(convert(moe_f32["hf"], d / "hq8-sparse.gguf", "q8_0", progress=False, sparse=True,
+                            sparse_options=SparseOptions(**opts)))
+    src = _tensors(q8)
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert t.tensor_type == want[name].tensor_type, name
+        if name in src:
+            np.testing.assert_array_equal(np.asarray(t.data), np.asarray(src[name].data), err_msg=name)
+    assert Q(got["blk.0.ffn_down_exps_t.weight"].tensor_type) == Q.Q8_0
+    for il in range(2):
+        name = f"blk.{il}.ffn_exp_gate_thr"
+        np.testing.assert_allclose(np.asarray(got[name].data), np.asarray(want[name].data), rtol=1e-3,
+                                   err_msg=name)
+
+
 def test_bad_moe_ggufs_are_refused_by_name(moe_f32, tmp_path):
     if moe_f32["variant"] != "qwen3moe":
         pytest.skip("one mixture is enough for the refusals")

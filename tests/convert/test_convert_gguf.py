@@ -400,6 +400,9 @@ def test_moe_sparse_experts_from_a_q8_0_gguf(moe_f32):
 
 
 def test_bad_moe_ggufs_are_refused_by_name(moe_f32, tmp_path):
+    """A missing router and an expert count the stacked experts contradict are refused by the
+    runtime's loader before any work, naming the tensor and the key; a sparse-experts file
+    by the converter."""
     if moe_f32["variant"] != "qwen3moe":
         pytest.skip("one mixture is enough for the refusals")
     src = moe_f32["f32"]

@@ -105,31 +105,14 @@ def _down_t_type(qtype, n_embd: int):
     return fallback
 
 
-def _check_experts(path: str, info, tensors: dict) -> None:
-    """A mixture's file as llama.cpp writes it (the runtime loaded it, so each layer's
-    experts are whole): every layer with experts has its router (ffn_gate_inp) and
-    n_expert of them in each stacked tensor; a sparse-experts file of ours is refused (its
-    down projection is transposed per expert: convert the file it was made from)."""
+def _check_experts(path: str, tensors: dict) -> None:
+    """A mixture's file the runtime loaded (its loader checked each layer's router and the
+    stacked experts against expert_count, by name): refused if it is a sparse-experts file
+    of ours (its down projection is transposed per expert: convert its source instead)."""
     sparse = sorted(n for n in tensors if F.parse_tensor_name(n)[0] in F.SPARSE_EXPERT_TENSORS)
     if sparse:
         raise ConvertError(f"{path}: a sparse-experts file ({sparse[0]}): convert the dense file or the "
                            "Hugging Face folder it was made from instead")
-    layers = 0
-    for name, t in tensors.items():
-        kind, il, suffix = F.parse_tensor_name(name)
-        if kind not in (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS) or suffix != "weight":
-            continue
-        ne = int(t.shape[-1])  # GGUF lists dims fastest first: [cols, rows, n_expert]
-        if len(t.shape) != 3 or ne != info.n_expert:
-            raise ConvertError(f"{path}: {name} holds {ne if len(t.shape) == 3 else 'no stack of'} experts, "
-                               f"but the file says {info.n_expert} per layer ({info.arch}.expert_count)")
-        router = F.tensor_name(F.T_FFN_GATE_INP, il)
-        if router not in tensors:
-            raise ConvertError(f"{path}: layer {il} has experts but no router ({router})")
-        layers += kind == F.T_FFN_DOWN_EXPS
-    if not layers:
-        raise ConvertError(f"{path}: {info.arch}.expert_count is {info.n_expert} but no layer has "
-                           "ffn_down_exps (llama.cpp's stacked experts)")
 
 
 def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> DenseModel:
@@ -157,7 +140,7 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     pwri = is_pwri(path)
     tensors = {t.name: t for t in reader.tensors}
     if info.n_expert:
-        _check_experts(path, info, tensors)
+        _check_experts(path, tensors)
     n_layer, d, n_ff = info.n_layer, info.n_embd, info.n_ff
     # what llama.cpp's _m mixes look at, as for an HF conversion (no output.weight: tied)
     mix = QuantMix(arch=info.arch, n_layer=n_layer, tied=F.tensor_name(F.T_OUTPUT) not in tensors,

@@ -63,6 +63,7 @@ class QuantMix:
     tied: bool = False     # no output.weight: token_embd is the head as well
     n_head: int = 1
     n_head_kv: int = 1
+    n_expert: int = 0      # experts per layer (llama.cpp's 8-expert rule)
 
 
 def use_more_bits(layer: int, n_layer: int) -> bool:
@@ -84,8 +85,10 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     1-D tensors (norms, biases, frequencies), every bias (``suffix``; gpt-oss's expert biases
     are 2-D) and the expert routers are always F32. A 3-D
     expert tensor [n_expert, rows, cols] is stored as its rows (their length is the last
-    axis), by the rule of its kind (the ``_m`` mixes: ``base``, llama.cpp's MoE-specific
-    choices are not followed). Q4_0 / Q4_1 / Q5_0 / Q5_1
+    axis), by the rule of its kind. In the mixes an expert or shared-expert down projection
+    (``ffn_down_exps``, ``ffn_down_shexp``) follows ffn_down's rule, as llama.cpp's quantizer
+    matches every name holding "ffn_down" (its layer from the name, over all n_layer), and a
+    model with 8 experts gets llama.cpp's 8-expert choices (_moe8_type). Q4_0 / Q4_1 / Q5_0 / Q5_1
     embeddings and heads are stored as Q8_0, Q4_K and Q5_K ones as Q6_K (they dominate the quality loss
     otherwise, as in llama.cpp). The mixes q4_k_m, q5_k_m, q2_k, q3_k_m, iq4_nl and iq4_xs
     choose per tensor as llama.cpp's quantizer does (_mix_type, _low_mix_type, _iq4_mix_type;
@@ -95,14 +98,28 @@ def storage_type(kind: str, shape: tuple[int, ...], outtype: str, layer: int | N
     if len(shape) == 1 or kind in F.F32_KINDS or suffix == "bias":
         return Q.F32, ""
     t = Q[_OUTTYPE_TYPE[outtype]]
-    if outtype in ("iq4_nl", "iq4_xs"):
-        t = _iq4_mix_type(kind, layer, t, mix or QuantMix())
-    elif outtype in F.OUTTYPE_MIXES:
-        t = _mix_type(kind, layer, t, mix or QuantMix())
+    if outtype in ("iq4_nl", "iq4_xs") or outtype in F.OUTTYPE_MIXES:
+        mix = mix or QuantMix()
+        rule = F.T_FFN_DOWN if kind in (F.T_FFN_DOWN_EXPS, F.T_FFN_DOWN_SHEXP) else kind
+        t = (_iq4_mix_type if outtype in ("iq4_nl", "iq4_xs") else _mix_type)(rule, layer, t, mix)
+        if mix.n_expert == 8 and layer is not None:
+            t = _moe8_type(kind, t, outtype, mix)
     elif kind in (F.T_TOKEN_EMBD, F.T_OUTPUT, F.T_POSITION_EMBD):
         t = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0, Q.Q4_K: Q.Q6_K,
              Q.Q5_K: Q.Q6_K}.get(t, t)
     return fit_rows(t, shape[-1])
+
+
+def _moe8_type(kind: str, t, outtype: str, mix: QuantMix):
+    """llama.cpp's choices for a model of 8 experts (Mixtral 8x7B's), over the preset's own:
+    attn_v and attn_k Q8_0 (little memory beside the experts); attn_output Q5_K in the
+    presets Q2_K, Q3_K_M, Q4_K_M, IQ4_NL and IQ4_XS, except Falcon's."""
+    if kind in (F.T_ATTN_V, F.T_ATTN_K):
+        return Q.Q8_0
+    if kind == F.T_ATTN_OUTPUT and mix.arch != F.ARCH_FALCON and outtype in (
+            "q2_k", "q3_k_m", "q4_k_m", "iq4_nl", "iq4_xs"):
+        return Q.Q5_K
+    return t
 
 
 def _llama_70b(mix: QuantMix) -> bool:

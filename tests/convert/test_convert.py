@@ -445,6 +445,38 @@ def test_iq4_mix_types(mix_dir, tmp_path, outtype, base):
     assert nrmse < 3e-2, nrmse
 
 
+def test_moe_mix_rule():
+    """The mixes' choices for a mixture of experts, from llama.cpp's quantizer: a stacked
+    expert or shared-expert down projection (its name holds "ffn_down") takes ffn_down's rule
+    by the layer in its name over all n_layer (q4_k_m / q5_k_m Q6_K where use_more_bits,
+    iq4 Q5_K in the first eighth, q3_k_m Q5_K in the first sixteenth); with 8 experts attn_v
+    and attn_k Q8_0, attn_output Q5_K in q2_k, q3_k_m, q4_k_m, iq4_nl and iq4_xs."""
+    from powerinfer_cpp.gguf_write import QuantMix, storage_type, use_more_bits
+
+    moe = QuantMix(arch=F.ARCH_QWEN3MOE, n_layer=32, n_head=32, n_head_kv=4, n_expert=128)
+    shape = (128, 2048, 768)  # [n_expert, n_embd, n_ff_exp]: Qwen3-30B-A3B's ffn_down_exps
+    more = [i for i in range(32) if use_more_bits(i, 32)]
+    for kind in (F.T_FFN_DOWN_EXPS, F.T_FFN_DOWN_SHEXP):
+        assert [storage_type(kind, shape, "q4_k_m", i, moe)[0] for i in range(32)] == [
+            Q.Q6_K if i in more else Q.Q4_K for i in range(32)]
+        assert storage_type(kind, shape, "q5_k_m", 5, moe)[0] == Q.Q5_K
+        assert [storage_type(kind, shape, "iq4_xs", i, moe)[0] for i in (3, 4)] == [Q.Q5_K, Q.IQ4_XS]
+        assert [storage_type(kind, shape, "q3_k_m", i, moe)[0] for i in (1, 2)] == [Q.Q5_K, Q.Q4_K]
+    for kind in (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS):  # no rule of their own: the preset's type
+        assert storage_type(kind, (128, 768, 2048), "q4_k_m", 0, moe)[0] == Q.Q4_K
+    assert storage_type(F.T_FFN_GATE_INP, (128, 2048), "q4_k_m", 0, moe)[0] == Q.F32
+    assert storage_type(F.T_ATTN_V, (512, 2048), "q4_k_m", 4, moe)[0] == Q.Q4_K  # 128 experts: no bump
+    mixtral = QuantMix(arch=F.ARCH_LLAMA, n_layer=32, n_head=32, n_head_kv=8, n_expert=8)
+    for ot in ("q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs"):
+        assert storage_type(F.T_ATTN_V, (1024, 4096), ot, 4, mixtral)[0] == Q.Q8_0, ot
+        assert storage_type(F.T_ATTN_K, (1024, 4096), ot, 4, mixtral)[0] == Q.Q8_0, ot
+        # Q5_K by the 8-expert rule, or (q5_k_m) as its base type
+        assert storage_type(F.T_ATTN_OUTPUT, (4096, 4096), ot, 4, mixtral)[0] == Q.Q5_K, ot
+    assert storage_type(F.T_ATTN_OUTPUT, (4096, 4096), "q2_k", 4, mixtral)[0] == Q.Q5_K  # not Q3_K
+    assert storage_type(F.T_ATTN_Q, (4096, 4096), "q4_k_m", 4, mixtral)[0] == Q.Q4_K
+    assert storage_type(F.T_ATTN_K, (1024, 4096), "q4_0", 4, mixtral)[0] == Q.Q4_0  # not a preset mix
+
+
 def test_k_mix_rule():
     """The mixes' other cases, from the rule as llama.cpp states it: Falcon's head Q8_0 and
     its q4_k_m ffn_down (Q6_K in the first sixteenth, Q5_K where use_more_bits), a fused

@@ -286,3 +286,157 @@ def test_smollm2_requantized_to_q8_0_answers(tmp_path):
         assert m.info.weight_type == "q8_0"
         text = m.generate("The capital of France is", max_tokens=4, temperature=0.0).text
     assert "Paris" in text, text
+
+
+# ---- mixtures of experts as llama.cpp writes them -----------------------------------
+# (ffn_{gate,up,down}_exps stacked [n_expert, rows, cols], ffn_gate_inp, shared experts)
+
+#: the architecture table's logit bounds (tests/model/test_architectures.py QUANT_NRMSE):
+#: q8_0's, and q4_0's for q4_k_m (on these 64-wide rows its K-quants fall back to Q5_0 / Q8_0).
+MOE_NRMSE = {"q8_0": 3e-2, "q4_k_m": 2e-1}
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "qwen2moe", "gptoss", "glm4moe"])
+def moe_f32(request, tmp_path_factory):
+    """A tiny random mixture (hf_models.make_hf_model), its f32 GGUF and transformers' logits."""
+    torch = pytest.importorskip("torch")
+    from hf_models import hf_reference_model, make_hf_model
+
+    d = tmp_path_factory.mktemp(f"moe-{request.param}")
+    hf = make_hf_model(request.param, d / "hf", seed=7)
+    with torch.no_grad():
+        want = hf_reference_model(hf)(torch.tensor([IDS])).logits[0].double().numpy()
+    return {"variant": request.param, "hf": hf, "f32": convert(hf, d / "f32.gguf", "f32", progress=False),
+            "dir": d, "want": want}
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "q4_k_m"])
+def test_moe_gguf_requantized_as_an_hf_conversion(moe_f32, outtype):
+    """An f32 MoE GGUF -> outtype equals the HF folder converted to outtype, tensor by tensor
+    (the stacked experts quantized per expert row, the routers F32, the mixes' per-tensor
+    choices), and its logits are transformers' within the architecture table's bound."""
+    d, variant = moe_f32["dir"], moe_f32["variant"]
+    out = convert_from_gguf(moe_f32["f32"], d / f"re-{outtype}.gguf", progress=False, outtype=outtype,
+                            sparse=False)
+    direct = convert(moe_f32["hf"], d / f"hf-{outtype}.gguf", outtype, progress=False)
+    got, want = _tensors(out), _tensors(direct)
+    assert set(got) == set(want)
+    assert any(n.endswith("ffn_down_exps.weight") and len(t.shape) == 3 for n, t in got.items())
+    for name, t in got.items():
+        assert t.tensor_type == want[name].tensor_type, name
+        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(want[name].data), err_msg=name)
+    il = min(F.parse_tensor_name(n)[1] for n in got if "ffn_gate_inp." in n)  # glm4moe: dense layer 0
+    assert Q(got[f"blk.{il}.ffn_gate_inp.weight"].tensor_type) == Q.F32
+    assert Q(got[f"blk.{il}.ffn_gate_exps.weight"].tensor_type) == (Q.Q8_0 if outtype == "q8_0" else Q.Q5_0)
+    with Model(str(out)) as m:
+        assert m.info.n_expert > 0
+        ctx = m.create_context(n_ctx=64, cache_type="f32")
+        logits = np.stack([ctx.eval([t]) for t in IDS]).astype(np.float64)
+    ref = moe_f32["want"]
+    nrmse = float(np.sqrt(np.mean((logits - ref) ** 2)) / np.ptp(ref))
+    assert nrmse < MOE_NRMSE[outtype], f"{variant} {outtype}: nrmse {nrmse:.3g}"
+
+
+def test_moe_gguf_from_the_command_line(moe_f32):
+    """`convert FILE.gguf --outtype q8_0` on a SwiGLU mixture: dense (its thresholds need a
+    level, as from the HF folder), the experts Q8_0."""
+    if moe_f32["variant"] != "qwen3moe":
+        pytest.skip("one mixture is enough for the command line")
+    assert main([str(moe_f32["f32"]), "--outtype", "q8_0", "-q"]) == 0
+    out = moe_f32["dir"] / "f32-q8_0.gguf"
+    types = {n: Q(t.tensor_type) for n, t in _tensors(out).items()}
+    assert types["blk.1.ffn_down_exps.weight"] == Q.Q8_0
+    assert not any("exp_gate_thr" in n for n in types)
+
+
+def test_moe_sparse_experts_from_gguf_equal_the_hf_ones(moe_f32):
+    """--sparse --sparsity on an f32 MoE GGUF writes the sparse-experts file the HF folder
+    gives: the same tensors, bytes and per-expert gate thresholds (the same dense file is
+    profiled); it runs in the gate mode."""
+    if moe_f32["variant"] not in ("qwen3moe", "mixtral"):
+        pytest.skip("qwen3moe and mixtral cover the softmax routers with SwiGLU experts")
+    d = moe_f32["dir"]
+    opts = dict(calib=CALIB, calib_tokens=300, profile_ctx=100, n_threads=2, sparsity=0.5)
+    from_gguf = convert_from_gguf(moe_f32["f32"], d / "g-sparse.gguf", progress=False,
+                                  sparse_options=SparseOptions(**opts))
+    from_hf = convert(moe_f32["hf"], d / "h-sparse.gguf", "f32", progress=False, sparse=True,
+                      sparse_options=SparseOptions(**opts))
+    got, want = _tensors(from_gguf), _tensors(from_hf)
+    assert set(got) == set(want)
+    assert "blk.0.ffn_exp_gate_thr" in got and "blk.0.ffn_down_exps_t.weight" in got
+    for name, t in got.items():
+        assert t.tensor_type == want[name].tensor_type, name
+        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(want[name].data), err_msg=name)
+    assert (np.asarray(got["blk.0.ffn_exp_gate_thr"].data) >= 0).any()
+    with Model(str(from_gguf)) as m:
+        assert m.create_context(n_ctx=16).ffn_mode == "gate"
+
+
+def test_moe_sparse_experts_from_a_q8_0_gguf(moe_f32):
+    """A quantized MoE GGUF made sparse keeping its types: every tensor but the down
+    projection keeps its Q8_0 bytes, ffn_down_exps_t is Q8_0 (its values re-encoded once),
+    and the per-expert thresholds are the HF q8_0 conversion's within 1e-3 relative (the
+    profile reads the same weights up to that one re-encoding)."""
+    if moe_f32["variant"] != "qwen3moe":
+        pytest.skip("one mixture is enough for a quantized input")
+    d = moe_f32["dir"]
+    opts = dict(calib=CALIB, calib_tokens=300, profile_ctx=100, n_threads=2, sparsity=0.5)
+    q8 = convert(moe_f32["hf"], d / "in-q8_0.gguf", "q8_0", progress=False)
+    got = _tensors(convert_from_gguf(q8, d / "q8-sparse.gguf", progress=False,
+                                     sparse_options=SparseOptions(**opts)))
+    want = _tensors(convert(moe_f32["hf"], d / "hq8-sparse.gguf", "q8_0", progress=False, sparse=True,
+                            sparse_options=SparseOptions(**opts)))
+    src = _tensors(q8)
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert t.tensor_type == want[name].tensor_type, name
+        if name in src:
+            np.testing.assert_array_equal(np.asarray(t.data), np.asarray(src[name].data), err_msg=name)
+    assert Q(got["blk.0.ffn_down_exps_t.weight"].tensor_type) == Q.Q8_0
+    for il in range(2):
+        name = f"blk.{il}.ffn_exp_gate_thr"
+        np.testing.assert_allclose(np.asarray(got[name].data), np.asarray(want[name].data), rtol=1e-3,
+                                   err_msg=name)
+
+
+def test_bad_moe_ggufs_are_refused_by_name(moe_f32, tmp_path):
+    """A missing router and an expert count the stacked experts contradict are refused by the
+    runtime's loader before any work, naming the tensor and the key; a sparse-experts file
+    by the converter."""
+    if moe_f32["variant"] != "qwen3moe":
+        pytest.skip("one mixture is enough for the refusals")
+    src = moe_f32["f32"]
+    no_router = rewrite_gguf(src, tmp_path / "norouter.gguf", drop=["blk.1.ffn_gate_inp.weight"])
+    with pytest.raises(ConvertError, match=r"blk\.1\.ffn_gate_inp"):
+        dense_from_gguf(no_router, "q8_0")
+    arch = moe_f32["variant"]
+    fewer = rewrite_gguf(src, tmp_path / "count.gguf", kv={f"{arch}.expert_count": (6, VT.UINT32)})
+    with pytest.raises(ConvertError, match=r"expert_count"):
+        dense_from_gguf(fewer, "q8_0")
+    sparse = convert(moe_f32["hf"], tmp_path / "sp.gguf", "f32", progress=False, sparse=True,
+                     sparse_options=SparseOptions(calib=CALIB, calib_tokens=200, profile_ctx=100,
+                                                  n_threads=2, sparsity=0.5))
+    with pytest.raises(ConvertError, match=r"sparse-experts file \(blk\.0\.ffn_down_exps_t"):
+        dense_from_gguf(sparse, "q8_0")
+
+
+def test_mxfp4_experts_kept_when_requantized(moe_f32, tmp_path):
+    """gpt-oss's MXFP4 experts (llama.cpp's files) stay MXFP4, bit for bit, in a re-quantized
+    file, as from the HF folder; the other matrices take the outtype."""
+    if moe_f32["variant"] != "gptoss":
+        pytest.skip("gpt-oss's experts")
+    exps = [n for n in _tensors(moe_f32["f32"]) if n.endswith(("_exps.weight",))]
+
+    def mxfp4(a):
+        return gguf.quants.quantize(np.asarray(a, dtype=np.float32), Q.MXFP4), Q.MXFP4
+
+    src = rewrite_gguf(moe_f32["f32"], tmp_path / "mxfp4.gguf", tensors={n: mxfp4 for n in exps})
+    out = convert_from_gguf(src, tmp_path / "q8.gguf", progress=False, outtype="q8_0", sparse=False)
+    got, want = _tensors(out), _tensors(src)
+    for n in exps:
+        assert Q(got[n].tensor_type) == Q.MXFP4, n
+        np.testing.assert_array_equal(np.asarray(got[n].data), np.asarray(want[n].data), err_msg=n)
+    assert Q(got["blk.0.attn_q.weight"].tensor_type) == Q.Q8_0
+    with Model(str(out)) as m, Model(str(src)) as m2:
+        a, b = m.eval(IDS[:8]), m2.eval(IDS[:8])
+    assert float(np.sqrt(np.mean((a - b) ** 2)) / np.ptp(b)) < MOE_NRMSE["q8_0"]

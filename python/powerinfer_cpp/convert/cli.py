@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConvertError("--input-sparsity makes a sparse file's attention and head input-sparse (in its "
                                "sparse FFN modes); it cannot be combined with --dense")
         if sparse is not False:
-            act, gated, moe = ((dense.activation, dense.gated, False) if dense is not None else
+            act, gated, moe = ((dense.activation, dense.gated, dense.n_expert > 0) if dense is not None else
                                (lambda p: (p.activation, p.gated, p.n_expert > 0))(read_hf_config(args.hf_dir)))
             relu = act in F.SPARSE_ACTIVATIONS
             if sparse is None:
@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                 # thresholds need a level), ReLU-family experts get their exact zeros
                 asked = bool(gate_opts) or args.input_sparsity is not None
                 sparse = (asked or not moe or relu) and (relu or bool(gate_opts) or gated or dense is not None)
+                # a GGUF kept in its types can only become sparse (a SwiGLU mixture's refusal
+                # then asks for the level); re-quantized, a SwiGLU mixture stays dense as above
+                sparse = sparse or (dense is not None and args.outtype is None)
             gate = args.sparsity is not None or args.max_ppl_increase is not None or (gated and not relu)
             if args.sparsity_allocation is not None and not gate:
                 raise ConvertError("--sparsity-allocation shares a gate-magnitude sparsity among the layers; "
@@ -236,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                                       allocation=args.sparsity_allocation or SparseOptions.allocation,
                                       greedy_tokens=args.greedy_tokens)
         if dense is not None:
+            if not args.outfile and not sparse:  # decided above (a SwiGLU mixture re-quantized)
+                out = stem + ".gguf"
             path = convert_from_gguf(args.hf_dir, out, progress=not args.quiet, sparse_options=sopts,
                                      dense=dense, outtype=args.outtype, sparse=bool(sparse))
         else:

@@ -23,6 +23,12 @@ fallbacks), as llama.cpp's ``llama-quantize --allow-requantize`` does; with ``sp
 the result is a plain dense file. Re-quantizing an already-quantized file adds the new
 type's error to the old one's, so it is logged as a warning: convert from the Hugging Face
 folder when there is one.
+
+A mixture of experts (llama.cpp's stacked ``ffn_{gate,up,down}_exps``, ``ffn_gate_inp``,
+shared experts, ``exp_probs_b``) goes the same way: re-quantized, each expert's rows by the
+rule of its kind (storage_type: llama.cpp's MoE choices in the mixes; MXFP4 experts kept);
+made sparse, by the sparse experts' pipeline (sparse/expert_sparsity.py: per-expert gate
+thresholds, ffn_down_exps transposed per expert).
 """
 
 from __future__ import annotations
@@ -99,6 +105,16 @@ def _down_t_type(qtype, n_embd: int):
     return fallback
 
 
+def _check_experts(path: str, tensors: dict) -> None:
+    """A mixture's file the runtime loaded (its loader checked each layer's router and the
+    stacked experts against expert_count, by name): refused if it is a sparse-experts file
+    of ours (its down projection is transposed per expert: convert its source instead)."""
+    sparse = sorted(n for n in tensors if F.parse_tensor_name(n)[0] in F.SPARSE_EXPERT_TENSORS)
+    if sparse:
+        raise ConvertError(f"{path}: a sparse-experts file ({sparse[0]}): convert the dense file or the "
+                           "Hugging Face folder it was made from instead")
+
+
 def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> DenseModel:
     """The sparse pipeline's DenseModel of a GGUF file (checked by loading it natively):
     its tensors in their own types, or with ``outtype`` (format.OUTTYPES) re-quantized by
@@ -117,19 +133,18 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     except (NativeError, ValueError) as e:
         what = "re-quantized" if outtype is not None else "made sparse"
         raise ConvertError(f"{path}: this runtime cannot load it, so it cannot be {what}: {e}") from None
-    if info.n_expert:
-        raise ConvertError(f"{path}: a mixture-of-experts model ({info.n_expert} experts per layer) cannot "
-                           "be made sparse or re-quantized here yet")
     try:
         reader = open_gguf(path)
     except (ValueError, OSError) as e:
         raise ConvertError(f"{path}: not a readable GGUF file: {e}") from None
     pwri = is_pwri(path)
     tensors = {t.name: t for t in reader.tensors}
+    if info.n_expert:
+        _check_experts(path, tensors)
     n_layer, d, n_ff = info.n_layer, info.n_embd, info.n_ff
     # what llama.cpp's _m mixes look at, as for an HF conversion (no output.weight: tied)
     mix = QuantMix(arch=info.arch, n_layer=n_layer, tied=F.tensor_name(F.T_OUTPUT) not in tensors,
-                   n_head=info.n_head, n_head_kv=info.n_head_kv)
+                   n_head=info.n_head, n_head_kv=info.n_head_kv, n_expert=info.n_expert)
 
     jobs: list[TensorJob] = []
     down_types: list = [None] * n_layer
@@ -144,6 +159,10 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
         def load(t=t, qtype=qtype, shape=shape):  # float values (re-quantization, transposition)
             return decode_matrix(np.asarray(t.data), qtype, shape)
 
+        if outtype is not None and qtype == Q.MXFP4:
+            # gpt-oss's released experts: kept bit for bit in any outtype, as from the HF folder
+            jobs.append(TensorJob(t.name, shape, qtype, lambda t=t: t.data, f"kept {qtype.name}", raw=True))
+            continue
         if outtype is not None and qtype != Q.I32:
             if qtype.name not in _FLOAT_TYPES and len(shape) > 1:
                 quantized_in.add(qtype.name)
@@ -164,8 +183,17 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
             continue
         if il is not None and kind == F.T_FFN_DOWN_T:
             down_types[il] = qtype
+        if kind == F.T_FFN_DOWN_EXPS and suffix == "weight":
+            # the sparse experts transpose it per expert (expert_sparsity.py): float values
+            jobs.append(TensorJob(t.name, shape, qtype, load))
+            continue
         jobs.append(TensorJob(t.name, shape, qtype, lambda t=t: t.data, raw=True))
     missing = [il for il, q in enumerate(down_types) if q is None]
+    if info.n_expert:
+        # a mixture's layers have ffn_down_exps (the sparse experts transpose it themselves,
+        # in its type refitted: expert_sparsity.py); down_types covers the dense leading
+        # layers (glm4moe, dots1) and is not read for the others
+        missing = []
     if missing:
         raise ConvertError(f"{path}: layer {missing[0]} has neither ffn_down nor ffn_down_t")
     if quantized_in:
@@ -194,9 +222,10 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
         t = tensors.get(name)
         return None if t is None else int(t.shape[-1])
 
-    # gated: layer 0's FFN in whatever layout (sparse/ffn_view.py); a mixture's has no ffn_up
+    # gated: layer 0's FFN in whatever layout (sparse/ffn_view.py); a mixture's: its experts'
     gated = rows(F.tensor_name(F.T_FFN_GATE, 0)) is not None or (
-        rows(F.tensor_name(F.T_FFN_UP, 0)) is not None and ffn_view(rows, 0, n_ff).gated)
+        rows(F.tensor_name(F.T_FFN_UP, 0)) is not None and ffn_view(rows, 0, n_ff).gated) or (
+        info.n_expert > 0 and any(F.parse_tensor_name(n)[0] == F.T_FFN_GATE_EXPS for n in tensors))
     # the FFN weights' type name (the predictors' storage rule)
     ffn_type = outtype or str(info.weight_type).lower()
     log.info("%s: %s%s, %d layers, d=%d, n_ff=%d, act=%s, FFN weights %s, %d tensors", path, info.arch,
@@ -206,7 +235,8 @@ def dense_from_gguf(path: str | os.PathLike, outtype: str | None = None) -> Dens
     return DenseModel(arch=info.arch, kv=kv, jobs=jobs, outtype=ffn_type, n_layer=n_layer, n_embd=d,
                       n_ff=n_ff, n_embd_kv=info.n_head_kv * info.head_dim, n_ctx=info.n_ctx_train,
                       activation=act, gated=gated, hf_dir="",
-                      act_threshold=act_t, path=path, down_types=down_types)
+                      act_threshold=act_t, path=path, down_types=down_types, n_expert=info.n_expert,
+                      n_expert_used=info.n_expert_used, n_ff_exp=info.n_ff_exp)
 
 
 def _dense_jobs(dense: DenseModel, outtype: str) -> list[TensorJob]:

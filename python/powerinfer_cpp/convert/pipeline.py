@@ -42,7 +42,8 @@ def read_model_config(hf_dir: str | os.PathLike) -> tuple[Architecture, HFParams
 
 def quant_mix(p: HFParams) -> QuantMix:
     """What the _m outtypes' per-tensor rule needs to know of the model."""
-    return QuantMix(arch=p.arch, n_layer=p.n_layer, tied=p.tied, n_head=p.n_head, n_head_kv=p.n_head_kv)
+    return QuantMix(arch=p.arch, n_layer=p.n_layer, tied=p.tied, n_head=p.n_head, n_head_kv=p.n_head_kv,
+                    n_expert=p.n_expert)
 
 
 def _layout_present(m: TensorMap, actual: dict[str, str]) -> TensorMap:

@@ -188,8 +188,7 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
     say = say or (lambda s: log.info("%s", s))
     act, sparsity = dense.activation, opts.sparsity
     relu = act in F.SPARSE_ACTIVATIONS
-    refuse = [(dense.path, "a GGUF input (convert the Hugging Face folder)"),
-              (opts.max_ppl_increase is not None, "the quality budget --max-ppl-increase (pass --sparsity S)"),
+    refuse = [(opts.max_ppl_increase is not None, "the quality budget --max-ppl-increase (pass --sparsity S)"),
               (opts.input_sparsity is not None, "--input-sparsity"),
               (opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
                                  "are placed at load)"),

@@ -51,22 +51,26 @@ def _file_router(path, arch):
     for il in range(int(kv[f"{arch}.block_count"])):
         name = F.tensor_name(F.T_FFN_GATE_INP, il)
         if name in t:
-            layers[il] = (t[name].astype(np.float32), t[F.tensor_name(F.T_FFN_EXP_PROBS_B, il, "bias")])
+            layers[il] = (t[name].astype(np.float32), t.get(F.tensor_name(F.T_FFN_EXP_PROBS_B, il, "bias")))
     return Gating.from_kv(kv, arch), kv, layers
 
 
-@pytest.mark.parametrize("variant", ["glm4moe", "dots1", "glm4moe-qknorm"])
+@pytest.mark.parametrize("variant", ["glm4moe", "dots1", "glm4moe-qknorm", "qwen3moe"])
 def test_route_is_transformers_router(tmp_path, variant):
     """On the hidden states transformers' routers see, route() with the file's gating and
-    weights picks transformers' experts (as sets) with its weights."""
+    weights picks transformers' experts (as sets) with its weights: the sigmoid routers and,
+    the same function, Qwen3-MoE's softmax one."""
     hf = make_hf_model(variant, tmp_path / "hf", seed=7)
     arch = variant.split("-")[0]
     path = convert(hf, tmp_path / "f32.gguf", "f32", progress=False)
     gating, kv, layers = _file_router(path, arch)
     cfg = json.loads((hf / "config.json").read_text())
-    assert gating.sigmoid and gating.n_group == cfg["n_group"] and gating.n_group_used == cfg["topk_group"]
-    assert gating.norm == cfg["norm_topk_prob"]
-    lead = cfg["first_k_dense_replace"]
+    sigmoid = arch != "qwen3moe"
+    assert gating.sigmoid == sigmoid and gating.norm == cfg["norm_topk_prob"]
+    if sigmoid:
+        assert gating.n_group == cfg["n_group"] and gating.n_group_used == cfg["topk_group"]
+        assert gating.scale == pytest.approx(cfg["routed_scaling_factor"])
+    lead = cfg.get("first_k_dense_replace", 0)
     assert sorted(layers) == list(range(lead, cfg["num_hidden_layers"]))
     ref = hf_reference_model(hf)
     got, hooks = {}, []
@@ -90,9 +94,9 @@ def test_route_is_transformers_router(tmp_path, variant):
             a, b = np.argsort(sel[t]), np.argsort(sel_ref[t])
             np.testing.assert_array_equal(sel[t][a], sel_ref[t][b])
             np.testing.assert_allclose(w[t][a], w_ref[t][b], rtol=1e-5, atol=1e-6)
-        # the selection bias and the group limit matter here: without them the choice moves
-        plain = route(x, router, k, gating=Gating(sigmoid=True))
-        assert (np.sort(plain, axis=1) != np.sort(sel, axis=1)).any()
+        if sigmoid:  # the selection bias (and the groups) matter here: without them the choice moves
+            plain = route(x, router, k, gating=Gating(sigmoid=True))
+            assert (np.sort(plain, axis=1) != np.sort(sel, axis=1)).any()
 
 
 def test_expert_profile_is_route(tmp_path):

@@ -325,7 +325,7 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
     const gh_hparams * hp = &m->hp;
     const int nl = hp->n_layer, ne = hp->n_expert;
     gh_device_info * in = &hy->info;
-    if (m->layers[0].moe.has_down_t) {
+    if (m->layers[hp->n_dense_lead].moe.has_down_t) { /* (the first layer with experts) */
         /* the device runs an expert's down as llama.cpp stores it; the sparse experts' file
          * has it transposed (ffn_down_exps_t), which only the CPU's kernels read */
         note(hy, "The file's experts are in their sparse form (ffn_down_exps_t): they run on the "

@@ -194,9 +194,10 @@ gh_status gh_ffn_auto_mode(const gh_model * m, int simd_level, gh_ffn_auto_choic
     const int candidate = file_mode(m);
     gh_ffn_auto_in in = { .candidate = candidate, .simd_level = simd_level, .density = -1.0 };
     if (candidate != GH_FFN_DENSE && m->hp.n_layer > 0) {
-        const gh_layer * L = &m->layers[0];
-        const gh_moe_layer * M = &L->moe;
         const bool gated = m->hp.gated, moe = m->hp.n_expert > 0;
+        /* (a mixture: its first layer with experts, past glm4moe's / dots1's dense ones) */
+        const gh_layer * L = &m->layers[moe ? m->hp.n_dense_lead : 0];
+        const gh_moe_layer * M = &L->moe;
         /* a mixture: one expert's FFN (each selected expert runs the strategy's list) */
         const gh_weight * g = moe ? &M->gate_exps : &L->gate, * u = moe ? &M->up_exps : &L->up,
                         * dt = moe ? &M->down_exps_t : &L->down_t;

@@ -1217,17 +1217,18 @@ static gh_status load_expert_predictors(gh_model * m, int il, gh_moe_layer * M) 
         return gh_fail(GH_ERR_FORMAT, "the experts' predictor of layer %d: tensor '%s' without '%s'",
                        il, f1 ? n1 : n2, f1 ? n2 : n1);
     }
-    const bool want = il == 0 || m->layers[0].moe.has_pred; /* layer 0 decides */
+    const int l0 = hp->n_dense_lead; /* the first layer with experts decides */
+    const bool want = il == l0 || m->layers[l0].moe.has_pred;
     if (!f1) {
-        if (il > 0 && want) {
-            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: layer 0's experts have predictors "
-                           "(blk.0.ffn_exp_fc1.weight), so every layer needs them", n1);
+        if (il > l0 && want) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: layer %d's experts have predictors "
+                           "(blk.%d.ffn_exp_fc1.weight), so every layer needs them", n1, l0, l0);
         }
         return GH_OK;
     }
     if (!want) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives layer %d's experts predictors but "
-                       "'blk.0.ffn_exp_fc1.weight' is missing: every layer needs them", n1, il);
+                       "'blk.%d.ffn_exp_fc1.weight' is missing: every layer needs them", n1, il, l0);
     }
     if (!M->has_down_t) {
         return gh_fail(GH_ERR_FORMAT, "tensor '%s' gives the experts predictors but layer %d has no "

@@ -10,8 +10,10 @@ file from the converter's dense plan:
     1. write the dense GGUF to a temporary file (next to the output),
     2. profile it with the native runtime over calibration text: each layer's FFN inputs
        (profile.py; a mixture records no neuron mask),
-    3. route the profiled inputs as the runtime does (softmax, top-k, ties to the lower id)
-       and, per expert, over the tokens that chose it, take the threshold on |act(gate x)|
+    3. route the profiled inputs as the runtime does (route(): the file's softmax or
+       DeepSeek-V3 sigmoid gating with its selection bias and groups, top-k) and, in each
+       layer with experts (not glm4moe's / dots1's leading dense layers, whose FFN stays
+       dense; shared experts stay dense too), per expert, over the tokens that chose it, take the threshold on |act(gate x)|
        that zeroes the share ``sparsity`` of its (token, neuron) entries (thresholds.py's
        rule per expert instead of per layer) on the first 80% of the profiled tokens; the
        last 20% are held out, and the sparsity measured there is reported,
@@ -41,6 +43,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -66,14 +69,77 @@ HOLDOUT = 0.2
 GATE_ACTS = (F.ACT_RELU, F.ACT_DRELU, F.ACT_FATRELU, F.ACT_SILU, F.ACT_GELU, F.ACT_GELU_ERF)
 
 
-def route(x: np.ndarray, router: np.ndarray, k: int, router_b: np.ndarray | None = None) -> np.ndarray:
-    """Each token's k experts [N, k] as the runtime picks them (moe.c top_k): the largest
-    router softmax probabilities, the lower id among equals (a stable sort)."""
+@dataclass(frozen=True)
+class Gating:
+    """A mixture's router as its file describes it (ffn/moe.c route()): softmax or sigmoid
+    gating; for sigmoid, the selection bias (exp_probs_b) and the group limit (n_group groups
+    of consecutive ids, the n_group_used best kept); the weights renormalised (norm) and
+    scaled (scale). norm and scale change the weights only, never the choice."""
+    sigmoid: bool = False
+    n_group: int = 1
+    n_group_used: int = 1
+    norm: bool = False
+    scale: float = 1.0
+
+    @classmethod
+    def from_kv(cls, kv: dict, arch: str) -> "Gating":
+        """From a file's metadata {key: value}, with the runtime's defaults for absent keys."""
+        def get(template, default):
+            v = kv.get(F.arch_key(template, arch))
+            return default if v is None else v
+        ng = int(get(F.KEY_EXPERT_GROUP_COUNT, 1)) or 1
+        return cls(sigmoid=int(get(F.KEY_EXPERT_GATING_FUNC, F.EXPERT_GATING_SOFTMAX)) == F.EXPERT_GATING_SIGMOID,
+                   n_group=ng, n_group_used=int(get(F.KEY_EXPERT_GROUP_USED_COUNT, ng)) or ng,
+                   norm=bool(get(F.KEY_EXPERT_WEIGHTS_NORM, False)),
+                   scale=float(get(F.KEY_EXPERT_WEIGHTS_SCALE, 1.0)))
+
+
+def route(x: np.ndarray, router: np.ndarray, k: int, router_b: np.ndarray | None = None,
+          gating: Gating | None = None, probs_b: np.ndarray | None = None,
+          weights: bool = False):
+    """Each token's k experts [N, k] as the runtime picks them (ffn/moe.c route()), and with
+    ``weights`` also their routing weights [N, k] ((sel, w)).
+
+    Softmax gating (the default): the largest router probabilities (softmax is monotonic, so
+    the order of the logits), weights the probabilities (/ their sum when gating.norm) *
+    gating.scale. Sigmoid gating (DeepSeek-V3's router: glm4moe, dots1): s = sigmoid(logits),
+    the choice by c = s + probs_b; with groups, a group's score is the sum of its two largest
+    c and only the n_group_used best groups' experts are eligible; the k largest eligible c,
+    weights the unbiased s (/ (their sum + 1e-20) when norm) * scale. Equal values go to the
+    lower id (a stable sort); the runtime resolves exact ties as torch.topk does, which only
+    tie-built inputs reach (real hidden states give distinct scores)."""
+    g = gating or Gating()
     logits = x.astype(np.float32) @ router.T.astype(np.float32)
     if router_b is not None:
         logits = logits + router_b
-    # softmax is monotonic: the order of the logits is the order of the probabilities
-    return np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    n, ne = logits.shape
+    if g.sigmoid:
+        s = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
+        c = s + probs_b.astype(np.float32) if probs_b is not None else s.copy()
+        if g.n_group > 1 and g.n_group_used < g.n_group:
+            per = ne // g.n_group
+            top2 = -np.sort(-c.reshape(n, g.n_group, per), axis=2)[:, :, :2]
+            gs = top2[:, :, 0] + top2[:, :, 1]
+            keep = np.argsort(-gs, axis=1, kind="stable")[:, :g.n_group_used]
+            mask = np.zeros((n, g.n_group), dtype=bool)
+            np.put_along_axis(mask, keep, True, axis=1)
+            c = np.where(np.repeat(mask, per, axis=1), c, -np.inf)
+        sel = np.argsort(-c, axis=1, kind="stable")[:, :k]
+        if not weights:
+            return sel
+        w = np.take_along_axis(s, sel, axis=1)
+        if g.norm:
+            w = w / (w.sum(axis=1, keepdims=True) + np.float32(1e-20))
+        return sel, (w * np.float32(g.scale)).astype(np.float32)
+    sel = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    if not weights:
+        return sel
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    w = np.take_along_axis(p, sel, axis=1)
+    if g.norm:
+        w = w / w.sum(axis=1, keepdims=True)
+    return sel, (w * np.float32(g.scale)).astype(np.float32)
 
 
 def expert_tokens(sel: np.ndarray, n_expert: int) -> list[np.ndarray]:
@@ -165,15 +231,25 @@ def train_expert_predictors(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarra
 
 
 def _layer_weights(dense_t: dict, il: int, n_expert: int, n_ff: int, d: int):
-    """Layer il's router [n_expert, d] (and bias or None) and gate_exps [n_expert, n_ff, d],
-    as the runtime reads them (decoded from the dense file)."""
+    """Layer il's router [n_expert, d], its bias and its selection bias (exp_probs_b; None
+    where absent) and gate_exps [n_expert, n_ff, d], as the runtime reads them (decoded from
+    the dense file)."""
+    def vec(name):
+        t = dense_t.get(name)
+        return None if t is None else decode_matrix(np.asarray(t.data), t.tensor_type, (n_expert,))
     r = dense_t[F.tensor_name(F.T_FFN_GATE_INP, il)]
     router = decode_matrix(np.asarray(r.data), r.tensor_type, (n_expert, d))
-    rb = dense_t.get(F.tensor_name(F.T_FFN_GATE_INP, il, "bias"))
-    router_b = None if rb is None else decode_matrix(np.asarray(rb.data), rb.tensor_type, (n_expert,))
+    router_b = vec(F.tensor_name(F.T_FFN_GATE_INP, il, "bias"))
+    probs_b = vec(F.tensor_name(F.T_FFN_EXP_PROBS_B, il, "bias"))
     g = dense_t[F.tensor_name(F.T_FFN_GATE_EXPS, il)]
     gate = decode_matrix(np.asarray(g.data), g.tensor_type, (n_expert * n_ff, d)).reshape(n_expert, n_ff, d)
-    return router, router_b, gate
+    return router, router_b, probs_b, gate
+
+
+def _route_layer(dense_t: dict, il: int, dense, gating: Gating, x: np.ndarray):
+    """(selections [N, k], gate_exps) of layer il's experts for its FFN inputs x."""
+    router, router_b, probs_b, gate = _layer_weights(dense_t, il, dense.n_expert, dense.n_ff_exp, dense.n_embd)
+    return route(x, router, dense.n_expert_used, router_b, gating, probs_b), gate
 
 
 def _raw_job(name, shape, qtype, data):
@@ -199,10 +275,6 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         if bad:
             raise ConvertError(f"sparse experts (a mixture-of-experts model, {dense.n_expert} experts) "
                                f"do not take {what} yet")
-    if dense.arch in (F.ARCH_GLM4MOE, F.ARCH_DOTS1):
-        # calibration routes as moe.c's softmax router does, and every layer has experts
-        raise ConvertError(f"sparse experts of {dense.arch} (DeepSeek-V3's sigmoid router, dense leading "
-                           "layers) are not made yet; convert it densely (--dense)")
     if act not in GATE_ACTS:
         raise ConvertError(f"sparse experts need a gate threshold on the experts' activation, and {act!r} "
                            f"has none here (supported: {', '.join(GATE_ACTS)}); convert it densely")
@@ -215,7 +287,7 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
     if not text.strip():
         raise ConvertError(f"calibration text {calib} is empty")
     rep = SparseReport(calib_source=calib_source_string(calib))
-    n_layer, d, ne, ff, k = dense.n_layer, dense.n_embd, dense.n_expert, dense.n_ff_exp, dense.n_expert_used
+    n_layer, d, ne, ff = dense.n_layer, dense.n_embd, dense.n_expert, dense.n_ff_exp
     out_dir = os.path.dirname(os.path.abspath(out_path))
     remove_stale(out_dir)
     tmpdir = scratch_dir(os.path.join(out_dir, os.path.basename(out_path)))
@@ -241,36 +313,42 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         t0 = time.perf_counter()
         reader = open_gguf(dense_path)
         dense_t = {t.name: t for t in reader.tensors}
-        thr_all, held = [], []
-        for il in range(n_layer):
-            router, router_b, gate = _layer_weights(dense_t, il, ne, ff, d)
+        # the router as the file says (softmax, or DeepSeek-V3's sigmoid with its selection
+        # bias and groups), and the leading dense layers (glm4moe, dots1): no experts there,
+        # their FFN stays dense (None in the report's per-layer lists)
+        kv = {e[0]: e[1] for e in dense.kv}
+        gating = Gating.from_kv(kv, dense.arch)
+        lead = int(kv.get(F.arch_key(F.KEY_LEADING_DENSE_BLOCK_COUNT, dense.arch)) or 0)
+        moe_layers = range(lead, n_layer)
+        thr_all, held = [None] * n_layer, [None] * n_layer
+        for il in moe_layers:
             x = prof.x[il]
-            sel = route(x, router, k, router_b)
+            sel, gate = _route_layer(dense_t, il, dense, gating, x)
             thr = calibrate_experts(x[:n_fit], sel[:n_fit], gate, act, sparsity, dense.act_threshold or 0.0)
             s_held, _ = measure_sparsity(x[n_fit:], sel[n_fit:], gate, act, thr, dense.act_threshold or 0.0)
-            thr_all.append(thr)
-            held.append(s_held)
+            thr_all[il] = thr
+            held[il] = s_held
         rep.gate_thresholds = thr_all
         rep.gate_sparsity = sparsity
         rep.expert_holdout_sparsity = held
-        kept = sum(int((t >= 0).sum()) for t in thr_all)
+        kept = sum(int((thr_all[il] >= 0).sum()) for il in moe_layers)
         say(f"[3/3] expert gate thresholds ({'exact zeros' if not sparsity else f'sparsity {sparsity:g}'}): "
-            f"{kept} of {n_layer * ne} experts keep one; held-out sparsity per layer "
-            f"{', '.join(f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
-        preds = []
+            f"{kept} of {len(moe_layers) * ne} experts keep one; held-out sparsity per layer "
+            f"{', '.join('dense' if v is None else f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
+        preds = [None] * n_layer
         if opts.expert_predictors:
             t0 = time.perf_counter()
             cfg = opts.predictor or PredictorConfig(recall_target=opts.predictor_recall,
                                                     threshold=opts.threshold, h_start=8)
-            for il in range(n_layer):
-                router, router_b, gate = _layer_weights(dense_t, il, ne, ff, d)
+            for il in moe_layers:
                 x = prof.x[il]
-                sel = route(x, router, k, router_b)
-                preds.append(train_expert_predictors(x, sel, gate, act, cfg, dense.act_threshold or 0.0))
-            rep.expert_predictor_recall = [p[2] for p in preds]
+                sel, gate = _route_layer(dense_t, il, dense, gating, x)
+                preds[il] = train_expert_predictors(x, sel, gate, act, cfg, dense.act_threshold or 0.0)
+            rep.expert_predictor_recall = [p and p[2] for p in preds]
             say("      expert predictors: held-out recall / predicted density / true density per layer "
-                + ", ".join(f"{r:.3f}/{pd:.3f}/{td:.3f}" for r, pd, td in rep.expert_predictor_recall)
-                + f"; h per layer {[int(p[0].shape[1]) for p in preds]} ({time.perf_counter() - t0:.1f} s)")
+                + ", ".join(f"{p[2][0]:.3f}/{p[2][1]:.3f}/{p[2][2]:.3f}" for p in preds if p)
+                + f"; h per layer {[int(p[0].shape[1]) for p in preds if p]} "
+                f"({time.perf_counter() - t0:.1f} s)")
 
         # the sparse file: ffn_down_exps -> ffn_down_exps_t (the same values, each expert's
         # matrix transposed, in the down's type refitted to rows of d), + the thresholds
@@ -287,7 +365,7 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                                           qt, load_t))
                 new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
                                           lambda a=thr_all[il]: a))
-                if preds:
+                if preds[il] is not None:
                     w1, w2, _ = preds[il]
                     new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC1, il), w1.shape,
                                               Q.F32, lambda a=w1: a))
@@ -303,7 +381,7 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                 w.add_key_value(F.KEY_SPARSE_TARGET, float(sparsity), V.FLOAT32)
             w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
             w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(n), V.UINT32)
-            if preds and opts.threshold:
+            if opts.expert_predictors and opts.threshold:
                 w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
 
         path = write_gguf(out_path, setup, new_jobs, progress, arch=dense.arch)

@@ -47,7 +47,9 @@ class SparseReport:
                                       # tokens, (recall, density, true density)
     expert_holdout_sparsity: list = field(default_factory=list)  # sparse experts: per layer the
                                       # share of selected experts' neurons below their thresholds
-                                      # on the held-out tokens (expert_sparsity.py)
+                                      # on the held-out tokens (expert_sparsity.py); None for
+                                      # a leading dense layer (glm4moe, dots1), as in
+                                      # gate_thresholds and expert_predictor_recall there
 
 
 def calib_source_string(path: str) -> str:

@@ -16,6 +16,7 @@ from ._native import check, ffi, lib
 from .generation import Completion, Generation, new_sampler, run_stream
 from .handles import (CACHE_NAMES, FFN_MODES, FFN_NAMES, NativeHandle, cache_type_id,
                       ffn_mode_id)
+from .speculative import start_speculative
 
 if TYPE_CHECKING:
     from .model import Model
@@ -521,8 +522,6 @@ class Context(NativeHandle):
         sampler = new_sampler(model.n_vocab, temperature, top_k, top_p, min_p, repeat_penalty,
                                repeat_last_n, seed)
         if draft is not None or draft_max is not None:
-            from .speculative import start_speculative
-
             return start_speculative(self, draft, draft_max, float(temperature) <= 0,
                                      prompt_ids, sampler, max_tokens,
                                      repeat_last_n, stops, bool(ignore_eos), stats,

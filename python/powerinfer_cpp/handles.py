@@ -1,6 +1,7 @@
 """The ownership layer over the native binding (_native.py): a handle that owns one native
-object (Model and Context are handles), and the Python names of the runtime's enums that
-the handles' constructors and setters take."""
+object (Model and Context are handles; ModelHandle is the model's type as the modules below
+model.py see it), and the Python names of the runtime's enums that the handles'
+constructors and setters take."""
 
 from __future__ import annotations
 
@@ -97,3 +98,13 @@ class NativeHandle:
         with self._lock:
             yield self._handle()
 
+
+class ModelHandle(NativeHandle):
+    """A loaded model file: the type of model.Model, its one implementation, for the modules
+    that model.py imports and that need to recognise a model or load another file as one
+    (speculative.py: a draft given as a Model or as a path) without importing model.py back."""
+
+    def _load_draft(self, path) -> ModelHandle:
+        """The model in file `path` loaded as a draft for this one (its thread count and batch
+        size)."""
+        raise NotImplementedError

@@ -19,12 +19,10 @@ import numpy as np
 
 from . import embeddings as E
 from ._native import NativeError, check, ffi, lib
-from .arguments import int_arg as _int_arg  # noqa: F401  (speculative.py imports it from here)
 from .context import Context, ContextState
-from .generation import INTERFERED as _INTERFERED  # noqa: F401  (likewise)
 from .generation import Completion, Generation, Sampler, eval_batch
-from .handles import (ACT_NAMES, CACHE_TYPES, FFN_MODES, LOAD_MODES, TYPE_NAMES, NativeHandle,
-                      cache_type_id, ffn_mode_id)
+from .handles import (ACT_NAMES, CACHE_TYPES, FFN_MODES, LOAD_MODES, TYPE_NAMES, ModelHandle,
+                      NativeHandle, cache_type_id, ffn_mode_id)
 from .preflight import load_error
 from .sizes import parse_size
 from .tokenizer import Tokenizer, load_tokenizer
@@ -70,7 +68,7 @@ class ModelInfo:
     expert_norm: bool = False    # the top-k routing weights are renormalised
 
 
-class Model(NativeHandle):
+class Model(ModelHandle):
     """A model loaded from a GGUF file (shared by all its contexts).
 
     `Model(path, n_ctx=..., n_threads=...)` also sets up a default context, so
@@ -207,6 +205,10 @@ class Model(NativeHandle):
 
     def _free(self, ptr) -> None:
         lib.gh_model_free(ptr)
+
+    def _load_draft(self, path) -> Model:
+        d = self._ctx_defaults
+        return Model(path, n_threads=d["n_threads"], n_batch=d["n_batch"])
 
     @property
     def load_mode(self) -> str:

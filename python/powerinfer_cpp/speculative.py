@@ -43,11 +43,19 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._native import check, ffi, lib
-from .model import FFN_MODES, Context, Generation, Model, _INTERFERED, _int_arg
+from .arguments import int_arg as _int_arg
+from .generation import INTERFERED as _INTERFERED
+from .generation import Generation
+from .handles import FFN_MODES, ModelHandle
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .model import Model
 
 #: Default of draft_max: most tokens drafted per verification.
 DEFAULT_DRAFT_MAX = 8
@@ -286,8 +294,7 @@ def load_draft_model(model: Model, path) -> Model:
         cache = _draft_models.setdefault(model, {})
         draft = cache.get(key)
         if draft is None or draft._ptr is None:
-            d = model._ctx_defaults
-            draft = Model(path, n_threads=d["n_threads"], n_batch=d["n_batch"])
+            draft = model._load_draft(path)
             try:
                 check_vocab(model, draft)
             except BaseException:
@@ -313,7 +320,7 @@ def start_speculative(ctx: Context, draft, draft_max, greedy: bool, prompt_ids, 
     elif sd is not None:
         drafter = _SelfDrafter(ctx, check_self_draft(ctx.model, sd), sd)
     else:
-        if isinstance(draft, Model):
+        if isinstance(draft, ModelHandle):
             dmodel = draft
             check_vocab(ctx.model, dmodel)
         elif isinstance(draft, (str, os.PathLike)):

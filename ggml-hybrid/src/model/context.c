@@ -2,6 +2,7 @@
 #include "model/model.h"
 #include "backend/hybrid.h"
 #include "ffn/exec.h"
+#include "ffn/moe.h"
 #include "ffn/strategy.h"
 #include "ffn/auto_mode.h"
 #include "core/tap.h"

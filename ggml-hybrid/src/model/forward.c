@@ -3,6 +3,7 @@
 #include "model/model.h"
 #include "backend/hybrid.h"
 #include "ffn/exec.h"
+#include "ffn/moe.h"
 #include "types/types.h"
 
 #include <math.h>

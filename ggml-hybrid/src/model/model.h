@@ -14,7 +14,8 @@
 #include "backend/backend.h"
 #include "types/types.h"
 #include "model/arch.h"
-#include "ffn/moe.h"
+/* the experts' data only: the MoE FFN (ffn/moe.h) runs on the model, not the model on it */
+#include "ffn/experts.h"
 #include "core/tap.h"
 
 /* Vectors (norms, biases) are owned f32 copies, NULL where the file has none. One expert
@@ -39,7 +40,7 @@ typedef struct gh_layer {
      * `up` then has no rows); up = the rows multiplied in (gated FFNs) */
     gh_weight gate, up, down;
     float *   gate_b, * up_b, * down_b;
-    /* a mixture of experts in place of gate/up/down (hp.n_expert > 0; ffn/moe.h) */
+    /* a mixture of experts in place of gate/up/down (hp.n_expert > 0; run by ffn/moe.c) */
     gh_moe_layer moe;
     /* sparse extension (all optional; see load_ffn_down_and_sparse in model.c) */
     bool      has_down_t;  /* down_t replaces down: row i = neuron i's output vector */

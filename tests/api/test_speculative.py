@@ -447,19 +447,27 @@ def test_server_batches_speculative_slots_with_the_others(files, drafter):
             return r.json()
 
         alone = [ask(i) for i in range(4)]
-        steps0 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
-        with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            spec = list(ex.map(ask, [0, 2]))
-        steps1 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
+        # Two requests sent together need not overlap (a busy or an idle machine can finish
+        # one before the other starts): the round repeats, each time with the replies
+        # checked, until the two speculative slots' parts shared a pass.
+        shared = False
+        for _ in range(6):
+            steps0 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                spec = list(ex.map(ask, [0, 2]))
+            steps1 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
+            assert [g["choices"][0]["text"] for g in spec] == [ref[0], ref[2]]
+            assert all(g["timings"]["draft_n"] > 0 for g in spec)
+            if steps1 > steps0:
+                shared = True
+                break
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             together = list(ex.map(ask, range(4)))
     for got in (alone, together):
         assert [g["choices"][0]["text"] for g in got] == ref
         for i, g in enumerate(got):
             assert ("draft_n" in g["timings"]) == (i % 2 == 0), (i, g["timings"])
-    assert [g["choices"][0]["text"] for g in spec] == [ref[0], ref[2]]
-    assert all(g["timings"]["draft_n"] > 0 for g in spec)
-    assert steps1 > steps0  # the two speculative slots' parts shared passes
+    assert shared  # the two speculative slots' parts shared passes
 
 
 # -- the cheaper self drafts: head rows, skipped layers, lookup ------------------------------

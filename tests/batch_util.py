@@ -22,6 +22,21 @@ def native_batch_ex(ctxs, counts, tokens, logits_all: bool = False) -> None:
                                ffi.from_buffer("int32_t[]", t), 1 if logits_all else 0))
 
 
+def check_splits_equal_tokens(path, ids) -> None:
+    """A prompt evaluated whole, in batches of 5 and token by token (f32 cache) gives the
+    same logits within 1e-5 of their range."""
+    from powerinfer_cpp import Model
+
+    with Model(path, n_ctx=64, cache_type="f32", n_threads=2) as m:
+        whole = m.create_context(n_ctx=64, cache_type="f32").eval(ids, logits_all=True)
+        parts = m.create_context(n_ctx=64, n_batch=5, cache_type="f32").eval(ids, logits_all=True)
+        one = m.create_context(n_ctx=64, cache_type="f32", n_threads=1)
+        steps = np.stack([one.eval([t]) for t in ids])
+    scale = np.ptp(whole)
+    np.testing.assert_allclose(parts, whole, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(steps, whole, rtol=0, atol=1e-5 * scale)
+
+
 def logit_rows(ctx) -> np.ndarray:
     nv = ctx.model.n_vocab
     with ctx._calling() as ptr:

@@ -21,6 +21,17 @@ sys.path.insert(0, str(TESTS_DIR))
 sys.path[1:1] = [str(d) for d in sorted(TESTS_DIR.iterdir()) if d.is_dir() and any(d.glob("test_*.py"))]
 
 SHIPPED_DIR = REPO_DIR / "models" / "tiny-relu-kjv"
+
+
+def load_tool(relpath: str):
+    """A script of tools/ (not a package) imported as a module, e.g. load_tool("moefy.py")."""
+    import importlib.util
+
+    path = REPO_DIR / "tools" / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 #: The shipped SwiGLU model: the default model of the gate-magnitude sparsity tests.
 SHIPPED_SWIGLU_DIR = REPO_DIR / "models" / "tiny-swiglu-kjv"
 

@@ -469,13 +469,9 @@ def test_inspect_says_whether_the_runtime_loads_a_file(random_gguf, tmp_path):
 def test_load_fuzzer_seeds_load_and_run(tmp_path):
     """The load-path fuzzer's seeds (tools/fuzz/load_seeds.py) are models the runtime
     loads and runs: a seed that stopped loading would leave the forward pass unfuzzed."""
-    import importlib.util
+    from conftest import load_tool
 
-    from conftest import REPO_DIR
-
-    spec = importlib.util.spec_from_file_location("load_seeds", REPO_DIR / "tools/fuzz/load_seeds.py")
-    seeds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(seeds)
+    seeds = load_tool("fuzz/load_seeds.py")
     seeds.main(str(tmp_path))
     files = sorted(tmp_path.glob("load-*.gguf"))
     assert len(files) == len(seeds.SEEDS)

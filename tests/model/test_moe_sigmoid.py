@@ -23,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from batch_util import check_splits_equal_tokens  # noqa: E402
 from gguf import GGUFValueType as VT  # noqa: E402
 from gguf_rewrite import rewrite_gguf  # noqa: E402
 from hf_models import hf_reference_model, make_hf_model  # noqa: E402
@@ -109,15 +110,7 @@ def test_router_features_move_the_logits(case):
 
 
 def test_any_batch_split_equals_token_by_token(case):
-    ids = case["ids"]
-    with Model(case["gguf"], n_ctx=64, cache_type="f32", n_threads=2) as m:
-        whole = m.create_context(n_ctx=64, cache_type="f32").eval(ids, logits_all=True)
-        parts = m.create_context(n_ctx=64, n_batch=5, cache_type="f32").eval(ids, logits_all=True)
-        one = m.create_context(n_ctx=64, cache_type="f32", n_threads=1)
-        steps = np.stack([one.eval([t]) for t in ids])
-    scale = np.ptp(whole)
-    np.testing.assert_allclose(parts, whole, rtol=0, atol=1e-5 * scale)
-    np.testing.assert_allclose(steps, whole, rtol=0, atol=1e-5 * scale)
+    check_splits_equal_tokens(case["gguf"], case["ids"])
 
 
 def test_ties_resolved_as_transformers(tmp_path):

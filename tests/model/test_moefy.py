@@ -14,7 +14,6 @@ the runtime as the Mixtral layout it writes.
 
 from __future__ import annotations
 
-import importlib.util
 
 import gguf
 import numpy as np
@@ -30,27 +29,17 @@ from powerinfer_cpp.convert import convert  # noqa: E402
 from powerinfer_cpp.gguf_write import ConvertError  # noqa: E402
 from powerinfer_cpp.sparse.experts import selection_trace  # noqa: E402
 from powerinfer_cpp.sparse.profile import profile_model  # noqa: E402
-from conftest import REPO_DIR  # noqa: E402
+from conftest import REPO_DIR, load_tool  # noqa: E402
 
 N_EXPERT = 4
 N_POS = 24
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("moefy", REPO_DIR / "tools/moefy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-moefy = _tool()
+moefy = load_tool("moefy.py")
 
 
 def _sim():
-    spec = importlib.util.spec_from_file_location("moe_cache_sim", REPO_DIR / "tools/moe_cache_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("moe_cache_sim.py")
 
 
 @pytest.fixture(scope="module")

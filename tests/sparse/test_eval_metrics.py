@@ -3,21 +3,17 @@ plain way, on synthetic logits: no model, no native runtime run."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
 import pytest
 
-from conftest import REPO_DIR
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def ev():
-    spec = importlib.util.spec_from_file_location("eval_sparsity", REPO_DIR / "tools/eval_sparsity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("eval_sparsity.py")
 
 
 def _logp(z: np.ndarray) -> np.ndarray:

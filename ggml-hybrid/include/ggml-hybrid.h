@@ -583,7 +583,9 @@ typedef struct {
                                 * with gate > 0) */
     int64_t n_down_rows;       /* ffn_down_t rows the CPU read for sparse tokens (nonzero
                                 * activation) */
-    double  density;           /* n_active / (n_sparse_tokens * n_layer * n_ff); 0 if none */
+    double  density;           /* n_active / (n_sparse_tokens * n_layer * n_ff); 0 if none (a
+                                * mixture: over its layers with experts, each n_expert_used *
+                                * n_ff_exp wide) */
     double  bytes_attention;   /* q, k, v, o projections */
     double  bytes_predictor;   /* fc1 + fc2 */
     double  bytes_ffn;         /* gate, up, down rows read (sparse: active rows only) */

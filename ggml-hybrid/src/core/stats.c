@@ -12,9 +12,10 @@ double gh_now(void) {
     return (double) ts.tv_sec + 1e-9 * (double) ts.tv_nsec;
 }
 
-gh_status gh_stats_init(gh_stats * s, int n_layer) {
+gh_status gh_stats_init(gh_stats * s, int n_layer, int il_tokens) {
     memset(s, 0, sizeof *s);
     s->n_layer = n_layer;
+    s->il_tokens = il_tokens;
     s->layer_active = calloc((size_t) GH_MAX(n_layer, 1), sizeof(int64_t));
     return s->layer_active ? GH_OK : gh_fail(GH_ERR_OOM, "out of memory for the statistics");
 }
@@ -26,9 +27,10 @@ void gh_stats_free(gh_stats * s) {
 
 void gh_stats_reset(gh_stats * s) {
     int64_t * la = s->layer_active;
-    const int nl = s->n_layer;
+    const int nl = s->n_layer, it = s->il_tokens;
     memset(s, 0, sizeof *s);
     s->n_layer = nl;
+    s->il_tokens = it;
     s->layer_active = la;
     if (la) memset(la, 0, (size_t) nl * sizeof(int64_t));
 }
@@ -51,7 +53,7 @@ void gh_stats_observe(gh_stats * s, const gh_tap_ev * ev) {
         s->n_active += ev->count;
         s->n_active_device += ev->count2;
         s->layer_active[ev->il] += ev->count;
-        if (ev->il == 0) s->n_sparse_tokens++;
+        if (ev->il == s->il_tokens) s->n_sparse_tokens++;
         break;
     case GH_TAP_ROWS:
         s->n_up_rows += ev->count;

@@ -18,14 +18,17 @@ typedef struct gh_stats {
     double    t_total;
     int64_t   n_tokens, n_sparse_tokens, n_active, n_up_rows, n_down_rows;
     int       n_layer;
+    int       il_tokens;     /* the layer whose selections count n_sparse_tokens: the first
+                              * with a sparse FFN (a mixture's first with experts) */
     int64_t * layer_active;  /* [n_layer] active neurons summed over sparse tokens */
     int64_t   n_active_device;
     int64_t   n_attn_in, n_attn_used, n_head_in, n_head_used; /* input-sparse projections */
     double    bytes_device, bytes_up, bytes_down, t_device, t_cpu_ffn, t_wait;
 } gh_stats;
 
-/* Zeroed counters for n_layer layers; GH_ERR_OOM (message set) on failure. */
-gh_status gh_stats_init(gh_stats * s, int n_layer);
+/* Zeroed counters for n_layer layers, the tokens counted at layer il_tokens' selections;
+ * GH_ERR_OOM (message set) on failure. */
+gh_status gh_stats_init(gh_stats * s, int n_layer, int il_tokens);
 void gh_stats_free(gh_stats * s);
 void gh_stats_reset(gh_stats * s);
 

@@ -32,6 +32,7 @@ struct gh_moe_state {
     float *   yg;      /* [n_batch][n_embd] one expert's outputs */
     void *    scratch; /* gh_matmul scratch for n_batch tokens of any expert weight */
     int64_t * counts;  /* [n_layer][n_expert] selections since the last reset */
+    int64_t * act;     /* [n_batch] one layer's active neurons per token in a sparse step */
     /* a model on a device (NULL / 0 otherwise): each (token, expert) entry's output, kept
      * until the merge so that the sum runs in expert order as on the CPU; the device
      * experts' gate and up outputs; where each expert of the current layer runs */
@@ -71,6 +72,7 @@ void gh_moe_state_free(gh_moe_state * s) {
     gh_aligned_free(s->yg);
     gh_aligned_free(s->scratch);
     free(s->counts);
+    free(s->act);
     gh_aligned_free(s->ye);
     gh_aligned_free(s->hgd);
     gh_aligned_free(s->hud);
@@ -178,8 +180,9 @@ gh_moe_state * gh_moe_state_new(const gh_model * m, int32_t n_batch) {
     s->yg = gh_aligned_alloc(nb * d * sizeof(float));
     s->scratch = gh_aligned_alloc(scratch);
     s->counts = calloc((size_t) hp->n_layer * ne, sizeof(int64_t));
+    s->act = calloc(nb, sizeof(int64_t));
     if (!s->probs || !s->choice || !s->sel || !s->sel_w || !s->start || !s->fill || !s->tok || !s->tok_w ||
-        !s->xg || !s->hg || !s->hu || !s->yg || !s->scratch || !s->counts) {
+        !s->xg || !s->hg || !s->hu || !s->yg || !s->scratch || !s->counts || !s->act) {
         gh_moe_state_free(s);
         gh_fail(GH_ERR_OOM, "out of memory for the expert buffers of a %d-token batch", n_batch);
         return NULL;
@@ -728,6 +731,7 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     const bool sparse = M->has_down_t && sparse_mode;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
+    if (sparse) memset(s->act, 0, (size_t) n * sizeof(int64_t));
     if (S) { /* the device's part while the CPU runs the experts */
         const gh_status err = shexp_gate_up(c, S, n);
         if (err) return gh_hybrid_sync(c, err);
@@ -746,8 +750,11 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
                                                          x + (int64_t) s->tok[first + j] * d,
                                                          s->yg + (int64_t) j * d, &bytes, &n_act);
                 if (err) return S ? gh_hybrid_sync(c, err) : err;
+                s->act[s->tok[first + j]] += n_act;
             }
         } else {
+            /* an expert run dense: every neuron of it active for its tokens */
+            for (int32_t j = 0; sparse && j < cnt; j++) s->act[s->tok[first + j]] += ff;
             const float * xe = x;
             if (cnt < n) {
                 for (int32_t j = 0; j < cnt; j++) {
@@ -777,6 +784,10 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     }
     shared_expert(c, il, n, S, &bytes);
     gh_tap_bytes(&c->tap, GH_STAGE_FFN, bytes);
+    /* a sparse step's selections, one per token as a dense layer's sparse FFN counts them
+     * (the statistics' n_sparse_tokens, density and layer densities; the selected experts'
+     * neurons, the shared expert's not) */
+    for (int32_t t = 0; sparse && t < n; t++) gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, s->act[t], 0);
     return GH_OK;
 }
 

@@ -170,7 +170,9 @@ gh_status gh_context_new(gh_model * m, const gh_context_params * p, gh_context *
         gh_ffn_auto_choice ch;  /* `auto`: the file's mode where estimated faster than dense */
         c->ffn_mode = gh_ffn_auto_mode(m, gh_simd_get(), &ch) ? GH_FFN_DENSE : ch.mode;
         c->sparse_batch = GH_SPARSE_BATCH_MAX_DEFAULT;
-        const bool stats_ok = gh_stats_init(&c->stats, hp->n_layer) == GH_OK;
+        /* a mixture's leading dense layers run dense in every mode: its tokens are
+         * counted at the first layer with experts */
+        const bool stats_ok = gh_stats_init(&c->stats, hp->n_layer, hp->n_expert ? hp->n_dense_lead : 0) == GH_OK;
         c->tap.stats = &c->stats;
         const size_t nin = GH_MAX(d, dq);
         c->in_ids = gh_aligned_alloc(nin * sizeof(int32_t));
@@ -638,7 +640,12 @@ gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
     out->n_active = s->n_active;
     out->n_up_rows = s->n_up_rows;
     out->n_down_rows = s->n_down_rows;
-    const double denom = (double) s->n_sparse_tokens * hp->n_layer * hp->n_ff;
+    /* a layer's neurons: its FFN's, or a mixture's selected experts' (the leading dense
+     * layers run dense, counted by no selection) */
+    const gh_hparams * mp = &c->model->hp;
+    const double width = mp->n_expert ? (double) mp->n_expert_used * mp->n_ff_exp : (double) hp->n_ff;
+    const int n_sel_layers = mp->n_expert ? hp->n_layer - mp->n_dense_lead : hp->n_layer;
+    const double denom = (double) s->n_sparse_tokens * n_sel_layers * width;
     out->density = denom > 0 ? (double) s->n_active / denom : 0.0;
     out->bytes_attention = s->bytes[GH_STAGE_ATTENTION];
     out->bytes_predictor = s->bytes[GH_STAGE_PREDICTOR];
@@ -671,7 +678,7 @@ gh_status gh_context_get_stats(const gh_context * c, gh_context_stats * out,
     if (layer_density) {
         for (int il = 0; il < hp->n_layer; il++) {
             layer_density[il] = s->n_sparse_tokens > 0
-                ? (double) s->layer_active[il] / ((double) s->n_sparse_tokens * hp->n_ff) : 0.0;
+                ? (double) s->layer_active[il] / ((double) s->n_sparse_tokens * width) : 0.0;
         }
     }
     return GH_OK;

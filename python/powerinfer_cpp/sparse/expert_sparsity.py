@@ -56,7 +56,7 @@ from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
 from .predictor import PredictorConfig, train_layer
 from .report import SparseReport, calib_source_string, resolve_calib
-from .thresholds import gate_magnitudes
+from .thresholds import MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
@@ -149,26 +149,41 @@ def expert_tokens(sel: np.ndarray, n_expert: int) -> list[np.ndarray]:
     return [np.sort(tok[exp == e]) for e in range(n_expert)]
 
 
+class ExpertQuantiles:
+    """One layer's thresholds.QuantileTable with a row per expert, over the tokens that chose
+    it: the thresholds of any level without keeping the magnitudes, so that the quality
+    budget's bisection can ask for many levels."""
+
+    def __init__(self, x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
+                 act_threshold: float = 0.0, min_tokens: int = MIN_EXPERT_TOKENS):
+        """x [N, d] the layer's FFN inputs, sel [N, k] the experts each token chose,
+        gate_exps [n_expert, n_ff, d] as stored (dequantized); an expert fewer than
+        min_tokens tokens chose gets no row (it keeps no threshold)."""
+        self.relu = act in F.SPARSE_ACTIVATIONS
+        n_expert = gate_exps.shape[0]
+        toks = expert_tokens(sel, n_expert)
+        self.ok = np.array([t.size >= min_tokens for t in toks], dtype=bool)
+        self.table = QuantileTable(gate_magnitudes(x[toks[e]], gate_exps[e], act, act_threshold=act_threshold)
+                                   for e in np.flatnonzero(self.ok)) if self.ok.any() else None
+
+    def thresholds(self, sparsity: float | None) -> np.ndarray:
+        """Each expert's threshold [n_expert] float32 at a level: sparsity None or 0 gives 0
+        for a ReLU-family activation (exactly its zeros) and -1 (none: dense) otherwise; an
+        expert without a row: -1."""
+        if not sparsity:
+            return np.full(len(self.ok), 0.0 if self.relu else -1.0, dtype=np.float32)
+        out = np.full(len(self.ok), -1.0, dtype=np.float32)
+        if self.table is not None:
+            out[self.ok] = self.table.thresholds([sparsity] * self.table.n_layer)
+        return out
+
+
 def calibrate_experts(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
                       sparsity: float | None, act_threshold: float = 0.0,
                       min_tokens: int = MIN_EXPERT_TOKENS) -> np.ndarray:
-    """Each expert's gate threshold [n_expert] float32 for one layer: x [N, d] its FFN
-    inputs, sel [N, k] the experts each token chose, gate_exps [n_expert, n_ff, d] as stored
-    (dequantized). sparsity None or 0: 0 for a ReLU-family activation (exactly its zeros),
-    -1 (none: dense) otherwise; an expert with fewer than min_tokens tokens: -1."""
-    relu = act in F.SPARSE_ACTIVATIONS
-    n_expert = gate_exps.shape[0]
-    out = np.full(n_expert, -1.0, dtype=np.float32)
-    toks = expert_tokens(sel, n_expert)
-    for e in range(n_expert):
-        if not sparsity:
-            out[e] = 0.0 if relu else -1.0
-            continue
-        if toks[e].size < min_tokens:
-            continue
-        mags = gate_magnitudes(x[toks[e]], gate_exps[e], act, act_threshold=act_threshold)
-        out[e] = float(np.quantile(mags, sparsity))
-    return out
+    """Each expert's gate threshold [n_expert] float32 for one layer at one level
+    (ExpertQuantiles' arguments and thresholds())."""
+    return ExpertQuantiles(x, sel, gate_exps, act, act_threshold, min_tokens).thresholds(sparsity)
 
 
 def measure_sparsity(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
@@ -256,21 +271,67 @@ def _raw_job(name, shape, qtype, data):
     return TensorJob(name, tuple(int(s) for s in shape), qtype, lambda a=data: a, raw=True)
 
 
+@dataclass
+class _Levels:
+    """What the levels' stage measures with: the per-layer quantile tables, the evaluation
+    file (gate_eval.GateEvaluator over the sparse-experts file, its thresholds patched per
+    trial), the held-out ids and the input calibrations per level."""
+    tables: list                     # per layer ExpertQuantiles (None: a dense layer)
+    fixed: float                     # the FFN's level without a budget (--sparsity S, or 0)
+    ev: object = None
+    held_ids: list | None = None
+    cals: dict | None = None
+    prof: object = None
+    opts: object = None
+    say: Callable = print
+    progress: bool = False
+
+    def thresholds(self, g: float | None) -> list:
+        """Per layer the experts' thresholds at level g (None: the fixed level)."""
+        lvl = self.fixed if g is None else g
+        return [None if t is None else t.thresholds(lvl) for t in self.tables]
+
+    def measure(self, g, cal) -> dict:
+        return self.ev.measure(self.held_ids, self.thresholds(g), inputs=cal)
+
+    def make_inputs(self, level: float, g):
+        """The input calibration at level, refit (when asked) in the gate mode at level g."""
+        from .gate_eval import patch_expert_thresholds
+        from .input_eval import refit, refit_tokens
+
+        cal, opts = self.cals[level], self.opts
+        if opts.input_refit and level > 0:
+            patch_expert_thresholds(self.ev.path, self.thresholds(g))
+            ids = refit_tokens(self.prof.input_ids, cal.n_fit, self.prof.n_ctx, opts.input_refit_tokens)
+            refit(self.ev.path, cal, ids, self.prof.n_ctx, opts.n_threads, say=self.say, progress=self.progress)
+        return cal
+
+
 def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
                            say: Callable[[str], None] | None = None):
     """The sparse-experts file of a mixture-of-experts model (see the module's doc); returns
     (output path, SparseReport)."""
+    from .budget import over_budget, search_levels
+    from .gate_eval import GateEvaluator, patch_expert_thresholds, search_budget
+    from .input_sparsity import InputSources, calibrate_input_levels, input_kv
+    from .input_eval import refit_summary
+    from .pipeline import DEFAULT_MAX_PPL_INCREASE, _kl_bound
 
     say = say or (lambda s: log.info("%s", s))
-    act, sparsity = dense.activation, opts.sparsity
+    act, sparsity, budget = dense.activation, opts.sparsity, opts.max_ppl_increase
     relu = act in F.SPARSE_ACTIVATIONS
-    refuse = [(opts.max_ppl_increase is not None, "the quality budget --max-ppl-increase (pass --sparsity S)"),
-              (opts.input_sparsity is not None, "--input-sparsity"),
-              (opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
+    in_req, in_auto = opts.input_sparsity is not None, opts.input_sparsity == "auto"
+    refuse = [(opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
                                  "are placed at load)"),
-              (opts.expert_predictors and (not relu or sparsity),
-               f"--expert-predictors with {act} experts{' and --sparsity' if sparsity else ''} (predictors "
-               "are trained for ReLU-family experts' exact zeros: --sparse without --sparsity)")]
+              (opts.expert_predictors and (not relu or sparsity or budget),
+               f"--expert-predictors with {act} experts{' and a gate level' if sparsity or budget else ''} "
+               "(predictors are trained for ReLU-family experts' exact zeros: --sparse without --sparsity or "
+               "--max-ppl-increase)"),
+              (opts.expert_predictors and in_req, "--input-sparsity with --expert-predictors"),
+              (opts.input_ffn, "--input-ffn (input sparsity of the experts' own inputs; --input-sparsity "
+                               "covers the attention and the head)"),
+              (opts.allocation != "uniform", f"--sparsity-allocation {opts.allocation} (every layer's experts "
+                                             "take the one level, fixed or chosen by the budget)")]
     for bad, what in refuse:
         if bad:
             raise ConvertError(f"sparse experts (a mixture-of-experts model, {dense.n_expert} experts) "
@@ -278,9 +339,13 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
     if act not in GATE_ACTS:
         raise ConvertError(f"sparse experts need a gate threshold on the experts' activation, and {act!r} "
                            f"has none here (supported: {', '.join(GATE_ACTS)}); convert it densely")
-    if sparsity is None and not relu:
+    if sparsity is None and budget is None and not relu:
         raise ConvertError(f"a mixture of {act} experts has no exact zeros: pass --sparsity S (the share of "
-                           "each expert's neurons its gate threshold skips), or convert it densely")
+                           "each expert's neurons its gate threshold skips) or --max-ppl-increase P (the "
+                           "largest level within P of dense perplexity on held-out text), or convert it densely")
+    # the budget input sparsity is measured against: the gate's, shared; with a fixed FFN
+    # (exact zeros, or --sparsity S with a fixed input level) only "auto" has one, the default's
+    in_budget = budget if budget is not None else (DEFAULT_MAX_PPL_INCREASE if in_auto else None)
     calib = resolve_calib(dense.hf_dir, opts.calib)
     with open(calib, encoding="utf-8") as f:
         text = f.read()
@@ -295,20 +360,36 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         t0 = time.perf_counter()
         dense_path = os.path.join(tmpdir, "dense.gguf")
         write_gguf(dense_path, lambda w: add_kv(w, dense.kv), dense.jobs, progress, arch=dense.arch)
-        say(f"[1/3] dense GGUF written ({dense.outtype}, {len(dense.jobs)} tensors, "
+        say(f"[1/4] dense GGUF written ({dense.outtype}, {len(dense.jobs)} tensors, "
             f"{time.perf_counter() - t0:.1f} s)")
 
         t0 = time.perf_counter()
         from .profile import profile_model
         prof = profile_model(dense_path, text, n_ctx=opts.profile_ctx, n_threads=opts.n_threads,
-                             max_tokens=opts.calib_tokens, progress=progress)
+                             max_tokens=opts.calib_tokens, progress=progress,
+                             inputs=opts.input_tokens if in_req else 0,
+                             # under a budget the input thresholds never see its held-out tokens
+                             inputs_span=1.0 - HOLDOUT if in_budget is not None else 1.0)
         n = prof.n_tokens
         if n < 16:
             raise ConvertError(f"calibration text {calib} gave only {n} tokens; need at least 16")
         rep.n_calib_tokens = n
         n_fit = n - max(1, int(round(n * HOLDOUT)))
         rep.n_gate_fit = n_fit
-        say(f"[2/3] profile: {n} tokens ({time.perf_counter() - t0:.1f} s)")
+        if in_budget is not None and n - n_fit < 16:
+            raise ConvertError(f"the quality budget needs at least 16 held-out tokens (the last {HOLDOUT:.0%} "
+                               f"of the profile); {n} tokens were profiled: give a longer --calib text or a "
+                               "larger --calib-tokens")
+        say(f"[2/4] profile: {n} tokens ({time.perf_counter() - t0:.1f} s)")
+        in_src, in_levels, cals = None, [], {}
+        if in_req:
+            t1 = time.perf_counter()
+            in_src = InputSources(dense.jobs, n_layer, dense.n_ff)
+            in_levels = sorted({float(v) for v in opts.input_grid}) if in_auto else [float(opts.input_sparsity)]
+            cals = dict(zip([0.0] + in_levels, calibrate_input_levels(prof, [0.0] + in_levels,
+                                                                      opts.input_criterion, in_src.weight_t)))
+            say(f"[2/4] input thresholds ({time.perf_counter() - t1:.1f} s, on dense-mode inputs): "
+                + "; ".join(cals[v].summary() for v in in_levels))
 
         t0 = time.perf_counter()
         reader = open_gguf(dense_path)
@@ -320,24 +401,15 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         gating = Gating.from_kv(kv, dense.arch)
         lead = int(kv.get(F.arch_key(F.KEY_LEADING_DENSE_BLOCK_COUNT, dense.arch)) or 0)
         moe_layers = range(lead, n_layer)
-        thr_all, held = [None] * n_layer, [None] * n_layer
+        tables = [None] * n_layer
         for il in moe_layers:
             x = prof.x[il]
             sel, gate = _route_layer(dense_t, il, dense, gating, x)
-            thr = calibrate_experts(x[:n_fit], sel[:n_fit], gate, act, sparsity, dense.act_threshold or 0.0)
-            s_held, _ = measure_sparsity(x[n_fit:], sel[n_fit:], gate, act, thr, dense.act_threshold or 0.0)
-            thr_all[il] = thr
-            held[il] = s_held
-        rep.gate_thresholds = thr_all
-        rep.gate_sparsity = sparsity
-        rep.expert_holdout_sparsity = held
-        kept = sum(int((thr_all[il] >= 0).sum()) for il in moe_layers)
-        say(f"[3/3] expert gate thresholds ({'exact zeros' if not sparsity else f'sparsity {sparsity:g}'}): "
-            f"{kept} of {len(moe_layers) * ne} experts keep one; held-out sparsity per layer "
-            f"{', '.join('dense' if v is None else f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
+            tables[il] = ExpertQuantiles(x[:n_fit], sel[:n_fit], gate, act, dense.act_threshold or 0.0)
+        lv = _Levels(tables, float(sparsity or 0.0), cals=cals, prof=prof, opts=opts, say=say, progress=progress)
         preds = [None] * n_layer
         if opts.expert_predictors:
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             cfg = opts.predictor or PredictorConfig(recall_target=opts.predictor_recall,
                                                     threshold=opts.threshold, h_start=8)
             for il in moe_layers:
@@ -348,43 +420,120 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
             say("      expert predictors: held-out recall / predicted density / true density per layer "
                 + ", ".join(f"{p[2][0]:.3f}/{p[2][1]:.3f}/{p[2][2]:.3f}" for p in preds if p)
                 + f"; h per layer {[int(p[0].shape[1]) for p in preds if p]} "
-                f"({time.perf_counter() - t0:.1f} s)")
+                f"({time.perf_counter() - t1:.1f} s)")
 
-        # the sparse file: ffn_down_exps -> ffn_down_exps_t (the same values, each expert's
-        # matrix transposed, in the down's type refitted to rows of d), + the thresholds
-        new_jobs = []
-        for j in dense.jobs:
-            kind, il, suffix = F.parse_tensor_name(j.name)
-            if kind == F.T_FFN_DOWN_EXPS and suffix == "weight":
-                qt, _ = fit_rows(j.qtype, d)
+        def write(path, thr_all, cal, keys, show):
+            """The sparse file: ffn_down_exps -> ffn_down_exps_t (the same values, each
+            expert's matrix transposed, in the down's type refitted to rows of d), + the
+            thresholds (+ the predictors; + the input-sparse copies of cal)."""
+            new_jobs = []
+            for j in dense.jobs:
+                kind, il, suffix = F.parse_tensor_name(j.name)
+                if kind == F.T_FFN_DOWN_EXPS and suffix == "weight":
+                    qt, _ = fit_rows(j.qtype, d)
 
-                def load_t(j=j):
-                    return np.ascontiguousarray(np.asarray(j.load(), dtype=np.float32).transpose(0, 2, 1))
+                    def load_t(j=j):
+                        return np.ascontiguousarray(np.asarray(j.load(), dtype=np.float32).transpose(0, 2, 1))
 
-                new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il), (ne, ff, d),
-                                          qt, load_t))
-                new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
-                                          lambda a=thr_all[il]: a))
-                if preds[il] is not None:
-                    w1, w2, _ = preds[il]
-                    new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC1, il), w1.shape,
-                                              Q.F32, lambda a=w1: a))
-                    new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC2, il), w2.shape,
-                                              Q.F32, lambda a=w2: a))
-            else:
-                rt = dense_t[j.name]
-                new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+                    new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il), (ne, ff, d),
+                                              qt, load_t))
+                    new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il), (ne,), Q.F32,
+                                              lambda a=thr_all[il]: a))
+                    if preds[il] is not None:
+                        w1, w2, _ = preds[il]
+                        new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC1, il), w1.shape,
+                                                  Q.F32, lambda a=w1: a))
+                        new_jobs.append(TensorJob(F.sparse_expert_tensor_name(F.T_FFN_EXP_FC2, il), w2.shape,
+                                                  Q.F32, lambda a=w2: a))
+                else:
+                    rt = dense_t[j.name]
+                    new_jobs.append(_raw_job(j.name, j.shape, j.qtype, rt.data))
+                if cal is not None and kind == F.T_ATTN_OUTPUT and suffix == "weight":
+                    new_jobs += in_src.layer_jobs(cal, il)
+            if cal is not None:
+                new_jobs += in_src.head_jobs(cal)
 
-        def setup(w):
-            add_kv(w, dense.kv)
-            if sparsity:
-                w.add_key_value(F.KEY_SPARSE_TARGET, float(sparsity), V.FLOAT32)
-            w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
-            w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(n), V.UINT32)
-            if opts.expert_predictors and opts.threshold:
-                w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
+            def setup(w):
+                add_kv(w, dense.kv)
+                for k, v, ty in keys + (input_kv(cal) if cal is not None else []):
+                    w.add_key_value(k, v, ty)
+                w.add_key_value(F.KEY_SPARSE_CALIB_SOURCE, rep.calib_source, V.STRING)
+                w.add_key_value(F.KEY_SPARSE_CALIB_TOKENS, int(n), V.UINT32)
+                if opts.expert_predictors and opts.threshold:
+                    w.add_key_value(F.KEY_SPARSE_THRESHOLD, float(opts.threshold), V.FLOAT32)
 
-        path = write_gguf(out_path, setup, new_jobs, progress, arch=dense.arch)
+            return write_gguf(path, setup, new_jobs, show, arch=dense.arch)
+
+        # [3] the levels: the experts' (fixed, or the largest within the budget) and the
+        # input level (fixed, or searched with the experts' under the shared budget: budget.py),
+        # measured by the runtime on one evaluation file whose thresholds each trial patches
+        if budget is not None or (in_req and (in_auto or in_budget is not None
+                                              or (opts.input_refit and in_levels[0] > 0))):
+            eval_path = write(os.path.join(tmpdir, "eval.gguf"), lv.thresholds(0.0), cals.get(0.0), [], False)
+            lv.ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads, ffn="gate", patch=patch_expert_thresholds)
+            lv.held_ids = [int(t) for t in prof.tokens[n_fit:n_fit + opts.budget_tokens]]
+        mean, cal = lv.fixed, None
+        joint = in_req and in_budget is not None and (in_auto or in_levels[0] > 0)
+        max_kl = _kl_bound(opts, in_budget) if in_budget is not None else None
+        if joint:
+            say(f"[3/4] quality budget {in_budget:.1%} " + ("shared by the experts' gate thresholds and "
+                                                          if budget is not None else "(the experts' level fixed) for ")
+                + f"input sparsity at {', '.join(f'{v:.0%}' for v in in_levels)}"
+                + (" (or off)" if in_auto else "") + f", on {len(lv.held_ids)} held-out tokens")
+            best, rep.input_tried = search_levels(lv.measure, lv.make_inputs, in_budget, in_levels,
+                                                  MAX_LAYER_SPARSITY if budget is not None else None,
+                                                  include_off=in_auto, say=say, max_kl=max_kl)
+            mean = lv.fixed if best.gate is None else best.gate
+            cal, rep.budget_result = best.cal, best.result
+            r = best.result
+            if cal is not None and in_auto:
+                cal.max_ppl_increase, cal.ppl_increase = in_budget, r["ppl"] / r["ppl_dense"] - 1.0
+            if over_budget(r, in_budget, max_kl):
+                log.warning("over the %.1f%% quality budget: input sparsity %.0f%% alone (kept: it was asked for)",
+                            100 * in_budget, 100 * best.inputs)
+        elif budget is not None:
+            say(f"[3/4] quality budget: the largest experts' sparsity within {budget:.1%} of dense perplexity "
+                f"on {len(lv.held_ids)} held-out tokens (calibration on the first {n_fit})")
+            mean, rep.budget_result, rep.budget_tried = search_budget(lambda g: lv.measure(g, None), budget,
+                                                                      MAX_LAYER_SPARSITY, say=say, max_kl=max_kl)
+        if in_req and not joint:
+            cal = lv.make_inputs(in_levels[0], mean)
+        rep.input_calibration = cal
+        r = rep.budget_result
+        if r is not None:
+            say(f"[3/4] chosen: experts' sparsity {mean:.1%}" + (f", input sparsity {cal.sparsity:.0%}" if cal else "")
+                + f": held-out ppl {r['ppl']:.3f} vs dense {r['ppl_dense']:.3f} "
+                f"({r['ppl'] / r['ppl_dense'] - 1:+.2%}, bound {r['ppl_increase_ub']:+.2%}), KL {r['kl']:.4f}, "
+                f"{r['bytes_per_token'] / 1e6:.3f} of {r['bytes_per_token_dense'] / 1e6:.3f} MB/token")
+        elif budget is not None:
+            say("[3/4] no experts' level above 0 kept the budget: the experts run dense")
+        if cal is not None and cal.sparse_mode:
+            say(f"[3/4] input thresholds, {refit_summary(cal)}")
+
+        thr_all, held = lv.thresholds(mean), [None] * n_layer
+        for il in moe_layers:
+            x = prof.x[il]
+            sel, gate = _route_layer(dense_t, il, dense, gating, x)
+            held[il], _ = measure_sparsity(x[n_fit:], sel[n_fit:], gate, act, thr_all[il], dense.act_threshold or 0.0)
+        rep.gate_thresholds = thr_all
+        rep.gate_sparsity = mean
+        rep.expert_holdout_sparsity = held
+        kept = sum(int((thr_all[il] >= 0).sum()) for il in moe_layers)
+        say(f"[3/4] expert gate thresholds ({'exact zeros' if not mean else f'sparsity {mean:g}'}): "
+            f"{kept} of {len(moe_layers) * ne} experts keep one; held-out sparsity per layer "
+            f"{', '.join('dense' if v is None else f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
+
+        keys = []
+        if mean:
+            keys.append((F.KEY_SPARSE_TARGET, float(mean), V.FLOAT32))
+        if budget is not None:
+            keys.append((F.KEY_SPARSE_MAX_PPL_INCREASE, float(budget), V.FLOAT32))
+            keys.append((F.KEY_SPARSE_PPL_INCREASE, float(r["ppl"] / r["ppl_dense"] - 1.0) if r else 0.0,
+                         V.FLOAT32))
+        t0 = time.perf_counter()
+        path = write(out_path, thr_all, cal, keys, progress)
+        say(f"[4/4] wrote {path} ({time.perf_counter() - t0:.1f} s)")
+        lv.ev = None
         del reader
         return path, rep
     finally:

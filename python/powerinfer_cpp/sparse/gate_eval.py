@@ -49,15 +49,44 @@ def patch_gate_thresholds(path: str, values: Sequence[float]) -> None:
         del r
 
 
+def patch_expert_thresholds(path: str, values: Sequence) -> None:
+    """Overwrite the per-expert gate thresholds (blk.N.ffn_exp_gate_thr) of the sparse-experts
+    file at path in place: values[N] an array [n_expert], a scalar for every expert, or None
+    (a layer without experts, left as it is)."""
+    r = gguf.GGUFReader(path, "r+")
+    try:
+        t = {x.name: x for x in r.tensors}
+        for l, v in enumerate(values):
+            if v is not None:
+                t[F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, l)].data[:] = np.asarray(v, np.float32)
+        r.data.flush()
+    finally:
+        del r
+
+
+#: A mixture's expert tensors: a decoded token reads expert_used_count of expert_count of them.
+EXPERT_KINDS = (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS, F.T_FFN_DOWN_EXPS_T)
+#: ... and the tensors every token of a mixture reads whole (router, shared expert).
+MOE_WHOLE_KINDS = (F.T_FFN_GATE_INP, F.T_FFN_GATE_INP_SHEXP, F.T_FFN_GATE_SHEXP, F.T_FFN_UP_SHEXP,
+                   F.T_FFN_DOWN_SHEXP)
+
+
 def decode_weight_bytes(path: str) -> dict:
     """Weight bytes a dense decoded token reads from the file at path, per stage: attention
-    (the row-major q/k/v/o), ffn (gate, up, down or down_t), head (output, or the tied
+    (the row-major q/k/v/o), ffn (gate, up, down or down_t; a mixture's router, shared expert
+    and expert_used_count / expert_count of its experts' bytes), head (output, or the tied
     embedding)."""
     r = gguf.GGUFReader(path)
     try:
         nb = {t.name: int(t.n_bytes) for t in r.tensors}
+        arch = str(r.fields[F.KEY_GENERAL_ARCHITECTURE].contents())
+        used = {}
+        for key in (F.KEY_EXPERT_COUNT, F.KEY_EXPERT_USED_COUNT):
+            f = r.fields.get(F.arch_key(key, arch))
+            used[key] = int(f.contents()) if f is not None else 0
     finally:
         del r
+    share = used[F.KEY_EXPERT_USED_COUNT] / used[F.KEY_EXPERT_COUNT] if used[F.KEY_EXPERT_COUNT] else 0.0
     out = {"attention": 0, "ffn": 0}
     for name, b in nb.items():
         kind, layer, suffix = F.parse_tensor_name(name)
@@ -65,8 +94,10 @@ def decode_weight_bytes(path: str) -> dict:
             continue
         if kind in ATTN_KINDS:
             out["attention"] += b
-        elif kind in FFN_KINDS:
+        elif kind in FFN_KINDS or kind in MOE_WHOLE_KINDS:
             out["ffn"] += b
+        elif kind in EXPERT_KINDS:
+            out["ffn"] += b * share
     out["head"] = nb.get(F.tensor_name(F.T_OUTPUT), nb.get(F.tensor_name(F.T_TOKEN_EMBD), 0))
     return out
 
@@ -83,8 +114,13 @@ class GateEvaluator:
     (ffn: "gate" at given thresholds, or "sparse": the file's predictors), with or without
     input sparsity at a given calibration."""
 
-    def __init__(self, path: str, window: int, n_threads: int = 0, ffn: str = "gate"):
+    def __init__(self, path: str, window: int, n_threads: int = 0, ffn: str = "gate",
+                 patch: Callable[[str, Sequence], None] = patch_gate_thresholds):
+        """patch(path, thresholds) writes a trial's gate thresholds into the file: the
+        per-layer key (patch_gate_thresholds), or a mixture's per-expert tensors
+        (patch_expert_thresholds)."""
         self.path, self.window, self.n_threads, self.ffn = path, int(window), n_threads, ffn
+        self.patch = patch
         self._dense: dict = {}
         self._weights = decode_weight_bytes(path)
 
@@ -96,7 +132,7 @@ class GateEvaluator:
         from ..model import Model
 
         if thresholds is not None:
-            patch_gate_thresholds(self.path, thresholds)
+            self.patch(self.path, thresholds)
         if inputs is not None:
             patch_calibration(self.path, inputs)
         with Model(self.path, n_ctx=self.window, n_threads=self.n_threads, cache_type="f32") as m:

@@ -15,14 +15,21 @@ file from the converter's dense plan:
        layer with experts (not glm4moe's / dots1's leading dense layers, whose FFN stays
        dense; shared experts stay dense too), per expert, over the tokens that chose it, take the threshold on |act(gate x)|
        that zeroes the share ``sparsity`` of its (token, neuron) entries (thresholds.py's
-       rule per expert instead of per layer) on the first 80% of the profiled tokens; the
-       last 20% are held out, and the sparsity measured there is reported,
+       rule per expert instead of per layer: ExpertQuantiles) on the first 80% of the
+       profiled tokens; the last 20% are held out, and the sparsity measured there is reported;
+       the level is ``--sparsity S``, or with ``--max-ppl-increase P`` the largest one (the
+       same in every layer) whose held-out perplexity bound stays within P of dense
+       (gate_eval.search_budget, as a dense gate file's), measured by the runtime on the
+       held-out tokens over one evaluation file whose per-expert thresholds each trial
+       patches; with ``--input-sparsity S|auto`` the attention's and head's input thresholds
+       as a dense file's (input_sparsity.py, refit in the gate mode: input_eval.py), their
+       level fixed or chosen with the experts' under the one budget (budget.search_levels),
     4. write ONE file: the dense tensors copied byte for byte, ffn_down_exps replaced by
-       ffn_down_exps_t, and per layer blk.N.ffn_exp_gate_thr.
+       ffn_down_exps_t, and per layer blk.N.ffn_exp_gate_thr (and the input-sparse copies).
 
 ReLU-family experts (ReGLU, dReLU: SmallThinker, TurboSparse) without ``--sparsity`` get
 threshold 0: exactly their zeros (the gate mode then computes the dense result). SwiGLU
-experts need ``--sparsity S``. An expert that fewer than MIN_EXPERT_TOKENS calibration
+experts need ``--sparsity S`` or ``--max-ppl-increase P``. An expert that fewer than MIN_EXPERT_TOKENS calibration
 tokens chose keeps no threshold (written negative: the runtime runs it dense), and so does
 every expert when the level is 0 for a non-ReLU activation. Whether the thresholds pay is
 decided at load per machine, as for a dense gate file (ffn/auto_mode.c: the expert's bytes
@@ -33,8 +40,9 @@ predictor (train_expert_predictors: on the tokens that chose it, against its exa
 blk.N.ffn_exp_fc1 / ffn_exp_fc2, for the sparse FFN mode, which then skips the expert's
 dense gate too; the held-out recall is reported per layer.
 
-Not here yet: the quality budget (--max-ppl-increase),
-input sparsity, a device placement of sparse experts (they run on the CPU).
+Not here yet: a level per layer or per expert (every layer takes the one level:
+--sparsity-allocation greedy is refused), input sparsity of the experts' own inputs
+(--input-ffn), a device placement of sparse experts (they run on the CPU).
 """
 
 from __future__ import annotations

@@ -121,6 +121,28 @@ def test_budget_keeps_heldout_perplexity(moe):
     assert _ppl(hg, moe["held"]) / _ppl(hd, moe["held"]) - 1.0 <= 2 * BUDGET
 
 
+def test_greedy_budget_per_layer(moe):
+    """--sparsity-allocation greedy under the budget: per-layer levels from each layer's
+    measured KL (their mean the level chosen), the held-out perplexity recomputed within the
+    budget as above."""
+    rep = []
+    out = convert_from_gguf(moe["moe"], moe["dir"] / "greedy.gguf", progress=False, report=rep,
+                            sparse_options=_opts(moe, max_ppl_increase=BUDGET, allocation="greedy",
+                                                 greedy_tokens=256))
+    r = rep[0]
+    levels = r.gate_layer_sparsity
+    print(f"greedy: mean {r.gate_sparsity:.3f}, per layer {levels}")
+    assert r.gate_costs.shape == (4, 9)
+    assert len(set(levels)) > 1 and np.mean(levels) == pytest.approx(r.gate_sparsity, abs=1e-6)
+    # each layer's thresholds are its own level's (one expert's quantile rises with the level)
+    with Model(moe["moe"], n_ctx=16) as m:
+        ids = m.tokenize(open(moe["calib"], encoding="utf-8").read())[:1600]
+    held = ids[1280:1600]
+    ld, _ = _logprobs(moe["moe"], held, "dense")
+    lg, _ = _logprobs(out, held, "gate")
+    assert _ppl(lg, held) / _ppl(ld, held) - 1.0 <= BUDGET
+
+
 def test_level_zero_is_dense(moe):
     """--sparsity 0 writes no threshold (-1: each expert runs dense) and its gate mode is the
     dense MoE file's computation."""
@@ -154,7 +176,7 @@ def test_input_sparsity_on_experts(moe, level):
 
 def test_bad_options_refused_by_name(moe):
     cases = [
-        (dict(max_ppl_increase=BUDGET, allocation="greedy"), r"--sparsity-allocation greedy"),
+        (dict(allocation="greedy"), r"--sparsity-allocation greedy without a level"),
         (dict(sparsity=0.3, input_sparsity=0.2, input_ffn=True), r"--input-ffn"),
         (dict(max_ppl_increase=BUDGET, vram_budget=1 << 20), r"a VRAM budget"),
         (dict(), r"a mixture of silu experts has no exact zeros: pass --sparsity S .* or --max-ppl-increase P"),

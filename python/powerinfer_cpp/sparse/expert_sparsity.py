@@ -40,8 +40,11 @@ predictor (train_expert_predictors: on the tokens that chose it, against its exa
 blk.N.ffn_exp_fc1 / ffn_exp_fc2, for the sparse FFN mode, which then skips the expert's
 dense gate too; the held-out recall is reported per layer.
 
-Not here yet: a level per layer or per expert (every layer takes the one level:
---sparsity-allocation greedy is refused), input sparsity of the experts' own inputs
+With ``--sparsity-allocation greedy`` the mean level is shared by the layers as a dense
+gate file's is (thresholds.greedy_allocation over each layer's experts' KL to dense alone,
+gate_eval.layer_costs); inside a layer every expert takes the layer's level.
+
+Not here yet: a level per expert, input sparsity of the experts' own inputs
 (--input-ffn), a device placement of sparse experts (they run on the CPU).
 """
 
@@ -64,7 +67,7 @@ from ..gguf_read import open_gguf
 from ..scratch import remove_stale, scratch_dir
 from .predictor import PredictorConfig, train_layer
 from .report import SparseReport, calib_source_string, resolve_calib
-from .thresholds import MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes
+from .thresholds import ALLOCATION_GRID, MAX_LAYER_SPARSITY, QuantileTable, gate_magnitudes, greedy_allocation
 
 log = logging.getLogger("powerinfer_cpp.convert")
 
@@ -286,6 +289,7 @@ class _Levels:
     trial), the held-out ids and the input calibrations per level."""
     tables: list                     # per layer ExpertQuantiles (None: a dense layer)
     fixed: float                     # the FFN's level without a budget (--sparsity S, or 0)
+    allocate: Callable | None = None  # mean level -> per layer with experts (None: uniform)
     ev: object = None
     held_ids: list | None = None
     cals: dict | None = None
@@ -294,10 +298,44 @@ class _Levels:
     say: Callable = print
     progress: bool = False
 
+    @property
+    def moe_layers(self) -> list:
+        return [l for l, t in enumerate(self.tables) if t is not None]
+
+    def levels(self, g: float | None) -> list:
+        """Per layer the experts' level at mean level g (None: the fixed level; None for a
+        layer without experts)."""
+        mean = self.fixed if g is None else g
+        each = self.allocate(mean) if self.allocate is not None and mean else [mean] * len(self.moe_layers)
+        out = [None] * len(self.tables)
+        for l, s in zip(self.moe_layers, each):
+            out[l] = float(s)
+        return out
+
     def thresholds(self, g: float | None) -> list:
-        """Per layer the experts' thresholds at level g (None: the fixed level)."""
-        lvl = self.fixed if g is None else g
-        return [None if t is None else t.thresholds(lvl) for t in self.tables]
+        """Per layer the experts' thresholds at mean level g (None: the fixed level)."""
+        return [None if t is None else t.thresholds(s) for t, s in zip(self.tables, self.levels(g))]
+
+    def greedy(self, ids: list, progress: bool, say) -> np.ndarray:
+        """The greedy allocation (thresholds.greedy_allocation) over the layers with experts,
+        from each one's KL to dense alone at the ALLOCATION_GRID levels (gate_eval.layer_costs,
+        the other layers' experts at threshold 0); sets self.allocate, returns the costs."""
+        from .gate_eval import layer_costs
+
+        moe, n = self.moe_layers, len(self.tables)
+        ev = self.ev
+
+        class _Layers:  # layer_costs' evaluator over the layers with experts only
+            def measure(self, ids_, thr):
+                full = [None] * n
+                for l, v in zip(moe, thr):
+                    full[l] = v
+                return ev.measure(ids_, full)
+
+        costs = layer_costs(_Layers(), ids, len(moe), lambda j, s: self.tables[moe[j]].thresholds(s),
+                            ALLOCATION_GRID, progress, say)
+        self.allocate = lambda mean: greedy_allocation(costs, mean)
+        return costs
 
     def measure(self, g, cal) -> dict:
         return self.ev.measure(self.held_ids, self.thresholds(g), inputs=cal)
@@ -338,8 +376,8 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
               (opts.expert_predictors and in_req, "--input-sparsity with --expert-predictors"),
               (opts.input_ffn, "--input-ffn (input sparsity of the experts' own inputs; --input-sparsity "
                                "covers the attention and the head)"),
-              (opts.allocation != "uniform", f"--sparsity-allocation {opts.allocation} (every layer's experts "
-                                             "take the one level, fixed or chosen by the budget)")]
+              (opts.allocation == "greedy" and not (sparsity or budget),
+               "--sparsity-allocation greedy without a level (--sparsity S or --max-ppl-increase P)")]
     for bad, what in refuse:
         if bad:
             raise ConvertError(f"sparse experts (a mixture-of-experts model, {dense.n_expert} experts) "
@@ -475,11 +513,18 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         # [3] the levels: the experts' (fixed, or the largest within the budget) and the
         # input level (fixed, or searched with the experts' under the shared budget: budget.py),
         # measured by the runtime on one evaluation file whose thresholds each trial patches
-        if budget is not None or (in_req and (in_auto or in_budget is not None
-                                              or (opts.input_refit and in_levels[0] > 0))):
+        greedy = opts.allocation == "greedy"
+        if budget is not None or greedy or (in_req and (in_auto or in_budget is not None
+                                                        or (opts.input_refit and in_levels[0] > 0))):
             eval_path = write(os.path.join(tmpdir, "eval.gguf"), lv.thresholds(0.0), cals.get(0.0), [], False)
             lv.ev = GateEvaluator(eval_path, prof.n_ctx, opts.n_threads, ffn="gate", patch=patch_expert_thresholds)
             lv.held_ids = [int(t) for t in prof.tokens[n_fit:n_fit + opts.budget_tokens]]
+        if greedy:
+            ids = [int(t) for t in prof.tokens[:min(n_fit if in_budget is not None else n, opts.greedy_tokens)]]
+            say(f"[3/4] greedy allocation: KL to dense of each layer's experts alone at {ALLOCATION_GRID[0]:.0%}.."
+                f"{ALLOCATION_GRID[-1]:.0%} on {len(ids)} calibration tokens "
+                f"({len(lv.moe_layers) * len(ALLOCATION_GRID)} runs)")
+            rep.gate_costs = lv.greedy(ids, progress, say)
         mean, cal = lv.fixed, None
         joint = in_req and in_budget is not None and (in_auto or in_levels[0] > 0)
         max_kl = _kl_bound(opts, in_budget) if in_budget is not None else None
@@ -525,9 +570,13 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
             held[il], _ = measure_sparsity(x[n_fit:], sel[n_fit:], gate, act, thr_all[il], dense.act_threshold or 0.0)
         rep.gate_thresholds = thr_all
         rep.gate_sparsity = mean
+        rep.gate_layer_sparsity = lv.levels(mean)
+        rep.gate_allocation = opts.allocation
         rep.expert_holdout_sparsity = held
         kept = sum(int((thr_all[il] >= 0).sum()) for il in moe_layers)
-        say(f"[3/4] expert gate thresholds ({'exact zeros' if not mean else f'sparsity {mean:g}'}): "
+        say(f"[3/4] expert gate thresholds ({'exact zeros' if not mean else f'sparsity {mean:g}'}"
+            + (f", per layer {', '.join(f'{s:.0%}' for s in rep.gate_layer_sparsity if s is not None)}"
+               if greedy and mean else "") + "): "
             f"{kept} of {len(moe_layers) * ne} experts keep one; held-out sparsity per layer "
             f"{', '.join('dense' if v is None else f'{v:.3f}' for v in held)} ({time.perf_counter() - t0:.1f} s)")
 

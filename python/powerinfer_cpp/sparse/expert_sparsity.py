@@ -574,7 +574,8 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         rep.gate_allocation = opts.allocation
         rep.expert_holdout_sparsity = held
         kept = sum(int((thr_all[il] >= 0).sum()) for il in moe_layers)
-        say(f"[3/4] expert gate thresholds ({'exact zeros' if not mean else f'sparsity {mean:g}'}"
+        what = f"sparsity {mean:g}" if mean else ("exact zeros" if relu else "level 0: every expert dense")
+        say(f"[3/4] expert gate thresholds ({what}"
             + (f", per layer {', '.join(f'{s:.0%}' for s in rep.gate_layer_sparsity if s is not None)}"
                if greedy and mean else "") + "): "
             f"{kept} of {len(moe_layers) * ne} experts keep one; held-out sparsity per layer "

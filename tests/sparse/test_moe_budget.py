@@ -174,6 +174,29 @@ def test_input_sparsity_on_experts(moe, level):
     assert abs((1.0 - ins["head_density"]) - level) <= 0.03
 
 
+def test_budget_with_input_sparsity_auto(moe):
+    """--max-ppl-increase with --input-sparsity auto on a mixture: the experts' level and the
+    input level searched under the one budget (budget.search_levels); the written file,
+    input-sparse in its gate mode, keeps the budget on its held-out tokens, recomputed."""
+    rep = []
+    out = convert_from_gguf(moe["moe"], moe["dir"] / "joint.gguf", progress=False, report=rep,
+                            sparse_options=_opts(moe, max_ppl_increase=BUDGET, input_sparsity="auto",
+                                                 input_grid=(0.1, 0.2)))
+    r = rep[0]
+    assert len(r.input_tried) >= 2 and r.input_tried[0].inputs == 0.0
+    cal = r.input_calibration
+    print(f"joint: experts {r.gate_sparsity:.3f}, inputs {cal.sparsity if cal else 0}, "
+          f"tried {[(c.gate, c.inputs) for c in r.input_tried]}")
+    with Model(moe["moe"], n_ctx=16) as m:
+        ids = m.tokenize(open(moe["calib"], encoding="utf-8").read())[:1600]
+    held = ids[1280:1600]
+    ld, _ = _logprobs(moe["moe"], held, "dense")
+    lg, st = _logprobs(out, held, "gate")
+    assert _ppl(lg, held) / _ppl(ld, held) - 1.0 <= BUDGET
+    if cal is not None:  # input sparsity chosen: the file runs it
+        assert st["input_sparse"]["attention_inputs"] > 0
+
+
 def test_bad_options_refused_by_name(moe):
     cases = [
         (dict(allocation="greedy"), r"--sparsity-allocation greedy without a level"),

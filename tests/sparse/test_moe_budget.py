@@ -115,6 +115,10 @@ def test_budget_keeps_heldout_perplexity(moe):
         info = m.info
     skipped = 1.0 - st["n_up_rows"] / (st["n_tokens"] * info.n_layer * info.n_expert_used * info.n_ff_exp)
     assert abs(skipped - level) <= 0.05, skipped
+    # every token ran the experts sparse, and the statistics' density is over the selected
+    # experts' neurons (SwiGLU: each listed neuron's up row is read)
+    assert st["n_sparse_tokens"] == st["n_tokens"] == len(held) - 1
+    assert st["density"] == pytest.approx(1.0 - skipped, rel=1e-9)
     # on the text after the calibration (not the budget's tokens) it stays near the budget
     hd, _ = _logprobs(moe["moe"], moe["held"], "dense")
     hg, _ = _logprobs(out, moe["held"], "gate")

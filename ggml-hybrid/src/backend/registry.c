@@ -35,8 +35,12 @@ static const backend_row BACKENDS[] = {
 };
 #define N_BACKENDS ((int32_t) (sizeof BACKENDS / sizeof BACKENDS[0]))
 
+/* The cuda row's: whether this build made it a constructor. */
 int32_t gh_have_cuda(void) {
-    return CUDA_NEW != NULL;
+    for (int32_t i = 0; i < N_BACKENDS; i++) {
+        if (strcmp(BACKENDS[i].name, "cuda") == 0) return BACKENDS[i].make != NULL;
+    }
+    return 0;
 }
 
 int32_t gh_device_kind_count(void) {

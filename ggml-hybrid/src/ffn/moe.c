@@ -9,7 +9,7 @@
 #include "core/tap.h"
 #include "ffn/exec.h"
 #include "ffn/strategy.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "model/model.h"
 
 #include <math.h>
@@ -697,7 +697,7 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
     }
 
     /* a model on a device runs its placed and cached experts there; sparse experts are all
-     * the CPU's (hybrid.c places none), so they take the CPU's path below, the router and
+     * the CPU's (placement.c places none), so they take the CPU's path below, the router and
      * attention having run where the placement put them */
     const gh_dexpert * S = shexp_device(c, il);
     if (c->model->hy && !M->has_down_t) {

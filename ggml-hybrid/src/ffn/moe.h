@@ -45,7 +45,7 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
  * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
  * viewed as a layer): the strategy selects the expert's active
  * neurons, the executor reads their up rows and down_t rows only.
- * On a device, a shared expert placed there (backend/hybrid.c) has its gate and up
+ * On a device, a shared expert placed there (model/placement.c) has its gate and up
  * enqueued before the CPU runs its experts, its down after; its output is added after the
  * routed experts' sum, as on the CPU. Returns a device error (of the router, the device's
  * experts or shared expert, or the expert cache's refill), which ends the layer. */

@@ -523,10 +523,6 @@ AVX512_VNNI_FN static void matmul16_q4_1_avx512(int64_t n, int64_t n_tokens, con
  * form ran at ~12 GB/s, half the dense tile's rate (docs/BENCHMARKS.md). */
 #define AXPY16_CHUNK 32
 
-/* the first n bytes of a vector (n <= 0: none) */
-static inline __mmask64 byte_mask(int64_t n) {
-    return n >= 64 ? ~(__mmask64) 0 : n <= 0 ? 0 : (((__mmask64) 1 << n) - 1);
-}
 /* vpermt2b indices of 8 blocks' scales (bytes 0..15: d; Q4_1: 16..31 its m) */
 static const uint8_t pick_q4_0[64] = {
     0, 1, 18, 19, 36, 37, 54, 55, 72, 73, 90, 91, 108, 109, 126, 127,
@@ -557,16 +553,21 @@ axpy16_q4v(const int type, int64_t n, const float * s, const void * const * row,
         int32_t bias[AXPY16_CHUNK];
         for (int k = 0; k < 16; k++) {
             const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
-            /* the scales (and mins) of 8 blocks at a time picked out of two masked loads
-             * (past the row's end: zeros, the padding the factors expect) */
-            for (int j = 0; j < nc; j += 8) {
-                const int64_t nbytes = (int64_t) GH_MIN(8, nc - j) * (int64_t) bs;
+            /* the scales (and mins) of 8 whole blocks at a time picked out of two loads,
+             * the rest one by one, then the padding the factors expect (zeros) */
+            int j = 0;
+            for (; j + 8 <= nc; j += 8) {
                 const uint8_t * p = b + j * bs;
-                const __m512i lo = _mm512_maskz_loadu_epi8(byte_mask(nbytes), p);
-                const __m512i hi = _mm512_maskz_loadu_epi8(byte_mask(nbytes - (int64_t) hi_at), p + hi_at);
-                const __m512i v = _mm512_permutex2var_epi8(lo, pick, hi);
+                const __m512i v = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), pick,
+                                                           _mm512_loadu_si512(p + hi_at));
                 _mm_storeu_si128((__m128i *) &d[k][j], _mm512_castsi512_si128(v));
                 if (q41) _mm_storeu_si128((__m128i *) &m[k][j], _mm512_extracti32x4_epi32(v, 1));
+            }
+            for (int i = j; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
+            for (int i = nc; i < AXPY16_CHUNK; i++) d[k][i] = 0;
+            if (q41) {
+                for (int i = j; i < nc; i++) memcpy(&m[k][i], b + i * bs + 2, 2);
+                for (int i = nc; i < AXPY16_CHUNK; i++) m[k][i] = 0;
             }
             if (pf) {
                 const char * p = (const char *) pf[k] + i0 * bs;

@@ -318,3 +318,46 @@ def test_format_doc_lists_the_hot_neurons_of_experts():
     sec = text[start:text.index("\n## ", start + 1)]
     tensors = set(re.findall(r"^\| `blk\.N\.([a-z_]+)` \|", sec, re.M))
     assert tensors == set(F.EXPERT_HOT_TENSORS)
+
+
+def test_place_profile_writes_the_hot_neurons_the_loader_uses(case, tmp_path):
+    """place --profile on a sparse-experts file: the profile's neuron activity inside each
+    expert, the ILP's hot neurons for the bytes the budget leaves after attention, routers and
+    head, in the side file (default) or a whole file (-o); the loader places exactly those
+    rows at that budget (they fit: the same budget order) and inspect shows them."""
+    import shutil
+
+    from powerinfer_cpp.inspect import describe
+    from powerinfer_cpp.place import main, replace_expert_placement
+
+    path = str(tmp_path / "m.gguf")
+    shutil.copy(case["sparse"], path)
+    with Model(path, device="host-device") as m:
+        dense = m.device_info()["dense_bytes"]
+    quarter = case["nl"] * case["ne"] * case["ff"] * 768 // 4
+    budget = dense + quarter
+    pl = replace_expert_placement(path, budget, profile=str(HELDOUT), profile_tokens=300, n_ctx=100)
+    assert 0 < pl.bytes <= quarter and pl.value >= pl.greedy_value - 1e-9
+    with Model(path, device="host-device", vram_budget=budget) as m:
+        info = m.device_info()
+        np.testing.assert_array_equal(m.expert_hot_counts(), pl.counts)
+        assert info["index_source"] == "file" and info["hot_bytes"] == pl.bytes
+        got = {"gate": _decode(m, case["ids"], "gate")[0]}
+    _check(case, got)
+    text = describe(path)
+    assert "profiled over 300 tokens of heldout.txt" in text and "hot neurons of experts" in text
+    assert f"/{case['ff']}]" in text
+    out = str(tmp_path / "whole.gguf")
+    assert budget % 1024 == 0  # (the CLI's sizes: K, M, G; a bare number is GiB)
+    assert main([path, "--vram-budget", f"{budget // 1024}K", "--profile", str(HELDOUT), "--profile-tokens", "300",
+                 "-o", out, "-q"]) == 0
+    import gguf
+
+    # (the CLI profiles in windows of its own n_ctx: its solution is its own)
+    by = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(out).tensors}
+    written = np.stack([by[f"blk.{l}.ffn_exp_hot_count"].reshape(-1) for l in range(case["nl"])])
+    assert written.sum() > 0
+    with Model(out, device="host-device", vram_budget=budget) as m:
+        np.testing.assert_array_equal(m.expert_hot_counts(), written)
+    with pytest.raises(Exception, match="pass --profile TEXT"):
+        replace_expert_placement(path, budget)

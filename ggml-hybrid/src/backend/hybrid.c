@@ -338,8 +338,7 @@ static gh_status place_expert_neurons(gh_model * m, gh_hybrid * hy, const gh_mod
     gh_device_info * in = &hy->info;
     in->n_neurons = (int64_t) (nl - hp->n_dense_lead) * ne * ff;
     if (p->expert_cache > 0) {
-        note(hy, "The expert cache holds whole experts as llama.cpp stores them, which the sparse "
-             "form (ffn_down_exps_t) does not: none made.");
+        note(hy, "No expert cache: it holds whole experts in llama.cpp's layout, not the sparse form.");
     }
     const int first = GH_MIN(p->n_cpu_moe, nl);
     bool has_rec = false;
@@ -358,9 +357,8 @@ static gh_status place_expert_neurons(gh_model * m, gh_hybrid * hy, const gh_mod
         }
     }
     if (!has_rec) {
-        note(hy, "The file's experts are in their sparse form (ffn_down_exps_t) without a record of "
-             "their hot neurons (blk.N.ffn_exp_hot; `python -m powerinfer_cpp.place "
-             "--expert-neurons`): they run on the CPU.");
+        note(hy, "Experts in the sparse form (ffn_down_exps_t) without a hot-neuron record (blk.N.ffn_exp_hot: "
+             "`python -m powerinfer_cpp.place --profile`): they run on the CPU.");
         return GH_OK;
     }
     if (n_hot == 0) {

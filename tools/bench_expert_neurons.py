@@ -19,14 +19,14 @@ ReLU-family mixture).
    (the same ILP, one group per expert: all or none).
 3. Held out: the next --tokens tokens profiled the same way; a placement's value there is
    the CPU bytes per token its rows would have cost on the CPU, sum over its neurons of
-   freq·(gate row + activity·(up row + down_t row)) (the gate mode reads every selected
-   expert's gate rows). Simulated time per token: sum over layers of max(device bytes /
+   freq·(gate row + listed·up row + nonzero·down_t row) (the gate mode reads every selected
+   expert's gate rows; dReLU's nonzero share is below its listed one). Simulated time per token: sum over layers of max(device bytes /
    dev_bw, CPU bytes / cpu_bw) (the executor runs the device's neurons while the CPU runs
    the rest), attention, routers and head left out.
 4. Runtime check: each placement written into the file and decoded over the held-out tokens
    on host-device in the gate mode; the CPU's up and down rows per token (the statistics)
    against CPU-only, times the row bytes, is the measured up + down bytes moved, beside the
-   model's prediction of the same (sum freq·activity·(up + down_t)).
+   model's prediction of the same (sum freq·(listed·up + nonzero·down_t)).
 """
 
 from __future__ import annotations
@@ -48,22 +48,23 @@ from powerinfer_cpp.sparse.expert_sparsity import profile_expert_neurons  # noqa
 from powerinfer_cpp.sparse.experts import expert_hot_tensors, solve_expert_neurons  # noqa: E402
 
 
-def value(hot, freq, nfreq, row_bytes, parts=("gate", "up", "down")):
-    """Per layer the CPU bytes per token the neurons hot[l][e] cost on the CPU."""
+def value(hot, freq, nfreq, dfreq, row_bytes, parts=("gate", "up", "down")):
+    """Per layer the CPU bytes per token the neurons hot[l][e] cost on the CPU: the gate rows
+    of a selected expert, the up rows of its listed neurons, the down_t rows of those whose
+    activation is nonzero."""
     out = np.zeros(len(hot))
     for l, row in enumerate(hot):
         g, u, d = row_bytes[l]
         for e, ids in enumerate(row):
             if len(ids) == 0:
                 continue
-            a = nfreq[l, e, ids]
             v = 0.0
             if "gate" in parts:
                 v += g * len(ids)
             if "up" in parts:
-                v += a.sum() * u
+                v += nfreq[l, e, ids].sum() * u
             if "down" in parts:
-                v += a.sum() * d
+                v += dfreq[l, e, ids].sum() * d
             out[l] += freq[l, e] * v
     return out
 
@@ -83,11 +84,15 @@ def with_record(src, dst, arrays):
     write_gguf(dst, lambda w: _copy_fields(r, w, set()), jobs, False, arch=arch)
 
 
-def cpu_rows(path, toks, budget=None):
+def cpu_rows(path, toks, budget=None, n_ctx=128):
+    """(CPU up rows, CPU down rows, the device's dense bytes) of a gate-mode decode of toks
+    in windows of n_ctx tokens (the profile's windows: the same inputs)."""
     kw = {} if budget is None else dict(device="host-device", vram_budget=budget)
-    with Model(path, n_ctx=len(toks) + 8, **kw) as m:
-        ctx = m.create_context(n_ctx=len(toks) + 8, ffn="gate")
-        for t in toks:
+    with Model(path, n_ctx=n_ctx, **kw) as m:
+        ctx = m.create_context(n_ctx=n_ctx, ffn="gate")
+        for i, t in enumerate(toks):
+            if i % n_ctx == 0:
+                ctx.reset(0)
             ctx.eval([t])
         st = ctx.stats()
         return st["n_up_rows"], st["n_down_rows"], (m.device_info()["dense_bytes"] if budget else 0)
@@ -111,16 +116,17 @@ def main(argv=None) -> int:
         info = m.info
     prof, held = ids[:args.profile_tokens], ids[args.profile_tokens:args.profile_tokens + args.tokens]
     nl, ne, ff, k = info.n_layer, info.n_expert, info.n_ff_exp, info.n_expert_used
-    freq, nfreq, rb = profile_expert_neurons(args.model, prof, n_ctx=128)
-    hfreq, hnfreq, _ = profile_expert_neurons(args.model, held, n_ctx=128)
+    freq, nfreq, dfreq, rb = profile_expert_neurons(args.model, prof, n_ctx=128)
+    hfreq, hnfreq, hdfreq, _ = profile_expert_neurons(args.model, held, n_ctx=128)
     neuron = sum(rb[0])
     all_bytes = nl * ne * ff * neuron
-    total = value(all_hot(nl, ne, ff), hfreq, hnfreq, rb)
+    total = value(all_hot(nl, ne, ff), hfreq, hnfreq, hdfreq, rb)
     act = float((hfreq[:, :, None] * hnfreq).sum() / (hfreq.sum() * ff))
+    act_d = float((hfreq[:, :, None] * hdfreq).sum() / (hfreq.sum() * ff))
     print(f"model {os.path.basename(args.model)}: {nl} layers x {ne} experts, top-{k}, {ff} neurons of "
           f"{neuron} B (gate + up + down_t rows) per expert, all experts {all_bytes / 1024:.0f} KiB; "
-          f"profile {len(prof)} tokens, held out {len(held)}; active share of a selected expert's "
-          f"neurons {act:.1%}; CPU expert bytes per token (all on the CPU) {total.sum() / 1024:.1f} KiB")
+          f"profile {len(prof)} tokens, held out {len(held)}; share of a selected expert's neurons "
+          f"listed (up rows read) {act:.1%}, with a nonzero activation (down_t rows read) {act_d:.1%}; CPU expert bytes per token (all on the CPU) {total.sum() / 1024:.1f} KiB")
     print(f"cost model: CPU {args.cpu_bw / 1e9:g} GB/s, device {args.dev_bw / 1e9:g} GB/s; "
           f"group size {args.group_size}")
     print()
@@ -131,12 +137,13 @@ def main(argv=None) -> int:
         for share in (float(s) for s in args.budgets.split(",")):
             left = int(share * all_bytes)
             for whole in (True, False):
-                pl = solve_expert_neurons(freq, nfreq, rb, left, group_size=args.group_size, whole=whole)
-                moved = value(pl.hot, hfreq, hnfreq, rb)
+                pl = solve_expert_neurons(freq, nfreq, rb, left, group_size=args.group_size, whole=whole,
+                                          dfreq=dfreq)
+                moved = value(pl.hot, hfreq, hnfreq, hdfreq, rb)
                 cpu = total - moved
                 t = sum(max(moved[l] / args.dev_bw, cpu[l] / args.cpu_bw) for l in range(nl))
                 t_cpu = sum(total[l] / args.cpu_bw for l in range(nl))
-                pred_ud = value(pl.hot, hfreq, hnfreq, rb, parts=("up", "down")).sum()
+                pred_ud = value(pl.hot, hfreq, hnfreq, hdfreq, rb, parts=("up", "down")).sum()
                 path = os.path.join(tmp, f"m-{share}-{whole}.gguf")
                 with_record(args.model, path, expert_hot_tensors(pl))
                 up, dn, _ = cpu_rows(path, held, budget=dense_dev + pl.bytes)

@@ -258,7 +258,7 @@ def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, sid
     if not ids:
         raise PlaceError(f"the calibration text {profile} holds no tokens")
     try:
-        freq, nfreq, row_bytes = profile_expert_neurons(path, ids, n_ctx=n_ctx, n_threads=n_threads)
+        freq, nfreq, dfreq, row_bytes = profile_expert_neurons(path, ids, n_ctx=n_ctx, n_threads=n_threads)
     except ValueError as e:
         raise PlaceError(f"{path}: {e}") from None
     n_tok = len(ids)
@@ -266,7 +266,7 @@ def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, sid
     # expert cache is not made for sparse experts
     _, shared, n_shared, _, left, _ = expert_budget(tensors, n_layer, n_expert, budget, 0)
     pl = solve_expert_neurons(freq, nfreq, row_bytes, max(left, 0), group_size=group_size,
-                              n_cpu_moe=n_cpu_moe, method=method, time_limit=time_limit)
+                              n_cpu_moe=n_cpu_moe, dfreq=dfreq, method=method, time_limit=time_limit)
     arrays = expert_hot_tensors(pl, nfreq)
     for l in range(n_layer):
         arrays[F.expert_tensor_name(F.T_FFN_EXP_FREQ, l)] = freq[l].astype(np.float32)

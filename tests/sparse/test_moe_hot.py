@@ -231,11 +231,12 @@ def test_profile_to_file_to_loader(case):
     """From the runtime's profile (the neurons' activity inside each expert at the file's
     thresholds) to the solved record, written and loaded: the device holds what the solve
     chose and the gate mode still equals CPU-only."""
-    freq, nfreq, row_bytes = profile_expert_neurons(case["sparse"], HELDOUT.read_text(encoding="utf-8"),
+    freq, nfreq, dfreq, row_bytes = profile_expert_neurons(case["sparse"], HELDOUT.read_text(encoding="utf-8"),
                                                     n_ctx=100, max_tokens=300)
     assert freq.shape == (case["nl"], case["ne"]) and nfreq.shape == (case["nl"], case["ne"], case["ff"])
     np.testing.assert_allclose(freq.sum(axis=1), 2.0)  # top-2: a layer's shares sum to k
     assert 0.2 < nfreq[freq > 0].mean() < 0.8  # ReLU: about half the gates pass
+    np.testing.assert_array_equal(dfreq, nfreq)  # ReGLU: relu(g) * u is nonzero where g passes
     assert row_bytes == [(256, 256, 256)] * case["nl"]
     left = case["nl"] * case["ne"] * case["ff"] * 768 // 4
     pl = solve_expert_neurons(freq, nfreq, row_bytes, left, group_size=16)
@@ -361,3 +362,32 @@ def test_place_profile_writes_the_hot_neurons_the_loader_uses(case, tmp_path):
         np.testing.assert_array_equal(m.expert_hot_counts(), written)
     with pytest.raises(Exception, match="pass --profile TEXT"):
         replace_expert_placement(path, budget)
+
+
+def test_profile_predicts_the_rows_the_device_takes(case):
+    """The placement's cost model is the runtime's: over the same tokens (windows of the
+    profile's n_ctx), the up and down_t rows the CPU no longer reads with a record placed
+    (its statistics, against CPU-only) are the profile's count of the placed neurons'
+    (token, neuron) entries: freq · tokens · listed share for up, · nonzero share for down."""
+    with Model(case["sparse"]) as m:
+        ids = m.tokenize(HELDOUT.read_text(encoding="utf-8"))[500:700]
+    freq, nfreq, dfreq, _ = profile_expert_neurons(case["sparse"], ids, n_ctx=100)
+    hot = _record(case, "some", seed=7)
+    path = _write(case, hot, "hot-some-rows.gguf")
+
+    def rows(p, **kw):
+        with Model(p, n_ctx=100, **kw) as m:
+            ctx = m.create_context(n_ctx=100, ffn="gate")
+            for i, t in enumerate(ids):
+                if i % 100 == 0:
+                    ctx.reset(0)
+                ctx.eval([t])
+            st = ctx.stats()
+        return st["n_up_rows"], st["n_down_rows"]
+
+    up0, dn0 = rows(case["sparse"])
+    up, dn = rows(path, device="host-device", vram_budget="64M")
+    want_up = sum(freq[l, e] * len(ids) * nfreq[l, e, h].sum() for l, row in enumerate(hot) for e, h in enumerate(row))
+    want_dn = sum(freq[l, e] * len(ids) * dfreq[l, e, h].sum() for l, row in enumerate(hot) for e, h in enumerate(row))
+    assert up0 - up == pytest.approx(want_up, abs=1e-6 * up0) and up0 - up > 0
+    assert dn0 - dn == pytest.approx(want_dn, abs=1e-6 * dn0)

@@ -397,7 +397,9 @@ def profile_expert_neurons(path, text, *, n_ctx: int = 128, max_tokens: int | No
     a sparse-experts file (ffn_down_exps_t) profiled over ``text`` (a string, or token ids):
     (freq [n_layer, n_expert]: each expert's selection share; nfreq [n_layer, n_expert,
     n_ff_exp]: each neuron's activity share among the tokens that chose its expert, at the
-    file's gate thresholds; row_bytes [n_layer] of one neuron's (gate, up, down_t) bytes).
+    file's gate thresholds (its up row read); dfreq, the same shape: the share whose
+    activation is nonzero (its down_t row read); row_bytes [n_layer] of one neuron's (gate,
+    up, down_t) bytes).
     The FFN inputs are the runtime's (the dense profile pass), routed as the runtime routes
     them (route()); leading dense layers (no experts) get zeros."""
     from ..place import read_fields
@@ -424,6 +426,7 @@ def profile_expert_neurons(path, text, *, n_ctx: int = 128, max_tokens: int | No
         raise ValueError("hot neurons of FATReLU experts are not profiled here (no such mixture yet)")
     freq = np.zeros((n_layer, ne))
     nfreq = np.zeros((n_layer, ne, ff))
+    dfreq = np.zeros((n_layer, ne, ff))
     row_bytes = [(0, 0, 0)] * n_layer
     for il in range(n_layer):
         name = F.tensor_name(F.T_FFN_GATE_INP, il)
@@ -435,9 +438,11 @@ def profile_expert_neurons(path, text, *, n_ctx: int = 128, max_tokens: int | No
         thr_t = t.get(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il))
         thr = None if thr_t is None else np.asarray(thr_t.data, dtype=np.float32).reshape(ne)
         freq[il] = np.bincount(sel.reshape(-1), minlength=ne)[:ne] / max(1, x.shape[0])
-        nfreq[il] = expert_neuron_freq(x, sel, gate, act, thr)
+        u = t[F.tensor_name(F.T_FFN_UP_EXPS, il)]
+        up = decode_matrix(np.asarray(u.data), u.tensor_type, (ne * ff, d)).reshape(ne, ff, d)
+        nfreq[il], dfreq[il] = expert_neuron_freq(x, sel, gate, act, thr, up_exps=up)
         rb = [int(t[F.tensor_name(kind, il)].n_bytes) // (ne * ff)
               for kind in (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS)]
         rb.append(int(t[F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il)].n_bytes) // (ne * ff))
         row_bytes[il] = tuple(rb)
-    return freq, nfreq, row_bytes
+    return freq, nfreq, dfreq, row_bytes

@@ -333,27 +333,36 @@ def replay_cache(trace: np.ndarray, on: np.ndarray | None, slots: int,
 # ---------------------------------------------------------------------------
 
 def expert_neuron_freq(x: np.ndarray, sel: np.ndarray, gate_exps: np.ndarray, act: str,
-                       thr: np.ndarray | None = None, act_threshold: float = 0.0) -> np.ndarray:
+                       thr: np.ndarray | None = None, act_threshold: float = 0.0,
+                       up_exps: np.ndarray | None = None):
     """float64 [n_expert, n_ff_exp]: for one layer, the share of the tokens that chose expert e
     on which its neuron i is active, |act(gate_e x)| > the expert's threshold (thr [n_expert],
-    default 0: a ReLU family's exact zeros), the neurons whose up and down_t rows the gate and
-    oracle modes read; an expert no token chose: 0. x [N, d] the layer's FFN inputs, sel [N, k]
-    the experts each token chose (expert_sparsity.route), gate_exps [n_expert, n_ff_exp, d]."""
+    default 0: a ReLU family's exact zeros), the neurons whose up rows the gate and oracle
+    modes read; an expert no token chose: 0. x [N, d] the layer's FFN inputs, sel [N, k]
+    the experts each token chose (expert_sparsity.route), gate_exps [n_expert, n_ff_exp, d].
+    With up_exps (same shape) a pair: that and the share whose activation comes out nonzero,
+    the neurons whose down_t rows are read (dReLU's relu(g)·relu(u): both factors positive;
+    the other activations: the same as the first, their up factor is never exactly 0)."""
     from .expert_sparsity import expert_tokens
     from .thresholds import gate_magnitudes
 
     ne, ff = gate_exps.shape[:2]
     out = np.zeros((ne, ff), dtype=np.float64)
+    down = np.zeros((ne, ff), dtype=np.float64)
     for e, t in enumerate(expert_tokens(sel, ne)):
         if t.size == 0:
             continue
         cut = 0.0 if thr is None else float(thr[e])
         if cut < 0:  # no threshold: the expert runs dense, every neuron's rows read
-            out[e] = 1.0
+            out[e] = down[e] = 1.0
             continue
-        mags = gate_magnitudes(x[t], gate_exps[e], act, act_threshold=act_threshold)
-        out[e] = (mags > cut).mean(axis=0)
-    return out
+        on = gate_magnitudes(x[t], gate_exps[e], act, act_threshold=act_threshold) > cut
+        out[e] = on.mean(axis=0)
+        if up_exps is not None:
+            if act == F.ACT_DRELU:
+                on = on & (x[t].astype(np.float32) @ up_exps[e].T.astype(np.float32) > 0)
+            down[e] = on.mean(axis=0)
+    return out if up_exps is None else (out, down)
 
 
 @dataclass
@@ -384,30 +393,32 @@ class ExpertNeuronPlacement:
                 f"{self.value:.0f} of {self.total:.0f} CPU bytes per token ({share:.1%}) moved to the device")
 
 
-def _neuron_values(freq, nfreq, row_bytes, gate_always):
+def _neuron_values(freq, nfreq, dfreq, row_bytes, gate_always):
     """Per layer [n_expert, n_ff] the CPU bytes per token each neuron's rows cost, and one
     neuron's device bytes."""
     out, nb = [], []
     for l in range(freq.shape[0]):
         g, u, dn = (int(v) for v in row_bytes[l])
         gate = g * (np.ones_like(nfreq[l]) if gate_always else nfreq[l])
-        out.append(freq[l][:, None] * (gate + nfreq[l] * (u + dn)))
+        out.append(freq[l][:, None] * (gate + nfreq[l] * u + dfreq[l] * dn))
         nb.append(g + u + dn)
     return out, nb
 
 
 def solve_expert_neurons(freq, nfreq, row_bytes, left: int, *, group_size: int = 16,
                          n_cpu_moe: int = 0, whole: bool = False, gate_always: bool = True,
-                         method: str = "ilp", time_limit: float = 10.0) -> ExpertNeuronPlacement:
+                         dfreq=None, method: str = "ilp",
+                         time_limit: float = 10.0) -> ExpertNeuronPlacement:
     """Which neurons of which sparse experts go on the device, in ``left`` bytes.
 
     freq [n_layer, n_expert]: each expert's selection frequency (profile_experts); nfreq
     [n_layer, n_expert, n_ff_exp]: each neuron's activity share among the tokens that chose
-    its expert (expert_neuron_freq); row_bytes [n_layer] of (gate, up, down_t) bytes of one
-    neuron's rows. A neuron's value is the CPU bytes per token it costs there, freq·(gate +
-    nfreq·(up + down_t)) (``gate_always``: the gate mode reads every listed expert's gate
-    rows; False: the predictor and oracle modes read the active ones' only), its cost its rows'
-    bytes. Each expert's neurons are sorted by value and cut into groups of ``group_size``;
+    its expert (expert_neuron_freq); dfreq (same shape, default nfreq): each neuron's share
+    whose activation comes out nonzero (the down_t rows read; dReLU's is smaller); row_bytes
+    [n_layer] of (gate, up, down_t) bytes of one neuron's rows. A neuron's value is the CPU
+    bytes per token it costs there, freq·(gate + nfreq·up + dfreq·down_t) (``gate_always``:
+    the gate mode reads every listed expert's gate rows; False: the predictor and oracle modes
+    read the active ones' only), its cost its rows' bytes. Each expert's neurons are sorted by value and cut into groups of ``group_size``;
     binary x[l,e,g] = group g of expert e of layer l on the device (l past the first
     ``n_cpu_moe``)::
 
@@ -423,7 +434,10 @@ def solve_expert_neurons(freq, nfreq, row_bytes, left: int, *, group_size: int =
     nfreq = np.asarray(nfreq, dtype=np.float64)
     if freq.ndim != 2 or nfreq.ndim != 3 or nfreq.shape[:2] != freq.shape:
         raise ValueError("freq must be [n_layer, n_expert] and nfreq [n_layer, n_expert, n_ff_exp]")
-    for a, what in ((freq, "expert"), (nfreq, "neuron")):
+    dfreq = nfreq if dfreq is None else np.asarray(dfreq, dtype=np.float64)
+    if dfreq.shape != nfreq.shape:
+        raise ValueError("dfreq must have nfreq's shape [n_layer, n_expert, n_ff_exp]")
+    for a, what in ((freq, "expert"), (nfreq, "neuron"), (dfreq, "neuron")):
         if not np.isfinite(a).all() or (a < 0).any() or (a > 1).any():
             raise ValueError(f"{what} frequencies must be values in [0, 1]")
     if len(row_bytes) != freq.shape[0]:
@@ -435,7 +449,7 @@ def solve_expert_neurons(freq, nfreq, row_bytes, left: int, *, group_size: int =
     t0 = time.perf_counter()
     n_layer, n_expert, n_ff = nfreq.shape
     first = min(max(0, int(n_cpu_moe)), n_layer)
-    vals, nb = _neuron_values(freq, nfreq, row_bytes, gate_always)
+    vals, nb = _neuron_values(freq, nfreq, dfreq, row_bytes, gate_always)
     gs = n_ff if whole else int(group_size)
     order, gval, gbytes, gsize = {}, {}, {}, {}
     for l in range(first, n_layer):

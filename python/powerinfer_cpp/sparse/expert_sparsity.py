@@ -266,8 +266,9 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
     relu = act in F.SPARSE_ACTIVATIONS
     refuse = [(opts.max_ppl_increase is not None, "the quality budget --max-ppl-increase (pass --sparsity S)"),
               (opts.input_sparsity is not None, "--input-sparsity"),
-              (opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
-                                 "are placed at load)"),
+              (opts.vram_budget, "a VRAM budget (attention and the routers are placed at load; the "
+                                 "experts' hot neurons by `python -m powerinfer_cpp.place --profile` "
+                                 "on the converted file)"),
               (opts.expert_predictors and (not relu or sparsity),
                f"--expert-predictors with {act} experts{' and --sparsity' if sparsity else ''} (predictors "
                "are trained for ReLU-family experts' exact zeros: --sparse without --sparsity)")]

@@ -744,7 +744,7 @@ gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
         .max_in = GH_DEVICE_CHUNK * GH_MAX(d, dq),
         .max_out = GH_MAX(GH_DEVICE_CHUNK * GH_MAX(GH_MAX(d, dq), (int64_t) hp->n_vocab),
                           (int64_t) hp->n_ff),
-        .max_rows = hp->n_ff,
+        .max_rows = GH_MAX(hp->n_ff, hp->n_ff_exp), /* a sparse expert's hot rows too */
         .max_hidden = h,
     };
     return m->hy->b->ops->stream_new(m->hy->b, &p, out);

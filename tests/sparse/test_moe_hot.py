@@ -391,3 +391,29 @@ def test_profile_predicts_the_rows_the_device_takes(case):
     want_dn = sum(freq[l, e] * len(ids) * dfreq[l, e, h].sum() for l, row in enumerate(hot) for e, h in enumerate(row))
     assert up0 - up == pytest.approx(want_up, abs=1e-6 * up0) and up0 - up > 0
     assert dn0 - dn == pytest.approx(want_dn, abs=1e-6 * dn0)
+
+
+@pytest.mark.parametrize("fault", ["hot_ffn:1", "matmul:6", "sync:4"])
+def test_device_fault_in_an_expert_split(case, monkeypatch, fault):
+    """A device failure in an expert's split (its hot rows, hot_ffn:1; in the gate mode its
+    hot gate rows, the layer's sixth matmul after q, k, v, o and the router; the wait for
+    them, the fourth sync after q/k/v, o and the router's) ends the call with the device's
+    error, the context back where it was, and the same tokens again give what a context
+    that never failed gives."""
+    path = _write(case, _record(case, "all"), "hot-all-fault.gguf")
+    ids = case["ids"][:3]
+    with Model(path, device="host-device", vram_budget="64M") as m:
+        want = m.create_context(n_ctx=64, cache_type="f32", ffn="gate").eval(ids)
+    monkeypatch.setenv("GH_HOST_DEVICE_FAULT", fault)
+    try:
+        m = Model(path, device="host-device", vram_budget="64M")
+    finally:
+        monkeypatch.delenv("GH_HOST_DEVICE_FAULT", raising=False)
+    with m:
+        c = m.create_context(n_ctx=64, cache_type="f32", ffn="gate")
+        op = fault.split(":")[0]
+        with pytest.raises(NativeError, match=rf"device 'host-device' failed during gh_eval \(the context "
+                                              rf"is back at 0 tokens\): host-device: {op} failed: injected"):
+            c.eval(ids)
+        assert c.n_past == 0
+        np.testing.assert_array_equal(c.eval(ids), want)

@@ -132,7 +132,7 @@ class Model(ModelHandle):
                 "`python -m powerinfer_cpp.convert DIR -o MODEL.gguf`)")
         self.path = path
         if not isinstance(device, str):
-            raise TypeError(f"device must be a string (cpu, host-device, cuda, cuda:N), not "
+            raise TypeError(f"device must be a string ({', '.join(device_names())}), not "
                             f"{type(device).__name__}")
         budget = -1 if vram_budget is None else parse_size(vram_budget, "vram_budget")
         if isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int) or n_cpu_moe < 0:
@@ -366,11 +366,55 @@ class Model(ModelHandle):
 
 
 def device_available(device: str) -> tuple[bool, str]:
-    """(True, "") if `device` ("cpu", "host-device", "cuda", "cuda:N") can run here, else
+    """(True, "") if `device` ("cpu", or a name of `device_kinds()`) can run here, else
     (False, the reason)."""
     if lib.gh_device_check(device.encode()) == 0:
         return True, ""
     return False, ffi.string(lib.gh_last_error()).decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """A kind of device the library knows: a row of its backend registry
+    (ggml-hybrid/src/backend/registry.c)."""
+    name: str          # "host-device", "cuda"
+    indexed: bool      # "name:N" is device N
+    accelerator: bool  # real hardware (what n_gpu_layers / -ngl ask for); False: simulated
+    built: bool        # this build has it
+
+
+def device_kinds() -> tuple[DeviceKind, ...]:
+    """The library's device kinds, in its registry's order ("cpu", no device, is none)."""
+    out = []
+    kind = ffi.new("gh_device_kind *")
+    for i in range(lib.gh_device_kind_count()):
+        check(lib.gh_device_kind_get(i, kind))
+        out.append(DeviceKind(ffi.string(kind.name).decode(), bool(kind.indexed),
+                              bool(kind.accelerator), bool(kind.built)))
+    return tuple(out)
+
+
+def device_names() -> list[str]:
+    """Every name a device is asked for by: "cpu", then each kind ("name" and "name:N"
+    for an indexed one)."""
+    names = ["cpu"]
+    for k in device_kinds():
+        names += [k.name, f"{k.name}:N"] if k.indexed else [k.name]
+    return names
+
+
+def gpu_device() -> tuple[str | None, str]:
+    """The device n_gpu_layers / -ngl ask for: the first accelerator kind of the registry
+    that runs here, as (its name, ""); else (None, why none does)."""
+    why = []
+    for k in device_kinds():
+        if not k.accelerator:
+            continue
+        ok, reason = device_available(k.name)
+        if ok:
+            return k.name, ""
+        why.append(f"{k.name}: {reason}")
+    return None, "; ".join(why) or "this library knows no GPU backend"
 
 
 def _info_from_c(c) -> ModelInfo:

@@ -262,7 +262,7 @@ def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, sid
     except ValueError as e:
         raise PlaceError(f"{path}: {e}") from None
     n_tok = len(ids)
-    # the runtime's order (backend/hybrid.c): attention, routers, head, shared experts; the
+    # the runtime's order (model/placement.c): attention, routers, head, shared experts; the
     # expert cache is not made for sparse experts
     _, shared, n_shared, _, left, _ = expert_budget(tensors, n_layer, n_expert, budget, 0)
     pl = solve_expert_neurons(freq, nfreq, row_bytes, max(left, 0), group_size=group_size,

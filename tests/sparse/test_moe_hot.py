@@ -1,7 +1,7 @@
 """Hot neurons of sparse experts on the device (issue 26): a ReLU-family mixture converted with
 sparse experts (ffn_down_exps_t) carries a record of each expert's hot neurons
 (blk.N.ffn_exp_hot_count / ffn_exp_hot, docs/FORMAT.md "Hot neurons of experts"); the
-loader uploads those rows (backend/hybrid.c) and the FFN executor splits each selected
+loader uploads those rows (model/placement.c) and the FFN executor splits each selected
 expert's list between the device and the CPU as it splits a dense layer's (ffn/exec.c,
 ffn/moe.c).
 

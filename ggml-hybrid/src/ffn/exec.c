@@ -11,7 +11,7 @@
 #include "ffn/rows.h"
 #include "ffn/input_ffn.h"
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "core/tap.h"
 
 #include <math.h>

@@ -17,7 +17,7 @@ struct gh_context;
 struct gh_model;
 struct gh_layer;
 typedef struct gh_ffn_state gh_ffn_state;
-typedef struct gh_dsplit gh_dsplit; /* backend/hybrid.h */
+typedef struct gh_dsplit gh_dsplit; /* model/placement.h */
 
 /* NULL on out-of-memory (message set). */
 /* n_batch: the context's largest batch (the batched decode's buffers hold
@@ -40,7 +40,7 @@ gh_status gh_sparse_ffn(struct gh_context * c, int il, const float * x, const fl
 /* One token's FFN of the unit L in the context's mode (moe.c: one expert of layer il
  * viewed as a layer, `expert` its id): the strategy's list, gate/up over it and down_t's
  * axpy, y overwritten, L's down bias added; with D (the expert's hot neurons on the
- * device, backend/hybrid.h; NULL: none) the same hot/cold split as a dense layer's. Adds
+ * device, model/placement.h; NULL: none) the same hot/cold split as a dense layer's. Adds
  * the weight bytes read to *bytes (the caller counts them), puts the listed neurons in
  * *n_active and the device's share of them in *n_dev; returns a device error. */
 gh_status gh_sparse_ffn_unit(struct gh_context * c, int il, const struct gh_layer * L,

@@ -1,6 +1,6 @@
 /* A layer's expert weights as the file holds them (llama.cpp's 3-D tensors) and expert
  * e's view of one: the data that the MoE FFN (moe.c) runs and the placement
- * (backend/hybrid.c) uploads, apart from either, so that neither reaches into the other
+ * (model/placement.c) uploads, apart from either, so that neither reaches into the other
  * for it. */
 #ifndef GH_FFN_EXPERTS_H
 #define GH_FFN_EXPERTS_H

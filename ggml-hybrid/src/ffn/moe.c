@@ -9,7 +9,7 @@
 #include "core/tap.h"
 #include "ffn/exec.h"
 #include "ffn/strategy.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "model/model.h"
 
 #include <math.h>
@@ -248,30 +248,6 @@ static void softmax(float * p, int32_t n) {
     for (int32_t i = 0; i < n; i++) p[i] *= inv;
 }
 
-/* The k largest of the probabilities p [n] (destroyed: a chosen one is marked -1, below
- * any probability), largest first, the lower id among equals (torch.topk's order on a CPU
- * for ties); a NaN is never larger, and a token whose probabilities are all NaN gets the
- * lowest ids (its output is NaN either way). */
-static void top_k(float * p, int32_t n, int32_t k, int32_t * sel, float * w) {
-    for (int32_t j = 0; j < k; j++) {
-        int32_t best = -1;
-        float bv = -0.5f;
-        for (int32_t e = 0; e < n; e++) {
-            if (p[e] > bv) {
-                bv = p[e];
-                best = e;
-            }
-        }
-        if (best < 0) {
-            for (int32_t e = 0; e < n && best < 0; e++) if (p[e] != -1.0f) best = e;
-            bv = p[best];
-        }
-        sel[j] = best;
-        w[j] = bv;
-        p[best] = -1.0f;
-    }
-}
-
 /* ---- torch.topk's choice among equal values -------------------------------------------
  * transformers' routers pick their experts with torch.topk, whose CPU kernel selects over
  * (value, index) pairs ordered by value alone (NaN first), with std::nth_element, or with
@@ -392,14 +368,15 @@ static void topk_torch(const float * v, int32_t n, int32_t k, tk_pair * q, int32
 
 /* One token's route from its router logits p [n_expert] (destroyed): its k experts sel and
  * their weights w, as transformers' routers compute them.
- * Softmax gating: p = softmax(logits), the k largest p, weights p (/ their sum when
- * expert_norm) * expert_scale.
+ * Softmax gating: p = softmax(logits), the k largest p (largest first), weights p (/ their
+ * sum when expert_norm) * expert_scale.
  * Sigmoid gating (DeepSeek-V3's router, glm4moe, dots1): s = sigmoid(logits) and the choice
  * by c = s + exp_probs_b; with groups, each group's score is the sum of its two largest c
  * (two equal values count twice), and only the n_group_used best groups' experts are
  * eligible (the rest c = -inf); the k largest eligible c; weights the unbiased s (/ (their
- * sum + 1e-20) when expert_norm) * expert_scale. Ties among the choices and among the
- * groups resolve as torch.topk's (topk_torch). choice: [6 n_expert] floats of scratch. */
+ * sum + 1e-20) when expert_norm) * expert_scale.
+ * Either way ties resolve as torch.topk's (topk_torch), among the experts and among the
+ * groups. choice: [6 n_expert] floats of scratch. */
 static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, float * choice,
                   int32_t * sel, float * w) {
     const int32_t ne = hp->n_expert, k = hp->n_expert_used;
@@ -443,7 +420,18 @@ static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, floa
         return;
     }
     softmax(p, ne);
-    top_k(p, ne, k, sel, w);
+    /* transformers' softmax routers take torch.topk(probs, k) sorted: the set as topk_torch
+     * resolves ties, largest first (equal values may come in any order: their sum is the
+     * same), and sum the weights in that order */
+    tk_pair * q = (tk_pair *) choice;
+    topk_torch(p, ne, k, q, sel);
+    for (int32_t j = 1; j < k; j++) {
+        const int32_t e = sel[j];
+        int32_t i = j;
+        for (; i > 0 && p[sel[i - 1]] < p[e]; i--) sel[i] = sel[i - 1];
+        sel[i] = e;
+    }
+    for (int32_t j = 0; j < k; j++) w[j] = p[sel[j]];
     float sum = 0.0f;
     for (int32_t j = 0; j < k; j++) sum += w[j];
     const float f = (hp->expert_norm ? 1.0f / sum : 1.0f) * hp->expert_scale;

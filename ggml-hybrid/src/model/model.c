@@ -2,7 +2,7 @@
  * which keys and tensors to read; everything optional (biases, fused QKV, a second norm)
  * is taken when the file has it and checked for shape. */
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -1816,19 +1816,6 @@ gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_mode
         *out = NULL;
         return gh_fail(st, "%s: placing the model on device '%s': %s", path, p->device, msg);
     }
-    return GH_OK;
-}
-
-gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
-    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_device_info: NULL argument");
-    if (m->hy) {
-        *out = m->hy->info;
-        return GH_OK;
-    }
-    memset(out, 0, sizeof *out);
-    snprintf(out->device, sizeof out->device, "cpu");
-    out->file_budget = -1;
-    out->n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
     return GH_OK;
 }
 

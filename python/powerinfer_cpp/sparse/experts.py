@@ -4,7 +4,7 @@ Profile: the expert selection counts of the native runtime (``Context.expert_cou
 calibration text give, per layer, each expert's frequency = the share of tokens whose top-k
 held it (a layer's frequencies sum to k).
 
-Budget, in the runtime's order (backend/hybrid.c): each layer's attention projections, each
+Budget, in the runtime's order (model/placement.c): each layer's attention projections, each
 layer's router, the output head, each layer's shared expert (qwen2moe; each group in layer
 order, stopping at the first that does not fit), then the expert cache a context makes
 (whole experts of the largest layer's size, at least one), then the experts. A shared

@@ -1,7 +1,7 @@
 /* Placing a model on a device under a VRAM budget (the runtime half of the offline
  * placement in python/powerinfer_cpp/sparse/placement.py: same priority, same greedy rule), the
  * neuron split of the FFN weights, and the device matmul the forward pass calls. */
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "model/model.h"
 #include "ffn/moe.h"
 #include "core/tap.h"
@@ -725,6 +725,20 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     if (!st) st = check_types(m, hy);
     if (!st) st = place(m, hy, p);
     return st;
+}
+
+/* What was placed and why (the CPU's answer for a model without a device). */
+gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
+    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_device_info: NULL argument");
+    if (m->hy) {
+        *out = m->hy->info;
+        return GH_OK;
+    }
+    memset(out, 0, sizeof *out);
+    snprintf(out->device, sizeof out->device, "cpu");
+    out->file_budget = -1;
+    out->n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
+    return GH_OK;
 }
 
 /* ------------------------------------------------------ per-context stream -- */

@@ -1,8 +1,12 @@
-/* The hybrid runtime (hybrid.c): a model's weights placed on a device backend under a
+/* The model placed on a device (placement.c): its weights put on a device backend under a
  * VRAM budget, with the FFN neurons of each layer split by the GPU index (neuron-split
- * tensors), and the per-context device stream. */
-#ifndef GH_HYBRID_H
-#define GH_HYBRID_H
+ * tensors), its device state (gh_hybrid, m->hy), and the per-context device stream.
+ *
+ * It lives in model/, not backend/, because it reads the model's structs: the backends
+ * know only their interface (backend/backend.h), and the model uses them through it, so
+ * the dependency runs one way, model/ -> backend/. */
+#ifndef GH_MODEL_PLACEMENT_H
+#define GH_MODEL_PLACEMENT_H
 
 #include "backend/backend.h"
 #include "cpu/ops.h"

@@ -417,3 +417,14 @@ def test_device_fault_in_an_expert_split(case, monkeypatch, fault):
             c.eval(ids)
         assert c.n_past == 0
         np.testing.assert_array_equal(c.eval(ids), want)
+
+
+def test_hot_counts_api_checks_its_buffer(case):
+    from powerinfer_cpp._native import ffi, lib
+
+    with Model(case["sparse"]) as m:
+        assert (m.expert_hot_counts() == 0).all()  # the CPU: none
+        buf = ffi.new("int32_t[]", 1)
+        with m._calling() as ptr:
+            assert lib.gh_model_expert_hot_counts(ptr, buf, 1) != 0
+            assert "counts holds 1 values" in ffi.string(lib.gh_last_error()).decode()

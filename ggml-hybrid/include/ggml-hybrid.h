@@ -318,11 +318,18 @@ typedef struct {
     int32_t n_shexp_device;     /* layers whose shared expert (qwen2moe) is on the device: the
                                  * first n_shexp_device layers */
     int64_t shexp_bytes;        /* of used_bytes: those shared experts (gate, up, down) */
+    int64_t n_hot_experts;      /* sparse experts (ffn_down_exps_t) with hot neurons on the
+                                 * device (their neurons in n_hot and hot_bytes; n_neurons:
+                                 * every expert's neurons) */
 } gh_device_info;
 
 /* Mixture-of-experts models on a device: where[l * n_expert + e] = 1 if expert e of layer l
  * is on the device, else 0 (n >= n_layer * n_expert; all 0 on the CPU). */
 gh_status gh_model_expert_placement(const gh_model * m, int8_t * where, int64_t n);
+
+/* Sparse experts on a device: counts[l * n_expert + e] = the neurons of expert e of layer l
+ * whose rows are on the device (0..n_ff_exp; all 0 on the CPU or without any placed). */
+gh_status gh_model_expert_hot_counts(const gh_model * m, int32_t * counts, int64_t n);
 
 gh_status gh_model_device_info(const gh_model * m, gh_device_info * out);
 /* Releases the caller's model; its memory goes when its last context is freed too. */

@@ -252,6 +252,9 @@ class Model(ModelHandle):
                 # shared_device layers, placed before the cache and the routed experts
                 "shared_device": d.n_shexp_device,
                 "shared_bytes": d.shexp_bytes,
+                # sparse experts (ffn_down_exps_t) with hot neurons on the device (their
+                # neurons in n_hot / hot_bytes; expert_hot_counts() says which)
+                "hot_experts": d.n_hot_experts,
             },
         }
 
@@ -262,6 +265,15 @@ class Model(ModelHandle):
         with self._calling() as ptr:
             check(lib.gh_model_expert_placement(ptr, ffi.cast("int8_t *", out.ctypes.data), out.size))
         return out.astype(bool)
+
+    def expert_hot_counts(self) -> np.ndarray:
+        """Sparse experts (ffn_down_exps_t): int32 [n_layer, n_expert], the neurons of each
+        expert whose rows are on the device (docs/FORMAT.md "Hot neurons of experts"; all 0
+        on the CPU)."""
+        out = np.zeros((self.info.n_layer, self.info.n_expert), dtype=np.int32)
+        with self._calling() as ptr:
+            check(lib.gh_model_expert_hot_counts(ptr, ffi.cast("int32_t *", out.ctypes.data), out.size))
+        return out
 
     # -- tokens -----------------------------------------------------------------
 

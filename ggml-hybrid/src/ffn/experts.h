@@ -41,6 +41,11 @@ typedef struct {
      * device) */
     float *   freq;
     int8_t *  on_gpu;
+    /* sparse experts' hot neurons on the device (blk.N.ffn_exp_hot_count / ffn_exp_hot,
+     * docs/FORMAT.md "Hot neurons of experts"; model-owned, NULL where the file has none):
+     * expert e's ascending neuron ids are hot_ids[hot_off[e] .. hot_off[e + 1]) */
+    int64_t * hot_off;                        /* [n_expert + 1] */
+    int32_t * hot_ids;
 } gh_moe_layer;
 
 /* Expert e's matrix of a 3-D expert tensor viewed as expert 0 (rows contiguous, experts

@@ -486,10 +486,10 @@ static gh_weight expert_down(const gh_moe_layer * M, int32_t e) {
     return M->has_down_t ? gh_expert(&M->down_exps_t, e) : gh_expert(&M->down_exps, e);
 }
 
-/* Expert e of M viewed as a layer (model.h), for the FFN strategies and executor: its
+/* Expert e of M viewed as a layer (moe.h; model.h), for the FFN strategies and executor: its
  * gate, up and down_t rows, its biases and its gate threshold's cut points (none: an
  * expert the file keeps dense, or no thresholds). */
-static void expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d, gh_layer * V) {
+void gh_expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d, gh_layer * V) {
     memset(V, 0, sizeof *V);
     V->gate = gh_expert(&M->gate_exps, e);
     V->up = gh_expert(&M->up_exps, e);
@@ -696,9 +696,11 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         }
     }
 
-    /* a model on a device runs its placed and cached experts there; sparse experts are all
-     * the CPU's (placement.c places none), so they take the CPU's path below, the router and
-     * attention having run where the placement put them */
+    /* a model on a device runs its placed and cached experts there; sparse experts take
+     * the path below, the router and attention having run where the placement put them,
+     * and in a sparse mode the hot neurons of each selected expert that the placement put
+     * on the device run there (the executor's split); a dense pass (a prompt past the
+     * sparse batch) runs them all on the CPU */
     const gh_dexpert * S = shexp_device(c, il);
     if (c->model->hy && !M->has_down_t) {
         const gh_status st = hybrid_experts(c, il, n, S, &bytes);
@@ -714,6 +716,7 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
      * its own) dense */
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     const bool sparse = M->has_down_t && sparse_mode;
+    const gh_dsplit * hot = c->model->hy ? c->model->hy->layers[il].exp_hot : NULL;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
     if (S) { /* the device's part while the CPU runs the experts */
@@ -726,13 +729,16 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         counts[e] += cnt;
         const int64_t ff = M->gate_exps.rows;
         gh_layer V;
-        if (sparse) expert_view(M, e, ff, d, &V);
+        if (sparse) gh_expert_view(M, e, ff, d, &V);
         if (sparse && (!st->unit_ok || st->unit_ok(&V))) {
+            /* the expert's hot neurons on the device (hybrid.c), split by the executor */
+            const gh_dsplit * H = hot && hot[e].hot.n_hot > 0 ? &hot[e] : NULL;
             for (int32_t j = 0; j < cnt; j++) {
-                int64_t n_act = 0; /* (its up and down rows are in the statistics) */
-                const gh_status err = gh_sparse_ffn_unit(c, il, &V, e,
+                int64_t n_act = 0, n_dev = 0; /* (its up and down rows are in the statistics) */
+                const gh_status err = gh_sparse_ffn_unit(c, il, &V, e, H,
                                                          x + (int64_t) s->tok[first + j] * d,
-                                                         s->yg + (int64_t) j * d, &bytes, &n_act);
+                                                         s->yg + (int64_t) j * d, &bytes, &n_act,
+                                                         &n_dev);
                 if (err) return S ? gh_hybrid_sync(c, err) : err;
             }
         } else {

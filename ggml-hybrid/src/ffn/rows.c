@@ -82,11 +82,13 @@ typedef struct {
 /* out[k] = W[ids[k]] . x for k in [k0, k1) where use == NULL or use[k] > cut, and
  * tm == NULL or tm[k] has a bit of bit (else out[k] = 0). Returns the number of rows read.
  *
- * With the type's gathered four-row tile (dot4): the positions to compute are queued
- * ahead; each tile takes the next four (a short last tile repeats its last row) and, while
- * it runs, prefetches the rows of the tile GLU_PF_TILES ahead, a slice per step. Every
- * value comes from the same kernel whatever its neighbours, so it does not depend on
- * where a thread's chunk starts. Without dot4: runs of consecutive ids go through the
+ * With the type's gathered four-row tile (dot4): where every position is computed (no use,
+ * no tm) the tiles are the positions four by four; otherwise the positions to compute are
+ * queued ahead and each tile takes the next four. A short last tile repeats its last row;
+ * while a tile runs it prefetches the rows of the tile GLU_PF_TILES ahead, a slice per
+ * step (farther, in bytes, or only rows' first lines measured no better: docs/BENCHMARKS.md,
+ * "The gathered rows per byte read"). Every value comes from the same kernel whatever its
+ * neighbours, so it does not depend on where a thread's chunk starts. Without dot4: runs of consecutive ids go through the
  * type's multi-row tile, never crossing a multiple of GLU_GROUP list positions (threads
  * start their chunks at such multiples), each other row through vec_dot. */
 static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * use, float cut,

@@ -11,6 +11,8 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
            2048 x 5632 with 4 copies cycled (DRAM)
   op down: gh_op_sparse_down over a sorted id list: "hot" all 256 rows of 256 x 2048,
            "cold" 10% of 5632 x 2048 with 8 copies cycled
+  op dt:   gh_op_matmul_t of one token, every row (the full down_t axpy that dense decode of a
+           gate or sparse file runs): "hot" 256 x 2048, "cold" 5632 x 2048 with 4 copies cycled
   op rows: gh_op_sparse_glu, ungated, over a sorted id list (the sparse FFN's gathered
            gate/up rows) at DENS percent of the rows (default 50): "hot" SmolLM2-135M's
            1536 x 576 (in L2/L3), "cold" the same shape stacked to 80 MiB, the list spanning
@@ -26,7 +28,7 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
 GB/s = weight bytes read per call / time.
 
     PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
-        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|rows|batch|prompt \
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|dt|rows|batch|prompt \
         f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k,iq4_nl,iq4_xs [ROUNDS=60] [NTOK=128 | DENS=50]
 """
 import sys
@@ -64,6 +66,8 @@ for name in types:
             rows, cols, nc = (512, 2048, 1) if mode == "hot" else (2048, 5632, 4)
         elif op == "down":
             rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 8)
+        elif op == "dt":
+            rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 4)
         elif op == "rows":
             cols = 576 if 576 % libs[0].gh_type_block_size(t) == 0 else 2048
             stack = 1 if mode == "hot" else -(-(80 << 20) // (1536 * libs[0].gh_type_row_size(t, cols)))
@@ -93,6 +97,8 @@ for name in types:
                 L.gh_op_matmul(t, P(ws[0]), rows, cols, P(xp, "float *"), nt, P(y, "float *"), 1)
             elif op == "dot":
                 L.gh_op_matmul(t, P(ws[i % nc]), rows, cols, P(x, "float *"), 1, P(y, "float *"), 1)
+            elif op == "dt":
+                L.gh_op_matmul_t(t, P(ws[i % nc]), rows, cols, P(h, "float *"), 1, P(y, "float *"), 1)
             elif op == "rows":
                 L.gh_op_sparse_glu(t, P(ws[0]), ffi.NULL, rows, cols, 0, 0.0, P(x, "float *"),
                                    P(ids[i % 8], "int32_t *"), nact, P(y, "float *"), 1)

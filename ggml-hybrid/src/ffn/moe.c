@@ -731,7 +731,7 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         gh_layer V;
         if (sparse) gh_expert_view(M, e, ff, d, &V);
         if (sparse && (!st->unit_ok || st->unit_ok(&V))) {
-            /* the expert's hot neurons on the device (hybrid.c), split by the executor */
+            /* the expert's hot neurons on the device (model/placement.c), split by the executor */
             const gh_dsplit * H = hot && hot[e].hot.n_hot > 0 ? &hot[e] : NULL;
             for (int32_t j = 0; j < cnt; j++) {
                 int64_t n_act = 0, n_dev = 0; /* (its up and down rows are in the statistics) */

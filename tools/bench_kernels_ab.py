@@ -11,6 +11,13 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
            2048 x 5632 with 4 copies cycled (DRAM)
   op down: gh_op_sparse_down over a sorted id list: "hot" all 256 rows of 256 x 2048,
            "cold" 10% of 5632 x 2048 with 8 copies cycled
+  op dt:   gh_op_matmul_t of one token, every row (the full down_t axpy that dense decode of a
+           gate or sparse file runs): "hot" 256 x 2048, "cold" 5632 x 2048 with 4 copies cycled
+  op rows: gh_op_sparse_glu, ungated, over a sorted id list (the sparse FFN's gathered
+           gate/up rows) at DENS percent of the rows (default 50): "hot" SmolLM2-135M's
+           1536 x 576 (in L2/L3), "cold" the same shape stacked to 80 MiB, the list spanning
+           the stack (DRAM); timed by process CPU time (the median batch), with whether A and B
+           give the same bits
   op batch: gh_op_matmul_t of a dense batch (a prompt's down_t): "hot" 16 tokens over
            256 x 2048, "cold" 128 tokens over 5632 x 2048
   op prompt: gh_op_matmul of NTOK tokens (default 128) at SmolLM2-135M's shapes, "up"
@@ -21,8 +28,8 @@ runs of tools/bench_kernels.py differ by 15-30% (a kernel both builds share read
 GB/s = weight bytes read per call / time.
 
     PYTHONPATH=python python tools/bench_kernels_ab.py OLD/libggml_hybrid.so NEW/libggml_hybrid.so \
-        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|batch|prompt \
-        f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k,iq4_nl,iq4_xs [ROUNDS=60] [NTOK=128]
+        SIMD(0 scalar, 1 avx2, 2 avx512) dot|down|dt|rows|batch|prompt \
+        f16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k,q5_k,q6_k,iq4_nl,iq4_xs [ROUNDS=60] [NTOK=128 | DENS=50]
 """
 import sys
 import time
@@ -59,15 +66,26 @@ for name in types:
             rows, cols, nc = (512, 2048, 1) if mode == "hot" else (2048, 5632, 4)
         elif op == "down":
             rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 8)
+        elif op == "dt":
+            rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 4)
+        elif op == "rows":
+            cols = 576 if 576 % libs[0].gh_type_block_size(t) == 0 else 2048
+            stack = 1 if mode == "hot" else -(-(80 << 20) // (1536 * libs[0].gh_type_row_size(t, cols)))
+            rows, nc = 1536 * stack, 1
         else:
             rows, cols, nc = (256, 2048, 1) if mode == "hot" else (5632, 2048, 1)
-        w = rng.standard_normal((rows, cols)).astype(np.float32)
         rs = libs[0].gh_type_row_size(t, cols)
-        q = np.empty((rows, rs), dtype=np.uint8)
+        r1 = rows if op != "rows" else 1536
+        w = rng.standard_normal((r1, cols)).astype(np.float32)
+        q = np.empty((r1, rs), dtype=np.uint8)
         libs[0].gh_quantize_row(t, P(w, "float *"), P(q), w.size)
+        if r1 != rows:  # the rows op's stack of copies
+            q = np.ascontiguousarray(np.tile(q, (rows // r1, 1)))
         ws = [q] + [q.copy() for _ in range(nc - 1)]
         x = rng.standard_normal(cols).astype(np.float32)
         nact = rows if mode == "hot" else rows // 10
+        if op == "rows":
+            nact = max(1, rows * (ntok if len(sys.argv) > 7 else 50) // 100)
         ids = [np.sort(rng.choice(rows, nact, replace=False)).astype(np.int32) for _ in range(8)]
         a = rng.standard_normal(nact).astype(np.float32)
         nt = (16 if mode == "hot" else 128) if op == "batch" else ntok if op == "prompt" else 1
@@ -79,13 +97,18 @@ for name in types:
                 L.gh_op_matmul(t, P(ws[0]), rows, cols, P(xp, "float *"), nt, P(y, "float *"), 1)
             elif op == "dot":
                 L.gh_op_matmul(t, P(ws[i % nc]), rows, cols, P(x, "float *"), 1, P(y, "float *"), 1)
+            elif op == "dt":
+                L.gh_op_matmul_t(t, P(ws[i % nc]), rows, cols, P(h, "float *"), 1, P(y, "float *"), 1)
+            elif op == "rows":
+                L.gh_op_sparse_glu(t, P(ws[0]), ffi.NULL, rows, cols, 0, 0.0, P(x, "float *"),
+                                   P(ids[i % 8], "int32_t *"), nact, P(y, "float *"), 1)
             elif op == "batch":
                 L.gh_op_matmul_t(t, P(ws[i % nc]), rows, cols, P(h, "float *"), nt, P(y, "float *"), 1)
             else:
                 L.gh_op_sparse_down(t, P(ws[i % nc]), rows, cols, P(ids[i % 8], "int32_t *"), P(a, "float *"), nact, P(y, "float *"), 1)
         best = [1e9, 1e9]
         nb = 8
-        clock = time.process_time if op == "prompt" else time.perf_counter
+        clock = time.process_time if op in ("prompt", "rows") else time.perf_counter
         times = [[], []]
         for r in range(rounds):
             for k in (0, 1) if r % 2 == 0 else (1, 0):
@@ -110,8 +133,16 @@ for name in types:
                        f"B {best[1]*1e3:6.2f} ms {fl/best[1]/1e9:5.1f} GFLOP/s ({best[0]/best[1]:.2f}x; "
                        f"A==B bits {same}, B batch==decode {exact})")
             continue
-        byt = q.nbytes * (nact / rows if op == "down" else 1)
+        same = ""
+        if op == "rows":
+            best = [float(np.median(tk)) for tk in times]
+            ys = []
+            for L in libs:
+                call(L, 0)
+                ys.append(y[:nact].copy())
+            same = f"; A==B bits {np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))}"
+        byt = q.nbytes * (nact / rows if op in ("down", "rows") else 1)
         if op == "batch":  # per token
             best = [b / nt for b in best]
-        out.append(f"{mode}: A {best[0]*1e6:6.1f} us {byt/best[0]/1e9:5.1f} GB/s, B {best[1]*1e6:6.1f} us {byt/best[1]/1e9:5.1f} GB/s ({best[0]/best[1]:.2f}x)")
+        out.append(f"{mode}: A {best[0]*1e6:6.1f} us {byt/best[0]/1e9:5.1f} GB/s, B {best[1]*1e6:6.1f} us {byt/best[1]/1e9:5.1f} GB/s ({best[0]/best[1]:.2f}x{same})")
     print(f"{name} simd{simd} {op}: " + " | ".join(out), flush=True)

@@ -37,7 +37,7 @@ spin while they wait, so at 2 threads a descheduled partner inflates the CPU tim
 
     PYTHONPATH=python python tools/bench_sparse_kernels.py [--types f16,q4_0] [--simd avx512,avx2]
         [--threads 1,2] [--density 0.1,0.3,0.5,0.7,0.9] [--shapes smol,2048] [--reps 21]
-        [--per-call] [--paths rows,cols,dt]
+        [--per-call] [--paths rows,cols,dt] [--run 1]
 """
 
 from __future__ import annotations
@@ -80,6 +80,16 @@ def stacked(t, rows, cols, k, rng):
     return np.ascontiguousarray(np.tile(q, (k, 1)))
 
 
+def id_list(rng, rows, n, run):
+    """A sorted list of n of the rows: drawn one by one (run 1), or as n / run runs of run
+    consecutive rows (aligned to run), which is how contiguous the active lists would be
+    with co-active neurons stored next to each other."""
+    if run <= 1:
+        return np.sort(rng.choice(rows, n, replace=False)).astype(np.int32)
+    starts = rng.choice(rows // run, max(1, n // run), replace=False) * run
+    return np.sort((starts[:, None] + np.arange(run)).ravel()).astype(np.int32)
+
+
 def median_pair(fa, fb, reps, nth, wall):
     """Median seconds of fa() and fb() over reps alternating reps (the order swapped every
     rep, so a burst of load hits both alike): the process CPU time / nth (what the call
@@ -109,6 +119,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--per-call", action="store_true")
     ap.add_argument("--wall", action="store_true", help="wall time instead of CPU time / threads")
+    ap.add_argument("--run", type=int, default=1,
+                    help="the lists as runs of this many consecutive rows (1: rows drawn one by one)")
     args = ap.parse_args()
     rng = np.random.default_rng(1)
     dens = [float(d) for d in args.density.split(",")]
@@ -174,7 +186,8 @@ def main() -> None:
                             continue
                         for d in dens:
                             n = max(1, int(round(d * R)))
-                            lists = [np.sort(rng.choice(R, n, replace=False)).astype(np.int32) for _ in range(8)]
+                            lists = [id_list(rng, R, n, args.run) for _ in range(8)]
+                            n = len(lists[0])
                             if path == "rows":
                                 def fa(i):
                                     check(lib.gh_op_matmul(t, p(gate[i % len(gate)]), R, n_embd,

@@ -318,11 +318,18 @@ typedef struct {
     int32_t n_shexp_device;     /* layers whose shared expert (qwen2moe) is on the device: the
                                  * first n_shexp_device layers */
     int64_t shexp_bytes;        /* of used_bytes: those shared experts (gate, up, down) */
+    int64_t n_hot_experts;      /* sparse experts (ffn_down_exps_t) with hot neurons on the
+                                 * device (their neurons in n_hot and hot_bytes; n_neurons:
+                                 * every expert's neurons) */
 } gh_device_info;
 
 /* Mixture-of-experts models on a device: where[l * n_expert + e] = 1 if expert e of layer l
  * is on the device, else 0 (n >= n_layer * n_expert; all 0 on the CPU). */
 gh_status gh_model_expert_placement(const gh_model * m, int8_t * where, int64_t n);
+
+/* Sparse experts on a device: counts[l * n_expert + e] = the neurons of expert e of layer l
+ * whose rows are on the device (0..n_ff_exp; all 0 on the CPU or without any placed). */
+gh_status gh_model_expert_hot_counts(const gh_model * m, int32_t * counts, int64_t n);
 
 gh_status gh_model_device_info(const gh_model * m, gh_device_info * out);
 /* Releases the caller's model; its memory goes when its last context is freed too. */
@@ -690,11 +697,27 @@ gh_status gh_op_ffn_input_sparse(int type, const void * gate_up_t, int down_type
 /* Device names: "cpu" (no device: everything on the CPU), "host-device" (a simulated
  * device: its memory is host RAM, capacity GH_HOST_DEVICE_MEM bytes, default 4 GiB, and its
  * ops run the reference kernels on a thread of their own; it exercises the whole hybrid
- * path on any machine), "cuda" or "cuda:N" (NVIDIA GPU N; needs a build with nvcc).
- * GH_OK if the device can be used here, else GH_ERR_UNSUPPORTED and the reason. */
+ * path on any machine), "cuda" or "cuda:N" (NVIDIA GPU N; needs a build with nvcc); the
+ * list is the registry's (gh_device_kind_get). GH_OK if the device can be used here, else
+ * GH_ERR_UNSUPPORTED and the reason (GH_ERR_INVALID_ARG for a name no backend has, the
+ * message listing the names). */
 gh_status gh_device_check(const char * device);
 /* Whether this library was built with the CUDA backend. */
 int32_t gh_have_cuda(void);
+
+/* One kind of device the library knows (a row of the backend registry): what Python's
+ * device lists, its error messages and its choice of a GPU (n_gpu_layers, -ngl) read, so
+ * that a new backend is named there without an edit. */
+typedef struct {
+    const char * name;        /* "host-device", "cuda" (static) */
+    int32_t      indexed;     /* 1: "name:N" is device N ("name": device 0) */
+    int32_t      accelerator; /* 1: real hardware, what n_gpu_layers asks for; 0: simulated */
+    int32_t      built;       /* 1: this build has the backend */
+} gh_device_kind;
+/* The number of device kinds ("cpu", no device, is none of them). */
+int32_t gh_device_kind_count(void);
+/* Kind i (0 <= i < gh_device_kind_count()) in the registry's order. */
+gh_status gh_device_kind_get(int32_t i, gh_device_kind * out);
 
 /* Device ops on raw host buffers (tests of every backend against numpy): each call opens
  * the device, uploads the weights, runs the op, copies the result back and frees it all.

@@ -38,7 +38,7 @@ from . import speculative, structured
 from .chat import ChatTemplate, normalize_messages
 from .context import ContextState
 from .generation import Completion, Sampler
-from .model import Model, device_available
+from .model import Model, gpu_device
 from .protocol import chat_chunk, chat_response, completion_chunk, completion_response, \
     embedding_response, new_id
 from .structured import LlamaGrammar
@@ -170,7 +170,8 @@ class Llama:
 
     Calls are serialised: one Llama used from several threads runs one completion at a
     time (a stream holds it until it ends or is closed). `n_gpu_layers` != 0 asks for the
-    GPU: with a CUDA build and a visible GPU the model is placed on "cuda" under the VRAM
+    GPU: with a GPU backend built and a GPU visible (the first of the library's registry,
+    e.g. "cuda") the model is placed there under the VRAM
     budget placement (all of the device's free memory minus 256 MiB, or `vram_budget`),
     whatever the number; otherwise a RuntimeWarning says so and it runs on the CPU.
     A mixture-of-experts model takes `n_cpu_moe` (the experts of the first N layers stay
@@ -222,11 +223,11 @@ class Llama:
         if device is None:
             device = "cpu"
             if n_gpu_layers:
-                ok, why = device_available("cuda")
-                if ok:
-                    device = "cuda"
+                gpu, why = gpu_device()
+                if gpu:
+                    device = gpu
                 else:
-                    warnings.warn(f"n_gpu_layers={n_gpu_layers}: no CUDA device ({why}); "
+                    warnings.warn(f"n_gpu_layers={n_gpu_layers}: no GPU device ({why}); "
                                   "running on the CPU", RuntimeWarning, stacklevel=2)
         self._seed_rng = random.Random(None if seed in (None, -1, LLAMA_DEFAULT_SEED)
                                        else int(seed))

@@ -718,6 +718,23 @@ def sparse_expert_tensor_name(kind: str, layer: int) -> str:
     return f"blk.{layer}.{kind}" + ("" if kind == T_FFN_EXP_GATE_THR else ".weight")
 
 
+# Hot neurons of sparse experts on the device (docs/FORMAT.md "Hot neurons of experts"): per
+# layer, each expert's count of hot neurons and their ids (ascending, experts in order), and
+# the neuron frequencies inside each expert the placement was solved from; written by
+# sparse/experts.py's solve_expert_neurons / expert_hot_tensors.
+T_FFN_EXP_HOT_COUNT = "ffn_exp_hot_count"  # blk.N.ffn_exp_hot_count I32 [n_expert]
+T_FFN_EXP_HOT = "ffn_exp_hot"              # blk.N.ffn_exp_hot I32 [sum of the counts]
+T_FFN_EXP_NFREQ = "ffn_exp_nfreq"          # blk.N.ffn_exp_nfreq F32 [n_expert, n_ff_exp]
+EXPERT_HOT_TENSORS = (T_FFN_EXP_HOT_COUNT, T_FFN_EXP_HOT, T_FFN_EXP_NFREQ)
+
+
+def expert_hot_tensor_name(kind: str, layer: int) -> str:
+    """``blk.N.ffn_exp_hot_count`` / ``blk.N.ffn_exp_hot`` / ``blk.N.ffn_exp_nfreq``."""
+    if kind not in EXPERT_HOT_TENSORS:
+        raise ValueError(f"not a hot-neurons-of-experts tensor: {kind!r}")
+    return f"blk.{layer}.{kind}"
+
+
 def expert_tensor_name(kind: str, layer: int) -> str:
     """``blk.N.ffn_exp_freq`` / ``blk.N.ffn_exp_gpu`` (no suffix)."""
     if kind not in EXPERT_TENSORS:

@@ -102,8 +102,8 @@ def _add_llama_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "llama.cpp's flags",
         "also accepted, so that a llama-cli command line runs: -ngl/--n-gpu-layers N "
-        "(0 = CPU; any other number = --device cuda: this runtime places by memory, not by "
-        "layers), -c/--ctx-size, -n -1 (until the context is full), -b/--batch-size and "
+        "(0 = CPU; any other number = the first GPU device that runs here, cuda: this runtime "
+        "places by memory, not by layers), -c/--ctx-size, -n -1 (until the context is full), -b/--batch-size and "
         "-ub/--ubatch-size (tokens per forward step), --no-mmap (= --load read), "
         "-ctk/-ctv (= --cache-type), -r/--reverse-prompt (= --stop), -e/--escape, "
         "-cnv/--conversation, --no-display-prompt; ignored, with a note where they matter: "
@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run: cpu (default), cuda, cuda:N (a build with nvcc), or "
                         "host-device (a simulated device in host RAM; runs the hybrid path "
                         "anywhere, slowly); llama.cpp's CUDA0 and none are read as cuda:0 and "
-                        "cpu. -ngl N (N > 0) without --device means cuda")
+                        "cpu. -ngl N (N > 0) without --device means the first GPU device "
+                        "that runs here (cuda)")
     p.add_argument("--vram-budget", metavar="SIZE", default=None,
                    help="device memory the model may use, e.g. 6G or 512M; a bare number is GiB "
                         "(default: the device's free memory minus 256 MiB)")
@@ -349,23 +350,29 @@ def _llama_habits(args) -> None:
         args.stop = [_unescape(x) for x in args.stop]
     dev = args.device
     if dev is not None:
-        # llama.cpp names devices CUDA0, CUDA1, ... and "none" for the CPU
-        m = re.fullmatch(r"cuda(\d+)", dev, flags=re.IGNORECASE)
-        args.device = f"cuda:{m.group(1)}" if m else ("cpu" if dev.lower() == "none" else dev)
+        from .model import device_kinds
+
+        # llama.cpp names devices CUDA0, CUDA1, ... (its backend's name and a number) and
+        # "none" for the CPU
+        for kind in (k for k in device_kinds() if k.indexed):
+            m = re.fullmatch(rf"{re.escape(kind.name)}(\d+)", dev, flags=re.IGNORECASE)
+            if m:
+                dev = f"{kind.name}:{m.group(1)}"
+        args.device = "cpu" if dev.lower() == "none" else dev
     ngl = args.n_gpu_layers
     if args.device is None:
         args.device = "cpu"
         if ngl:
-            from .model import device_available
+            from .model import gpu_device
 
-            ok, why = device_available("cuda")
-            if ok:
-                args.device = "cuda"
+            gpu, why = gpu_device()
+            if gpu:
+                args.device = gpu
                 print(f"note: -ngl {ngl}: placing by memory, not by layers: the attention, "
-                      "predictors, head and the hottest FFN neurons go to cuda within "
+                      f"predictors, head and the hottest FFN neurons go to {gpu} within "
                       "--vram-budget (default: the free memory minus 256 MiB)", file=sys.stderr)
             else:
-                print(f"note: -ngl {ngl}: no CUDA device ({why}); running on the CPU",
+                print(f"note: -ngl {ngl}: no GPU device ({why}); running on the CPU",
                       file=sys.stderr)
 
 

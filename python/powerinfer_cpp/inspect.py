@@ -219,7 +219,8 @@ def _experts(path: str, out: list[str], fields: dict, by_name: dict, n_layer: in
     src, t = (idx, idx_tensors) if idx_tensors is not None and \
         F.expert_tensor_name(F.T_FFN_EXP_FREQ, 0) in idx_tensors else (fields, by_name)
     eb = [sum(int(by_name[n].n_bytes) for n in (F.tensor_name(kind, l) for kind in
-                                                 (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS))
+                                                 (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS, F.T_FFN_DOWN_EXPS,
+                                                  F.T_FFN_DOWN_EXPS_T))
               if n in by_name) // n_expert for l in range(n_layer)]
     moe = [b for b in eb if b]  # (leading dense layers have none)
     out.append(f"experts: {n_expert} per layer{'' if len(moe) == n_layer else f' in {len(moe)} of {n_layer} layers'}, "
@@ -240,20 +241,35 @@ def _experts(path: str, out: list[str], fields: dict, by_name: dict, n_layer: in
         return
     where = idx_from if t is not by_name else ""
     b = src.get(F.KEY_GPU_VRAM_BUDGET)
+    # sparse experts: the hot neurons of each expert on the device (docs/FORMAT.md "Hot
+    # neurons of experts") in place of whole experts
+    hot = F.expert_hot_tensor_name(F.T_FFN_EXP_HOT_COUNT, 0) in t
+    served = "CPU expert bytes per token moved to the device" if hot else "served selections"
     out.append(f"  profiled over {src.get(F.KEY_EXPERT_PROFILE_TOKENS, '?')} tokens of "
                f"{src.get(F.KEY_EXPERT_PROFILE_SOURCE, '?') or '?'}; placement for "
                f"{format_size(int(b)) if b is not None else '?'} (solver {src.get(F.KEY_GPU_SOLVER, '?')}, "
                f"n_cpu_moe {src.get(F.KEY_EXPERT_N_CPU_MOE, '?')}, expert cache "
                f"{format_size(int(src.get(F.KEY_EXPERT_CACHE, 0)))}): "
-               f"{format_size(int(src.get(F.KEY_EXPERT_BYTES, 0)))} of experts, served selections "
-               f"{float(src.get(F.KEY_EXPERT_SERVED_SHARE, 0)):.1%}{where}")
-    out.append("  layer  device  expert:frequency by falling frequency (* = on the device)")
+               f"{format_size(int(src.get(F.KEY_EXPERT_BYTES, 0)))} of {'hot neurons of ' if hot else ''}"
+               f"experts, {served} {float(src.get(F.KEY_EXPERT_SERVED_SHARE, 0)):.1%}{where}")
+    if hot:
+        out.append("  layer  device  expert:frequency[hot neurons on the device/neurons] by falling frequency")
+    else:
+        out.append("  layer  device  expert:frequency by falling frequency (* = on the device)")
     for l in range(n_layer):
         fr = t.get(F.expert_tensor_name(F.T_FFN_EXP_FREQ, l))
         gp = t.get(F.expert_tensor_name(F.T_FFN_EXP_GPU, l))
         f = np.asarray(fr.data, dtype=np.float64) if fr is not None else np.zeros(n_expert)
         g = np.asarray(gp.data) if gp is not None else np.zeros(n_expert, dtype=np.int32)
         order = np.argsort(-f, kind="stable")
+        if hot:
+            hc = t.get(F.expert_hot_tensor_name(F.T_FFN_EXP_HOT_COUNT, l))
+            c = np.asarray(hc.data, dtype=np.int64).reshape(-1) if hc is not None else np.zeros(n_expert, np.int64)
+            ff = int(fields.get(F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH,
+                                           fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)), 0) or 0)
+            cells = " ".join(f"{int(e)}:{f[e]:.3f}[{int(c[e])}/{ff}]" for e in order)
+            out.append(f"  {l:5d}  {int((c > 0).sum()):>3}/{n_expert:<3} {cells}")
+            continue
         cells = " ".join(f"{int(e)}{'*' if g[e] else ''}:{f[e]:.3f}" for e in order)
         out.append(f"  {l:5d}  {int(g.sum()):>3}/{n_expert:<3} {cells}")
 

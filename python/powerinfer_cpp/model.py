@@ -132,7 +132,7 @@ class Model(ModelHandle):
                 "`python -m powerinfer_cpp.convert DIR -o MODEL.gguf`)")
         self.path = path
         if not isinstance(device, str):
-            raise TypeError(f"device must be a string (cpu, host-device, cuda, cuda:N), not "
+            raise TypeError(f"device must be a string ({', '.join(device_names())}), not "
                             f"{type(device).__name__}")
         budget = -1 if vram_budget is None else parse_size(vram_budget, "vram_budget")
         if isinstance(n_cpu_moe, bool) or not isinstance(n_cpu_moe, int) or n_cpu_moe < 0:
@@ -252,6 +252,9 @@ class Model(ModelHandle):
                 # shared_device layers, placed before the cache and the routed experts
                 "shared_device": d.n_shexp_device,
                 "shared_bytes": d.shexp_bytes,
+                # sparse experts (ffn_down_exps_t) with hot neurons on the device (their
+                # neurons in n_hot / hot_bytes; expert_hot_counts() says which)
+                "hot_experts": d.n_hot_experts,
             },
         }
 
@@ -262,6 +265,15 @@ class Model(ModelHandle):
         with self._calling() as ptr:
             check(lib.gh_model_expert_placement(ptr, ffi.cast("int8_t *", out.ctypes.data), out.size))
         return out.astype(bool)
+
+    def expert_hot_counts(self) -> np.ndarray:
+        """Sparse experts (ffn_down_exps_t): int32 [n_layer, n_expert], the neurons of each
+        expert whose rows are on the device (docs/FORMAT.md "Hot neurons of experts"; all 0
+        on the CPU)."""
+        out = np.zeros((self.info.n_layer, self.info.n_expert), dtype=np.int32)
+        with self._calling() as ptr:
+            check(lib.gh_model_expert_hot_counts(ptr, ffi.cast("int32_t *", out.ctypes.data), out.size))
+        return out
 
     # -- tokens -----------------------------------------------------------------
 
@@ -354,11 +366,55 @@ class Model(ModelHandle):
 
 
 def device_available(device: str) -> tuple[bool, str]:
-    """(True, "") if `device` ("cpu", "host-device", "cuda", "cuda:N") can run here, else
+    """(True, "") if `device` ("cpu", or a name of `device_kinds()`) can run here, else
     (False, the reason)."""
     if lib.gh_device_check(device.encode()) == 0:
         return True, ""
     return False, ffi.string(lib.gh_last_error()).decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """A kind of device the library knows: a row of its backend registry
+    (ggml-hybrid/src/backend/registry.c)."""
+    name: str          # "host-device", "cuda"
+    indexed: bool      # "name:N" is device N
+    accelerator: bool  # real hardware (what n_gpu_layers / -ngl ask for); False: simulated
+    built: bool        # this build has it
+
+
+def device_kinds() -> tuple[DeviceKind, ...]:
+    """The library's device kinds, in its registry's order ("cpu", no device, is none)."""
+    out = []
+    kind = ffi.new("gh_device_kind *")
+    for i in range(lib.gh_device_kind_count()):
+        check(lib.gh_device_kind_get(i, kind))
+        out.append(DeviceKind(ffi.string(kind.name).decode(), bool(kind.indexed),
+                              bool(kind.accelerator), bool(kind.built)))
+    return tuple(out)
+
+
+def device_names() -> list[str]:
+    """Every name a device is asked for by: "cpu", then each kind ("name" and "name:N"
+    for an indexed one)."""
+    names = ["cpu"]
+    for k in device_kinds():
+        names += [k.name, f"{k.name}:N"] if k.indexed else [k.name]
+    return names
+
+
+def gpu_device() -> tuple[str | None, str]:
+    """The device n_gpu_layers / -ngl ask for: the first accelerator kind of the registry
+    that runs here, as (its name, ""); else (None, why none does)."""
+    why = []
+    for k in device_kinds():
+        if not k.accelerator:
+            continue
+        ok, reason = device_available(k.name)
+        if ok:
+            return k.name, ""
+        why.append(f"{k.name}: {reason}")
+    return None, "; ".join(why) or "this library knows no GPU backend"
 
 
 def _info_from_c(c) -> ModelInfo:

@@ -28,7 +28,7 @@ from gguf import GGUFValueType as V
 from . import format as F
 from .gguf_write import ConvertError, TensorJob, check_output_path, write_gguf
 from .sparse.pipeline import gpu_index_kv, index_jobs, solve_from_tensors
-from .sparse.experts import profile_experts, solve_experts
+from .sparse.experts import expert_budget, expert_hot_tensors, profile_experts, solve_expert_neurons, solve_experts
 from .sizes import format_size, parse_size
 from .sparse.placement import Placement
 
@@ -135,6 +135,12 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
             check_output_path(os.path.abspath(out_path))
         except ConvertError as e:
             raise PlaceError(str(e)) from None
+    tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
+    if F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, n_layer - 1) in tensors:
+        return _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, side,
+                                       profile=profile, profile_tokens=profile_tokens, n_ctx=n_ctx,
+                                       n_cpu_moe=n_cpu_moe, method=method, time_limit=time_limit,
+                                       n_threads=n_threads, progress=progress)
     source = ""
     if profile is not None:
         if profile_tokens < 1:
@@ -158,7 +164,6 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
         if freq is None:
             raise PlaceError(f"{path} has no expert frequencies (blk.N.{F.T_FFN_EXP_FREQ}): profile "
                              "the model with --profile TEXT")
-    tensors = {t.name: (t.tensor_type, tuple(int(v) for v in reversed(t.shape))) for t in reader.tensors}
     try:
         pl = solve_experts(freq, tensors, budget, cache=expert_cache, n_cpu_moe=n_cpu_moe,
                            method=method, time_limit=time_limit)
@@ -211,6 +216,100 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
             keys(w)
 
         write_gguf(out_path, setup, jobs, progress, arch=arch)
+    except ConvertError as e:
+        raise PlaceError(str(e)) from None
+    stale = out_path + F.GPUIDX_SUFFIX
+    if os.path.exists(stale):
+        os.remove(stale)
+        log.warning("removed %s: it held another placement for %s", stale, out_path)
+    return pl
+
+
+def _read_text(profile) -> str:
+    try:
+        with open(profile, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlaceError(f"cannot read the calibration text {profile}: {e}") from None
+
+
+def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, side, *, profile,
+                            profile_tokens, n_ctx, n_cpu_moe, method, time_limit, n_threads,
+                            progress, group_size: int = 16):
+    """replace_expert_placement for a sparse-experts file (ffn_down_exps_t): the hot neurons
+    of experts (docs/FORMAT.md "Hot neurons of experts", sparse/experts.py
+    solve_expert_neurons), from a profile of TEXT (each expert's selection share and each
+    neuron's activity inside it), written as blk.N.ffn_exp_freq, ffn_exp_hot_count,
+    ffn_exp_hot and ffn_exp_nfreq with the expert keys."""
+    from .sparse.expert_sparsity import profile_expert_neurons
+
+    arch = fields.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    n_layer = int(fields[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
+    n_expert = int(fields[F.arch_key(F.KEY_EXPERT_COUNT, arch)])
+    if profile is None:
+        raise PlaceError(f"{path} has sparse experts (ffn_down_exps_t): their hot neurons are placed "
+                         "from a profile of the neurons inside each expert; pass --profile TEXT")
+    if profile_tokens < 1:
+        raise PlaceError(f"profile_tokens must be >= 1, got {profile_tokens}")
+    text = _read_text(profile)
+    from .model import Model
+    with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
+        ids = m.tokenize(text)[:profile_tokens]
+    if not ids:
+        raise PlaceError(f"the calibration text {profile} holds no tokens")
+    try:
+        freq, nfreq, dfreq, row_bytes = profile_expert_neurons(path, ids, n_ctx=n_ctx, n_threads=n_threads)
+    except ValueError as e:
+        raise PlaceError(f"{path}: {e}") from None
+    n_tok = len(ids)
+    # the runtime's order (model/placement.c): attention, routers, head, shared experts; the
+    # expert cache is not made for sparse experts
+    _, shared, n_shared, _, left, _ = expert_budget(tensors, n_layer, n_expert, budget, 0)
+    pl = solve_expert_neurons(freq, nfreq, row_bytes, max(left, 0), group_size=group_size,
+                              n_cpu_moe=n_cpu_moe, dfreq=dfreq, method=method, time_limit=time_limit)
+    arrays = expert_hot_tensors(pl, nfreq)
+    for l in range(n_layer):
+        arrays[F.expert_tensor_name(F.T_FFN_EXP_FREQ, l)] = freq[l].astype(np.float32)
+    qt = {np.dtype(np.float32): Q.F32, np.dtype(np.int32): Q.I32}
+    new_jobs = [TensorJob(name, a.shape, qt[a.dtype], lambda a=a: a) for name, a in sorted(arrays.items())]
+    source = os.path.basename(os.fspath(profile))
+
+    def keys(w):
+        w.add_key_value(F.KEY_EXPERT_PROFILE_TOKENS, int(n_tok), V.UINT32)
+        w.add_key_value(F.KEY_EXPERT_PROFILE_SOURCE, source, V.STRING)
+        w.add_key_value(F.KEY_EXPERT_BYTES_LEFT, int(max(left, 0)), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_BYTES, int(pl.bytes), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_N_CPU_MOE, int(min(n_cpu_moe, n_layer)), V.UINT32)
+        w.add_key_value(F.KEY_EXPERT_CACHE, 0, V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_SERVED_SHARE, float(pl.value / pl.total if pl.total else 0.0), V.FLOAT32)
+        w.add_key_value(F.KEY_EXPERT_SHARED_BYTES, int(shared), V.UINT64)
+        w.add_key_value(F.KEY_EXPERT_SHARED_LAYERS, int(n_shared), V.UINT32)
+        w.add_key_value(F.KEY_GPU_VRAM_BUDGET, int(budget), V.UINT64)
+        w.add_key_value(F.KEY_GPU_SOLVER, pl.solver, V.STRING)
+
+    try:
+        if side:
+            model_bytes = os.path.getsize(path)
+
+            def side_setup(w):
+                keys(w)
+                w.add_key_value(F.KEY_GPU_MODEL_BYTES, model_bytes, V.UINT64)
+
+            write_gguf(out_path, side_setup, new_jobs, progress, arch=F.GPUIDX_ARCH)
+            return pl
+        kinds = set(F.EXPERT_TENSORS) | set(F.EXPERT_HOT_TENSORS)
+        jobs = []
+        for t in reader.tensors:
+            if F.parse_tensor_name(t.name)[0] in kinds:
+                continue
+            shape = tuple(int(v) for v in reversed(t.shape))
+            jobs.append(TensorJob(t.name, shape, t.tensor_type, lambda a=t.data: a, raw=True))
+
+        def setup(w):
+            _copy_fields(reader, w, set(F.EXPERT_KEYS))
+            keys(w)
+
+        write_gguf(out_path, setup, jobs + new_jobs, progress, arch=arch)
     except ConvertError as e:
         raise PlaceError(str(e)) from None
     stale = out_path + F.GPUIDX_SUFFIX
@@ -341,9 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="a layer gets no GPU neurons or at least this share of them (default 0.05)")
     ap.add_argument("--placement", choices=("ilp", "greedy"), default="ilp")
     ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
-    moe = ap.add_argument_group("mixture-of-experts models (whole experts on the device)")
-    moe.add_argument("--profile", metavar="TEXT", help="count the experts' selections over this text "
-                     "file (default: the frequencies stored in the file)")
+    moe = ap.add_argument_group("mixture-of-experts models (whole experts on the device; sparse "
+                                "experts: their hot neurons)")
+    moe.add_argument("--profile", metavar="TEXT", help="count the experts' selections (sparse experts: "
+                     "and their neurons' activity) over this text file (default: the frequencies stored "
+                     "in the file; sparse experts need it)")
     moe.add_argument("--profile-tokens", type=int, default=4096, help="tokens of TEXT to profile (default 4096)")
     moe.add_argument("--n-cpu-moe", type=int, default=0, metavar="N",
                      help="keep the routed experts of the first N layers on the CPU (a shared "

@@ -121,11 +121,11 @@ def test_unsupported_and_unknown_arguments(shipped_gguf, llm):
         llm("And " * 200)
 
 
-def test_n_gpu_layers_without_cuda(shipped_gguf):
-    from powerinfer_cpp import device_available
+def test_n_gpu_layers_without_a_gpu(shipped_gguf):
+    from powerinfer_cpp.model import gpu_device
 
-    if device_available("cuda")[0]:
-        pytest.skip("a CUDA device is present")
+    if gpu_device()[0]:
+        pytest.skip("a GPU device is present")
     with pytest.warns(RuntimeWarning, match="n_gpu_layers=-1.*CPU"):
         with Llama(str(shipped_gguf), n_gpu_layers=-1, n_ctx=32, verbose=False) as l:
             assert l.model.device_info()["device"] == "cpu"

@@ -132,7 +132,7 @@ def test_llama_cpp_flags_map_onto_ours(capsys):
 
 
 def test_ngl_without_a_device_is_a_note_not_a_failure(shipped_gguf):
-    from powerinfer_cpp.model import device_available
+    from powerinfer_cpp.model import gpu_device
 
     plain = _run("-m", str(shipped_gguf), "-p", "And God said", "-n", "6", "--temp", "0",
                  "-t", "1")
@@ -141,7 +141,7 @@ def test_ngl_without_a_device_is_a_note_not_a_failure(shipped_gguf):
     assert r.returncode == 0, r.stderr
     notes = [ln for ln in r.stderr.splitlines() if ln.startswith("note: -ngl 99")]
     assert len(notes) == 1
-    if not device_available("cuda")[0]:
+    if gpu_device()[0] is None:
         assert "running on the CPU" in notes[0] and r.stdout == plain.stdout
 
 

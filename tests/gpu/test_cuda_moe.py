@@ -64,3 +64,41 @@ def test_cuda_moe_equals_cpu(moe, which):
     for got in (whole, steps):
         np.testing.assert_allclose(got, moe["want"], rtol=0, atol=TOL * scale)
     np.testing.assert_array_equal(counts, moe["counts"])
+
+
+@pytest.mark.parametrize("which", ["some", "all"])
+def test_cuda_hot_neurons_of_sparse_experts(tmp_path, cuda_device, which):
+    """Sparse ReGLU experts (ffn_down_exps_t) with a record of hot neurons
+    (tests/sparse/test_moe_hot.py runs the same on host-device): the GPU's hot rows through
+    the executor's split give the CPU-only gate-mode logits within the GPU's bound."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from gguf_rewrite import rewrite_gguf
+    from hf_models import make_hf_model
+    from powerinfer_cpp.convert import convert
+    from powerinfer_cpp.sparse.pipeline import SparseOptions
+
+    from conftest import SHIPPED_DIR
+
+    hf = make_hf_model("mixtral-relu", tmp_path / "hf", seed=11)
+    sparse = convert(hf, tmp_path / "sparse.gguf", "f32", progress=False, sparse=True,
+                     sparse_options=SparseOptions(calib=str(SHIPPED_DIR / "heldout.txt"),
+                                                  calib_tokens=300, profile_ctx=100))
+    with Model(sparse, n_ctx=64) as m:
+        nl, ne, ff = m.info.n_layer, m.info.n_expert, m.info.n_ff_exp
+        ids = [int(t) for t in np.random.default_rng(4).integers(3, 300, size=12)]
+        ctx = m.create_context(n_ctx=64, cache_type="f32", ffn="gate")
+        want = np.stack([ctx.eval([t]) for t in ids])
+    rng = np.random.default_rng(0)
+    add = {}
+    for l in range(nl):
+        hot = [np.arange(ff, dtype=np.int32) if which == "all" or e == 0 else
+               np.sort(rng.choice(ff, size=ff // 2, replace=False)).astype(np.int32) for e in range(ne)]
+        add[f"blk.{l}.ffn_exp_hot_count"] = np.array([len(h) for h in hot], np.int32)
+        add[f"blk.{l}.ffn_exp_hot"] = np.concatenate(hot)
+    path = rewrite_gguf(sparse, tmp_path / "hot.gguf", add=add)
+    with Model(path, n_ctx=64, device=cuda_device) as m:
+        assert m.device_info()["experts"]["hot_experts"] == nl * ne
+        ctx = m.create_context(n_ctx=64, cache_type="f32", ffn="gate")
+        got = np.stack([ctx.eval([t]) for t in ids])
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL * np.ptp(want))

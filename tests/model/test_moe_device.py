@@ -1,4 +1,4 @@
-"""Mixture-of-experts models on a device (backend/hybrid.c's expert placement, ffn/moe.c's
+"""Mixture-of-experts models on a device (model/placement.c's expert placement, ffn/moe.c's
 device half and expert cache), on the host-device backend, against the CPU-only runtime:
 
 - any placement (no experts, some, all, n_cpu_moe, the expert cache, cache and placed

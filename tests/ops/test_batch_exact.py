@@ -11,7 +11,8 @@ test_speculative.py).
 Both with dense activations (a SwiGLU FFN: every row used by every token) and ReLU-like
 ones (half of them zero, each token its own rows), and rows that are and are not whole
 groups of 16 (the int8 forms' groups). Every batch is also checked against numpy on the
-dequantized weights, so the equal results are right ones."""
+dequantized weights, so the equal results are right ones. Q4_0's and Q4_1's one-token int8
+forms also give the same bits at AVX2 and AVX-512, as their batch forms do."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from powerinfer_cpp._native import check, lib
-from cbuf import fptr  # noqa: E402
+from cbuf import fptr, iptr  # noqa: E402
 from opref import BLOCK, TYPES, encode, vptr  # noqa: E402
 
 #: cpu/axpy.c's AXPY_EXACT_MAX: the largest batch of the transposed matmul that sums as decode
@@ -102,3 +103,41 @@ def test_matmul_t_batch_is_its_tokens(name, simd_level):
                 if n <= EXACT_MAX:
                     ref = one_by_one(lib.gh_op_matmul_t, t, raw, rows, cols, h, cols)
                     assert np.array_equal(got, ref), what
+
+
+@pytest.mark.skipif(int(lib.gh_simd_supported()) < 2, reason="needs AVX-512")
+@pytest.mark.parametrize("name", ["q4_0", "q4_1"])
+def test_int8_one_token_levels_agree(name):
+    """Q4_0's and Q4_1's one-token int8 form (groups of 16 rows) has an AVX-512 (VNNI) and
+    an AVX2 version whose integer sums are the same, scaled and added alike: one token gives
+    the same bits at both levels, through the whole down_t and an id list, on rows with whole
+    groups of 8 blocks, a tail of them and a chunk's tail (the AVX-512 form takes 8 blocks'
+    scales at once), 1 and 2 threads (2: each thread its columns)."""
+    t = TYPES[name]
+    rng = np.random.default_rng(5)
+    prev = lib.gh_simd_set(2)
+    try:
+        for rows, cols in ((16, 256), (37, 96), (130, 544), (48, 4096 + 32 * 3)):
+            raw, wd = weights(t, rows, cols)
+            for dens in (1.0, 0.5):
+                h = rng.standard_normal((1, rows)).astype(np.float32)
+                h[rng.random(h.shape) >= dens] = 0.0
+                ids = np.flatnonzero(h[0]).astype(np.int32)
+                a = np.ascontiguousarray(h[0, ids])
+                got = {}
+                for level in (1, 2):
+                    assert lib.gh_simd_set(level) != -2
+                    for nt in (1, 2):
+                        y = np.full((1, cols), np.nan, np.float32)
+                        check(lib.gh_op_matmul_t(t, vptr(raw), rows, cols, fptr(h), 1, fptr(y), nt))
+                        yl = np.full(cols, np.nan, np.float32)
+                        check(lib.gh_op_sparse_down(t, vptr(raw), rows, cols, iptr(ids), fptr(a), ids.size,
+                                                    fptr(yl), nt))
+                        got[(level, nt)] = (y[0], yl)
+                what = f"{name} rows={rows} cols={cols} density={dens}"
+                check_ref(got[(2, 1)][0][None], h.astype(np.float64) @ wd.astype(np.float64), what)
+                for key, (y, yl) in got.items():
+                    assert np.array_equal(y, got[(1, 1)][0]), (what, key, "whole down_t")
+                    assert np.array_equal(yl, got[(1, 1)][0]), (what, key, "id list")
+    finally:
+        lib.gh_simd_set(prev)

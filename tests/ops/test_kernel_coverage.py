@@ -31,10 +31,8 @@ INHERITED = {
     ("q4_1", "axpy", AVX512): "AVX2's measured faster",
     ("q4_1", "axpy4", AVX512): "AVX2's measured faster",
     ("q4_1", "axpy4pf", AVX512): "AVX2's measured faster",
-    # the sixteen-row int8 forms are AVX2 code; AVX-512 has only Q4_0's and Q4_1's batch
-    # forms in VNNI
-    ("q4_0", "axpy16", AVX512): "int8 form in AVX2",
-    ("q4_1", "axpy16", AVX512): "int8 form in AVX2",
+    # the sixteen-row int8 forms are AVX2 code; AVX-512 has Q4_0's and Q4_1's one-token
+    # and batch forms in VNNI, the K-quants' run AVX2's
     ("q4_k", "axpy16", AVX512): "int8 form in AVX2",
     ("q5_k", "axpy16", AVX512): "int8 form in AVX2",
     ("q6_k", "axpy16", AVX512): "int8 form in AVX2",

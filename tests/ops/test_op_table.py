@@ -3,8 +3,9 @@ testing is one row of OPS (how to run it on a backend, its numpy reference, its 
 its bound), and one test runs each row x every weight type the CPU kernel table has
 (asked from the library, gh_kernel_source: a type added to the tables is tested here
 without an edit) x every backend column the op has: each SIMD level this CPU runs (the
-library's level switch, gh_simd_set), the simulated device "host-device", and CUDA
-(skipped without a GPU; GH_REQUIRE_CUDA=1 fails instead, tools/gpu_check.sh).
+library's level switch, gh_simd_set), and every device kind of the backend registry
+(device_kinds): the simulated device "host-device", and CUDA (skipped without a GPU;
+GH_REQUIRE_CUDA=1 fails instead, tools/gpu_check.sh).
 
 Inputs: Gaussian weights stored as the type by opref.encode (gguf.quants quantizes the
 types it can, the runtime's reference quantizer the others, random valid blocks for the
@@ -64,6 +65,7 @@ import pytest
 from gguf import quants
 
 from powerinfer_cpp._native import check, ffi, lib
+from powerinfer_cpp.model import device_available, device_kinds
 
 from cbuf import fptr, iptr
 from conftest import at_simd, cuda_device_or_skip, last_error, simd_id, simd_levels
@@ -133,12 +135,20 @@ class Backend:
         return self.level is not None
 
     def device(self) -> bytes:
-        """The device's name for gh_device_op_*; the CUDA column skips without a GPU."""
-        return (cuda_device_or_skip() if self.name == "cuda" else self.name).encode()
+        """The device's name for gh_device_op_*; the CUDA column skips without a GPU (and
+        fails under GH_REQUIRE_CUDA=1), any other kind's column where it cannot run here."""
+        if self.name == "cuda":
+            return cuda_device_or_skip().encode()
+        ok, why = device_available(self.name)
+        if not ok:
+            pytest.skip(f"device '{self.name}' unavailable: {why}")
+        return self.name.encode()
 
 
 CPU = tuple(Backend(simd_id(lv), lv) for lv in simd_levels())
-DEVICES = (Backend("host-device"), Backend("cuda"))
+#: a column per kind of the backend registry (backend/registry.c): a new backend is tested
+#: here without an edit
+DEVICES = tuple(Backend(k.name) for k in device_kinds())
 
 
 def cpu_run(fn: Callable, threads=(1, 2)):

@@ -77,9 +77,9 @@ def test_dense_baseline_is_the_down_t_axpy_where_the_file_has_down_t(d):
 
 
 def test_a_slow_dense_down_t_keeps_the_mode():
-    # Q6_K at AVX-512: the axpy over every row of down_t reads at a sixth of the dense
-    # matmul's rate, so density 83% (SmolLM2's 2% budget) pays against it, not against the
-    # matmul the file does not run
+    # Q6_K at AVX-512: the axpy over every row of down_t reads at half the dense matmul's
+    # rate, so density 83% (SmolLM2's 2% budget) pays against it, not against the matmul
+    # the file does not run
     d = 0.83
     assert decide(GATE, d, Q6_K, Q6_K, AVX512)[0] == DENSE
     assert decide(GATE, d, Q6_K, Q6_K, AVX512, dense_down_t=1)[0] == GATE

@@ -115,14 +115,17 @@ struct gh_stream {
  * stream on; NULL or "": none; for rehearsing the runtime's device error paths). */
 gh_status gh_backend_host_new(size_t capacity, const bool * reads, const char * fault,
                               gh_backend ** out);
-/* CUDA backend on device `device` (cuda/backend_cuda.cu); without a CUDA build this
- * returns GH_ERR_UNSUPPORTED saying how to get one, and without a usable GPU
- * GH_ERR_UNSUPPORTED with the driver's reason. */
+/* host-device as the environment sets it (the registry's constructor; index unused):
+ * capacity GH_HOST_DEVICE_MEM bytes, with K/M/G suffixes, default 4 GiB; types
+ * GH_HOST_DEVICE_TYPES, comma-separated names, default every type the runtime reads; an
+ * injected fault GH_HOST_DEVICE_FAULT, op:N. */
+gh_status gh_backend_host_from_env(int index, gh_backend ** out);
+/* CUDA backend on device `device` (cuda/backend_cuda.cu; only in a CUDA build, GH_HAVE_CUDA);
+ * without a usable GPU GH_ERR_UNSUPPORTED with the driver's reason. */
 gh_status gh_backend_cuda_new(int device, gh_backend ** out);
-/* By name: "host-device" (capacity: GH_HOST_DEVICE_MEM bytes from the environment, with
- * K/M/G suffixes, default 4 GiB; types: GH_HOST_DEVICE_TYPES, comma-separated names,
- * default every type the runtime reads; an injected fault: GH_HOST_DEVICE_FAULT, op:N)
- * or "cuda" (device 0, or "cuda:N"). */
+/* By name, from the registry's table (registry.c, the one place that knows the backends):
+ * "host-device", or "cuda" (device 0) / "cuda:N". An unknown name is GH_ERR_INVALID_ARG
+ * listing the names; a backend this build lacks GH_ERR_UNSUPPORTED saying how to get it. */
 gh_status gh_backend_new(const char * name, gh_backend ** out);
 void gh_backend_free(gh_backend * b);
 /* GH_OK if b reads weights of type; else GH_ERR_UNSUPPORTED, the message naming the

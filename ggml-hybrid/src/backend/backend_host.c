@@ -7,11 +7,13 @@
 #include "cpu/ops.h"
 #include "types/types.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 
 /* The calls a fault can be injected into (GH_HOST_DEVICE_FAULT). */
@@ -447,4 +449,80 @@ gh_status gh_backend_host_new(size_t capacity, const bool * reads, const char * 
     pthread_mutex_init(&h->mu, NULL);
     *out = &h->base;
     return GH_OK;
+}
+
+/* ---------------------------------------------- its settings, from the environment -- */
+
+#define HOST_DEVICE_DEFAULT_MEM ((size_t) 4 << 30)
+
+/* "4G", "512M", "1048576": bytes; false if malformed. */
+static bool parse_size(const char * s, size_t * out) {
+    errno = 0;
+    char * end;
+    const double v = strtod(s, &end);
+    if (end == s || errno || !(v >= 0)) return false;
+    double mul = 1;
+    switch (toupper((unsigned char) *end)) {
+    case 'K': mul = 1024.0; end++; break;
+    case 'M': mul = 1048576.0; end++; break;
+    case 'G': mul = 1073741824.0; end++; break;
+    case 'T': mul = 1099511627776.0; end++; break;
+    default: break;
+    }
+    if (toupper((unsigned char) *end) == 'I') end++;
+    if (toupper((unsigned char) *end) == 'B') end++;
+    if (*end || v * mul >= 9.2e18) return false;
+    *out = (size_t) (v * mul);
+    return true;
+}
+
+/* GH_HOST_DEVICE_TYPES="f32,q8_0,...": the types the simulated device reads (a device
+ * whose type list lacks some of the runtime's, for rehearsing the refusals on any
+ * machine); unset or empty: every type the runtime reads. Names as the type table spells
+ * them, any case. */
+static gh_status host_device_types(bool reads[GH_TYPE_COUNT], bool * restricted) {
+    *restricted = false;
+    const char * env = getenv("GH_HOST_DEVICE_TYPES");
+    if (!env || !*env) return GH_OK;
+    *restricted = true;
+    memset(reads, 0, GH_TYPE_COUNT * sizeof *reads);
+    const char * p = env;
+    while (*p) {
+        const size_t len = strcspn(p, ",");
+        size_t a = 0, b = len;
+        while (a < b && isspace((unsigned char) p[a])) a++;
+        while (b > a && isspace((unsigned char) p[b - 1])) b--;
+        int found = -1;
+        for (int t = 0; t < GH_TYPE_COUNT && found < 0 && b > a; t++) {
+            const gh_type_traits * tr = gh_type_traits_get(t);
+            if (tr && strlen(tr->name) == b - a && strncasecmp(tr->name, p + a, b - a) == 0) {
+                found = t;
+            }
+        }
+        if (found < 0) {
+            return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_TYPES='%s': '%.*s' is not a type "
+                           "this runtime reads (it reads %s)", env, (int) (b - a), p + a,
+                           gh_types_read_list());
+        }
+        reads[found] = true;
+        p += len;
+        if (*p == ',') p++;
+    }
+    return GH_OK;
+}
+
+gh_status gh_backend_host_from_env(int index, gh_backend ** out) {
+    (void) index; /* one simulated device */
+    *out = NULL;
+    size_t cap = HOST_DEVICE_DEFAULT_MEM;
+    const char * env = getenv("GH_HOST_DEVICE_MEM");
+    if (env && *env && !parse_size(env, &cap)) {
+        return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_MEM='%s' is not a size (e.g. "
+                       "4G, 512M, 1048576)", env);
+    }
+    bool reads[GH_TYPE_COUNT], restricted;
+    gh_status st = host_device_types(reads, &restricted);
+    if (st) return st;
+    return gh_backend_host_new(cap, restricted ? reads : NULL, getenv("GH_HOST_DEVICE_FAULT"),
+                               out);
 }

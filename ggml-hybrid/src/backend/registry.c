@@ -1,88 +1,95 @@
-/* The backends by name (gh_backend_new: host-device, cuda), and the public device-op
- * entry points that tests use to check every backend against numpy. The backends know
- * nothing of this file: each includes only the interface (backend.h, backend.c). */
+/* THE backends by name (BACKENDS: gh_backend_new, and gh_device_kind_get for the Python
+ * side's device lists and its GPU choice), and the public device-op entry points that
+ * tests use to check every backend against numpy. The backends know nothing of this file:
+ * each includes only the interface (backend.h, backend.c). */
 #include "backend/backend.h"
 #include "types/types.h"
 
-#include <ctype.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
-#include <strings.h>
 
-#define HOST_DEVICE_DEFAULT_MEM ((size_t) 4 << 30)
+/* The table of backends: a device is asked for by a row's name (or name:N where the row is
+ * indexed), in this order. A row whose backend this build lacks has no constructor and
+ * says how to get a build with it. */
+typedef struct {
+    const char * name;
+    bool indexed;      /* "name:N" is device N; "name" device 0 */
+    bool accelerator;  /* real hardware: what n_gpu_layers / -ngl ask for; false: simulated */
+    gh_status (*make)(int index, gh_backend ** out);  /* NULL: not in this build */
+    const char * missing;  /* what this build lacks and how to get it (when make is NULL) */
+} backend_row;
 
-#ifndef GH_HAVE_CUDA
-gh_status gh_backend_cuda_new(int device, gh_backend ** out) {
-    *out = NULL;
-    return gh_fail(GH_ERR_UNSUPPORTED, "this build of powerinfer-cpp has no CUDA backend: "
-                   "reinstall on a machine with nvcc (the CUDA toolkit) on PATH, or build with "
-                   "-DGH_CUDA=ON; use device 'cpu' or 'host-device' meanwhile");
-}
-#endif
-
-int32_t gh_have_cuda(void) {
 #ifdef GH_HAVE_CUDA
-    return 1;
+#define CUDA_NEW gh_backend_cuda_new
 #else
-    return 0;
+#define CUDA_NEW NULL
 #endif
-}
 
-/* "4G", "512M", "1048576": bytes; false if malformed. */
-static bool parse_size(const char * s, size_t * out) {
-    errno = 0;
-    char * end;
-    const double v = strtod(s, &end);
-    if (end == s || errno || !(v >= 0)) return false;
-    double mul = 1;
-    switch (toupper((unsigned char) *end)) {
-    case 'K': mul = 1024.0; end++; break;
-    case 'M': mul = 1048576.0; end++; break;
-    case 'G': mul = 1073741824.0; end++; break;
-    case 'T': mul = 1099511627776.0; end++; break;
-    default: break;
+static const backend_row BACKENDS[] = {
+    { "host-device", false, false, gh_backend_host_from_env, NULL },
+    { "cuda", true, true, CUDA_NEW, "this build of powerinfer-cpp has no CUDA backend: reinstall "
+      "on a machine with nvcc (the CUDA toolkit) on PATH, or build with -DGH_CUDA=ON" },
+};
+#define N_BACKENDS ((int32_t) (sizeof BACKENDS / sizeof BACKENDS[0]))
+
+/* The cuda row's: whether this build made it a constructor. */
+int32_t gh_have_cuda(void) {
+    for (int32_t i = 0; i < N_BACKENDS; i++) {
+        if (strcmp(BACKENDS[i].name, "cuda") == 0) return BACKENDS[i].make != NULL;
     }
-    if (toupper((unsigned char) *end) == 'I') end++;
-    if (toupper((unsigned char) *end) == 'B') end++;
-    if (*end || v * mul >= 9.2e18) return false;
-    *out = (size_t) (v * mul);
-    return true;
+    return 0;
 }
 
-/* GH_HOST_DEVICE_TYPES="f32,q8_0,...": the types the simulated device reads (a device
- * whose type list lacks some of the runtime's, for rehearsing the refusals on any
- * machine); unset or empty: every type the runtime reads. Names as the type table spells
- * them, any case. */
-static gh_status host_device_types(bool reads[GH_TYPE_COUNT], bool * restricted) {
-    *restricted = false;
-    const char * env = getenv("GH_HOST_DEVICE_TYPES");
-    if (!env || !*env) return GH_OK;
-    *restricted = true;
-    memset(reads, 0, GH_TYPE_COUNT * sizeof *reads);
-    const char * p = env;
-    while (*p) {
-        const size_t len = strcspn(p, ",");
-        size_t a = 0, b = len;
-        while (a < b && isspace((unsigned char) p[a])) a++;
-        while (b > a && isspace((unsigned char) p[b - 1])) b--;
-        int found = -1;
-        for (int t = 0; t < GH_TYPE_COUNT && found < 0 && b > a; t++) {
-            const gh_type_traits * tr = gh_type_traits_get(t);
-            if (tr && strlen(tr->name) == b - a && strncasecmp(tr->name, p + a, b - a) == 0) {
-                found = t;
-            }
+int32_t gh_device_kind_count(void) {
+    return N_BACKENDS;
+}
+
+gh_status gh_device_kind_get(int32_t i, gh_device_kind * out) {
+    if (!out || i < 0 || i >= N_BACKENDS) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_device_kind_get: kind %d of %d%s", i, N_BACKENDS,
+                       out ? "" : " (out is NULL)");
+    }
+    const backend_row * r = &BACKENDS[i];
+    *out = (gh_device_kind) { .name = r->name, .indexed = r->indexed,
+                              .accelerator = r->accelerator, .built = r->make != NULL };
+    return GH_OK;
+}
+
+/* "cpu, host-device, cuda or cuda:N": every name a device is asked for by. */
+static const char * device_names(char * buf, size_t cap) {
+    size_t len = (size_t) snprintf(buf, cap, "cpu");
+    for (int32_t i = 0; i < N_BACKENDS && len < cap; i++) {
+        const bool last = i + 1 == N_BACKENDS;
+        len += (size_t) snprintf(buf + len, cap - len, "%s%s",
+                                 last && !BACKENDS[i].indexed ? " or " : ", ", BACKENDS[i].name);
+        if (BACKENDS[i].indexed && len < cap) {
+            len += (size_t) snprintf(buf + len, cap - len, "%s%s:N", last ? " or " : ", ",
+                                     BACKENDS[i].name);
         }
-        if (found < 0) {
-            return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_TYPES='%s': '%.*s' is not a type "
-                           "this runtime reads (it reads %s)", env, (int) (b - a), p + a,
-                           gh_types_read_list());
-        }
-        reads[found] = true;
-        p += len;
-        if (*p == ',') p++;
+    }
+    return buf;
+}
+
+/* A backend fills every op of the interface: one that left an op out is refused when made,
+ * naming it, rather than crashing at the op's first call. */
+static gh_status check_ops(const char * name, gh_backend ** b) {
+    const gh_backend_ops * o = (*b)->ops;
+    const struct { const char * op; bool set; } ops[] = {
+        { "destroy", o->destroy }, { "reads_type", o->reads_type }, { "mem_info", o->mem_info },
+        { "alloc", o->alloc }, { "free", o->free }, { "upload", o->upload },
+        { "stream_new", o->stream_new }, { "stream_free", o->stream_free },
+        { "matmul", o->matmul }, { "predict", o->predict }, { "hot_ffn", o->hot_ffn },
+        { "sync", o->sync },
+    };
+    for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
+        if (ops[i].set) continue;
+        if (o->destroy) o->destroy(*b);
+        *b = NULL;
+        return gh_fail(GH_ERR_UNSUPPORTED, "backend '%s' does not fill the op '%s' of the backend "
+                       "interface (backend/backend.h)", name, ops[i].op);
     }
     return GH_OK;
 }
@@ -91,38 +98,34 @@ gh_status gh_backend_new(const char * name, gh_backend ** out) {
     if (!out) return gh_fail(GH_ERR_INVALID_ARG, "gh_backend_new: out is NULL");
     *out = NULL;
     if (!name) return gh_fail(GH_ERR_INVALID_ARG, "device name is NULL");
-    if (strcmp(name, "host-device") == 0) {
-        size_t cap = HOST_DEVICE_DEFAULT_MEM;
-        const char * env = getenv("GH_HOST_DEVICE_MEM");
-        if (env && *env && !parse_size(env, &cap)) {
-            return gh_fail(GH_ERR_INVALID_ARG, "GH_HOST_DEVICE_MEM='%s' is not a size (e.g. "
-                           "4G, 512M, 1048576)", env);
+    for (int32_t i = 0; i < N_BACKENDS; i++) {
+        const backend_row * r = &BACKENDS[i];
+        const size_t len = strlen(r->name);
+        if (strncmp(name, r->name, len) != 0 || (name[len] && !(r->indexed && name[len] == ':'))) {
+            continue;
         }
-        bool reads[GH_TYPE_COUNT], restricted;
-        gh_status st = host_device_types(reads, &restricted);
-        if (st) return st;
-        return gh_backend_host_new(cap, restricted ? reads : NULL, getenv("GH_HOST_DEVICE_FAULT"),
-                                   out);
-    }
-    if (strncmp(name, "cuda", 4) == 0) {
-        int dev = 0;
-        if (name[4] == ':') {
+        int index = 0;
+        if (name[len] == ':') {
             char * end;
             errno = 0;
-            const long v = strtol(name + 5, &end, 10);
-            if (end == name + 5 || *end || errno || v < 0 || v > 1024) {
-                return gh_fail(GH_ERR_INVALID_ARG, "device '%s': expected cuda:N with N a GPU "
-                               "number", name);
+            const long v = strtol(name + len + 1, &end, 10);
+            if (end == name + len + 1 || *end || errno || v < 0 || v > 1024) {
+                return gh_fail(GH_ERR_INVALID_ARG, "device '%s': expected %s:N with N a device "
+                               "number", name, r->name);
             }
-            dev = (int) v;
-        } else if (name[4]) {
-            return gh_fail(GH_ERR_INVALID_ARG, "unknown device '%s' (use cpu, host-device, cuda "
-                           "or cuda:N)", name);
+            index = (int) v;
         }
-        return gh_backend_cuda_new(dev, out);
+        if (!r->make) {
+            return gh_fail(GH_ERR_UNSUPPORTED, "%s; use device 'cpu' or 'host-device' meanwhile",
+                           r->missing);
+        }
+        gh_status st = r->make(index, out);
+        if (!st) st = check_ops(r->name, out);
+        return st;
     }
-    return gh_fail(GH_ERR_INVALID_ARG, "unknown device '%s' (use cpu, host-device, cuda or "
-                   "cuda:N)", name);
+    char names[256];
+    return gh_fail(GH_ERR_INVALID_ARG, "unknown device '%s' (use %s)", name,
+                   device_names(names, sizeof names));
 }
 
 gh_status gh_device_check(const char * device) {

@@ -105,15 +105,17 @@ static void one_token(const matmul_t_job * job, const float * h, int64_t c0, int
         if (++k < gsize) continue;
         k = 0;
         if (job->axpy16) {
-            /* the kernel prefetches the next sixteen rows of the list (past the end:
-             * the last row again) */
+            /* the kernel prefetches the next sixteen rows (of the list, or of the matrix;
+             * past the end: the last row again). The whole matrix's rows need it too:
+             * the kernel reads sixteen rows' segments block by block, more streams than
+             * the hardware prefetcher follows (without it the full down_t axpy ran at
+             * 0.16-0.34x the dense matmul's GB/s per byte; docs/BENCHMARKS.md) */
             const void * pf[16];
-            if (job->ids) {
-                for (int j = 0; j < 16; j++) {
-                    pf[j] = wd + job->ids[GH_MIN(n_rows - 1, i + 1 + j)] * w->row_bytes + off;
-                }
+            for (int j = 0; j < 16; j++) {
+                const int64_t ip = GH_MIN(n_rows - 1, i + 1 + j);
+                pf[j] = wd + (job->ids ? job->ids[ip] : ip) * w->row_bytes + off;
             }
-            job->axpy16(c1 - c0, s, rows, job->ids ? pf : NULL, y + c0);
+            job->axpy16(c1 - c0, s, rows, pf, y + c0);
         } else if (job->axpy4pf) {
             /* the kernel prefetches the rows of the group AXPY_PF_GROUPS ahead (by list
              * position; past the end: the last row again) */

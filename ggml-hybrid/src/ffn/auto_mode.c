@@ -42,7 +42,13 @@
  * numbers. The old table (before the decode tiles' tail prefetch and the rows below) took
  * the lowest over 1 and 2 threads; 2-thread CPU times were not measurable on the shared
  * machine this time. A type not measured at the level has no estimate: the file's mode is
- * kept, as with no recorded density. */
+ * kept, as with no recorded density. Measured again after the whole down_t's int8 groups
+ * got their prefetch and Q4_0/Q4_1 their VNNI form (docs/BENCHMARKS.md, "The whole down_t
+ * axpy per byte read", same command with --paths cols,dt --simd avx512,avx2): the dt of
+ * Q4_0, Q4_1, Q4_K and Q6_K and the cols of Q4_0 and Q4_1 at AVX-512 (the kernels that
+ * changed); the other cells are the earlier run's. Q8_0's rows were measured again at
+ * 20:49 the same way (--types q8_0 --paths rows --reps 11), after its gathered tile took
+ * the next group into L1 (docs/BENCHMARKS.md, "The gathered rows per byte read"). */
 typedef struct {
     int   type;
     float rows[3], cols[3];
@@ -51,20 +57,20 @@ typedef struct {
 
 static const ratio_row RATIOS_AVX512[] = {
     { GH_TYPE_F16,    { 0.46f, 0.59f, 0.70f }, { 0.46f, 0.59f, 0.71f }, 1.11f },
-    { GH_TYPE_Q8_0,   { 0.30f, 0.41f, 0.67f }, { 0.25f, 0.37f, 0.64f }, 0.77f },
-    { GH_TYPE_Q4_0,   { 0.32f, 0.41f, 0.54f }, { 0.17f, 0.24f, 0.38f }, 0.47f },
-    { GH_TYPE_Q4_1,   { 0.41f, 0.57f, 0.80f }, { 0.20f, 0.28f, 0.42f }, 0.48f },
-    { GH_TYPE_Q4_K,   { 0.54f, 0.79f, 1.06f }, { 0.59f, 0.69f, 0.72f }, 0.34f },
-    { GH_TYPE_Q6_K,   { 0.57f, 0.79f, 1.18f }, { 0.41f, 0.49f, 0.51f }, 0.16f },
+    { GH_TYPE_Q8_0,   { 0.36f, 0.45f, 0.68f }, { 0.25f, 0.37f, 0.64f }, 0.77f },
+    { GH_TYPE_Q4_0,   { 0.32f, 0.41f, 0.54f }, { 0.20f, 0.28f, 0.38f }, 0.46f },
+    { GH_TYPE_Q4_1,   { 0.41f, 0.57f, 0.80f }, { 0.22f, 0.30f, 0.43f }, 0.48f },
+    { GH_TYPE_Q4_K,   { 0.54f, 0.79f, 1.06f }, { 0.59f, 0.69f, 0.72f }, 0.71f },
+    { GH_TYPE_Q6_K,   { 0.57f, 0.79f, 1.18f }, { 0.41f, 0.49f, 0.51f }, 0.50f },
     { GH_TYPE_IQ4_XS, { 0.59f, 0.82f, 1.09f }, { 0.48f, 0.51f, 0.52f }, 0.52f },
 };
 static const ratio_row RATIOS_AVX2[] = {
     { GH_TYPE_F16,    { 0.43f, 0.55f, 0.70f }, { 0.49f, 0.59f, 0.72f }, 0.94f },
-    { GH_TYPE_Q8_0,   { 0.36f, 0.48f, 0.82f }, { 0.23f, 0.36f, 0.58f }, 0.65f },
+    { GH_TYPE_Q8_0,   { 0.46f, 0.61f, 0.83f }, { 0.23f, 0.36f, 0.58f }, 0.65f },
     { GH_TYPE_Q4_0,   { 0.37f, 0.47f, 0.59f }, { 0.22f, 0.30f, 0.45f }, 0.54f },
-    { GH_TYPE_Q4_1,   { 0.43f, 0.62f, 0.86f }, { 0.23f, 0.31f, 0.46f }, 0.50f },
-    { GH_TYPE_Q4_K,   { 0.54f, 0.77f, 1.03f }, { 0.63f, 0.78f, 0.80f }, 0.36f },
-    { GH_TYPE_Q6_K,   { 0.60f, 0.83f, 1.21f }, { 0.77f, 0.88f, 0.90f }, 0.28f },
+    { GH_TYPE_Q4_1,   { 0.43f, 0.62f, 0.86f }, { 0.23f, 0.31f, 0.46f }, 0.52f },
+    { GH_TYPE_Q4_K,   { 0.54f, 0.77f, 1.03f }, { 0.63f, 0.78f, 0.80f }, 0.76f },
+    { GH_TYPE_Q6_K,   { 0.60f, 0.83f, 1.21f }, { 0.77f, 0.88f, 0.90f }, 0.78f },
     { GH_TYPE_IQ4_XS, { 0.69f, 0.90f, 1.05f }, { 0.52f, 0.55f, 0.57f }, 0.57f },
 };
 

@@ -11,7 +11,7 @@
 #include "ffn/rows.h"
 #include "ffn/input_ffn.h"
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "core/tap.h"
 
 #include <math.h>
@@ -153,7 +153,7 @@ bool gh_input_sparse_applies(const gh_context * c, int32_t n) {
 /* The dense gate by neuron id into s->g_dense (bias included): the device's hot rows
  * while the CPU does the cold ones, or the CPU's matmul over every row. Adds the weight
  * bytes read to *bytes; returns a device error. */
-static gh_status dense_gate(gh_context * c, const gh_layer * L, const gh_dlayer * D,
+static gh_status dense_gate(gh_context * c, const gh_layer * L, const gh_dsplit * D,
                             const float * x, double * bytes) {
     gh_ffn_state * s = c->ffn;
     const int64_t ff = L->gate.rows;
@@ -221,7 +221,7 @@ static double cpu_part(gh_context * c, const gh_layer * L, const float * x, cons
 /* The list ids[0..n) computed into y (overwritten, down bias not added): the device
  * takes the neurons it holds, the CPU the rest, then sync and merge. Adds the weight
  * bytes read to *bytes; *n_dev = the device's neurons; returns a device error. */
-static gh_status execute(gh_context * c, const gh_layer * L, const gh_dlayer * D,
+static gh_status execute(gh_context * c, const gh_layer * L, const gh_dsplit * D,
                          const float * x, const float * gate_g, const int32_t * ids, int64_t n,
                          float * y, double * bytes, int64_t * n_dev) {
     *n_dev = 0;
@@ -289,14 +289,14 @@ static void input_sparse_ffn(gh_context * c, int il, const gh_layer * L, const f
     gh_tap_count(&c->tap, GH_TAP_SELECT, il, GH_STAGE_FFN, n_down, 0);
 }
 
-/* One token's FFN of the unit L (layer il's FFN, split with the device by D; or one of
- * its experts viewed as a layer, D NULL) in the context's mode: y = FFN(x), the down bias
+/* One token's FFN of the unit L (layer il's FFN, or one of its experts viewed as a layer;
+ * split with the device by D, NULL: CPU only) in the context's mode: y = FFN(x), the down bias
  * added. Adds the weight bytes read to *bytes; *n_active, *n_dev: the listed neurons, the
  * device's; returns a device error (of the gate, the selection or the split). A layer's
  * call counts the FFN stage's time (a selection that reads weights of its own times
  * itself: the predictor's stage). */
 static gh_status unit_ffn(gh_context * c, int il, const gh_layer * L, int32_t expert,
-                          const gh_dlayer * D, const float * x, const float * resid, float * y,
+                          const gh_dsplit * D, const float * x, const float * resid, float * y,
                           double * bytes, int64_t * n_active, int64_t * n_dev) {
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     gh_ffn_state * s = c->ffn;
@@ -322,7 +322,7 @@ static gh_status unit_ffn(gh_context * c, int il, const gh_layer * L, int32_t ex
 gh_status gh_sparse_ffn(gh_context * c, int il, const float * x, const float * resid, float * y) {
     const gh_model * m = c->model;
     const gh_layer * L = &m->layers[il];
-    const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
+    const gh_dsplit * D = m->hy ? &m->hy->layers[il].ffn : NULL;
     const bool split = D && D->hot.n_hot > 0;
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     /* gate and up input-sparse (a layer whose FFN input thresholds are all 0 keeps the row
@@ -341,9 +341,9 @@ gh_status gh_sparse_ffn(gh_context * c, int il, const float * x, const float * r
 }
 
 gh_status gh_sparse_ffn_unit(gh_context * c, int il, const gh_layer * L, int32_t expert,
-                             const float * x, float * y, double * bytes, int64_t * n_active) {
-    int64_t n_dev = 0;
-    return unit_ffn(c, il, L, expert, NULL, x, x, y, bytes, n_active, &n_dev);
+                             const gh_dsplit * D, const float * x, float * y, double * bytes,
+                             int64_t * n_active, int64_t * n_dev) {
+    return unit_ffn(c, il, L, expert, D, x, x, y, bytes, n_active, n_dev);
 }
 
 /* Batched decode's FFN of tokens from different sequences (gh_eval_batch): each token
@@ -484,7 +484,7 @@ gh_status gh_sparse_ffn_batch(gh_context * c, int il, int32_t n, const float * x
     const gh_model * m = c->model;
     const int64_t d = m->hp.n_embd;
     const gh_layer * L = &m->layers[il];
-    const gh_dlayer * D = m->hy ? &m->hy->layers[il] : NULL;
+    const gh_dsplit * D = m->hy ? &m->hy->layers[il].ffn : NULL;
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     /* one token at a time: a single token, a prompt's few tokens (one sequence: the
      * decode's own path), a layer split with the device (its hot_ffn takes one token) or

@@ -17,6 +17,7 @@ struct gh_context;
 struct gh_model;
 struct gh_layer;
 typedef struct gh_ffn_state gh_ffn_state;
+typedef struct gh_dsplit gh_dsplit; /* model/placement.h */
 
 /* NULL on out-of-memory (message set). */
 /* n_batch: the context's largest batch (the batched decode's buffers hold
@@ -36,13 +37,15 @@ bool gh_input_sparse_applies(const struct gh_context * c, int32_t n);
  * device error (of the device's gate, predictor or hot rows; y is then not to be read). */
 gh_status gh_sparse_ffn(struct gh_context * c, int il, const float * x, const float * resid,
                         float * y);
-/* One token's FFN of the unit L in the context's mode on the CPU (moe.c: one expert of
- * layer il viewed as a layer, `expert` its id): the strategy's list, gate/up over it and
- * down_t's axpy, y overwritten, L's down bias added. Adds the weight bytes read to *bytes
- * (the caller counts them) and puts the listed neurons in *n_active. */
+/* One token's FFN of the unit L in the context's mode (moe.c: one expert of layer il
+ * viewed as a layer, `expert` its id): the strategy's list, gate/up over it and down_t's
+ * axpy, y overwritten, L's down bias added; with D (the expert's hot neurons on the
+ * device, model/placement.h; NULL: none) the same hot/cold split as a dense layer's. Adds
+ * the weight bytes read to *bytes (the caller counts them), puts the listed neurons in
+ * *n_active and the device's share of them in *n_dev; returns a device error. */
 gh_status gh_sparse_ffn_unit(struct gh_context * c, int il, const struct gh_layer * L,
-                             int32_t expert, const float * x, float * y, double * bytes,
-                             int64_t * n_active);
+                             int32_t expert, const gh_dsplit * D, const float * x, float * y,
+                             double * bytes, int64_t * n_active, int64_t * n_dev);
 /* The FFN of n tokens (rows of x, resid and y) in the context's mode: in a batched
  * decode (c->seq: tokens of different sequences) each token selects its own neurons and
  * gate/up run once over the union of the lists (dense matmuls past a union density of

@@ -1,6 +1,6 @@
 /* A layer's expert weights as the file holds them (llama.cpp's 3-D tensors) and expert
  * e's view of one: the data that the MoE FFN (moe.c) runs and the placement
- * (backend/hybrid.c) uploads, apart from either, so that neither reaches into the other
+ * (model/placement.c) uploads, apart from either, so that neither reaches into the other
  * for it. */
 #ifndef GH_FFN_EXPERTS_H
 #define GH_FFN_EXPERTS_H
@@ -41,6 +41,11 @@ typedef struct {
      * device) */
     float *   freq;
     int8_t *  on_gpu;
+    /* sparse experts' hot neurons on the device (blk.N.ffn_exp_hot_count / ffn_exp_hot,
+     * docs/FORMAT.md "Hot neurons of experts"; model-owned, NULL where the file has none):
+     * expert e's ascending neuron ids are hot_ids[hot_off[e] .. hot_off[e + 1]) */
+    int64_t * hot_off;                        /* [n_expert + 1] */
+    int32_t * hot_ids;
 } gh_moe_layer;
 
 /* Expert e's matrix of a 3-D expert tensor viewed as expert 0 (rows contiguous, experts

@@ -9,7 +9,7 @@
 #include "core/tap.h"
 #include "ffn/exec.h"
 #include "ffn/strategy.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "model/model.h"
 
 #include <math.h>
@@ -251,30 +251,6 @@ static void softmax(float * p, int32_t n) {
     for (int32_t i = 0; i < n; i++) p[i] *= inv;
 }
 
-/* The k largest of the probabilities p [n] (destroyed: a chosen one is marked -1, below
- * any probability), largest first, the lower id among equals (torch.topk's order on a CPU
- * for ties); a NaN is never larger, and a token whose probabilities are all NaN gets the
- * lowest ids (its output is NaN either way). */
-static void top_k(float * p, int32_t n, int32_t k, int32_t * sel, float * w) {
-    for (int32_t j = 0; j < k; j++) {
-        int32_t best = -1;
-        float bv = -0.5f;
-        for (int32_t e = 0; e < n; e++) {
-            if (p[e] > bv) {
-                bv = p[e];
-                best = e;
-            }
-        }
-        if (best < 0) {
-            for (int32_t e = 0; e < n && best < 0; e++) if (p[e] != -1.0f) best = e;
-            bv = p[best];
-        }
-        sel[j] = best;
-        w[j] = bv;
-        p[best] = -1.0f;
-    }
-}
-
 /* ---- torch.topk's choice among equal values -------------------------------------------
  * transformers' routers pick their experts with torch.topk, whose CPU kernel selects over
  * (value, index) pairs ordered by value alone (NaN first), with std::nth_element, or with
@@ -395,14 +371,15 @@ static void topk_torch(const float * v, int32_t n, int32_t k, tk_pair * q, int32
 
 /* One token's route from its router logits p [n_expert] (destroyed): its k experts sel and
  * their weights w, as transformers' routers compute them.
- * Softmax gating: p = softmax(logits), the k largest p, weights p (/ their sum when
- * expert_norm) * expert_scale.
+ * Softmax gating: p = softmax(logits), the k largest p (largest first), weights p (/ their
+ * sum when expert_norm) * expert_scale.
  * Sigmoid gating (DeepSeek-V3's router, glm4moe, dots1): s = sigmoid(logits) and the choice
  * by c = s + exp_probs_b; with groups, each group's score is the sum of its two largest c
  * (two equal values count twice), and only the n_group_used best groups' experts are
  * eligible (the rest c = -inf); the k largest eligible c; weights the unbiased s (/ (their
- * sum + 1e-20) when expert_norm) * expert_scale. Ties among the choices and among the
- * groups resolve as torch.topk's (topk_torch). choice: [6 n_expert] floats of scratch. */
+ * sum + 1e-20) when expert_norm) * expert_scale.
+ * Either way ties resolve as torch.topk's (topk_torch), among the experts and among the
+ * groups. choice: [6 n_expert] floats of scratch. */
 static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, float * choice,
                   int32_t * sel, float * w) {
     const int32_t ne = hp->n_expert, k = hp->n_expert_used;
@@ -446,7 +423,18 @@ static void route(const gh_hparams * hp, const gh_moe_layer * M, float * p, floa
         return;
     }
     softmax(p, ne);
-    top_k(p, ne, k, sel, w);
+    /* transformers' softmax routers take torch.topk(probs, k) sorted: the set as topk_torch
+     * resolves ties, largest first (equal values may come in any order: their sum is the
+     * same), and sum the weights in that order */
+    tk_pair * q = (tk_pair *) choice;
+    topk_torch(p, ne, k, q, sel);
+    for (int32_t j = 1; j < k; j++) {
+        const int32_t e = sel[j];
+        int32_t i = j;
+        for (; i > 0 && p[sel[i - 1]] < p[e]; i--) sel[i] = sel[i - 1];
+        sel[i] = e;
+    }
+    for (int32_t j = 0; j < k; j++) w[j] = p[sel[j]];
     float sum = 0.0f;
     for (int32_t j = 0; j < k; j++) sum += w[j];
     const float f = (hp->expert_norm ? 1.0f / sum : 1.0f) * hp->expert_scale;
@@ -501,10 +489,10 @@ static gh_weight expert_down(const gh_moe_layer * M, int32_t e) {
     return M->has_down_t ? gh_expert(&M->down_exps_t, e) : gh_expert(&M->down_exps, e);
 }
 
-/* Expert e of M viewed as a layer (model.h), for the FFN strategies and executor: its
+/* Expert e of M viewed as a layer (moe.h; model.h), for the FFN strategies and executor: its
  * gate, up and down_t rows, its biases and its gate threshold's cut points (none: an
  * expert the file keeps dense, or no thresholds). */
-static void expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d, gh_layer * V) {
+void gh_expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d, gh_layer * V) {
     memset(V, 0, sizeof *V);
     V->gate = gh_expert(&M->gate_exps, e);
     V->up = gh_expert(&M->up_exps, e);
@@ -711,9 +699,11 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         }
     }
 
-    /* a model on a device runs its placed and cached experts there; sparse experts are all
-     * the CPU's (hybrid.c places none), so they take the CPU's path below, the router and
-     * attention having run where the placement put them */
+    /* a model on a device runs its placed and cached experts there; sparse experts take
+     * the path below, the router and attention having run where the placement put them,
+     * and in a sparse mode the hot neurons of each selected expert that the placement put
+     * on the device run there (the executor's split); a dense pass (a prompt past the
+     * sparse batch) runs them all on the CPU */
     const gh_dexpert * S = shexp_device(c, il);
     if (c->model->hy && !M->has_down_t) {
         const gh_status st = hybrid_experts(c, il, n, S, &bytes);
@@ -729,6 +719,7 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
      * its own) dense */
     const gh_ffn_strategy * st = gh_ffn_strategy_of(c->ffn_mode);
     const bool sparse = M->has_down_t && sparse_mode;
+    const gh_dsplit * hot = c->model->hy ? c->model->hy->layers[il].exp_hot : NULL;
     memset(y, 0, (size_t) n * d * sizeof(float));
     int64_t * counts = s->counts + (int64_t) il * ne;
     if (sparse) memset(s->act, 0, (size_t) n * sizeof(int64_t));
@@ -742,13 +733,16 @@ gh_status gh_moe_ffn(gh_context * c, int il, int32_t n, bool sparse_mode) {
         counts[e] += cnt;
         const int64_t ff = M->gate_exps.rows;
         gh_layer V;
-        if (sparse) expert_view(M, e, ff, d, &V);
+        if (sparse) gh_expert_view(M, e, ff, d, &V);
         if (sparse && (!st->unit_ok || st->unit_ok(&V))) {
+            /* the expert's hot neurons on the device (model/placement.c), split by the executor */
+            const gh_dsplit * H = hot && hot[e].hot.n_hot > 0 ? &hot[e] : NULL;
             for (int32_t j = 0; j < cnt; j++) {
-                int64_t n_act = 0; /* (its up and down rows are in the statistics) */
-                const gh_status err = gh_sparse_ffn_unit(c, il, &V, e,
+                int64_t n_act = 0, n_dev = 0; /* (its up and down rows are in the statistics) */
+                const gh_status err = gh_sparse_ffn_unit(c, il, &V, e, H,
                                                          x + (int64_t) s->tok[first + j] * d,
-                                                         s->yg + (int64_t) j * d, &bytes, &n_act);
+                                                         s->yg + (int64_t) j * d, &bytes, &n_act,
+                                                         &n_dev);
                 if (err) return S ? gh_hybrid_sync(c, err) : err;
                 s->act[s->tok[first + j]] += n_act;
             }

@@ -40,15 +40,22 @@ void gh_moe_get_stats(const gh_moe_state * s, int64_t * runs_dev, int64_t * runs
 /* The FFN of layer il over the n normed tokens in c->xb into c->xb2; counts its weight
  * bytes (router, the experts some token chose, the shared expert) in the FFN stage.
  * With sparse (the forward's gh_sparse_applies: a sparse FFN mode, at most the context's
- * sparse batch of tokens per sequence) and a layer with ffn_down_exps_t (whose experts
- * are all the CPU's, with or without a device) each token's selected experts run through the
- * FFN executor as one more user of the strategies (gh_sparse_ffn_unit on the expert
- * viewed as a layer): the strategy selects the expert's active
- * neurons, the executor reads their up rows and down_t rows only.
- * On a device, a shared expert placed there (backend/hybrid.c) has its gate and up
+ * sparse batch of tokens per sequence) and a layer with ffn_down_exps_t each token's
+ * selected experts run through the FFN executor as one more user of the strategies
+ * (gh_sparse_ffn_unit on the expert viewed as a layer): the strategy selects the expert's
+ * active neurons, the executor reads their up rows and down_t rows only, and on a device
+ * splits them as a dense layer's: the expert's hot neurons placed there (model/placement.c)
+ * run on the device, the rest on the CPU.
+ * On a device, a shared expert placed there (model/placement.c) has its gate and up
  * enqueued before the CPU runs its experts, its down after; its output is added after the
  * routed experts' sum, as on the CPU. Returns a device error (of the router, the device's
  * experts or shared expert, or the expert cache's refill), which ends the layer. */
 gh_status gh_moe_ffn(struct gh_context * c, int il, int32_t n, bool sparse);
+
+struct gh_layer;
+/* Expert e of M (ff neurons, d outputs) viewed as a layer (model.h): its gate, up and
+ * down_t rows, biases, predictor and gate threshold, for the FFN strategies, the executor
+ * and the placement of its hot neurons (model/placement.c). */
+void gh_expert_view(const gh_moe_layer * M, int32_t e, int64_t ff, int64_t d, struct gh_layer * V);
 
 #endif

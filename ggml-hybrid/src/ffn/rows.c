@@ -82,11 +82,13 @@ typedef struct {
 /* out[k] = W[ids[k]] . x for k in [k0, k1) where use == NULL or use[k] > cut, and
  * tm == NULL or tm[k] has a bit of bit (else out[k] = 0). Returns the number of rows read.
  *
- * With the type's gathered four-row tile (dot4): the positions to compute are queued
- * ahead; each tile takes the next four (a short last tile repeats its last row) and, while
- * it runs, prefetches the rows of the tile GLU_PF_TILES ahead, a slice per step. Every
- * value comes from the same kernel whatever its neighbours, so it does not depend on
- * where a thread's chunk starts. Without dot4: runs of consecutive ids go through the
+ * With the type's gathered four-row tile (dot4): where every position is computed (no use,
+ * no tm) the tiles are the positions four by four; otherwise the positions to compute are
+ * queued ahead and each tile takes the next four. A short last tile repeats its last row;
+ * while a tile runs it prefetches the rows of the tile GLU_PF_TILES ahead, a slice per
+ * step (farther, in bytes, or only rows' first lines measured no better: docs/BENCHMARKS.md,
+ * "The gathered rows per byte read"). Every value comes from the same kernel whatever its
+ * neighbours, so it does not depend on where a thread's chunk starts. Without dot4: runs of consecutive ids go through the
  * type's multi-row tile, never crossing a multiple of GLU_GROUP list positions (threads
  * start their chunks at such multiples), each other row through vec_dot. */
 static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * use, float cut,
@@ -95,6 +97,27 @@ static int64_t rows_dot(const dot_src * src, const int32_t * ids, const float * 
     const gh_weight * w = src->w;
     const char * wd = w->data;
     int64_t n_read = 0;
+    if (src->ks->dot4 && !use && !tm) {
+        /* every position is computed (the gate rows; the up rows unless a ReLU-family g
+         * skips them): the tiles are the positions four by four, the same tiles and
+         * prefetches the queue below forms, without its bookkeeping (a tenth of the time
+         * of an L2-resident call) */
+        const size_t rb = w->row_bytes;
+        for (int64_t k = k0; k < k1; k += 4) {
+            const int nr = (int) GH_MIN(4, k1 - k);
+            const void * rows[4];
+            const void * pf[4];
+            for (int r = 0; r < 4; r++) {
+                rows[r] = wd + (size_t) ids[k + GH_MIN(r, nr - 1)] * rb;
+                const int64_t j = k + 4 * GLU_PF_TILES + r;
+                pf[r] = j < k1 ? wd + (size_t) ids[j] * rb : rows[r];
+            }
+            float y[4];
+            src->ks->dot4(w->cols, rows, pf, src->xq, y);
+            for (int r = 0; r < nr; r++) out[k + r] = y[r];
+        }
+        return k1 - k0;
+    }
     if (src->ks->dot4) {
         int64_t q[GLU_QCAP];
         int64_t head = 0, tail = 0; /* queued positions q[head..tail) (mod GLU_QCAP) */

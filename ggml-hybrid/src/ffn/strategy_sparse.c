@@ -5,7 +5,7 @@
 #include "ffn/strategy.h"
 #include "ffn/rows.h"
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "core/tap.h"
 
 static gh_status check(const gh_model * m, bool report) {

@@ -5,7 +5,7 @@
  * rows joining and reading its own KV cache (gh_context.seq, .seq_pos). So a feature of the
  * forward pass (an architecture, a block kind) needs no change here. */
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "ffn/exec.h"
 
 #include <stdio.h>

@@ -1,6 +1,6 @@
 /* Contexts: the KV cache, the activation buffers and the thread pool a forward pass runs in. */
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "ffn/exec.h"
 #include "ffn/moe.h"
 #include "ffn/strategy.h"

@@ -1,7 +1,7 @@
 /* The forward pass: a batch of tokens through the blocks the architecture describes
  * (model/arch.h), and the eval entry points. */
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "ffn/exec.h"
 #include "ffn/moe.h"
 #include "types/types.h"

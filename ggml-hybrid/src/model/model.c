@@ -2,7 +2,7 @@
  * which keys and tensors to read; everything optional (biases, fused QKV, a second norm)
  * is taken when the file has it and checked for shape. */
 #include "model/model.h"
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "types/types.h"
 
 #include <math.h>
@@ -1263,6 +1263,93 @@ static gh_status load_expert_predictors(gh_model * m, int il, gh_moe_layer * M) 
     return GH_OK;
 }
 
+/* The hot neurons of layer il's sparse experts on the device (docs/FORMAT.md "Hot neurons of
+ * experts"): blk.N.ffn_exp_hot_count i32 [n_expert], each expert's count in [0, n_ff_exp],
+ * and blk.N.ffn_exp_hot i32 [their sum], each expert's ids ascending, experts in order
+ * (omitted when the sum is 0); every expert layer has the record or none does. From the GPU
+ * index side file when there is one. */
+static gh_status load_expert_hot(gh_model * m, int il, gh_moe_layer * M) {
+    const gh_hparams * hp = &m->hp;
+    const gh_gguf * gx = m->gpuidx ? m->gpuidx : m->gguf;
+    const int32_t ne = hp->n_expert;
+    const int64_t ff = hp->n_ff_exp;
+    char nc[96], ni[96];
+    snprintf(nc, sizeof nc, "blk.%d.ffn_exp_hot_count", il);
+    snprintf(ni, sizeof ni, "blk.%d.ffn_exp_hot", il);
+    const gh_gguf_tensor * tc = gh_gguf_find_tensor(gx, nc), * ti = gh_gguf_find_tensor(gx, ni);
+    const int lead = hp->n_dense_lead;
+    const bool first_has = il > lead && m->layers[lead].moe.hot_off;
+    if (!tc) {
+        if (ti) return gh_fail(GH_ERR_FORMAT, "tensor '%s' without '%s' (each expert's count of hot "
+                               "neurons)", ni, nc);
+        if (first_has) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: blk.%d.ffn_exp_hot_count places "
+                           "layer %d's hot neurons of experts, so every layer needs its record", nc,
+                           lead, lead);
+        }
+        return GH_OK;
+    }
+    if (il > lead && !first_has) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' places layer %d's hot neurons of experts but "
+                       "'blk.%d.ffn_exp_hot_count' is missing: every layer needs its record", nc, il,
+                       lead);
+    }
+    if (!M->has_down_t) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s': hot neurons of experts need the experts' sparse "
+                       "form (blk.%d.ffn_down_exps_t), which the file does not have", nc, il);
+    }
+    gh_status st = check_1d(tc, GH_TYPE_I32, ne, "each expert's count of hot neurons");
+    if (st) return st;
+    M->hot_off = malloc((size_t) (ne + 1) * sizeof(int64_t));
+    if (!M->hot_off || (st = own(m, M->hot_off))) {
+        return M->hot_off ? st : gh_fail(GH_ERR_OOM, "out of memory");
+    }
+    M->hot_off[0] = 0;
+    for (int32_t e = 0; e < ne; e++) {
+        const int32_t v = rd_i32(tc->data, e);
+        if (v < 0 || v > ff) {
+            return gh_fail(GH_ERR_FORMAT, "tensor '%s': expert %d's count is %d (must be in [0, %lld], "
+                           "the expert's neurons)", nc, e, v, (long long) ff);
+        }
+        M->hot_off[e + 1] = M->hot_off[e] + v;
+    }
+    const int64_t total = M->hot_off[ne];
+    if (total == 0) {
+        if (ti && (st = check_1d(ti, GH_TYPE_I32, 0, "no ids: the counts sum to 0"))) return st;
+        return GH_OK;
+    }
+    if (!ti) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' is missing: '%s' counts %lld hot neurons", ni, nc,
+                       (long long) total);
+    }
+    if (ti->type != GH_TYPE_I32 || ti->ne[1] != 1 || ti->ne[2] != 1 || ti->ne[3] != 1 || ti->ne[0] != total) {
+        return gh_fail(GH_ERR_FORMAT, "tensor '%s' has %lld %s values, but '%s' counts %lld hot neurons "
+                       "(an i32 vector of that many ids)", ni,
+                       (long long) (ti->ne[0] * ti->ne[1] * ti->ne[2] * ti->ne[3]),
+                       gh_type_name(ti->type), nc, (long long) total);
+    }
+    M->hot_ids = malloc((size_t) total * sizeof(int32_t));
+    if (!M->hot_ids || (st = own(m, M->hot_ids))) {
+        return M->hot_ids ? st : gh_fail(GH_ERR_OOM, "out of memory");
+    }
+    for (int32_t e = 0; e < ne; e++) {
+        for (int64_t k = M->hot_off[e]; k < M->hot_off[e + 1]; k++) {
+            const int32_t id = rd_i32(ti->data, k);
+            if (id < 0 || id >= ff) {
+                return gh_fail(GH_ERR_FORMAT, "tensor '%s': expert %d's hot neuron %lld is %d, out of "
+                               "range [0, %lld)", ni, e, (long long) (k - M->hot_off[e]), id,
+                               (long long) ff);
+            }
+            if (k > M->hot_off[e] && id <= M->hot_ids[k - 1]) {
+                return gh_fail(GH_ERR_FORMAT, "tensor '%s': expert %d's hot neuron ids must ascend, "
+                               "but %d follows %d", ni, e, id, M->hot_ids[k - 1]);
+            }
+            M->hot_ids[k] = id;
+        }
+    }
+    return GH_OK;
+}
+
 /* Layer il's mixture of experts (ffn/moe.h): the router ffn_gate_inp, the experts'
  * ffn_{gate,up,down}_exps and, where the architecture has one, the shared expert
  * ffn_{gate,up,down}_shexp with its gate vector ffn_gate_inp_shexp. A dense FFN tensor in
@@ -1383,8 +1470,8 @@ static gh_status load_moe(gh_model * m, int il, gh_layer * L) {
                        "'blk.%d.ffn_exp_gpu' is missing: every layer needs its expert placement",
                        tg->name, il, hp->n_dense_lead);
     }
+    return load_expert_hot(m, il, M);
 #undef BLK
-    return GH_OK;
 }
 
 /* Layer il's norms and FFN up/gate (the down projection and the sparse extension:
@@ -1729,19 +1816,6 @@ gh_status gh_model_load_ex(const char * path, const gh_model_params * p, gh_mode
         *out = NULL;
         return gh_fail(st, "%s: placing the model on device '%s': %s", path, p->device, msg);
     }
-    return GH_OK;
-}
-
-gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
-    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_device_info: NULL argument");
-    if (m->hy) {
-        *out = m->hy->info;
-        return GH_OK;
-    }
-    memset(out, 0, sizeof *out);
-    snprintf(out->device, sizeof out->device, "cpu");
-    out->file_budget = -1;
-    out->n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
     return GH_OK;
 }
 

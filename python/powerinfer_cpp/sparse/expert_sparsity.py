@@ -367,8 +367,9 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
     act, sparsity, budget = dense.activation, opts.sparsity, opts.max_ppl_increase
     relu = act in F.SPARSE_ACTIVATIONS
     in_req, in_auto = opts.input_sparsity is not None, opts.input_sparsity == "auto"
-    refuse = [(opts.vram_budget, "a VRAM budget (sparse experts run on the CPU; attention and the routers "
-                                 "are placed at load)"),
+    refuse = [(opts.vram_budget, "a VRAM budget (attention and the routers are placed at load; the "
+                                 "experts' hot neurons by `python -m powerinfer_cpp.place --profile` "
+                                 "on the converted file)"),
               (opts.expert_predictors and (not relu or sparsity or budget),
                f"--expert-predictors with {act} experts{' and a gate level' if sparsity or budget else ''} "
                "(predictors are trained for ReLU-family experts' exact zeros: --sparse without --sparsity or "
@@ -596,3 +597,60 @@ def convert_sparse_experts(dense, out_path: str, opts, progress: bool = True,
         return path, rep
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def profile_expert_neurons(path, text, *, n_ctx: int = 128, max_tokens: int | None = None,
+                           n_threads: int = 0):
+    """What the placement of hot neurons of experts (experts.solve_expert_neurons) needs from
+    a sparse-experts file (ffn_down_exps_t) profiled over ``text`` (a string, or token ids):
+    (freq [n_layer, n_expert]: each expert's selection share; nfreq [n_layer, n_expert,
+    n_ff_exp]: each neuron's activity share among the tokens that chose its expert, at the
+    file's gate thresholds (its up row read); dfreq, the same shape: the share whose
+    activation is nonzero (its down_t row read); row_bytes [n_layer] of one neuron's (gate,
+    up, down_t) bytes).
+    The FFN inputs are the runtime's (the dense profile pass), routed as the runtime routes
+    them (route()); leading dense layers (no experts) get zeros."""
+    from ..place import read_fields
+    from .experts import expert_neuron_freq
+    from .profile import profile_model
+
+    reader = open_gguf(str(path))
+    kv = read_fields(reader)
+    arch = kv.get(F.KEY_GENERAL_ARCHITECTURE, F.ARCH_LLAMA)
+    n_layer = int(kv[F.arch_key(F.KEY_BLOCK_COUNT, arch)])
+    ne = int(kv[F.arch_key(F.KEY_EXPERT_COUNT, arch)])
+    k = int(kv[F.arch_key(F.KEY_EXPERT_USED_COUNT, arch)])
+    d = int(kv[F.arch_key(F.KEY_EMBEDDING_LENGTH, arch)])
+    ff = int(kv[F.arch_key(F.KEY_EXPERT_FEED_FORWARD_LENGTH, arch)])
+    t = {x.name: x for x in reader.tensors}
+    if F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, n_layer - 1) not in t:
+        raise ValueError(f"{path} has no sparse experts (ffn_down_exps_t): hot neurons of experts "
+                         "need the sparse form (convert --sparse)")
+    gating = Gating.from_kv(kv, arch)
+    prof = profile_model(str(path), text, n_ctx=n_ctx, max_tokens=max_tokens, progress=False,
+                         n_threads=n_threads)
+    act = prof.ffn_act
+    if act == F.ACT_FATRELU:
+        raise ValueError("hot neurons of FATReLU experts are not profiled here (no such mixture yet)")
+    freq = np.zeros((n_layer, ne))
+    nfreq = np.zeros((n_layer, ne, ff))
+    dfreq = np.zeros((n_layer, ne, ff))
+    row_bytes = [(0, 0, 0)] * n_layer
+    for il in range(n_layer):
+        name = F.tensor_name(F.T_FFN_GATE_INP, il)
+        if name not in t:
+            continue  # a leading dense layer
+        router, router_b, probs_b, gate = _layer_weights(t, il, ne, ff, d)
+        x = prof.x[il]
+        sel = route(x, router, k, router_b, gating, probs_b)
+        thr_t = t.get(F.sparse_expert_tensor_name(F.T_FFN_EXP_GATE_THR, il))
+        thr = None if thr_t is None else np.asarray(thr_t.data, dtype=np.float32).reshape(ne)
+        freq[il] = np.bincount(sel.reshape(-1), minlength=ne)[:ne] / max(1, x.shape[0])
+        u = t[F.tensor_name(F.T_FFN_UP_EXPS, il)]
+        up = decode_matrix(np.asarray(u.data), u.tensor_type, (ne * ff, d)).reshape(ne, ff, d)
+        nfreq[il], dfreq[il] = expert_neuron_freq(x, sel, gate, act, thr, up_exps=up)
+        rb = [int(t[F.tensor_name(kind, il)].n_bytes) // (ne * ff)
+              for kind in (F.T_FFN_GATE_EXPS, F.T_FFN_UP_EXPS)]
+        rb.append(int(t[F.sparse_expert_tensor_name(F.T_FFN_DOWN_EXPS_T, il)].n_bytes) // (ne * ff))
+        row_bytes[il] = tuple(rb)
+    return freq, nfreq, dfreq, row_bytes

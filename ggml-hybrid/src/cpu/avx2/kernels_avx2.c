@@ -513,6 +513,14 @@ GH_INLINE void tile_q_r4(const int NT, const int kind, const int pfm, int64_t n,
                 if (kind != B_Q4_0) _mm_prefetch(q + 64, GH_PF_HINT);
                 if (gb > 129) _mm_prefetch(q + 128, GH_PF_HINT);
                 _mm_prefetch(q + gb - 1, GH_PF_HINT);
+                /* Q8_0: the next group of this row from L2 into L1 (first and last byte):
+                 * scattered rows at 10-50% density read 1.2-1.4x faster cold
+                 * (docs/BENCHMARKS.md, "The gathered rows per byte read"); no gain for the
+                 * 4-bit kinds */
+                if (kind == B_Q8_0) {
+                    _mm_prefetch((const char *) rows[r] + (g + 1) * gb, _MM_HINT_T0);
+                    _mm_prefetch((const char *) rows[r] + (g + 2) * gb - 1, _MM_HINT_T0);
+                }
             }
         }
         const uint8_t * p[4] = { rows[0] + g * gb, rows[1] + g * gb, rows[2] + g * gb, rows[3] + g * gb };

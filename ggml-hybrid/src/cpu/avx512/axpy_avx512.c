@@ -512,6 +512,110 @@ AVX512_VNNI_FN static void matmul16_q4_1_avx512(int64_t n, int64_t n_tokens, con
     matmul16_q4(GH_TYPE_Q4_1, n, n_tokens, h, ldh, hc, nk, row, y, ldy);
 }
 
+/* ---- Q4_0's and Q4_1's one-token form in VNNI (gh_axpy16_fn) ----
+ *
+ * AVX2's axpy16_q4 (avx2/axpy_avx2.c: per chunk of blocks the rows' scales copied out and
+ * the int8 factors made, then the pass) with the batch form's quads above: per block four
+ * vpermb-transposed quads of rows, two vpdpbusd each, where AVX2 spends eight pairs of
+ * broadcasts, shifts, unpacks, vpmaddubsw and adds, and the widening of its int16 sums.
+ * The int32 sums are the same integers, scaled and added alike, so a token's result is
+ * AVX2's and the batch form's (matmul16_q4) bit for bit: at 2048 columns from L2 AVX2's
+ * form ran at ~12 GB/s, half the dense tile's rate (docs/BENCHMARKS.md). */
+#define AXPY16_CHUNK 32
+
+/* vpermt2b indices of 8 blocks' scales (bytes 0..15: d; Q4_1: 16..31 its m) */
+static const uint8_t pick_q4_0[64] = {
+    0, 1, 18, 19, 36, 37, 54, 55, 72, 73, 90, 91, 108, 109, 126, 127,
+};
+static const uint8_t pick_q4_1[64] = {
+    0, 1, 20, 21, 40, 41, 60, 61, 64, 65, 84, 85, 104, 105, 124, 125,
+    2, 3, 22, 23, 42, 43, 62, 63, 66, 67, 86, 87, 106, 107, 126, 127,
+};
+
+static inline __attribute__((always_inline)) void
+axpy16_q4v(const int type, int64_t n, const float * s, const void * const * row, const void * const * pf,
+           float * restrict y) {
+    const bool q41 = type == GH_TYPE_Q4_1;
+    const size_t bs = q41 ? sizeof(block_q4_1) : sizeof(block_q4_0);
+    const size_t qs = q41 ? offsetof(block_q4_1, qs) : offsetof(block_q4_0, qs);
+    const int64_t nb = n / QK4_0;
+    const __m512i tr = _mm512_loadu_si512(quad_tr);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* 8 blocks' fp16 scales from a load at the first and one at hi_at: Q4_0's at bytes
+     * 18 i (all within 128), Q4_1's d and m at 20 i and 20 i + 2, blocks 4..7 from 80 */
+    const size_t hi_at = q41 ? 80 : 64;
+    const __m512i pick = _mm512_loadu_si512(q41 ? pick_q4_1 : pick_q4_0);
+    for (int64_t i0 = 0; i0 < nb; i0 += AXPY16_CHUNK) {
+        const int nc = (int) GH_MIN((int64_t) AXPY16_CHUNK, nb - i0);
+        uint16_t d[16][AXPY16_CHUNK], m[16][AXPY16_CHUNK];
+        int32_t mq[4][AXPY16_CHUNK];  /* (m_4p .. m_4p+3) as the bytes of a dword */
+        float scale[AXPY16_CHUNK], g[AXPY16_CHUNK];
+        int32_t bias[AXPY16_CHUNK];
+        for (int k = 0; k < 16; k++) {
+            const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
+            /* the scales (and mins) of 8 whole blocks at a time picked out of two loads,
+             * the rest one by one, then the padding the factors expect (zeros) */
+            int j = 0;
+            for (; j + 8 <= nc; j += 8) {
+                const uint8_t * p = b + j * bs;
+                const __m512i v = _mm512_permutex2var_epi8(_mm512_loadu_si512(p), pick,
+                                                           _mm512_loadu_si512(p + hi_at));
+                _mm_storeu_si128((__m128i *) &d[k][j], _mm512_castsi512_si128(v));
+                if (q41) _mm_storeu_si128((__m128i *) &m[k][j], _mm512_extracti32x4_epi32(v, 1));
+            }
+            for (int i = j; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
+            for (int i = nc; i < AXPY16_CHUNK; i++) d[k][i] = 0;
+            if (q41) {
+                for (int i = j; i < nc; i++) memcpy(&m[k][i], b + i * bs + 2, 2);
+                for (int i = nc; i < AXPY16_CHUNK; i++) m[k][i] = 0;
+            }
+            if (pf) {
+                const char * p = (const char *) pf[k] + i0 * bs;
+                for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+                _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
+            }
+        }
+        for (int j = 0; j < nc; j += 8) {
+            int8_factors8(s, &d[0][0], 0, AXPY16_CHUNK, j, &mq[0][0], 1, scale, bias);
+            if (q41) q4_1_g8(s, &d[0][0], &m[0][0], AXPY16_CHUNK, j, g);
+        }
+        float * yb = y + i0 * QK4_0;
+        for (int i = 0; i < nc; i++, yb += QK4_0) {
+            const size_t off = (size_t) (i0 + i) * bs + qs;
+            __m512i a0 = _mm512_set1_epi32(bias[i]), a1 = a0;
+            for (int j = 0; j < 4; j++) {
+                const uint8_t * const * q = (const uint8_t * const *) row + 4 * j;
+                __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *) (q[0] + off)));
+                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[1] + off)), 1);
+                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[2] + off)), 2);
+                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[3] + off)), 3);
+                x = _mm512_permutexvar_epi8(tr, x);
+                const __m512i mj = _mm512_set1_epi32(mq[j][i]);
+                a0 = _mm512_dpbusd_epi32(a0, _mm512_and_si512(x, m4), mj);
+                a1 = _mm512_dpbusd_epi32(a1, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4), mj);
+            }
+            __m512 y0 = _mm512_loadu_ps(yb), y1 = _mm512_loadu_ps(yb + 16);
+            if (q41) {
+                const __m512 gv = _mm512_set1_ps(g[i]);
+                y0 = _mm512_add_ps(y0, gv);
+                y1 = _mm512_add_ps(y1, gv);
+            }
+            const __m512 sc = _mm512_set1_ps(scale[i]);
+            _mm512_storeu_ps(yb, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), y0));
+            _mm512_storeu_ps(yb + 16, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a1), y1));
+        }
+    }
+}
+
+AVX512_VNNI_FN static void axpy16_q4_0_avx512(int64_t n, const float * s, const void * const * row,
+                                             const void * const * pf, float * restrict y) {
+    axpy16_q4v(GH_TYPE_Q4_0, n, s, row, pf, y);
+}
+AVX512_VNNI_FN static void axpy16_q4_1_avx512(int64_t n, const float * s, const void * const * row,
+                                             const void * const * pf, float * restrict y) {
+    axpy16_q4v(GH_TYPE_Q4_1, n, s, row, pf, y);
+}
+
 /* ---- the F32 row's dense-block tiles (gh_tiles_fn) ----
  * As AVX2's (avx2/axpy_avx2.c): register tiles of 4 tokens x 32 columns (16 in the masked
  * tail), each y value through the same FMAs in the same row order as the f32 axpy, so a
@@ -574,9 +678,10 @@ const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT] = {
     [GH_TYPE_BF16] = AXPY_ROW(bf16),
     [GH_TYPE_Q8_0] = AXPY_ROW(q8_0),
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx512, .axpy4 = axpy_q4_0_avx512_4,
-                       .axpy4pf = axpy_q4_0_avx512_4pf, .matmul16 = matmul16_q4_0_avx512 },
-    /* Q4_1: the one-row and four-row forms are AVX2's (see above), the batch form this one */
-    [GH_TYPE_Q4_1] = { .matmul16 = matmul16_q4_1_avx512 },
+                       .axpy4pf = axpy_q4_0_avx512_4pf, .axpy16 = axpy16_q4_0_avx512,
+                       .matmul16 = matmul16_q4_0_avx512 },
+    /* Q4_1: the one-row and four-row forms are AVX2's (see above), the int8 forms these */
+    [GH_TYPE_Q4_1] = { .axpy16 = axpy16_q4_1_avx512, .matmul16 = matmul16_q4_1_avx512 },
     [GH_TYPE_Q5_0] = AXPY_ROW(q5_0),
     [GH_TYPE_Q5_1] = AXPY_ROW(q5_1),
     [GH_TYPE_Q4_K] = AXPY_ROW(q4_K),

@@ -1,8 +1,9 @@
 /* Placing a model on a device under a VRAM budget (the runtime half of the offline
  * placement in python/powerinfer_cpp/sparse/placement.py: same priority, same greedy rule), the
  * neuron split of the FFN weights, and the device matmul the forward pass calls. */
-#include "backend/hybrid.h"
+#include "model/placement.h"
 #include "model/model.h"
+#include "ffn/moe.h"
 #include "core/tap.h"
 #include "types/types.h"
 
@@ -141,7 +142,8 @@ static gh_status check_types(const gh_model * m, const gh_hybrid * hy) {
             if ((st = check_weight_type(m, hy, il, "router", &M->router)) ||
                 (st = check_weight_type(m, hy, il, "experts' gate", &M->gate_exps)) ||
                 (st = check_weight_type(m, hy, il, "experts' up", &M->up_exps)) ||
-                (!M->has_down_t && (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps)))) {
+                (!M->has_down_t && (st = check_weight_type(m, hy, il, "experts' down", &M->down_exps))) ||
+                (M->has_down_t && (st = check_weight_type(m, hy, il, "experts' down_t", &M->down_exps_t)))) {
                 break;
             }
             if (M->gate_shexp.rows &&
@@ -318,6 +320,78 @@ static int by_expert_freq(const void * a, const void * b) {
     return (x->e > y->e) - (x->e < y->e);
 }
 
+static gh_status upload_split(gh_model * m, gh_hybrid * hy, const gh_layer * L, int64_t ff,
+                              const int32_t * ids, int64_t n, gh_dsplit * D);
+
+/* Sparse experts (ffn_down_exps_t, docs/FORMAT.md "Hot neurons of experts"): the device
+ * takes the hot neurons of experts that the file's record (blk.N.ffn_exp_hot_count,
+ * blk.N.ffn_exp_hot, validated at load) names, each expert's as one neuron split, which the
+ * FFN executor runs per selected expert as it runs a dense layer's (a whole expert: all its
+ * neurons). The record is used when it fits what is left, else the experts stay the CPU's;
+ * the first n_cpu_moe layers get none. The expert cache holds whole experts as llama.cpp
+ * stores them, which the sparse form does not have: none is made. */
+static gh_status place_expert_neurons(gh_model * m, gh_hybrid * hy, const gh_model_params * p,
+                                      int64_t left) {
+    const gh_hparams * hp = &m->hp;
+    const int nl = hp->n_layer, ne = hp->n_expert;
+    const int64_t ff = hp->n_ff_exp, d = hp->n_embd;
+    gh_device_info * in = &hy->info;
+    in->n_neurons = (int64_t) (nl - hp->n_dense_lead) * ne * ff;
+    if (p->expert_cache > 0) {
+        note(hy, "No expert cache: it holds whole experts in llama.cpp's layout, not the sparse form.");
+    }
+    const int first = GH_MIN(p->n_cpu_moe, nl);
+    bool has_rec = false;
+    int64_t need = 0, n_hot = 0;
+    for (int il = 0; il < nl; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        if (!M->hot_off) continue;
+        has_rec = true;
+        if (il < first) continue;
+        for (int32_t e = 0; e < ne; e++) {
+            gh_layer V;
+            gh_expert_view(M, e, ff, d, &V);
+            const int64_t n = M->hot_off[e + 1] - M->hot_off[e];
+            need += n * neuron_bytes(&V);
+            n_hot += n;
+        }
+    }
+    if (!has_rec) {
+        note(hy, "Experts in the sparse form (ffn_down_exps_t) without a hot-neuron record (blk.N.ffn_exp_hot: "
+             "`python -m powerinfer_cpp.place --profile`): they run on the CPU.");
+        return GH_OK;
+    }
+    if (n_hot == 0) {
+        note(hy, "The file's record of the experts' hot neurons (sparse form, ffn_down_exps_t) puts "
+             "none on the device%s.", first > 0 ? " past the first n_cpu_moe layers" : "");
+        return GH_OK;
+    }
+    if (need > left) {
+        note(hy, "The file's hot neurons of the experts (sparse form, ffn_down_exps_t) need %.1f MiB "
+             "but %.1f MiB are left: the experts run on the CPU.", need / 1048576.0, left / 1048576.0);
+        return GH_OK;
+    }
+    for (int il = first; il < nl; il++) {
+        const gh_moe_layer * M = &m->layers[il].moe;
+        if (!M->hot_off) continue;
+        gh_dlayer * D = &hy->layers[il];
+        D->exp_hot = calloc((size_t) ne, sizeof *D->exp_hot);
+        if (!D->exp_hot) return gh_fail(GH_ERR_OOM, "out of memory");
+        for (int32_t e = 0; e < ne; e++) {
+            const int64_t n = M->hot_off[e + 1] - M->hot_off[e];
+            if (n == 0) continue;
+            gh_layer V;
+            gh_expert_view(M, e, ff, d, &V);
+            const gh_status st = upload_split(m, hy, &V, ff, M->hot_ids + M->hot_off[e], n,
+                                              &D->exp_hot[e]);
+            if (st) return st;
+            in->n_hot_experts++;
+        }
+    }
+    in->index_source = 1;
+    return GH_OK;
+}
+
 /* The expert cache, then whole experts in what is left: the file's placement
  * (blk.N.ffn_exp_gpu, validated at load) when it places some and they fit, else the most frequent first
  * (blk.N.ffn_exp_freq), else in layer order; the first n_cpu_moe layers get none. */
@@ -326,11 +400,7 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
     const int nl = hp->n_layer, ne = hp->n_expert;
     gh_device_info * in = &hy->info;
     if (m->layers[hp->n_dense_lead].moe.has_down_t) { /* (the first layer with experts) */
-        /* the device runs an expert's down as llama.cpp stores it; the sparse experts' file
-         * has it transposed (ffn_down_exps_t), which only the CPU's kernels read */
-        note(hy, "The file's experts are in their sparse form (ffn_down_exps_t): they run on the "
-             "CPU, none placed or cached on the device.");
-        return GH_OK;
+        return place_expert_neurons(m, hy, p, left);
     }
     int64_t eb_max = 0;
     for (int il = 0; il < nl; il++) eb_max = GH_MAX(eb_max, expert_bytes(&m->layers[il].moe));
@@ -414,19 +484,20 @@ static gh_status place_experts(gh_model * m, gh_hybrid * hy, const gh_model_para
 
 /* ------------------------------------------------------------- placement -- */
 
-static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t * ids, int64_t n) {
-    const gh_layer * L = &m->layers[il];
-    gh_dlayer * D = &hy->layers[il];
-    const int64_t ff = m->hp.n_ff;
-    D->bucket = malloc((size_t) n * sizeof(int32_t));
+/* The neurons ids[0..n) (ascending) of the unit L (a layer's FFN, or an expert viewed as
+ * a layer; ff neurons) to the device as the split D: their gate, up and down_t rows and
+ * biases compacted, the host's row map and cold list. Counts them in the device info. */
+static gh_status upload_split(gh_model * m, gh_hybrid * hy, const gh_layer * L, int64_t ff,
+                              const int32_t * ids, int64_t n, gh_dsplit * D) {
+    D->bucket = malloc((size_t) GH_MAX(n, 1) * sizeof(int32_t));
     D->row_of = malloc((size_t) ff * sizeof(int32_t));
     D->cold = malloc((size_t) GH_MAX(ff - n, 1) * sizeof(int32_t));
     const size_t rb = GH_MAX(GH_MAX(GH_MAX(L->gate.row_bytes, L->up.row_bytes),
                                     L->down_t.row_bytes), sizeof(float));
-    uint8_t * tmp = malloc((size_t) n * rb);
+    uint8_t * tmp = malloc((size_t) GH_MAX(n, 1) * rb);
     if (!D->bucket || !D->row_of || !D->cold || !tmp) {
         free(tmp);
-        return gh_fail(GH_ERR_OOM, "out of memory staging layer %d's hot neurons", il);
+        return gh_fail(GH_ERR_OOM, "out of memory staging %lld hot neurons", (long long) n);
     }
     memcpy(D->bucket, ids, (size_t) n * sizeof(int32_t));
     for (int64_t i = 0; i < ff; i++) D->row_of[i] = -1;
@@ -448,8 +519,13 @@ static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t 
     if (!st) {
         hy->info.hot_bytes += n * neuron_bytes(L);
         hy->info.n_hot += n;
-        hy->info.n_hot_layers++;
     }
+    return st;
+}
+
+static gh_status upload_hot(gh_model * m, gh_hybrid * hy, int il, const int32_t * ids, int64_t n) {
+    const gh_status st = upload_split(m, hy, &m->layers[il], m->hp.n_ff, ids, n, &hy->layers[il].ffn);
+    if (!st) hy->info.n_hot_layers++;
     return st;
 }
 
@@ -603,10 +679,17 @@ void gh_hybrid_free(gh_hybrid * hy) {
     for (int i = 0; i < hy->n_bufs; i++) hy->b->ops->free(hy->b, hy->bufs[i]);
     free(hy->bufs);
     for (int il = 0; hy->layers && il < hy->n_layer; il++) {
-        free(hy->layers[il].bucket);
-        free(hy->layers[il].row_of);
-        free(hy->layers[il].cold);
-        free(hy->layers[il].exps);
+        gh_dlayer * D = &hy->layers[il];
+        free(D->ffn.bucket);
+        free(D->ffn.row_of);
+        free(D->ffn.cold);
+        for (int32_t e = 0; D->exp_hot && e < hy->n_expert; e++) {
+            free(D->exp_hot[e].bucket);
+            free(D->exp_hot[e].row_of);
+            free(D->exp_hot[e].cold);
+        }
+        free(D->exp_hot);
+        free(D->exps);
     }
     free(hy->layers);
     gh_backend_free(hy->b);
@@ -633,6 +716,7 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     if (st) { free(hy); return st; }
     hy->layers = calloc((size_t) m->hp.n_layer, sizeof *hy->layers);
     hy->n_layer = m->hp.n_layer;
+    hy->n_expert = m->hp.n_expert;
     if (!hy->layers) st = gh_fail(GH_ERR_OOM, "out of memory");
     snprintf(hy->info.device, sizeof hy->info.device, "%s", p->device);
     hy->info.n_neurons = m->hp.n_expert ? 0 : (int64_t) m->hp.n_layer * m->hp.n_ff;
@@ -641,6 +725,20 @@ gh_status gh_hybrid_place(gh_model * m, const gh_model_params * p) {
     if (!st) st = check_types(m, hy);
     if (!st) st = place(m, hy, p);
     return st;
+}
+
+/* What was placed and why (the CPU's answer for a model without a device). */
+gh_status gh_model_device_info(const gh_model * m, gh_device_info * out) {
+    if (!m || !out) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_device_info: NULL argument");
+    if (m->hy) {
+        *out = m->hy->info;
+        return GH_OK;
+    }
+    memset(out, 0, sizeof *out);
+    snprintf(out->device, sizeof out->device, "cpu");
+    out->file_budget = -1;
+    out->n_neurons = (int64_t) m->hp.n_layer * m->hp.n_ff;
+    return GH_OK;
 }
 
 /* ------------------------------------------------------ per-context stream -- */
@@ -660,7 +758,7 @@ gh_status gh_hybrid_stream_new(const gh_model * m, gh_stream ** out) {
         .max_in = GH_DEVICE_CHUNK * GH_MAX(d, dq),
         .max_out = GH_MAX(GH_DEVICE_CHUNK * GH_MAX(GH_MAX(d, dq), (int64_t) hp->n_vocab),
                           (int64_t) hp->n_ff),
-        .max_rows = hp->n_ff,
+        .max_rows = GH_MAX(hp->n_ff, hp->n_ff_exp), /* a sparse expert's hot rows too */
         .max_hidden = h,
     };
     return m->hy->b->ops->stream_new(m->hy->b, &p, out);
@@ -703,6 +801,24 @@ gh_status gh_model_expert_placement(const gh_model * m, int8_t * where, int64_t 
         const gh_dexpert * x = m->hy ? m->hy->layers[il].exps : NULL;
         for (int32_t e = 0; e < m->hp.n_expert; e++) {
             where[(int64_t) il * m->hp.n_expert + e] = x && x[e].gate.data ? 1 : 0;
+        }
+    }
+    return GH_OK;
+}
+
+gh_status gh_model_expert_hot_counts(const gh_model * m, int32_t * counts, int64_t n) {
+    if (!m) return gh_fail(GH_ERR_INVALID_ARG, "gh_model_expert_hot_counts: model is NULL");
+    const int64_t need = (int64_t) m->hp.n_layer * m->hp.n_expert;
+    if (need == 0) return GH_OK;
+    if (!counts || n < need) {
+        return gh_fail(GH_ERR_INVALID_ARG, "gh_model_expert_hot_counts: counts holds %lld values, "
+                       "the model has %d layers of %d experts (%lld)", (long long) (counts ? n : 0),
+                       m->hp.n_layer, m->hp.n_expert, (long long) need);
+    }
+    for (int il = 0; il < m->hp.n_layer; il++) {
+        const gh_dsplit * x = m->hy ? m->hy->layers[il].exp_hot : NULL;
+        for (int32_t e = 0; e < m->hp.n_expert; e++) {
+            counts[(int64_t) il * m->hp.n_expert + e] = x ? (int32_t) x[e].hot.n_hot : 0;
         }
     }
     return GH_OK;

@@ -1,8 +1,12 @@
-/* The hybrid runtime (hybrid.c): a model's weights placed on a device backend under a
+/* The model placed on a device (placement.c): its weights put on a device backend under a
  * VRAM budget, with the FFN neurons of each layer split by the GPU index (neuron-split
- * tensors), and the per-context device stream. */
-#ifndef GH_HYBRID_H
-#define GH_HYBRID_H
+ * tensors), its device state (gh_hybrid, m->hy), and the per-context device stream.
+ *
+ * It lives in model/, not backend/, because it reads the model's structs: the backends
+ * know only their interface (backend/backend.h), and the model uses them through it, so
+ * the dependency runs one way, model/ -> backend/. */
+#ifndef GH_MODEL_PLACEMENT_H
+#define GH_MODEL_PLACEMENT_H
 
 #include "backend/backend.h"
 #include "cpu/ops.h"
@@ -15,25 +19,35 @@ typedef struct {
     gh_dweight gate, up, down;
 } gh_dexpert;
 
-/* One layer's device-resident parts. The hot neurons are a neuron-split of gate, up and
- * down_t: the device holds their rows compacted (row k = neuron bucket[k]); the CPU keeps
- * the full matrices (mapped or read, see gh_load_mode) and skips the rows whose row_of
- * is >= 0. */
-typedef struct {
-    bool       att;              /* wq, wk, wv, wo on the device */
-    gh_dweight wq, wk, wv, wo;
-    bool       pred;             /* fc1, fc2 on the device */
-    gh_dweight fc1, fc2;
-    gh_dffn    hot;              /* hot.n_hot == 0: the layer's FFN is CPU only */
+/* A neuron split of one FFN unit (a dense layer's FFN, or one expert of a mixture viewed
+ * as a layer): the device holds the hot neurons' rows of gate, up and down_t compacted
+ * (row k = neuron bucket[k]); the CPU keeps the full matrices (mapped or read, see
+ * gh_load_mode) and skips the rows whose row_of is >= 0. The FFN executor (ffn/exec.c)
+ * runs any unit through one of these. hot.n_hot == 0: the unit is CPU only. */
+typedef struct gh_dsplit {
+    gh_dffn    hot;
     int32_t *  bucket;           /* [n_hot] neuron ids, ascending (host) */
     int32_t *  row_of;           /* [n_ff] compacted row of a neuron, -1 if cold (host) */
     int32_t *  cold;             /* [n_cold] the other neurons, ascending (host): where a
                                   * strategy needs the dense gate, the CPU computes theirs */
     int64_t    n_cold;
+} gh_dsplit;
+
+/* One layer's device-resident parts. */
+typedef struct {
+    bool       att;              /* wq, wk, wv, wo on the device */
+    gh_dweight wq, wk, wv, wo;
+    bool       pred;             /* fc1, fc2 on the device */
+    gh_dweight fc1, fc2;
+    gh_dsplit  ffn;              /* the layer's hot neurons (dense FFN layers) */
     /* mixture of experts: the router (router.data NULL: on the CPU) and the placed experts
      * ([n_expert]; NULL when the layer has none on the device) */
     gh_dweight router;
     gh_dexpert * exps;
+    /* sparse experts (ffn_down_exps_t): each expert's hot neurons ([n_expert]; NULL when
+     * the layer has none on the device; an expert's hot.n_hot 0: all on the CPU), run by
+     * the FFN executor per selected expert as a dense layer's are */
+    gh_dsplit *  exp_hot;
     /* the shared expert (qwen2moe; shexp.gate.data NULL: on the CPU); its sigmoid gate
      * (one vector) stays on the host */
     gh_dexpert shexp;
@@ -43,6 +57,7 @@ typedef struct gh_hybrid {
     gh_backend *   b;
     gh_dlayer *    layers;       /* [n_layer] */
     int            n_layer;
+    int32_t        n_expert;     /* the model's (exp_hot's length) */
     bool           head;
     gh_dweight     output;
     gh_device_info info;

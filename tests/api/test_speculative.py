@@ -7,6 +7,7 @@ run leaves; bad inputs are refused by name."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -414,6 +415,15 @@ def test_server_started_with_a_draft(files, batching):
     assert main(["-m", str(files["dense_f16"]), "--draft", "self", "--port", "0"]) == 1
 
 
+def _texts(lines):
+    """The text pieces of a completion's server-sent events."""
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                yield chunk["choices"][0]["text"]
+
+
 @pytest.mark.parametrize("drafter", ["self", "model"])
 def test_server_batches_speculative_slots_with_the_others(files, drafter):
     """The batching scheduler puts a speculative slot's draft steps and verifications into
@@ -432,9 +442,12 @@ def test_server_batches_speculative_slots_with_the_others(files, drafter):
                     (files["dense_f16"], ["--model-draft", str(files["relu_dense"])]))
     prompts = [PROMPT, "In the beginning God created", "And the LORD spake", "Blessed is"]
     n = 36
+    long_n = 160
     with Model(target, n_ctx=256, n_threads=1) as m:
         ref = [m.create_context(n_ctx=256, ffn="dense").generate(
             p, max_tokens=n, temperature=0, ignore_eos=True).text for p in prompts]
+        ref_long = m.create_context(n_ctx=256, ffn="dense").generate(
+            prompts[0], max_tokens=long_n, temperature=0, ignore_eos=True).text
     with running_server(target, "--parallel", "4", "--ctx", "256", "-t", "1",
                         "--draft-max", "4", "--prompt-chunk", "8", *args) as url:
         def ask(i):
@@ -447,17 +460,26 @@ def test_server_batches_speculative_slots_with_the_others(files, drafter):
             return r.json()
 
         alone = [ask(i) for i in range(4)]
-        # Two requests sent together need not overlap (a busy or an idle machine can finish
-        # one before the other starts): the round repeats, each time with the replies
-        # checked, until the two speculative slots' parts shared a pass.
+        # Two speculative requests that overlap: the first streams a long reply and the
+        # second is sent once the first has written its first piece, so it joins while the
+        # first still generates. Two requests merely sent together can miss each other on a
+        # busy machine (one done before the other arrives); even this one can, if the first
+        # writes its long_n tokens before the second is admitted, so the round repeats, the
+        # replies checked every time, until the two slots' parts shared a pass.
         shared = False
         for _ in range(6):
             steps0 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
-            with concurrent.futures.ThreadPoolExecutor(2) as ex:
-                spec = list(ex.map(ask, [0, 2]))
+            with httpx.stream("POST", url + "/v1/completions", timeout=300, json={
+                    "prompt": prompts[0], "max_tokens": long_n, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as first:
+                assert first.status_code == 200
+                pieces = _texts(first.iter_lines())
+                text0 = next(pieces)  # the first request is generating
+                second = ask(2)
+                text0 += "".join(pieces)
             steps1 = metric(httpx.get(url + "/metrics").text, "powerinfer_batched_steps_total")
-            assert [g["choices"][0]["text"] for g in spec] == [ref[0], ref[2]]
-            assert all(g["timings"]["draft_n"] > 0 for g in spec)
+            assert (text0, second["choices"][0]["text"]) == (ref_long, ref[2])
+            assert second["timings"]["draft_n"] > 0
             if steps1 > steps0:
                 shared = True
                 break

@@ -616,6 +616,126 @@ AVX512_VNNI_FN static void axpy16_q4_1_avx512(int64_t n, const float * s, const 
     axpy16_q4v(GH_TYPE_Q4_1, n, s, row, pf, y);
 }
 
+/* ---- Q8_0's sixteen-row forms in VNNI: one token and a batch ----
+ *
+ * AVX2's (avx2/axpy_avx2.c: the factors of Q4_0's, the exact int32 block sums
+ * S = sum_k m_k q_k) with four rows per vpdpbusd: a quad's 32 columns in two vectors,
+ * vpermb-transposed (quad_tr: dword c = the four rows' column c), the signed quants
+ * made unsigned by q + 128 (xor 0x80) and the offset taken out in the bias
+ * -128 sum_k m_k (int8_factors8_off). The sums are the same integers, scaled and added
+ * alike: the result is AVX2's and the batch form's bit for bit. */
+
+/* Quad x of the block at off (rows q[0..4)): v[0] columns 0..15, v[1] 16..31, unsigned. */
+static inline __attribute__((always_inline)) void q8_quads_vnni(const uint8_t * const * q, size_t off, __m512i tr,
+                                                                __m512i * v) {
+    const __m512i flip = _mm512_set1_epi8((char) 0x80);
+    for (int h = 0; h < 2; h++) {
+        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *) (q[0] + off + 16 * h)));
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[1] + off + 16 * h)), 1);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[2] + off + 16 * h)), 2);
+        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[3] + off + 16 * h)), 3);
+        v[h] = _mm512_xor_si512(_mm512_permutexvar_epi8(tr, x), flip);
+    }
+}
+
+AVX512_VNNI_FN static void axpy16_q8_0_avx512(int64_t n, const float * s, const void * const * row,
+                                              const void * const * pf, float * restrict y) {
+    const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
+    const int64_t nb = n / QK8_0;
+    const __m512i tr = _mm512_loadu_si512(quad_tr);
+    for (int64_t i0 = 0; i0 < nb; i0 += AXPY16_CHUNK) {
+        const int nc = (int) GH_MIN((int64_t) AXPY16_CHUNK, nb - i0);
+        uint16_t d[16][AXPY16_CHUNK];
+        int32_t mq[4][AXPY16_CHUNK];
+        float scale[AXPY16_CHUNK];
+        int32_t bias[AXPY16_CHUNK];
+        for (int k = 0; k < 16; k++) {
+            const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
+            for (int i = 0; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
+            for (int i = nc; i < AXPY16_CHUNK; i++) d[k][i] = 0;
+            if (pf) {
+                const char * p = (const char *) pf[k] + i0 * bs;
+                for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+                _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
+            }
+        }
+        for (int j = 0; j < nc; j += 8)
+            int8_factors8_off(s, &d[0][0], 0, AXPY16_CHUNK, j, &mq[0][0], 1, scale, bias, 128, NULL);
+        float * yb = y + i0 * QK8_0;
+        for (int i = 0; i < nc; i++, yb += QK8_0) {
+            const size_t off = (size_t) (i0 + i) * bs + qs;
+            __m512i a0 = _mm512_set1_epi32(bias[i]), a1 = a0;
+            for (int j = 0; j < 4; j++) {
+                __m512i v[2];
+                q8_quads_vnni((const uint8_t * const *) row + 4 * j, off, tr, v);
+                const __m512i mj = _mm512_set1_epi32(mq[j][i]);
+                a0 = _mm512_dpbusd_epi32(a0, v[0], mj);
+                a1 = _mm512_dpbusd_epi32(a1, v[1], mj);
+            }
+            const __m512 sc = _mm512_set1_ps(scale[i]);
+            _mm512_storeu_ps(yb, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), _mm512_loadu_ps(yb)));
+            _mm512_storeu_ps(yb + 16, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a1), _mm512_loadu_ps(yb + 16)));
+        }
+    }
+}
+
+/* The batch form: the groups' quads of 8 blocks transposed once (16 KB), then per token
+ * its factors and the pass, groups added in order into y in registers (as matmul16_q4). */
+AVX512_VNNI_FN static void matmul16_q8_0_avx512(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                                const int32_t * hc, int nk, const void * const * row,
+                                                float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
+    const int64_t nb = n / QK8_0;
+    const int ng = (nk + 15) / 16;
+    static const uint8_t zero[sizeof(block_q8_0)];
+    const __m512i tr = _mm512_loadu_si512(quad_tr);
+    for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
+        const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
+        uint16_t d[4][16][BATCH_BLOCKS];
+        __m512i u[4][BATCH_BLOCKS][4][2];
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 0, &d[0][0][0]);
+        for (int g = 0; g < ng; g++) {
+            for (int i = 0; i < nc; i++) {
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t * q[4];
+                    for (int r = 0; r < 4; r++) {
+                        const int k = 16 * g + 4 * j + r;
+                        q[r] = k < nk ? (const uint8_t *) row[k] + (size_t) (i0 + i) * bs : zero;
+                    }
+                    q8_quads_vnni(q, qs, tr, u[g][i][j]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float * ht = h + t * ldh;
+            int32_t mq[4][4][BATCH_BLOCKS], bias[4][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS];
+            for (int g = 0; g < ng; g++) {
+                float s[16];
+                batch_s16(ht, hc, nk, g, s);
+                int8_factors8_off(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], bias[g], 128, NULL);
+            }
+            float * yb = y + t * ldy + i0 * QK8_0;
+            for (int i = 0; i < nc; i++, yb += QK8_0) {
+                __m512 y0 = _mm512_loadu_ps(yb), y1 = _mm512_loadu_ps(yb + 16);
+                for (int g = 0; g < ng; g++) {
+                    __m512i a0 = _mm512_set1_epi32(bias[g][i]), a1 = a0;
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i mj = _mm512_set1_epi32(mq[g][j][i]);
+                        a0 = _mm512_dpbusd_epi32(a0, u[g][i][j][0], mj);
+                        a1 = _mm512_dpbusd_epi32(a1, u[g][i][j][1], mj);
+                    }
+                    const __m512 sc = _mm512_set1_ps(scale[g][i]);
+                    y0 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), y0);
+                    y1 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a1), y1);
+                }
+                _mm512_storeu_ps(yb, y0);
+                _mm512_storeu_ps(yb + 16, y1);
+            }
+        }
+    }
+}
+
 /* ---- the F32 row's dense-block tiles (gh_tiles_fn) ----
  * As AVX2's (avx2/axpy_avx2.c): register tiles of 4 tokens x 32 columns (16 in the masked
  * tail), each y value through the same FMAs in the same row order as the f32 axpy, so a
@@ -676,7 +796,9 @@ const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT] = {
                        .tiles = tiles_f32_avx512 },
     [GH_TYPE_F16]  = AXPY_ROW(f16),
     [GH_TYPE_BF16] = AXPY_ROW(bf16),
-    [GH_TYPE_Q8_0] = AXPY_ROW(q8_0),
+    [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx512, .axpy4 = axpy_q8_0_avx512_4,
+                       .axpy4pf = axpy_q8_0_avx512_4pf, .axpy16 = axpy16_q8_0_avx512,
+                       .matmul16 = matmul16_q8_0_avx512 },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx512, .axpy4 = axpy_q4_0_avx512_4,
                        .axpy4pf = axpy_q4_0_avx512_4pf, .axpy16 = axpy16_q4_0_avx512,
                        .matmul16 = matmul16_q4_0_avx512 },

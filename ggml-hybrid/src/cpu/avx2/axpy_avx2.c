@@ -609,16 +609,19 @@ AVX2_FN static void axpy16_q8_0_avx2(int64_t n, const float * s, const void * co
             const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
             for (int i = 0; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
             for (int i = nc; i < CHUNK_BLOCKS; i++) d[k][i] = 0;
-            if (pf) {
-                const char * p = (const char *) pf[k] + i0 * bs;
-                for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-                _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
-            }
+            if (pf) _mm_prefetch((const char *) pf[k] + i0 * bs, _MM_HINT_T1);
         }
         for (int j = 0; j < nc; j += 8) int8_factors8_off(s, &d[0][0], 0, CHUNK_BLOCKS, j, &mq[0][0], 1, scale, NULL, 0, NULL);
         float * yb = y + i0 * QK8_0;
         for (int i = 0; i < nc; i++, yb += QK8_0) {
             const size_t off = (size_t) (i0 + i) * bs + qs;
+            if (pf) {
+                /* the next rows' block, spread over the pass (a block's last byte: every
+                 * line of the segment is some block's last line or the first block's):
+                 * Q8_0's chunk is 17 KB of 16 rows, which in one burst at the chunk's
+                 * start ran the whole down_t from DRAM at 0.7x the float forms */
+                for (int k = 0; k < 16; k++) _mm_prefetch((const char *) pf[k] + off - qs + bs - 1, _MM_HINT_T1);
+            }
             __m256i acc[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
                                _mm256_setzero_si256() };
             for (int j = 0; j < 4; j++) {

@@ -620,29 +620,41 @@ AVX512_VNNI_FN static void axpy16_q4_1_avx512(int64_t n, const float * s, const 
  *
  * AVX2's (avx2/axpy_avx2.c: the factors of Q4_0's, the exact int32 block sums
  * S = sum_k m_k q_k) with four rows per vpdpbusd: a quad's 32 columns in two vectors,
- * vpermb-transposed (quad_tr: dword c = the four rows' column c), the signed quants
+ * transposed by vpermt2b (dword c = the four rows' column c), the signed quants
  * made unsigned by q + 128 (xor 0x80) and the offset taken out in the bias
  * -128 sum_k m_k (int8_factors8_off). The sums are the same integers, scaled and added
  * alike: the result is AVX2's and the batch form's bit for bit. */
 
-/* Quad x of the block at off (rows q[0..4)): v[0] columns 0..15, v[1] 16..31, unsigned. */
-static inline __attribute__((always_inline)) void q8_quads_vnni(const uint8_t * const * q, size_t off, __m512i tr,
-                                                                __m512i * v) {
+/* vpermt2b indices of a quad's columns 16h .. 16h + 15 (h = 0, 1) from rows 0, 1 (the
+ * first operand's 64 bytes) and 2, 3 (the second's): byte 4c + r <- row r's byte 16h + c */
+static const uint8_t q8_quad_idx[2][64] = {
+#define Q8_QI(h, c) 16 * (h) + (c), 32 + 16 * (h) + (c), 64 + 16 * (h) + (c), 96 + 16 * (h) + (c)
+#define Q8_QH(h) Q8_QI(h, 0), Q8_QI(h, 1), Q8_QI(h, 2), Q8_QI(h, 3), Q8_QI(h, 4), Q8_QI(h, 5), Q8_QI(h, 6), \
+                 Q8_QI(h, 7), Q8_QI(h, 8), Q8_QI(h, 9), Q8_QI(h, 10), Q8_QI(h, 11), Q8_QI(h, 12),        \
+                 Q8_QI(h, 13), Q8_QI(h, 14), Q8_QI(h, 15)
+    { Q8_QH(0) }, { Q8_QH(1) },
+#undef Q8_QH
+#undef Q8_QI
+};
+
+/* The quad of rows q[0..4)'s block at off: v[0] columns 0..15, v[1] 16..31 (dword c =
+ * the four rows' column c), unsigned (q + 128). Two rows per vector, two vpermt2b. */
+static inline __attribute__((always_inline)) void q8_quads_vnni(const uint8_t * const * q, size_t off,
+                                                                const __m512i * idx, __m512i * v) {
     const __m512i flip = _mm512_set1_epi8((char) 0x80);
-    for (int h = 0; h < 2; h++) {
-        __m512i x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *) (q[0] + off + 16 * h)));
-        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[1] + off + 16 * h)), 1);
-        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[2] + off + 16 * h)), 2);
-        x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *) (q[3] + off + 16 * h)), 3);
-        v[h] = _mm512_xor_si512(_mm512_permutexvar_epi8(tr, x), flip);
-    }
+    const __m512i x01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (q[0] + off))),
+                                           _mm256_loadu_si256((const __m256i *) (q[1] + off)), 1);
+    const __m512i x23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (q[2] + off))),
+                                           _mm256_loadu_si256((const __m256i *) (q[3] + off)), 1);
+    v[0] = _mm512_xor_si512(_mm512_permutex2var_epi8(x01, idx[0], x23), flip);
+    v[1] = _mm512_xor_si512(_mm512_permutex2var_epi8(x01, idx[1], x23), flip);
 }
 
 AVX512_VNNI_FN static void axpy16_q8_0_avx512(int64_t n, const float * s, const void * const * row,
                                               const void * const * pf, float * restrict y) {
     const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
     const int64_t nb = n / QK8_0;
-    const __m512i tr = _mm512_loadu_si512(quad_tr);
+    const __m512i idx[2] = { _mm512_loadu_si512(q8_quad_idx[0]), _mm512_loadu_si512(q8_quad_idx[1]) };
     for (int64_t i0 = 0; i0 < nb; i0 += AXPY16_CHUNK) {
         const int nc = (int) GH_MIN((int64_t) AXPY16_CHUNK, nb - i0);
         uint16_t d[16][AXPY16_CHUNK];
@@ -653,21 +665,24 @@ AVX512_VNNI_FN static void axpy16_q8_0_avx512(int64_t n, const float * s, const 
             const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
             for (int i = 0; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
             for (int i = nc; i < AXPY16_CHUNK; i++) d[k][i] = 0;
-            if (pf) {
-                const char * p = (const char *) pf[k] + i0 * bs;
-                for (size_t o = 0; o < (size_t) nc * bs; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-                _mm_prefetch(p + (size_t) nc * bs - 1, _MM_HINT_T1);
-            }
+            if (pf) _mm_prefetch((const char *) pf[k] + i0 * bs, _MM_HINT_T1);
         }
         for (int j = 0; j < nc; j += 8)
             int8_factors8_off(s, &d[0][0], 0, AXPY16_CHUNK, j, &mq[0][0], 1, scale, bias, 128, NULL);
         float * yb = y + i0 * QK8_0;
         for (int i = 0; i < nc; i++, yb += QK8_0) {
             const size_t off = (size_t) (i0 + i) * bs + qs;
+            if (pf) {
+                /* the next rows' block, spread over the pass (a block's last byte: every
+                 * line of the segment is some block's last line or the first block's):
+                 * Q8_0's chunk is 17 KB of 16 rows, which in one burst at the chunk's
+                 * start ran the whole down_t from DRAM at 0.7x the float forms */
+                for (int k = 0; k < 16; k++) _mm_prefetch((const char *) pf[k] + off - qs + bs - 1, _MM_HINT_T1);
+            }
             __m512i a0 = _mm512_set1_epi32(bias[i]), a1 = a0;
             for (int j = 0; j < 4; j++) {
                 __m512i v[2];
-                q8_quads_vnni((const uint8_t * const *) row + 4 * j, off, tr, v);
+                q8_quads_vnni((const uint8_t * const *) row + 4 * j, off, idx, v);
                 const __m512i mj = _mm512_set1_epi32(mq[j][i]);
                 a0 = _mm512_dpbusd_epi32(a0, v[0], mj);
                 a1 = _mm512_dpbusd_epi32(a1, v[1], mj);
@@ -688,7 +703,7 @@ AVX512_VNNI_FN static void matmul16_q8_0_avx512(int64_t n, int64_t n_tokens, con
     const int64_t nb = n / QK8_0;
     const int ng = (nk + 15) / 16;
     static const uint8_t zero[sizeof(block_q8_0)];
-    const __m512i tr = _mm512_loadu_si512(quad_tr);
+    const __m512i idx[2] = { _mm512_loadu_si512(q8_quad_idx[0]), _mm512_loadu_si512(q8_quad_idx[1]) };
     for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
         const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
         uint16_t d[4][16][BATCH_BLOCKS];
@@ -702,7 +717,7 @@ AVX512_VNNI_FN static void matmul16_q8_0_avx512(int64_t n, int64_t n_tokens, con
                         const int k = 16 * g + 4 * j + r;
                         q[r] = k < nk ? (const uint8_t *) row[k] + (size_t) (i0 + i) * bs : zero;
                     }
-                    q8_quads_vnni(q, qs, tr, u[g][i][j]);
+                    q8_quads_vnni(q, qs, idx, u[g][i][j]);
                 }
             }
         }

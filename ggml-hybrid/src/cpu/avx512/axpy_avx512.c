@@ -616,14 +616,19 @@ AVX512_VNNI_FN static void axpy16_q4_1_avx512(int64_t n, const float * s, const 
     axpy16_q4v(GH_TYPE_Q4_1, n, s, row, pf, y);
 }
 
-/* ---- Q8_0's sixteen-row forms in VNNI: one token and a batch ----
+/* ---- Q8_0's batch form in VNNI (gh_matmul16_fn) ----
  *
  * AVX2's (avx2/axpy_avx2.c: the factors of Q4_0's, the exact int32 block sums
  * S = sum_k m_k q_k) with four rows per vpdpbusd: a quad's 32 columns in two vectors,
- * transposed by vpermt2b (dword c = the four rows' column c), the signed quants
- * made unsigned by q + 128 (xor 0x80) and the offset taken out in the bias
- * -128 sum_k m_k (int8_factors8_off). The sums are the same integers, scaled and added
- * alike: the result is AVX2's and the batch form's bit for bit. */
+ * transposed by vpermt2b (dword c = the four rows' column c), the signed quants made
+ * unsigned by q + 128 (xor 0x80) and the offset taken out in the bias -128 sum_k m_k
+ * (int8_factors8_off). The sums are the same integers, scaled and added alike: a token's
+ * result is AVX2's one-token form's bit for bit. That one-token form (axpy16_q8_0_avx2)
+ * is also this level's: a VNNI version of it, the same quads, ran 1.2x faster from L2
+ * (bench_kernels_ab.py dt hot) but read the whole down_t from DRAM at 0.59-0.63 of the
+ * dense matmul's GB/s where AVX2's form ran at 0.62-0.78, and the id lists at 0.46-0.64
+ * against 0.52-0.73 (bench_sparse_kernels.py, 2048 x 5632 and SmolLM2's shape, two
+ * alternating runs; docs/BENCHMARKS.md, "Q8_0's int8 column forms"). */
 
 /* vpermt2b indices of a quad's columns 16h .. 16h + 15 (h = 0, 1) from rows 0, 1 (the
  * first operand's 64 bytes) and 2, 3 (the second's): byte 4c + r <- row r's byte 16h + c */
@@ -648,50 +653,6 @@ static inline __attribute__((always_inline)) void q8_quads_vnni(const uint8_t * 
                                            _mm256_loadu_si256((const __m256i *) (q[3] + off)), 1);
     v[0] = _mm512_xor_si512(_mm512_permutex2var_epi8(x01, idx[0], x23), flip);
     v[1] = _mm512_xor_si512(_mm512_permutex2var_epi8(x01, idx[1], x23), flip);
-}
-
-AVX512_VNNI_FN static void axpy16_q8_0_avx512(int64_t n, const float * s, const void * const * row,
-                                              const void * const * pf, float * restrict y) {
-    const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
-    const int64_t nb = n / QK8_0;
-    const __m512i idx[2] = { _mm512_loadu_si512(q8_quad_idx[0]), _mm512_loadu_si512(q8_quad_idx[1]) };
-    for (int64_t i0 = 0; i0 < nb; i0 += AXPY16_CHUNK) {
-        const int nc = (int) GH_MIN((int64_t) AXPY16_CHUNK, nb - i0);
-        uint16_t d[16][AXPY16_CHUNK];
-        int32_t mq[4][AXPY16_CHUNK];
-        float scale[AXPY16_CHUNK];
-        int32_t bias[AXPY16_CHUNK];
-        for (int k = 0; k < 16; k++) {
-            const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
-            for (int i = 0; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
-            for (int i = nc; i < AXPY16_CHUNK; i++) d[k][i] = 0;
-            if (pf) _mm_prefetch((const char *) pf[k] + i0 * bs, _MM_HINT_T1);
-        }
-        for (int j = 0; j < nc; j += 8)
-            int8_factors8_off(s, &d[0][0], 0, AXPY16_CHUNK, j, &mq[0][0], 1, scale, bias, 128, NULL);
-        float * yb = y + i0 * QK8_0;
-        for (int i = 0; i < nc; i++, yb += QK8_0) {
-            const size_t off = (size_t) (i0 + i) * bs + qs;
-            if (pf) {
-                /* the next rows' block, spread over the pass (a block's last byte: every
-                 * line of the segment is some block's last line or the first block's):
-                 * Q8_0's chunk is 17 KB of 16 rows, which in one burst at the chunk's
-                 * start ran the whole down_t from DRAM at 0.7x the float forms */
-                for (int k = 0; k < 16; k++) _mm_prefetch((const char *) pf[k] + off - qs + bs - 1, _MM_HINT_T1);
-            }
-            __m512i a0 = _mm512_set1_epi32(bias[i]), a1 = a0;
-            for (int j = 0; j < 4; j++) {
-                __m512i v[2];
-                q8_quads_vnni((const uint8_t * const *) row + 4 * j, off, idx, v);
-                const __m512i mj = _mm512_set1_epi32(mq[j][i]);
-                a0 = _mm512_dpbusd_epi32(a0, v[0], mj);
-                a1 = _mm512_dpbusd_epi32(a1, v[1], mj);
-            }
-            const __m512 sc = _mm512_set1_ps(scale[i]);
-            _mm512_storeu_ps(yb, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), _mm512_loadu_ps(yb)));
-            _mm512_storeu_ps(yb + 16, _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a1), _mm512_loadu_ps(yb + 16)));
-        }
-    }
 }
 
 /* The batch form: the groups' quads of 8 blocks transposed once (16 KB), then per token
@@ -812,8 +773,7 @@ const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT] = {
     [GH_TYPE_F16]  = AXPY_ROW(f16),
     [GH_TYPE_BF16] = AXPY_ROW(bf16),
     [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx512, .axpy4 = axpy_q8_0_avx512_4,
-                       .axpy4pf = axpy_q8_0_avx512_4pf, .axpy16 = axpy16_q8_0_avx512,
-                       .matmul16 = matmul16_q8_0_avx512 },
+                       .axpy4pf = axpy_q8_0_avx512_4pf, .matmul16 = matmul16_q8_0_avx512 },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx512, .axpy4 = axpy_q4_0_avx512_4,
                        .axpy4pf = axpy_q4_0_avx512_4pf, .axpy16 = axpy16_q4_0_avx512,
                        .matmul16 = matmul16_q4_0_avx512 },

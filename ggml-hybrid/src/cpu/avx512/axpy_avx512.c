@@ -762,7 +762,7 @@ AVX512_FN static void tiles_f32_avx512(int64_t n_tokens, const float * h, int64_
 }
 
 /* ---- the AVX-512 rows of the axpy family (cpu/kernels.h; the K-quants' sixteen-row
- * forms are AVX2's, which the selection keeps at this level) ---- */
+ * forms and Q8_0's one-token one are AVX2's, which the selection keeps at this level) ---- */
 
 #define AXPY_ROW(sfx) { .axpy = axpy_##sfx##_avx512, .axpy4 = axpy_##sfx##_avx512_4, \
                         .axpy4pf = axpy_##sfx##_avx512_4pf }

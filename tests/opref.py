@@ -262,10 +262,11 @@ def _int8_operands(t: int, raw: np.ndarray, wd: np.ndarray):
         qs = blocks[:, :, 4:20].astype(np.int32)
         q = np.concatenate([qs & 0xF, qs >> 4], axis=2)                 # values 0..15, 16..31
         return d, np.abs(q.reshape(raw.shape[0], -1).astype(np.float64) - 8.0)
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 18)
+    # Q4_0 { d, qs[16] } or Q8_0 { d, qs[32] }: the scale d first, x = d q (Q4_0's q less 8)
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(raw.shape[0], -1, 34 if t == Q8_0 else 18)
     d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float64)  # [rows, blocks]
     with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(d != 0, 1.0 / np.abs(d), 0.0)                   # |q - 8| = |W / d| (d may be < 0)
+        inv = np.where(d != 0, 1.0 / np.abs(d), 0.0)                   # |q| = |W / d| (d may be < 0)
     return d, np.repeat(inv, 32, axis=1) * np.abs(wd.astype(np.float64))
 
 

@@ -12,7 +12,9 @@ Both with dense activations (a SwiGLU FFN: every row used by every token) and Re
 ones (half of them zero, each token its own rows), and rows that are and are not whole
 groups of 16 (the int8 forms' groups). Every batch is also checked against numpy on the
 dequantized weights, so the equal results are right ones. Q4_0's and Q4_1's one-token int8
-forms also give the same bits at AVX2 and AVX-512, as their batch forms do."""
+forms also give the same bits at AVX2 and AVX-512, as their batch forms do (Q8_0's one-token
+form is AVX2's at both levels, its batch form VNNI at AVX-512: the batch tests above hold
+that to the one-token sums)."""
 
 from __future__ import annotations
 
@@ -141,3 +143,39 @@ def test_int8_one_token_levels_agree(name):
                     assert np.array_equal(yl, got[(1, 1)][0]), (what, key, "id list")
     finally:
         lib.gh_simd_set(prev)
+
+
+@pytest.mark.parametrize("simd_level", simd_levels(), indirect=True)
+def test_q8_0_int8_forms_full_quant_range(simd_level):
+    """Q8_0's int8 forms on blocks whose quants span all of int8, -128 included (a file may
+    hold them though gguf's quantizer stops at -127): the AVX2 form takes |q| as the
+    unsigned operand and the sign onto the int8 activations, the VNNI one q + 128, and
+    both must give -128 x (a negative activation) right. Whole down_t, id list and a
+    batch of 16 dense tokens (the batch form) against numpy on gguf.quants' dequantized
+    rows, the batch equal to its tokens."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(11)
+    rows, cols = 48, 32 * 40
+    nb = cols // 32
+    blk = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
+    b = np.zeros((rows, nb), blk)
+    b["d"] = rng.uniform(0.5, 2.0, (rows, nb)).astype(np.float16) * np.float16(1 / 64)
+    q = rng.integers(-128, 128, (rows, nb, 32))
+    q[:, ::3, :4] = -128  # runs of the extreme the sign trick must take as +128 under |.|
+    q[:, 1::3, 4:8] = 127
+    b["qs"] = q.astype(np.int8)
+    raw = np.ascontiguousarray(b.view(np.uint8).reshape(rows, -1))
+    wd = quants.dequantize(raw, GGMLQuantizationType.Q8_0).astype(np.float64)
+    assert wd.shape == (rows, cols) and (wd[:, :4] < 0).all()
+    t = TYPES["q8_0"]
+    h = rng.standard_normal((16, rows)).astype(np.float32)
+    h[:, ::2] = -np.abs(h[:, ::2])  # negative activations on the -128 quants
+    got = run(lib.gh_op_matmul_t, t, raw, rows, cols, h, cols)
+    check_ref(got, h.astype(np.float64) @ wd, f"q8_0 level {simd_level} batch")
+    assert np.array_equal(got, one_by_one(lib.gh_op_matmul_t, t, raw, rows, cols, h, cols))
+    ids = np.arange(rows, dtype=np.int32)
+    a = np.ascontiguousarray(h[0])
+    yl = np.full(cols, np.nan, np.float32)
+    check(lib.gh_op_sparse_down(t, vptr(raw), rows, cols, iptr(ids), fptr(a), rows, fptr(yl), 1))
+    assert np.array_equal(yl, got[0])

@@ -32,7 +32,9 @@ INHERITED = {
     ("q4_1", "axpy4", AVX512): "AVX2's measured faster",
     ("q4_1", "axpy4pf", AVX512): "AVX2's measured faster",
     # the sixteen-row int8 forms are AVX2 code; AVX-512 has Q4_0's and Q4_1's one-token
-    # and batch forms in VNNI, the K-quants' run AVX2's
+    # and batch forms in VNNI, Q8_0's batch form (its one-token VNNI form read DRAM slower
+    # than AVX2's: avx512/axpy_avx512.c), the K-quants' run AVX2's
+    ("q8_0", "axpy16", AVX512): "int8 form in AVX2 (measured faster from DRAM)",
     ("q4_k", "axpy16", AVX512): "int8 form in AVX2",
     ("q5_k", "axpy16", AVX512): "int8 form in AVX2",
     ("q6_k", "axpy16", AVX512): "int8 form in AVX2",

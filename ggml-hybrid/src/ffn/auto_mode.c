@@ -48,7 +48,10 @@
  * Q4_0, Q4_1, Q4_K and Q6_K and the cols of Q4_0 and Q4_1 at AVX-512 (the kernels that
  * changed); the other cells are the earlier run's. Q8_0's rows were measured again at
  * 20:49 the same way (--types q8_0 --paths rows --reps 11), after its gathered tile took
- * the next group into L1 (docs/BENCHMARKS.md, "The gathered rows per byte read"). */
+ * the next group into L1 (docs/BENCHMARKS.md, "The gathered rows per byte read"). Q8_0's
+ * cols and dt at both levels were measured again at 21:17 after it got its int8 sixteen-row
+ * forms (--types q8_0 --paths cols,dt --simd avx512,avx2 --reps 7, two runs: the lower
+ * cols and the higher dt of the two; docs/BENCHMARKS.md, "Q8_0's int8 column forms"). */
 typedef struct {
     int   type;
     float rows[3], cols[3];
@@ -57,7 +60,7 @@ typedef struct {
 
 static const ratio_row RATIOS_AVX512[] = {
     { GH_TYPE_F16,    { 0.46f, 0.59f, 0.70f }, { 0.46f, 0.59f, 0.71f }, 1.11f },
-    { GH_TYPE_Q8_0,   { 0.36f, 0.45f, 0.68f }, { 0.25f, 0.37f, 0.64f }, 0.77f },
+    { GH_TYPE_Q8_0,   { 0.36f, 0.45f, 0.68f }, { 0.29f, 0.44f, 0.53f }, 0.75f },
     { GH_TYPE_Q4_0,   { 0.32f, 0.41f, 0.54f }, { 0.20f, 0.28f, 0.38f }, 0.46f },
     { GH_TYPE_Q4_1,   { 0.41f, 0.57f, 0.80f }, { 0.22f, 0.30f, 0.43f }, 0.48f },
     { GH_TYPE_Q4_K,   { 0.54f, 0.79f, 1.06f }, { 0.59f, 0.69f, 0.72f }, 0.71f },
@@ -66,7 +69,7 @@ static const ratio_row RATIOS_AVX512[] = {
 };
 static const ratio_row RATIOS_AVX2[] = {
     { GH_TYPE_F16,    { 0.43f, 0.55f, 0.70f }, { 0.49f, 0.59f, 0.72f }, 0.94f },
-    { GH_TYPE_Q8_0,   { 0.46f, 0.61f, 0.83f }, { 0.23f, 0.36f, 0.58f }, 0.65f },
+    { GH_TYPE_Q8_0,   { 0.46f, 0.61f, 0.83f }, { 0.34f, 0.45f, 0.56f }, 0.71f },
     { GH_TYPE_Q4_0,   { 0.37f, 0.47f, 0.59f }, { 0.22f, 0.30f, 0.45f }, 0.54f },
     { GH_TYPE_Q4_1,   { 0.43f, 0.62f, 0.86f }, { 0.23f, 0.31f, 0.46f }, 0.52f },
     { GH_TYPE_Q4_K,   { 0.54f, 0.77f, 1.03f }, { 0.63f, 0.78f, 0.80f }, 0.76f },

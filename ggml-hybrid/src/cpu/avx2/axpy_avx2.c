@@ -1,7 +1,7 @@
 /* AVX2 axpy kernels of the transposed matmul: one row and four rows for every type (the
  * 32-value block types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4 through one body over
  * the type; the K-quants Q4_K, Q5_K, Q6_K, Q2_K, Q3_K through another; IQ4_XS), the
- * sixteen-row int8 forms of Q4_0, Q4_1 and the K-quants (one token and a batch), and the F32
+ * sixteen-row int8 forms of Q8_0, Q4_0, Q4_1 and the K-quants (one token and a batch), and the F32
  * row's dense-block tiles; the table of them is at the end.
  *
  * K-quants: y[0..n) += s * row and the four-row forms, rows starting at a block boundary,
@@ -552,6 +552,148 @@ AVX2_FN static void matmul16_q4_1_avx2(int64_t n, int64_t n_tokens, const float 
     matmul16_q4(GH_TYPE_Q4_1, n, n_tokens, h, ldh, hc, nk, row, y, ldy);
 }
 
+/* ---- Q8_0, sixteen rows per pass in int8: one token and a batch ----
+ *
+ * The factors are Q4_0's (int8_factors8: m_k = round(127 s_k d_k / M_b)), the quants
+ * signed bytes: a block's sum S = sum_k m_k q_k reaches 16 * 127 * 128, past int16, so
+ * the rows meet in quads (q8_quads: dword c of a vector holds four rows' column c, one
+ * vector of 8 columns per quad and 8 columns) and each quad's sum is taken to int32
+ * at once: vpmaddubsw of |q| (unsigned; q = -128 gives 128) with m signed by q's sign
+ * (|m| <= 127, so no byte wraps), at most 2 * 128 * 127 per int16, then vpmaddwd by 1.
+ * S is exact, as are the VNNI batch form's sums (avx512/axpy_avx512.c), and y += (M_b / 127) S
+ * alike, so the batch forms at both levels agree with this one bit for bit (which the
+ * AVX-512 level runs too: measured faster from DRAM than a VNNI version). */
+
+/* Quad j's rows' columns of the block at off, transposed: v[0] columns 0..3 | 16..19,
+ * v[1] 4..7 | 20..23, v[2] 8..11 | 24..27, v[3] 12..15 | 28..31 (dword = rows 4j..4j+3). */
+AVX2_INLINE void q8_quads(const uint8_t * const * q, __m256i * v) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *) q[0]), b = _mm256_loadu_si256((const __m256i *) q[1]);
+    const __m256i c = _mm256_loadu_si256((const __m256i *) q[2]), d = _mm256_loadu_si256((const __m256i *) q[3]);
+    const __m256i ab0 = _mm256_unpacklo_epi8(a, b), ab1 = _mm256_unpackhi_epi8(a, b);
+    const __m256i cd0 = _mm256_unpacklo_epi8(c, d), cd1 = _mm256_unpackhi_epi8(c, d);
+    v[0] = _mm256_unpacklo_epi16(ab0, cd0);
+    v[1] = _mm256_unpackhi_epi16(ab0, cd0);
+    v[2] = _mm256_unpacklo_epi16(ab1, cd1);
+    v[3] = _mm256_unpackhi_epi16(ab1, cd1);
+}
+
+/* acc[0..4) (q8_quads' order) += the quad's int32 sums against mj (the dword of its m). */
+AVX2_INLINE void q8_quad_dot(__m256i * acc, const __m256i * v, __m256i mj) {
+    const __m256i one = _mm256_set1_epi16(1);
+    for (int c = 0; c < 4; c++) {
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v[c]), _mm256_sign_epi8(mj, v[c]));
+        acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(p, one));
+    }
+}
+
+/* yv[0..4) (32 values of y) += scale * the sums acc in q8_quads' order. */
+AVX2_INLINE void q8_acc32(__m256 * yv, float scale, const __m256i * acc) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    const __m256i c0 = _mm256_permute2x128_si256(acc[0], acc[1], 0x20), c1 = _mm256_permute2x128_si256(acc[2], acc[3], 0x20);
+    const __m256i c2 = _mm256_permute2x128_si256(acc[0], acc[1], 0x31), c3 = _mm256_permute2x128_si256(acc[2], acc[3], 0x31);
+    yv[0] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(c0), yv[0]);
+    yv[1] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(c1), yv[1]);
+    yv[2] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(c2), yv[2]);
+    yv[3] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(c3), yv[3]);
+}
+
+AVX2_FN static void axpy16_q8_0_avx2(int64_t n, const float * s, const void * const * row,
+                                     const void * const * pf, float * restrict y) {
+    const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
+    const int64_t nb = n / QK8_0;
+    for (int64_t i0 = 0; i0 < nb; i0 += CHUNK_BLOCKS) {
+        const int nc = (int) GH_MIN((int64_t) CHUNK_BLOCKS, nb - i0);
+        uint16_t d[16][CHUNK_BLOCKS];
+        int32_t mq[4][CHUNK_BLOCKS];  /* (m_4p .. m_4p+3) as the bytes of a dword */
+        float scale[CHUNK_BLOCKS];
+        for (int k = 0; k < 16; k++) {
+            const uint8_t * b = (const uint8_t *) row[k] + i0 * bs;
+            for (int i = 0; i < nc; i++) memcpy(&d[k][i], b + i * bs, 2);
+            for (int i = nc; i < CHUNK_BLOCKS; i++) d[k][i] = 0;
+            if (pf) _mm_prefetch((const char *) pf[k] + i0 * bs, _MM_HINT_T1);
+        }
+        for (int j = 0; j < nc; j += 8) int8_factors8_off(s, &d[0][0], 0, CHUNK_BLOCKS, j, &mq[0][0], 1, scale, NULL, 0, NULL);
+        float * yb = y + i0 * QK8_0;
+        for (int i = 0; i < nc; i++, yb += QK8_0) {
+            const size_t off = (size_t) (i0 + i) * bs + qs;
+            if (pf) {
+                /* the next rows' block, spread over the pass (a block's last byte: every
+                 * line of the segment is some block's last line or the first block's):
+                 * Q8_0's chunk is 17 KB of 16 rows, which in one burst at the chunk's
+                 * start ran the whole down_t from DRAM at 0.7x the float forms */
+                for (int k = 0; k < 16; k++) _mm_prefetch((const char *) pf[k] + off - qs + bs - 1, _MM_HINT_T1);
+            }
+            __m256i acc[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                               _mm256_setzero_si256() };
+            for (int j = 0; j < 4; j++) {
+                const uint8_t * q[4];
+                for (int r = 0; r < 4; r++) q[r] = (const uint8_t *) row[4 * j + r] + off;
+                __m256i v[4];
+                q8_quads(q, v);
+                q8_quad_dot(acc, v, _mm256_set1_epi32(mq[j][i]));
+            }
+            __m256 yv[4];
+            for (int v = 0; v < 4; v++) yv[v] = _mm256_loadu_ps(yb + 8 * v);
+            q8_acc32(yv, scale[i], acc);
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, yv[v]);
+        }
+    }
+}
+
+/* The batch form: per chunk of 8 blocks the groups' quads transposed once (16 KB), then
+ * per token its factors (as the one-token form's) and the pass, the groups added in order
+ * into y in registers: a token's sums are axpy16_q8_0_avx2's over the same groups, bit for
+ * bit. Rows past nk are padding (scale 0, quants 0). */
+AVX2_FN static void matmul16_q8_0_avx2(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                       const int32_t * hc, int nk, const void * const * row,
+                                       float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
+    const int64_t nb = n / QK8_0;
+    const int ng = (nk + 15) / 16;
+    static const uint8_t zero[QK8_0];
+    for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
+        const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
+        uint16_t d[4][16][BATCH_BLOCKS];
+        __m256i u[4][BATCH_BLOCKS][4][4];  /* group, block, quad, q8_quads' vectors */
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 0, &d[0][0][0]);
+        for (int g = 0; g < ng; g++) {
+            for (int i = 0; i < nc; i++) {
+                const size_t off = (size_t) (i0 + i) * bs + qs;
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t * q[4];
+                    for (int r = 0; r < 4; r++) {
+                        const int k = 16 * g + 4 * j + r;
+                        q[r] = k < nk ? (const uint8_t *) row[k] + off : zero;
+                    }
+                    q8_quads(q, u[g][i][j]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float * ht = h + t * ldh;
+            int32_t mq[4][4][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS];
+            for (int g = 0; g < ng; g++) {
+                float s[16];
+                batch_s16(ht, hc, nk, g, s);
+                int8_factors8_off(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], NULL, 0, NULL);
+            }
+            float * yb = y + t * ldy + i0 * QK8_0;
+            for (int i = 0; i < nc; i++, yb += QK8_0) {
+                __m256 yv[4];
+                for (int v = 0; v < 4; v++) yv[v] = _mm256_loadu_ps(yb + 8 * v);
+                for (int g = 0; g < ng; g++) {
+                    __m256i acc[4] = { _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                                       _mm256_setzero_si256() };
+                    for (int j = 0; j < 4; j++) q8_quad_dot(acc, u[g][i][j], _mm256_set1_epi32(mq[g][j][i]));
+                    q8_acc32(yv, scale[g][i], acc);
+                }
+                for (int v = 0; v < 4; v++) _mm256_storeu_ps(yb + 8 * v, yv[v]);
+            }
+        }
+    }
+}
+
 /* ---- The K-quants, sixteen rows per pass in int8: one token and a batch ----
  *
  * As Q4_0's forms per sub-block, on the quants as bytes (avx2/kq_unpack.h): the factors are
@@ -843,7 +985,8 @@ const gh_kernel_set gh_axpy_rows_avx2[GH_TYPE_COUNT] = {
                        .tiles = tiles_f32_avx2 },
     [GH_TYPE_F16]  = { .axpy = axpy_f16_avx2, .axpy4 = axpy4_f16_avx2, .axpy4pf = axpy4_f16_avx2pf },
     [GH_TYPE_BF16] = { .axpy = axpy_bf16_avx2, .axpy4 = axpy4_bf16_avx2, .axpy4pf = axpy4_bf16_avx2pf },
-    [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx2, .axpy4 = axpy4_q8_0_avx2, .axpy4pf = axpy4_q8_0_avx2pf },
+    [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx2, .axpy4 = axpy4_q8_0_avx2, .axpy4pf = axpy4_q8_0_avx2pf,
+                       .axpy16 = axpy16_q8_0_avx2, .matmul16 = matmul16_q8_0_avx2 },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx2, .axpy4 = axpy4_q4_0_avx2, .axpy4pf = axpy4_q4_0_avx2pf,
                        .axpy16 = axpy16_q4_0_avx2, .matmul16 = matmul16_q4_0_avx2 },
     [GH_TYPE_Q4_1] = { .axpy = axpy_q4_1_avx2, .axpy4 = axpy4_q4_1_avx2, .axpy4pf = axpy4_q4_1_avx2pf,

@@ -1,4 +1,4 @@
-/* The int8 forms of the transposed matmul (Q4_0, Q4_K, Q5_K, Q6_K), their shared parts (included by
+/* The int8 forms of the transposed matmul (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), their shared parts (included by
  * avx2/axpy_avx2.c and avx512/axpy_avx512.c; AVX2 code, which the AVX-512 functions
  * inline too).
  *

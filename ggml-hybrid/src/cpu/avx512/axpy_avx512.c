@@ -616,6 +616,102 @@ AVX512_VNNI_FN static void axpy16_q4_1_avx512(int64_t n, const float * s, const 
     axpy16_q4v(GH_TYPE_Q4_1, n, s, row, pf, y);
 }
 
+/* ---- Q8_0's batch form in VNNI (gh_matmul16_fn) ----
+ *
+ * AVX2's (avx2/axpy_avx2.c: the factors of Q4_0's, the exact int32 block sums
+ * S = sum_k m_k q_k) with four rows per vpdpbusd: a quad's 32 columns in two vectors,
+ * transposed by vpermt2b (dword c = the four rows' column c), the signed quants made
+ * unsigned by q + 128 (xor 0x80) and the offset taken out in the bias -128 sum_k m_k
+ * (int8_factors8_off). The sums are the same integers, scaled and added alike: a token's
+ * result is AVX2's one-token form's bit for bit. That one-token form (axpy16_q8_0_avx2)
+ * is also this level's: a VNNI version of it, the same quads, ran 1.2x faster from L2
+ * (bench_kernels_ab.py dt hot) but read the whole down_t from DRAM at 0.59-0.63 of the
+ * dense matmul's GB/s where AVX2's form ran at 0.62-0.78, and the id lists at 0.46-0.64
+ * against 0.52-0.73 (bench_sparse_kernels.py, 2048 x 5632 and SmolLM2's shape, two
+ * alternating runs; docs/BENCHMARKS.md, "Q8_0's int8 column forms"). */
+
+/* vpermt2b indices of a quad's columns 16h .. 16h + 15 (h = 0, 1) from rows 0, 1 (the
+ * first operand's 64 bytes) and 2, 3 (the second's): byte 4c + r <- row r's byte 16h + c */
+static const uint8_t q8_quad_idx[2][64] = {
+#define Q8_QI(h, c) 16 * (h) + (c), 32 + 16 * (h) + (c), 64 + 16 * (h) + (c), 96 + 16 * (h) + (c)
+#define Q8_QH(h) Q8_QI(h, 0), Q8_QI(h, 1), Q8_QI(h, 2), Q8_QI(h, 3), Q8_QI(h, 4), Q8_QI(h, 5), Q8_QI(h, 6), \
+                 Q8_QI(h, 7), Q8_QI(h, 8), Q8_QI(h, 9), Q8_QI(h, 10), Q8_QI(h, 11), Q8_QI(h, 12),        \
+                 Q8_QI(h, 13), Q8_QI(h, 14), Q8_QI(h, 15)
+    { Q8_QH(0) }, { Q8_QH(1) },
+#undef Q8_QH
+#undef Q8_QI
+};
+
+/* The quad of rows q[0..4)'s block at off: v[0] columns 0..15, v[1] 16..31 (dword c =
+ * the four rows' column c), unsigned (q + 128). Two rows per vector, two vpermt2b. */
+static inline __attribute__((always_inline)) void q8_quads_vnni(const uint8_t * const * q, size_t off,
+                                                                const __m512i * idx, __m512i * v) {
+    const __m512i flip = _mm512_set1_epi8((char) 0x80);
+    const __m512i x01 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (q[0] + off))),
+                                           _mm256_loadu_si256((const __m256i *) (q[1] + off)), 1);
+    const __m512i x23 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (q[2] + off))),
+                                           _mm256_loadu_si256((const __m256i *) (q[3] + off)), 1);
+    v[0] = _mm512_xor_si512(_mm512_permutex2var_epi8(x01, idx[0], x23), flip);
+    v[1] = _mm512_xor_si512(_mm512_permutex2var_epi8(x01, idx[1], x23), flip);
+}
+
+/* The batch form: the groups' quads of 8 blocks transposed once (16 KB), then per token
+ * its factors and the pass, groups added in order into y in registers (as matmul16_q4). */
+AVX512_VNNI_FN static void matmul16_q8_0_avx512(int64_t n, int64_t n_tokens, const float * h, int64_t ldh,
+                                                const int32_t * hc, int nk, const void * const * row,
+                                                float * y, int64_t ldy) {
+    const size_t bs = sizeof(block_q8_0), qs = offsetof(block_q8_0, qs);
+    const int64_t nb = n / QK8_0;
+    const int ng = (nk + 15) / 16;
+    static const uint8_t zero[sizeof(block_q8_0)];
+    const __m512i idx[2] = { _mm512_loadu_si512(q8_quad_idx[0]), _mm512_loadu_si512(q8_quad_idx[1]) };
+    for (int64_t i0 = 0; i0 < nb; i0 += BATCH_BLOCKS) {
+        const int nc = (int) GH_MIN((int64_t) BATCH_BLOCKS, nb - i0);
+        uint16_t d[4][16][BATCH_BLOCKS];
+        __m512i u[4][BATCH_BLOCKS][4][2];
+        q4_0_batch_scales(row, nk, ng, i0, nc, BATCH_BLOCKS, bs, 0, &d[0][0][0]);
+        for (int g = 0; g < ng; g++) {
+            for (int i = 0; i < nc; i++) {
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t * q[4];
+                    for (int r = 0; r < 4; r++) {
+                        const int k = 16 * g + 4 * j + r;
+                        q[r] = k < nk ? (const uint8_t *) row[k] + (size_t) (i0 + i) * bs : zero;
+                    }
+                    q8_quads_vnni(q, qs, idx, u[g][i][j]);
+                }
+            }
+        }
+        for (int64_t t = 0; t < n_tokens; t++) {
+            const float * ht = h + t * ldh;
+            int32_t mq[4][4][BATCH_BLOCKS], bias[4][BATCH_BLOCKS];
+            float scale[4][BATCH_BLOCKS];
+            for (int g = 0; g < ng; g++) {
+                float s[16];
+                batch_s16(ht, hc, nk, g, s);
+                int8_factors8_off(s, &d[g][0][0], 0, BATCH_BLOCKS, 0, &mq[g][0][0], 1, scale[g], bias[g], 128, NULL);
+            }
+            float * yb = y + t * ldy + i0 * QK8_0;
+            for (int i = 0; i < nc; i++, yb += QK8_0) {
+                __m512 y0 = _mm512_loadu_ps(yb), y1 = _mm512_loadu_ps(yb + 16);
+                for (int g = 0; g < ng; g++) {
+                    __m512i a0 = _mm512_set1_epi32(bias[g][i]), a1 = a0;
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i mj = _mm512_set1_epi32(mq[g][j][i]);
+                        a0 = _mm512_dpbusd_epi32(a0, u[g][i][j][0], mj);
+                        a1 = _mm512_dpbusd_epi32(a1, u[g][i][j][1], mj);
+                    }
+                    const __m512 sc = _mm512_set1_ps(scale[g][i]);
+                    y0 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a0), y0);
+                    y1 = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(a1), y1);
+                }
+                _mm512_storeu_ps(yb, y0);
+                _mm512_storeu_ps(yb + 16, y1);
+            }
+        }
+    }
+}
+
 /* ---- the F32 row's dense-block tiles (gh_tiles_fn) ----
  * As AVX2's (avx2/axpy_avx2.c): register tiles of 4 tokens x 32 columns (16 in the masked
  * tail), each y value through the same FMAs in the same row order as the f32 axpy, so a
@@ -666,7 +762,7 @@ AVX512_FN static void tiles_f32_avx512(int64_t n_tokens, const float * h, int64_
 }
 
 /* ---- the AVX-512 rows of the axpy family (cpu/kernels.h; the K-quants' sixteen-row
- * forms are AVX2's, which the selection keeps at this level) ---- */
+ * forms and Q8_0's one-token one are AVX2's, which the selection keeps at this level) ---- */
 
 #define AXPY_ROW(sfx) { .axpy = axpy_##sfx##_avx512, .axpy4 = axpy_##sfx##_avx512_4, \
                         .axpy4pf = axpy_##sfx##_avx512_4pf }
@@ -676,7 +772,8 @@ const gh_kernel_set gh_axpy_rows_avx512[GH_TYPE_COUNT] = {
                        .tiles = tiles_f32_avx512 },
     [GH_TYPE_F16]  = AXPY_ROW(f16),
     [GH_TYPE_BF16] = AXPY_ROW(bf16),
-    [GH_TYPE_Q8_0] = AXPY_ROW(q8_0),
+    [GH_TYPE_Q8_0] = { .axpy = axpy_q8_0_avx512, .axpy4 = axpy_q8_0_avx512_4,
+                       .axpy4pf = axpy_q8_0_avx512_4pf, .matmul16 = matmul16_q8_0_avx512 },
     [GH_TYPE_Q4_0] = { .axpy = axpy_q4_0_avx512, .axpy4 = axpy_q4_0_avx512_4,
                        .axpy4pf = axpy_q4_0_avx512_4pf, .axpy16 = axpy16_q4_0_avx512,
                        .matmul16 = matmul16_q4_0_avx512 },

@@ -143,18 +143,7 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
                                        n_threads=n_threads, progress=progress)
     source = ""
     if profile is not None:
-        if profile_tokens < 1:
-            raise PlaceError(f"profile_tokens must be >= 1, got {profile_tokens}")
-        try:
-            with open(profile, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlaceError(f"cannot read the calibration text {profile}: {e}") from None
-        from .model import Model
-        with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
-            ids = m.tokenize(text)[:profile_tokens]
-        if not ids:
-            raise PlaceError(f"the calibration text {profile} holds no tokens")
+        ids = _profile_ids(path, profile, profile_tokens, n_ctx, n_threads)
         freq, n_tok = profile_experts(path, ids, n_ctx=n_ctx, n_threads=n_threads)
         source = os.path.basename(os.fspath(profile))
     else:
@@ -192,6 +181,32 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
         w.add_key_value(F.KEY_GPU_VRAM_BUDGET, int(budget), V.UINT64)
         w.add_key_value(F.KEY_GPU_SOLVER, pl.solver, V.STRING)
 
+    _write_expert_record(path, reader, out_path, side, arch, keys, expert_jobs(),
+                         set(F.EXPERT_TENSORS), progress)
+    return pl
+
+
+def _profile_ids(path, profile, profile_tokens, n_ctx, n_threads) -> list[int]:
+    """The first profile_tokens tokens of the text file profile, by path's tokenizer."""
+    if profile_tokens < 1:
+        raise PlaceError(f"profile_tokens must be >= 1, got {profile_tokens}")
+    try:
+        with open(profile, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlaceError(f"cannot read the calibration text {profile}: {e}") from None
+    from .model import Model
+    with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
+        ids = m.tokenize(text)[:profile_tokens]
+    if not ids:
+        raise PlaceError(f"the calibration text {profile} holds no tokens")
+    return ids
+
+
+def _write_expert_record(path, reader, out_path, side, arch, keys, new_jobs, drop, progress):
+    """Write an expert placement: keys(w) adds its keys, new_jobs its tensors; to the side
+    file (out_path, with the model's size) or as a whole model file that copies path's other
+    tensors (those whose kind is in drop left out) and fields (the expert keys left out)."""
     try:
         if side:
             model_bytes = os.path.getsize(path)
@@ -200,37 +215,26 @@ def replace_expert_placement(path: str | os.PathLike, budget: int,
                 keys(w)
                 w.add_key_value(F.KEY_GPU_MODEL_BYTES, model_bytes, V.UINT64)
 
-            write_gguf(out_path, side_setup, expert_jobs(), progress, arch=F.GPUIDX_ARCH)
-            return pl
-        kinds = set(F.EXPERT_TENSORS)
+            write_gguf(out_path, side_setup, new_jobs, progress, arch=F.GPUIDX_ARCH)
+            return
         jobs = []
         for t in reader.tensors:
-            if F.parse_tensor_name(t.name)[0] in kinds:
+            if F.parse_tensor_name(t.name)[0] in drop:
                 continue
             shape = tuple(int(v) for v in reversed(t.shape))
             jobs.append(TensorJob(t.name, shape, t.tensor_type, lambda a=t.data: a, raw=True))
-        jobs += expert_jobs()
 
         def setup(w):
             _copy_fields(reader, w, set(F.EXPERT_KEYS))
             keys(w)
 
-        write_gguf(out_path, setup, jobs, progress, arch=arch)
+        write_gguf(out_path, setup, jobs + new_jobs, progress, arch=arch)
     except ConvertError as e:
         raise PlaceError(str(e)) from None
     stale = out_path + F.GPUIDX_SUFFIX
     if os.path.exists(stale):
         os.remove(stale)
         log.warning("removed %s: it held another placement for %s", stale, out_path)
-    return pl
-
-
-def _read_text(profile) -> str:
-    try:
-        with open(profile, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlaceError(f"cannot read the calibration text {profile}: {e}") from None
 
 
 def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, side, *, profile,
@@ -249,14 +253,7 @@ def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, sid
     if profile is None:
         raise PlaceError(f"{path} has sparse experts (ffn_down_exps_t): their hot neurons are placed "
                          "from a profile of the neurons inside each expert; pass --profile TEXT")
-    if profile_tokens < 1:
-        raise PlaceError(f"profile_tokens must be >= 1, got {profile_tokens}")
-    text = _read_text(profile)
-    from .model import Model
-    with Model(path, n_ctx=n_ctx, n_threads=n_threads) as m:
-        ids = m.tokenize(text)[:profile_tokens]
-    if not ids:
-        raise PlaceError(f"the calibration text {profile} holds no tokens")
+    ids = _profile_ids(path, profile, profile_tokens, n_ctx, n_threads)
     try:
         freq, nfreq, dfreq, row_bytes = profile_expert_neurons(path, ids, n_ctx=n_ctx, n_threads=n_threads)
     except ValueError as e:
@@ -287,35 +284,8 @@ def _replace_expert_neurons(path, reader, fields, tensors, budget, out_path, sid
         w.add_key_value(F.KEY_GPU_VRAM_BUDGET, int(budget), V.UINT64)
         w.add_key_value(F.KEY_GPU_SOLVER, pl.solver, V.STRING)
 
-    try:
-        if side:
-            model_bytes = os.path.getsize(path)
-
-            def side_setup(w):
-                keys(w)
-                w.add_key_value(F.KEY_GPU_MODEL_BYTES, model_bytes, V.UINT64)
-
-            write_gguf(out_path, side_setup, new_jobs, progress, arch=F.GPUIDX_ARCH)
-            return pl
-        kinds = set(F.EXPERT_TENSORS) | set(F.EXPERT_HOT_TENSORS)
-        jobs = []
-        for t in reader.tensors:
-            if F.parse_tensor_name(t.name)[0] in kinds:
-                continue
-            shape = tuple(int(v) for v in reversed(t.shape))
-            jobs.append(TensorJob(t.name, shape, t.tensor_type, lambda a=t.data: a, raw=True))
-
-        def setup(w):
-            _copy_fields(reader, w, set(F.EXPERT_KEYS))
-            keys(w)
-
-        write_gguf(out_path, setup, jobs + new_jobs, progress, arch=arch)
-    except ConvertError as e:
-        raise PlaceError(str(e)) from None
-    stale = out_path + F.GPUIDX_SUFFIX
-    if os.path.exists(stale):
-        os.remove(stale)
-        log.warning("removed %s: it held another placement for %s", stale, out_path)
+    _write_expert_record(path, reader, out_path, side, arch, keys, new_jobs,
+                         set(F.EXPERT_TENSORS) | set(F.EXPERT_HOT_TENSORS), progress)
     return pl
 
 

@@ -7,7 +7,6 @@ run leaves; bad inputs are refused by name."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -415,15 +414,6 @@ def test_server_started_with_a_draft(files, batching):
     assert main(["-m", str(files["dense_f16"]), "--draft", "self", "--port", "0"]) == 1
 
 
-def _texts(lines):
-    """The text pieces of a completion's server-sent events."""
-    for line in lines:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                yield chunk["choices"][0]["text"]
-
-
 @pytest.mark.parametrize("drafter", ["self", "model"])
 def test_server_batches_speculative_slots_with_the_others(files, drafter):
     """The batching scheduler puts a speculative slot's draft steps and verifications into
@@ -436,7 +426,7 @@ def test_server_batches_speculative_slots_with_the_others(files, drafter):
     pytest.importorskip("uvicorn")
     import concurrent.futures
 
-    from server_util import metric, running_server
+    from server_util import metric, running_server, sse_texts
 
     target, args = ((files["gate_f16"], ["--draft", "self"]) if drafter == "self" else
                     (files["dense_f16"], ["--model-draft", str(files["relu_dense"])]))
@@ -473,7 +463,7 @@ def test_server_batches_speculative_slots_with_the_others(files, drafter):
                     "prompt": prompts[0], "max_tokens": long_n, "temperature": 0,
                     "ignore_eos": True, "stream": True}) as first:
                 assert first.status_code == 200
-                pieces = _texts(first.iter_lines())
+                pieces = sse_texts(first.iter_lines())
                 text0 = next(pieces)  # the first request is generating
                 second = ask(2)
                 text0 += "".join(pieces)

@@ -5,7 +5,6 @@ What each context gets from a batch is checked against what it gets alone."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import threading
 import time
 
@@ -389,6 +388,7 @@ def test_batches_from_two_threads(model):
 # -- the server ------------------------------------------------------------------------
 
 httpx = pytest.importorskip("httpx")
+from server_util import sse_texts  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -488,14 +488,6 @@ def _stream(url, prompt, n):
         "stream": True})
 
 
-def _texts(lines):
-    for line in lines:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                yield chunk["choices"][0]["text"]
-
-
 def test_server_a_request_joining_mid_generation_changes_nothing(dense_server, reference):
     """A streams; after some of its text, B arrives with a long prompt (read 3 tokens per
     pass in the same passes as A's next token, --prompt-chunk 4): both texts are what each
@@ -509,7 +501,7 @@ def test_server_a_request_joining_mid_generation_changes_nothing(dense_server, r
         tokens0 = _metric(dense_server, "powerinfer_batched_tokens_total")
         long_b = f"{lead} {LONG}"
         with _stream(dense_server, PROMPTS[4], 200) as r:
-            pieces = _texts(r.iter_lines())
+            pieces = sse_texts(r.iter_lines())
             a = [next(pieces) for _ in range(3)]
             with concurrent.futures.ThreadPoolExecutor(1) as ex:
                 b = ex.submit(_complete, dense_server, long_b, 24)
@@ -532,7 +524,7 @@ def test_server_a_disconnect_frees_its_slot_and_the_others_go_on(dense_server, r
     cancelled = _metric(dense_server, "powerinfer_generations_cancelled_total")
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         with _stream(dense_server, PROMPTS[0], 200) as r:
-            pieces = _texts(r.iter_lines())
+            pieces = sse_texts(r.iter_lines())
             next(pieces)
             other = ex.submit(_complete, dense_server, PROMPTS[1], 48)
             next(pieces)

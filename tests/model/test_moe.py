@@ -250,22 +250,21 @@ def test_experts_in_other_types(tmp_path_factory, outtype):
 K_QUANT_NRMSE = {"q4_k": 2e-1, "q6_k": 8e-2, "iq4_nl": 2e-1}
 
 
-def test_router_ties_resolved_as_transformers(tmp_path):
-    """Two experts with the same router row tie exactly in every token's probabilities: the
-    top-1 choice between them is transformers' (torch.topk on the CPU), and
-    since the two experts' weights differ, so are the logits."""
+def _tied_router_run(tmp_path, variant, seed, tie):
+    """variant's model with its routers' rows edited by tie(router weight), converted: the
+    runtime's choices must be transformers' (expert counts equal, logits within 1e-4 of
+    their range). Returns transformers' choices per layer [n_tok, k]."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
-    src = make_hf_model("qwen3moe-top1", tmp_path / "src", seed=6)
+    src = make_hf_model(variant, tmp_path / "src", seed=seed)
     d = tmp_path / "tie"
     shutil.copytree(src, d)
     sd = load_file(str(d / "model.safetensors"))
     for k in [k for k in sd if k.endswith("mlp.gate.weight")]:
         sd[k] = sd[k].copy()
-        sd[k][3] = sd[k][1]   # experts 1 and 3 score alike
-        sd[k][0] -= 1.0       # experts 1/3 win often (they tie for first)
+        tie(sd[k])
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     path = convert(d, tmp_path / "tie.gguf", "f32", progress=False)
     ids = list(range(3, 3 + N_POS))
@@ -273,14 +272,25 @@ def test_router_ties_resolved_as_transformers(tmp_path):
         got = m.eval(ids, logits_all=True).astype(np.float64)
         counts = m.context.expert_counts()
     choices = hf_choices(d, ids)
-    assert sum((c == 1).sum() for c in choices) > 0  # the tie was met, and resolved to 1
-    assert sum((c == 3).sum() for c in choices) == 0
-    want_counts = np.stack([np.bincount(c.reshape(-1), minlength=4) for c in choices])
+    want_counts = np.stack([np.bincount(c.reshape(-1), minlength=counts.shape[1]) for c in choices])
     np.testing.assert_array_equal(counts, want_counts)
     with torch.no_grad():
         want = hf_reference_model(d)(torch.tensor([ids])).logits[0].double().numpy()
     assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)
+    return choices
 
+
+def test_router_ties_resolved_as_transformers(tmp_path):
+    """Two experts with the same router row tie exactly in every token's probabilities: the
+    top-1 choice between them is transformers' (torch.topk on the CPU), and
+    since the two experts' weights differ, so are the logits."""
+    def tie(w):
+        w[3] = w[1]   # experts 1 and 3 score alike
+        w[0] -= 1.0   # experts 1/3 win often (they tie for first)
+
+    choices = _tied_router_run(tmp_path, "qwen3moe-top1", 6, tie)
+    assert sum((c == 1).sum() for c in choices) > 0  # the tie was met, and resolved to 1
+    assert sum((c == 3).sum() for c in choices) == 0
 
 
 @pytest.mark.parametrize("variant", ["qwen3moe", "olmoe"])
@@ -289,34 +299,15 @@ def test_router_ties_at_the_cut_resolved_as_transformers(tmp_path, variant):
     a twin pair often straddles the cut, and torch.topk (std::nth_element over 8 values)
     then keeps the higher id as often as the lower one. The runtime's choices (expert
     counts) and logits are transformers'."""
-    import shutil
+    def tie(w):
+        w[2:4] = w[0:2]
+        w[5] = w[4]
 
-    from safetensors.numpy import load_file, save_file
-
-    src = make_hf_model(variant, tmp_path / "src", seed=7)
-    d = tmp_path / "tie"
-    shutil.copytree(src, d)
-    sd = load_file(str(d / "model.safetensors"))
-    for k in [k for k in sd if k.endswith("mlp.gate.weight")]:
-        sd[k] = sd[k].copy()
-        sd[k][2:4] = sd[k][0:2]
-        sd[k][5] = sd[k][4]
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
-    path = convert(d, tmp_path / "tie.gguf", "f32", progress=False)
-    ids = list(range(3, 3 + N_POS))
-    with Model(path, n_ctx=64, cache_type="f32", n_threads=2) as m:
-        got = m.eval(ids, logits_all=True).astype(np.float64)
-        counts = m.context.expert_counts()
-    choices = hf_choices(d, ids)
+    choices = _tied_router_run(tmp_path, variant, 7, tie)
     # the higher twin kept without the lower one: a tie resolved against the lower id
     higher = sum(int((((c == 2) | (c == 3)).any(axis=1) & ~((c == 0) | (c == 1)).any(axis=1)).sum()) +
                  int(((c == 5).any(axis=1) & ~(c == 4).any(axis=1)).sum()) for c in choices)
     assert higher > 0
-    want_counts = np.stack([np.bincount(c.reshape(-1), minlength=8) for c in choices])
-    np.testing.assert_array_equal(counts, want_counts)
-    with torch.no_grad():
-        want = hf_reference_model(d)(torch.tensor([ids])).logits[0].double().numpy()
-    assert np.abs(got - want).max() <= 1e-4 * np.ptp(want)
 
 # ---- gpt-oss: what its row in the architecture table exercises, its bad files, MXFP4 ------
 
